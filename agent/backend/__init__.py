@@ -1,0 +1,1 @@
+"""GPU backends: the NVML one (real hardware) and the simulated one (tests, demo)."""

@@ -1,0 +1,243 @@
+"""The GPU backend contract: typed, unit-named readings and setters, one method per NVML call.
+
+Both backends (`nvml`, `simulated`) implement `GpuBackend`. Devices are addressed by their
+NVML index. Every method raises `GpuError` (never a backend-specific exception). Setters are
+guarded: a backend is built with the set of policy items it may change (`writable_items`)
+and raises `WriteRefused` for any other, so observe mode cannot reach the hardware.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import Enum, IntEnum
+from typing import Protocol, runtime_checkable
+
+from agent.backend.errors import WriteRefused
+
+
+class ClockDomain(IntEnum):
+    """nvmlClockType_t values."""
+
+    GRAPHICS = 0
+    SM = 1
+    MEMORY = 2
+
+
+class TemperatureThreshold(IntEnum):
+    """nvmlTemperatureThresholds_t values."""
+
+    SHUTDOWN = 0
+    SLOWDOWN = 1
+    MEM_MAX = 2
+    GPU_MAX = 3
+
+
+class ViolationPolicy(IntEnum):
+    """nvmlPerfPolicyType_t values (nvmlDeviceGetViolationStatus)."""
+
+    POWER = 0
+    THERMAL = 1
+    SYNC_BOOST = 2
+    BOARD_LIMIT = 3
+    LOW_UTILIZATION = 4
+    RELIABILITY = 5
+    TOTAL_APP_CLOCKS = 10
+    TOTAL_BASE_CLOCKS = 11
+
+
+class EccCounter(IntEnum):
+    """nvmlEccCounterType_t values."""
+
+    VOLATILE = 0
+    AGGREGATE = 1
+
+
+class EccErrorType(IntEnum):
+    """nvmlMemoryErrorType_t values."""
+
+    CORRECTED = 0
+    UNCORRECTED = 1
+
+
+class GpuEventKind(str, Enum):
+    XID = "xid"
+    SINGLE_BIT_ECC = "single_bit_ecc"
+    DOUBLE_BIT_ECC = "double_bit_ecc"
+
+
+@dataclass(frozen=True)
+class GpuIdentity:
+    index: int
+    uuid: str
+    name: str
+    pci_bus_id: str  # NVML form: "00000000:3B:00.0" (8-digit domain)
+    serial: str
+    vbios_version: str
+    minor_number: int
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    total_bytes: int
+    used_bytes: int
+    free_bytes: int
+
+
+@dataclass(frozen=True)
+class Utilization:
+    gpu_percent: int
+    memory_percent: int
+
+
+@dataclass(frozen=True)
+class EnabledPending:
+    """A mode with a current and a pending value (ECC, MIG): pending takes effect after reboot/reset."""
+
+    current: bool
+    pending: bool
+
+
+@dataclass(frozen=True)
+class RemappedRows:
+    correctable: int
+    uncorrectable: int
+    pending: bool
+    failed: bool
+
+
+@dataclass(frozen=True)
+class PcieLink:
+    current_generation: int
+    current_width: int
+    max_generation: int
+    max_width: int
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    pid: int
+    used_memory_bytes: int | None
+
+
+@dataclass(frozen=True)
+class GpuEvent:
+    """One event from the NVML event set (nvmlEventSetWait_v2)."""
+
+    gpu: int
+    kind: GpuEventKind
+    data: int  # the Xid number for XID events
+    timestamp_seconds: float
+
+
+@runtime_checkable
+class GpuBackend(Protocol):
+    """What the agent may ask of a GPU stack. Watts, MHz, Celsius, percent and bytes, never mW."""
+
+    name: str
+
+    # -- library ---------------------------------------------------------------------------
+    def init(self) -> None:
+        """nvmlInit. Raises GpuError(DRIVER_NOT_LOADED | LIBRARY_NOT_FOUND | ...)."""
+
+    def shutdown(self) -> None:
+        """nvmlShutdown; safe to call twice."""
+
+    def driver_version(self) -> str: ...
+    def device_count(self) -> int: ...
+    def identity(self, gpu: int) -> GpuIdentity: ...
+
+    # -- hot readings (cheap: every loop) ---------------------------------------------------
+    def temperature_celsius(self, gpu: int) -> int:
+        """nvidia-smi --query-gpu=temperature.gpu"""
+
+    def power_usage_watts(self, gpu: int) -> float:
+        """nvidia-smi --query-gpu=power.draw"""
+
+    def clock_mhz(self, gpu: int, domain: ClockDomain) -> int:
+        """nvidia-smi --query-gpu=clocks.gr,clocks.sm,clocks.mem"""
+
+    def clock_event_reasons(self, gpu: int) -> int:
+        """Bit mask, nvidia-smi --query-gpu=clocks_event_reasons.active"""
+
+    def utilization(self, gpu: int) -> Utilization: ...
+    def memory_info(self, gpu: int) -> MemoryInfo: ...
+    def performance_state(self, gpu: int) -> int: ...
+
+    # -- slower readings (modes, counters, limits) ------------------------------------------
+    def temperature_threshold_celsius(self, gpu: int, threshold: TemperatureThreshold) -> int: ...
+    def power_limit_watts(self, gpu: int) -> float:
+        """nvidia-smi --query-gpu=power.limit"""
+
+    def power_limit_constraints_watts(self, gpu: int) -> tuple[float, float]:
+        """(min, max): nvidia-smi --query-gpu=power.min_limit,power.max_limit"""
+
+    def default_power_limit_watts(self, gpu: int) -> float: ...
+    def max_clock_mhz(self, gpu: int, domain: ClockDomain) -> int: ...
+    def supported_memory_clocks_mhz(self, gpu: int) -> list[int]: ...
+    def supported_graphics_clocks_mhz(self, gpu: int, memory_mhz: int) -> list[int]: ...
+    def locked_clocks_mhz(self, gpu: int, domain: ClockDomain) -> tuple[int, int] | None:
+        """The locked (min, max) range of GRAPHICS or MEMORY clocks, None when unlocked."""
+
+    def fan_count(self, gpu: int) -> int:
+        """0 on fan-less boards (SXM)."""
+
+    def fan_speed_percent(self, gpu: int, fan: int) -> int:
+        """nvidia-smi --query-gpu=fan.speed; NOT_SUPPORTED on fan-less boards."""
+
+    def fan_manual(self, gpu: int, fan: int) -> bool:
+        """True when the fan runs at a speed set by software (nvmlDeviceGetFanControlPolicy_v2)."""
+
+    def fan_speed_range_percent(self, gpu: int) -> tuple[int, int]:
+        """(min, max) settable speed (nvmlDeviceGetMinMaxFanSpeed)."""
+
+    def persistence_enabled(self, gpu: int) -> bool: ...
+    def ecc_mode(self, gpu: int) -> EnabledPending: ...
+    def ecc_errors(self, gpu: int, error_type: EccErrorType, counter: EccCounter) -> int: ...
+    def remapped_rows(self, gpu: int) -> RemappedRows: ...
+    def retired_pages_pending(self, gpu: int) -> bool: ...
+    def pcie_link(self, gpu: int) -> PcieLink: ...
+    def pcie_replay_counter(self, gpu: int) -> int: ...
+    def violation_time_ns(self, gpu: int, policy: ViolationPolicy) -> int: ...
+    def mig_mode(self, gpu: int) -> EnabledPending: ...
+    def compute_processes(self, gpu: int) -> list[GpuProcess]: ...
+
+    # -- events -----------------------------------------------------------------------------
+    def wait_events(self, timeout_seconds: float) -> list[GpuEvent]:
+        """Block up to timeout for Xid/ECC events on all GPUs; [] when quiet.
+
+        Raises GpuError(GPU_LOST) when a device falls off the bus while waiting.
+        """
+
+    # -- setters (guarded by writable_items) ------------------------------------------------
+    def set_power_limit_watts(self, gpu: int, watts: float) -> None: ...
+    def set_locked_clocks_mhz(self, gpu: int, domain: ClockDomain, min_mhz: int, max_mhz: int) -> None: ...
+    def reset_locked_clocks(self, gpu: int, domain: ClockDomain) -> None: ...
+    def set_fan_speed_percent(self, gpu: int, fan: int, percent: int) -> None: ...
+    def set_fan_automatic(self, gpu: int, fan: int) -> None: ...
+    def set_persistence(self, gpu: int, enabled: bool) -> None: ...
+    def set_ecc_mode(self, gpu: int, enabled: bool) -> None: ...
+
+
+#: The policy item each setter belongs to; a backend refuses setters outside its writable items.
+SETTER_ITEMS: dict[str, str] = {
+    "set_power_limit_watts": "power_limit",
+    "set_locked_clocks_mhz": "locked_clocks",
+    "reset_locked_clocks": "locked_clocks",
+    "set_fan_speed_percent": "fan_curve",
+    "set_fan_automatic": "fan_curve",
+    "set_persistence": "persistence",
+    "set_ecc_mode": "ecc",
+}
+
+
+class WriteGuard:
+    """Holds the policy items a backend may change; every setter asks it first."""
+
+    def __init__(self, writable_items: Iterable[str] = ()) -> None:
+        self.writable_items = frozenset(writable_items)
+
+    def check(self, setter: str) -> None:
+        item = SETTER_ITEMS[setter]
+        if item not in self.writable_items:
+            raise WriteRefused(item, setter)

@@ -1,0 +1,1 @@
+"""Host access: every path under /sys, /proc, /etc, /run goes through `HostPaths`."""

@@ -1,0 +1,103 @@
+"""What every policy item produces: a plan (desired vs actual) and, when enforced, a result.
+
+Each item is one module exposing `NAME`, `desired(...)`, `plan(ctx, desired)` and
+`apply(ctx, desired, plan)`. `plan` only reads; `apply` is the only code that writes, and is
+only called by the engine for items in enforce mode whose plan says DRIFT.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from agent.backend.base import GpuBackend, GpuIdentity
+from agent.host.paths import HostPaths
+
+
+class PlanStatus(str, Enum):
+    IN_SYNC = "in_sync"
+    DRIFT = "drift"
+    NOT_APPLICABLE = "not_applicable"  # the board/host has no such setting (fans on an SXM H200)
+    REBOOT_REQUIRED = "reboot_required"  # desired state is set but takes effect after a reboot
+    ERROR = "error"  # unreadable, or the desired value is impossible on this device
+
+
+class Outcome(str, Enum):
+    APPLIED = "applied"
+    UNCHANGED = "unchanged"  # nothing to do
+    SKIPPED = "skipped"  # observe mode, not applicable, or the plan was an error
+    REBOOT_REQUIRED = "reboot_required"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class ItemPlan:
+    item: str
+    gpu: int | None  # None for node items
+    status: PlanStatus
+    desired: str
+    actual: str
+    detail: str = ""  # why: "allowed 200-700 W", "ECC enable pending until reboot"
+    changes: tuple[str, ...] = ()  # what apply would do, in words an operator recognises
+    error_kind: str | None = None  # GpuErrorKind value when a GPU call failed
+
+    @property
+    def in_sync(self) -> bool:
+        return self.status in (PlanStatus.IN_SYNC, PlanStatus.NOT_APPLICABLE)
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    plan: ItemPlan
+    outcome: Outcome
+    detail: str = ""
+
+
+@dataclass
+class GpuContext:
+    """One GPU as a policy item sees it. `item_state` survives between loops of the daemon."""
+
+    backend: GpuBackend
+    gpu: int
+    identity: GpuIdentity
+    item_state: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    argv: tuple[str, ...]
+    ran: bool
+    returncode: int | None
+    output: str
+
+
+@dataclass
+class HostContext:
+    """The host as node policy items see it.
+
+    Commands with host-wide effect (rebuilding the initramfs, reloading systemd) only run when
+    `host_root` is the real `/`: against a temporary tree they are planned and reported, never
+    executed, so a test or the demo cannot touch the machine it runs on.
+    """
+
+    paths: HostPaths
+    command_timeout_seconds: float = 600.0
+
+    @property
+    def is_real_root(self) -> bool:
+        return self.paths.root.resolve() == Path("/")
+
+    def run_command(self, argv: Sequence[str]) -> CommandResult:
+        if not self.is_real_root:
+            return CommandResult(tuple(argv), ran=False, returncode=None, output=f"not run: host_root is {self.paths.root}")
+        proc = subprocess.run(  # noqa: S603 - argv list, never a shell
+            list(argv),
+            capture_output=True,
+            text=True,
+            timeout=self.command_timeout_seconds,
+            check=False,
+        )
+        return CommandResult(tuple(argv), ran=True, returncode=proc.returncode, output=(proc.stdout + proc.stderr).strip())
