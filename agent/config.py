@@ -7,6 +7,7 @@ taken from the YAML node the field came from, so an operator can jump straight t
 from __future__ import annotations
 
 import difflib
+import itertools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,7 +30,14 @@ class Mode(str, Enum):
 GPU_ITEMS = ("power_limit", "locked_clocks", "fan_curve", "persistence", "ecc")
 NODE_ITEMS = ("transparent_hugepages", "triton_cache", "nouveau")
 ItemName = Literal[
-    "power_limit", "locked_clocks", "fan_curve", "persistence", "ecc", "transparent_hugepages", "triton_cache", "nouveau"
+    "power_limit",
+    "locked_clocks",
+    "fan_curve",
+    "persistence",
+    "ecc",
+    "transparent_hugepages",
+    "triton_cache",
+    "nouveau",
 ]
 EnabledState = Literal["enabled", "disabled"]
 PositiveMhz = Annotated[int, Field(gt=0)]
@@ -50,7 +58,7 @@ class MetricsConfig(StrictModel):
     @field_validator("listen")
     @classmethod
     def _host_port(cls, value: str) -> str:
-        host, sep, port = value.rpartition(":")
+        __host, sep, port = value.rpartition(":")
         if not sep or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError("must be HOST:PORT with a port in 1-65535")
         return value
@@ -109,10 +117,10 @@ class FanCurve(StrictModel):
     @classmethod
     def _increasing(cls, points: list[tuple[int, int]]) -> list[tuple[int, int]]:
         temps = [t for t, _ in points]
-        if any(b <= a for a, b in zip(temps, temps[1:])):
+        if any(b <= a for a, b in itertools.pairwise(temps)):
             raise ValueError("temperatures must be strictly increasing")
         speeds = [s for _, s in points]
-        if any(b < a for a, b in zip(speeds, speeds[1:])):
+        if any(b < a for a, b in itertools.pairwise(speeds)):
             raise ValueError("fan speeds must not decrease as temperature rises")
         return points
 
@@ -198,16 +206,20 @@ class AgentConfig(StrictModel):
     policy: PolicyConfig = PolicyConfig()
     services: list[ServiceConfig] = Field(default_factory=list)
 
-    @model_validator(mode="after")
-    def _unique_services(self) -> AgentConfig:
-        names = [s.name for s in self.services]
+    @field_validator("services")
+    @classmethod
+    def _unique_services(cls, services: list[ServiceConfig]) -> list[ServiceConfig]:
+        names = [s.name for s in services]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"duplicate service names: {', '.join(duplicates)}")
-        return self
+        return services
 
     def item_mode(self, item: str) -> Mode:
-        return self.policy.modes.get(item, self.mode)  # type: ignore[call-overload]
+        for name, mode in self.policy.modes.items():
+            if name == item:
+                return mode
+        return self.mode
 
     def writable_items(self) -> frozenset[str]:
         """Policy items the backend and host may change: those in enforce mode."""
@@ -246,21 +258,25 @@ PathKey = tuple[str | int, ...]
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
-def _node_lines(node: yaml.Node, path: PathKey, lines: dict[PathKey, int], duplicates: list[tuple[PathKey, int]]) -> None:
+def _node_lines(
+    node: yaml.Node, path: PathKey, lines: dict[PathKey, int], duplicates: list[tuple[PathKey, int]]
+) -> None:
     lines.setdefault(path, node.start_mark.line + 1)
     if isinstance(node, yaml.MappingNode):
         seen: set[str] = set()
         for key_node, value_node in node.value:
             key = str(key_node.value)
+            child: PathKey = (*path, key)
             if key in seen:
-                duplicates.append((path + (key,), key_node.start_mark.line + 1))
+                duplicates.append((child, key_node.start_mark.line + 1))
             seen.add(key)
-            lines[path + (key,)] = key_node.start_mark.line + 1
-            _node_lines(value_node, path + (key,), lines, duplicates)
+            lines[child] = key_node.start_mark.line + 1
+            _node_lines(value_node, child, lines, duplicates)
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
-            lines[path + (index,)] = item.start_mark.line + 1
-            _node_lines(item, path + (index,), lines, duplicates)
+            element: PathKey = (*path, index)
+            lines[element] = item.start_mark.line + 1
+            _node_lines(item, element, lines, duplicates)
 
 
 def format_path(path: PathKey) -> str:
@@ -370,7 +386,9 @@ def validate_model(model: type[ModelT], data: Any, lines: dict[PathKey, int], fi
         problems: list[ConfigProblem] = []
         for path, from_union, problem in found:
             # A union reports every branch; keep the branch that got deepest into the data.
-            shadowed = from_union and any(len(other) > len(path) and other[: len(path)] == path for other, _, _ in found)
+            shadowed = from_union and any(
+                len(other) > len(path) and other[: len(path)] == path for other, _, _ in found
+            )
             if not shadowed and problem not in problems:
                 problems.append(problem)
         problems.sort(key=lambda p: p.line or 0)

@@ -92,12 +92,16 @@ class HostContext:
 
     def run_command(self, argv: Sequence[str]) -> CommandResult:
         if not self.is_real_root:
-            return CommandResult(tuple(argv), ran=False, returncode=None, output=f"not run: host_root is {self.paths.root}")
-        proc = subprocess.run(  # noqa: S603 - argv list, never a shell
+            return CommandResult(
+                tuple(argv), ran=False, returncode=None, output=f"not run: host_root is {self.paths.root}"
+            )
+        proc = subprocess.run(
             list(argv),
             capture_output=True,
             text=True,
             timeout=self.command_timeout_seconds,
             check=False,
         )
-        return CommandResult(tuple(argv), ran=True, returncode=proc.returncode, output=(proc.stdout + proc.stderr).strip())
+        return CommandResult(
+            tuple(argv), ran=True, returncode=proc.returncode, output=(proc.stdout + proc.stderr).strip()
+        )

@@ -1,0 +1,544 @@
+"""The NVML backend: the only module that imports `pynvml` (package nvidia-ml-py).
+
+Every NVML call goes through `NvmlBackend._call`, which looks the function up on the
+`pynvml` module at call time and turns every `pynvml.NVMLError` into a `GpuError` whose
+kind comes from `classify` (the one place NVML return codes are interpreted). Units are
+converted here, at the boundary: NVML's milliwatts become watts; MHz, Celsius, percent,
+bytes and nanoseconds pass through unchanged.
+
+Where NVML renamed or versioned a call, the modern name is tried first and the older one
+is used when nvidia-ml-py lacks the new name or the driver lacks the symbol
+(NVML_ERROR_FUNCTION_NOT_FOUND), so one agent build runs on old and new drivers alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import pynvml
+
+from agent.backend.base import (
+    ClockDomain,
+    EccCounter,
+    EccErrorType,
+    EnabledPending,
+    GpuEvent,
+    GpuEventKind,
+    GpuIdentity,
+    GpuProcess,
+    MemoryInfo,
+    PcieLink,
+    RemappedRows,
+    TemperatureThreshold,
+    Utilization,
+    ViolationPolicy,
+    WriteGuard,
+)
+from agent.backend.errors import GpuError, GpuErrorKind
+
+_KIND_BY_CODE: dict[int, GpuErrorKind] = {
+    pynvml.NVML_ERROR_UNINITIALIZED: GpuErrorKind.UNINITIALIZED,
+    pynvml.NVML_ERROR_INVALID_ARGUMENT: GpuErrorKind.INVALID_ARGUMENT,
+    pynvml.NVML_ERROR_NOT_SUPPORTED: GpuErrorKind.NOT_SUPPORTED,
+    pynvml.NVML_ERROR_NO_PERMISSION: GpuErrorKind.NO_PERMISSION,
+    pynvml.NVML_ERROR_DRIVER_NOT_LOADED: GpuErrorKind.DRIVER_NOT_LOADED,
+    pynvml.NVML_ERROR_TIMEOUT: GpuErrorKind.TIMEOUT,
+    pynvml.NVML_ERROR_LIBRARY_NOT_FOUND: GpuErrorKind.LIBRARY_NOT_FOUND,
+    # The driver predates the call: for the agent that is the same as a board without the feature.
+    pynvml.NVML_ERROR_FUNCTION_NOT_FOUND: GpuErrorKind.NOT_SUPPORTED,
+    pynvml.NVML_ERROR_GPU_IS_LOST: GpuErrorKind.GPU_LOST,
+    pynvml.NVML_ERROR_RESET_REQUIRED: GpuErrorKind.RESET_REQUIRED,
+    pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH: GpuErrorKind.VERSION_MISMATCH,
+    pynvml.NVML_ERROR_IN_USE: GpuErrorKind.IN_USE,
+}
+
+# One line each, in words an operator acts on; GpuError adds "GPU n: " and the call name.
+_MESSAGE_BY_CODE: dict[int, str] = {
+    pynvml.NVML_ERROR_UNINITIALIZED: "NVML is not initialised (init() was not called or shutdown() already ran)",
+    pynvml.NVML_ERROR_INVALID_ARGUMENT: "NVML rejected an argument (no such device, or a value out of range)",
+    pynvml.NVML_ERROR_NOT_SUPPORTED: "not supported on this GPU",
+    pynvml.NVML_ERROR_NO_PERMISSION: "permission denied: changing GPU settings needs root",
+    pynvml.NVML_ERROR_DRIVER_NOT_LOADED: (
+        "NVIDIA driver not loaded (the nvidia kernel module is not running): is the driver installed?"
+    ),
+    pynvml.NVML_ERROR_TIMEOUT: "the NVML call timed out",
+    pynvml.NVML_ERROR_LIBRARY_NOT_FOUND: (
+        "NVIDIA driver not loaded (libnvidia-ml.so.1 not found): is the driver installed?"
+    ),
+    pynvml.NVML_ERROR_FUNCTION_NOT_FOUND: "not supported by this NVIDIA driver (NVML function missing: driver too old)",
+    pynvml.NVML_ERROR_GPU_IS_LOST: "GPU has fallen off the bus or is otherwise inaccessible",
+    pynvml.NVML_ERROR_RESET_REQUIRED: "GPU needs a reset (or a reboot) before it can be used again",
+    pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH: (
+        "NVIDIA library and kernel module versions differ (driver upgraded but not reloaded): reboot or reload nvidia"
+    ),
+    pynvml.NVML_ERROR_IN_USE: "GPU is in use by another process",
+}
+
+_ENABLED: int = pynvml.NVML_FEATURE_ENABLED
+_DISABLED: int = pynvml.NVML_FEATURE_DISABLED
+_MIG_ENABLED: int = pynvml.NVML_DEVICE_MIG_ENABLE
+_FAN_MANUAL: int = pynvml.NVML_FAN_POLICY_MANUAL
+
+_EVENT_KINDS: dict[int, GpuEventKind] = {
+    pynvml.nvmlEventTypeXidCriticalError: GpuEventKind.XID,
+    pynvml.nvmlEventTypeSingleBitEccError: GpuEventKind.SINGLE_BIT_ECC,
+    pynvml.nvmlEventTypeDoubleBitEccError: GpuEventKind.DOUBLE_BIT_ECC,
+}
+_EVENT_MASK = (
+    pynvml.nvmlEventTypeXidCriticalError | pynvml.nvmlEventTypeSingleBitEccError | pynvml.nvmlEventTypeDoubleBitEccError
+)
+
+# A storm of ECC events must not keep one wait_events call draining forever.
+_MAX_EVENTS_PER_WAIT = 256
+
+#: (set, reset) call per lockable domain: NVML locks the graphics (GPC) and the memory clock.
+_LOCK_CALLS: dict[ClockDomain, tuple[str, str]] = {
+    ClockDomain.GRAPHICS: ("nvmlDeviceSetGpuLockedClocks", "nvmlDeviceResetGpuLockedClocks"),
+    ClockDomain.MEMORY: ("nvmlDeviceSetMemoryLockedClocks", "nvmlDeviceResetMemoryLockedClocks"),
+}
+
+
+def classify(exc: pynvml.NVMLError) -> GpuErrorKind:
+    """The GpuErrorKind for an NVML error; codes the agent has no use for are UNKNOWN."""
+    return _KIND_BY_CODE.get(exc.value, GpuErrorKind.UNKNOWN)
+
+
+def to_gpu_error(exc: pynvml.NVMLError, gpu: int | None, call: str) -> GpuError:
+    """`exc` as a GpuError with a one-line message (never traceback text)."""
+    message = _MESSAGE_BY_CODE.get(exc.value)
+    if message is None:
+        detail = " ".join(str(exc).split())
+        message = f"unexpected NVML error {exc.value} ({detail})"
+    return GpuError(classify(exc), message, gpu=gpu, call=call)
+
+
+def _address(handle: Any) -> int:
+    """The address an NVML device handle points at: ctypes pointers to one device compare unequal."""
+    value = ctypes.cast(handle, ctypes.c_void_p).value
+    return int(value) if value is not None else 0
+
+
+class NvmlBackend:
+    """GpuBackend over NVML. Devices are addressed by NVML index.
+
+    Setters first ask the WriteGuard built from `writable_items`, so a setter for an item in
+    observe mode raises WriteRefused before any NVML call is made.
+    """
+
+    name = "nvml"
+
+    def __init__(self, writable_items: Iterable[str] = ()) -> None:
+        self._guard = WriteGuard(writable_items)
+        self._initialised = False
+        self._handles: dict[int, Any] = {}
+        self._board_clock_ranges: dict[tuple[int, ClockDomain], tuple[int, int]] = {}
+        self._event_set: Any = None
+        self._event_gpu_by_address: dict[int, int] = {}
+
+    # -- the one way NVML is called ------------------------------------------------------------
+
+    def _call(self, gpu: int | None, name: str, *args: Any) -> Any:
+        """pynvml.<name>(*args); NVMLError becomes GpuError(kind, message, gpu, call=name)."""
+        return self._call_first(gpu, (name,), *args)
+
+    def _call_first(self, gpu: int | None, names: Sequence[str], *args: Any) -> Any:
+        """The first of `names` that this nvidia-ml-py and this driver both have (newest first)."""
+        available = [name for name in names if hasattr(pynvml, name)]
+        if not available:
+            raise GpuError(
+                GpuErrorKind.NOT_SUPPORTED,
+                f"this nvidia-ml-py has no {' or '.join(names)}: upgrade nvidia-ml-py",
+                gpu=gpu,
+                call=names[0],
+            )
+        for name in available[:-1]:
+            try:
+                return getattr(pynvml, name)(*args)
+            except pynvml.NVMLError as exc:
+                if exc.value != pynvml.NVML_ERROR_FUNCTION_NOT_FOUND:
+                    raise to_gpu_error(exc, gpu, name) from exc
+        try:
+            return getattr(pynvml, available[-1])(*args)
+        except pynvml.NVMLError as exc:
+            raise to_gpu_error(exc, gpu, available[-1]) from exc
+
+    def _handle(self, gpu: int) -> Any:
+        handle = self._handles.get(gpu)
+        if handle is None:
+            handle = self._call(gpu, "nvmlDeviceGetHandleByIndex", gpu)
+            self._handles[gpu] = handle
+        return handle
+
+    def _device(self, gpu: int, name: str, *args: Any) -> Any:
+        """A per-device call: pynvml.<name>(handle of gpu, *args)."""
+        return self._call(gpu, name, self._handle(gpu), *args)
+
+    def _forget_device_state(self) -> None:
+        self._handles.clear()
+        self._board_clock_ranges.clear()
+        self._event_set = None
+        self._event_gpu_by_address.clear()
+
+    # -- library -------------------------------------------------------------------------------
+
+    def init(self) -> None:
+        """nvmlInit. Raises GpuError(LIBRARY_NOT_FOUND | DRIVER_NOT_LOADED | VERSION_MISMATCH | ...)."""
+        if self._initialised:
+            return
+        self._call(None, "nvmlInit")
+        self._forget_device_state()
+        self._initialised = True
+
+    def shutdown(self) -> None:
+        """nvmlShutdown; a second call (or one without init) does nothing."""
+        if not self._initialised:
+            return
+        self._initialised = False
+        event_set = self._event_set
+        self._forget_device_state()
+        if event_set is not None:
+            self._free_event_set(event_set)
+        self._call(None, "nvmlShutdown")
+
+    def driver_version(self) -> str:
+        """nvidia-smi --query-gpu=driver_version"""
+        return str(self._call(None, "nvmlSystemGetDriverVersion"))
+
+    def device_count(self) -> int:
+        """nvidia-smi --query-gpu=count"""
+        return int(self._call(None, "nvmlDeviceGetCount"))
+
+    def identity(self, gpu: int) -> GpuIdentity:
+        """nvidia-smi --query-gpu=index,uuid,name,pci.bus_id,serial,vbios_version
+
+        `serial` is "" on boards that do not report one (NOT_SUPPORTED, e.g. GeForce).
+        """
+        try:
+            serial = str(self._device(gpu, "nvmlDeviceGetSerial"))
+        except GpuError as exc:
+            if exc.kind is not GpuErrorKind.NOT_SUPPORTED:
+                raise
+            serial = ""
+        return GpuIdentity(
+            index=gpu,
+            uuid=str(self._device(gpu, "nvmlDeviceGetUUID")),
+            name=str(self._device(gpu, "nvmlDeviceGetName")),
+            pci_bus_id=str(self._device(gpu, "nvmlDeviceGetPciInfo").busId),
+            serial=serial,
+            vbios_version=str(self._device(gpu, "nvmlDeviceGetVbiosVersion")),
+            minor_number=int(self._device(gpu, "nvmlDeviceGetMinorNumber")),
+        )
+
+    # -- hot readings --------------------------------------------------------------------------
+
+    def temperature_celsius(self, gpu: int) -> int:
+        """nvidia-smi --query-gpu=temperature.gpu"""
+        handle = self._handle(gpu)
+        names = ("nvmlDeviceGetTemperatureV", "nvmlDeviceGetTemperature")
+        return int(self._call_first(gpu, names, handle, pynvml.NVML_TEMPERATURE_GPU))
+
+    def power_usage_watts(self, gpu: int) -> float:
+        """nvidia-smi --query-gpu=power.draw (NVML: milliwatts)"""
+        return int(self._device(gpu, "nvmlDeviceGetPowerUsage")) / 1000.0
+
+    def clock_mhz(self, gpu: int, domain: ClockDomain) -> int:
+        """nvidia-smi --query-gpu=clocks.gr,clocks.sm,clocks.mem"""
+        return int(self._device(gpu, "nvmlDeviceGetClockInfo", int(domain)))
+
+    def clock_event_reasons(self, gpu: int) -> int:
+        """Bit mask, nvidia-smi --query-gpu=clocks_event_reasons.active (older: clocks_throttle_reasons.active)"""
+        names = ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons")
+        return int(self._call_first(gpu, names, self._handle(gpu)))
+
+    def utilization(self, gpu: int) -> Utilization:
+        """nvidia-smi --query-gpu=utilization.gpu,utilization.memory"""
+        rates = self._device(gpu, "nvmlDeviceGetUtilizationRates")
+        return Utilization(gpu_percent=int(rates.gpu), memory_percent=int(rates.memory))
+
+    def memory_info(self, gpu: int) -> MemoryInfo:
+        """nvidia-smi --query-gpu=memory.total,memory.used,memory.free (nvidia-smi shows MiB; these are bytes)"""
+        memory = self._device(gpu, "nvmlDeviceGetMemoryInfo")
+        return MemoryInfo(total_bytes=int(memory.total), used_bytes=int(memory.used), free_bytes=int(memory.free))
+
+    def performance_state(self, gpu: int) -> int:
+        """nvidia-smi --query-gpu=pstate (0 for P0)"""
+        return int(self._device(gpu, "nvmlDeviceGetPerformanceState"))
+
+    # -- slower readings -----------------------------------------------------------------------
+
+    def temperature_threshold_celsius(self, gpu: int, threshold: TemperatureThreshold) -> int:
+        """nvidia-smi -q -d TEMPERATURE (shutdown, slowdown, memory max, GPU max operating temperature)"""
+        return int(self._device(gpu, "nvmlDeviceGetTemperatureThreshold", int(threshold)))
+
+    def power_limit_watts(self, gpu: int) -> float:
+        """nvidia-smi --query-gpu=power.limit"""
+        return int(self._device(gpu, "nvmlDeviceGetPowerManagementLimit")) / 1000.0
+
+    def power_limit_constraints_watts(self, gpu: int) -> tuple[float, float]:
+        """(min, max): nvidia-smi --query-gpu=power.min_limit,power.max_limit"""
+        min_mw, max_mw = self._device(gpu, "nvmlDeviceGetPowerManagementLimitConstraints")
+        return int(min_mw) / 1000.0, int(max_mw) / 1000.0
+
+    def default_power_limit_watts(self, gpu: int) -> float:
+        """nvidia-smi --query-gpu=power.default_limit"""
+        return int(self._device(gpu, "nvmlDeviceGetPowerManagementDefaultLimit")) / 1000.0
+
+    def max_clock_mhz(self, gpu: int, domain: ClockDomain) -> int:
+        """nvidia-smi --query-gpu=clocks.max.gr,clocks.max.sm,clocks.max.mem"""
+        return int(self._device(gpu, "nvmlDeviceGetMaxClockInfo", int(domain)))
+
+    def supported_memory_clocks_mhz(self, gpu: int) -> list[int]:
+        """nvidia-smi --query-supported-clocks=mem"""
+        return [int(mhz) for mhz in self._device(gpu, "nvmlDeviceGetSupportedMemoryClocks")]
+
+    def supported_graphics_clocks_mhz(self, gpu: int, memory_mhz: int) -> list[int]:
+        """nvidia-smi --query-supported-clocks=mem,gr (the graphics clocks listed for one memory clock)"""
+        return [int(mhz) for mhz in self._device(gpu, "nvmlDeviceGetSupportedGraphicsClocks", memory_mhz)]
+
+    def locked_clocks_mhz(self, gpu: int, domain: ClockDomain) -> tuple[int, int] | None:
+        """The locked (min, max) range of GRAPHICS or MEMORY clocks, None when unlocked.
+
+        NVML has no getter for locked clocks. The closest
+        read-back is the P0 range, nvmlDeviceGetMinMaxClockOfPState(domain, P0): a lock set
+        with nvmlDeviceSetGpuLockedClocks / SetMemoryLockedClocks narrows the range the
+        driver may pick clocks from. That range is compared with the board's full range (the
+        supported clock lists): when P0 spans at least the full range the clocks are
+        unlocked (None); otherwise the P0 range is reported as the lock.
+
+        Limitations: this is an inference, not a read of the lock itself. A lock spanning the
+        whole range reads as None (it restricts nothing). Whether a given driver narrows the
+        P0 range on a lock is to be confirmed per architecture: if it does not, a lock reads
+        as None and the policy sees drift it cannot confirm as fixed. SM is not a lockable
+        domain (INVALID_ARGUMENT).
+        """
+        self._lock_calls(gpu, domain)
+        # Fresh out-parameters: pynvml's default ones are module-level objects shared between threads.
+        p0_min, p0_max = self._device(
+            gpu, "nvmlDeviceGetMinMaxClockOfPState", int(domain), pynvml.NVML_PSTATE_0, ctypes.c_uint(), ctypes.c_uint()
+        )
+        board_min, board_max = self._board_clock_range(gpu, domain)
+        if int(p0_min) <= board_min and int(p0_max) >= board_max:
+            return None
+        return int(p0_min), int(p0_max)
+
+    def _board_clock_range(self, gpu: int, domain: ClockDomain) -> tuple[int, int]:
+        """(lowest, highest) clock a lock may ask for: the supported clock lists, cached per board."""
+        cached = self._board_clock_ranges.get((gpu, domain))
+        if cached is not None:
+            return cached
+        memory_clocks = self.supported_memory_clocks_mhz(gpu)
+        clocks = memory_clocks
+        if domain is ClockDomain.GRAPHICS:
+            clocks = self.supported_graphics_clocks_mhz(gpu, max(memory_clocks))
+        board_range = (min(clocks), max(clocks))
+        self._board_clock_ranges[(gpu, domain)] = board_range
+        return board_range
+
+    def fan_count(self, gpu: int) -> int:
+        """0 on fan-less boards (SXM). nvidia-smi has no field; -q lists one Fan Speed per fan."""
+        return int(self._device(gpu, "nvmlDeviceGetNumFans"))
+
+    def fan_speed_percent(self, gpu: int, fan: int) -> int:
+        """nvidia-smi --query-gpu=fan.speed; NOT_SUPPORTED on fan-less boards."""
+        return int(self._device(gpu, "nvmlDeviceGetFanSpeed_v2", fan))
+
+    def fan_manual(self, gpu: int, fan: int) -> bool:
+        """True when the fan runs at a speed set by software (nvmlDeviceGetFanControlPolicy_v2).
+
+        No nvidia-smi equivalent.
+        """
+        policy = self._device(gpu, "nvmlDeviceGetFanControlPolicy_v2", fan, ctypes.c_uint())
+        return int(policy) == _FAN_MANUAL
+
+    def fan_speed_range_percent(self, gpu: int) -> tuple[int, int]:
+        """(min, max) settable speed (nvmlDeviceGetMinMaxFanSpeed). No nvidia-smi equivalent."""
+        min_percent, max_percent = self._device(gpu, "nvmlDeviceGetMinMaxFanSpeed", ctypes.c_uint(), ctypes.c_uint())
+        return int(min_percent), int(max_percent)
+
+    def persistence_enabled(self, gpu: int) -> bool:
+        """nvidia-smi --query-gpu=persistence_mode"""
+        return int(self._device(gpu, "nvmlDeviceGetPersistenceMode")) == _ENABLED
+
+    def ecc_mode(self, gpu: int) -> EnabledPending:
+        """nvidia-smi --query-gpu=ecc.mode.current,ecc.mode.pending"""
+        current, pending = self._device(gpu, "nvmlDeviceGetEccMode")
+        return EnabledPending(current=int(current) == _ENABLED, pending=int(pending) == _ENABLED)
+
+    def ecc_errors(self, gpu: int, error_type: EccErrorType, counter: EccCounter) -> int:
+        """nvidia-smi --query-gpu=ecc.errors.{corrected,uncorrected}.{volatile,aggregate}.total"""
+        return int(self._device(gpu, "nvmlDeviceGetTotalEccErrors", int(error_type), int(counter)))
+
+    def remapped_rows(self, gpu: int) -> RemappedRows:
+        """nvidia-smi -q -d ROW_REMAPPER (correctable, uncorrectable, pending, remapping failure)"""
+        correctable, uncorrectable, pending, failed = self._device(gpu, "nvmlDeviceGetRemappedRows")
+        return RemappedRows(
+            correctable=int(correctable), uncorrectable=int(uncorrectable), pending=bool(pending), failed=bool(failed)
+        )
+
+    def retired_pages_pending(self, gpu: int) -> bool:
+        """nvidia-smi --query-gpu=retired_pages.pending; NOT_SUPPORTED where row remapping replaced it (A100+)."""
+        return int(self._device(gpu, "nvmlDeviceGetRetiredPagesPendingStatus")) == _ENABLED
+
+    def pcie_link(self, gpu: int) -> PcieLink:
+        """nvidia-smi --query-gpu=pcie.link.gen.current,pcie.link.width.current,pcie.link.gen.max,pcie.link.width.max"""
+        return PcieLink(
+            current_generation=int(self._device(gpu, "nvmlDeviceGetCurrPcieLinkGeneration")),
+            current_width=int(self._device(gpu, "nvmlDeviceGetCurrPcieLinkWidth")),
+            max_generation=int(self._device(gpu, "nvmlDeviceGetMaxPcieLinkGeneration")),
+            max_width=int(self._device(gpu, "nvmlDeviceGetMaxPcieLinkWidth")),
+        )
+
+    def pcie_replay_counter(self, gpu: int) -> int:
+        """nvidia-smi -q -d PCIE (Replays Since Reset)"""
+        return int(self._device(gpu, "nvmlDeviceGetPcieReplayCounter"))
+
+    def violation_time_ns(self, gpu: int, policy: ViolationPolicy) -> int:
+        """Time clocks were held back by `policy`, in ns since driver load (NVML's violationTime, as given).
+
+        No nvidia-smi query field; DCGM exposes it as DCGM_FI_DEV_POWER_VIOLATION, ..._THERMAL_VIOLATION.
+        """
+        return int(self._device(gpu, "nvmlDeviceGetViolationStatus", int(policy)).violationTime)
+
+    def mig_mode(self, gpu: int) -> EnabledPending:
+        """nvidia-smi --query-gpu=mig.mode.current,mig.mode.pending"""
+        current, pending = self._device(gpu, "nvmlDeviceGetMigMode")
+        return EnabledPending(current=int(current) == _MIG_ENABLED, pending=int(pending) == _MIG_ENABLED)
+
+    def compute_processes(self, gpu: int) -> list[GpuProcess]:
+        """nvidia-smi --query-compute-apps=pid,used_memory (used memory None where NVML cannot tell)"""
+        names = ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2")
+        processes = self._call_first(gpu, names, self._handle(gpu))
+        return [
+            GpuProcess(
+                pid=int(process.pid),
+                used_memory_bytes=None if process.usedGpuMemory is None else int(process.usedGpuMemory),
+            )
+            for process in processes
+        ]
+
+    # -- events --------------------------------------------------------------------------------
+
+    def wait_events(self, timeout_seconds: float) -> list[GpuEvent]:
+        """Block up to timeout for Xid/ECC events on all GPUs; [] when quiet.
+
+        The event set is made on first use and holds every device that supports any of Xid,
+        single-bit and double-bit ECC events (devices answering NOT_SUPPORTED, or already lost,
+        are left out). Events already queued when the first one arrives come back in the same
+        call (up to 256; the rest wait for the next call). Raises GpuError(GPU_LOST) when a
+        device falls off the bus while waiting, and GpuError(NOT_SUPPORTED) when no device has
+        these events. Meant for one watcher thread.
+        """
+        event_set = self._events()
+        events: list[GpuEvent] = []
+        wait_ms = max(0, round(timeout_seconds * 1000))
+        while len(events) < _MAX_EVENTS_PER_WAIT:
+            try:
+                data = self._call(None, "nvmlEventSetWait_v2", event_set, wait_ms)
+            except GpuError as exc:
+                if exc.kind is GpuErrorKind.TIMEOUT:
+                    return events
+                raise
+            kind = _EVENT_KINDS.get(int(data.eventType))
+            gpu = self._event_gpu_by_address.get(_address(data.device))
+            if kind is not None and gpu is not None:
+                events.append(GpuEvent(gpu=gpu, kind=kind, data=int(data.eventData), timestamp_seconds=time.time()))
+            wait_ms = 0
+        return events
+
+    def _events(self) -> Any:
+        """The event set, created and registered on first use."""
+        if self._event_set is not None:
+            return self._event_set
+        event_set = self._call(None, "nvmlEventSetCreate")
+        try:
+            gpu_by_address = self._register_events(event_set)
+        except GpuError:
+            self._free_event_set(event_set)
+            raise
+        if not gpu_by_address:
+            self._free_event_set(event_set)
+            raise GpuError(
+                GpuErrorKind.NOT_SUPPORTED, "no GPU supports Xid/ECC events", call="nvmlDeviceRegisterEvents"
+            )
+        self._event_set = event_set
+        self._event_gpu_by_address = gpu_by_address
+        return event_set
+
+    def _register_events(self, event_set: Any) -> dict[int, int]:
+        """Register every device that can; the map from handle address to index that events need."""
+        gpu_by_address: dict[int, int] = {}
+        for gpu in range(self.device_count()):
+            try:
+                handle = self._handle(gpu)
+                mask = _EVENT_MASK & int(self._device(gpu, "nvmlDeviceGetSupportedEventTypes"))
+                if mask:
+                    self._call(gpu, "nvmlDeviceRegisterEvents", handle, mask, event_set)
+                    gpu_by_address[_address(handle)] = gpu
+            except GpuError as exc:
+                # A lost GPU is the gpu_lost watcher's news; it must not blind the others' events.
+                if exc.kind not in (GpuErrorKind.NOT_SUPPORTED, GpuErrorKind.GPU_LOST):
+                    raise
+        return gpu_by_address
+
+    def _free_event_set(self, event_set: Any) -> None:
+        # nvmlShutdown releases the set with the library anyway; a failed free (a lost GPU, say)
+        # must not stop a shutdown or hide the error that led here.
+        with contextlib.suppress(GpuError):
+            self._call(None, "nvmlEventSetFree", event_set)
+
+    # -- setters -------------------------------------------------------------------------------
+
+    def set_power_limit_watts(self, gpu: int, watts: float) -> None:
+        """nvidia-smi -pl WATTS (NVML takes milliwatts)."""
+        self._guard.check("set_power_limit_watts")
+        self._device(gpu, "nvmlDeviceSetPowerManagementLimit", round(watts * 1000))
+
+    def set_locked_clocks_mhz(self, gpu: int, domain: ClockDomain, min_mhz: int, max_mhz: int) -> None:
+        """nvidia-smi -lgc MIN,MAX (GRAPHICS: nvmlDeviceSetGpuLockedClocks) / -lmc MIN,MAX (MEMORY)."""
+        self._guard.check("set_locked_clocks_mhz")
+        set_call, _ = self._lock_calls(gpu, domain)
+        self._device(gpu, set_call, min_mhz, max_mhz)
+
+    def reset_locked_clocks(self, gpu: int, domain: ClockDomain) -> None:
+        """nvidia-smi -rgc (GRAPHICS: nvmlDeviceResetGpuLockedClocks) / -rmc (MEMORY)."""
+        self._guard.check("reset_locked_clocks")
+        _, reset_call = self._lock_calls(gpu, domain)
+        self._device(gpu, reset_call)
+
+    def set_fan_speed_percent(self, gpu: int, fan: int, percent: int) -> None:
+        """nvmlDeviceSetFanSpeed_v2: switches the fan to manual control at `percent`."""
+        self._guard.check("set_fan_speed_percent")
+        self._device(gpu, "nvmlDeviceSetFanSpeed_v2", fan, percent)
+
+    def set_fan_automatic(self, gpu: int, fan: int) -> None:
+        """nvmlDeviceSetDefaultFanSpeed_v2: gives the fan back to the driver's curve."""
+        self._guard.check("set_fan_automatic")
+        self._device(gpu, "nvmlDeviceSetDefaultFanSpeed_v2", fan)
+
+    def set_persistence(self, gpu: int, enabled: bool) -> None:
+        """nvidia-smi -pm 1|0."""
+        self._guard.check("set_persistence")
+        mode = _ENABLED if enabled else _DISABLED
+        self._device(gpu, "nvmlDeviceSetPersistenceMode", mode)
+
+    def set_ecc_mode(self, gpu: int, enabled: bool) -> None:
+        """nvidia-smi -e 1|0 (takes effect after a reboot: ecc_mode().pending shows it)."""
+        self._guard.check("set_ecc_mode")
+        mode = _ENABLED if enabled else _DISABLED
+        self._device(gpu, "nvmlDeviceSetEccMode", mode)
+
+    @staticmethod
+    def _lock_calls(gpu: int, domain: ClockDomain) -> tuple[str, str]:
+        """(set, reset) NVML calls for locking `domain`; SM clocks follow the graphics lock."""
+        calls = _LOCK_CALLS.get(domain)
+        if calls is None:
+            raise GpuError(
+                GpuErrorKind.INVALID_ARGUMENT,
+                f"{domain.name} clocks cannot be locked (only GRAPHICS and MEMORY)",
+                gpu=gpu,
+            )
+        return calls

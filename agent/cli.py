@@ -1,0 +1,268 @@
+"""gpu-agent command line. Read commands take --json; every command takes --config."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from agent import __version__
+from agent.backend import open_backend
+from agent.backend.errors import NO_DRIVER_KINDS, GpuError
+from agent.config import DEFAULT_CONFIG_PATH, AgentConfig, ConfigError, load_config
+from agent.host.paths import HostPaths
+from agent.policy.base import HostContext
+from agent.policy.engine import PolicyEngine
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+
+
+class CliError(Exception):
+    """A failure worth one clear line on stderr and exit 1, never a traceback."""
+
+
+def _config_path(args: argparse.Namespace) -> tuple[Path | None, bool]:
+    """(path, explicit). Without --config or $GPU_AGENT_CONFIG, the default file if it exists."""
+    given = args.config or os.environ.get("GPU_AGENT_CONFIG")
+    if given:
+        return Path(given), True
+    default = Path(DEFAULT_CONFIG_PATH)
+    return (default, False) if default.exists() else (None, False)
+
+
+def load(args: argparse.Namespace) -> AgentConfig:
+    path, _ = _config_path(args)
+    if path is None:
+        print(f"note: {DEFAULT_CONFIG_PATH} not found; using built-in defaults (observe mode, nvml)", file=sys.stderr)
+        return AgentConfig()
+    return load_config(path)
+
+
+def make_engine(config: AgentConfig) -> PolicyEngine:
+    backend = open_backend(config)
+    return PolicyEngine(config, backend, HostContext(HostPaths.at(config.host_root)))
+
+
+def _print(text: str) -> None:
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+
+
+# -- commands ------------------------------------------------------------------------------------
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    path, _ = _config_path(args)
+    if path is None:
+        raise CliError(f"no config: {DEFAULT_CONFIG_PATH} does not exist (give --config PATH)")
+    config = load_config(path)
+    _print(f"{path}: ok ({config.mode.value} mode, {config.backend} backend, {len(config.policy.gpus)} GPU profiles)")
+    return EXIT_OK
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from agent import render
+
+    engine = make_engine(load(args))
+    try:
+        plan = engine.plan()
+    finally:
+        engine.backend.shutdown()
+    _print(render.dumps(render.plan_json(plan)) if args.json else render.plan_text(plan))
+    return plan.exit_code
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    from agent import render
+
+    config = load(args)
+    engine = make_engine(config)
+    try:
+        report = engine.apply(dry_run=args.dry_run)
+    finally:
+        engine.backend.shutdown()
+    if args.json:
+        _print(render.dumps(render.apply_json(report)))
+    else:
+        _print(render.results_text(report.results))
+        skipped = [r for r in report.results if r.outcome.value == "skipped" and r.plan.status.value == "drift"]
+        if skipped and not args.dry_run:
+            _print(f"\n{len(skipped)} drifting item(s) left unchanged: observe mode (set `mode: enforce` to apply)")
+    return report.exit_code
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    from agent import render
+
+    config = load(args)
+    if not config.writable_items() & {"fan_curve", "locked_clocks", "power_limit"}:
+        _print("observe mode: gpu-agent changed nothing, so there is nothing to restore")
+        return EXIT_OK
+    engine = make_engine(config)
+    try:
+        results = engine.restore()
+    finally:
+        engine.backend.shutdown()
+    if args.json:
+        _print(render.dumps({"results": [render.result_json(r, "enforce") for r in results]}))
+    else:
+        _print(render.results_text(results))
+    return EXIT_ERROR if any(r.outcome.value == "failed" for r in results) else EXIT_OK
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from agent import render
+    from agent.collect import sample_all
+
+    config = load(args)
+    engine = make_engine(config)
+    try:
+        samples = sample_all(engine.backend)
+        driver = engine.backend.driver_version()
+        plan = engine.plan()
+    finally:
+        engine.backend.shutdown()
+    note = "direct read: no daemon answered on the socket"
+    if args.json:
+        document = {
+            "source": "direct",
+            "note": note,
+            "version": __version__,
+            "backend": config.backend,
+            "driver_version": driver,
+            "gpus": [render.sample_json(s) for s in samples],
+            "policy": render.plan_json(plan),
+        }
+        _print(render.dumps(document))
+        return EXIT_OK
+    _print(f"gpu-agent {__version__} ({note}); backend {config.backend}, driver {driver}\n")
+    _print(render.samples_text(samples))
+    _print("\npolicy (" + config.mode.value + " mode):")
+    _print(render.plan_text(plan))
+    return EXIT_OK
+
+
+def cmd_xid_explain(args: argparse.Namespace) -> int:
+    from agent import render
+    from agent.watch import xid_catalog
+
+    if args.json:
+        _print(render.dumps(xid_catalog.explain(args.code)))
+    else:
+        _print(xid_catalog.explain_text(args.code))
+    return EXIT_OK if xid_catalog.lookup(args.code) is not None else EXIT_ERROR
+
+
+def cmd_xid_parse(args: argparse.Namespace) -> int:
+    import json
+
+    from agent.watch.kernel_log import KernelLogParser
+
+    parser = KernelLogParser()
+    for line in sys.stdin:
+        for found in parser.feed(line.rstrip("\n")):
+            record = {
+                "xid": found.xid,
+                "pci_bus_id": found.pci_bus_id,
+                "gpu": None,
+                "pid": found.pid,
+                "process": found.process,
+                "text": found.text,
+            }
+            _print(json.dumps(record))
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from agent.demo import run_demo
+
+    return run_demo(Path(args.dir) if args.dir else None)
+
+
+# -- parser --------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--config", metavar="PATH", help=f"config file (default {DEFAULT_CONFIG_PATH}, or $GPU_AGENT_CONFIG)"
+    )
+    as_json = argparse.ArgumentParser(add_help=False)
+    as_json.add_argument("--json", action="store_true", help="machine-readable output (stable, versioned by `schema`)")
+
+    parser = argparse.ArgumentParser(
+        prog="gpu-agent",
+        description="Keep a GPU inference node in its declared state, watch it, and repair what is safe to repair.",
+    )
+    parser.add_argument("--version", action="version", version=f"gpu-agent {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser(
+        "plan",
+        parents=[common, as_json],
+        help="desired vs actual per item and GPU; changes nothing",
+        description="Exit codes: 0 in sync, 2 drift (or reboot pending), 1 error.",
+    )
+    p.set_defaults(func=cmd_plan)
+    p = sub.add_parser(
+        "apply",
+        parents=[common, as_json],
+        help="enforce the policy once (enforce-mode items only)",
+        description="Exit codes: 0 ok, 1 error or drift left unapplied.",
+    )
+    p.add_argument("--dry-run", action="store_true", help="show what would change, change nothing")
+    p.set_defaults(func=cmd_apply)
+    p = sub.add_parser(
+        "restore", parents=[common, as_json], help="fans to automatic, locked clocks reset, default power limit"
+    )
+    p.set_defaults(func=cmd_restore)
+    p = sub.add_parser("status", parents=[common, as_json], help="GPUs, readings and policy compliance")
+    p.set_defaults(func=cmd_status)
+    p = sub.add_parser(
+        "check-config",
+        parents=[common],
+        help="validate the config; errors name file, line, field",
+        description="Exit codes: 0 valid, 1 invalid.",
+    )
+    p.set_defaults(func=cmd_check_config)
+
+    xid = sub.add_parser("xid", help="the Xid catalog and the kernel-log parser")
+    xid_sub = xid.add_subparsers(dest="xid_command", required=True, metavar="SUBCOMMAND")
+    p = xid_sub.add_parser("explain", parents=[as_json], help="what an Xid means and what to do")
+    p.add_argument("code", type=int)
+    p.set_defaults(func=cmd_xid_explain)
+    p = xid_sub.add_parser("parse", help="kernel-log lines on stdin -> one JSON object per Xid")
+    p.set_defaults(func=cmd_xid_parse)
+
+    p = sub.add_parser("demo", help="plan -> apply -> plan on a simulated node (changes nothing on this machine)")
+    p.add_argument("--dir", metavar="DIR", help="scratch directory for the simulated node (default: a new temp dir)")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(problem, file=sys.stderr)
+        return EXIT_ERROR
+    except GpuError as exc:
+        if exc.kind in NO_DRIVER_KINDS:
+            print(f"gpu-agent: {exc.args[0]}", file=sys.stderr)
+        else:
+            print(f"gpu-agent: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except CliError as exc:
+        print(f"gpu-agent: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except BrokenPipeError:
+        return EXIT_OK
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

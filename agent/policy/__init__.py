@@ -1,0 +1,1 @@
+"""Node policy: one module per item (observe -> plan -> apply), orchestrated by `engine`."""

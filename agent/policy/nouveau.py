@@ -1,0 +1,201 @@
+"""nouveau blacklisted and not loaded, so the NVIDIA driver can own the GPUs.
+
+Blacklisting is a modprobe configuration (`blacklist nouveau` stops loading by alias,
+`options nouveau modeset=0` keeps it from taking the console if something loads it anyway).
+modprobe reads it from the root filesystem and from the initramfs, so the initramfs is rebuilt
+after the file is written, and a nouveau already loaded stays until the next reboot.
+
+Every modprobe configuration directory counts, not only our file: NVIDIA's installers and distro
+packages ship their own blacklist, and a host that has one is in sync.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+from typing import Literal
+
+from agent.config import AgentConfig, NodePolicy
+from agent.host.paths import HostPaths
+from agent.policy.base import HostContext, ItemPlan, ItemResult, Outcome, PlanStatus
+
+NAME = "nouveau"
+CONF = "/etc/modprobe.d/gpu-agent-nouveau.conf"
+CONF_CONTENT = (
+    "# Managed by gpu-agent (policy.node.nouveau): keeps nouveau off the NVIDIA GPUs.\n"
+    "# Local edits are overwritten; drop `nouveau:` from the policy to manage this file yourself.\n"
+    "blacklist nouveau\n"
+    "options nouveau modeset=0\n"
+)
+# kmod's search order; a file name seen in an earlier directory hides the same name in later ones.
+MODPROBE_DIRS = (
+    "/etc/modprobe.d",
+    "/run/modprobe.d",
+    "/usr/local/lib/modprobe.d",
+    "/usr/lib/modprobe.d",
+    "/lib/modprobe.d",
+)
+BLACKLIST = ("blacklist", "nouveau")
+MODESET_OFF = "modeset=0"
+
+Blacklisted = Literal["blacklisted"]
+
+
+def desired(node: NodePolicy, config: AgentConfig) -> Blacklisted | None:
+    return node.nouveau
+
+
+_DEBIAN = ("update-initramfs", "-u")
+_REDHAT = ("dracut", "-f")
+_FAMILIES = {
+    "debian": _DEBIAN,
+    "ubuntu": _DEBIAN,
+    "rhel": _REDHAT,
+    "rocky": _REDHAT,
+    "fedora": _REDHAT,
+    "centos": _REDHAT,
+}
+
+
+def initramfs_command(os_release: dict[str, str]) -> tuple[str, ...] | None:
+    """The command that rebuilds this distribution's initramfs; None when gpu-agent does not know it."""
+    for distro in [os_release.get("ID", ""), *os_release.get("ID_LIKE", "").split()]:
+        if distro in _FAMILIES:
+            return _FAMILIES[distro]
+    return None
+
+
+@dataclass(frozen=True)
+class _Observed:
+    blacklist_in: str | None  # the file that says `blacklist nouveau`
+    modeset_in: str | None  # the file that says `options nouveau modeset=0`
+    loaded: bool
+    initramfs: tuple[str, ...] | None  # the rebuild command
+    distro: str
+
+    @property
+    def blacklisted(self) -> bool:
+        return self.blacklist_in is not None and self.modeset_in is not None
+
+
+def _modprobe_files(paths: HostPaths) -> list[str]:
+    seen: dict[str, str] = {}
+    for directory in MODPROBE_DIRS:
+        for found in sorted(paths.path(directory).glob("*.conf")):
+            # modprobe skips what is not a regular file; so do we.
+            if found.is_file():
+                seen.setdefault(found.name, f"{directory}/{found.name}")
+    return [seen[name] for name in sorted(seen)]
+
+
+def _loaded(paths: HostPaths) -> bool:
+    try:
+        modules = paths.read_text("/proc/modules")
+    except FileNotFoundError:
+        modules = ""
+    return any(line.startswith("nouveau ") for line in modules.splitlines()) or paths.exists("/sys/module/nouveau")
+
+
+def _observe(paths: HostPaths) -> _Observed:
+    """Raises OSError when a file that should be readable is not."""
+    blacklist_in: str | None = None
+    modeset_in: str | None = None
+    for conf in _modprobe_files(paths):
+        # A stray Latin-1 comment must not hide the lines that matter.
+        for line in paths.path(conf).read_text(encoding="utf-8", errors="replace").splitlines():
+            words = line.split("#", 1)[0].split()
+            if tuple(words) == BLACKLIST and blacklist_in is None:
+                blacklist_in = conf
+            if words[:2] == ["options", "nouveau"] and MODESET_OFF in words[2:] and modeset_in is None:
+                modeset_in = conf
+    os_release = paths.os_release()
+    return _Observed(
+        blacklist_in, modeset_in, _loaded(paths), initramfs_command(os_release), os_release.get("ID", "unknown")
+    )
+
+
+def _actual(seen: _Observed) -> str:
+    if seen.blacklisted:
+        where = sorted({c for c in (seen.blacklist_in, seen.modeset_in) if c is not None})
+        state = f"blacklisted ({', '.join(where)})"
+    elif seen.blacklist_in is not None:
+        state = "blacklisted without modeset=0"
+    elif seen.modeset_in is not None:
+        state = "modeset=0 but not blacklisted"
+    else:
+        state = "not blacklisted"
+    return f"{state}, {'loaded' if seen.loaded else 'not loaded'}"
+
+
+def plan(ctx: HostContext, want: Blacklisted) -> ItemPlan:
+    return _plan(ctx, want)
+
+
+def _plan(ctx: HostContext, want: Blacklisted) -> ItemPlan:
+    desired_text = "blacklisted, not loaded"
+    try:
+        seen = _observe(ctx.paths)
+    except OSError as exc:
+        return ItemPlan(NAME, None, PlanStatus.ERROR, desired_text, "unreadable", detail=f"cannot read: {exc}")
+    changes: list[str] = []
+    notes: list[str] = []
+    if not seen.blacklisted:
+        changes.append(f"write {CONF}")
+        if seen.initramfs is not None:
+            changes.append(f"run: {' '.join(seen.initramfs)}")
+        else:
+            notes.append(f"unknown distribution ({seen.distro}): rebuild the initramfs by hand after apply")
+    if seen.loaded:
+        notes.append("nouveau is loaded; reboot to unload it")
+    if changes:
+        status = PlanStatus.DRIFT
+    elif seen.loaded:
+        status = PlanStatus.REBOOT_REQUIRED
+    else:
+        status = PlanStatus.IN_SYNC
+    return ItemPlan(NAME, None, status, desired_text, _actual(seen), detail="; ".join(notes), changes=tuple(changes))
+
+
+def _rebuild(ctx: HostContext, argv: tuple[str, ...]) -> tuple[bool, str]:
+    """Run the initramfs rebuild: (failed, what happened)."""
+    command = " ".join(argv)
+    try:
+        result = ctx.run_command(argv)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return True, f"`{command}` could not run: {exc}"
+    if not result.ran:
+        return False, f"initramfs not rebuilt ({result.output}); run `{command}`"
+    if result.returncode != 0:
+        return True, f"`{command}` failed (exit {result.returncode}): {result.output}"
+    return False, f"initramfs rebuilt (`{command}`)"
+
+
+def apply(ctx: HostContext, want: Blacklisted, plan: ItemPlan) -> ItemResult:
+    # Look again rather than trust the plan: the host may have changed since it was made.
+    try:
+        seen = _observe(ctx.paths)
+    except OSError as exc:
+        return ItemResult(plan, Outcome.FAILED, f"cannot read: {exc}")
+    done_outcome = Outcome.REBOOT_REQUIRED if seen.loaded else Outcome.APPLIED
+    reboot_note = ["nouveau is loaded; reboot to unload it"] if seen.loaded else []
+    if seen.blacklisted:
+        outcome = Outcome.REBOOT_REQUIRED if seen.loaded else Outcome.UNCHANGED
+        return ItemResult(plan, outcome, "; ".join(reboot_note))
+
+    try:
+        ctx.paths.write_file_atomic(CONF, CONF_CONTENT)
+    except OSError as exc:
+        return ItemResult(plan, Outcome.FAILED, f"cannot write {CONF}: {exc}")
+    notes = [f"wrote {CONF}"]
+    # A failed rebuild is reported once; the file stays, so later plans read in sync and the
+    # operator reruns the command. Judging the image by its mtime was rejected: `update-initramfs
+    # -u` rebuilds the newest kernel's image, not always the running one's, and a check that never
+    # settles would rebuild the initramfs on every loop.
+    if seen.initramfs is None:
+        notes.append(f"unknown distribution ({seen.distro}): rebuild the initramfs by hand")
+    else:
+        failed, what = _rebuild(ctx, seen.initramfs)
+        if failed:
+            return ItemResult(plan, Outcome.FAILED, "; ".join([*notes, what]))
+        notes.append(what)
+    return ItemResult(plan, done_outcome, "; ".join(notes + reboot_note))

@@ -1,0 +1,256 @@
+"""A replay of recorded NVML answers standing in for the NVIDIA driver under the real `pynvml`.
+
+`install_replay(monkeypatch)` replaces every NVML function on the real `pynvml` module object
+with one that answers from tests/fixtures/nvml-h200.json (what a real H200 answered). The
+real `NVMLError` classes, constants and ctypes types stay: recorded "ERR:NVML_ERROR_X"
+answers raise `pynvml.NVMLError(pynvml.NVML_ERROR_X)`, device handles are genuine
+`c_nvmlDevice_t` pointers, structs are the real pynvml structs. So code under test meets
+NVML as it is, minus the hardware.
+
+- Setters (nvmlDeviceSet*/Reset*/Clear*) are recorded in `replay.calls`, never carried out,
+  and do not change later answers.
+- A call the recording has no answer for raises `ReplayMissing` (not an NVMLError, so no
+  backend mistakes it for a GPU answer); give one with `replay.answer(...)`.
+- `replay.fail(name, code)` makes a call raise that NVML error from then on.
+- `replay.push_event(gpu, event_type, data)` queues an event for nvmlEventSetWait_v2, which
+  raises NVML_ERROR_TIMEOUT at once (without sleeping) when the queue is empty.
+- Calls before nvmlInit (or after the matching nvmlShutdown) raise NVML_ERROR_UNINITIALIZED.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import inspect
+import json
+import re
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pynvml
+import pytest
+
+FIXTURE_H200 = Path(__file__).parent / "fixtures" / "nvml-h200.json"
+
+# Helpers in pynvml that are not NVML calls (NVMLError.__str__ needs nvmlErrorString).
+_KEEP_REAL = frozenset(
+    {"nvmlErrorString", "nvmlExceptionClass", "nvmlStructToFriendlyObject", "nvmlFriendlyObjectToStruct"}
+)
+
+# Versioned or renamed calls, answered from the name the recording used.
+_RECORDED_AS = {
+    "nvmlDeviceGetTemperatureV": "nvmlDeviceGetTemperature",
+    "nvmlDeviceGetFanSpeed_v2": "nvmlDeviceGetFanSpeed",
+    "nvmlDeviceGetComputeRunningProcesses_v3": "nvmlDeviceGetComputeRunningProcesses",
+    "nvmlDeviceGetComputeRunningProcesses_v2": "nvmlDeviceGetComputeRunningProcesses",
+    "nvmlDeviceGetPciInfo_v3": "nvmlDeviceGetPciInfo",
+}
+
+# Calls that return a ctypes struct in pynvml: the recording holds the struct's fields.
+_STRUCTS: dict[str, type[ctypes.Structure]] = {
+    "nvmlDeviceGetPciInfo": pynvml.nvmlPciInfo_t,
+    "nvmlDeviceGetMemoryInfo": pynvml.c_nvmlMemory_t,
+    "nvmlDeviceGetUtilizationRates": pynvml.c_nvmlUtilization_t,
+    "nvmlDeviceGetViolationStatus": pynvml.c_nvmlViolationTime_t,
+}
+_TUPLES = frozenset({"nvmlDeviceGetRemappedRows", "nvmlDeviceGetMinMaxClockOfPState"})
+_PROCESS_LISTS = frozenset({"nvmlDeviceGetComputeRunningProcesses"})
+_SETTER = re.compile(r"^nvmlDevice(Set|Reset|Clear)")
+_INIT = frozenset({"nvmlInit", "nvmlInitWithFlags"})
+
+
+class ReplayMissing(LookupError):
+    """The recording has no answer for this call."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """One NVML call as the replay saw it: the device as its index, out-parameters left out."""
+
+    name: str
+    gpu: int | None
+    args: tuple[Any, ...]
+
+
+class Replay:
+    def __init__(self, fixture: dict[str, Any]) -> None:
+        self.fixture = fixture
+        self.devices: list[dict[str, Any]] = fixture["devices"]
+        #: Setter calls that reached NVML (including ones that then failed), in order.
+        self.calls: list[Call] = []
+        #: Every NVML call, in order.
+        self.log: list[Call] = []
+        #: Event mask registered per GPU index (nvmlDeviceRegisterEvents).
+        self.registered_events: dict[int, int] = {}
+        self._init_count = 0
+        # Real memory behind each handle, so every device has its own address.
+        self._buffers = [ctypes.create_string_buffer(8) for _ in self.devices]
+        self.handles = [ctypes.cast(buffer, pynvml.c_nvmlDevice_t) for buffer in self._buffers]
+        self._gpu_by_address = {ctypes.addressof(buffer): gpu for gpu, buffer in enumerate(self._buffers)}
+        self._event_set_buffers: list[ctypes.Array[ctypes.c_char]] = []
+        self._events: deque[tuple[int, int, int]] = deque()
+        self._failures: dict[tuple[str, int | None], int] = {}
+        self._answers: dict[tuple[int, str], Any] = {}
+
+    # -- the test's controls -------------------------------------------------------------------
+
+    def fail(self, name: str, code: int, *, gpu: int | None = None) -> None:
+        """From now on `name` (on `gpu`, or on every GPU) raises pynvml.NVMLError(code)."""
+        self._failures[(name, gpu)] = code
+
+    def clear_failures(self) -> None:
+        self._failures.clear()
+
+    def answer(self, name: str, value: Any, *args: int, gpu: int = 0) -> None:
+        """Answer `name(handle, *args)` on `gpu` with `value` (recording format: "ERR:NVML_ERROR_X" raises)."""
+        self._answers[(gpu, _key(name, args))] = value
+
+    def push_event(self, gpu: int, event_type: int, data: int = 0) -> None:
+        """Queue an event (e.g. pynvml.nvmlEventTypeXidCriticalError, Xid 79) for nvmlEventSetWait_v2."""
+        self._events.append((gpu, event_type, data))
+
+    def count(self, name: str) -> int:
+        return sum(1 for call in self.log if call.name == name)
+
+    # -- dispatch ------------------------------------------------------------------------------
+
+    def fake(self, name: str) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            return self._dispatch(name, args)
+
+        call.__name__ = name
+        return call
+
+    def _dispatch(self, name: str, args: tuple[Any, ...]) -> Any:
+        gpu = self._gpu_of(args[0]) if args and isinstance(args[0], pynvml.c_nvmlDevice_t) else None
+        rest = args[1:] if gpu is not None else args
+        call = Call(name, gpu, tuple(arg for arg in rest if not isinstance(arg, ctypes._SimpleCData)))
+        self.log.append(call)
+        if _SETTER.match(name):
+            self.calls.append(call)
+        if name not in _INIT and self._init_count == 0:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
+        for failing in (name, _RECORDED_AS.get(name)):
+            for where in (gpu, None):
+                code = self._failures.get((str(failing), where))
+                if code is not None:
+                    raise pynvml.NVMLError(code)
+        if name in _INIT:
+            self._init_count += 1
+            return None
+        if name == "nvmlShutdown":
+            self._init_count -= 1
+            return None
+        if _SETTER.match(name):
+            return None
+        handler = _LIBRARY_CALLS.get(name)
+        if handler is not None:
+            return handler(self, call)
+        if gpu is None:
+            raise ReplayMissing(f"{name}{args} has no answer in the replay")
+        return self._device_answer(name, gpu, call.args)
+
+    def _gpu_of(self, handle: Any) -> int:
+        address = ctypes.cast(handle, ctypes.c_void_p).value
+        if address not in self._gpu_by_address:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return self._gpu_by_address[address]
+
+    def _device_answer(self, name: str, gpu: int, args: tuple[Any, ...]) -> Any:
+        recorded = _RECORDED_AS.get(name, name)
+        names = list(dict.fromkeys([name, recorded]))
+        keys = [_key(each, args) for each in names]
+        # The recording lists graphics clocks for the first (highest) memory clock only.
+        first_mem = self.devices[gpu].get("nvmlDeviceGetSupportedMemoryClocks", [None])[0]
+        if recorded == "nvmlDeviceGetSupportedGraphicsClocks" and args == (first_mem,):
+            keys.append(f"{recorded}:first_mem")
+        keys.extend(names)
+        for key in keys:
+            if (gpu, key) in self._answers:
+                return _convert(recorded, self._answers[(gpu, key)])
+        for key in keys:
+            if key in self.devices[gpu]:
+                return _convert(recorded, self.devices[gpu][key])
+        raise ReplayMissing(
+            f"{name}(gpu {gpu}, {', '.join(map(str, args))}) has no answer in the recording; "
+            f"give one with replay.answer({recorded!r}, VALUE, ...)"
+        )
+
+    # -- library-level calls -------------------------------------------------------------------
+
+    def _device_count(self, call: Call) -> int:
+        return int(self.fixture["device_count"])
+
+    def _handle_by_index(self, call: Call) -> Any:
+        (index,) = call.args
+        if not 0 <= index < len(self.handles):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return self.handles[index]
+
+    def _event_set_create(self, call: Call) -> Any:
+        buffer = ctypes.create_string_buffer(8)
+        self._event_set_buffers.append(buffer)
+        return ctypes.cast(buffer, pynvml.c_nvmlEventSet_t)
+
+    def _register_events(self, call: Call) -> None:
+        assert call.gpu is not None
+        mask = call.args[0]
+        self.registered_events[call.gpu] = self.registered_events.get(call.gpu, 0) | mask
+
+    def _event_set_wait(self, call: Call) -> Any:
+        if not self._events:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
+        gpu, event_type, event_data = self._events.popleft()
+        data = pynvml.c_nvmlEventData_t()
+        data.device = self.handles[gpu]
+        data.eventType = event_type
+        data.eventData = event_data
+        return data
+
+
+_LIBRARY_CALLS: dict[str, Callable[[Replay, Call], Any]] = {
+    "nvmlSystemGetDriverVersion": lambda replay, call: replay.fixture["driver_version"],
+    "nvmlSystemGetNVMLVersion": lambda replay, call: replay.fixture["nvml_version"],
+    "nvmlSystemGetCudaDriverVersion": lambda replay, call: replay.fixture["cuda_driver_version"],
+    "nvmlSystemGetCudaDriverVersion_v2": lambda replay, call: replay.fixture["cuda_driver_version"],
+    "nvmlDeviceGetCount": Replay._device_count,
+    "nvmlDeviceGetHandleByIndex": Replay._handle_by_index,
+    "nvmlEventSetCreate": Replay._event_set_create,
+    "nvmlDeviceRegisterEvents": Replay._register_events,
+    "nvmlEventSetWait_v2": Replay._event_set_wait,
+    "nvmlEventSetWait": Replay._event_set_wait,
+    "nvmlEventSetFree": lambda replay, call: None,
+}
+
+
+def _key(name: str, args: tuple[Any, ...]) -> str:
+    return ":".join([name, *(str(int(arg)) for arg in args)])
+
+
+def _convert(name: str, value: Any) -> Any:
+    """A recorded answer as pynvml returns it."""
+    if isinstance(value, str) and value.startswith("ERR:"):
+        raise pynvml.NVMLError(getattr(pynvml, value.removeprefix("ERR:")))
+    if name in _STRUCTS:
+        struct = _STRUCTS[name]()
+        for field, field_value in value.items():
+            setattr(struct, field, field_value.encode() if isinstance(field_value, str) else field_value)
+        return struct
+    if name in _PROCESS_LISTS:
+        return [pynvml.nvmlFriendlyObject(dict(process)) for process in value]
+    if name in _TUPLES:
+        return tuple(value)
+    if isinstance(value, list):
+        return list(value)
+    return value
+
+
+def install_replay(monkeypatch: pytest.MonkeyPatch, fixture_path: Path = FIXTURE_H200) -> Replay:
+    """Replace every NVML call on the real pynvml module with the replay of `fixture_path`."""
+    replay = Replay(json.loads(fixture_path.read_text()))
+    for name, value in vars(pynvml).items():
+        if name.startswith("nvml") and name not in _KEEP_REAL and inspect.isfunction(value):
+            monkeypatch.setattr(pynvml, name, replay.fake(name))
+    return replay
