@@ -12,6 +12,7 @@ from typing import Any
 
 import pynvml
 import pytest
+from nvml_replay import FIXTURE_H200, Call, Replay, ReplayMissing, install_replay
 
 from agent.backend.base import (
     SETTER_ITEMS,
@@ -32,7 +33,6 @@ from agent.backend.base import (
 )
 from agent.backend.errors import NO_DRIVER_KINDS, GpuError, GpuErrorKind, WriteRefused
 from agent.backend.nvml import NvmlBackend, classify, to_gpu_error
-from tests.nvml_replay import FIXTURE_H200, Call, Replay, ReplayMissing, install_replay
 
 ALL_ITEMS = frozenset(SETTER_ITEMS.values())
 

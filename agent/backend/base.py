@@ -60,6 +60,16 @@ class EccErrorType(IntEnum):
     UNCORRECTED = 1
 
 
+class RecoveryAction(IntEnum):
+    """nvmlDeviceGpuRecoveryAction_t values."""
+
+    NONE = 0
+    GPU_RESET = 1
+    NODE_REBOOT = 2
+    DRAIN_P2P = 3
+    DRAIN_AND_RESET = 4
+
+
 class GpuEventKind(str, Enum):
     XID = "xid"
     SINGLE_BIT_ECC = "single_bit_ecc"
@@ -200,6 +210,10 @@ class GpuBackend(Protocol):
     def pcie_replay_counter(self, gpu: int) -> int: ...
     def violation_time_ns(self, gpu: int, policy: ViolationPolicy) -> int: ...
     def mig_mode(self, gpu: int) -> EnabledPending: ...
+    def recovery_action(self, gpu: int) -> int:
+        """What the driver says the GPU needs (nvmlDeviceGetFieldValues NVML_FI_DEV_GET_GPU_RECOVERY_ACTION):
+        a `RecoveryAction` value; NOT_SUPPORTED on drivers before R550."""
+
     def compute_processes(self, gpu: int) -> list[GpuProcess]: ...
 
     # -- events -----------------------------------------------------------------------------

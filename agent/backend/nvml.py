@@ -135,7 +135,7 @@ class NvmlBackend:
         self._guard = WriteGuard(writable_items)
         self._initialised = False
         self._handles: dict[int, Any] = {}
-        self._board_clock_ranges: dict[tuple[int, ClockDomain], tuple[int, int]] = {}
+        self._unlocked_ranges: dict[tuple[int, ClockDomain], tuple[int, int]] = {}
         self._event_set: Any = None
         self._event_gpu_by_address: dict[int, int] = {}
 
@@ -179,7 +179,7 @@ class NvmlBackend:
 
     def _forget_device_state(self) -> None:
         self._handles.clear()
-        self._board_clock_ranges.clear()
+        self._unlocked_ranges.clear()
         self._event_set = None
         self._event_gpu_by_address.clear()
 
@@ -302,41 +302,45 @@ class NvmlBackend:
     def locked_clocks_mhz(self, gpu: int, domain: ClockDomain) -> tuple[int, int] | None:
         """The locked (min, max) range of GRAPHICS or MEMORY clocks, None when unlocked.
 
-        NVML has no getter for locked clocks. The closest
-        read-back is the P0 range, nvmlDeviceGetMinMaxClockOfPState(domain, P0): a lock set
-        with nvmlDeviceSetGpuLockedClocks / SetMemoryLockedClocks narrows the range the
-        driver may pick clocks from. That range is compared with the board's full range (the
-        supported clock lists): when P0 spans at least the full range the clocks are
-        unlocked (None); otherwise the P0 range is reported as the lock.
+        NVML has no getter for locked clocks. The closest read-back is the P0 range,
+        nvmlDeviceGetMinMaxClockOfPState(domain, P0), the range the driver may pick clocks
+        from in P0, which a lock set with nvmlDeviceSetGpuLockedClocks / SetMemoryLockedClocks
+        narrows. It is compared with what P0 spans when nothing is locked: for graphics the
+        whole supported graphics clock list (at the top memory clock), for memory the top
+        memory clock alone (lower memory clocks belong to lower P-states). When P0 spans at
+        least that much the clocks are unlocked (None); otherwise the P0 range is the lock.
 
-        Limitations: this is an inference, not a read of the lock itself. A lock spanning the
-        whole range reads as None (it restricts nothing). Whether a given driver narrows the
-        P0 range on a lock is to be confirmed per architecture: if it does not, a lock reads
-        as None and the policy sees drift it cannot confirm as fixed. SM is not a lockable
-        domain (INVALID_ARGUMENT).
+        Read on an H200 (driver 580.159.04) with nothing locked: P0 graphics (345, 1980) =
+        the supported list's range, P0 memory (3201, 3201) while 2201 MHz is P2's.
+
+        Limitations: an inference, not a read of the lock itself. A lock that restricts
+        nothing P0 allows reads as None. That a lock narrows the P0 range is NVML's documented
+        model but still to be confirmed per architecture (it needs a write to test): where it
+        does not, a lock reads as None and the policy sees drift it cannot confirm as fixed.
+        SM is not a lockable domain (INVALID_ARGUMENT).
         """
         self._lock_calls(gpu, domain)
         # Fresh out-parameters: pynvml's default ones are module-level objects shared between threads.
         p0_min, p0_max = self._device(
             gpu, "nvmlDeviceGetMinMaxClockOfPState", int(domain), pynvml.NVML_PSTATE_0, ctypes.c_uint(), ctypes.c_uint()
         )
-        board_min, board_max = self._board_clock_range(gpu, domain)
-        if int(p0_min) <= board_min and int(p0_max) >= board_max:
+        unlocked_min, unlocked_max = self._unlocked_p0_range(gpu, domain)
+        if int(p0_min) <= unlocked_min and int(p0_max) >= unlocked_max:
             return None
         return int(p0_min), int(p0_max)
 
-    def _board_clock_range(self, gpu: int, domain: ClockDomain) -> tuple[int, int]:
-        """(lowest, highest) clock a lock may ask for: the supported clock lists, cached per board."""
-        cached = self._board_clock_ranges.get((gpu, domain))
+    def _unlocked_p0_range(self, gpu: int, domain: ClockDomain) -> tuple[int, int]:
+        """What P0 spans with nothing locked, from the supported clock lists; cached per board."""
+        cached = self._unlocked_ranges.get((gpu, domain))
         if cached is not None:
             return cached
-        memory_clocks = self.supported_memory_clocks_mhz(gpu)
-        clocks = memory_clocks
+        top_memory = max(self.supported_memory_clocks_mhz(gpu))
+        unlocked = (top_memory, top_memory)
         if domain is ClockDomain.GRAPHICS:
-            clocks = self.supported_graphics_clocks_mhz(gpu, max(memory_clocks))
-        board_range = (min(clocks), max(clocks))
-        self._board_clock_ranges[(gpu, domain)] = board_range
-        return board_range
+            graphics = self.supported_graphics_clocks_mhz(gpu, top_memory)
+            unlocked = (min(graphics), max(graphics))
+        self._unlocked_ranges[(gpu, domain)] = unlocked
+        return unlocked
 
     def fan_count(self, gpu: int) -> int:
         """0 on fan-less boards (SXM). nvidia-smi has no field; -q lists one Fan Speed per fan."""
@@ -344,20 +348,41 @@ class NvmlBackend:
 
     def fan_speed_percent(self, gpu: int, fan: int) -> int:
         """nvidia-smi --query-gpu=fan.speed; NOT_SUPPORTED on fan-less boards."""
-        return int(self._device(gpu, "nvmlDeviceGetFanSpeed_v2", fan))
+        return int(self._fan_call(gpu, fan, "nvmlDeviceGetFanSpeed_v2", fan))
 
     def fan_manual(self, gpu: int, fan: int) -> bool:
         """True when the fan runs at a speed set by software (nvmlDeviceGetFanControlPolicy_v2).
 
         No nvidia-smi equivalent.
         """
-        policy = self._device(gpu, "nvmlDeviceGetFanControlPolicy_v2", fan, ctypes.c_uint())
+        policy = self._fan_call(gpu, fan, "nvmlDeviceGetFanControlPolicy_v2", fan, ctypes.c_uint())
         return int(policy) == _FAN_MANUAL
 
     def fan_speed_range_percent(self, gpu: int) -> tuple[int, int]:
         """(min, max) settable speed (nvmlDeviceGetMinMaxFanSpeed). No nvidia-smi equivalent."""
-        min_percent, max_percent = self._device(gpu, "nvmlDeviceGetMinMaxFanSpeed", ctypes.c_uint(), ctypes.c_uint())
+        min_percent, max_percent = self._fan_call(
+            gpu, None, "nvmlDeviceGetMinMaxFanSpeed", ctypes.c_uint(), ctypes.c_uint()
+        )
         return int(min_percent), int(max_percent)
+
+    def _fan_call(self, gpu: int, fan: int | None, name: str, *args: Any) -> Any:
+        """A fan call; a fan-less board answers NOT_SUPPORTED like the other missing features.
+
+        NVML answers INVALID_ARGUMENT for a fan index the board lacks, so on an SXM H200
+        (no fans) every _v2 fan call does that (read on a real one); only the fan count says why.
+        """
+        try:
+            return self._device(gpu, name, *args)
+        except GpuError as exc:
+            if exc.kind is not GpuErrorKind.INVALID_ARGUMENT:
+                raise
+            fans = self.fan_count(gpu)
+            if fans == 0:
+                raise GpuError(GpuErrorKind.NOT_SUPPORTED, "this GPU has no fans", gpu=gpu, call=name) from exc
+            if fan is not None and fan >= fans:
+                message = f"no fan {fan}: this GPU has {fans}"
+                raise GpuError(GpuErrorKind.INVALID_ARGUMENT, message, gpu=gpu, call=name) from exc
+            raise
 
     def persistence_enabled(self, gpu: int) -> bool:
         """nvidia-smi --query-gpu=persistence_mode"""
@@ -512,12 +537,12 @@ class NvmlBackend:
     def set_fan_speed_percent(self, gpu: int, fan: int, percent: int) -> None:
         """nvmlDeviceSetFanSpeed_v2: switches the fan to manual control at `percent`."""
         self._guard.check("set_fan_speed_percent")
-        self._device(gpu, "nvmlDeviceSetFanSpeed_v2", fan, percent)
+        self._fan_call(gpu, fan, "nvmlDeviceSetFanSpeed_v2", fan, percent)
 
     def set_fan_automatic(self, gpu: int, fan: int) -> None:
         """nvmlDeviceSetDefaultFanSpeed_v2: gives the fan back to the driver's curve."""
         self._guard.check("set_fan_automatic")
-        self._device(gpu, "nvmlDeviceSetDefaultFanSpeed_v2", fan)
+        self._fan_call(gpu, fan, "nvmlDeviceSetDefaultFanSpeed_v2", fan)
 
     def set_persistence(self, gpu: int, enabled: bool) -> None:
         """nvidia-smi -pm 1|0."""

@@ -74,6 +74,16 @@ maximum clocks when busy, halves its clock under hardware slowdown (temperature 
 slowdown threshold). `set_temperature`, `set_power_usage` and `set_clock_event_reasons` override
 the derived values. Fans on automatic follow `fan_auto_curve`.
 
+Beyond the protocol
+-------------------
+Fault injection and the simulated world (`inject_xid`, `inject_ecc_event`, `set_lost`,
+`set_reset_required`, `set_temperature`, `set_power_usage`, `set_clock_event_reasons`,
+`add_ecc_errors`, `set_remapped_rows`, `set_retired_pages_pending`, `set_pcie_link`,
+`add_pcie_replays`, `set_processes`, `fail_call`, `hang_call`, `advance`, `reboot`, `reset_gpu`,
+`reload`) and one extra reading, `total_energy_joules`. Injection needs neither init() nor a
+writable item; a nonsensical injection (a GPU index the profile lacks, retired pages on a board
+that remaps rows) is a ValueError.
+
 State file
 ----------
 `<state_dir>/simulated-gpus.json` holds settings, counters and injected faults (not derived
@@ -118,6 +128,7 @@ from agent.backend.base import (
     GpuProcess,
     MemoryInfo,
     PcieLink,
+    RecoveryAction,
     RemappedRows,
     TemperatureThreshold,
     Utilization,
@@ -578,6 +589,7 @@ class _GpuState:
     lost: bool = False
     lost_reported: bool = False
     reset_required: bool = False
+    recovery_action: int = 0  # RecoveryAction value the driver reports
     fail_calls: dict[str, GpuErrorKind] = field(default_factory=dict)
     hang_calls: dict[str, float] = field(default_factory=dict)
 
@@ -648,6 +660,7 @@ class _GpuState:
             lost=_json_bool(data["lost"]),
             lost_reported=_json_bool(data["lost_reported"]),
             reset_required=_json_bool(data["reset_required"]),
+            recovery_action=_json_int(data["recovery_action"]),
             fail_calls=_json_calls(data["fail_calls"], _json_kind),
             hang_calls=_json_calls(data["hang_calls"], _json_seconds),
         )
@@ -666,6 +679,7 @@ class _GpuState:
         self.remapped_pending = False
         self.retired_pages_pending = False
         self.reset_required = False
+        self.recovery_action = RecoveryAction.NONE
 
 
 @dataclass
@@ -1200,6 +1214,10 @@ class SimulatedBackend:
                 raise _error(GpuErrorKind.NOT_SUPPORTED, f"{dev.model.name} has no MIG", gpu, "mig_mode")
             return EnabledPending(current=dev.state.mig_current, pending=dev.state.mig_pending)
 
+    def recovery_action(self, gpu: int) -> int:
+        with self._read(gpu, "recovery_action") as dev:
+            return dev.state.recovery_action
+
     def compute_processes(self, gpu: int) -> list[GpuProcess]:
         with self._read(gpu, "compute_processes") as dev:
             if not dev.busy:
@@ -1372,6 +1390,11 @@ class SimulatedBackend:
     def set_reset_required(self, gpu: int, required: bool = True) -> None:
         with self._mutation() as machine:
             self._gpu_state(machine, gpu).reset_required = required
+
+    def set_recovery_action(self, gpu: int, action: RecoveryAction) -> None:
+        """What the driver reports the GPU needs (Xid 154 carries the same); a reset clears it."""
+        with self._mutation() as machine:
+            self._gpu_state(machine, gpu).recovery_action = int(action)
 
     def set_temperature(self, gpu: int, celsius: int | None) -> None:
         """Override the GPU temperature (None: back to the derived value)."""

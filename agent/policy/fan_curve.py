@@ -125,7 +125,7 @@ def apply(ctx: GpuContext, want: FanCurve, plan: ItemPlan) -> ItemResult:
         fans = ctx.backend.fan_count(ctx.gpu)
         for fan in range(fans):
             ctx.backend.set_fan_speed_percent(ctx.gpu, fan, target.percent)
-        # No read-back check: a fan takes seconds to reach a new speed; the next loop's plan compares.
+        # No read-back here: the engine re-plans after apply, which compares every fan with the target.
         return ItemResult(
             plan,
             Outcome.APPLIED,

@@ -21,23 +21,23 @@ _DOMAINS: tuple[tuple[ClockDomain, str, str, str], ...] = (
     (ClockDomain.MEMORY, "memory", "-lmc", "-rmc"),
 )
 
-MhzRange = tuple[int, int]
+_MhzRange = tuple[int, int]
 
 
 def desired(profile: GpuProfile) -> LockedClocks | None:
     return profile.locked_clocks
 
 
-def _wanted(want: LockedClocks) -> dict[ClockDomain, MhzRange]:
+def _wanted(want: LockedClocks) -> dict[ClockDomain, _MhzRange]:
     ranges = {ClockDomain.GRAPHICS: want.gpu_mhz, ClockDomain.MEMORY: want.memory_mhz}
     return {domain: mhz for domain, mhz in ranges.items() if mhz is not None}
 
 
-def _range_text(mhz: MhzRange | None) -> str:
+def _range_text(mhz: _MhzRange | None) -> str:
     return "unlocked" if mhz is None else f"{mhz[0]}-{mhz[1]} MHz"
 
 
-def _domains_text(ranges: Mapping[ClockDomain, MhzRange | None]) -> str:
+def _domains_text(ranges: Mapping[ClockDomain, _MhzRange | None]) -> str:
     return ", ".join(f"{label} {_range_text(ranges[domain])}" for domain, label, _, _ in _DOMAINS if domain in ranges)
 
 
@@ -52,7 +52,7 @@ def _mhz_list(values: list[int]) -> str:
     return ", ".join(str(v) for v in values) + " MHz"
 
 
-def _problems(ctx: GpuContext, wanted: dict[ClockDomain, MhzRange]) -> list[str]:
+def _problems(ctx: GpuContext, wanted: dict[ClockDomain, _MhzRange]) -> list[str]:
     """Why the device cannot take `wanted`; never clamp: NVML would round to a clock the operator did not pick."""
     problems: list[str] = []
     memory_supported = ctx.backend.supported_memory_clocks_mhz(ctx.gpu)
@@ -83,7 +83,7 @@ def _problems(ctx: GpuContext, wanted: dict[ClockDomain, MhzRange]) -> list[str]
     return problems
 
 
-def _lock_change(gpu: int, domain: ClockDomain, mhz: MhzRange) -> str:
+def _lock_change(gpu: int, domain: ClockDomain, mhz: _MhzRange) -> str:
     label, flag = next((label, flag) for d, label, flag, _ in _DOMAINS if d is domain)
     return f"lock {label} clocks of GPU {gpu} to {_range_text(mhz)} (nvidia-smi -i {gpu} {flag} {mhz[0]},{mhz[1]})"
 
@@ -122,9 +122,9 @@ def apply(ctx: GpuContext, want: LockedClocks, plan: ItemPlan) -> ItemResult:
     return guarded_apply(plan, write)
 
 
-def _read_locks(ctx: GpuContext) -> dict[ClockDomain, MhzRange | None]:
+def _read_locks(ctx: GpuContext) -> dict[ClockDomain, _MhzRange | None]:
     """Both domains' locks, leaving out a domain the board cannot lock (some lock graphics only)."""
-    locks: dict[ClockDomain, MhzRange | None] = {}
+    locks: dict[ClockDomain, _MhzRange | None] = {}
     for domain, _, _, _ in _DOMAINS:
         try:
             locks[domain] = ctx.backend.locked_clocks_mhz(ctx.gpu, domain)

@@ -1,0 +1,749 @@
+"""The simulated backend: NVML values from the H200 fixture and NVML semantics (units, ranges,
+NOT_SUPPORTED, permissions, pending modes, lost GPUs, events), state shared through a file."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.backend.base import (
+    SETTER_ITEMS,
+    ClockDomain,
+    EccCounter,
+    EccErrorType,
+    EnabledPending,
+    GpuBackend,
+    GpuEvent,
+    GpuEventKind,
+    GpuProcess,
+    MemoryInfo,
+    PcieLink,
+    RemappedRows,
+    TemperatureThreshold,
+    Utilization,
+    ViolationPolicy,
+)
+from agent.backend.errors import GpuError, GpuErrorKind, WriteRefused
+from agent.backend.sim import (
+    HGX_PCI_BUS_IDS,
+    PROTOCOL_METHODS,
+    REASON_GPU_IDLE,
+    REASON_HW_SLOWDOWN,
+    REASON_HW_THERMAL,
+    REASON_SW_POWER_CAP,
+    REASON_SW_THERMAL,
+    STATE_FILE_NAME,
+    SimulatedBackend,
+    list_profiles,
+    load_profile,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURE = json.loads((REPO / "tests" / "fixtures" / "nvml-h200.json").read_text())["devices"][0]
+ALL_ITEMS = sorted(set(SETTER_ITEMS.values()))
+RTX_NAME = "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"
+
+
+def make(tmp_path: Path, profile: str | Path = "h200", **kwargs: Any) -> SimulatedBackend:
+    kwargs.setdefault("writable_items", ALL_ITEMS)
+    backend = SimulatedBackend(profile, tmp_path / "state", **kwargs)
+    backend.init()
+    return backend
+
+
+def gpu_error(kind: GpuErrorKind, call: Callable[[], object]) -> GpuError:
+    with pytest.raises(GpuError) as info:
+        call()
+    assert info.value.kind == kind, info.value
+    return info.value
+
+
+# -- the H200 model is the fixture -----------------------------------------------------------
+
+
+def test_h200_readings_match_the_fixture(tmp_path: Path) -> None:
+    b = make(tmp_path)
+    assert b.device_count() == 1
+    assert b.driver_version() == "580.159.04"
+    ident = b.identity(0)
+    assert ident.name == FIXTURE["nvmlDeviceGetName"]
+    assert ident.vbios_version == FIXTURE["nvmlDeviceGetVbiosVersion"]
+    assert ident.minor_number == FIXTURE["nvmlDeviceGetMinorNumber"]
+    assert b.temperature_celsius(0) == FIXTURE["nvmlDeviceGetTemperature:0"]
+    for threshold, key in [
+        (TemperatureThreshold.SHUTDOWN, "nvmlDeviceGetTemperatureThreshold:0"),
+        (TemperatureThreshold.SLOWDOWN, "nvmlDeviceGetTemperatureThreshold:1"),
+        (TemperatureThreshold.GPU_MAX, "nvmlDeviceGetTemperatureThreshold:3"),
+    ]:
+        assert b.temperature_threshold_celsius(0, threshold) == FIXTURE[key]
+    # NVML answers milliwatts; the protocol answers watts.
+    assert b.power_usage_watts(0) == pytest.approx(FIXTURE["nvmlDeviceGetPowerUsage"] / 1000) == 123.455
+    assert b.power_limit_watts(0) == FIXTURE["nvmlDeviceGetPowerManagementLimit"] / 1000 == 700.0
+    assert b.power_limit_constraints_watts(0) == (200.0, 700.0)
+    assert b.default_power_limit_watts(0) == FIXTURE["nvmlDeviceGetPowerManagementDefaultLimit"] / 1000
+    assert b.total_energy_joules(0) == pytest.approx(FIXTURE["nvmlDeviceGetTotalEnergyConsumption"] / 1000)
+    assert b.clock_mhz(0, ClockDomain.GRAPHICS) == FIXTURE["nvmlDeviceGetClockInfo:0"]
+    assert b.clock_mhz(0, ClockDomain.SM) == FIXTURE["nvmlDeviceGetClockInfo:1"]
+    assert b.clock_mhz(0, ClockDomain.MEMORY) == FIXTURE["nvmlDeviceGetClockInfo:2"]
+    assert b.max_clock_mhz(0, ClockDomain.GRAPHICS) == FIXTURE["nvmlDeviceGetMaxClockInfo:0"]
+    assert b.max_clock_mhz(0, ClockDomain.MEMORY) == FIXTURE["nvmlDeviceGetMaxClockInfo:2"]
+    assert b.supported_memory_clocks_mhz(0) == FIXTURE["nvmlDeviceGetSupportedMemoryClocks"]
+    graphics = b.supported_graphics_clocks_mhz(0, 3201)
+    assert graphics[:5] == FIXTURE["nvmlDeviceGetSupportedGraphicsClocks:first_mem"]
+    assert graphics == list(range(1980, 344, -15))  # down to 345 MHz in 15 MHz steps
+    assert b.supported_graphics_clocks_mhz(0, 2201) == graphics
+    assert b.clock_event_reasons(0) == FIXTURE["nvmlDeviceGetCurrentClocksEventReasons"] == REASON_GPU_IDLE
+    assert b.fan_count(0) == FIXTURE["nvmlDeviceGetNumFans"] == 0
+    assert b.persistence_enabled(0) is bool(FIXTURE["nvmlDeviceGetPersistenceMode"])
+    assert b.ecc_mode(0) == EnabledPending(current=True, pending=True)
+    assert b.ecc_errors(0, EccErrorType.UNCORRECTED, EccCounter.AGGREGATE) == FIXTURE["nvmlDeviceGetTotalEccErrors:1:1"]
+    assert b.ecc_errors(0, EccErrorType.CORRECTED, EccCounter.AGGREGATE) == FIXTURE["nvmlDeviceGetTotalEccErrors:0:1"]
+    gpu_error(GpuErrorKind.NOT_SUPPORTED, lambda: b.retired_pages_pending(0))
+    assert b.remapped_rows(0) == RemappedRows(0, 0, False, False)
+    memory = FIXTURE["nvmlDeviceGetMemoryInfo"]
+    assert b.memory_info(0) == MemoryInfo(memory["total"], memory["used"], memory["free"])
+    assert b.utilization(0) == Utilization(0, 0)
+    assert b.performance_state(0) == FIXTURE["nvmlDeviceGetPerformanceState"]
+    assert b.mig_mode(0) == EnabledPending(False, False)
+    assert b.compute_processes(0) == []
+    assert b.pcie_link(0) == PcieLink(5, 16, 5, 16)
+    assert b.pcie_replay_counter(0) == FIXTURE["nvmlDeviceGetPcieReplayCounter"]
+    assert b.violation_time_ns(0, ViolationPolicy.POWER) == 0
+    assert b.violation_time_ns(0, ViolationPolicy.THERMAL) == 0
+    gpu_error(GpuErrorKind.NOT_SUPPORTED, lambda: b.fan_speed_percent(0, 0))
+
+
+def test_backend_implements_every_protocol_method_with_its_signature(tmp_path: Path) -> None:
+    b = make(tmp_path)
+    assert isinstance(b, GpuBackend)
+    assert b.name == "simulated"
+    for name, member in vars(GpuBackend).items():
+        if callable(member) and not name.startswith("_"):
+            ours = inspect.signature(getattr(SimulatedBackend, name))
+            assert list(ours.parameters) == list(inspect.signature(member).parameters), name
+
+
+def test_identities_are_deterministic_and_hgx_like(tmp_path: Path) -> None:
+    b = make(tmp_path, "h200x8")
+    idents = [b.identity(i) for i in range(b.device_count())]
+    assert [i.pci_bus_id for i in idents] == list(HGX_PCI_BUS_IDS)
+    assert [i.minor_number for i in idents] == list(range(8))
+    assert all(
+        re.fullmatch(r"GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", i.uuid) for i in idents
+    )
+    assert all(re.fullmatch(r"1654\d{9}", i.serial) for i in idents)
+    assert len({i.uuid for i in idents}) == len({i.serial for i in idents}) == 8
+    again = SimulatedBackend("h200x8", tmp_path / "elsewhere")
+    again.init()
+    assert again.identity(3) == idents[3]
+    other = make(tmp_path / "x", "h200x2")
+    assert other.identity(0).uuid != idents[0].uuid  # derived from (profile, index)
+
+
+def test_rtx_pro_6000_board(tmp_path: Path) -> None:
+    b = make(tmp_path, "rtx-pro-6000x2")
+    assert b.device_count() == 2
+    assert b.identity(0).name == RTX_NAME
+    assert b.identity(1).pci_bus_id == "00000000:21:00.0"
+    assert b.memory_info(0).total_bytes == 97887 * 1024 * 1024
+    assert b.power_limit_constraints_watts(0) == (150.0, 600.0)
+    assert b.default_power_limit_watts(0) == b.power_limit_watts(0) == 600.0
+    assert b.fan_count(0) == 2
+    assert b.fan_speed_range_percent(0) == (30, 100)
+    assert b.persistence_enabled(0) is False
+    assert b.ecc_mode(0) == EnabledPending(False, False)
+    assert b.mig_mode(0) == EnabledPending(False, False)  # MIG exists on RTX PRO 6000 Blackwell (R575+)
+    assert b.remapped_rows(0) == RemappedRows(0, 0, False, False)
+    gpu_error(GpuErrorKind.NOT_SUPPORTED, lambda: b.retired_pages_pending(0))
+    gpu_error(GpuErrorKind.NOT_SUPPORTED, lambda: b.temperature_threshold_celsius(0, TemperatureThreshold.MEM_MAX))
+    # ECC counters are not available while ECC is off.
+    gpu_error(GpuErrorKind.NOT_SUPPORTED, lambda: b.ecc_errors(0, EccErrorType.CORRECTED, EccCounter.VOLATILE))
+    assert b.performance_state(0) == 8
+    assert b.clock_mhz(0, ClockDomain.MEMORY) == 405
+    assert b.max_clock_mhz(0, ClockDomain.GRAPHICS) == b.supported_graphics_clocks_mhz(0, 14001)[0] == 2625
+    assert b.pcie_link(0) == PcieLink(5, 16, 5, 16)
+
+
+# -- setters ---------------------------------------------------------------------------------
+
+Check = Callable[[SimulatedBackend], bool]
+SETTER_CASES: list[tuple[str, str, tuple[Any, ...], Check]] = [
+    ("h200", "set_power_limit_watts", (0, 450.5), lambda b: b.power_limit_watts(0) == 450.5),
+    (
+        "h200",
+        "set_locked_clocks_mhz",
+        (0, ClockDomain.GRAPHICS, 1500, 1755),
+        lambda b: b.locked_clocks_mhz(0, ClockDomain.GRAPHICS) == (1500, 1755),
+    ),
+    (
+        "h200",
+        "set_locked_clocks_mhz",
+        (0, ClockDomain.MEMORY, 2201, 2201),
+        lambda b: b.locked_clocks_mhz(0, ClockDomain.MEMORY) == (2201, 2201),
+    ),
+    (
+        "h200",
+        "reset_locked_clocks",
+        (0, ClockDomain.GRAPHICS),
+        lambda b: b.locked_clocks_mhz(0, ClockDomain.GRAPHICS) is None,
+    ),
+    ("h200", "set_persistence", (0, False), lambda b: b.persistence_enabled(0) is False),
+    ("h200", "set_ecc_mode", (0, False), lambda b: b.ecc_mode(0) == EnabledPending(current=True, pending=False)),
+    ("rtx-pro-6000", "set_fan_speed_percent", (0, 1, 64), lambda b: b.fan_speed_percent(0, 1) == 64),
+    ("rtx-pro-6000", "set_fan_automatic", (0, 0), lambda b: b.fan_manual(0, 0) is False),
+    ("rtx-pro-6000", "set_persistence", (0, True), lambda b: b.persistence_enabled(0) is True),
+]
+SETTER_IDS = [f"{profile}-{setter}-{i}" for i, (profile, setter, _, _) in enumerate(SETTER_CASES)]
+
+
+@pytest.mark.parametrize(("profile", "setter", "args", "check"), SETTER_CASES, ids=SETTER_IDS)
+def test_setter_works_when_writable(
+    tmp_path: Path, profile: str, setter: str, args: tuple[Any, ...], check: Check
+) -> None:
+    b = make(tmp_path, profile, writable_items=[SETTER_ITEMS[setter]])
+    getattr(b, setter)(*args)
+    assert check(b)
+    # ... and it is in the state file: a fresh backend on the same state_dir sees it.
+    fresh = make(tmp_path, profile, writable_items=())
+    assert check(fresh)
+
+
+@pytest.mark.parametrize(("profile", "setter", "args", "check"), SETTER_CASES, ids=SETTER_IDS)
+def test_setter_refused_when_item_not_writable(
+    tmp_path: Path, profile: str, setter: str, args: tuple[Any, ...], check: Check
+) -> None:
+    others = [item for item in ALL_ITEMS if item != SETTER_ITEMS[setter]]
+    # The guard comes before everything: before root, before the lost GPU, before init.
+    b = SimulatedBackend(profile, tmp_path / "state", writable_items=others, privileged=False)
+    b.set_lost(0)
+    state = tmp_path / "state" / STATE_FILE_NAME
+    before = state.read_bytes()
+    with pytest.raises(WriteRefused) as info:
+        getattr(b, setter)(*args)
+    assert info.value.item == SETTER_ITEMS[setter]
+    assert info.value.operation == setter
+    assert state.read_bytes() == before
+
+
+@pytest.mark.parametrize(("profile", "setter", "args", "check"), SETTER_CASES, ids=SETTER_IDS)
+def test_setter_needs_root(tmp_path: Path, profile: str, setter: str, args: tuple[Any, ...], check: Check) -> None:
+    b = make(tmp_path, profile, privileged=False)
+    before = (tmp_path / "state").exists()
+    err = gpu_error(GpuErrorKind.NO_PERMISSION, lambda: getattr(b, setter)(*args))
+    assert err.gpu == 0 and err.call == setter
+    assert (tmp_path / "state").exists() == before  # nothing was written
+
+
+@pytest.mark.parametrize(("profile", "setter", "args", "check"), SETTER_CASES, ids=SETTER_IDS)
+def test_setter_on_lost_gpu(tmp_path: Path, profile: str, setter: str, args: tuple[Any, ...], check: Check) -> None:
+    b = make(tmp_path, profile)
+    b.set_lost(0)
+    gpu_error(GpuErrorKind.GPU_LOST, lambda: getattr(b, setter)(*args))
+
+
+@pytest.mark.parametrize(
+    ("profile", "setter", "args", "range_text"),
+    [
+        ("h200", "set_power_limit_watts", (0, 199.9), "200-700 W"),
+        ("h200", "set_power_limit_watts", (0, 701), "200-700 W"),
+        ("rtx-pro-6000", "set_power_limit_watts", (0, 100), "150-600 W"),
+        ("h200", "set_locked_clocks_mhz", (0, ClockDomain.GRAPHICS, 300, 1500), "345-1980 MHz"),
+        ("h200", "set_locked_clocks_mhz", (0, ClockDomain.GRAPHICS, 1500, 2100), "345-1980 MHz"),
+        ("h200", "set_locked_clocks_mhz", (0, ClockDomain.GRAPHICS, 1600, 1500), "345-1980 MHz"),
+        ("h200", "set_locked_clocks_mhz", (0, ClockDomain.MEMORY, 1000, 3201), "2201-3201 MHz"),
+        ("rtx-pro-6000", "set_locked_clocks_mhz", (0, ClockDomain.GRAPHICS, 1500, 2700), "180-2625 MHz"),
+        ("rtx-pro-6000", "set_fan_speed_percent", (0, 0, 20), "30-100 %"),
+        ("rtx-pro-6000", "set_fan_speed_percent", (0, 0, 101), "30-100 %"),
+    ],
+)
+def test_setter_out_of_range_names_the_range(
+    tmp_path: Path, profile: str, setter: str, args: tuple[Any, ...], range_text: str
+) -> None:
+    b = make(tmp_path, profile)
+    err = gpu_error(GpuErrorKind.INVALID_ARGUMENT, lambda: getattr(b, setter)(*args))
+    assert range_text in str(err)
+    assert b.power_limit_watts(0) == b.default_power_limit_watts(0)
+    assert b.locked_clocks_mhz(0, ClockDomain.GRAPHICS) is None
+    assert not (tmp_path / "state" / STATE_FILE_NAME).exists()  # a refused call writes nothing
+
+
+def test_invalid_gpu_index_and_domains(tmp_path: Path) -> None:
+    b = make(tmp_path, "h200x2")
+    gpu_error(GpuErrorKind.INVALID_ARGUMENT, lambda: b.temperature_celsius(2))
+    gpu_error(GpuErrorKind.INVALID_ARGUMENT, lambda: b.set_power_limit_watts(-1, 500))
+    gpu_error(GpuErrorKind.INVALID_ARGUMENT, lambda: b.set_locked_clocks_mhz(0, ClockDomain.SM, 1500, 1500))
+    gpu_error(GpuErrorKind.INVALID_ARGUMENT, lambda: b.locked_clocks_mhz(0, ClockDomain.SM))
+    err = gpu_error(GpuErrorKind.INVALID_ARGUMENT, lambda: b.supported_graphics_clocks_mhz(0, 1000))
+    assert "[3201, 2201]" in str(err)
+    with pytest.raises(ValueError, match="no GPU 5"):
+        b.inject_xid(5, 79)
+
+
+# -- clocks, power and thermals ----------------------------------------------------------------
+
+
+def test_locked_clocks_drive_the_sm_clock_under_load(tmp_path: Path) -> None:
+    b = make(tmp_path, "h200")
+    assert b.locked_clocks_mhz(0, ClockDomain.GRAPHICS) is None
+    assert b.locked_clocks_mhz(0, ClockDomain.MEMORY) is None
+    b.set_locked_clocks_mhz(0, ClockDomain.GRAPHICS, 1410, 1755)
+    assert b.clock_mhz(0, ClockDomain.SM) == 1755  # idle: the idle clock, clamped into the range
+    b.set_processes(0, [4242])
+    assert b.clock_mhz(0, ClockDomain.SM) == b.clock_mhz(0, ClockDomain.GRAPHICS) == 1755
+    assert b.clock_event_reasons(0) == 0
+    b.set_locked_clocks_mhz(0, ClockDomain.MEMORY, 2201, 2201)
+    assert b.clock_mhz(0, ClockDomain.MEMORY) == 2201
+    b.reset_locked_clocks(0, ClockDomain.GRAPHICS)
+    b.reset_locked_clocks(0, ClockDomain.GRAPHICS)  # unlocking twice is fine, as with NVML
+    assert b.locked_clocks_mhz(0, ClockDomain.GRAPHICS) is None
+    assert b.clock_mhz(0, ClockDomain.SM) == 1980
+
+
+def test_load_power_cap_and_thermal_slowdown(tmp_path: Path) -> None:
+    b = make(tmp_path, "h200")
+    b.set_processes(0, [100, 101])
+    assert b.utilization(0) == Utilization(100, 62)
+    assert b.performance_state(0) == 0
+    assert b.power_usage_watts(0) == 655.0
+    assert b.temperature_celsius(0) == 66
+    processes = b.compute_processes(0)
+    assert [p.pid for p in processes] == [100, 101]
+    assert all(isinstance(p, GpuProcess) and p.used_memory_bytes for p in processes)
+    info = b.memory_info(0)
+    assert info.used_bytes == 644939776 + sum(p.used_memory_bytes or 0 for p in processes)
+    assert info.free_bytes == info.total_bytes - info.used_bytes > 0
+
+    b.set_power_limit_watts(0, 300)
+    assert b.power_usage_watts(0) == 300.0
+    assert b.clock_event_reasons(0) == REASON_SW_POWER_CAP
+    capped = b.clock_mhz(0, ClockDomain.SM)
+    assert capped < 1980 and capped in b.supported_graphics_clocks_mhz(0, 3201)
+    assert 36 < b.temperature_celsius(0) < 66  # cooler at lower power
+
+    b.set_temperature(0, 90)
+    reasons = b.clock_event_reasons(0)
+    assert reasons & REASON_SW_THERMAL and reasons & REASON_HW_THERMAL and reasons & REASON_HW_SLOWDOWN
+    assert b.clock_mhz(0, ClockDomain.SM) <= capped // 2
+    b.set_temperature(0, None)
+    b.set_power_usage(0, 123.4)
+    b.set_clock_event_reasons(0, REASON_HW_SLOWDOWN)
+    assert b.power_usage_watts(0) == 123.4
+    assert b.clock_event_reasons(0) == REASON_HW_SLOWDOWN
+    with pytest.raises(ValueError, match="outside the supported"):
+        b.set_clock_event_reasons(0, 0x1000)
+
+
+def test_advance_grows_violation_counters_and_energy(tmp_path: Path) -> None:
+    b = make(tmp_path, "h200x2")
+    b.set_processes(0, [7])
+    b.set_power_limit_watts(0, 400)
+    energy_before = b.total_energy_joules(0)
+    b.advance(2.5)
+    assert b.violation_time_ns(0, ViolationPolicy.POWER) == 2_500_000_000
+    assert b.violation_time_ns(0, ViolationPolicy.TOTAL_APP_CLOCKS) == 2_500_000_000
+    assert b.violation_time_ns(0, ViolationPolicy.THERMAL) == 0
+    assert b.total_energy_joules(0) == pytest.approx(energy_before + 400 * 2.5)
+    # GPU 1 is idle: only the low-utilisation counter grows.
+    assert b.violation_time_ns(1, ViolationPolicy.LOW_UTILIZATION) == 2_500_000_000
+    assert b.violation_time_ns(1, ViolationPolicy.POWER) == 0
+    b.set_temperature(1, 91)
+    b.advance(1)
+    assert b.violation_time_ns(1, ViolationPolicy.THERMAL) == 1_000_000_000
+    assert b.violation_time_ns(0, ViolationPolicy.POWER) == 3_500_000_000
+    with pytest.raises(ValueError):
+        b.advance(-1)
+
+
+# -- fans ------------------------------------------------------------------------------------
+
+
+def test_fans_not_supported_on_h200(tmp_path: Path) -> None:
+    b = make(tmp_path, "h200")
+    assert b.fan_count(0) == 0
+    for call in (
+        lambda: b.fan_speed_percent(0, 0),
+        lambda: b.fan_manual(0, 0),
+        lambda: b.fan_speed_range_percent(0),
+        lambda: b.set_fan_speed_percent(0, 0, 50),
+        lambda: b.set_fan_automatic(0, 0),
+    ):
+        gpu_error(GpuErrorKind.NOT_SUPPORTED, call)
+
+
+def test_fans_on_rtx_pro_6000(tmp_path: Path) -> None:
+    b = make(tmp_path, "rtx-pro-6000")
+    assert [b.fan_manual(0, f) for f in (0, 1)] == [False, False]
+    idle = b.fan_speed_percent(0, 0)
+    assert idle == 30  # the automatic curve at 32 C, floored at the minimum
+    b.set_processes(0, [9])
+    assert b.temperature_celsius(0) == 81
+    loaded = b.fan_speed_percent(0, 0)
+    assert loaded == 77 > idle  # automatic control follows temperature
+    b.set_fan_speed_percent(0, 1, 100)
+    assert (b.fan_manual(0, 1), b.fan_speed_percent(0, 1)) == (True, 100)
+    assert (b.fan_manual(0, 0), b.fan_speed_percent(0, 0)) == (False, loaded)
+    b.set_fan_automatic(0, 1)
+    assert (b.fan_manual(0, 1), b.fan_speed_percent(0, 1)) == (False, loaded)
+    gpu_error(GpuErrorKind.INVALID_ARGUMENT, lambda: b.fan_speed_percent(0, 2))
+    gpu_error(GpuErrorKind.INVALID_ARGUMENT, lambda: b.set_fan_speed_percent(0, 2, 50))
+
+
+# -- modes: ECC, persistence, MIG; reboot and reset -------------------------------------------
+
+
+def test_ecc_pending_until_reboot(tmp_path: Path) -> None:
+    b = make(tmp_path, "rtx-pro-6000")
+    b.set_ecc_mode(0, True)
+    assert b.ecc_mode(0) == EnabledPending(current=False, pending=True)
+    gpu_error(GpuErrorKind.NOT_SUPPORTED, lambda: b.ecc_errors(0, EccErrorType.CORRECTED, EccCounter.VOLATILE))
+    b.set_persistence(0, True)  # immediate
+    assert b.persistence_enabled(0) is True
+    b.reboot()
+    assert b.ecc_mode(0) == EnabledPending(current=True, pending=True)
+    assert b.ecc_errors(0, EccErrorType.CORRECTED, EccCounter.VOLATILE) == 0
+    assert b.persistence_enabled(0) is False  # persistence mode does not survive a reboot
+
+
+def test_reboot_restores_boot_defaults_and_clears_faults(tmp_path: Path) -> None:
+    b = make(tmp_path, "rtx-pro-6000x2")
+    b.set_power_limit_watts(0, 300)
+    b.set_locked_clocks_mhz(0, ClockDomain.GRAPHICS, 1500, 1500)
+    b.set_fan_speed_percent(0, 0, 80)
+    b.add_ecc_errors(0, corrected=3, uncorrected=1)
+    b.set_remapped_rows(0, correctable=2, uncorrectable=1, pending=True)
+    b.set_processes(0, [1])
+    b.set_lost(1)
+    b.set_temperature(0, 99)
+    b.fail_call(0, "utilization", GpuErrorKind.UNKNOWN)
+    b.inject_xid(0, 31)
+    b.advance(5)
+    b.reboot()
+    assert b.power_limit_watts(0) == 600.0
+    assert b.locked_clocks_mhz(0, ClockDomain.GRAPHICS) is None
+    assert b.fan_manual(0, 0) is False
+    assert b.identity(1).index == 1  # no longer lost
+    assert b.temperature_celsius(0) == 32
+    assert b.utilization(0) == Utilization(0, 0)
+    assert b.compute_processes(0) == []
+    assert b.remapped_rows(0) == RemappedRows(2, 1, pending=False, failed=False)
+    assert b.violation_time_ns(0, ViolationPolicy.THERMAL) == 0
+    assert b.wait_events(0) == []
+
+
+def test_reset_gpu(tmp_path: Path) -> None:
+    b = make(tmp_path, "h200x2")
+    b.set_power_limit_watts(0, 500)
+    b.set_ecc_mode(0, False)
+    b.inject_ecc_event(0, uncorrected=True)
+    b.set_reset_required(0)
+    gpu_error(GpuErrorKind.RESET_REQUIRED, lambda: b.temperature_celsius(0))
+    assert b.identity(0).index == 0  # still identifiable
+    b.set_processes(0, [77])
+    err = gpu_error(GpuErrorKind.IN_USE, lambda: b.reset_gpu(0))
+    assert "77" in str(err)
+    unprivileged = make(tmp_path, "h200x2", privileged=False)
+    gpu_error(GpuErrorKind.NO_PERMISSION, lambda: unprivileged.reset_gpu(0))
+    b.set_processes(0, [])
+    b.reset_gpu(0)
+    assert b.power_limit_watts(0) == 700.0
+    assert b.ecc_mode(0) == EnabledPending(current=False, pending=False)  # the pending mode applied
+    b.set_ecc_mode(0, True)
+    b.reset_gpu(0)
+    assert b.ecc_errors(0, EccErrorType.UNCORRECTED, EccCounter.VOLATILE) == 0
+    assert b.ecc_errors(0, EccErrorType.UNCORRECTED, EccCounter.AGGREGATE) == 1
+    b.set_lost(1)
+    gpu_error(GpuErrorKind.GPU_LOST, lambda: b.reset_gpu(1))
+
+
+# -- faults ------------------------------------------------------------------------------------
+
+
+def every_per_gpu_reading(b: SimulatedBackend, gpu: int) -> Iterator[Callable[[], object]]:
+    yield lambda: b.identity(gpu)
+    yield lambda: b.temperature_celsius(gpu)
+    yield lambda: b.power_usage_watts(gpu)
+    yield lambda: b.clock_mhz(gpu, ClockDomain.SM)
+    yield lambda: b.clock_event_reasons(gpu)
+    yield lambda: b.utilization(gpu)
+    yield lambda: b.memory_info(gpu)
+    yield lambda: b.performance_state(gpu)
+    yield lambda: b.temperature_threshold_celsius(gpu, TemperatureThreshold.SHUTDOWN)
+    yield lambda: b.power_limit_watts(gpu)
+    yield lambda: b.power_limit_constraints_watts(gpu)
+    yield lambda: b.default_power_limit_watts(gpu)
+    yield lambda: b.max_clock_mhz(gpu, ClockDomain.GRAPHICS)
+    yield lambda: b.supported_memory_clocks_mhz(gpu)
+    yield lambda: b.supported_graphics_clocks_mhz(gpu, 3201)
+    yield lambda: b.locked_clocks_mhz(gpu, ClockDomain.GRAPHICS)
+    yield lambda: b.fan_count(gpu)
+    yield lambda: b.fan_speed_percent(gpu, 0)
+    yield lambda: b.fan_manual(gpu, 0)
+    yield lambda: b.fan_speed_range_percent(gpu)
+    yield lambda: b.persistence_enabled(gpu)
+    yield lambda: b.ecc_mode(gpu)
+    yield lambda: b.ecc_errors(gpu, EccErrorType.CORRECTED, EccCounter.VOLATILE)
+    yield lambda: b.remapped_rows(gpu)
+    yield lambda: b.retired_pages_pending(gpu)
+    yield lambda: b.pcie_link(gpu)
+    yield lambda: b.pcie_replay_counter(gpu)
+    yield lambda: b.violation_time_ns(gpu, ViolationPolicy.POWER)
+    yield lambda: b.mig_mode(gpu)
+    yield lambda: b.compute_processes(gpu)
+    yield lambda: b.recovery_action(gpu)
+
+
+def test_lost_gpu(tmp_path: Path) -> None:
+    b = make(tmp_path, "h200x2")
+    b.set_lost(1)
+    calls = list(every_per_gpu_reading(b, 1))
+    library = {"init", "shutdown", "driver_version", "device_count", "wait_events"}
+    assert len(calls) == len(PROTOCOL_METHODS - library - set(SETTER_ITEMS))  # every per-GPU reading
+    for call in calls:
+        err = gpu_error(GpuErrorKind.GPU_LOST, call)
+        assert err.gpu == 1
+    assert b.device_count() == 2  # NVML keeps counting it until the driver reloads
+    assert b.temperature_celsius(0) == 36
+    err = gpu_error(GpuErrorKind.GPU_LOST, lambda: b.wait_events(1))
+    assert err.gpu == 1
+    assert b.wait_events(0.05) == []  # raised once
+    b.set_lost(1, False)
+    assert b.temperature_celsius(1) == 36
+
+
+def test_fail_call_and_clear(tmp_path: Path) -> None:
+    b = make(tmp_path, "h200x2")
+    b.fail_call(1, "power_usage_watts", GpuErrorKind.UNKNOWN)
+    assert b.power_usage_watts(0) == 123.455
+    gpu_error(GpuErrorKind.UNKNOWN, lambda: b.power_usage_watts(1))
+    b.fail_call(None, "temperature_celsius", GpuErrorKind.TIMEOUT)
+    for gpu in (0, 1):
+        gpu_error(GpuErrorKind.TIMEOUT, functools.partial(b.temperature_celsius, gpu))
+    # A second process sees the injected failure too.
+    other = make(tmp_path, "h200x2")
+    gpu_error(GpuErrorKind.UNKNOWN, lambda: other.power_usage_watts(1))
+    b.fail_call(None, "temperature_celsius", None)
+    b.fail_call(1, "power_usage_watts", None)
+    assert b.temperature_celsius(1) == 36
+    assert other.power_usage_watts(1) == 123.455
+    b.fail_call(None, "init", GpuErrorKind.DRIVER_NOT_LOADED)
+    fresh = SimulatedBackend("h200x2", tmp_path / "state")
+    gpu_error(GpuErrorKind.DRIVER_NOT_LOADED, fresh.init)
+    gpu_error(GpuErrorKind.UNINITIALIZED, fresh.device_count)
+    with pytest.raises(ValueError, match="not a GpuBackend method"):
+        b.fail_call(0, "no_such_call", GpuErrorKind.UNKNOWN)
+    with pytest.raises(ValueError, match="library call"):
+        b.fail_call(0, "device_count", GpuErrorKind.UNKNOWN)
+
+
+def test_hang_call_sleeps_without_blocking_other_calls(tmp_path: Path) -> None:
+    b = make(tmp_path, "h200x2")
+    b.hang_call(0, "power_usage_watts", 0.4)
+    result: list[float] = []
+    started = time.monotonic()
+    hung = threading.Thread(target=lambda: result.append(b.power_usage_watts(0)))
+    hung.start()
+    time.sleep(0.05)
+    assert b.power_usage_watts(1) == 123.455  # another GPU answers meanwhile
+    assert b.temperature_celsius(0) == 36  # and so does another call on the hung GPU
+    assert time.monotonic() - started < 0.3
+    hung.join()
+    assert result == [123.455]
+    assert time.monotonic() - started >= 0.4
+    b.hang_call(0, "power_usage_watts", None)
+    started = time.monotonic()
+    b.power_usage_watts(0)
+    assert time.monotonic() - started < 0.1
+
+
+def test_calls_need_init(tmp_path: Path) -> None:
+    b = SimulatedBackend("h200", tmp_path / "state")
+    gpu_error(GpuErrorKind.UNINITIALIZED, lambda: b.temperature_celsius(0))
+    gpu_error(GpuErrorKind.UNINITIALIZED, lambda: b.wait_events(0))
+    b.init()
+    assert b.driver_version() == "580.159.04"
+    b.shutdown()
+    b.shutdown()  # safe twice
+    gpu_error(GpuErrorKind.UNINITIALIZED, b.device_count)
+
+
+# -- events --------------------------------------------------------------------------------------
+
+
+def test_wait_events_delivers_injections(tmp_path: Path) -> None:
+    now = [1000.0]
+    b = make(tmp_path, "h200x2", clock=lambda: now[0])
+    started = time.monotonic()
+    assert b.wait_events(0.2) == []
+    assert 0.2 <= time.monotonic() - started < 0.5
+    b.inject_xid(1, 79)
+    now[0] = 1001.0
+    b.inject_ecc_event(0, uncorrected=False)
+    b.inject_ecc_event(0, uncorrected=True)
+    events = b.wait_events(5)
+    assert [(e.gpu, e.kind, e.data) for e in events] == [
+        (1, GpuEventKind.XID, 79),
+        (0, GpuEventKind.SINGLE_BIT_ECC, 0),
+        (0, GpuEventKind.DOUBLE_BIT_ECC, 0),
+    ]
+    assert [e.timestamp_seconds for e in events] == [1000.0, 1001.0, 1001.0]
+    assert b.wait_events(0) == []
+    assert b.ecc_errors(0, EccErrorType.CORRECTED, EccCounter.VOLATILE) == 1
+    assert b.ecc_errors(0, EccErrorType.UNCORRECTED, EccCounter.AGGREGATE) == 1
+
+
+def test_wait_events_wakes_for_an_injection_from_another_thread(tmp_path: Path) -> None:
+    b = make(tmp_path, "h200")
+    timer = threading.Timer(0.1, lambda: b.inject_xid(0, 48))
+    started = time.monotonic()
+    timer.start()
+    events = b.wait_events(5)
+    assert [e.data for e in events] == [48]
+    assert time.monotonic() - started < 1
+
+
+def test_wait_events_sees_an_injection_from_another_process(tmp_path: Path) -> None:
+    b = make(tmp_path, "h200x8")
+    code = (
+        "import sys; from agent.backend.sim import SimulatedBackend; "
+        "SimulatedBackend('h200x8', sys.argv[1]).inject_xid(3, 79)"
+    )
+    started = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "state")], cwd=REPO)
+    events: list[GpuEvent] = []
+    while not events and time.monotonic() - started < 15:
+        events = b.wait_events(1)
+    assert proc.wait(timeout=15) == 0
+    assert [(e.gpu, e.kind, e.data) for e in events] == [(3, GpuEventKind.XID, 79)]
+
+
+# -- state file ------------------------------------------------------------------------------------
+
+
+def test_state_is_shared_between_instances(tmp_path: Path) -> None:
+    first = make(tmp_path, "h200x2")
+    second = make(tmp_path, "h200x2")
+    first.set_power_limit_watts(1, 555)
+    assert second.power_limit_watts(1) == 555.0  # picked up on the next call
+    assert second.reload() is False  # already current
+    second.set_persistence(0, False)
+    assert first.reload() is True
+    assert first.persistence_enabled(0) is False
+    assert first.power_limit_watts(1) == 555.0  # the second's write kept the first's change
+    leftovers = sorted(p.name for p in (tmp_path / "state").iterdir())
+    assert leftovers == [STATE_FILE_NAME, STATE_FILE_NAME + ".lock"]  # no temporary files left
+
+
+def test_state_of_another_profile_is_ignored(tmp_path: Path) -> None:
+    make(tmp_path, "h200").set_power_limit_watts(0, 333)
+    b = make(tmp_path, "h200x2")
+    assert b.power_limit_watts(0) == 700.0
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"version": 1, "machine": {"profile": "h200"}}', "[]", ""])
+def test_corrupt_state_file_is_set_aside(tmp_path: Path, content: str) -> None:
+    make(tmp_path, "h200").set_power_limit_watts(0, 333)
+    state = tmp_path / "state" / STATE_FILE_NAME
+    good = json.loads(state.read_text())
+    if content.startswith('{"version"'):
+        good["gpus"][0]["power_limit_mw"] = "lots"
+        content = json.dumps(good)
+    state.write_text(content)
+    b = make(tmp_path, "h200")
+    assert b.power_limit_watts(0) == 700.0  # boot defaults
+    assert (tmp_path / "state" / (STATE_FILE_NAME + ".corrupt")).read_text() == content
+    b.set_power_limit_watts(0, 444)
+    assert make(tmp_path, "h200").power_limit_watts(0) == 444.0
+
+
+def test_concurrent_threads(tmp_path: Path) -> None:
+    b = make(tmp_path, "h200x8")
+    errors: list[BaseException] = []
+
+    def work(gpu: int) -> None:
+        try:
+            for watts in range(300, 320):
+                b.set_power_limit_watts(gpu, watts)
+                assert b.power_limit_watts(gpu) == watts
+                b.temperature_celsius(gpu)
+        except BaseException as exc:  # collected and asserted on below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(gpu,)) for gpu in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert [make(tmp_path, "h200x8").power_limit_watts(g) for g in range(8)] == [319.0] * 8
+
+
+# -- profiles ----------------------------------------------------------------------------------------
+
+
+def test_builtin_profiles() -> None:
+    assert list_profiles() == ["h200", "h200x2", "h200x8", "mixed", "rtx-pro-6000", "rtx-pro-6000x2"]
+    counts = {name: len(load_profile(name).models) for name in list_profiles()}
+    assert counts == {"h200": 1, "h200x2": 2, "h200x8": 8, "mixed": 6, "rtx-pro-6000": 1, "rtx-pro-6000x2": 2}
+    mixed = load_profile("mixed")
+    assert [m.name for m in mixed.models] == ["NVIDIA H200"] * 4 + [RTX_NAME] * 2
+
+
+def test_unknown_profile_lists_builtins(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"unknown simulated GPU profile 'h100x8'.*h200x8.*rtx-pro-6000x2"):
+        SimulatedBackend("h100x8", tmp_path)
+
+
+def test_profile_file(tmp_path: Path) -> None:
+    path = tmp_path / "lab.json"
+    path.write_text(
+        json.dumps(
+            {
+                "description": "one of each",
+                "driver_version": "575.57.08",
+                "scenario": {"ignored": "by the backend"},
+                "gpus": [
+                    {"model": "h200"},
+                    {"model": {"base": "rtx-pro-6000", "name": "NVIDIA RTX PRO 6000 Blackwell Max-Q", "fan_count": 1}},
+                ],
+                "pci_bus_ids": ["00000000:01:00.0", "00000000:02:00.0"],
+            }
+        )
+    )
+    b = make(tmp_path, path)
+    assert b.driver_version() == "575.57.08"
+    assert b.device_count() == 2
+    assert b.identity(1).name == "NVIDIA RTX PRO 6000 Blackwell Max-Q"
+    assert b.identity(1).pci_bus_id == "00000000:02:00.0"
+    assert b.fan_count(1) == 1
+    assert b.fan_count(0) == 0
+    assert b.identity(0).uuid != make(tmp_path / "x", "h200").identity(0).uuid  # profile name "lab"
+    assert load_profile(str(path)).name == "lab"
+
+
+@pytest.mark.parametrize(
+    ("profile", "message"),
+    [
+        ({"gpus": [{"model": "h100"}]}, r"unknown GPU model 'h100' \(built-in models: h200, rtx-pro-6000\)"),
+        ({"gpus": [{"model": {"base": "h200", "fan_cnt": 2}}]}, "unknown key.*fan_cnt"),
+        ({"gpus": [{"model": {"base": "h200", "power_limit_default_mw": 900000}}]}, "outside"),
+        ({"gpus": [{"model": {"name": "x"}}]}, "missing key"),
+        ({"gpus": []}, "non-empty list"),
+        ({"gpus": [{"model": "h200", "count": 2}], "pci_bus_ids": ["a"]}, "2 distinct strings"),
+    ],
+)
+def test_bad_profile_files(tmp_path: Path, profile: dict[str, Any], message: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(profile))
+    with pytest.raises(ValueError, match=message):
+        load_profile(path)
