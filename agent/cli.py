@@ -53,6 +53,15 @@ def _print(text: str) -> None:
 # -- commands ------------------------------------------------------------------------------------
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    from agent.daemon import Daemon
+    from agent.logs import configure_logging
+
+    configure_logging(args.log_level, args.log_format)
+    path, _ = _config_path(args)
+    return Daemon(load(args), path).run()
+
+
 def cmd_check_config(args: argparse.Namespace) -> int:
     path, _ = _config_path(args)
     if path is None:
@@ -113,35 +122,60 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from agent import render
-    from agent.collect import sample_all
+    from agent import api, render
 
     config = load(args)
+    document = None
+    if not args.direct:
+        try:
+            document = api.call(config.api.socket, "status")
+        except (OSError, ValueError):
+            document = None  # no daemon (or not ours): read directly
+        except api.ApiError as exc:
+            raise CliError(f"daemon at {config.api.socket}: {exc}") from None
+    if document is None or document.get("starting"):
+        document = direct_status(config)
+    _print(render.dumps(document) if args.json else render.status_text(document))
+    return EXIT_OK
+
+
+def direct_status(config: AgentConfig) -> dict[str, object]:
+    """What `status` shows when no daemon answers: one collection and one plan, read-only."""
+    import time
+
+    from agent import render
+    from agent.collect import sample_all
+    from agent.state import NodeSnapshot
+    from agent.watch.gpu_lost import GpuLostWatcher
+    from agent.watch.health import HealthBook
+    from agent.watch.throttle import ThrottleWatcher
+
     engine = make_engine(config)
+    now = time.time()
     try:
         samples = sample_all(engine.backend)
         driver = engine.backend.driver_version()
         plan = engine.plan()
     finally:
         engine.backend.shutdown()
-    note = "direct read: no daemon answered on the socket"
-    if args.json:
-        document = {
-            "source": "direct",
-            "note": note,
-            "version": __version__,
-            "backend": config.backend,
-            "driver_version": driver,
-            "gpus": [render.sample_json(s) for s in samples],
-            "policy": render.plan_json(plan),
-        }
-        _print(render.dumps(document))
-        return EXIT_OK
-    _print(f"gpu-agent {__version__} ({note}); backend {config.backend}, driver {driver}\n")
-    _print(render.samples_text(samples))
-    _print("\npolicy (" + config.mode.value + " mode):")
-    _print(render.plan_text(plan))
-    return EXIT_OK
+    throttle, lost = ThrottleWatcher(), GpuLostWatcher()
+    for watcher in (throttle, lost):
+        watcher.observe(samples, now)
+    book = HealthBook([throttle, lost])
+    snapshot = NodeSnapshot(
+        timestamp_seconds=now,
+        started_seconds=now,
+        version=__version__,
+        backend=config.backend,
+        driver_version=driver,
+        gpus=tuple(samples),
+        health={s.index: book.gpu_health(s.index) for s in samples},
+        policy=plan.items,
+        item_modes={item: mode.value for item, mode in plan.item_modes.items()},
+        throttle_active_since=throttle.active_since(),
+    )
+    note = f"direct read: no daemon answered on {config.api.socket}"
+    return render.snapshot_document(snapshot, source="direct", note=note, mode=config.mode.value)
 
 
 def cmd_xid_explain(args: argparse.Namespace) -> int:
@@ -218,7 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
         "restore", parents=[common, as_json], help="fans to automatic, locked clocks reset, default power limit"
     )
     p.set_defaults(func=cmd_restore)
-    p = sub.add_parser("status", parents=[common, as_json], help="GPUs, readings and policy compliance")
+    p = sub.add_parser(
+        "status", parents=[common, as_json], help="live view from the daemon; a direct read when none runs"
+    )
+    p.add_argument("--direct", action="store_true", help="read the GPUs directly even if a daemon runs")
     p.set_defaults(func=cmd_status)
     p = sub.add_parser(
         "check-config",

@@ -19,6 +19,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DEFAULT_CONFIG_PATH = "/etc/gpu-agent/agent.yaml"
+DEFAULT_RULES_DIR = "/etc/gpu-agent/rules.d"
+GPU_RESET_ITEM = "gpu_reset"  # agent.backend.base.SETTER_ITEMS uses the same name
 DEFAULT_METRICS_PORT = 9481  # unused by node_exporter (9100), dcgm-exporter (9400), nvidia_gpu_exporter (9835)
 
 
@@ -188,10 +190,58 @@ class ServiceConfig(StrictModel):
     unit: str | None = None  # systemd unit, e.g. sglang.service
     health_url: str | None = None
     gpus: Literal["all"] | list[Annotated[int, Field(ge=0)]] = "all"
+    # How the agent starts and stops it: a systemd unit, or commands (argv lists, never a shell)
+    # for services run some other way (a container runtime, a supervisor). Restart = stop + start.
+    manager: Literal["systemd", "command"] = "systemd"
+    start_command: list[str] | None = Field(default=None, min_length=1)
+    stop_command: list[str] | None = Field(default=None, min_length=1)
+    status_command: list[str] | None = Field(default=None, min_length=1)  # exit 0 = running; only for `command`
+    command_timeout_seconds: float = Field(default=90.0, gt=0, le=3600)
+    probe_interval_seconds: float = Field(default=5.0, gt=0, le=3600)
+    probe_timeout_seconds: float = Field(default=2.0, gt=0, le=300)
+    unhealthy_after_probes: int = Field(default=3, ge=1, le=100)
+    # How long a (re)started service may take to answer its health URL: loading model weights
+    # takes minutes on a large model.
+    ready_timeout_seconds: float = Field(default=600.0, gt=0, le=7200)
 
     @property
     def unit_name(self) -> str:
         return self.unit or f"{self.name}.service"
+
+    @field_validator("health_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"https?://[^/\s]+", value):
+            raise ValueError("must be an http:// or https:// URL")
+        return value
+
+    @field_validator("start_command", "stop_command", "status_command")
+    @classmethod
+    def _absolute_program(cls, argv: list[str] | None) -> list[str] | None:
+        # No PATH lookup: which binary runs must not depend on the environment the agent inherited.
+        if argv is not None and not argv[0].startswith("/"):
+            raise ValueError(f"the program must be an absolute path, not {argv[0]!r}")
+        return argv
+
+    @model_validator(mode="after")
+    def _commands_match_manager(self) -> ServiceConfig:
+        commands = {"start_command": self.start_command, "stop_command": self.stop_command}
+        if self.manager == "command":
+            missing = [name for name, argv in commands.items() if argv is None]
+            if missing:
+                raise ValueError(f"manager 'command' needs {' and '.join(missing)}")
+        else:
+            given = [name for name, argv in {**commands, "status_command": self.status_command}.items() if argv]
+            if given:
+                raise ValueError(f"{', '.join(given)}: only for manager 'command'")
+        return self
+
+
+class RemediationConfig(StrictModel):
+    rules_dir: str = DEFAULT_RULES_DIR
+    allow_reboot: bool = False  # a rule may only use the `reboot` action when the operator allows it
+    alertmanager_url: str | None = None  # e.g. http://127.0.0.1:9093; the default for alertmanager actions
+    reboot_command: list[str] = Field(default_factory=lambda: ["systemctl", "reboot"], min_length=1)
 
 
 class AgentConfig(StrictModel):
@@ -205,6 +255,7 @@ class AgentConfig(StrictModel):
     api: ApiConfig = ApiConfig()
     policy: PolicyConfig = PolicyConfig()
     services: list[ServiceConfig] = Field(default_factory=list)
+    remediation: RemediationConfig = RemediationConfig()
 
     @field_validator("services")
     @classmethod
@@ -222,8 +273,12 @@ class AgentConfig(StrictModel):
         return self.mode
 
     def writable_items(self) -> frozenset[str]:
-        """Policy items the backend and host may change: those in enforce mode."""
-        return frozenset(i for i in GPU_ITEMS + NODE_ITEMS if self.item_mode(i) is Mode.ENFORCE)
+        """Policy items the backend and host may change: those in enforce mode; GPU resets
+        (remediation) only when the agent as a whole is in enforce mode."""
+        items = {i for i in GPU_ITEMS + NODE_ITEMS if self.item_mode(i) is Mode.ENFORCE}
+        if self.mode is Mode.ENFORCE:
+            items.add(GPU_RESET_ITEM)
+        return frozenset(items)
 
     def service_unit(self, name: str) -> str:
         """A service name from `services:` to its unit; an unknown name is taken as a unit name."""

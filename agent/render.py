@@ -8,9 +8,10 @@ from dataclasses import asdict
 from typing import Any
 
 from agent.clock_events import decode
+from agent.events import Event
 from agent.policy.base import ItemPlan, ItemResult
 from agent.policy.engine import ApplyReport, NodePlan
-from agent.state import GpuSample
+from agent.state import GpuSample, NodeSnapshot
 
 JSON_SCHEMA_VERSION = 1
 
@@ -54,6 +55,126 @@ def plan_json(plan: NodePlan) -> dict[str, Any]:
         "profiles": {str(gpu): number for gpu, number in sorted(plan.profiles.items())},
         "items": [plan_item_json(p, plan.item_modes.get(p.item, plan.mode).value) for p in plan.items],
     }
+
+
+def _event_json(event: Event) -> dict[str, Any]:
+    return {
+        "kind": event.kind.value,
+        "severity": event.severity.value,
+        "gpu": event.gpu,
+        "uuid": event.uuid,
+        "message": event.message,
+        "timestamp_seconds": event.timestamp_seconds,
+        "source": event.source,
+        "suggested_action": event.suggested_action.value,
+        "data": event.data,
+    }
+
+
+def snapshot_document(snapshot: NodeSnapshot, source: str, note: str = "", mode: str = "observe") -> dict[str, Any]:
+    """`gpu-agent status --json`: the same document from the daemon and from a direct read."""
+    gpus = []
+    for sample in snapshot.gpus:
+        health = snapshot.health.get(sample.index)
+        entry = sample_json(sample)
+        entry["stale"] = sample.index in snapshot.stale_gpus
+        entry["health"] = (
+            {"state": health.state.value, "reason": health.reason, "suggested_action": health.suggested_action.value}
+            if health is not None
+            else None
+        )
+        entry["throttling"] = sorted(reason for (gpu, reason) in snapshot.throttle_active_since if gpu == sample.index)
+        gpus.append(entry)
+    policy_items = [plan_item_json(p, snapshot.item_modes.get(p.item, mode)) for p in snapshot.policy]
+    return {
+        "source": source,
+        "note": note,
+        "version": snapshot.version,
+        "backend": snapshot.backend,
+        "driver_version": snapshot.driver_version,
+        "timestamp_seconds": snapshot.timestamp_seconds,
+        "uptime_seconds": round(snapshot.timestamp_seconds - snapshot.started_seconds, 3),
+        "gpus": gpus,
+        "policy": {
+            "in_sync": all(p.in_sync for p in snapshot.policy),
+            "items": policy_items,
+        },
+        "xids": [asdict(x) for x in snapshot.xids],
+        "services": [asdict(s) for s in snapshot.services],
+        "remediations": [asdict(r) for r in snapshot.remediations],
+        "recent_events": [_event_json(e) for e in snapshot.recent_events[-20:]],
+        "collectors": [asdict(c) for c in snapshot.collectors],
+    }
+
+
+def status_text(document: dict[str, Any]) -> str:
+    """The human view of a status document (daemon or direct)."""
+    lines = [
+        f"gpu-agent {document['version']} ({document['source']}"
+        + (f": {document['note']}" if document.get("note") else "")
+        + f"); backend {document['backend']}, driver {document['driver_version'] or '-'}"
+        + (f", up {_duration(document['uptime_seconds'])}" if document["source"] == "daemon" else ""),
+        "",
+    ]
+    rows = []
+    for g in document["gpus"]:
+        health = g.get("health") or {}
+        rows.append(
+            [
+                str(g["index"]),
+                g["name"] or "?",
+                ("STALE " if g.get("stale") else "") + (health.get("state") or ("up" if g["up"] else "DOWN")),
+                _fmt(g["temperature_celsius"], " C"),
+                f"{_fmt(g['power_usage_watts'], '', 0)}/{_fmt(g['power_limit_watts'], ' W', 0)}",
+                f"{_fmt(g['sm_clock_mhz'])}/{_fmt(g['memory_clock_mhz'])} MHz",
+                _fmt(g["gpu_utilization_percent"], "%"),
+                "/".join(f"{f}%" for f in g["fan_speeds_percent"]) if g["fan_speeds_percent"] else "-",
+                ", ".join(g["clock_event_reasons_active"] or []) or "-",
+                health.get("reason") or ", ".join(f"{k}: {v}" for k, v in g["read_errors"].items()),
+            ]
+        )
+    lines.append(
+        table(
+            ["GPU", "NAME", "HEALTH", "TEMP", "POWER", "SM/MEM CLOCK", "UTIL", "FANS", "CLOCK EVENTS", "REASON"], rows
+        )
+    )
+    items = document["policy"]["items"]
+    off = [i for i in items if i["status"] not in ("in_sync", "not_applicable")]
+    lines.append("")
+    lines.append(f"policy: {len(items) - len(off)}/{len(items)} items in sync")
+    lines.extend(
+        f"  {i['item']}{'' if i['gpu'] is None else ' GPU ' + str(i['gpu'])}: {i['status']} "
+        f"(want {i['desired']}, have {i['actual']}){' - ' + i['detail'] if i['detail'] else ''}"
+        for i in off
+    )
+    if document["xids"]:
+        lines.append("")
+        lines.append("Xids: " + ", ".join(f"GPU {x['gpu']} Xid {x['xid']} x{x['count']}" for x in document["xids"]))
+    if document["services"]:
+        lines.append("")
+        lines.extend(
+            f"service {s['name']} ({s['unit']}): "
+            + ("up" if s["up"] else "not probed yet" if s["up"] is None else f"DOWN ({s['detail']})")
+            for s in document["services"]
+        )
+    if document["remediations"]:
+        lines.append("")
+        lines.append(
+            "remediations: "
+            + ", ".join(f"{r['rule']}/{r['action']} {r['outcome']} x{r['count']}" for r in document["remediations"])
+        )
+    recent = document["recent_events"][-5:]
+    if recent:
+        lines.append("")
+        lines.append("recent events:")
+        lines.extend(f"  [{e['severity']}] {e['message']}" for e in recent)
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
 def _why(plan: ItemPlan) -> str:
@@ -119,44 +240,3 @@ def _fmt(value: object, unit: str = "", digits: int = 0) -> str:
     if isinstance(value, float):
         return f"{value:.{digits}f}{unit}"
     return f"{value}{unit}"
-
-
-def samples_text(samples: Sequence[GpuSample]) -> str:
-    rows = []
-    for s in samples:
-        if not s.up:
-            rows.append(
-                [
-                    str(s.index),
-                    s.name or "?",
-                    "DOWN",
-                    *(["-"] * 6),
-                    ", ".join(f"{k}: {v}" for k, v in s.read_errors.items()),
-                ]
-            )
-            continue
-        memory = (
-            f"{s.memory_used_bytes / 2**30:.1f}/{s.memory_total_bytes / 2**30:.0f} GiB"
-            if s.memory_used_bytes is not None and s.memory_total_bytes is not None
-            else "-"
-        )
-        power = f"{_fmt(s.power_usage_watts, '', 0)}/{_fmt(s.power_limit_watts, ' W', 0)}"
-        fans = "/".join(f"{f}%" for f in s.fan_speeds_percent) if s.fan_speeds_percent else "-"
-        reasons = ", ".join(decode(s.clock_event_reasons)) if s.clock_event_reasons is not None else "-"
-        rows.append(
-            [
-                str(s.index),
-                s.name,
-                _fmt(s.temperature_celsius, " C"),
-                power,
-                f"{_fmt(s.sm_clock_mhz)}/{_fmt(s.memory_clock_mhz)} MHz",
-                _fmt(s.gpu_utilization_percent, "%"),
-                memory,
-                fans,
-                reasons,
-                ", ".join(f"{k}: {v}" for k, v in s.read_errors.items()),
-            ]
-        )
-    return table(
-        ["GPU", "NAME", "TEMP", "POWER", "SM/MEM CLOCK", "UTIL", "MEMORY", "FANS", "CLOCK EVENTS", "ERRORS"], rows
-    )

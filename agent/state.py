@@ -110,6 +110,7 @@ class NodeSnapshot:
     policy: tuple[ItemPlan, ...] = ()
     item_modes: dict[str, str] = field(default_factory=dict)
     clock_event_seconds: dict[tuple[int, str], float] = field(default_factory=dict)  # (gpu, reason) -> total
+    throttle_active_since: dict[tuple[int, str], float] = field(default_factory=dict)  # slowdown reasons active now
     xids: tuple[XidCount, ...] = ()
     services: tuple[ServiceStatus, ...] = ()
     remediations: tuple[RemediationCount, ...] = ()

@@ -7,6 +7,9 @@ answers raise `pynvml.NVMLError(pynvml.NVML_ERROR_X)`, device handles are genuin
 `c_nvmlDevice_t` pointers, structs are the real pynvml structs. So code under test meets
 NVML as it is, minus the hardware.
 
+Answers come from, in order: `replay.answer(...)`, the supplement (`H200_PROBED` by default:
+static answers the recording lacks, read on a real H200), the recording.
+
 - Setters (nvmlDeviceSet*/Reset*/Clear*) are recorded in `replay.calls`, never carried out,
   and do not change later answers.
 - A call the recording has no answer for raises `ReplayMissing` (not an NVMLError, so no
@@ -24,7 +27,7 @@ import inspect
 import json
 import re
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,10 +42,38 @@ _KEEP_REAL = frozenset(
     {"nvmlErrorString", "nvmlExceptionClass", "nvmlStructToFriendlyObject", "nvmlFriendlyObjectToStruct"}
 )
 
+#: Static answers the recording lacks, read-only on a real H200 SXM (driver 580.159.04,
+#: nvidia-ml-py 13.610.43) on 2026-11-29 with nothing locked. Time-varying readings are left
+#: out so they cannot disagree with the recording. Worth merging into the fixture.
+H200_PROBED: dict[str, Any] = {
+    "nvmlDeviceGetMinMaxClockOfPState:0:0": [345, 1980],
+    "nvmlDeviceGetMinMaxClockOfPState:0:2": [345, 1980],
+    "nvmlDeviceGetMinMaxClockOfPState:1:0": [345, 1980],
+    "nvmlDeviceGetMinMaxClockOfPState:1:2": [345, 1980],
+    "nvmlDeviceGetMinMaxClockOfPState:2:0": [3201, 3201],
+    "nvmlDeviceGetMinMaxClockOfPState:2:2": [2201, 2201],
+    "nvmlDeviceGetMaxClockInfo:1": 1980,
+    # 110 clocks, 1980 down to 345 MHz in 15 MHz steps, for both memory clocks (the recording
+    # kept the first five of the 3201 MHz list).
+    "nvmlDeviceGetSupportedGraphicsClocks:3201": list(range(1980, 344, -15)),
+    "nvmlDeviceGetSupportedGraphicsClocks:2201": list(range(1980, 344, -15)),
+    "nvmlDeviceGetSupportedPerformanceStates": [2, 0],
+    "nvmlDeviceGetTemperatureThreshold:2": 95,
+    "nvmlDeviceGetMaxPcieLinkWidth": 16,
+    "nvmlDeviceGetTotalEccErrors:0:0": 0,
+    "nvmlDeviceGetTotalEccErrors:1:0": 0,
+    # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION: NONE, as an unsigned int; an unknown field id
+    # answers NVML_ERROR_INVALID_ARGUMENT in its own nvmlReturn.
+    "nvmlDeviceGetFieldValues:230": 0,
+    # A fan index the board lacks is an invalid argument; the SXM H200 has none.
+    "nvmlDeviceGetFanSpeed_v2:0": "ERR:NVML_ERROR_INVALID_ARGUMENT",
+    "nvmlDeviceGetFanControlPolicy_v2:0": "ERR:NVML_ERROR_INVALID_ARGUMENT",
+    "nvmlDeviceGetMinMaxFanSpeed": "ERR:NVML_ERROR_INVALID_ARGUMENT",
+}
+
 # Versioned or renamed calls, answered from the name the recording used.
 _RECORDED_AS = {
     "nvmlDeviceGetTemperatureV": "nvmlDeviceGetTemperature",
-    "nvmlDeviceGetFanSpeed_v2": "nvmlDeviceGetFanSpeed",
     "nvmlDeviceGetComputeRunningProcesses_v3": "nvmlDeviceGetComputeRunningProcesses",
     "nvmlDeviceGetComputeRunningProcesses_v2": "nvmlDeviceGetComputeRunningProcesses",
     "nvmlDeviceGetPciInfo_v3": "nvmlDeviceGetPciInfo",
@@ -75,8 +106,9 @@ class Call:
 
 
 class Replay:
-    def __init__(self, fixture: dict[str, Any]) -> None:
+    def __init__(self, fixture: dict[str, Any], supplement: Mapping[str, Any]) -> None:
         self.fixture = fixture
+        self.supplement = dict(supplement)
         self.devices: list[dict[str, Any]] = fixture["devices"]
         #: Setter calls that reached NVML (including ones that then failed), in order.
         self.calls: list[Call] = []
@@ -150,7 +182,10 @@ class Replay:
             return handler(self, call)
         if gpu is None:
             raise ReplayMissing(f"{name}{args} has no answer in the replay")
-        return self._device_answer(name, gpu, call.args)
+        if name == "nvmlDeviceGetFieldValues":
+            return self._field_values(gpu, call.args[0])
+        recorded = _RECORDED_AS.get(name, name)
+        return _convert(recorded, self._device_answer(name, gpu, call.args))
 
     def _gpu_of(self, handle: Any) -> int:
         address = ctypes.cast(handle, ctypes.c_void_p).value
@@ -158,7 +193,8 @@ class Replay:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return self._gpu_by_address[address]
 
-    def _device_answer(self, name: str, gpu: int, args: tuple[Any, ...]) -> Any:
+    def _device_answer(self, name: str, gpu: int, args: tuple[Any, ...], *, bare: bool = True) -> Any:
+        """The answer as recorded; `bare`: an answer recorded without arguments serves any."""
         recorded = _RECORDED_AS.get(name, name)
         names = list(dict.fromkeys([name, recorded]))
         keys = [_key(each, args) for each in names]
@@ -166,17 +202,32 @@ class Replay:
         first_mem = self.devices[gpu].get("nvmlDeviceGetSupportedMemoryClocks", [None])[0]
         if recorded == "nvmlDeviceGetSupportedGraphicsClocks" and args == (first_mem,):
             keys.append(f"{recorded}:first_mem")
-        keys.extend(names)
+        if bare:
+            keys.extend(names)
         for key in keys:
             if (gpu, key) in self._answers:
-                return _convert(recorded, self._answers[(gpu, key)])
-        for key in keys:
-            if key in self.devices[gpu]:
-                return _convert(recorded, self.devices[gpu][key])
+                return self._answers[(gpu, key)]
+        for source in (self.supplement, self.devices[gpu]):
+            for key in keys:
+                if key in source:
+                    return source[key]
         raise ReplayMissing(
             f"{name}(gpu {gpu}, {', '.join(map(str, args))}) has no answer in the recording; "
             f"give one with replay.answer({recorded!r}, VALUE, ...)"
         )
+
+    def _field_values(self, gpu: int, field_ids: list[int]) -> Any:
+        """nvmlDeviceGetFieldValues: one answer per field ("nvmlDeviceGetFieldValues:ID"), errors per field."""
+        values = (pynvml.c_nvmlFieldValue_t * len(field_ids))()
+        for value, field_id in zip(values, field_ids):
+            answer = self._device_answer("nvmlDeviceGetFieldValues", gpu, (field_id,), bare=False)
+            value.fieldId = field_id
+            if isinstance(answer, str) and answer.startswith("ERR:"):
+                value.nvmlReturn = getattr(pynvml, answer.removeprefix("ERR:"))
+            else:
+                value.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+                value.value.uiVal = answer
+        return values
 
     # -- library-level calls -------------------------------------------------------------------
 
@@ -247,9 +298,14 @@ def _convert(name: str, value: Any) -> Any:
     return value
 
 
-def install_replay(monkeypatch: pytest.MonkeyPatch, fixture_path: Path = FIXTURE_H200) -> Replay:
-    """Replace every NVML call on the real pynvml module with the replay of `fixture_path`."""
-    replay = Replay(json.loads(fixture_path.read_text()))
+def install_replay(
+    monkeypatch: pytest.MonkeyPatch, fixture_path: Path = FIXTURE_H200, supplement: Mapping[str, Any] = H200_PROBED
+) -> Replay:
+    """Replace every NVML call on the real pynvml module with the replay of `fixture_path`.
+
+    `supplement` answers (on every device) what the recording lacks; pass {} for another board.
+    """
+    replay = Replay(json.loads(fixture_path.read_text()), supplement)
     for name, value in vars(pynvml).items():
         if name.startswith("nvml") and name not in _KEEP_REAL and inspect.isfunction(value):
             monkeypatch.setattr(pynvml, name, replay.fake(name))

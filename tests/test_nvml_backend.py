@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes.util
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from agent.backend.base import (
     GpuProcess,
     MemoryInfo,
     PcieLink,
+    RecoveryAction,
     RemappedRows,
     TemperatureThreshold,
     Utilization,
@@ -35,6 +37,7 @@ from agent.backend.errors import NO_DRIVER_KINDS, GpuError, GpuErrorKind, WriteR
 from agent.backend.nvml import NvmlBackend, classify, to_gpu_error
 
 ALL_ITEMS = frozenset(SETTER_ITEMS.values())
+H200_GRAPHICS_CLOCKS = list(range(1980, 344, -15))
 
 
 @pytest.fixture
@@ -106,11 +109,17 @@ GETTERS: list[tuple[str, Callable[[NvmlBackend], Any], Any]] = [
     ("max clock graphics", lambda b: b.max_clock_mhz(0, ClockDomain.GRAPHICS), 1980),
     ("max clock memory", lambda b: b.max_clock_mhz(0, ClockDomain.MEMORY), 3201),
     ("supported memory clocks", lambda b: b.supported_memory_clocks_mhz(0), [3201, 2201]),
+    ("max clock sm", lambda b: b.max_clock_mhz(0, ClockDomain.SM), 1980),
+    ("supported graphics clocks", lambda b: b.supported_graphics_clocks_mhz(0, 3201), H200_GRAPHICS_CLOCKS),
+    ("supported graphics clocks, low memory", lambda b: b.supported_graphics_clocks_mhz(0, 2201), H200_GRAPHICS_CLOCKS),
+    ("memory max temp", lambda b: b.temperature_threshold_celsius(0, TemperatureThreshold.MEM_MAX), 95),
     (
-        "supported graphics clocks",
-        lambda b: b.supported_graphics_clocks_mhz(0, 3201),
-        [1980, 1965, 1950, 1935, 1920],
+        "pcie_link",
+        lambda b: b.pcie_link(0),
+        PcieLink(current_generation=5, current_width=16, max_generation=5, max_width=16),
     ),
+    ("unlocked graphics clocks", lambda b: b.locked_clocks_mhz(0, ClockDomain.GRAPHICS), None),
+    ("unlocked memory clocks", lambda b: b.locked_clocks_mhz(0, ClockDomain.MEMORY), None),
     ("fan_count: fan-less SXM", lambda b: b.fan_count(0), 0),
     ("persistence", lambda b: b.persistence_enabled(0), True),
     ("ecc_mode", lambda b: b.ecc_mode(0), EnabledPending(current=True, pending=True)),
@@ -130,6 +139,7 @@ GETTERS: list[tuple[str, Callable[[NvmlBackend], Any], Any]] = [
     ("thermal violation", lambda b: b.violation_time_ns(0, ViolationPolicy.THERMAL), 0),
     ("mig_mode", lambda b: b.mig_mode(0), EnabledPending(current=False, pending=False)),
     ("compute_processes", lambda b: b.compute_processes(0), []),
+    ("recovery_action", lambda b: b.recovery_action(0), RecoveryAction.NONE),
 ]
 
 
@@ -146,9 +156,11 @@ def test_getter_returns_the_recorded_value_in_protocol_units(
     ("read", "call"),
     [
         (lambda b: b.fan_speed_percent(0, 0), "nvmlDeviceGetFanSpeed_v2"),
+        (lambda b: b.fan_manual(0, 0), "nvmlDeviceGetFanControlPolicy_v2"),
+        (lambda b: b.fan_speed_range_percent(0), "nvmlDeviceGetMinMaxFanSpeed"),
         (lambda b: b.retired_pages_pending(0), "nvmlDeviceGetRetiredPagesPendingStatus"),
     ],
-    ids=["fan_speed on a fan-less board", "retired pages on a row-remapping board"],
+    ids=["fan_speed", "fan_manual", "fan_speed_range", "retired pages on a row-remapping board"],
 )
 def test_recorded_not_supported_becomes_gpu_error(
     backend: NvmlBackend, read: Callable[[NvmlBackend], Any], call: str
@@ -160,29 +172,45 @@ def test_recorded_not_supported_becomes_gpu_error(
     assert caught.value.call == call
 
 
-def test_pcie_link_reads_four_calls(backend: NvmlBackend, replay: Replay) -> None:
-    # The recording lacks the max width: the replay refuses to invent it.
+def test_the_replay_does_not_invent_answers(backend: NvmlBackend) -> None:
     with pytest.raises(ReplayMissing):
-        backend.pcie_link(0)
-    replay.answer("nvmlDeviceGetMaxPcieLinkWidth", 16)
-    assert backend.pcie_link(0) == PcieLink(current_generation=5, current_width=16, max_generation=5, max_width=16)
+        backend.violation_time_ns(0, ViolationPolicy.LOW_UTILIZATION)
+
+
+def test_setting_a_fan_on_a_fan_less_board_is_not_supported(replay: Replay) -> None:
+    replay.fail("nvmlDeviceSetFanSpeed_v2", pynvml.NVML_ERROR_INVALID_ARGUMENT)
+    nvml = NvmlBackend(writable_items=ALL_ITEMS)
+    nvml.init()
+    with pytest.raises(GpuError) as caught:
+        nvml.set_fan_speed_percent(0, 0, 60)
+    assert caught.value.kind is GpuErrorKind.NOT_SUPPORTED
+    assert str(caught.value) == "GPU 0: this GPU has no fans (nvmlDeviceSetFanSpeed_v2)"
+
+
+def test_a_fan_the_board_lacks_is_an_invalid_argument(backend: NvmlBackend, replay: Replay) -> None:
+    replay.answer("nvmlDeviceGetNumFans", 2)
+    replay.answer("nvmlDeviceGetFanSpeed_v2", "ERR:NVML_ERROR_INVALID_ARGUMENT", 5)
+    with pytest.raises(GpuError) as caught:
+        backend.fan_speed_percent(0, 5)
+    assert caught.value.kind is GpuErrorKind.INVALID_ARGUMENT
+    assert "no fan 5: this GPU has 2" in str(caught.value)
 
 
 @pytest.mark.parametrize(("policy", "manual"), [(pynvml.NVML_FAN_POLICY_MANUAL, True), (0, False)])
 def test_fan_manual_reads_the_control_policy_of_that_fan(
     backend: NvmlBackend, replay: Replay, policy: int, manual: bool
 ) -> None:
+    replay.answer("nvmlDeviceGetNumFans", 2)
     replay.answer("nvmlDeviceGetFanControlPolicy_v2", policy, 1)
     assert backend.fan_manual(0, 1) is manual
 
 
-def test_fan_speed_range(backend: NvmlBackend, replay: Replay) -> None:
+def test_fans_of_a_board_with_fans(backend: NvmlBackend, replay: Replay) -> None:
+    replay.answer("nvmlDeviceGetNumFans", 2)
     replay.answer("nvmlDeviceGetMinMaxFanSpeed", [30, 100])
-    assert backend.fan_speed_range_percent(0) == (30, 100)
-
-
-def test_fan_speed_of_a_board_with_fans(backend: NvmlBackend, replay: Replay) -> None:
     replay.answer("nvmlDeviceGetFanSpeed_v2", 64, 1)
+    assert backend.fan_count(0) == 2
+    assert backend.fan_speed_range_percent(0) == (30, 100)
     assert backend.fan_speed_percent(0, 1) == 64
 
 
@@ -218,14 +246,16 @@ def test_identity_raises_other_serial_errors(backend: NvmlBackend, replay: Repla
 @pytest.mark.parametrize(
     ("domain", "p0_range", "expected"),
     [
-        # Board range for graphics: the recorded supported list, 1920-1980 MHz.
+        # Unlocked, P0 spans the supported graphics clocks: 345-1980 MHz on an H200.
+        (ClockDomain.GRAPHICS, [345, 1980], None),
         (ClockDomain.GRAPHICS, [210, 1980], None),
-        (ClockDomain.GRAPHICS, [1920, 1980], None),
         (ClockDomain.GRAPHICS, [1980, 1980], (1980, 1980)),
-        (ClockDomain.GRAPHICS, [1920, 1950], (1920, 1950)),
-        # Board range for memory: the supported memory clocks, 2201-3201 MHz.
+        (ClockDomain.GRAPHICS, [345, 1500], (345, 1500)),
+        (ClockDomain.GRAPHICS, [1200, 1980], (1200, 1980)),
+        # Unlocked, P0 memory sits at the top memory clock (2201 MHz is P2's).
+        (ClockDomain.MEMORY, [3201, 3201], None),
         (ClockDomain.MEMORY, [2201, 3201], None),
-        (ClockDomain.MEMORY, [3201, 3201], (3201, 3201)),
+        (ClockDomain.MEMORY, [2201, 2201], (2201, 2201)),
     ],
 )
 def test_locked_clocks_compare_p0_with_the_board_range(
@@ -244,6 +274,7 @@ def test_locked_clocks_read_the_board_range_once(backend: NvmlBackend, replay: R
     for _ in range(3):
         backend.locked_clocks_mhz(0, ClockDomain.GRAPHICS)
     assert replay.count("nvmlDeviceGetMinMaxClockOfPState") == 3
+    assert replay.count("nvmlDeviceGetSupportedMemoryClocks") == 1
     assert replay.count("nvmlDeviceGetSupportedGraphicsClocks") == 1
 
 
@@ -496,13 +527,15 @@ SETTERS: list[tuple[str, Callable[[NvmlBackend], None], Call]] = [
     ("set_ecc_mode", lambda b: b.set_ecc_mode(0, False), Call("nvmlDeviceSetEccMode", 0, (0,))),
 ]
 SETTER_IDS = [expected.name + repr(expected.args) for _, _, expected in SETTERS]
+# Every guarded method: the NVML setters and the reset (which runs nvidia-smi).
+GUARDED = [(s, w) for s, w, _ in SETTERS] + [("reset_gpu", lambda b: b.reset_gpu(0))]
 
 
 def test_every_setter_is_covered() -> None:
-    assert {setter for setter, _, _ in SETTERS} == set(SETTER_ITEMS)
+    assert {setter for setter, _ in GUARDED} == set(SETTER_ITEMS)
 
 
-@pytest.mark.parametrize(("setter", "write"), [(s, w) for s, w, _ in SETTERS], ids=SETTER_IDS)
+@pytest.mark.parametrize(("setter", "write"), GUARDED, ids=[*SETTER_IDS, "reset_gpu"])
 def test_observe_mode_never_reaches_nvml(replay: Replay, setter: str, write: Callable[[NvmlBackend], None]) -> None:
     nvml = NvmlBackend(writable_items=ALL_ITEMS - {SETTER_ITEMS[setter]})
     nvml.init()
@@ -550,6 +583,109 @@ def test_setter_without_root(replay: Replay) -> None:
         nvml.set_power_limit_watts(0, 600)
     assert caught.value.kind is GpuErrorKind.NO_PERMISSION
     assert "needs root" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("answer", "kind"),
+    [
+        ("ERR:NVML_ERROR_INVALID_ARGUMENT", GpuErrorKind.NOT_SUPPORTED),  # a driver that predates the field
+        ("ERR:NVML_ERROR_GPU_IS_LOST", GpuErrorKind.GPU_LOST),
+    ],
+)
+def test_recovery_action_field_errors(backend: NvmlBackend, replay: Replay, answer: str, kind: GpuErrorKind) -> None:
+    replay.answer("nvmlDeviceGetFieldValues", answer, 230)
+    with pytest.raises(GpuError) as caught:
+        backend.recovery_action(0)
+    assert (caught.value.kind, caught.value.gpu, caught.value.call) == (kind, 0, "nvmlDeviceGetFieldValues")
+
+
+def test_recovery_action_reports_what_the_driver_asks(backend: NvmlBackend, replay: Replay) -> None:
+    replay.answer("nvmlDeviceGetFieldValues", RecoveryAction.NODE_REBOOT, 230)
+    assert backend.recovery_action(0) == RecoveryAction.NODE_REBOOT
+
+
+# -- GPU reset through a stand-in nvidia-smi ----------------------------------------------------
+
+
+@pytest.fixture
+def nvidia_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A stand-in nvidia-smi first on PATH: logs its argv to `argv`, prints `output`, exits with `rc`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "nvidia-smi"
+    script.write_text(
+        "#!/bin/sh\n"
+        'here="$(dirname "$0")"\n'
+        'echo "$@" >> "$here/argv"\n'
+        'cat "$here/output" 2>/dev/null\n'
+        'exit "$(cat "$here/rc" 2>/dev/null || echo 0)"\n'
+    )
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    return bin_dir
+
+
+def _resettable(replay: Replay) -> NvmlBackend:
+    nvml = NvmlBackend(writable_items={"gpu_reset"})
+    nvml.init()
+    return nvml
+
+
+def test_reset_releases_nvml_runs_nvidia_smi_and_comes_back(replay: Replay, nvidia_smi: Path) -> None:
+    nvml = _resettable(replay)
+    nvml.temperature_celsius(0)
+    (nvidia_smi / "output").write_text("GPU 00000000:00:06.0 was successfully reset.\n")
+    nvml.reset_gpu(0)
+    assert (nvidia_smi / "argv").read_text() == "--gpu-reset -i 00000000:00:06.0\n"
+    assert (replay.count("nvmlShutdown"), replay.count("nvmlInit")) == (1, 2)
+    assert nvml.temperature_celsius(0) == 36  # usable again, with a fresh handle
+    assert replay.count("nvmlDeviceGetHandleByIndex") == 2
+
+
+def test_reset_is_refused_while_processes_use_the_gpu(replay: Replay, nvidia_smi: Path) -> None:
+    replay.answer("nvmlDeviceGetComputeRunningProcesses", [{"pid": 4242, "usedGpuMemory": 2**30}])
+    nvml = _resettable(replay)
+    with pytest.raises(GpuError) as caught:
+        nvml.reset_gpu(0)
+    assert caught.value.kind is GpuErrorKind.IN_USE
+    assert "4242" in str(caught.value)
+    assert not (nvidia_smi / "argv").exists()
+    assert replay.count("nvmlShutdown") == 0
+
+
+@pytest.mark.parametrize(
+    ("output", "kind"),
+    [
+        (
+            "The following GPUs could not be reset:\n  GPU 00000000:00:06.0: In use by another client\n",
+            GpuErrorKind.IN_USE,
+        ),
+        ("Unable to reset this GPU: Insufficient Permissions\n", GpuErrorKind.NO_PERMISSION),
+        ("GPU Reset is not supported on this GPU\n", GpuErrorKind.NOT_SUPPORTED),
+        ("Unable to reset GPU 00000000:00:06.0: Unknown Error\n", GpuErrorKind.UNKNOWN),
+    ],
+    ids=["held by another client", "not root", "not supported", "other"],
+)
+def test_failed_reset_is_classified_and_nvml_comes_back(
+    replay: Replay, nvidia_smi: Path, output: str, kind: GpuErrorKind
+) -> None:
+    (nvidia_smi / "output").write_text(output)
+    (nvidia_smi / "rc").write_text("255")
+    nvml = _resettable(replay)
+    with pytest.raises(GpuError) as caught:
+        nvml.reset_gpu(0)
+    assert (caught.value.kind, caught.value.gpu, caught.value.call) == (kind, 0, "nvidia-smi --gpu-reset")
+    assert "\n" not in str(caught.value)
+    assert nvml.power_usage_watts(0) == 123.455
+
+
+def test_reset_without_nvidia_smi(replay: Replay, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    nvml = _resettable(replay)
+    with pytest.raises(GpuError) as caught:
+        nvml.reset_gpu(0)
+    assert caught.value.kind is GpuErrorKind.NOT_SUPPORTED
+    assert replay.count("nvmlShutdown") == 0
 
 
 # -- events -------------------------------------------------------------------------------------
@@ -639,3 +775,26 @@ def test_shutdown_frees_the_event_set(backend: NvmlBackend, replay: Replay) -> N
     replay.fail("nvmlEventSetFree", pynvml.NVML_ERROR_GPU_IS_LOST)
     backend.shutdown()
     assert (replay.count("nvmlEventSetFree"), replay.count("nvmlShutdown")) == (1, 1)
+
+
+def test_shutdown_waits_for_a_wait_in_progress(
+    backend: NvmlBackend, replay: Replay, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend.wait_events(0.0)  # the event set exists
+    waiting = threading.Event()
+    frees_seen_while_waiting: list[int] = []
+
+    def slow_wait(event_set: object, timeout_ms: int) -> object:
+        waiting.set()
+        time.sleep(0.2)
+        frees_seen_while_waiting.append(replay.count("nvmlEventSetFree"))
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
+
+    monkeypatch.setattr(pynvml, "nvmlEventSetWait_v2", slow_wait)
+    watcher = threading.Thread(target=backend.wait_events, args=(1.0,))
+    watcher.start()
+    assert waiting.wait(5)
+    backend.shutdown()
+    watcher.join(5)
+    assert frees_seen_while_waiting == [0]  # the set was not freed under the waiting thread
+    assert replay.count("nvmlEventSetFree") == 1

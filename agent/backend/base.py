@@ -14,6 +14,7 @@ from enum import Enum, IntEnum
 from typing import Protocol, runtime_checkable
 
 from agent.backend.errors import WriteRefused
+from agent.config import GPU_RESET_ITEM
 
 
 class ClockDomain(IntEnum):
@@ -231,6 +232,8 @@ class GpuBackend(Protocol):
     def set_fan_automatic(self, gpu: int, fan: int) -> None: ...
     def set_persistence(self, gpu: int, enabled: bool) -> None: ...
     def set_ecc_mode(self, gpu: int, enabled: bool) -> None: ...
+    def reset_gpu(self, gpu: int) -> None:
+        """nvidia-smi --gpu-reset: IN_USE while processes hold the GPU; settings return to defaults."""
 
 
 #: The policy item each setter belongs to; a backend refuses setters outside its writable items.
@@ -242,6 +245,7 @@ SETTER_ITEMS: dict[str, str] = {
     "set_fan_automatic": "fan_curve",
     "set_persistence": "persistence",
     "set_ecc_mode": "ecc",
+    "reset_gpu": GPU_RESET_ITEM,
 }
 
 

@@ -9,12 +9,17 @@ bytes and nanoseconds pass through unchanged.
 Where NVML renamed or versioned a call, the modern name is tried first and the older one
 is used when nvidia-ml-py lacks the new name or the driver lacks the symbol
 (NVML_ERROR_FUNCTION_NOT_FOUND), so one agent build runs on old and new drivers alike.
+
+The one thing NVML cannot do, a GPU reset, runs `nvidia-smi --gpu-reset` (reset_gpu).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import shutil
+import subprocess
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -92,6 +97,12 @@ _EVENT_MASK = (
     pynvml.nvmlEventTypeXidCriticalError | pynvml.nvmlEventTypeSingleBitEccError | pynvml.nvmlEventTypeDoubleBitEccError
 )
 
+# NVML_FI_DEV_GET_GPU_RECOVERY_ACTION: field ids are fixed in nvml.h; older nvidia-ml-py lack the name.
+_FIELD_RECOVERY_ACTION = 230
+
+# nvidia-smi --gpu-reset takes seconds; a reset that hangs is a fault of its own.
+_RESET_TIMEOUT_SECONDS = 120.0
+
 # A storm of ECC events must not keep one wait_events call draining forever.
 _MAX_EVENTS_PER_WAIT = 256
 
@@ -116,6 +127,21 @@ def to_gpu_error(exc: pynvml.NVMLError, gpu: int | None, call: str) -> GpuError:
     return GpuError(classify(exc), message, gpu=gpu, call=call)
 
 
+def _reset_error(output: str, gpu: int, call: str) -> GpuError:
+    """A failed nvidia-smi --gpu-reset as a GpuError, from the words nvidia-smi prints."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    text = output.lower()
+    if "in use" in text or "being used" in text:
+        message = "GPU is held by another client (persistence mode, DCGM, a monitor or an application)"
+        return GpuError(GpuErrorKind.IN_USE, message, gpu=gpu, call=call)
+    if "insufficient permissions" in text or "root" in text:
+        return GpuError(GpuErrorKind.NO_PERMISSION, "permission denied: a GPU reset needs root", gpu=gpu, call=call)
+    if "not supported" in text:
+        return GpuError(GpuErrorKind.NOT_SUPPORTED, "GPU reset is not supported on this GPU", gpu=gpu, call=call)
+    detail = lines[0] if lines else "no output"
+    return GpuError(GpuErrorKind.UNKNOWN, f"GPU reset failed: {detail}", gpu=gpu, call=call)
+
+
 def _address(handle: Any) -> int:
     """The address an NVML device handle points at: ctypes pointers to one device compare unequal."""
     value = ctypes.cast(handle, ctypes.c_void_p).value
@@ -138,6 +164,8 @@ class NvmlBackend:
         self._unlocked_ranges: dict[tuple[int, ClockDomain], tuple[int, int]] = {}
         self._event_set: Any = None
         self._event_gpu_by_address: dict[int, int] = {}
+        # Held while waiting for events, so the set is never freed (shutdown, reset) mid-wait.
+        self._event_lock = threading.Lock()
 
     # -- the one way NVML is called ------------------------------------------------------------
 
@@ -194,15 +222,19 @@ class NvmlBackend:
         self._initialised = True
 
     def shutdown(self) -> None:
-        """nvmlShutdown; a second call (or one without init) does nothing."""
-        if not self._initialised:
-            return
-        self._initialised = False
-        event_set = self._event_set
-        self._forget_device_state()
-        if event_set is not None:
-            self._free_event_set(event_set)
-        self._call(None, "nvmlShutdown")
+        """nvmlShutdown; a second call (or one without init) does nothing.
+
+        Waits for a wait_events call in progress to return (at most its timeout).
+        """
+        with self._event_lock:
+            if not self._initialised:
+                return
+            self._initialised = False
+            event_set = self._event_set
+            self._forget_device_state()
+            if event_set is not None:
+                self._free_event_set(event_set)
+            self._call(None, "nvmlShutdown")
 
     def driver_version(self) -> str:
         """nvidia-smi --query-gpu=driver_version"""
@@ -433,6 +465,24 @@ class NvmlBackend:
         current, pending = self._device(gpu, "nvmlDeviceGetMigMode")
         return EnabledPending(current=int(current) == _MIG_ENABLED, pending=int(pending) == _MIG_ENABLED)
 
+    def recovery_action(self, gpu: int) -> int:
+        """What the driver says the GPU needs, a `RecoveryAction` value (nvidia-smi -q: GPU Recovery Action).
+
+        Read as field NVML_FI_DEV_GET_GPU_RECOVERY_ACTION of nvmlDeviceGetFieldValues; a driver
+        that predates the field (before R550) answers INVALID_ARGUMENT for it: NOT_SUPPORTED here.
+        An H200 on driver 580.159.04 answered 0 (NONE) as an unsigned int.
+        """
+        call = "nvmlDeviceGetFieldValues"
+        (field,) = self._device(gpu, call, [_FIELD_RECOVERY_ACTION])
+        status = int(field.nvmlReturn)
+        if status == pynvml.NVML_ERROR_INVALID_ARGUMENT:
+            raise GpuError(
+                GpuErrorKind.NOT_SUPPORTED, "this NVIDIA driver reports no recovery action", gpu=gpu, call=call
+            )
+        if status != pynvml.NVML_SUCCESS:
+            raise to_gpu_error(pynvml.NVMLError(status), gpu, call)
+        return int(field.value.uiVal)
+
     def compute_processes(self, gpu: int) -> list[GpuProcess]:
         """nvidia-smi --query-compute-apps=pid,used_memory (used memory None where NVML cannot tell)"""
         names = ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2")
@@ -457,22 +507,24 @@ class NvmlBackend:
         device falls off the bus while waiting, and GpuError(NOT_SUPPORTED) when no device has
         these events. Meant for one watcher thread.
         """
-        event_set = self._events()
-        events: list[GpuEvent] = []
-        wait_ms = max(0, round(timeout_seconds * 1000))
-        while len(events) < _MAX_EVENTS_PER_WAIT:
-            try:
-                data = self._call(None, "nvmlEventSetWait_v2", event_set, wait_ms)
-            except GpuError as exc:
-                if exc.kind is GpuErrorKind.TIMEOUT:
-                    return events
-                raise
-            kind = _EVENT_KINDS.get(int(data.eventType))
-            gpu = self._event_gpu_by_address.get(_address(data.device))
-            if kind is not None and gpu is not None:
-                events.append(GpuEvent(gpu=gpu, kind=kind, data=int(data.eventData), timestamp_seconds=time.time()))
-            wait_ms = 0
-        return events
+        with self._event_lock:
+            event_set = self._events()
+            events: list[GpuEvent] = []
+            wait_ms = max(0, round(timeout_seconds * 1000))
+            while len(events) < _MAX_EVENTS_PER_WAIT:
+                try:
+                    data = self._call(None, "nvmlEventSetWait_v2", event_set, wait_ms)
+                except GpuError as exc:
+                    if exc.kind is GpuErrorKind.TIMEOUT:
+                        return events
+                    raise
+                kind = _EVENT_KINDS.get(int(data.eventType))
+                gpu = self._event_gpu_by_address.get(_address(data.device))
+                if kind is not None and gpu is not None:
+                    event = GpuEvent(gpu=gpu, kind=kind, data=int(data.eventData), timestamp_seconds=time.time())
+                    events.append(event)
+                wait_ms = 0
+            return events
 
     def _events(self) -> Any:
         """The event set, created and registered on first use."""
@@ -555,6 +607,43 @@ class NvmlBackend:
         self._guard.check("set_ecc_mode")
         mode = _ENABLED if enabled else _DISABLED
         self._device(gpu, "nvmlDeviceSetEccMode", mode)
+
+    def reset_gpu(self, gpu: int) -> None:
+        """nvidia-smi --gpu-reset -i BUS_ID: NVML has no public reset call.
+
+        Refused (IN_USE) while NVML lists compute processes on the GPU. nvidia-smi also refuses
+        while any other client holds the device: persistence mode (nvidia-persistenced),
+        DCGM, another monitor, and this process's own NVML session, which is therefore shut
+        down for the reset and started again afterwards (also when the reset fails), so other
+        threads' NVML calls fail with UNINITIALIZED meanwhile. Settings return to defaults:
+        the caller re-applies the policy.
+        """
+        call = "nvidia-smi --gpu-reset"
+        self._guard.check("reset_gpu")
+        pids = [process.pid for process in self.compute_processes(gpu)]
+        if pids:
+            message = f"processes {pids} are using the GPU; stop them first"
+            raise GpuError(GpuErrorKind.IN_USE, message, gpu=gpu, call=call)
+        bus_id = str(self._device(gpu, "nvmlDeviceGetPciInfo").busId)
+        nvidia_smi = shutil.which("nvidia-smi")
+        if nvidia_smi is None:
+            raise GpuError(GpuErrorKind.NOT_SUPPORTED, "nvidia-smi not found: a GPU reset needs it", gpu=gpu, call=call)
+        self.shutdown()
+        try:
+            result = subprocess.run(
+                [nvidia_smi, "--gpu-reset", "-i", bus_id],
+                capture_output=True,
+                text=True,
+                timeout=_RESET_TIMEOUT_SECONDS,
+                check=False,
+            )
+        except subprocess.TimeoutExpired as exc:
+            message = f"nvidia-smi --gpu-reset did not finish in {_RESET_TIMEOUT_SECONDS:.0f} s"
+            raise GpuError(GpuErrorKind.TIMEOUT, message, gpu=gpu, call=call) from exc
+        finally:
+            self.init()
+        if result.returncode != 0:
+            raise _reset_error(result.stdout + result.stderr, gpu, call)
 
     @staticmethod
     def _lock_calls(gpu: int, domain: ClockDomain) -> tuple[str, str]:

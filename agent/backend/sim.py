@@ -1523,6 +1523,7 @@ class SimulatedBackend:
     def reset_gpu(self, gpu: int) -> None:
         """`nvidia-smi --gpu-reset -i GPU`: refused while processes hold the GPU; settings to defaults."""
         call = "reset_gpu"
+        self.write_guard.check(call)
         if not self.privileged:
             raise _error(GpuErrorKind.NO_PERMISSION, "GPU reset needs root", gpu, call)
         with self._mutation() as machine:

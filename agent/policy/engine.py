@@ -9,8 +9,9 @@ planned again, so "applied" means verified, not merely attempted.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from types import ModuleType
 from typing import Any
 
@@ -123,21 +124,24 @@ class PolicyEngine:
 
     # -- plan ------------------------------------------------------------------------------------
 
-    def _gpu_desired(self, gpu: int) -> tuple[int | None, list[tuple[ModuleType, Any]]]:
+    def _gpu_desired(
+        self, gpu: int, only: Collection[str] | None = None
+    ) -> tuple[int | None, list[tuple[ModuleType, Any]]]:
         profiles = self.config.policy.gpus
         number = match_profile(profiles, self.state.identities[gpu])
         if number is None:
             return None, []
         profile = profiles[number]
-        wanted = [(module, module.desired(profile)) for module in GPU_ITEM_MODULES]
+        wanted = [(m, m.desired(profile)) for m in GPU_ITEM_MODULES if only is None or m.NAME in only]
         return number, [(m, w) for m, w in wanted if w is not None]
 
-    def _node_desired(self) -> list[tuple[ModuleType, Any]]:
+    def _node_desired(self, only: Collection[str] | None = None) -> list[tuple[ModuleType, Any]]:
         node = self.config.policy.node
-        wanted = [(module, module.desired(node, self.config)) for module in NODE_ITEM_MODULES]
+        wanted = [(m, m.desired(node, self.config)) for m in NODE_ITEM_MODULES if only is None or m.NAME in only]
         return [(m, w) for m, w in wanted if w is not None]
 
-    def plan(self) -> NodePlan:
+    def plan(self, only: Collection[str] | None = None) -> NodePlan:
+        """Plan every configured item, or only those named (the daemon re-plans the fan curve every loop)."""
         self.enumerate_gpus()
         items: list[ItemPlan] = []
         profiles: dict[int, int | None] = {}
@@ -146,23 +150,21 @@ class PolicyEngine:
                 ItemPlan(GPU_ITEM, gpu, PlanStatus.ERROR, "readable", "unreadable", str(error), (), error.kind.value)
             )
         for gpu in sorted(self.state.identities):
-            number, wanted = self._gpu_desired(gpu)
+            number, wanted = self._gpu_desired(gpu, only)
             profiles[gpu] = number
             ctx = self.state.contexts[gpu]
-            items.extend(
-                _guarded_plan(module.NAME, gpu, lambda m=module, w=want, c=ctx: m.plan(c, w)) for module, want in wanted
-            )
+            items.extend(_guarded_plan(module.NAME, gpu, partial(module.plan, ctx, want)) for module, want in wanted)
         items.extend(
-            _guarded_plan(module.NAME, None, lambda m=module, w=want: m.plan(self.host, w))
-            for module, want in self._node_desired()
+            _guarded_plan(module.NAME, None, partial(module.plan, self.host, want))
+            for module, want in self._node_desired(only)
         )
         modes = {p.item: self.config.item_mode(p.item) for p in items if p.item != GPU_ITEM}
         return NodePlan(self.config.mode, tuple(items), modes, profiles)
 
     # -- apply -----------------------------------------------------------------------------------
 
-    def apply(self, dry_run: bool = False) -> ApplyReport:
-        node_plan = self.plan()
+    def apply(self, dry_run: bool = False, only: Collection[str] | None = None) -> ApplyReport:
+        node_plan = self.plan(only)
         desired = self._desired_by_key()
         results = [self._apply_item(p, desired, dry_run) for p in node_plan.items]
         return ApplyReport(node_plan, tuple(results), dry_run)
@@ -220,7 +222,7 @@ class PolicyEngine:
             for module in RESTORABLE_MODULES:
                 if module.NAME not in writable:
                     continue
-                results.append(_guarded_restore(module.NAME, gpu, lambda m=module, c=ctx: m.restore(c)))
+                results.append(_guarded_restore(module.NAME, gpu, partial(module.restore, ctx)))
         return results
 
 

@@ -20,6 +20,7 @@ logging a copy of an Xid line) yields nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import deque
 from dataclasses import dataclass
@@ -64,9 +65,9 @@ _XID = re.compile(r"NVRM:\s*Xid\s*(?:\((?P<device>[^)]*)\))?\s*:\s*(?P<code>[0-9
 _XID_LIKE = re.compile(r"NVRM:\s*Xid\b", re.ASCII)
 _PID = re.compile(r"pid=(?P<pid>'[^']*'|<[^>]*>|[^,\s]*)\s*(?:,\s*|$)", re.ASCII)
 _PID_NUMBER = re.compile(r"[0-9]{1,10}", re.ASCII)
-_NAME = re.compile(r"name=(?P<name>[^,]*?)\s*(?:,\s*|$)")
+_NAME = re.compile(r"name=(?P<name>[^,]*)(?:,\s*|$)")
 _RECOVERY = re.compile(
-    r"recovery action changed from\s+0x[0-9a-fA-F]+\s*\([^)]*\)\s*to\s+0x[0-9a-fA-F]+\s*\((?P<to>[^)]*)\)",
+    r"recovery action changed from\s+0x[0-9a-fA-F]+\s*\([^()]*\)\s*to\s+0x[0-9a-fA-F]+\s*\((?P<to>[^()]*)\)",
     re.ASCII | re.IGNORECASE,
 )
 _GPU_BDF = re.compile(rf"\bGPU(?:\s+at)?\s+(?:PCI:)?(?P<bdf>{_BDF_PATTERN})\b", re.ASCII)
@@ -195,20 +196,26 @@ class KernelLogParser:
         # (bus id, line number, monotonic seconds) of recent Xid 79 events, to drop repeat reports.
         self._recent_lost: deque[tuple[str | None, int, float | None]] = deque(maxlen=_DEDUP_MEMORY)
 
-    def feed(self, line: str) -> list[KernelXid]:
-        """Feed one line (a string with embedded newlines is split); returns the Xids it completes."""
+    def feed(self, line: str, timestamp_seconds: float | None = None) -> list[KernelXid]:
+        """Feed one line (a string with embedded newlines is split); returns the Xids it completes.
+
+        ``timestamp_seconds`` is the monotonic time known from outside the text (the /dev/kmsg record
+        header, see :func:`parse_kmsg_record`); a stamp inside the line takes precedence.
+        """
         events: list[KernelXid] = []
         for piece in _NEWLINE.split(line):
             if piece.strip() == "":
                 continue
-            event = self._feed_one(piece)
+            event = self._feed_one(piece, timestamp_seconds)
             if event is not None:
                 events.append(event)
         return events
 
-    def _feed_one(self, piece: str) -> KernelXid | None:
+    def _feed_one(self, piece: str, timestamp_seconds: float | None) -> KernelXid | None:
         self._line_number += 1
         line = _split_line(piece)
+        if line.timestamp_seconds is None and timestamp_seconds is not None:
+            line = dataclasses.replace(line, timestamp_seconds=timestamp_seconds)
         pending = self._pending
         if pending is not None:
             pending.lines_left -= 1

@@ -180,7 +180,7 @@ def parse_catalog(data: object) -> Catalog:
 @functools.cache
 def catalog() -> Catalog:
     """The shipped catalog, loaded and validated once per process."""
-    text = resources.files(__package__).joinpath("xid_catalog.json").read_text(encoding="utf-8")
+    text = resources.files("agent.watch").joinpath("xid_catalog.json").read_text(encoding="utf-8")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

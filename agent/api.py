@@ -1,0 +1,115 @@
+"""The status API: one JSON request line in, one JSON response line out, over a Unix socket.
+
+Requests: {"method": "status"} | {"method": "events", "params": {"since_seconds": S, "limit": N}} |
+{"method": "ping"}. Responses: {"ok": true, "result": ...} or {"ok": false, "error": "..."}.
+The socket is root-only (0600) unless a group is configured (0660, that group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import json
+import os
+import socket
+import socketserver
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+MAX_REQUEST_BYTES = 64 * 1024
+REQUEST_TIMEOUT_SECONDS = 5.0
+
+Handler = Callable[[Mapping[str, Any]], Any]
+
+
+class ApiError(Exception):
+    """A request the API understood but refuses; its message goes back to the client."""
+
+
+def handle_request(line: bytes, handlers: Mapping[str, Handler]) -> dict[str, Any]:
+    """Parse and dispatch one request line; never raises (every failure is an error response)."""
+    try:
+        request = json.loads(line)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return {"ok": False, "error": f"invalid JSON: {exc}"}
+    if not isinstance(request, dict):
+        return {"ok": False, "error": "request must be a JSON object"}
+    method = request.get("method")
+    params = request.get("params", {})
+    if not isinstance(method, str) or method not in handlers:
+        return {"ok": False, "error": f"unknown method {method!r}; one of: {', '.join(sorted(handlers))}"}
+    if not isinstance(params, dict):
+        return {"ok": False, "error": "params must be a JSON object"}
+    try:
+        return {"ok": True, "result": handlers[method](params)}
+    except ApiError as exc:
+        return {"ok": False, "error": str(exc)}
+
+
+class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+    handlers: Mapping[str, Handler]
+
+
+class _RequestHandler(socketserver.StreamRequestHandler):
+    server: _Server
+
+    def handle(self) -> None:
+        self.connection.settimeout(REQUEST_TIMEOUT_SECONDS)
+        try:
+            line = self.rfile.readline(MAX_REQUEST_BYTES + 1)
+        except OSError:
+            return
+        if len(line) > MAX_REQUEST_BYTES:
+            response: dict[str, Any] = {"ok": False, "error": "request too large"}
+        else:
+            response = handle_request(line, self.server.handlers)
+        with contextlib.suppress(OSError):
+            self.wfile.write(json.dumps(response, default=str).encode() + b"\n")
+
+
+class ApiServer:
+    def __init__(self, path: str | Path, handlers: Mapping[str, Handler], group: str | None = None) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()  # a stale socket from a killed agent
+        old_umask = os.umask(0o177)  # created 0600: no window where others could connect
+        try:
+            self._server = _Server(str(self.path), _RequestHandler)
+        finally:
+            os.umask(old_umask)
+        self._server.handlers = handlers
+        if group is not None:
+            os.chown(self.path, -1, grp.getgrnam(group).gr_gid)
+            os.chmod(self.path, 0o660)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="api", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+def call(path: str | Path, method: str, params: Mapping[str, Any] | None = None, timeout_seconds: float = 5.0) -> Any:
+    """Client side: one request; raises OSError when no daemon answers, ApiError on an error response."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_seconds)
+        sock.connect(str(path))
+        sock.sendall(json.dumps({"method": method, "params": dict(params or {})}).encode() + b"\n")
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    response = json.loads(data)
+    if not response.get("ok"):
+        raise ApiError(str(response.get("error")))
+    return response["result"]

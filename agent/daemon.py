@@ -1,0 +1,558 @@
+"""`gpu-agent run`: collect -> snapshot -> evaluate -> act -> publish, once per interval.
+
+Threads: one lane per GPU for time-bounded NVML reads (agent.bounded), the NVML event wait and
+the kernel-log reader feeding the Xid watcher, the service prober, the metrics and API servers,
+the action worker (a GPU reset can take a minute; the loop must not wait for it) and the
+watchdog pinger. Only the loop builds snapshots; everyone else reads the last published one.
+
+systemd: READY=1 after the first full collection; STATUS= one line per loop; WATCHDOG=1 only
+while the loop keeps completing; STOPPING=1 on the way out. SIGTERM/SIGINT stop (fans go back to
+automatic on every exit path); SIGHUP reloads config and rules, keeping the old ones if the new
+ones are invalid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from functools import partial
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import structlog
+
+from agent import __version__
+from agent.backend import open_backend
+from agent.backend.base import GpuBackend, GpuEvent, GpuIdentity, WriteGuard
+from agent.backend.errors import GpuError
+from agent.bounded import BoundedRunner, StaleGpu
+from agent.collect import sample_identified
+from agent.config import AgentConfig, ConfigError, load_config
+from agent.events import Event, EventKind, Health, HealthState, Severity
+from agent.host.paths import HostPaths
+from agent.notify import SdNotifier
+from agent.policy.base import HostContext, ItemPlan, PlanStatus
+from agent.policy.engine import PolicyEngine
+from agent.state import CollectorStatus, GpuSample, NodeSnapshot
+from agent.watch.devices import DeviceWatcher
+from agent.watch.gpu_lost import GpuLostWatcher
+from agent.watch.health import HealthBook, PollWatcher
+from agent.watch.kernel_log import KernelXid
+from agent.watch.kmsg import KmsgSource
+from agent.watch.memory import MemoryWatcher
+from agent.watch.nvml_events import NvmlEventSource
+from agent.watch.pcie import PcieWatcher
+from agent.watch.throttle import ThrottleWatcher
+from agent.watch.xid import XidWatcher
+
+log = structlog.get_logger("gpu-agent")
+
+RECENT_EVENTS = 100
+
+
+@dataclass
+class LoopTiming:
+    call_timeout_seconds: float = 2.0  # one GPU's whole sample; past it the GPU is stale
+    slow_every_seconds: float = 30.0  # ECC counters, remapping, PCIe, thresholds
+    policy_every_seconds: float = 60.0  # full plan; the fan curve is re-planned every loop
+    stall_loops: float = 3.0  # the watchdog stops pinging once the loop is this many intervals late
+
+
+@dataclass
+class _Published:
+    snapshot: NodeSnapshot | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def get(self) -> NodeSnapshot | None:
+        with self.lock:
+            return self.snapshot
+
+    def set(self, snapshot: NodeSnapshot) -> None:
+        with self.lock:
+            self.snapshot = snapshot
+
+
+class Daemon:
+    def __init__(
+        self,
+        config: AgentConfig,
+        config_path: Path | None = None,
+        *,
+        notifier: SdNotifier | None = None,
+        timing: LoopTiming | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.notifier = notifier or SdNotifier.from_environment()
+        self.timing = timing or LoopTiming()
+        self.clock = clock
+        self.started_seconds = clock()
+        self.published = _Published()
+        self.stop_requested = threading.Event()
+        self.reload_requested = threading.Event()
+        self.heartbeat_seconds = time.monotonic()
+        self.backend: GpuBackend | None = None
+        self.backend_error: GpuError | None = None
+        self.engine: PolicyEngine | None = None
+        self.host = HostContext(HostPaths.at(config.host_root))
+        self.runner = BoundedRunner(self.timing.call_timeout_seconds)
+        self.identities: dict[int, GpuIdentity] = {}
+        self.samples: dict[int, GpuSample] = {}
+        self.stale: set[int] = set()
+        self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self.recent_events: list[Event] = []
+        self.policy: tuple[ItemPlan, ...] = ()
+        self.drift_seen: dict[tuple[str, int | None], int] = {}  # item -> times drift came back after a fix
+        self.collectors: dict[str, CollectorStatus] = {}
+        self.last_slow_seconds = float("-inf")
+        self.last_policy_seconds = float("-inf")
+        self.throttle = ThrottleWatcher()
+        self.poll_watchers: list[PollWatcher] = [self.throttle, MemoryWatcher(), GpuLostWatcher(), PcieWatcher()]
+        self.devices = DeviceWatcher()
+        self.xid = XidWatcher(lambda: self.identities, clock=clock)
+        self.health_book = HealthBook([*self.poll_watchers, self.xid])
+        self.kmsg = KmsgSource(self.host.paths, self._on_kernel_xid, start_monotonic_seconds=time.monotonic())
+        self.nvml_events: NvmlEventSource | None = None
+        self._watchdog_thread: threading.Thread | None = None
+        self._closers: list[Callable[[], None]] = []
+        self.loop_hook: Callable[[], None] | None = None  # tests: runs inside each loop iteration
+
+    # -- sources feeding the event queue -----------------------------------------------------
+
+    def _on_kernel_xid(self, record: KernelXid) -> None:
+        for event in self.xid.ingest_kernel(record):
+            self.events.put(event)
+
+    def _on_nvml_event(self, event: GpuEvent) -> None:
+        for produced in self.xid.ingest_nvml(event):
+            self.events.put(produced)
+
+    def _on_nvml_lost(self, error: GpuError) -> None:
+        log.warning("nvml event wait reports a lost GPU", gpu=error.gpu, error=str(error))
+
+    # -- backend -------------------------------------------------------------------------------
+
+    def _ensure_backend(self) -> bool:
+        """Open the backend if it is not open; a missing driver is retried every loop, not fatal."""
+        if self.backend is not None:
+            return True
+        try:
+            self.backend = open_backend(self.config)
+        except GpuError as exc:
+            if self.backend_error is None or self.backend_error.kind != exc.kind:
+                log.error("GPU backend unavailable; retrying every loop", error=str(exc), kind=exc.kind.value)
+            self.backend_error = exc
+            return False
+        self.backend_error = None
+        self.engine = PolicyEngine(self.config, self.backend, self.host)
+        self.nvml_events = NvmlEventSource(self.backend, self._on_nvml_event, self._on_nvml_lost)
+        self.nvml_events.start()
+        log.info("GPU backend open", backend=self.config.backend, driver=self.backend.driver_version())
+        return True
+
+    def _close_backend(self) -> None:
+        if self.nvml_events is not None:
+            self.nvml_events.stop()
+            self.nvml_events = None
+        if self.backend is not None:
+            with contextlib.suppress(GpuError):
+                self.backend.shutdown()
+        self.backend = None
+        self.engine = None
+
+    # -- collect ------------------------------------------------------------------------------
+
+    def _timed(self, name: str, work: Callable[[], Any]) -> Any:
+        started = time.monotonic()
+        try:
+            result = work()
+        except (GpuError, StaleGpu, OSError) as exc:
+            self.collectors[name] = CollectorStatus(name, False, time.monotonic() - started, str(exc))
+            raise
+        self.collectors[name] = CollectorStatus(name, True, time.monotonic() - started)
+        return result
+
+    def _enumerate(self, backend: GpuBackend) -> None:
+        def read() -> dict[int, GpuIdentity]:
+            found: dict[int, GpuIdentity] = {}
+            for gpu in range(backend.device_count()):
+                with contextlib.suppress(GpuError):
+                    found[gpu] = backend.identity(gpu)
+            return found
+
+        found = self._timed("enumerate", lambda: self.runner.run("library", read))
+        # keep the last identity of a GPU that cannot be read now, so its kernel-log lines still map
+        self.identities = {**self.identities, **found}
+
+    def collect(self, now: float) -> list[GpuSample]:
+        backend = self.backend
+        assert backend is not None
+        if not self.identities or len(self.identities) != self._device_count(backend):
+            with contextlib.suppress(GpuError, StaleGpu):
+                self._enumerate(backend)
+        slow = now - self.last_slow_seconds >= self.timing.slow_every_seconds
+        started = time.monotonic()
+        stale: set[int] = set()
+        samples: list[GpuSample] = []
+        for gpu, identity in sorted(self.identities.items()):
+            try:
+                sample = self.runner.run(
+                    f"gpu{gpu}", partial(sample_identified, backend, identity, slow=slow, clock=self.clock)
+                )
+            except StaleGpu as exc:
+                stale.add(gpu)
+                previous = self.samples.get(gpu)
+                sample = previous or GpuSample(
+                    gpu, identity.uuid, identity.name, identity.pci_bus_id, up=False, timestamp_seconds=now
+                )
+                sample = replace(sample, read_errors={**sample.read_errors, "stale": str(exc)})
+            else:
+                if not slow and gpu in self.samples:
+                    sample = _carry_slow_fields(self.samples[gpu], sample)
+            samples.append(sample)
+            self.samples[gpu] = sample
+        if slow:
+            self.last_slow_seconds = now
+        if stale - self.stale:
+            log.warning("GPU calls hung: readings are stale", gpus=sorted(stale - self.stale))
+        self.stale = stale
+        self.collectors["gpu"] = CollectorStatus(
+            "gpu", not stale, time.monotonic() - started, f"stale: {sorted(stale)}" if stale else ""
+        )
+        return samples
+
+    def _device_count(self, backend: GpuBackend) -> int:
+        try:
+            count: int = self.runner.run("library", backend.device_count)
+        except (GpuError, StaleGpu):
+            return len(self.identities)
+        return count
+
+    # -- policy --------------------------------------------------------------------------------
+
+    def enforce_policy(self, now: float) -> list[Event]:
+        """Plan (all items every policy interval, the fan curve every loop); apply drift in enforce mode."""
+        engine = self.engine
+        if engine is None:
+            return []
+        full = now - self.last_policy_seconds >= self.timing.policy_every_seconds
+        wants_fans = any(p.fan_curve is not None for p in self.config.policy.gpus)
+        if not full and not wants_fans:
+            return []
+        enforcing = bool(self.config.writable_items() - {"gpu_reset"})
+
+        def step() -> tuple[tuple[ItemPlan, ...], list[ItemPlan]]:
+            items = None if full else {"fan_curve"}
+            if enforcing:
+                report = engine.apply(only=items)
+                fixed = [r.plan for r in report.results if r.outcome.value == "applied"]
+                return report.plan.items, fixed
+            return engine.plan(only=items).items, []
+
+        try:
+            plans, fixed = self._timed("policy", lambda: self.runner.run("policy", step, timeout_seconds=60.0))
+        except (GpuError, StaleGpu, OSError) as exc:
+            log.error("policy step failed", error=str(exc))
+            return []
+        if full:
+            self.last_policy_seconds = now
+            self.policy = plans
+        else:
+            self.policy = _merge_plans(self.policy, plans)
+        return self._drift_events(fixed, now)
+
+    def _drift_events(self, fixed: Sequence[ItemPlan], now: float) -> list[Event]:
+        events = []
+        for plan in fixed:
+            key = (plan.item, plan.gpu)
+            count = self.drift_seen.get(key, -1) + 1
+            self.drift_seen[key] = count
+            identity = self.identities.get(plan.gpu) if plan.gpu is not None else None
+            log.info("policy drift corrected", item=plan.item, gpu=plan.gpu, desired=plan.desired, actual=plan.actual)
+            events.append(
+                Event(
+                    EventKind.POLICY_DRIFT,
+                    Severity.WARNING if count else Severity.INFO,
+                    plan.gpu,
+                    identity.uuid if identity else None,
+                    f"{plan.item} drifted ({plan.actual}, want {plan.desired}) and was corrected"
+                    + (f"; it came back {count} time(s)" if count else ""),
+                    now,
+                    "policy",
+                    f"drift:{plan.item}:{plan.gpu}:{now}",
+                    {"item": plan.item, "reappeared": count, "desired": plan.desired, "actual": plan.actual},
+                )
+            )
+        return events
+
+    # -- one loop ------------------------------------------------------------------------------
+
+    def loop_once(self) -> NodeSnapshot:
+        now = self.clock()
+        started = time.monotonic()
+        if self.loop_hook is not None:
+            self.loop_hook()
+        events: list[Event] = []
+        samples: list[GpuSample] = []
+        if self._ensure_backend():
+            samples = self.collect(now)
+            for watcher in self.poll_watchers:
+                events.extend(watcher.observe(samples, now))
+            events.extend(self.devices.observe(samples, now))
+            events.extend(self.enforce_policy(now))
+        while True:
+            try:
+                events.append(self.events.get_nowait())
+            except queue.Empty:
+                break
+        for event in events:
+            log.info(event.message, kind=event.kind.value, gpu=event.gpu, gpu_uuid=event.uuid, **_event_fields(event))
+        self.recent_events = (self.recent_events + events)[-RECENT_EVENTS:]
+        snapshot = self.build_snapshot(now, samples, time.monotonic() - started)
+        self.published.set(snapshot)
+        self.heartbeat_seconds = time.monotonic()
+        self.notifier.status(status_line(snapshot))
+        return snapshot
+
+    def build_snapshot(self, now: float, samples: Sequence[GpuSample], duration_seconds: float) -> NodeSnapshot:
+        gpus = sorted(s.index for s in samples)
+        kmsg_ok, kmsg_detail = self.kmsg.status()
+        collectors = dict(self.collectors)
+        collectors["kmsg"] = CollectorStatus("kmsg", kmsg_ok, 0.0, "" if kmsg_ok else kmsg_detail)
+        if self.nvml_events is not None:
+            ok, detail = self.nvml_events.status()
+            collectors["xid_nvml"] = CollectorStatus("xid_nvml", ok, 0.0, "" if ok else detail)
+        if self.backend_error is not None:
+            collectors["backend"] = CollectorStatus("backend", False, 0.0, str(self.backend_error))
+        return NodeSnapshot(
+            timestamp_seconds=now,
+            started_seconds=self.started_seconds,
+            version=__version__,
+            backend=self.config.backend,
+            driver_version=self._driver_version(),
+            gpus=tuple(samples),
+            stale_gpus=frozenset(self.stale),
+            health={gpu: self._health(gpu) for gpu in gpus},
+            policy=self.policy,
+            item_modes={p.item: self.config.item_mode(p.item).value for p in self.policy if p.item != "gpu"},
+            clock_event_seconds=self.throttle.clock_event_seconds(),
+            throttle_active_since=self.throttle.active_since(),
+            xids=tuple(self.xid.counts()),
+            collectors=tuple(collectors.values()),
+            recent_events=tuple(self.recent_events),
+            collect_duration_seconds=duration_seconds,
+        )
+
+    def _health(self, gpu: int) -> Health:
+        if gpu in self.stale:
+            return Health(HealthState.DEGRADED, "NVML calls for this GPU hang: readings are stale")
+        return self.health_book.gpu_health(gpu)
+
+    def _driver_version(self) -> str | None:
+        if self.backend is None:
+            return None
+        try:
+            version: str = self.runner.run("library", self.backend.driver_version)
+        except (GpuError, StaleGpu):
+            return None
+        return version
+
+    # -- reload --------------------------------------------------------------------------------
+
+    def reload(self) -> bool:
+        """SIGHUP: a valid new config replaces the old; an invalid one is logged and ignored."""
+        if self.config_path is None:
+            log.warning("reload requested but the daemon runs on a built-in config; nothing to reload")
+            return False
+        try:
+            new = load_config(self.config_path)
+        except ConfigError as exc:
+            message = "; ".join(str(p) for p in exc.problems)
+            log.error("config reload failed; keeping the running config", error=message)
+            self.notifier.status(f"config reload failed, running the previous config: {message}"[:400])
+            return False
+        if new.backend != self.config.backend or new.host_root != self.config.host_root:
+            log.error("config reload: backend and host_root changes need a restart; keeping the running config")
+            return False
+        self.config = new
+        if self.backend is not None and hasattr(self.backend, "write_guard"):
+            self.backend.write_guard = WriteGuard(new.writable_items())
+        if self.engine is not None:
+            self.engine.config = new
+        self.last_policy_seconds = float("-inf")
+        log.info("config reloaded", path=str(self.config_path), mode=new.mode.value)
+        return True
+
+    # -- watchdog ------------------------------------------------------------------------------
+
+    def loop_healthy(self) -> bool:
+        stall_seconds = self.timing.stall_loops * self.config.interval_seconds + self.timing.call_timeout_seconds
+        return time.monotonic() - self.heartbeat_seconds <= stall_seconds
+
+    def _watchdog(self, period_seconds: float) -> None:
+        while not self.stop_requested.wait(period_seconds):
+            if self.loop_healthy():
+                self.notifier.watchdog()
+            else:
+                log.error("main loop stalled: withholding watchdog pings so systemd restarts the agent")
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # embedded (tests): the caller stops the daemon through stop_requested
+
+        def on_stop(signum: int, _frame: FrameType | None) -> None:
+            self.stop_requested.set()
+
+        def on_hup(_signum: int, _frame: FrameType | None) -> None:
+            self.reload_requested.set()
+
+        signal.signal(signal.SIGTERM, on_stop)
+        signal.signal(signal.SIGINT, on_stop)
+        signal.signal(signal.SIGHUP, on_hup)
+
+    def start_services(self) -> None:
+        from agent.api import ApiServer
+        from agent.metrics import serve_metrics
+
+        stale_after = self.timing.stall_loops * self.config.interval_seconds + self.timing.call_timeout_seconds
+        metrics = serve_metrics(self.config.metrics.listen, self.published.get, stale_after_seconds=stale_after)
+        self._closers.append(metrics.close)
+        api = ApiServer(self.config.api.socket, self.api_handlers(), group=self.config.api.group)
+        api.start()
+        self._closers.append(api.close)
+        self.kmsg.start()
+        self._closers.append(self.kmsg.stop)
+        log.info("serving", metrics=self.config.metrics.listen, socket=self.config.api.socket)
+
+    def api_handlers(self) -> dict[str, Callable[[Any], Any]]:
+        from agent.render import snapshot_document
+
+        def status(_params: Any) -> Any:
+            snapshot = self.published.get()
+            if snapshot is None:
+                return {"starting": True}
+            return snapshot_document(snapshot, source="daemon")
+
+        return {"status": status, "ping": lambda _p: {"pid": threading.get_native_id(), "version": __version__}}
+
+    def run(self) -> int:
+        self.install_signal_handlers()
+        try:
+            self.start_services()
+            snapshot = self.loop_once()
+            self.notifier.ready(status_line(snapshot))
+            period = self.notifier.watchdog_seconds
+            if period is not None:
+                self._watchdog_thread = threading.Thread(
+                    target=self._watchdog, args=(period / 2,), name="watchdog", daemon=True
+                )
+                self._watchdog_thread.start()
+            next_loop = time.monotonic()
+            while not self.stop_requested.is_set():
+                next_loop += self.config.interval_seconds
+                delay = next_loop - time.monotonic()
+                if delay < 0:  # a slow loop: start again now, do not try to catch up
+                    next_loop = time.monotonic()
+                    delay = 0
+                if self.stop_requested.wait(delay):
+                    break
+                if self.reload_requested.is_set():
+                    self.reload_requested.clear()
+                    self.reload()
+                self.loop_once()
+            return 0
+        finally:
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        self.stop_requested.set()
+        self.notifier.stopping()
+        self._restore_fans()
+        for close in reversed(self._closers):
+            with contextlib.suppress(Exception):
+                close()
+        self._close_backend()
+        self.runner.shutdown()
+        log.info("stopped")
+
+    def _restore_fans(self) -> None:
+        """Fans the agent set to manual go back to automatic on every exit path."""
+        if self.engine is None or "fan_curve" not in self.config.writable_items():
+            return
+        from agent.policy import fan_curve
+
+        for gpu, ctx in sorted(self.engine.state.contexts.items()):
+            try:
+                result = self.runner.run(f"gpu{gpu}", partial(fan_curve.restore, ctx), timeout_seconds=5.0)
+            except (StaleGpu, GpuError) as exc:
+                log.error("could not restore automatic fan control", gpu=gpu, error=str(exc))
+                continue
+            log.info("fans restored to automatic", gpu=gpu, outcome=result.outcome.value)
+
+
+def _carry_slow_fields(previous: GpuSample, fresh: GpuSample) -> GpuSample:
+    """A fast-tier sample keeps the last slow-tier readings, so metrics do not flap between loops."""
+    slow = {
+        name: getattr(previous, name)
+        for name in (
+            "ecc_corrected_volatile",
+            "ecc_uncorrected_volatile",
+            "ecc_corrected_aggregate",
+            "ecc_uncorrected_aggregate",
+            "remapped_rows_correctable",
+            "remapped_rows_uncorrectable",
+            "remap_pending",
+            "remap_failed",
+            "retired_pages_pending",
+            "pcie_generation",
+            "pcie_width",
+            "pcie_max_generation",
+            "pcie_max_width",
+            "pcie_replay_count",
+            "slowdown_temperature_celsius",
+            "shutdown_temperature_celsius",
+            "power_violation_ns",
+            "thermal_violation_ns",
+            "recovery_action",
+        )
+    }
+    return replace(fresh, **slow) if fresh.up else fresh
+
+
+def _merge_plans(previous: tuple[ItemPlan, ...], fresh: tuple[ItemPlan, ...]) -> tuple[ItemPlan, ...]:
+    replaced = {(p.item, p.gpu): p for p in fresh}
+    merged = [replaced.pop((p.item, p.gpu), p) for p in previous]
+    return (*merged, *replaced.values())
+
+
+def _event_fields(event: Event) -> dict[str, Any]:
+    fields: dict[str, Any] = {"severity": event.severity.value, "source": event.source}
+    if "xid" in event.data:
+        fields["xid"] = event.data["xid"]
+    return fields
+
+
+def status_line(snapshot: NodeSnapshot) -> str:
+    """One line for systemd's STATUS= (what `systemctl status gpu-agent` shows)."""
+    total = len(snapshot.gpus)
+    unhealthy = sum(1 for h in snapshot.health.values() if h.state is HealthState.UNHEALTHY)
+    degraded = sum(1 for h in snapshot.health.values() if h.state is HealthState.DEGRADED)
+    drift = sum(1 for p in snapshot.policy if p.status in (PlanStatus.DRIFT, PlanStatus.ERROR))
+    parts = [f"{total} GPUs"]
+    if unhealthy or degraded:
+        parts.append(f"{unhealthy} unhealthy, {degraded} degraded")
+    else:
+        parts.append("all healthy")
+    if snapshot.stale_gpus:
+        parts.append(f"{len(snapshot.stale_gpus)} stale")
+    parts.append(f"policy: {drift} item(s) off" if drift else "policy in sync")
+    return "; ".join(parts)

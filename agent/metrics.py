@@ -1,0 +1,596 @@
+"""Prometheus metrics over the daemon's last `NodeSnapshot`.
+
+A scrape never touches the GPU backend: `SnapshotCollector.collect()` renders whatever
+`get_snapshot()` returns (a reference the loop swaps once per iteration), so a hung NVML call can
+stale a GPU but never a scrape. `serve_metrics()` serves `/metrics` and `/healthz` from its own
+registry on a daemon thread.
+
+Conventions: base units (watts, hertz, bytes, seconds, ratios 0-1); every per-GPU series carries
+`gpu` (NVML index) and `uuid`; node-level policy items carry `gpu=""`; a reading that is None
+(not supported, or the read failed: see `gpu_agent_gpu_read_error`) is omitted, never exported
+as 0. Readings of a stale GPU (a call hung, see `gpu_agent_gpu_stale`) are the last good ones.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from agent import __version__
+from agent.backend.base import RecoveryAction
+from agent.clock_events import CLOCK_EVENT_REASONS
+from agent.events import HealthState
+from agent.policy.base import PlanStatus
+from agent.state import GpuSample, NodeSnapshot
+
+log = logging.getLogger(__name__)
+
+SnapshotGetter = Callable[[], "NodeSnapshot | None"]
+
+_MHZ_TO_HERTZ = 1e6
+_NS_TO_SECONDS = 1e-9
+# A client that stalls mid-request must not pin a server thread forever.
+_REQUEST_TIMEOUT_SECONDS = 10.0
+
+
+def _flag(value: bool | None) -> float | None:
+    return None if value is None else float(value)
+
+
+def _ratio(percent: int | None) -> float | None:
+    return None if percent is None else percent / 100.0
+
+
+def _hertz(mhz: int | None) -> float | None:
+    return None if mhz is None else mhz * _MHZ_TO_HERTZ
+
+
+def _seconds(ns: int | None) -> float | None:
+    return None if ns is None else ns * _NS_TO_SECONDS
+
+
+Reader = Callable[[GpuSample], "float | None"]
+
+
+@dataclass(frozen=True)
+class _GpuFamily:
+    """Per-GPU series of one family: (extra labels, reader) each, e.g. ({"clock": "sm"}, ...)."""
+
+    name: str
+    documentation: str
+    series: tuple[tuple[tuple[tuple[str, str], ...], Reader], ...]
+    counter: bool = False
+
+
+def _single(name: str, documentation: str, read: Reader, counter: bool = False) -> _GpuFamily:
+    return _GpuFamily(name, documentation, (((), read),), counter)
+
+
+_GPU_FAMILIES: tuple[_GpuFamily, ...] = (
+    _single("gpu_agent_gpu_temperature_celsius", "GPU core temperature.", lambda s: s.temperature_celsius),
+    _GpuFamily(
+        "gpu_agent_gpu_temperature_threshold_celsius",
+        "Temperature at which the GPU slows down (slowdown) or shuts down (shutdown).",
+        (
+            ((("threshold", "slowdown"),), lambda s: s.slowdown_temperature_celsius),
+            ((("threshold", "shutdown"),), lambda s: s.shutdown_temperature_celsius),
+        ),
+    ),
+    _single("gpu_agent_gpu_power_usage_watts", "GPU board power draw.", lambda s: s.power_usage_watts),
+    _single("gpu_agent_gpu_power_limit_watts", "Power management limit in force.", lambda s: s.power_limit_watts),
+    _GpuFamily(
+        "gpu_agent_gpu_clock_hertz",
+        "Current clock frequency per clock domain.",
+        (
+            ((("clock", "graphics"),), lambda s: _hertz(s.graphics_clock_mhz)),
+            ((("clock", "sm"),), lambda s: _hertz(s.sm_clock_mhz)),
+            ((("clock", "memory"),), lambda s: _hertz(s.memory_clock_mhz)),
+        ),
+    ),
+    _single(
+        "gpu_agent_gpu_utilization_ratio",
+        "Fraction of the last sample period in which a kernel ran on the GPU.",
+        lambda s: _ratio(s.gpu_utilization_percent),
+    ),
+    _single(
+        "gpu_agent_gpu_memory_utilization_ratio",
+        "Fraction of the last sample period in which device memory was read or written.",
+        lambda s: _ratio(s.memory_utilization_percent),
+    ),
+    _single("gpu_agent_gpu_memory_used_bytes", "Device memory in use.", lambda s: s.memory_used_bytes),
+    _single("gpu_agent_gpu_memory_total_bytes", "Device memory installed.", lambda s: s.memory_total_bytes),
+    _single(
+        "gpu_agent_gpu_performance_state",
+        "Performance state (0 = P0, maximum performance; 15 = P15, minimum).",
+        lambda s: s.performance_state,
+    ),
+    _single(
+        "gpu_agent_gpu_persistence_mode_enabled",
+        "1 when persistence mode is on.",
+        lambda s: _flag(s.persistence_enabled),
+    ),
+    _single("gpu_agent_gpu_ecc_enabled", "1 when ECC is on now.", lambda s: _flag(s.ecc_enabled)),
+    _single(
+        "gpu_agent_gpu_ecc_pending_enabled",
+        "1 when ECC will be on after the next reboot or GPU reset.",
+        lambda s: _flag(s.ecc_pending),
+    ),
+    # NVML's aggregate counters persist across reboots (a true counter); volatile ones restart at
+    # every driver load and are exported as a gauge of "errors since the driver loaded".
+    _GpuFamily(
+        "gpu_agent_gpu_ecc_errors",
+        "ECC errors over the GPU's lifetime (NVML aggregate counter).",
+        (
+            ((("type", "corrected"),), lambda s: s.ecc_corrected_aggregate),
+            ((("type", "uncorrected"),), lambda s: s.ecc_uncorrected_aggregate),
+        ),
+        counter=True,
+    ),
+    _GpuFamily(
+        "gpu_agent_gpu_ecc_volatile_errors",
+        "ECC errors since the driver was loaded (NVML volatile counter).",
+        (
+            ((("type", "corrected"),), lambda s: s.ecc_corrected_volatile),
+            ((("type", "uncorrected"),), lambda s: s.ecc_uncorrected_volatile),
+        ),
+    ),
+    _GpuFamily(
+        "gpu_agent_gpu_remapped_rows",
+        "Memory rows remapped, by the kind of error that caused the remap.",
+        (
+            ((("cause", "correctable"),), lambda s: s.remapped_rows_correctable),
+            ((("cause", "uncorrectable"),), lambda s: s.remapped_rows_uncorrectable),
+        ),
+    ),
+    _single(
+        "gpu_agent_gpu_row_remap_pending",
+        "1 when a row remap waits for a GPU reset or reboot.",
+        lambda s: _flag(s.remap_pending),
+    ),
+    _single(
+        "gpu_agent_gpu_row_remap_failed",
+        "1 when a row remap failed (the GPU needs service).",
+        lambda s: _flag(s.remap_failed),
+    ),
+    _single(
+        "gpu_agent_gpu_retired_pages_pending",
+        "1 when a page retirement waits for a reboot (pre-Ampere boards).",
+        lambda s: _flag(s.retired_pages_pending),
+    ),
+    _single("gpu_agent_gpu_pcie_link_generation", "Current PCIe link generation.", lambda s: s.pcie_generation),
+    _single(
+        "gpu_agent_gpu_pcie_link_max_generation",
+        "Highest PCIe generation of GPU and slot.",
+        lambda s: s.pcie_max_generation,
+    ),
+    _single("gpu_agent_gpu_pcie_link_width", "Current PCIe link width (lanes).", lambda s: s.pcie_width),
+    _single("gpu_agent_gpu_pcie_link_max_width", "Widest PCIe link of GPU and slot.", lambda s: s.pcie_max_width),
+    _single(
+        "gpu_agent_gpu_pcie_replays",
+        "PCIe replays (link-level retransmissions).",
+        lambda s: s.pcie_replay_count,
+        counter=True,
+    ),
+    _GpuFamily(
+        "gpu_agent_gpu_violation_seconds",
+        "Time the GPU was held below its target clocks by a limit (NVML violation status).",
+        (
+            ((("limit", "power"),), lambda s: _seconds(s.power_violation_ns)),
+            ((("limit", "thermal"),), lambda s: _seconds(s.thermal_violation_ns)),
+        ),
+        counter=True,
+    ),
+)
+
+
+class _Families:
+    """Metric families of one scrape, in first-use order; empty ones are not exposed."""
+
+    def __init__(self) -> None:
+        self._families: dict[str, Metric] = {}
+
+    def _family(self, name: str, documentation: str, labels: list[str], counter: bool) -> Metric:
+        family = self._families.get(name)
+        if family is None:
+            if counter:
+                # prometheus_client appends "_total" to a counter family's samples.
+                family = CounterMetricFamily(name, documentation, labels=labels)
+            else:
+                family = GaugeMetricFamily(name, documentation, labels=labels)
+            self._families[name] = family
+        return family
+
+    def gauge(self, name: str, documentation: str, labels: dict[str, str], value: float | None) -> None:
+        self.add(name, documentation, labels, value, counter=False)
+
+    def counter(self, name: str, documentation: str, labels: dict[str, str], value: float | None) -> None:
+        self.add(name, documentation, labels, value, counter=True)
+
+    def add(self, name: str, documentation: str, labels: dict[str, str], value: float | None, counter: bool) -> None:
+        family = self._family(name, documentation, list(labels), counter)
+        if value is None:
+            return
+        if counter:
+            assert isinstance(family, CounterMetricFamily)
+            family.add_metric(list(labels.values()), value)
+        else:
+            assert isinstance(family, GaugeMetricFamily)
+            family.add_metric(list(labels.values()), value)
+
+    def __iter__(self) -> Iterator[Metric]:
+        return (family for family in self._families.values() if family.samples)
+
+
+def _recovery_actions(value: int) -> list[tuple[str, float]]:
+    """One-hot over the known actions; a value newer than this code gets its own `unknown_N` series."""
+    names = [action.name.lower() for action in RecoveryAction]
+    try:
+        current = RecoveryAction(value).name.lower()
+    except ValueError:
+        current = f"unknown_{value}"
+        names.append(current)
+    return [(name, float(name == current)) for name in names]
+
+
+def _gpu_label(index: int | None) -> str:
+    return "" if index is None else str(index)
+
+
+class SnapshotCollector(Collector):
+    """Renders the latest snapshot; before the first one only build info and `gpu_agent_up 0`."""
+
+    def __init__(self, get_snapshot: SnapshotGetter, version: str = __version__) -> None:
+        self._get_snapshot = get_snapshot
+        self._version = version
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self._get_snapshot()
+        out = _Families()
+        out.gauge("gpu_agent_build_info", "gpu-agent version; always 1.", {"version": self._version}, 1)
+        out.gauge(
+            "gpu_agent_up",
+            "1 once the agent has completed a collection loop and serves its snapshot, 0 before.",
+            {},
+            0 if snapshot is None else 1,
+        )
+        if snapshot is not None:
+            self._node(out, snapshot)
+            self._gpus(out, snapshot)
+            self._clock_event_seconds(out, snapshot)
+            self._xids(out, snapshot)
+            self._policy(out, snapshot)
+            self._services(out, snapshot)
+            self._remediations(out, snapshot)
+            self._collectors(out, snapshot)
+        return iter(out)
+
+    @staticmethod
+    def _node(out: _Families, snap: NodeSnapshot) -> None:
+        out.gauge(
+            "gpu_agent_backend_info",
+            "GPU backend in use and the driver it reports; always 1.",
+            {"backend": snap.backend, "driver_version": snap.driver_version or ""},
+            1,
+        )
+        out.gauge(
+            "gpu_agent_start_time_seconds",
+            "When the agent started, in seconds since the epoch.",
+            {},
+            snap.started_seconds,
+        )
+        out.gauge(
+            "gpu_agent_snapshot_timestamp_seconds",
+            "When the snapshot served was taken; an old one means the loop is stuck.",
+            {},
+            snap.timestamp_seconds,
+        )
+        out.gauge(
+            "gpu_agent_collect_duration_seconds",
+            "How long the last collection loop took.",
+            {},
+            snap.collect_duration_seconds,
+        )
+
+    @staticmethod
+    def _gpus(out: _Families, snap: NodeSnapshot) -> None:
+        for sample in snap.gpus:
+            ids = {"gpu": str(sample.index), "uuid": sample.uuid}
+            out.gauge(
+                "gpu_agent_gpu_info",
+                "GPU identity; always 1.",
+                {
+                    **ids,
+                    "name": sample.name,
+                    "pci_bus_id": sample.pci_bus_id,
+                    "driver_version": snap.driver_version or "",
+                },
+                1,
+            )
+            out.gauge(
+                "gpu_agent_gpu_up",
+                "1 when the GPU answers; 0 when it fell off the bus, needs a reset or its identity is unreadable.",
+                ids,
+                float(sample.up),
+            )
+            out.gauge(
+                "gpu_agent_gpu_stale",
+                "1 when a call to the GPU hung or timed out and its readings are from an earlier loop.",
+                ids,
+                float(sample.index in snap.stale_gpus),
+            )
+            health = snap.health.get(sample.index)
+            if health is not None:
+                for state in HealthState:
+                    out.gauge(
+                        "gpu_agent_gpu_health",
+                        "GPU health as the agent judges it, one series per state, 1 for the current one.",
+                        {**ids, "state": state.value},
+                        float(health.state is state),
+                    )
+            for family in _GPU_FAMILIES:
+                for extra, read in family.series:
+                    out.add(family.name, family.documentation, {**ids, **dict(extra)}, read(sample), family.counter)
+            if sample.fan_speeds_percent is not None:
+                for fan, percent in enumerate(sample.fan_speeds_percent):
+                    out.gauge(
+                        "gpu_agent_gpu_fan_speed_ratio",
+                        "Fan speed as a fraction of its maximum.",
+                        {**ids, "fan": str(fan)},
+                        percent / 100.0,
+                    )
+            if sample.clock_event_reasons is not None:
+                for bit, reason in CLOCK_EVENT_REASONS.items():
+                    out.gauge(
+                        "gpu_agent_gpu_clock_event_active",
+                        "1 while a clock-event (throttle) reason holds the clocks down.",
+                        {**ids, "reason": reason},
+                        float(bool(sample.clock_event_reasons & bit)),
+                    )
+            if sample.recovery_action is not None:
+                for action, active in _recovery_actions(sample.recovery_action):
+                    out.gauge(
+                        "gpu_agent_gpu_recovery_action",
+                        "What the driver says the GPU needs (NVML GPU recovery action), one series per action, "
+                        "1 for the current one.",
+                        {**ids, "action": action},
+                        active,
+                    )
+            for field_name, kind in sorted(sample.read_errors.items()):
+                out.gauge(
+                    "gpu_agent_gpu_read_error",
+                    "1 for each reading that failed in the last sample, with the NVML error kind.",
+                    {**ids, "field": field_name, "kind": kind},
+                    1,
+                )
+
+    @staticmethod
+    def _uuids(snap: NodeSnapshot) -> dict[int, str]:
+        return {sample.index: sample.uuid for sample in snap.gpus}
+
+    def _clock_event_seconds(self, out: _Families, snap: NodeSnapshot) -> None:
+        uuids = self._uuids(snap)
+        for (gpu, reason), seconds in sorted(snap.clock_event_seconds.items()):
+            out.counter(
+                "gpu_agent_gpu_clock_event_seconds",
+                "Time a clock-event (throttle) reason was active, as observed by the agent.",
+                {"gpu": str(gpu), "uuid": uuids.get(gpu, ""), "reason": reason},
+                seconds,
+            )
+
+    @staticmethod
+    def _xids(out: _Families, snap: NodeSnapshot) -> None:
+        for xid in snap.xids:
+            labels = {"gpu": _gpu_label(xid.gpu), "uuid": xid.uuid, "xid": str(xid.xid)}
+            out.counter("gpu_agent_xid_errors", "Xid errors reported by the driver, per code.", labels, xid.count)
+            out.gauge(
+                "gpu_agent_xid_last_seen_timestamp_seconds",
+                "When each Xid code was last reported, in seconds since the epoch.",
+                labels,
+                xid.last_seen_seconds,
+            )
+
+    def _policy(self, out: _Families, snap: NodeSnapshot) -> None:
+        uuids = self._uuids(snap)
+        for plan in snap.policy:
+            labels = {
+                "item": plan.item,
+                "gpu": _gpu_label(plan.gpu),
+                "uuid": "" if plan.gpu is None else uuids.get(plan.gpu, ""),
+            }
+            out.gauge(
+                "gpu_agent_policy_in_sync",
+                "1 when a policy item matches its desired state (or does not apply to this device), else 0.",
+                labels,
+                float(plan.in_sync),
+            )
+            for status in PlanStatus:
+                out.gauge(
+                    "gpu_agent_policy_status",
+                    "Policy item plan status, one series per status, 1 for the current one.",
+                    {**labels, "status": status.value},
+                    float(plan.status is status),
+                )
+        for item, mode in sorted(snap.item_modes.items()):
+            out.gauge(
+                "gpu_agent_policy_enforced",
+                "1 when the agent repairs drift of this item (enforce mode), 0 when it only reports it (observe).",
+                {"item": item},
+                float(mode == "enforce"),
+            )
+
+    @staticmethod
+    def _services(out: _Families, snap: NodeSnapshot) -> None:
+        for service in snap.services:
+            labels = {"service": service.name, "unit": service.unit}
+            out.gauge(
+                "gpu_agent_service_up",
+                "1 when the inference service's health probe succeeds (absent until first probed).",
+                labels,
+                _flag(service.up),
+            )
+            out.gauge(
+                "gpu_agent_service_consecutive_failures",
+                "Health probes failed in a row.",
+                labels,
+                service.consecutive_failures,
+            )
+            out.gauge(
+                "gpu_agent_service_probe_latency_seconds",
+                "How long the last health probe took.",
+                labels,
+                service.last_latency_seconds,
+            )
+
+    @staticmethod
+    def _remediations(out: _Families, snap: NodeSnapshot) -> None:
+        for count in snap.remediations:
+            out.counter(
+                "gpu_agent_remediations",
+                "Remediation actions taken by rules, by outcome.",
+                {"rule": count.rule, "action": count.action, "outcome": count.outcome},
+                count.count,
+            )
+
+    @staticmethod
+    def _collectors(out: _Families, snap: NodeSnapshot) -> None:
+        for status in snap.collectors:
+            labels = {"collector": status.name}
+            out.gauge(
+                "gpu_agent_collector_success",
+                "1 when the collector's last run succeeded.",
+                labels,
+                float(status.success),
+            )
+            out.gauge(
+                "gpu_agent_collector_duration_seconds",
+                "How long the collector's last run took.",
+                labels,
+                status.duration_seconds,
+            )
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """ "HOST:PORT" or "[V6]:PORT" -> (host, port); an empty host means every IPv4 address."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"listen address {listen!r} must be HOST:PORT")
+    return host.removeprefix("[").removesuffix("]") or "0.0.0.0", int(port)  # noqa: S104 - the default exporter bind
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _MetricsHTTPServer
+    timeout = _REQUEST_TIMEOUT_SECONDS
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        path = urlsplit(self.path).path
+        if path == "/metrics":
+            encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+            self._reply(200, content_type, encoder(self.server.registry))
+        elif path == "/healthz":
+            status, body = self.server.health()
+            self._reply(status, "application/json", json.dumps(body).encode() + b"\n")
+        elif path == "/":
+            page = b'<html><body><a href="/metrics">/metrics</a> <a href="/healthz">/healthz</a></body></html>\n'
+            self._reply(200, "text/html; charset=utf-8", page)
+        else:
+            self._reply(404, "text/plain; charset=utf-8", b"not found\n")
+
+    def _reply(self, status: int, content_type: str, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        log.debug("metrics http: " + format, *args)
+
+
+class _MetricsHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        registry: CollectorRegistry,
+        health: Callable[[], tuple[int, dict[str, object]]],
+    ) -> None:
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.registry = registry
+        self.health = health
+        super().__init__(address, _Handler)
+
+
+class MetricsServer:
+    """`/metrics` and `/healthz` on a daemon thread; `close()` stops it and frees the port."""
+
+    def __init__(
+        self,
+        listen: str,
+        get_snapshot: SnapshotGetter,
+        *,
+        stale_after_seconds: float | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._get_snapshot = get_snapshot
+        self._stale_after_seconds = stale_after_seconds
+        self._clock = clock
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(SnapshotCollector(get_snapshot))
+        self._server = _MetricsHTTPServer(parse_listen(listen), self.registry, self._health)
+        bound = self._server.server_address
+        self.host: str = str(bound[0])
+        self.port: int = int(bound[1])
+        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
+        self._thread.start()
+
+    def _health(self) -> tuple[int, dict[str, object]]:
+        """200 while snapshots keep coming; 503 before the first one or once the last is too old."""
+        snapshot = self._get_snapshot()
+        if snapshot is None:
+            return 503, {"status": "starting", "detail": "no snapshot yet"}
+        age_seconds = max(0.0, self._clock() - snapshot.timestamp_seconds)
+        body: dict[str, object] = {"status": "ok", "snapshot_age_seconds": round(age_seconds, 3)}
+        if self._stale_after_seconds is not None and age_seconds > self._stale_after_seconds:
+            body["status"] = "stale"
+            body["detail"] = f"last snapshot is {age_seconds:.0f} s old (limit {self._stale_after_seconds:g} s)"
+            return 503, body
+        return 200, body
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def serve_metrics(
+    listen: str,
+    get_snapshot: SnapshotGetter,
+    *,
+    stale_after_seconds: float | None = None,
+    clock: Callable[[], float] = time.time,
+) -> MetricsServer:
+    """Serve metrics of `get_snapshot()` on "HOST:PORT" (port 0: any free port, see `.port`).
+
+    `get_snapshot` must only return a reference (the loop publishes a new frozen snapshot by
+    swapping it), so a scrape never waits on the loop or the GPU backend.
+    `stale_after_seconds`: `/healthz` answers 503 once the last snapshot is older than this.
+    """
+    return MetricsServer(listen, get_snapshot, stale_after_seconds=stale_after_seconds, clock=clock)

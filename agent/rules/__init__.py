@@ -1,0 +1,1 @@
+"""Remediation: rule models and the pure evaluator (engine), and the actions that carry them out."""

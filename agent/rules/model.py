@@ -1,0 +1,80 @@
+"""What flows between the pure rule engine and the one place that acts.
+
+engine.evaluate(...) -> list[Decision]; a Decision whose `action` is set is handed to
+actions.execute(...), which returns an ActionOutcome; both are recorded in the store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from agent.events import Event
+
+
+class ActionKind(str, Enum):
+    RESTART_SERVICE = "restart_service"
+    RESET_GPU = "reset_gpu"
+    RUN_HOOK = "run_hook"
+    WEBHOOK = "webhook"
+    ALERTMANAGER = "alertmanager"
+    RECOMMEND_REBOOT = "recommend_reboot"
+    REBOOT = "reboot"
+
+
+class Outcome(str, Enum):
+    SUCCESS = "success"
+    FAILED = "failed"
+    REFUSED = "refused"  # a safety check said no (Xid 79, MIG on, processes remain, observe mode, ...)
+    DRY_RUN = "dry_run"
+    SUPPRESSED = "suppressed"  # cooldown, attempts exhausted, circuit open
+
+
+@dataclass(frozen=True)
+class Target:
+    """What an action is aimed at: a GPU (index + uuid), a service, or the node (both None)."""
+
+    gpu: int | None = None
+    uuid: str | None = None
+    service: str | None = None
+
+    @property
+    def key(self) -> str:
+        """Stable identity for attempt counters: survives restarts and GPU re-enumeration (uuid, not index)."""
+        if self.service is not None:
+            return f"service:{self.service}"
+        if self.uuid:
+            return f"gpu:{self.uuid}"
+        return "node" if self.gpu is None else f"gpu-index:{self.gpu}"
+
+
+@dataclass(frozen=True)
+class ActionSpec:
+    """One step of a rule's escalation ladder, as written in the rules file."""
+
+    kind: ActionKind
+    params: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The engine's verdict for one (rule, event, target): an action to run, or why none runs."""
+
+    rule: str
+    event: Event
+    target: Target
+    action: ActionSpec | None  # None when suppressed
+    step: int  # index in the rule's ladder (0-based)
+    attempt: int  # 1-based attempt number within the rule's window for this target
+    reason: str  # why this action (or why suppressed), for the log and the store
+    dry_run: bool = False
+
+
+@dataclass(frozen=True)
+class ActionOutcome:
+    decision: Decision
+    outcome: Outcome
+    detail: str
+    started_seconds: float
+    finished_seconds: float

@@ -1,0 +1,472 @@
+"""The inference services on the node (sglang, vLLM, ...): starting and stopping them, and probing
+their health.
+
+Managers
+--------
+`SystemdManager` drives a unit with `systemctl`; its argv prefix is configurable so tests can
+reach a sandboxed systemd (`nsenter -t PID -p -m -u -i chroot ROOT systemctl`). `CommandManager`
+runs the service's configured `start_command`/`stop_command` (argv lists, never a shell);
+restart is stop then start. A start command should hand the server to a supervisor of its own
+(a container runtime, `systemd-run`): whatever it leaves running in the agent's cgroup is stopped
+together with the agent.
+
+Every command runs with a scrubbed environment (`MINIMAL_ENV`), its own process group, a
+timeout that kills that whole group, and its output captured through a file rather than a pipe,
+so a start command that leaves a daemon behind holding stdout does not stall the agent.
+
+Health
+------
+`HealthProber` GETs each service's `health_url` (200-299 = healthy, anything else, a refused
+connection or no answer within `probe_timeout_seconds` = a failed probe). After
+`unhealthy_after_probes` consecutive failures the service is declared unhealthy; one success
+declares it healthy again. SERVICE_UNHEALTHY and SERVICE_HEALTHY events are emitted on those
+transitions only (collect them with `take_events()`), so a service that stays down is one fault,
+not one event per probe. A service without a health URL is probed by asking its manager whether
+it runs (`systemctl is-active`, or the `status_command`).
+
+While the agent itself restarts a service (`expect_down`, `wait_healthy`), failed probes are not
+counted: the agent must not report, and a rule must not act on, an outage it caused on purpose,
+which would otherwise turn one restart into a restart storm while the model loads.
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import os
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from agent.config import AgentConfig, ServiceConfig
+from agent.events import Event, EventKind, Severity, SuggestedAction
+from agent.policy.base import HostContext
+from agent.state import ServiceStatus
+
+log = logging.getLogger(__name__)
+
+#: The whole environment of every command the agent runs: nothing inherited (no secrets, no
+#: LD_PRELOAD, no PYTHONPATH), a PATH of system directories only.
+MINIMAL_ENV: dict[str, str] = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+OUTPUT_LIMIT_BYTES = 4096
+#: How often `wait_healthy` probes at most: a restarted server should be seen as soon as it answers.
+READY_POLL_SECONDS = 1.0
+_BODY_READ_BYTES = 4096
+
+
+class ServiceError(Exception):
+    """A service could not be started, stopped or restarted."""
+
+
+# -- running commands -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProcessResult:
+    argv: tuple[str, ...]
+    returncode: int | None  # None: killed after the timeout
+    output: str  # stdout and stderr together, the last OUTPUT_LIMIT_BYTES of it
+    duration_seconds: float
+
+    @property
+    def timed_out(self) -> bool:
+        return self.returncode is None
+
+    def describe(self) -> str:
+        """`exit 3: <output>`, for details and errors."""
+        status = f"timed out after {self.duration_seconds:.1f} s" if self.timed_out else f"exit {self.returncode}"
+        return f"{status}: {self.output}" if self.output else status
+
+
+def _tail(data: bytes, limit_bytes: int) -> str:
+    if len(data) <= limit_bytes:
+        return data.decode("utf-8", "replace").strip()
+    return f"[{len(data) - limit_bytes} bytes cut] " + data[-limit_bytes:].decode("utf-8", "replace").strip()
+
+
+def run_process(
+    argv: Sequence[str],
+    timeout_seconds: float,
+    *,
+    stdin: bytes = b"",
+    env: Mapping[str, str] | None = None,
+    output_limit_bytes: int = OUTPUT_LIMIT_BYTES,
+) -> ProcessResult:
+    """Run argv (never through a shell) in a new process group; on timeout kill the whole group.
+
+    Raises OSError when the program cannot be executed at all.
+    """
+    started = time.monotonic()
+    with tempfile.TemporaryFile() as output:
+        proc = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.PIPE,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            env=dict(MINIMAL_ENV if env is None else env),
+            start_new_session=True,
+            close_fds=True,
+        )
+        returncode: int | None
+        try:
+            proc.communicate(input=stdin, timeout=timeout_seconds)
+            returncode = proc.returncode
+        except subprocess.TimeoutExpired:
+            # The group, not only the child: a hook's own children must not outlive its timeout.
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            returncode = None
+        output.seek(0)
+        text = _tail(output.read(), output_limit_bytes)
+    return ProcessResult(tuple(argv), returncode, text, time.monotonic() - started)
+
+
+# -- managers ------------------------------------------------------------------------------------
+
+
+class ServiceManager(Protocol):
+    """Starts and stops one kind of service. Methods raise ServiceError when the command fails."""
+
+    def start(self, service: ServiceConfig) -> None: ...
+    def stop(self, service: ServiceConfig) -> None: ...
+    def restart(self, service: ServiceConfig) -> None: ...
+    def is_active(self, service: ServiceConfig) -> bool | None:
+        """Whether it runs; None when this manager has no way to tell."""
+
+
+def _checked(result: ProcessResult, what: str) -> ProcessResult:
+    if result.returncode != 0:
+        raise ServiceError(f"{what} failed: {result.describe()}")
+    return result
+
+
+class SystemdManager:
+    """Services as systemd units, through `systemctl` (or a prefix reaching another systemd)."""
+
+    def __init__(self, systemctl_argv: Sequence[str] = ("systemctl",)) -> None:
+        self.systemctl_argv = tuple(systemctl_argv)
+
+    def systemctl(self, service: ServiceConfig, *args: str) -> ProcessResult:
+        argv = (*self.systemctl_argv, *args)
+        try:
+            return run_process(argv, service.command_timeout_seconds)
+        except OSError as exc:
+            raise ServiceError(f"cannot run {argv[0]}: {exc.strerror or exc}") from exc
+
+    def start(self, service: ServiceConfig) -> None:
+        _checked(self.systemctl(service, "start", service.unit_name), f"systemctl start {service.unit_name}")
+
+    def stop(self, service: ServiceConfig) -> None:
+        _checked(self.systemctl(service, "stop", service.unit_name), f"systemctl stop {service.unit_name}")
+
+    def restart(self, service: ServiceConfig) -> None:
+        _checked(self.systemctl(service, "restart", service.unit_name), f"systemctl restart {service.unit_name}")
+
+    def is_active(self, service: ServiceConfig) -> bool:
+        return self.systemctl(service, "is-active", "--quiet", service.unit_name).returncode == 0
+
+    def main_pid(self, service: ServiceConfig) -> int | None:
+        """The unit's main process (`systemctl show -p MainPID`), None when it has none."""
+        result = _checked(
+            self.systemctl(service, "show", "--property=MainPID", "--value", service.unit_name),
+            f"systemctl show {service.unit_name}",
+        )
+        pid = int(result.output.strip() or 0)
+        return pid or None
+
+
+class CommandManager:
+    """Services started and stopped by their configured commands."""
+
+    @staticmethod
+    def _run(service: ServiceConfig, argv: list[str] | None, what: str) -> ProcessResult:
+        if argv is None:
+            raise ServiceError(f"service {service.name} has no {what} (manager: {service.manager})")
+        try:
+            return run_process(argv, service.command_timeout_seconds)
+        except OSError as exc:
+            raise ServiceError(f"{service.name}: cannot run {argv[0]}: {exc.strerror or exc}") from exc
+
+    def start(self, service: ServiceConfig) -> None:
+        _checked(self._run(service, service.start_command, "start_command"), f"{service.name} start_command")
+
+    def stop(self, service: ServiceConfig) -> None:
+        _checked(self._run(service, service.stop_command, "stop_command"), f"{service.name} stop_command")
+
+    def restart(self, service: ServiceConfig) -> None:
+        self.stop(service)
+        self.start(service)
+
+    def is_active(self, service: ServiceConfig) -> bool | None:
+        if service.status_command is None:
+            return None
+        return self._run(service, service.status_command, "status_command").returncode == 0
+
+
+def build_managers(
+    config: AgentConfig, host: HostContext, systemctl_argv: Sequence[str] | None = None
+) -> dict[str, ServiceManager]:
+    """A manager for every service that can have one.
+
+    systemd services get one only when `host_root` is the real `/` or a `systemctl_argv` reaching
+    some other systemd is given: against a test tree or the demo's, the host's units are left alone
+    (an action on such a service is refused for want of a manager).
+    """
+    managers: dict[str, ServiceManager] = {}
+    commands = CommandManager()
+    systemd = SystemdManager(systemctl_argv) if systemctl_argv is not None else None
+    if systemd is None and host.is_real_root:
+        systemd = SystemdManager()
+    for service in config.services:
+        if service.manager == "command":
+            managers[service.name] = commands
+        elif systemd is not None:
+            managers[service.name] = systemd
+    return managers
+
+
+# -- health probing -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    service: str
+    ok: bool
+    latency_seconds: float | None  # None when the probe asked the manager instead of HTTP
+    detail: str  # "HTTP 200", "HTTP 503", "timed out after 2 s", "connection refused", ...
+    timestamp_seconds: float
+
+
+@dataclass
+class _Tracked:
+    service: ServiceConfig
+    up: bool | None = None  # the declared state; None until the first verdict
+    consecutive_failures: int = 0
+    last_latency_seconds: float | None = None
+    detail: str = ""
+    expected_down_until: float = 0.0
+
+
+# A probe must reach the local server itself, never an HTTP proxy from the environment.
+_NO_PROXY_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def http_probe(url: str, timeout_seconds: float) -> tuple[bool, str]:
+    """GET url: (healthy, what happened)."""
+    request = urllib.request.Request(url, headers={"User-Agent": "gpu-agent"})  # noqa: S310 (config allows http(s) only)
+    try:
+        with _NO_PROXY_OPENER.open(request, timeout=timeout_seconds) as response:
+            response.read(_BODY_READ_BYTES)
+            status = int(response.status)
+    except urllib.error.HTTPError as exc:
+        return False, f"HTTP {exc.code}"
+    except urllib.error.URLError as exc:
+        reason = exc.reason
+        if isinstance(reason, TimeoutError):
+            return False, f"timed out after {timeout_seconds:g} s"
+        if isinstance(reason, OSError):
+            return False, (reason.strerror or str(reason)).lower()
+        return False, str(reason)
+    except TimeoutError:
+        return False, f"timed out after {timeout_seconds:g} s"
+    except (OSError, http.client.HTTPException) as exc:
+        return False, f"{type(exc).__name__}: {exc}"
+    return 200 <= status < 300, f"HTTP {status}"
+
+
+class HealthProber:
+    """Probes the configured services and keeps their declared state (see the module docstring)."""
+
+    def __init__(
+        self,
+        services: Sequence[ServiceConfig],
+        managers: Mapping[str, ServiceManager] | None = None,
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.managers = dict(managers or {})
+        self.clock = clock
+        self.sleep = sleep
+        self._lock = threading.Lock()
+        self._tracked = {s.name: _Tracked(s) for s in services}
+        self._events: list[Event] = []
+
+    def names(self) -> list[str]:
+        return list(self._tracked)
+
+    def service(self, name: str) -> ServiceConfig:
+        return self._tracked[name].service
+
+    def can_probe(self, name: str) -> bool:
+        """A health URL, or a manager that can tell whether the service runs."""
+        tracked = self._tracked.get(name)
+        if tracked is None:
+            return False
+        if tracked.service.health_url is not None:
+            return True
+        if name not in self.managers:
+            return False
+        return tracked.service.manager == "systemd" or tracked.service.status_command is not None
+
+    def probe_once(self, name: str) -> ProbeResult:
+        """Probe one service now, update its declared state, queue an event on a transition."""
+        service = self._tracked[name].service
+        if service.health_url is not None:
+            started = time.monotonic()
+            ok, detail = http_probe(service.health_url, service.probe_timeout_seconds)
+            latency: float | None = time.monotonic() - started
+        else:
+            latency = None
+            manager = self.managers.get(name)
+            if manager is None:
+                raise ValueError(f"service {name} has no health_url and no manager to ask")
+            try:
+                active = manager.is_active(service)
+            except ServiceError as exc:
+                active, detail = False, str(exc)
+            else:
+                if active is None:
+                    raise ValueError(f"service {name} has no health_url and its manager cannot tell if it runs")
+                detail = "active" if active else "not active"
+            ok = bool(active)
+        result = ProbeResult(name, ok, latency, detail, self.clock())
+        self._record(result)
+        return result
+
+    def _record(self, result: ProbeResult) -> None:
+        with self._lock:
+            tracked = self._tracked[result.service]
+            tracked.last_latency_seconds = result.latency_seconds
+            if result.ok:
+                tracked.consecutive_failures = 0
+                tracked.expected_down_until = 0.0
+                tracked.detail = result.detail
+                if tracked.up is False:
+                    self._events.append(self._event(tracked, EventKind.SERVICE_HEALTHY, result))
+                tracked.up = True
+                return
+            if result.timestamp_seconds < tracked.expected_down_until:
+                tracked.detail = f"restart in progress: {result.detail}"
+                return
+            tracked.consecutive_failures += 1
+            tracked.detail = result.detail
+            if tracked.up is not False and tracked.consecutive_failures >= tracked.service.unhealthy_after_probes:
+                tracked.up = False
+                self._events.append(self._event(tracked, EventKind.SERVICE_UNHEALTHY, result))
+
+    @staticmethod
+    def _event(tracked: _Tracked, kind: EventKind, result: ProbeResult) -> Event:
+        service = tracked.service
+        how = service.health_url or f"{service.manager} manager"
+        if kind is EventKind.SERVICE_UNHEALTHY:
+            severity = Severity.CRITICAL
+            failures = tracked.consecutive_failures
+            message = f"service {service.name} unhealthy: {failures} failed probes of {how} ({result.detail})"
+            action = SuggestedAction.RESTART_SERVICE
+        else:
+            severity = Severity.INFO
+            message = f"service {service.name} healthy again ({how}: {result.detail})"
+            action = SuggestedAction.NONE
+        return Event(
+            kind=kind,
+            severity=severity,
+            gpu=None,
+            uuid=None,
+            message=message,
+            timestamp_seconds=result.timestamp_seconds,
+            source="probe",
+            key=f"{kind.value}:{service.name}",
+            data={
+                "service": service.name,
+                "unit": service.unit_name,
+                "health_url": service.health_url,
+                "consecutive_failures": tracked.consecutive_failures,
+                "detail": result.detail,
+                "latency_seconds": result.latency_seconds,
+            },
+            suggested_action=action,
+        )
+
+    def take_events(self) -> list[Event]:
+        """The transition events since the last call (oldest first)."""
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
+    def statuses(self) -> list[ServiceStatus]:
+        with self._lock:
+            return [
+                ServiceStatus(
+                    name=t.service.name,
+                    unit=t.service.unit_name,
+                    up=t.up,
+                    consecutive_failures=t.consecutive_failures,
+                    last_latency_seconds=t.last_latency_seconds,
+                    detail=t.detail,
+                )
+                for t in self._tracked.values()
+            ]
+
+    def expect_down(self, name: str, seconds: float) -> None:
+        """The agent is taking the service down on purpose: do not count failed probes for a while.
+
+        A successful probe ends the window early.
+        """
+        with self._lock:
+            self._tracked[name].expected_down_until = self.clock() + seconds
+
+    def wait_healthy(self, name: str, timeout_seconds: float) -> ProbeResult:
+        """Probe until the service answers or the time is up; the last probe says which.
+
+        Failures while waiting are expected (the server is loading) and are not counted.
+        """
+        service = self._tracked[name].service
+        deadline = self.clock() + timeout_seconds
+        self.expect_down(name, timeout_seconds)
+        poll_seconds = min(service.probe_interval_seconds, READY_POLL_SECONDS)
+        while True:
+            result = self.probe_once(name)
+            remaining = deadline - self.clock()
+            if result.ok or remaining <= 0:
+                return result
+            self.sleep(min(poll_seconds, remaining))
+
+
+class ProberThread:
+    """Probes every probeable service at its own interval, one thread per service, so a hanging
+    server delays nobody else's probes. `stop()` returns within one probe timeout."""
+
+    def __init__(self, prober: HealthProber) -> None:
+        self.prober = prober
+        self._stop = threading.Event()
+        self._threads = {
+            name: threading.Thread(target=self._loop, args=(name,), name=f"probe-{name}", daemon=True)
+            for name in prober.names()
+            if prober.can_probe(name)
+        }
+
+    def start(self) -> None:
+        for thread in self._threads.values():
+            thread.start()
+
+    def _loop(self, name: str) -> None:
+        interval = self.prober.service(name).probe_interval_seconds
+        while not self._stop.is_set():
+            try:
+                self.prober.probe_once(name)
+            except Exception:  # a probe bug must not end the probing of this service for good
+                log.exception("probe of service %s failed", name)
+            self._stop.wait(interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for name, thread in self._threads.items():
+            if thread.is_alive():
+                thread.join(self.prober.service(name).probe_timeout_seconds + 1.0)

@@ -1,0 +1,89 @@
+"""Per-GPU health: each watcher keeps its own view, `combine` folds them into one verdict.
+
+The verdict follows gpud's shape (state + reason + suggested action): the worst state wins, the
+reasons of every source in that state are kept, and of their suggested actions the most drastic
+one is offered, because acting on a milder one would leave the worse fault in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+from agent.events import Event, Health, HealthState, SuggestedAction
+from agent.state import GpuSample
+
+_STATE_RANK = {HealthState.HEALTHY: 0, HealthState.DEGRADED: 1, HealthState.UNHEALTHY: 2}
+
+#: Least to most drastic. A reboot also resets every GPU; a reset clears what a support case would
+#: first ask for; a hardware check (cooling, power, seating) outranks restarting software.
+ACTION_ORDER: tuple[SuggestedAction, ...] = (
+    SuggestedAction.NONE,
+    SuggestedAction.ALERT,
+    SuggestedAction.RESTART_SERVICE,
+    SuggestedAction.CHECK_MECHANICALS,
+    SuggestedAction.CONTACT_SUPPORT,
+    SuggestedAction.RESET_GPU,
+    SuggestedAction.REBOOT,
+)
+_ACTION_RANK = {action: rank for rank, action in enumerate(ACTION_ORDER)}
+
+
+class HealthSource(Protocol):
+    """Anything with a per-GPU health view: the poll watchers, the Xid watcher, service probes."""
+
+    def health(self, gpu: int) -> Health: ...
+
+
+class PollWatcher(HealthSource, Protocol):
+    """A watcher the daemon calls once per loop with that loop's samples.
+
+    `observe` returns each event once per transition (started/ended, appeared/cleared), never once
+    per loop while a condition lasts. A reading that is None (unsupported or not read this loop)
+    changes nothing and emits nothing.
+    """
+
+    name: str
+
+    def observe(self, samples: Sequence[GpuSample], now_seconds: float) -> list[Event]: ...
+
+
+def more_drastic(a: SuggestedAction, b: SuggestedAction) -> SuggestedAction:
+    return a if _ACTION_RANK[a] >= _ACTION_RANK[b] else b
+
+
+def combine(healths: Iterable[Health]) -> Health:
+    """One verdict from many: worst state, its reasons joined with "; ", its most drastic action.
+
+    Nothing to combine is healthy.
+    """
+    worst: list[Health] = []
+    for health in healths:
+        if not worst or _STATE_RANK[health.state] > _STATE_RANK[worst[0].state]:
+            worst = [health]
+        elif health.state is worst[0].state:
+            worst.append(health)
+    if not worst:
+        return Health.healthy()
+    reasons = list(dict.fromkeys(h.reason for h in worst if h.reason))
+    action = SuggestedAction.NONE
+    for health in worst:
+        action = more_drastic(action, health.suggested_action)
+    return Health(worst[0].state, "; ".join(reasons), action)
+
+
+class HealthBook:
+    """Per-GPU health across every source (poll watchers and any other `.health(gpu)` provider)."""
+
+    def __init__(self, sources: Iterable[HealthSource]) -> None:
+        self.sources: list[HealthSource] = list(sources)
+
+    def add(self, source: HealthSource) -> None:
+        self.sources.append(source)
+
+    def gpu_health(self, gpu: int) -> Health:
+        return combine(source.health(gpu) for source in self.sources)
+
+    def by_gpu(self, gpus: Iterable[int]) -> dict[int, Health]:
+        """What NodeSnapshot.health holds: the verdict for each GPU index."""
+        return {gpu: self.gpu_health(gpu) for gpu in gpus}

@@ -1,0 +1,314 @@
+"""Follow the kernel log for Xid lines: ``<host_root>/dev/kmsg``, a fake log file, or the journal.
+
+``KmsgSource`` runs one thread that feeds every kernel message through one ``KernelLogParser`` (it is
+stateful: the fallen-off-the-bus report spans several lines) and hands each ``KernelXid`` to ``sink``.
+
+What it reads, in order:
+
+- ``/dev/kmsg`` (a character device): one record per ``read()``, which must be given a buffer large
+  enough for the whole record or the kernel answers EINVAL; EPIPE means the ring buffer overwrote
+  records we had not read yet (counted, logged, reading goes on). A fresh open starts at the oldest
+  record still in the buffer, so records stamped before ``start_monotonic_seconds`` are skipped unless
+  ``read_history``. Only records of the kernel facility count: anything root writes into /dev/kmsg is
+  stamped with the user facility, so a copied Xid line cannot pose as a driver report.
+- a regular file or a FIFO at that path (the fake kernel log of tests, ``gpu-agent demo`` and
+  ``gpu-agent inject``): newline-separated records, buffered across reads, followed like ``tail -f``;
+  a truncated file is read again from its start, a replaced one is reopened. Lines that are not kmsg
+  records (dmesg or syslog text) go to the parser as they are.
+- when the path is missing or cannot be read: ``journalctl -k -f -o cat --since now`` (the journal's
+  kernel messages), but only when host_root is ``/``; under any other root the journal would describe
+  the wrong machine. With neither, the source reports itself degraded through ``status()`` and keeps
+  looking for the path, so a fake log created later is picked up.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import stat
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from agent.host.paths import HostPaths
+from agent.watch.kernel_log import KernelLogParser, KernelXid, parse_kmsg_record
+
+log = logging.getLogger(__name__)
+
+KMSG_PATH = "/dev/kmsg"
+JOURNAL_COMMAND = ("journalctl", "-k", "-f", "-o", "cat", "--since", "now")
+# Large enough for any record (the kernel's limit is 8 KiB with its metadata); smaller buffers get EINVAL.
+READ_BUFFER_BYTES = 16 * 1024
+# A "line" longer than this in a fake log is garbage, not a record: drop it rather than grow forever.
+MAX_LINE_BYTES = 64 * 1024
+# How long the thread sleeps or blocks before it looks at the stop flag again; bounds stop() latency.
+POLL_SECONDS = 0.1
+# How often a missing kernel log path is looked for again (an open() attempt: cheap), and how long a
+# journalctl that ended waits before it is started again (a process: not in a tight loop).
+PATH_RETRY_SECONDS = 0.25
+JOURNAL_RETRY_SECONDS = 5.0
+_KERNEL_FACILITY = 0
+
+
+class KmsgSource:
+    """A thread following the kernel log; ``start()``, ``stop()``, ``status()``.
+
+    ``start_monotonic_seconds`` is the agent's start on the kernel's monotonic clock (``time.monotonic()``,
+    the clock of kmsg timestamps); None means the moment this source is built. ``journal_command`` is the
+    argv that follows the journal's kernel messages when the path cannot be read; the default one runs only
+    when host_root is ``/``, an explicit one under any root (the caller vouches that it describes that host).
+    """
+
+    def __init__(
+        self,
+        paths: HostPaths,
+        sink: Callable[[KernelXid], object],
+        start_monotonic_seconds: float | None,
+        read_history: bool = False,
+        journal_command: Sequence[str] | None = None,
+    ) -> None:
+        self._path = paths.path(KMSG_PATH)
+        self._sink = sink
+        self._start_monotonic_seconds = time.monotonic() if start_monotonic_seconds is None else start_monotonic_seconds
+        self._read_history = read_history
+        if journal_command is not None:
+            self._journal_command: tuple[str, ...] | None = tuple(journal_command)
+        elif paths.root.resolve() == Path("/"):
+            self._journal_command = JOURNAL_COMMAND
+        else:
+            self._journal_command = None
+        self._parser = KernelLogParser()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._state_lock = threading.Lock()
+        self._ok = False
+        self._detail = "not started"
+        self._overwritten_records = 0
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("KmsgSource already started")
+        self._thread = threading.Thread(target=self._run, name="xid-kmsg", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_seconds: float = 2.0) -> None:
+        """Stop the thread (it notices within POLL_SECONDS) and end a journalctl it runs."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_seconds)
+
+    def status(self) -> tuple[bool, str]:
+        """(ok, detail): ok while a kernel log is being followed; detail says which, or what is wrong."""
+        with self._state_lock:
+            return self._ok, self._detail
+
+    @property
+    def overwritten_records(self) -> int:
+        """Records the kernel overwrote before we read them (EPIPE on /dev/kmsg)."""
+        with self._state_lock:
+            return self._overwritten_records
+
+    def _set_status(self, ok: bool, detail: str) -> None:
+        with self._state_lock:
+            changed = (ok, detail) != (self._ok, self._detail)
+            self._ok, self._detail = ok, detail
+        if changed:
+            log.log(logging.INFO if ok else logging.WARNING, "kernel log source: %s", detail)
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                problem = self._follow_path()
+            except Exception as exc:  # one broken reader must not end Xid watching for good
+                log.exception("kernel log reader failed")
+                problem = f"{self._path}: {exc}"
+            if self._stop.is_set():
+                break
+            if problem is None:
+                continue
+            if self._journal_command is None:
+                self._set_status(False, problem)
+                self._stop.wait(PATH_RETRY_SECONDS)
+                continue
+            problem = self._follow_journal(problem, self._journal_command)
+            if self._stop.is_set():
+                break
+            self._set_status(False, problem)
+            self._stop.wait(JOURNAL_RETRY_SECONDS)
+
+    def _follow_path(self) -> str | None:
+        """Read the kmsg path until stopped or it must be reopened (None) or cannot be read (the reason)."""
+        try:
+            fd = os.open(self._path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            return f"{self._path}: {exc.strerror or exc}"
+        try:
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISCHR(mode):
+                return self._follow_device(fd)
+            if stat.S_ISREG(mode) or stat.S_ISFIFO(mode):
+                return self._follow_stream(fd, regular=stat.S_ISREG(mode))
+            return f"{self._path}: neither the kernel log device nor a file"
+        finally:
+            os.close(fd)
+
+    def _follow_device(self, fd: int) -> str | None:
+        self._set_status(True, f"reading {self._path} (kernel ring buffer)")
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        while not self._stop.is_set():
+            try:
+                record = os.read(fd, READ_BUFFER_BYTES)
+            except BlockingIOError:
+                poller.poll(POLL_SECONDS * 1000)
+                continue
+            except BrokenPipeError:
+                with self._state_lock:
+                    self._overwritten_records += 1
+                log.warning("kernel log: records were overwritten before they could be read")
+                continue
+            except OSError as exc:
+                return f"{self._path}: read failed: {exc.strerror or exc}"
+            if not record:
+                # /dev/kmsg never reports end of file; a device that does (a container's /dev/null bound
+                # over it) carries no kernel log.
+                return f"{self._path}: reads end of file, not a kernel log"
+            self._handle_line(record)
+        return None
+
+    def _follow_stream(self, fd: int, regular: bool) -> str | None:
+        kind = "file" if regular else "FIFO"
+        self._set_status(True, f"following {self._path} ({kind})")
+        pending = bytearray()
+        opened = os.fstat(fd)
+        while not self._stop.is_set():
+            try:
+                chunk = os.read(fd, READ_BUFFER_BYTES)
+            except BlockingIOError:
+                chunk = b""
+            if chunk:
+                pending += chunk
+                self._drain_lines(pending)
+                continue
+            if regular:
+                size = os.fstat(fd).st_size
+                if size < os.lseek(fd, 0, os.SEEK_CUR):
+                    log.info("kernel log %s was truncated; reading it from the start", self._path)
+                    os.lseek(fd, 0, os.SEEK_SET)
+                    pending.clear()
+                    continue
+                if self._replaced(opened):
+                    return None
+            self._stop.wait(POLL_SECONDS)
+        return None
+
+    def _replaced(self, opened: os.stat_result) -> bool:
+        try:
+            now = os.stat(self._path)
+        except FileNotFoundError:
+            return False  # removed: keep the open file until a new one appears
+        return (now.st_ino, now.st_dev) != (opened.st_ino, opened.st_dev)
+
+    def _drain_lines(self, pending: bytearray) -> None:
+        while True:
+            end = pending.find(b"\n")
+            if end < 0:
+                if len(pending) > MAX_LINE_BYTES:
+                    log.warning("kernel log %s: dropped %d bytes without a newline", self._path, len(pending))
+                    pending.clear()
+                return
+            line = bytes(pending[:end])
+            del pending[: end + 1]
+            # A line starting with a space is a record's KEY=value metadata (SUBSYSTEM=, DEVICE=).
+            if line.strip() and not line.startswith(b" "):
+                self._handle_line(line)
+
+    def _follow_journal(self, kmsg_problem: str, argv: tuple[str, ...]) -> str:
+        """Follow the journal until stopped or journalctl ends; returns why it is not followed any more."""
+        command = " ".join(argv)
+        try:
+            process = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=True
+            )
+        except OSError as exc:
+            return f"{kmsg_problem}; {argv[0]}: {exc.strerror or exc}"
+        assert process.stdout is not None and process.stderr is not None
+        self._set_status(True, f"following `{command}` ({kmsg_problem})")
+        out_fd, err_fd = process.stdout.fileno(), process.stderr.fileno()
+        open_fds = [out_fd, err_fd]
+        pending = bytearray()
+        last_error = b""
+        try:
+            while open_fds and not self._stop.is_set():
+                ready, _, _ = select.select(open_fds, [], [], POLL_SECONDS)
+                for fd in ready:
+                    chunk = os.read(fd, READ_BUFFER_BYTES)
+                    if not chunk:
+                        open_fds.remove(fd)
+                    elif fd == out_fd:
+                        pending += chunk
+                        self._drain_journal(pending)
+                    else:
+                        last_error = (last_error + chunk)[-512:]
+        finally:
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(POLL_SECONDS * 5)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+            process.stdout.close()
+            process.stderr.close()
+        reason = last_error.decode("utf-8", errors="replace").strip().splitlines()
+        said = f": {reason[-1]}" if reason else ""
+        return f"{kmsg_problem}; `{command}` exited with status {process.returncode}{said}"
+
+    def _drain_journal(self, pending: bytearray) -> None:
+        while True:
+            end = pending.find(b"\n")
+            if end < 0:
+                if len(pending) > MAX_LINE_BYTES:
+                    pending.clear()
+                return
+            line = bytes(pending[:end])
+            del pending[: end + 1]
+            # -o cat prints only the message: no timestamp to filter on, --since now did that already.
+            self._emit(self._parser.feed(line.decode("utf-8", errors="replace")))
+
+    # -- records ------------------------------------------------------------------------------
+
+    def _handle_line(self, line: bytes) -> None:
+        parsed = parse_kmsg_record(line)
+        if parsed is None:
+            xids = self._parser.feed(line.decode("utf-8", errors="replace"))
+            self._emit([x for x in xids if self._recent(x.timestamp_seconds)])
+            return
+        priority = int(line.split(b",", 1)[0])
+        if priority >> 3 != _KERNEL_FACILITY:
+            return
+        _, monotonic_seconds, message = parsed
+        if not self._recent(monotonic_seconds):
+            return
+        # The dmesg-style stamp carries the record's time into KernelXid.timestamp_seconds.
+        stamped = "\n".join(f"[{monotonic_seconds:.6f}] {piece}" for piece in message.splitlines())
+        self._emit(self._parser.feed(stamped))
+
+    def _recent(self, monotonic_seconds: float | None) -> bool:
+        if self._read_history or monotonic_seconds is None:
+            return True
+        return monotonic_seconds >= self._start_monotonic_seconds
+
+    def _emit(self, xids: list[KernelXid]) -> None:
+        for xid in xids:
+            try:
+                self._sink(xid)
+            except Exception:  # a failing consumer must not stop the reader
+                log.exception("kernel log sink failed for Xid %d", xid.xid)

@@ -1,0 +1,258 @@
+"""Clock slowdowns ("throttling") from NVML clock-event reasons, and the thermal margin.
+
+Events: THROTTLE_STARTED when a slowdown reason appears, THROTTLE_ENDED (with its duration) when
+it goes; TEMPERATURE_MARGIN_LOW once when the temperature climbs to within `slowdown_margin_celsius`
+of the board's slowdown threshold (re-armed after it falls 2 C below that line again).
+
+Time per reason (`clock_event_seconds`, every reason including benign ones such as gpu_idle) is
+integrated between samples: a reason seen active in one sample is counted until the next sample.
+Where the board keeps its own counter the total follows the counter instead:
+
+- ``power_violation_ns`` (nvmlDeviceGetViolationStatus, NVML_PERF_POLICY_POWER: "how long power
+  violations held the GPU below application clocks") is the power limiter's time, which is what
+  the sw_power_cap reason reports, so sw_power_cap follows it.
+- ``thermal_violation_ns`` (NVML_PERF_POLICY_THERMAL) counts thermal violations of any kind: it
+  covers both sw_thermal_slowdown and hw_thermal_slowdown and cannot be split between them, so
+  those two are integrated from samples and the counter is not used.
+
+Counters are read on the slow tier: between two counter readings sw_power_cap is integrated, and
+each counter reading replaces that estimate with the counter's delta. A reported total never goes
+down (Prometheus would read that as a counter reset); it waits for the counter to catch up instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from agent.clock_events import SLOWDOWN_REASONS, decode
+from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
+from agent.state import GpuSample
+from agent.watch.health import combine
+
+#: Violation counter field of GpuSample -> the reason whose time it measures (see module docstring).
+COUNTER_REASONS: dict[str, str] = {"power_violation_ns": "sw_power_cap"}
+#: The hardware protecting itself from heat or a failing power supply: a real problem right now.
+_CRITICAL_REASONS = frozenset({"hw_thermal_slowdown", "hw_power_brake_slowdown"})
+#: The power limiter holding clocks under a configured limit: expected, and healthy.
+_EXPECTED_REASONS = frozenset({"sw_power_cap"})
+MARGIN_HYSTERESIS_CELSIUS = 2
+
+
+@dataclass
+class _Total:
+    counted_seconds: float = 0.0  # from counter deltas (or integration before the counter baseline)
+    pending_seconds: float = 0.0  # integrated since the last counter reading
+    reported_seconds: float = 0.0  # what clock_event_seconds() returns: never decreases
+
+    def publish(self) -> None:
+        self.reported_seconds = max(self.reported_seconds, self.counted_seconds + self.pending_seconds)
+
+
+@dataclass
+class _GpuState:
+    uuid: str
+    last_timestamp_seconds: float | None = None  # the previous sample with a reasons reading
+    last_reasons: tuple[str, ...] = ()
+    started_seconds: dict[str, float] = field(default_factory=dict)  # active slowdown reason -> since
+    totals: dict[str, _Total] = field(default_factory=dict)
+    counters_ns: dict[str, int] = field(default_factory=dict)
+    slowdown_celsius: int | None = None
+    margin_low: tuple[int, int] | None = None  # (temperature, slowdown threshold) while the margin is low
+
+
+class ThrottleWatcher:
+    name = "throttle"
+
+    def __init__(self, slowdown_margin_celsius: int = 5) -> None:
+        self.slowdown_margin_celsius = slowdown_margin_celsius
+        self._gpus: dict[int, _GpuState] = {}
+
+    def observe(self, samples: Sequence[GpuSample], now_seconds: float) -> list[Event]:
+        events: list[Event] = []
+        for sample in samples:
+            if not sample.up:
+                continue
+            state = self._gpus.get(sample.index)
+            if state is None or state.uuid != sample.uuid:
+                # A different board in this slot starts from nothing.
+                state = self._gpus[sample.index] = _GpuState(sample.uuid)
+            self._integrate(state, sample)
+            self._count(state, sample)
+            for total in state.totals.values():
+                total.publish()
+            if sample.clock_event_reasons is not None:
+                events += self._transitions(state, sample, now_seconds)
+            events += self._margin(state, sample, now_seconds)
+        return events
+
+    def clock_event_seconds(self) -> dict[tuple[int, str], float]:
+        """(gpu, reason) -> seconds that reason was active since the agent started watching."""
+        return {
+            (gpu, reason): total.reported_seconds
+            for gpu, state in self._gpus.items()
+            for reason, total in state.totals.items()
+        }
+
+    def active_since(self) -> dict[tuple[int, str], float]:
+        """(gpu, slowdown reason) -> when it started (sample timestamp), for the slowdowns active now."""
+        return {
+            (gpu, reason): since for gpu, state in self._gpus.items() for reason, since in state.started_seconds.items()
+        }
+
+    def health(self, gpu: int) -> Health:
+        state = self._gpus.get(gpu)
+        if state is None:
+            return Health.healthy()
+        parts: list[Health] = []
+        slowed = [r for r in state.started_seconds if r not in _EXPECTED_REASONS]
+        if slowed:
+            parts.append(
+                Health(HealthState.DEGRADED, f"clocks slowed by {', '.join(slowed)}", SuggestedAction.CHECK_MECHANICALS)
+            )
+        if state.margin_low is not None:
+            parts.append(
+                Health(HealthState.DEGRADED, _margin_text(*state.margin_low), SuggestedAction.CHECK_MECHANICALS)
+            )
+        return combine(parts)
+
+    # -- internals ------------------------------------------------------------------------
+
+    @staticmethod
+    def _integrate(state: _GpuState, sample: GpuSample) -> None:
+        mask = sample.clock_event_reasons
+        if mask is None:
+            # Nothing is known about the reasons until the next reading: that gap is not counted.
+            state.last_timestamp_seconds = None
+            return
+        now = sample.timestamp_seconds
+        if state.last_timestamp_seconds is not None and now > state.last_timestamp_seconds:
+            elapsed = now - state.last_timestamp_seconds
+            for reason in state.last_reasons:
+                state.totals.setdefault(reason, _Total()).pending_seconds += elapsed
+        state.last_timestamp_seconds = now
+        state.last_reasons = tuple(decode(mask))
+        for reason in state.last_reasons:
+            state.totals.setdefault(reason, _Total())
+
+    @staticmethod
+    def _count(state: _GpuState, sample: GpuSample) -> None:
+        for field_name, reason in COUNTER_REASONS.items():
+            value: int | None = getattr(sample, field_name)
+            if value is None:
+                continue
+            total = state.totals.setdefault(reason, _Total())
+            previous = state.counters_ns.get(field_name)
+            if previous is not None and value >= previous:
+                total.counted_seconds += (value - previous) / 1e9
+            else:
+                # The first reading is the counter's baseline, a smaller one a reset (GPU reset, driver
+                # reload): for the stretch before it, the integrated estimate is all there is.
+                total.counted_seconds += total.pending_seconds
+            total.pending_seconds = 0.0
+            state.counters_ns[field_name] = value
+
+    def _transitions(self, state: _GpuState, sample: GpuSample, now_seconds: float) -> list[Event]:
+        events: list[Event] = []
+        active = [r for r in state.last_reasons if r in SLOWDOWN_REASONS]
+        for reason in active:
+            if reason not in state.started_seconds:
+                state.started_seconds[reason] = sample.timestamp_seconds
+                events.append(self._started(sample, reason, now_seconds))
+        for reason in [r for r in state.started_seconds if r not in active]:
+            duration = sample.timestamp_seconds - state.started_seconds.pop(reason)
+            events.append(
+                Event(
+                    kind=EventKind.THROTTLE_ENDED,
+                    severity=Severity.INFO,
+                    gpu=sample.index,
+                    uuid=sample.uuid,
+                    message=f"GPU {sample.index}: {reason} slowdown ended after {duration:.0f} s",
+                    timestamp_seconds=now_seconds,
+                    source="poll",
+                    key=f"{EventKind.THROTTLE_ENDED.value}:{sample.uuid}:{reason}",
+                    data={"reason": reason, "duration_seconds": duration},
+                )
+            )
+        return events
+
+    @staticmethod
+    def _started(sample: GpuSample, reason: str, now_seconds: float) -> Event:
+        if reason in _CRITICAL_REASONS:
+            severity = Severity.CRITICAL
+        elif reason in _EXPECTED_REASONS:
+            # Informational: the power limit the operator set is doing its job.
+            severity = Severity.INFO
+        else:
+            severity = Severity.WARNING
+        action = SuggestedAction.NONE if reason in _EXPECTED_REASONS else SuggestedAction.CHECK_MECHANICALS
+        context = []
+        if sample.temperature_celsius is not None:
+            context.append(f"{sample.temperature_celsius} C")
+        if sample.power_usage_watts is not None:
+            limit = f" of {sample.power_limit_watts:.0f} W limit" if sample.power_limit_watts is not None else ""
+            context.append(f"{sample.power_usage_watts:.0f} W{limit}")
+        if sample.sm_clock_mhz is not None:
+            context.append(f"SM {sample.sm_clock_mhz} MHz")
+        detail = f" ({', '.join(context)})" if context else ""
+        return Event(
+            kind=EventKind.THROTTLE_STARTED,
+            severity=severity,
+            gpu=sample.index,
+            uuid=sample.uuid,
+            message=f"GPU {sample.index}: clocks slowed by {reason}{detail}",
+            timestamp_seconds=now_seconds,
+            source="poll",
+            key=f"{EventKind.THROTTLE_STARTED.value}:{sample.uuid}:{reason}",
+            data={
+                "reason": reason,
+                "clock_event_reasons": sample.clock_event_reasons,
+                "temperature_celsius": sample.temperature_celsius,
+                "power_usage_watts": sample.power_usage_watts,
+                "power_limit_watts": sample.power_limit_watts,
+                "sm_clock_mhz": sample.sm_clock_mhz,
+            },
+            suggested_action=action,
+        )
+
+    def _margin(self, state: _GpuState, sample: GpuSample, now_seconds: float) -> list[Event]:
+        if sample.slowdown_temperature_celsius is not None:
+            state.slowdown_celsius = sample.slowdown_temperature_celsius
+        temperature, slowdown = sample.temperature_celsius, state.slowdown_celsius
+        if temperature is None or slowdown is None:
+            return []
+        line = slowdown - self.slowdown_margin_celsius
+        if state.margin_low is not None:
+            # Re-armed only well below the line, so a temperature hovering on it raises one event.
+            state.margin_low = None if temperature < line - MARGIN_HYSTERESIS_CELSIUS else (temperature, slowdown)
+            return []
+        if temperature < line:
+            return []
+        state.margin_low = (temperature, slowdown)
+        return [
+            Event(
+                kind=EventKind.TEMPERATURE_MARGIN_LOW,
+                severity=Severity.WARNING,
+                gpu=sample.index,
+                uuid=sample.uuid,
+                message=f"GPU {sample.index}: {_margin_text(temperature, slowdown)}",
+                timestamp_seconds=now_seconds,
+                source="poll",
+                key=f"{EventKind.TEMPERATURE_MARGIN_LOW.value}:{sample.uuid}",
+                data={
+                    "temperature_celsius": temperature,
+                    "slowdown_temperature_celsius": slowdown,
+                    "margin_celsius": slowdown - temperature,
+                },
+                suggested_action=SuggestedAction.CHECK_MECHANICALS,
+            )
+        ]
+
+
+def _margin_text(temperature_celsius: int, slowdown_celsius: int) -> str:
+    if temperature_celsius >= slowdown_celsius:
+        return f"temperature {temperature_celsius} C is at or above the slowdown threshold {slowdown_celsius} C"
+    return (
+        f"temperature {temperature_celsius} C is within {slowdown_celsius - temperature_celsius} C "
+        f"of the slowdown threshold {slowdown_celsius} C"
+    )

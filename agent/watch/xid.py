@@ -1,0 +1,387 @@
+"""Xid watcher: NVML Xid events and kernel-log Xid lines -> one Event per fault, counters and health.
+
+The driver reports one Xid twice: as an NVML event (GPU index and code only) and as an ``NVRM: Xid``
+kernel-log line (PCI bus id, pid, process, the decoded text). Either may come first, and either may
+be missing (no NVML event set while the driver is wedged; no kernel log inside a container). Both
+sources feed one ``XidWatcher``, which maps each sighting to a GPU and folds sightings of the same
+(GPU, Xid) within ``dedupe_window_seconds`` into the first one: one Event, one count, with
+``data["sources"]`` naming every source that saw it.
+
+Health follows the catalog's default action for each Xid seen within ``health_window_seconds``:
+reboot or reset_gpu -> UNHEALTHY, restart_service or alert -> DEGRADED, none -> HEALTHY. An Xid 154
+("GPU recovery action changed") counts with the recovery action it names, and the latest one
+replaces earlier ones: the driver is stating the GPU's current need, not adding a fault.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from agent.backend.base import GpuEvent, GpuEventKind, GpuIdentity
+from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
+from agent.state import XidCount
+from agent.watch import xid_catalog
+from agent.watch.kernel_log import RECOVERY_ACTION_XID, KernelXid, normalise_pci_bus_id
+
+SOURCE_NVML = "nvml"
+SOURCE_KMSG = "kmsg"
+
+DEFAULT_DEDUPE_WINDOW_SECONDS = 10.0
+DEFAULT_HEALTH_WINDOW_SECONDS = 3600.0
+
+# What an Xid the shipped catalog does not know gets: a human look, never an automatic repair.
+_UNKNOWN_NAME = "Unknown Xid"
+_UNKNOWN_SEVERITY = Severity.WARNING
+_UNKNOWN_ACTION = SuggestedAction.ALERT
+
+# Worst first: the health a GPU gets is that of its worst Xid in the window.
+_ACTION_RANK = {
+    SuggestedAction.REBOOT: 4,
+    SuggestedAction.RESET_GPU: 3,
+    SuggestedAction.RESTART_SERVICE: 2,
+    SuggestedAction.ALERT: 1,
+    SuggestedAction.NONE: 0,
+}
+_ACTION_HEALTH = {
+    SuggestedAction.REBOOT: HealthState.UNHEALTHY,
+    SuggestedAction.RESET_GPU: HealthState.UNHEALTHY,
+    SuggestedAction.RESTART_SERVICE: HealthState.DEGRADED,
+    SuggestedAction.ALERT: HealthState.DEGRADED,
+    SuggestedAction.NONE: HealthState.HEALTHY,
+}
+_RECOVERY_SEVERITY = {
+    SuggestedAction.REBOOT: Severity.CRITICAL,
+    SuggestedAction.RESET_GPU: Severity.CRITICAL,
+    SuggestedAction.ALERT: Severity.WARNING,
+    SuggestedAction.NONE: Severity.INFO,
+}
+# Events nobody drained yet: enough for a burst on every GPU, bounded so an undrained watcher cannot grow.
+_PENDING_EVENTS_MAX = 1024
+
+
+@dataclass(frozen=True)
+class _Sighting:
+    """One report of an Xid, from either source, mapped to a GPU."""
+
+    source: str
+    xid: int
+    gpu: int | None
+    uuid: str | None
+    pci_bus_id: str | None
+    pid: int | None
+    process: str | None
+    text: str
+    nvlink: dict[str, Any] | None
+    recovery_action: str | None
+    kernel_timestamp_seconds: float | None
+
+
+@dataclass
+class _Fault:
+    """A fault already reported as an Event; later sightings inside the window fold into it."""
+
+    event: Event
+    first_seen_seconds: float
+    recovery_actions: set[str]
+
+
+@dataclass
+class _Mark:
+    """What one (GPU, Xid) contributes to that GPU's health, and when it was last seen."""
+
+    xid: int
+    action: SuggestedAction
+    reason: str
+    seen_seconds: float
+
+
+@dataclass
+class _Count:
+    uuid: str
+    count: int
+    last_seen_seconds: float
+
+
+def _catalog_row(xid: int) -> tuple[str, str, Severity, SuggestedAction]:
+    """(name, resolution bucket, severity, action) for a code, with the unknown-code defaults."""
+    info = xid_catalog.lookup(xid)
+    if info is None:
+        return _UNKNOWN_NAME, xid_catalog.UNKNOWN_RESOLUTION, _UNKNOWN_SEVERITY, _UNKNOWN_ACTION
+    return info.name, info.resolution, Severity(info.severity), SuggestedAction(info.action)
+
+
+def recovery_suggested_action(recovery_action: str) -> SuggestedAction:
+    """Xid 154's recovery action text ("GPU Reset Required", ...) -> SuggestedAction; unknown text -> ALERT."""
+    mapped = xid_catalog.action_for_recovery(recovery_action)
+    return SuggestedAction(mapped) if mapped is not None else SuggestedAction.ALERT
+
+
+def _where(gpu: int | None, pci_bus_id: str | None) -> str:
+    if gpu is not None:
+        return f"GPU {gpu} ({pci_bus_id})" if pci_bus_id else f"GPU {gpu}"
+    return f"unknown GPU ({pci_bus_id})" if pci_bus_id else "an unidentified GPU"
+
+
+class XidWatcher:
+    """Folds NVML and kernel-log Xid sightings into one Event per fault; thread-safe.
+
+    ``identities`` returns the GPUs the agent knows (index -> identity); it is called on each sighting,
+    so it should be cheap (a cached mapping) and keep the last known identity of a GPU that was lost,
+    or that GPU's kernel-log lines cannot be matched to it. ``clock`` is wall-clock seconds.
+    """
+
+    def __init__(
+        self,
+        identities: Callable[[], Mapping[int, GpuIdentity]],
+        clock: Callable[[], float] = time.time,
+        dedupe_window_seconds: float = DEFAULT_DEDUPE_WINDOW_SECONDS,
+        health_window_seconds: float = DEFAULT_HEALTH_WINDOW_SECONDS,
+    ) -> None:
+        if dedupe_window_seconds < 0 or health_window_seconds < 0:
+            raise ValueError("windows must not be negative")
+        self._identities = identities
+        self._clock = clock
+        self._dedupe_window_seconds = dedupe_window_seconds
+        self._health_window_seconds = health_window_seconds
+        self._lock = threading.Lock()
+        # (gpu index, or bus id when the GPU is unknown) x Xid -> the fault reported for it
+        self._faults: dict[tuple[int | str | None, int], _Fault] = {}
+        self._marks: dict[tuple[int, int], _Mark] = {}
+        self._counts: dict[tuple[int | None, int], _Count] = {}
+        self._pending: deque[Event] = deque(maxlen=_PENDING_EVENTS_MAX)
+
+    # -- sources ----------------------------------------------------------------------------
+
+    def ingest_nvml(self, event: GpuEvent) -> list[Event]:
+        """An NVML event-set event; ECC events are not Xids and yield nothing here."""
+        if event.kind is not GpuEventKind.XID:
+            return []
+        identity = self._identities().get(event.gpu)
+        sighting = _Sighting(
+            source=SOURCE_NVML,
+            xid=event.data,
+            gpu=event.gpu,
+            uuid=identity.uuid if identity is not None else None,
+            pci_bus_id=identity.pci_bus_id if identity is not None else None,
+            pid=None,
+            process=None,
+            text="",
+            nvlink=None,
+            recovery_action=None,
+            kernel_timestamp_seconds=None,
+        )
+        return self._ingest(sighting)
+
+    def ingest_kernel(self, record: KernelXid, source: str = SOURCE_KMSG) -> list[Event]:
+        """A kernel-log Xid; ``source`` names the log it came from ("kmsg", "journal")."""
+        gpu, identity = self._match_bus_id(record.pci_bus_id)
+        sighting = _Sighting(
+            source=source,
+            xid=record.xid,
+            gpu=gpu,
+            uuid=identity.uuid if identity is not None else None,
+            pci_bus_id=identity.pci_bus_id if identity is not None else record.pci_bus_id,
+            pid=record.pid,
+            process=record.process,
+            text=record.text,
+            nvlink=dataclasses.asdict(record.nvlink) if record.nvlink is not None else None,
+            recovery_action=record.recovery_action,
+            kernel_timestamp_seconds=record.timestamp_seconds,
+        )
+        return self._ingest(sighting)
+
+    def _match_bus_id(self, pci_bus_id: str | None) -> tuple[int | None, GpuIdentity | None]:
+        if pci_bus_id is None:
+            return None, None
+        wanted = normalise_pci_bus_id(pci_bus_id)
+        if wanted is None:
+            return None, None
+        identities = self._identities()
+        by_bus: dict[str, tuple[int, GpuIdentity]] = {}
+        for index, identity in identities.items():
+            normalised = normalise_pci_bus_id(identity.pci_bus_id)
+            if normalised is not None:
+                by_bus[normalised] = (index, identity)
+        found = by_bus.get(wanted)
+        if found is not None:
+            return found
+        # Older drivers print "PCI:3b:00" without a domain, which reads as domain 0; on a host whose GPUs
+        # sit in another PCI domain, bus:device.function still names one GPU when it is unique.
+        if wanted.startswith("00000000:"):
+            tail = wanted.partition(":")[2]
+            candidates = [entry for bus, entry in by_bus.items() if bus.partition(":")[2] == tail]
+            if len(candidates) == 1:
+                return candidates[0]
+        return None, None
+
+    # -- folding ----------------------------------------------------------------------------
+
+    def _ingest(self, sighting: _Sighting) -> list[Event]:
+        with self._lock:
+            now = self._clock()
+            self._forget_old_faults(now)
+            fault_key = (sighting.gpu if sighting.gpu is not None else sighting.pci_bus_id, sighting.xid)
+            fault = self._faults.get(fault_key)
+            events: list[Event] = []
+            if fault is None:
+                fault = self._new_fault(sighting, now)
+                self._faults[fault_key] = fault
+                events.append(fault.event)
+                self._count(sighting, now, new_fault=True)
+            else:
+                sources = fault.event.data["sources"]
+                if sighting.source not in sources:
+                    # A new list rather than an append: a reader iterating the old one is not disturbed.
+                    fault.event.data["sources"] = [*sources, sighting.source]
+                self._count(sighting, now, new_fault=False)
+            recovery = sighting.recovery_action
+            if sighting.xid == RECOVERY_ACTION_XID and recovery is not None and recovery not in fault.recovery_actions:
+                fault.recovery_actions.add(recovery)
+                events.append(self._recovery_event(sighting, recovery, now))
+            self._mark(sighting, now)
+            self._pending.extend(events)
+            return events
+
+    def _forget_old_faults(self, now: float) -> None:
+        # abs(): a wall clock stepped backwards must not hold a fault open until it catches up.
+        expired = [
+            key
+            for key, fault in self._faults.items()
+            if abs(now - fault.first_seen_seconds) > self._dedupe_window_seconds
+        ]
+        for key in expired:
+            del self._faults[key]
+
+    def _new_fault(self, sighting: _Sighting, now: float) -> _Fault:
+        name, resolution, severity, action = _catalog_row(sighting.xid)
+        identity = sighting.uuid or sighting.pci_bus_id or "unknown"
+        verdict = "informational" if action is SuggestedAction.NONE else action.value
+        event = Event(
+            kind=EventKind.XID,
+            severity=severity,
+            gpu=sighting.gpu,
+            uuid=sighting.uuid,
+            message=f"Xid {sighting.xid} on {_where(sighting.gpu, sighting.pci_bus_id)}: {name} — {verdict}",
+            timestamp_seconds=now,
+            source=sighting.source,
+            key=f"xid:{identity}:{sighting.xid}:{now:.3f}",
+            data={
+                "xid": sighting.xid,
+                "pci_bus_id": sighting.pci_bus_id,
+                "pid": sighting.pid,
+                "process": sighting.process,
+                "text": sighting.text,
+                "sources": [sighting.source],
+                "resolution": resolution,
+                "name": name,
+                "nvlink": sighting.nvlink,
+                "recovery_action": sighting.recovery_action,
+                "kernel_timestamp_seconds": sighting.kernel_timestamp_seconds,
+            },
+            suggested_action=action,
+        )
+        return _Fault(event=event, first_seen_seconds=now, recovery_actions=set())
+
+    def _recovery_event(self, sighting: _Sighting, recovery: str, now: float) -> Event:
+        action = recovery_suggested_action(recovery)
+        identity = sighting.uuid or sighting.pci_bus_id or "unknown"
+        return Event(
+            kind=EventKind.RECOVERY_ACTION,
+            severity=_RECOVERY_SEVERITY.get(action, Severity.WARNING),
+            gpu=sighting.gpu,
+            uuid=sighting.uuid,
+            message=f"{_where(sighting.gpu, sighting.pci_bus_id)}: driver recovery action is now {recovery}",
+            timestamp_seconds=now,
+            source=sighting.source,
+            key=f"recovery_action:{identity}:{recovery}:{now:.3f}",
+            data={
+                "xid": sighting.xid,
+                "pci_bus_id": sighting.pci_bus_id,
+                "recovery_action": recovery,
+                "text": sighting.text,
+                "sources": [sighting.source],
+            },
+            suggested_action=action,
+        )
+
+    def _count(self, sighting: _Sighting, now: float, new_fault: bool) -> None:
+        key = (sighting.gpu, sighting.xid)
+        counted = self._counts.get(key)
+        if counted is None:
+            counted = self._counts[key] = _Count(uuid="", count=0, last_seen_seconds=now)
+        if sighting.uuid:
+            counted.uuid = sighting.uuid
+        counted.count += 1 if new_fault else 0
+        counted.last_seen_seconds = now
+
+    def _mark(self, sighting: _Sighting, now: float) -> None:
+        if sighting.gpu is None:
+            return
+        key = (sighting.gpu, sighting.xid)
+        if sighting.xid == RECOVERY_ACTION_XID:
+            if sighting.recovery_action is not None:
+                action = recovery_suggested_action(sighting.recovery_action)
+                self._marks[key] = _Mark(
+                    sighting.xid, action, f"Xid 154: driver recovery action {sighting.recovery_action}", now
+                )
+                return
+            previous = self._marks.get(key)
+            if previous is not None:
+                # An NVML sighting of 154 carries no action: the one the kernel log named still stands.
+                previous.seen_seconds = now
+                return
+        name, _, _, action = _catalog_row(sighting.xid)
+        self._marks[key] = _Mark(sighting.xid, action, f"Xid {sighting.xid}: {name}", now)
+
+    # -- readers ----------------------------------------------------------------------------
+
+    def drain_events(self) -> list[Event]:
+        """Events produced since the last drain (the same ones ingest_* returned), oldest first.
+
+        For callers that feed the watcher from source threads, whose sinks drop return values.
+        """
+        with self._lock:
+            events = list(self._pending)
+            self._pending.clear()
+            return events
+
+    def counts(self) -> list[XidCount]:
+        """Faults per (GPU, Xid) since start, for ``gpu_agent_xid_errors_total``; folded sightings count once."""
+        with self._lock:
+            return [
+                XidCount(gpu=gpu, uuid=c.uuid, xid=xid, count=c.count, last_seen_seconds=c.last_seen_seconds)
+                for (gpu, xid), c in sorted(
+                    self._counts.items(), key=lambda item: (item[0][0] is None, item[0][0] or 0, item[0][1])
+                )
+            ]
+
+    def health(self, gpu: int) -> Health:
+        """The worst Xid-derived health of a GPU over the health window."""
+        with self._lock:
+            now = self._clock()
+            worst: _Mark | None = None
+            for (mark_gpu, _), mark in list(self._marks.items()):
+                if abs(now - mark.seen_seconds) > self._health_window_seconds:
+                    del self._marks[(mark_gpu, mark.xid)]
+                    continue
+                if mark_gpu != gpu:
+                    continue
+                if worst is None or _ACTION_RANK[mark.action] > _ACTION_RANK[worst.action]:
+                    worst = mark
+            if worst is None or worst.action is SuggestedAction.NONE:
+                return Health.healthy()
+            return Health(_ACTION_HEALTH[worst.action], worst.reason, worst.action)
+
+    def clear(self, gpu: int) -> None:
+        """Forget a GPU's Xid health and open faults (after a successful reset); counters stay."""
+        with self._lock:
+            for key in [key for key in self._marks if key[0] == gpu]:
+                del self._marks[key]
+            for fault_key in [fault_key for fault_key in self._faults if fault_key[0] == gpu]:
+                del self._faults[fault_key]

@@ -1,0 +1,190 @@
+"""Runs `gpu-agent run` as a real process on a simulated node, with a real sd_notify socket."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hosttree import make_host_tree
+
+AGENT_CONFIG = """\
+mode: {mode}
+backend: simulated
+simulated: {{profile: {profile}}}
+host_root: {root}
+state_dir: {state}
+interval_seconds: {interval}
+metrics: {{listen: "127.0.0.1:{port}"}}
+api: {{socket: {socket}}}
+remediation: {{rules_dir: {rules}}}
+policy:
+{policy}
+"""
+
+DEFAULT_POLICY = """\
+  node: {transparent_hugepages: never}
+  gpus:
+    - match: {model: "NVIDIA H200*"}
+      power_limit_watts: 600
+    - match: {model: "NVIDIA RTX PRO 6000*"}
+      fan_curve: [[30, 30], [50, 65], [75, 100]]
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Notifications:
+    """The datagrams the daemon sent to NOTIFY_SOCKET, with arrival times."""
+
+    sock: socket.socket
+    received: list[tuple[float, dict[str, str]]] = field(default_factory=list)
+
+    def poll(self, timeout_seconds: float) -> None:
+        deadline = time.monotonic() + timeout_seconds
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self.sock.settimeout(remaining)
+            try:
+                data = self.sock.recv(65536)
+            except TimeoutError:
+                return
+            fields = dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
+            self.received.append((time.monotonic(), fields))
+
+    def wait_for(self, key: str, value: str | None = None, timeout_seconds: float = 20.0) -> dict[str, str]:
+        deadline = time.monotonic() + timeout_seconds
+        seen = 0
+        while time.monotonic() < deadline:
+            for _, fields in self.received[seen:]:
+                if key in fields and (value is None or fields[key] == value):
+                    return fields
+            seen = len(self.received)
+            self.poll(0.2)
+        raise AssertionError(f"no {key}={value} within {timeout_seconds}s; got {self.received[-5:]}")
+
+    def times(self, key: str) -> list[float]:
+        return [t for t, fields in self.received if key in fields]
+
+
+@dataclass
+class RunningAgent:
+    process: subprocess.Popen[str]
+    notifications: Notifications
+    config_path: Path
+    state_dir: Path
+    host_root: Path
+    socket_path: Path
+    port: int
+    log_path: Path
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as response:
+            return str(response.read().decode())
+
+    def status(self) -> dict[str, Any]:
+        result = subprocess.run(
+            [sys.executable, "-m", "agent.cli", "status", "--json", "--config", str(self.config_path)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert result.returncode == 0, result.stderr
+        return dict(json.loads(result.stdout))
+
+    def signal(self, signum: int) -> None:
+        self.process.send_signal(signum)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+
+def write_agent_config(
+    tmp_path: Path,
+    *,
+    mode: str = "enforce",
+    profile: str = "h200x2",
+    interval: float = 0.2,
+    policy: str = DEFAULT_POLICY,
+    rules_dir: Path | None = None,
+) -> tuple[Path, int]:
+    root = tmp_path / "host"
+    if not root.exists():
+        make_host_tree(root, kernel_sysfs=False)
+    port = free_port()
+    rules = rules_dir or tmp_path / "rules.d"
+    rules.mkdir(exist_ok=True)
+    config = tmp_path / "agent.yaml"
+    config.write_text(
+        AGENT_CONFIG.format(
+            mode=mode,
+            profile=profile,
+            root=root,
+            state=tmp_path / "state",
+            interval=interval,
+            port=port,
+            socket=tmp_path / "agent.sock",
+            rules=rules,
+            policy=policy,
+        )
+    )
+    return config, port
+
+
+@contextlib.contextmanager
+def running_agent(tmp_path: Path, watchdog_usec: int | None = 1_000_000, **config: Any) -> Iterator[RunningAgent]:
+    config_path, port = write_agent_config(tmp_path, **config)
+    notify_path = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(notify_path))
+    env = {k: v for k, v in os.environ.items() if k not in ("JOURNAL_STREAM", "WATCHDOG_PID")}
+    env["NOTIFY_SOCKET"] = str(notify_path)
+    if watchdog_usec is not None:
+        env["WATCHDOG_USEC"] = str(watchdog_usec)
+    log_path = tmp_path / "agent.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "agent.cli", "run", "--log-format", "json", "--config", str(config_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+    agent = RunningAgent(
+        process,
+        Notifications(sock),
+        config_path,
+        tmp_path / "state",
+        tmp_path / "host",
+        tmp_path / "agent.sock",
+        port,
+        log_path,
+    )
+    try:
+        yield agent
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        sock.close()

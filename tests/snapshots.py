@@ -1,0 +1,328 @@
+"""Realistic `NodeSnapshot`s for tests of everything that reads one (metrics, status, rules).
+
+Numbers follow what the boards answer: the H200 ones tests/fixtures/nvml-h200.json (700 W limit,
+1980/1980/3201 MHz, thresholds 89/95 C, no fans), the RTX PRO 6000 ones the simulated profile
+(600 W, two fans). `node_snapshot()` is one mixed node with something to see everywhere:
+
+    GPU 0  H200  busy and fine, brief power capping seen earlier
+    GPU 1  H200  thermal throttling (sw+hw thermal), Xid 48 and 63, an uncorrected ECC error,
+                 a row remap pending, the driver asks for a GPU reset -> unhealthy
+    GPU 2  RTX PRO 6000  fans, ECC off (no ECC counters), PCIe trained down to gen4, a failed
+                 performance-state read, power limit drifting from policy, stale -> degraded
+    GPU 3  H200  fell off the bus (Xid 79): only identity, up=False -> unhealthy
+
+`snapshot_from_backend()` builds one from any backend (the simulated one, typically).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+from agent.backend.base import GpuBackend
+from agent.collect import sample_all
+from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
+from agent.policy.base import ItemPlan, PlanStatus
+from agent.state import (
+    CollectorStatus,
+    GpuSample,
+    NodeSnapshot,
+    RemediationCount,
+    ServiceStatus,
+    XidCount,
+)
+
+TIMESTAMP_SECONDS = 1_780_000_000.0
+STARTED_SECONDS = TIMESTAMP_SECONDS - 3600.0
+VERSION = "0.1.0"
+DRIVER_VERSION = "580.159.04"
+H200_NAME = "NVIDIA H200"
+RTX_NAME = "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"
+H200_MEMORY_BYTES = 150_754_820_096
+RTX_MEMORY_BYTES = 102_641_958_912
+PCI_BUS_IDS = ("00000000:18:00.0", "00000000:2A:00.0", "00000000:3A:00.0", "00000000:5D:00.0")
+
+
+def gpu_uuid(index: int) -> str:
+    return f"GPU-5e1b7a3c-{index:04x}-4d2e-9f10-6a7b8c9d0e{index:02x}"
+
+
+def h200_sample(index: int, **overrides: Any) -> GpuSample:
+    """An H200 SXM serving at full batch: the fixture's limits and clocks, load power and temperature."""
+    values: dict[str, Any] = {
+        "temperature_celsius": 66,
+        "power_usage_watts": 655.0,
+        "power_limit_watts": 700.0,
+        "graphics_clock_mhz": 1980,
+        "sm_clock_mhz": 1980,
+        "memory_clock_mhz": 3201,
+        "clock_event_reasons": 0,
+        "gpu_utilization_percent": 100,
+        "memory_utilization_percent": 62,
+        "memory_used_bytes": 135_679_338_086,
+        "memory_total_bytes": H200_MEMORY_BYTES,
+        "performance_state": 0,
+        "fan_speeds_percent": None,  # SXM: NOT_SUPPORTED, left None by collect
+        "persistence_enabled": True,
+        "ecc_enabled": True,
+        "ecc_pending": True,
+        "ecc_corrected_volatile": 0,
+        "ecc_uncorrected_volatile": 0,
+        "ecc_corrected_aggregate": 3,
+        "ecc_uncorrected_aggregate": 0,
+        "remapped_rows_correctable": 0,
+        "remapped_rows_uncorrectable": 0,
+        "remap_pending": False,
+        "remap_failed": False,
+        "retired_pages_pending": None,  # Hopper remaps rows; page retirement is NOT_SUPPORTED
+        "pcie_generation": 5,
+        "pcie_width": 16,
+        "pcie_max_generation": 5,
+        "pcie_max_width": 16,
+        "pcie_replay_count": 0,
+        "slowdown_temperature_celsius": 89,
+        "shutdown_temperature_celsius": 95,
+        "power_violation_ns": 0,
+        "thermal_violation_ns": 0,
+        "recovery_action": 0,  # RecoveryAction.NONE
+    }
+    values.update(overrides)
+    return GpuSample(
+        index=index,
+        uuid=gpu_uuid(index),
+        name=H200_NAME,
+        pci_bus_id=PCI_BUS_IDS[index % len(PCI_BUS_IDS)],
+        up=True,
+        timestamp_seconds=TIMESTAMP_SECONDS,
+        **values,
+    )
+
+
+def rtx_pro_6000_sample(index: int, **overrides: Any) -> GpuSample:
+    """An RTX PRO 6000 Blackwell Workstation Edition under load, ECC off as shipped (no ECC counters)."""
+    values: dict[str, Any] = {
+        "temperature_celsius": 81,
+        "power_usage_watts": 585.0,
+        "power_limit_watts": 600.0,
+        "graphics_clock_mhz": 2625,
+        "sm_clock_mhz": 2625,
+        "memory_clock_mhz": 14001,
+        "clock_event_reasons": 0,
+        "gpu_utilization_percent": 100,
+        "memory_utilization_percent": 71,
+        "memory_used_bytes": 92_377_763_020,
+        "memory_total_bytes": RTX_MEMORY_BYTES,
+        "performance_state": 0,
+        "fan_speeds_percent": (72, 74),
+        "persistence_enabled": False,
+        "ecc_enabled": False,
+        "ecc_pending": False,
+        "remapped_rows_correctable": 0,
+        "remapped_rows_uncorrectable": 0,
+        "remap_pending": False,
+        "remap_failed": False,
+        "pcie_generation": 5,
+        "pcie_width": 16,
+        "pcie_max_generation": 5,
+        "pcie_max_width": 16,
+        "pcie_replay_count": 0,
+        "slowdown_temperature_celsius": 92,
+        "shutdown_temperature_celsius": 95,
+        "power_violation_ns": 0,
+        "thermal_violation_ns": 0,
+        "recovery_action": 0,  # RecoveryAction.NONE
+    }
+    values.update(overrides)
+    return GpuSample(
+        index=index,
+        uuid=gpu_uuid(index),
+        name=RTX_NAME,
+        pci_bus_id=PCI_BUS_IDS[index % len(PCI_BUS_IDS)],
+        up=True,
+        timestamp_seconds=TIMESTAMP_SECONDS,
+        **values,
+    )
+
+
+def lost_sample(index: int, name: str = H200_NAME) -> GpuSample:
+    """What collect makes of a GPU whose identity was read but whose first reading said GPU_LOST."""
+    return GpuSample(
+        index=index,
+        uuid=gpu_uuid(index),
+        name=name,
+        pci_bus_id=PCI_BUS_IDS[index % len(PCI_BUS_IDS)],
+        up=False,
+        timestamp_seconds=TIMESTAMP_SECONDS,
+        read_errors={"temperature_celsius": "gpu_lost"},
+    )
+
+
+def node_gpus() -> tuple[GpuSample, ...]:
+    return (
+        h200_sample(0, power_violation_ns=3_000_000_000),
+        h200_sample(
+            1,
+            temperature_celsius=90,
+            power_usage_watts=512.5,
+            graphics_clock_mhz=990,
+            sm_clock_mhz=990,
+            clock_event_reasons=0x20 | 0x40,  # sw_thermal_slowdown | hw_thermal_slowdown
+            ecc_uncorrected_volatile=1,
+            ecc_uncorrected_aggregate=1,
+            remap_pending=True,
+            thermal_violation_ns=42_500_000_000,
+            recovery_action=1,  # RecoveryAction.GPU_RESET
+        ),
+        rtx_pro_6000_sample(
+            2,
+            performance_state=None,
+            pcie_generation=4,
+            read_errors={"performance_state": "unknown"},
+        ),
+        lost_sample(3),
+    )
+
+
+def node_policy() -> tuple[ItemPlan, ...]:
+    return (
+        ItemPlan("power_limit", 0, PlanStatus.IN_SYNC, "700 W", "700 W"),
+        ItemPlan("power_limit", 1, PlanStatus.IN_SYNC, "700 W", "700 W"),
+        ItemPlan(
+            "power_limit",
+            2,
+            PlanStatus.DRIFT,
+            "450 W",
+            "600 W",
+            detail="allowed 150-600 W",
+            changes=("set power limit of GPU 2 from 600 W to 450 W (nvidia-smi -i 2 -pl 450)",),
+        ),
+        ItemPlan(
+            "power_limit",
+            3,
+            PlanStatus.ERROR,
+            "700 W",
+            "unknown",
+            detail="GPU lost (fell off the bus) [gpu_lost]",
+            error_kind="gpu_lost",
+        ),
+        ItemPlan("fan_curve", 0, PlanStatus.NOT_APPLICABLE, "curve", "no fans", detail="NVIDIA H200 has no fans"),
+        ItemPlan("fan_curve", 2, PlanStatus.IN_SYNC, "curve", "curve"),
+        ItemPlan("ecc", 2, PlanStatus.REBOOT_REQUIRED, "enabled", "disabled", detail="ECC enable pending until reboot"),
+        ItemPlan("transparent_hugepages", None, PlanStatus.IN_SYNC, "never", "never"),
+        ItemPlan("nouveau", None, PlanStatus.IN_SYNC, "blacklisted", "blacklisted"),
+        ItemPlan(
+            "triton_cache",
+            None,
+            PlanStatus.DRIFT,
+            "/var/cache/triton root:root 0755",
+            "missing",
+            changes=("create /var/cache/triton",),
+        ),
+    )
+
+
+def node_snapshot(**overrides: Any) -> NodeSnapshot:
+    """The mixed node described in the module docstring; keyword arguments replace fields."""
+    events = (
+        Event(
+            kind=EventKind.XID,
+            severity=Severity.CRITICAL,
+            gpu=1,
+            uuid=gpu_uuid(1),
+            message="Xid 48: Double Bit ECC Error",
+            timestamp_seconds=TIMESTAMP_SECONDS - 120.0,
+            source="nvml",
+            key=f"xid:{gpu_uuid(1)}:48",
+            data={"xid": 48},
+            suggested_action=SuggestedAction.RESET_GPU,
+        ),
+        Event(
+            kind=EventKind.GPU_LOST,
+            severity=Severity.FATAL,
+            gpu=3,
+            uuid=gpu_uuid(3),
+            message="GPU has fallen off the bus",
+            timestamp_seconds=TIMESTAMP_SECONDS - 60.0,
+            source="kmsg",
+            key=f"gpu_lost:{gpu_uuid(3)}",
+            suggested_action=SuggestedAction.REBOOT,
+        ),
+    )
+    snapshot = NodeSnapshot(
+        timestamp_seconds=TIMESTAMP_SECONDS,
+        started_seconds=STARTED_SECONDS,
+        version=VERSION,
+        backend="simulated",
+        driver_version=DRIVER_VERSION,
+        gpus=node_gpus(),
+        stale_gpus=frozenset({2}),
+        health={
+            0: Health.healthy(),
+            1: Health(HealthState.UNHEALTHY, "Xid 48 (double-bit ECC), row remap pending", SuggestedAction.RESET_GPU),
+            2: Health(HealthState.DEGRADED, "PCIe link gen4 x16, expected gen5 x16", SuggestedAction.CHECK_MECHANICALS),
+            3: Health(HealthState.UNHEALTHY, "GPU has fallen off the bus", SuggestedAction.REBOOT),
+        },
+        policy=node_policy(),
+        item_modes={
+            "power_limit": "enforce",
+            "fan_curve": "observe",
+            "ecc": "observe",
+            "transparent_hugepages": "enforce",
+            "nouveau": "observe",
+            "triton_cache": "observe",
+        },
+        clock_event_seconds={
+            (0, "sw_power_cap"): 3.0,
+            (1, "sw_thermal_slowdown"): 40.0,
+            (1, "hw_thermal_slowdown"): 42.5,
+        },
+        xids=(
+            XidCount(1, gpu_uuid(1), 48, 1, TIMESTAMP_SECONDS - 120.0),
+            XidCount(1, gpu_uuid(1), 63, 2, TIMESTAMP_SECONDS - 110.0),
+            XidCount(3, gpu_uuid(3), 79, 1, TIMESTAMP_SECONDS - 60.0),
+            # a kernel-log line whose PCI address matched no GPU the agent knows
+            XidCount(None, "", 13, 1, TIMESTAMP_SECONDS - 300.0),
+        ),
+        services=(
+            ServiceStatus("sglang", "sglang.service", up=True, last_latency_seconds=0.0123),
+            ServiceStatus(
+                "embeddings",
+                "embeddings.service",
+                up=False,
+                consecutive_failures=3,
+                detail="HTTP 503",
+                last_latency_seconds=0.5,
+            ),
+            ServiceStatus("vllm", "vllm.service", up=None),
+        ),
+        remediations=(
+            RemediationCount("service-unhealthy", "restart_service", "succeeded", 2),
+            RemediationCount("xid-reset-gpu", "reset_gpu", "failed", 1),
+        ),
+        collectors=(
+            CollectorStatus("gpu", True, 0.0042),
+            CollectorStatus("policy", True, 0.0170),
+            CollectorStatus("xid_nvml", True, 0.0001),
+            CollectorStatus("kmsg", False, 0.0002, last_error="open /dev/kmsg: permission denied"),
+            CollectorStatus("services", True, 0.0130),
+        ),
+        recent_events=events,
+        collect_duration_seconds=0.0345,
+    )
+    return replace(snapshot, **overrides)
+
+
+def snapshot_from_backend(backend: GpuBackend, *, version: str = VERSION, **fields: Any) -> NodeSnapshot:
+    """Sample every GPU of an initialised backend; keyword arguments fill the other snapshot fields."""
+    now = time.time()
+    values: dict[str, Any] = {
+        "timestamp_seconds": now,
+        "started_seconds": now,
+        "version": version,
+        "backend": backend.name,
+        "driver_version": backend.driver_version(),
+        "gpus": tuple(sample_all(backend)),
+    }
+    values.update(fields)
+    return NodeSnapshot(**values)
