@@ -233,6 +233,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"gpu-agent {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    p = sub.add_parser("run", parents=[common], help="the daemon, in the foreground (systemd Type=notify)")
+    p.add_argument(
+        "--log-format",
+        choices=["auto", "journal", "json", "console"],
+        default="auto",
+        help="auto: journal under systemd, console in a terminal, JSON lines otherwise",
+    )
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    p.set_defaults(func=cmd_run)
     p = sub.add_parser(
         "plan",
         parents=[common, as_json],

@@ -122,6 +122,7 @@ class Daemon:
         self.nvml_events: NvmlEventSource | None = None
         self._watchdog_thread: threading.Thread | None = None
         self._closers: list[Callable[[], None]] = []
+        self.status_note = ""  # appended to STATUS= until the next successful reload
         self.loop_hook: Callable[[], None] | None = None  # tests: runs inside each loop iteration
 
     # -- sources feeding the event queue -----------------------------------------------------
@@ -318,7 +319,7 @@ class Daemon:
         snapshot = self.build_snapshot(now, samples, time.monotonic() - started)
         self.published.set(snapshot)
         self.heartbeat_seconds = time.monotonic()
-        self.notifier.status(status_line(snapshot))
+        self.notifier.status(status_line(snapshot) + self.status_note)
         return snapshot
 
     def build_snapshot(self, now: float, samples: Sequence[GpuSample], duration_seconds: float) -> NodeSnapshot:
@@ -376,12 +377,14 @@ class Daemon:
         except ConfigError as exc:
             message = "; ".join(str(p) for p in exc.problems)
             log.error("config reload failed; keeping the running config", error=message)
+            self.status_note = f"; config reload failed (running the previous config): {message}"[:300]
             self.notifier.status(f"config reload failed, running the previous config: {message}"[:400])
             return False
         if new.backend != self.config.backend or new.host_root != self.config.host_root:
             log.error("config reload: backend and host_root changes need a restart; keeping the running config")
             return False
         self.config = new
+        self.status_note = ""
         if self.backend is not None and hasattr(self.backend, "write_guard"):
             self.backend.write_guard = WriteGuard(new.writable_items())
         if self.engine is not None:

@@ -3,6 +3,12 @@ told to misbehave.
 
     python3 inference_standin.py --port 30000 [--host 127.0.0.1] [--control-file F] [--pid-file P]
                                  [--ready-after-seconds S] [--sim-state-dir D --sim-profile h200 --gpus 0,1]
+                                 [--daemon]
+    python3 inference_standin.py --stop --pid-file P
+
+`--daemon` forks the server into the background and returns once it listens (its pid in the pid
+file); `--stop` sends SIGTERM to the pid in the pid file and waits until it is gone. Together they
+are the start and stop commands of a service with `manager: command`.
 
 `GET /health` (and `/health_generate`, `/v1/models`) answers 200 with body `OK` while healthy. The
 control file, re-read on every request and every 0.1 s, holds one word:
@@ -29,13 +35,15 @@ import argparse
 import contextlib
 import os
 import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from types import FrameType
+from types import FrameType, TracebackType
 
 MODES = ("ok", "503", "hang", "exit")
 CRASH_EXIT_STATUS = 3
@@ -128,10 +136,65 @@ class SimGpus:
             self.backend.set_processes(gpu, [p for p in self._pids(gpu) if p != os.getpid()])
 
 
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an exited server stays one until its parent, often init, reaps it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8")
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def stop_server(pid_file: Path, timeout_seconds: float = 10.0) -> int:
+    """SIGTERM the server named by the pid file and wait for it to go; 0 also when none runs."""
+    try:
+        pid = int(pid_file.read_text(encoding="utf-8").strip())
+    except (OSError, ValueError):
+        return 0
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return 0
+    deadline = time.monotonic() + timeout_seconds
+    while time.monotonic() < deadline:
+        if not running(pid):
+            return 0
+        time.sleep(0.02)
+    print(f"standin: pid {pid} still running after {timeout_seconds:g} s", file=sys.stderr)
+    return 1
+
+
+def daemonize(pid_file: Path, timeout_seconds: float = 20.0) -> None:
+    """Fork; the parent exits 0 once the child wrote the pid file (1 if it died first), the child
+    returns, detached from the caller's session and output."""
+    with contextlib.suppress(FileNotFoundError):
+        pid_file.unlink()
+    child = os.fork()
+    if child == 0:
+        os.setsid()
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        return
+    deadline = time.monotonic() + timeout_seconds
+    while time.monotonic() < deadline:
+        if os.waitpid(child, os.WNOHANG)[0] == child:
+            print("standin: server exited during start", file=sys.stderr)
+            sys.exit(1)
+        with contextlib.suppress(OSError):
+            if pid_file.read_text(encoding="utf-8").strip() == str(child):
+                sys.exit(0)
+        time.sleep(0.02)
+    print(f"standin: server not listening after {timeout_seconds:g} s", file=sys.stderr)
+    sys.exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--daemon", action="store_true")
+    parser.add_argument("--stop", action="store_true")
     parser.add_argument("--control-file", type=Path)
     parser.add_argument("--pid-file", type=Path)
     parser.add_argument("--ready-after-seconds", type=float, default=0.0)
@@ -139,6 +202,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sim-profile", default="h200")
     parser.add_argument("--gpus", default="0", help="comma-separated simulated GPU indices")
     args = parser.parse_args(argv)
+    if args.stop:
+        if args.pid_file is None:
+            parser.error("--stop needs --pid-file")
+        return stop_server(args.pid_file)
+    if args.port is None:
+        parser.error("--port is required")
+    if args.daemon:
+        if args.pid_file is None:
+            parser.error("--daemon needs --pid-file")
+        daemonize(args.pid_file)
 
     behaviour = Behaviour(args.control_file, args.ready_after_seconds)
     stop = threading.Event()
@@ -184,6 +257,80 @@ def main(argv: list[str] | None = None) -> int:
                 if args.pid_file.read_text(encoding="utf-8").strip() == str(os.getpid()):
                     args.pid_file.unlink()
     return exit_status[0]
+
+
+# -- for tests: the stand-in as a child process ---------------------------------------------------
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def wait_listening(port: int, timeout_seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_seconds
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+class StandinServer:
+    """`python inference_standin.py` as a child process with a control file in `directory`."""
+
+    def __init__(self, directory: Path, port: int | None = None, extra_args: tuple[str, ...] = ()) -> None:
+        self.directory = directory
+        self.port = port or free_port()
+        self.control_file = directory / f"standin-{self.port}.control"
+        self.extra_args = extra_args
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def health_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/health"
+
+    def argv(self) -> list[str]:
+        script = str(Path(__file__).resolve())
+        return [sys.executable, script, "--port", str(self.port), "--control-file", str(self.control_file)]
+
+    def start(self) -> StandinServer:
+        self.set_mode("ok")
+        self.proc = subprocess.Popen([*self.argv(), *self.extra_args], stdin=subprocess.DEVNULL)
+        if not wait_listening(self.port):
+            self.stop()
+            raise RuntimeError(f"stand-in did not listen on port {self.port}")
+        return self
+
+    def set_mode(self, mode: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}")
+        self.control_file.write_text(mode + "\n", encoding="utf-8")
+
+    def stop(self) -> int | None:
+        """SIGTERM and reap; the exit status (None when it had to be killed)."""
+        if self.proc is None:
+            return None
+        proc, self.proc = self.proc, None
+        if proc.poll() is None:
+            proc.terminate()
+        try:
+            return proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            return None
+
+    def __enter__(self) -> StandinServer:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
 
 
 if __name__ == "__main__":

@@ -357,6 +357,18 @@ def test_xid_154_seen_by_nvml_first_gets_its_recovery_event_from_the_kernel_line
     assert watcher.counts()[0].count == 1
 
 
+def test_nvml_sighting_of_154_keeps_the_recovery_action_the_kernel_named() -> None:
+    watcher, clock = make_watcher()
+    line = "NVRM: Xid (PCI:0000:3b:00): 154, GPU recovery action changed from 0x0 (None) to 0x2 (Node Reboot Required)"
+    watcher.ingest_kernel(kernel(line))
+    clock.advance(1)
+    watcher.ingest_nvml(nvml(1, 154))
+    clock.advance(60)
+    assert len(watcher.ingest_nvml(nvml(1, 154))) == 1  # a new fault, with no action text of its own
+    health = watcher.health(1)
+    assert (health.state, health.suggested_action) == (HealthState.UNHEALTHY, SuggestedAction.REBOOT)
+
+
 def test_drain_returns_each_event_once() -> None:
     watcher, _ = make_watcher()
     produced = watcher.ingest_nvml(nvml(0, 13)) + watcher.ingest_nvml(nvml(0, 31))

@@ -87,6 +87,7 @@ class KmsgSource:
         self._ok = False
         self._detail = "not started"
         self._overwritten_records = 0
+        self._last_device_sequence: int | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -180,6 +181,13 @@ class KmsgSource:
                 # /dev/kmsg never reports end of file; a device that does (a container's /dev/null bound
                 # over it) carries no kernel log.
                 return f"{self._path}: reads end of file, not a kernel log"
+            parsed = parse_kmsg_record(record)
+            if parsed is not None:
+                # A reopen (after a read error) starts again at the oldest record in the ring buffer;
+                # sequence numbers say which of those were handled already.
+                if self._last_device_sequence is not None and parsed[0] <= self._last_device_sequence:
+                    continue
+                self._last_device_sequence = parsed[0]
             self._handle_line(record)
         return None
 
@@ -197,15 +205,13 @@ class KmsgSource:
                 pending += chunk
                 self._drain_lines(pending)
                 continue
-            if regular:
-                size = os.fstat(fd).st_size
-                if size < os.lseek(fd, 0, os.SEEK_CUR):
-                    log.info("kernel log %s was truncated; reading it from the start", self._path)
-                    os.lseek(fd, 0, os.SEEK_SET)
-                    pending.clear()
-                    continue
-                if self._replaced(opened):
-                    return None
+            if regular and os.fstat(fd).st_size < os.lseek(fd, 0, os.SEEK_CUR):
+                log.info("kernel log %s was truncated; reading it from the start", self._path)
+                os.lseek(fd, 0, os.SEEK_SET)
+                pending.clear()
+                continue
+            if self._replaced(opened):
+                return None
             self._stop.wait(POLL_SECONDS)
         return None
 

@@ -1,0 +1,451 @@
+"""Remediation rules: the `rules.d/*.yaml` contract and its loader.
+
+Every `*.yaml` file of a rules directory is read in name order (`10-xid.yaml` before
+`20-thermal.yaml`); names starting with a dot (editor lock files) are skipped. A file holds one
+top-level key, `rules`, a list of rules. Rule names are unique across all files. Unknown keys are
+errors; every problem is reported as `FILE:LINE field: message`.
+
+A full example::
+
+    rules:
+      - name: restart-on-app-xid          # [a-z0-9][a-z0-9_.-]*: `gpu-agent ack NAME`, metric label
+        description: "A CUDA application crashed the GPU context; the GPU itself is fine"
+        match:                            # exactly one condition kind:
+          xid: {codes: [13, 31, 43], buckets: [RESTART_APP]}   # codes and/or NVIDIA resolution buckets
+          # throttle: {reasons: [hw_thermal_slowdown], held_seconds: 60}   # a slowdown held this long
+          # service_unhealthy: {probes: 3, services: [sglang]}  # N failed probes in a row (services: all)
+          # gpu_lost: {}                   # the GPU fell off the bus (NVML GPU_IS_LOST)
+          # ecc_uncorrected: {}            # new uncorrectable ECC errors
+          # row_remap: {failed: true}      # and/or pending: true
+          # policy_drift: {reappeared: 2, items: [power_limit]}  # drift back N times after a fix
+          # event: {kinds: [pcie_degraded], min_severity: warning, suggested_actions: [reset_gpu]}
+        gpus: all                         # or [0, 1]: GPU indices this rule watches
+        actions:                          # the escalation ladder, one action per step:
+          - restart_service: {service: sglang}   # service optional: the services on that GPU
+          - reset_gpu: {}                 # attempt 2 within the window
+          - alertmanager: {severity: critical, labels: {team: inference}}   # attempt 3 and later
+        cooldown_seconds: 300             # no new attempt on the same target sooner than this
+        max_attempts: 3                   # per window and target; then the rule's circuit opens
+        window_seconds: 3600
+        dry_run: false                    # decide and record, but change nothing
+        on_exhausted:                     # runs once, when the circuit opens
+          - alertmanager: {severity: critical}
+          - webhook: {url: "https://hooks.example/gpu", headers: {X-Token: abc}, timeout_seconds: 5}
+          - run_hook: {argv: [/usr/local/bin/drain-node, --reason, gpu], timeout_seconds: 60}
+
+Action kinds and their parameters:
+`restart_service: {service?, ready_timeout_seconds?}`, `reset_gpu: {}`,
+`run_hook: {argv: [ABSOLUTE_PATH, args...], timeout_seconds?}`, `webhook: {url, headers?,
+timeout_seconds?}`, `alertmanager: {url?, severity?, alertname?, labels?, summary?,
+description?, annotations?}` (url defaults to `remediation.alertmanager_url`, severity to the
+event's), `recommend_reboot: {reason?, url?}` (writes `<state_dir>/reboot-recommended` and
+alerts), `reboot: {}` (refused at load time unless `remediation.allow_reboot: true`). A step
+without parameters may be written bare: `- reset_gpu`. What each action does: agent/rules/actions.py.
+
+What each condition reads (see agent/rules/engine.py for targets and storm protection):
+
+- `xid`: XID events; `data["xid"]` is the code, its NVIDIA resolution bucket comes from the
+  shipped catalog (`UNKNOWN` for codes the catalog lacks).
+- `throttle`: the snapshot's `throttle_active_since`; one held slowdown is one fault.
+- `service_unhealthy`: the snapshot's services (`consecutive_failures`); checked every loop
+  while the service stays down, so the ladder escalates until the service answers again.
+- `gpu_lost`, `ecc_uncorrected`, `row_remap`: GPU_LOST, ECC_UNCORRECTED, ROW_REMAP_PENDING /
+  ROW_REMAP_FAILED events.
+- `policy_drift`: POLICY_DRIFT events whose `data["reappeared"]` (how many times the drift came
+  back after being corrected) reaches the threshold; `items` filters on `data["item"]`.
+- `event`: any event kind, optionally filtered by minimum severity and suggested action.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, PrivateAttr, field_validator, model_validator
+
+from agent.clock_events import SLOWDOWN_REASONS
+from agent.config import (
+    ConfigError,
+    ConfigProblem,
+    ItemName,
+    PathKey,
+    StrictModel,
+    format_path,
+    parse_yaml,
+    validate_model,
+)
+from agent.events import EventKind, Severity, SuggestedAction
+from agent.rules.model import ActionKind, ActionSpec
+from agent.watch import xid_catalog
+
+RULE_NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]*$"
+# The store prunes history older than this; a longer window would count attempts it no longer has.
+MAX_WINDOW_SECONDS = 30 * 24 * 3600.0
+RULES_GLOB = "*.yaml"
+LABEL_NAME_PATTERN = r"^[a-zA-Z_][a-zA-Z0-9_]*$"
+
+
+def _empty_for_null(value: Any) -> Any:
+    """`gpu_lost:` (YAML null) and `reset_gpu:` mean the same as `gpu_lost: {}`."""
+    if isinstance(value, dict):
+        return {key: ({} if item is None else item) for key, item in value.items()}
+    return value
+
+
+def _exactly_one(model: StrictModel, names: Iterable[str], what: str) -> str:
+    chosen = [name for name in names if getattr(model, name) is not None]
+    if len(chosen) != 1:
+        given = f"got {', '.join(chosen)}" if chosen else "got none"
+        raise ValueError(f"needs exactly one {what} ({given}); one of: {', '.join(names)}")
+    return chosen[0]
+
+
+# -- conditions ------------------------------------------------------------------------------
+
+
+class XidCondition(StrictModel):
+    codes: list[Annotated[int, Field(ge=1, le=xid_catalog.MAX_CODE)]] = Field(default_factory=list)
+    buckets: list[str] = Field(default_factory=list)  # NVIDIA resolution buckets, e.g. RESTART_APP
+
+    @field_validator("buckets")
+    @classmethod
+    def _known_buckets(cls, buckets: list[str]) -> list[str]:
+        known = sorted({*xid_catalog.catalog().buckets, xid_catalog.UNKNOWN_RESOLUTION})
+        unknown = [b for b in buckets if b not in known]
+        if unknown:
+            raise ValueError(f"unknown resolution bucket {', '.join(unknown)} (known: {', '.join(known)})")
+        return buckets
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> XidCondition:
+        if not self.codes and not self.buckets:
+            raise ValueError("needs codes and/or buckets")
+        return self
+
+    def matches(self, code: int) -> bool:
+        if code in self.codes:
+            return True
+        info = xid_catalog.lookup(code)
+        return (info.resolution if info else xid_catalog.UNKNOWN_RESOLUTION) in self.buckets
+
+
+class ThrottleCondition(StrictModel):
+    reasons: list[str] = Field(min_length=1)
+    held_seconds: float = Field(default=60.0, ge=0, le=86400)
+
+    @field_validator("reasons")
+    @classmethod
+    def _slowdown_reasons(cls, reasons: list[str]) -> list[str]:
+        # Benign reasons (gpu_idle, sync_boost, ...) are never "active since": they would never match.
+        unknown = [r for r in reasons if r not in SLOWDOWN_REASONS]
+        if unknown:
+            raise ValueError(
+                f"not a slowdown reason: {', '.join(unknown)} (one of: {', '.join(sorted(SLOWDOWN_REASONS))})"
+            )
+        return reasons
+
+
+class ServiceUnhealthyCondition(StrictModel):
+    probes: int = Field(default=3, ge=1, le=100)
+    services: list[str] | None = Field(default=None, min_length=1)  # None: every configured service
+
+
+class NoParams(StrictModel):
+    """A condition or action that takes no parameters: `gpu_lost: {}`, `reset_gpu: {}`."""
+
+
+class RowRemapCondition(StrictModel):
+    pending: bool = False  # spare rows will be used after the next GPU reset
+    failed: bool = False  # no spare rows left: the memory needs service
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> RowRemapCondition:
+        if not self.pending and not self.failed:
+            raise ValueError("needs pending: true and/or failed: true")
+        return self
+
+
+class PolicyDriftCondition(StrictModel):
+    reappeared: int = Field(default=1, ge=1)
+    items: list[ItemName] | None = Field(default=None, min_length=1)
+
+
+class EventCondition(StrictModel):
+    kinds: list[EventKind] = Field(min_length=1)
+    min_severity: Severity = Severity.INFO
+    suggested_actions: list[SuggestedAction] | None = Field(default=None, min_length=1)
+
+
+CONDITION_KINDS = (
+    "xid",
+    "throttle",
+    "service_unhealthy",
+    "gpu_lost",
+    "ecc_uncorrected",
+    "row_remap",
+    "policy_drift",
+    "event",
+)
+
+
+class Match(StrictModel):
+    xid: XidCondition | None = None
+    throttle: ThrottleCondition | None = None
+    service_unhealthy: ServiceUnhealthyCondition | None = None
+    gpu_lost: NoParams | None = None
+    ecc_uncorrected: NoParams | None = None
+    row_remap: RowRemapCondition | None = None
+    policy_drift: PolicyDriftCondition | None = None
+    event: EventCondition | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_empty(cls, value: Any) -> Any:
+        return _empty_for_null(value)
+
+    @model_validator(mode="after")
+    def _one_condition(self) -> Match:
+        _exactly_one(self, CONDITION_KINDS, "condition")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in CONDITION_KINDS if getattr(self, name) is not None)
+
+
+# -- actions ---------------------------------------------------------------------------------
+
+
+class RestartServiceParams(StrictModel):
+    service: str | None = Field(default=None, min_length=1)  # None: the services using the GPU
+    ready_timeout_seconds: float | None = Field(default=None, gt=0, le=7200)  # None: the service's own
+
+
+class RunHookParams(StrictModel):
+    argv: list[str] = Field(min_length=1)
+    timeout_seconds: float = Field(default=60.0, gt=0, le=3600)
+
+    @field_validator("argv")
+    @classmethod
+    def _absolute_program(cls, argv: list[str]) -> list[str]:
+        # No PATH lookup and no shell: what runs as root must not depend on the environment.
+        if not argv[0].startswith("/"):
+            raise ValueError(f"the program must be an absolute path, not {argv[0]!r}")
+        return argv
+
+
+def _http_url(value: str | None) -> str | None:
+    if value is not None and not value.startswith(("http://", "https://")):
+        raise ValueError("must be an http:// or https:// URL")
+    return value
+
+
+class WebhookParams(StrictModel):
+    url: str
+    headers: dict[str, str] = Field(default_factory=dict)
+    timeout_seconds: float = Field(default=10.0, gt=0, le=300)
+
+    _check_url = field_validator("url")(_http_url)
+
+
+class AlertmanagerParams(StrictModel):
+    url: str | None = None  # None: remediation.alertmanager_url from agent.yaml
+    severity: Severity | None = None  # None: the event's severity
+    alertname: str | None = Field(default=None, pattern=LABEL_NAME_PATTERN)  # None: GpuAgent<EventKind>
+    labels: dict[str, str] = Field(default_factory=dict)
+    summary: str | None = None  # None: the event's message
+    description: str | None = None  # None: the rule and the decision's reason
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+    _check_url = field_validator("url")(_http_url)
+
+    @field_validator("labels", "annotations")
+    @classmethod
+    def _label_names(cls, labels: dict[str, str]) -> dict[str, str]:
+        bad = [name for name in labels if not re.fullmatch(LABEL_NAME_PATTERN, name)]
+        if bad:
+            raise ValueError(f"not a Prometheus label name: {', '.join(bad)} (letters, digits, underscores)")
+        return labels
+
+
+class RecommendRebootParams(StrictModel):
+    reason: str | None = None  # None: the event's message
+    url: str | None = None  # Alertmanager for its alert; None: remediation.alertmanager_url
+
+    _check_url = field_validator("url")(_http_url)
+
+
+ACTION_KINDS = tuple(kind.value for kind in ActionKind)
+
+
+class ActionStep(StrictModel):
+    """One step of a ladder: `{KIND: {params}}` with exactly one KIND (field names are ActionKind values)."""
+
+    restart_service: RestartServiceParams | None = None
+    reset_gpu: NoParams | None = None
+    run_hook: RunHookParams | None = None
+    webhook: WebhookParams | None = None
+    alertmanager: AlertmanagerParams | None = None
+    recommend_reboot: RecommendRebootParams | None = None
+    reboot: NoParams | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        # `- reset_gpu` is `- reset_gpu: {}`.
+        if isinstance(value, str):
+            return {value: {}}
+        return _empty_for_null(value)
+
+    @model_validator(mode="after")
+    def _one_action(self) -> ActionStep:
+        _exactly_one(self, ACTION_KINDS, "action kind per step (write two steps for two actions)")
+        return self
+
+    @property
+    def kind(self) -> ActionKind:
+        return ActionKind(next(name for name in ACTION_KINDS if getattr(self, name) is not None))
+
+    def spec(self) -> ActionSpec:
+        params: StrictModel = getattr(self, self.kind.value)
+        return ActionSpec(self.kind, params.model_dump(mode="json", exclude_none=True))
+
+
+# -- rules -----------------------------------------------------------------------------------
+
+
+class Rule(StrictModel):
+    name: str = Field(pattern=RULE_NAME_PATTERN, max_length=100)
+    description: str = ""
+    match: Match
+    gpus: Literal["all"] | list[Annotated[int, Field(ge=0)]] = "all"
+    actions: list[ActionStep] = Field(min_length=1)
+    cooldown_seconds: float = Field(default=300.0, ge=0, le=MAX_WINDOW_SECONDS)
+    max_attempts: int = Field(default=3, ge=1, le=1000)
+    window_seconds: float = Field(default=3600.0, gt=0, le=MAX_WINDOW_SECONDS)
+    dry_run: bool = False
+    on_exhausted: list[ActionStep] = Field(default_factory=list)
+
+    _source: str = PrivateAttr(default="")
+
+    @field_validator("name")
+    @classmethod
+    def _not_a_selector(cls, name: str) -> str:
+        if name == "all":
+            raise ValueError("'all' is reserved: `gpu-agent ack all` acknowledges every rule")
+        return name
+
+    @model_validator(mode="after")
+    def _fits_condition(self) -> Rule:
+        if self.match.service_unhealthy is not None:
+            if self.gpus != "all":
+                raise ValueError("gpus does not apply to service_unhealthy (it watches services, not GPUs)")
+            if any(step.kind is ActionKind.RESET_GPU for step in (*self.actions, *self.on_exhausted)):
+                raise ValueError("reset_gpu needs a GPU: service_unhealthy faults have none")
+        return self
+
+    @property
+    def source(self) -> str:
+        """Where the rule was defined, `FILE:LINE` (empty for rules built in code)."""
+        return self._source
+
+    @property
+    def restarts_services(self) -> bool:
+        return any(step.kind is ActionKind.RESTART_SERVICE for step in (*self.actions, *self.on_exhausted))
+
+    def watches_gpu(self, gpu: int | None) -> bool:
+        """A rule limited to some GPUs does not act on a fault whose GPU is unknown."""
+        return self.gpus == "all" or (gpu is not None and gpu in self.gpus)
+
+
+class RulesFile(StrictModel):
+    rules: list[Rule] = Field(default_factory=list)
+
+
+# -- loading ---------------------------------------------------------------------------------
+
+
+def _unsafe_permissions(path: Path) -> str | None:
+    """Rules can run hooks as root: a file anyone but root (or the agent's own user) may change is refused."""
+    info = path.stat()
+    if info.st_uid not in (0, os.geteuid()):
+        return f"owned by uid {info.st_uid}, not root"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"writable by group or others (mode {stat.S_IMODE(info.st_mode):04o})"
+    return None
+
+
+def rule_files(paths: Iterable[Path]) -> list[Path]:
+    """Each directory expanded to its `*.yaml` files in name order; files are taken as given."""
+    files: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            files += sorted(p for p in path.glob(RULES_GLOB) if not p.name.startswith(".") and p.is_file())
+        else:
+            files.append(path)
+    return files
+
+
+def _load_file(file: Path, allow_reboot: bool) -> list[Rule]:
+    where = str(file)
+    try:
+        unsafe = _unsafe_permissions(file)
+        text = file.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([ConfigProblem(where, None, "", f"cannot read: {exc.strerror or exc}")]) from None
+    if unsafe:
+        raise ConfigError([ConfigProblem(where, None, "", f"refused: {unsafe}")])
+    data, lines = parse_yaml(text, where)
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError([ConfigProblem(where, 1, "", "must be a YAML mapping with a `rules` list")])
+    parsed = validate_model(RulesFile, data, lines, where)
+    problems: list[ConfigProblem] = []
+    for index, rule in enumerate(parsed.rules):
+        rule._source = f"{where}:{lines.get(('rules', index, 'name'), lines.get(('rules', index), 0))}"
+        if allow_reboot:
+            continue
+        for ladder in ("actions", "on_exhausted"):
+            for position, step in enumerate(getattr(rule, ladder)):
+                if step.kind is ActionKind.REBOOT:
+                    path: PathKey = ("rules", index, ladder, position, "reboot")
+                    message = "not allowed: set remediation.allow_reboot: true in agent.yaml to let rules reboot"
+                    problems.append(ConfigProblem(where, lines.get(path), format_path(path), message))
+    if problems:
+        raise ConfigError(problems)
+    return parsed.rules
+
+
+def load_rules(paths: Iterable[Path], allow_reboot: bool = False) -> list[Rule]:
+    """Rules from rules directories and/or files, in order; raises ConfigError listing every problem.
+
+    A missing path is an error: a typo in `rules_dir` must not silently disable remediation.
+    """
+    given = list(paths)
+    missing = [ConfigProblem(str(p), None, "", "no such file or directory") for p in given if not p.exists()]
+    if missing:
+        raise ConfigError(missing)
+    problems: list[ConfigProblem] = []
+    rules: list[Rule] = []
+    first_seen: dict[str, Rule] = {}
+    for file in rule_files(given):
+        try:
+            loaded = _load_file(file, allow_reboot)
+        except ConfigError as exc:
+            problems += exc.problems
+            continue
+        for index, rule in enumerate(loaded):
+            earlier = first_seen.get(rule.name)
+            if earlier is None:
+                first_seen[rule.name] = rule
+                rules.append(rule)
+                continue
+            line = int(rule.source.rpartition(":")[2]) or None
+            message = f"duplicate rule name {rule.name!r}, first defined at {earlier.source}"
+            problems.append(ConfigProblem(str(file), line, f"rules[{index}].name", message))
+    if problems:
+        raise ConfigError(problems)
+    return rules

@@ -1,0 +1,566 @@
+"""The agent's memory across restarts: events, remediations, attempt counters and open circuits in
+SQLite (`<state_dir>/gpu-agent.db`, WAL mode).
+
+It is what makes storm protection survive a restart: `Store` implements the engine's
+`AttemptHistory`, so a fault that repeats across agent restarts is counted against the same
+`max_attempts`, and an event already handled is never handled again (`record_event` says no).
+
+What counts as an attempt (`attempts`, `last_attempt`): a recorded ladder decision (step >= 0)
+whose outcome is SUCCESS, FAILED, REFUSED or DRY_RUN. REFUSED counts because the agent did try
+(observe mode, a process holding the GPU): the ladder must still move on to its alerting steps,
+and a refusal repeated on every fault is itself a storm. DRY_RUN counts so a dry run shows what
+escalation and circuits would do. SUPPRESSED never counts.
+
+`record_outcome` also stores the decision's event and marks it handled (so a fault the engine
+synthesized from the snapshot is one fault), and opens the rule's circuit for the target when the
+decision has step -1 (the engine's "attempts exhausted" decision). `ack` closes circuits and
+retires attempts from the counters; their rows stay in the history.
+
+One connection, shared by the threads of the process behind a lock; other processes (the CLI's
+`gpu-agent ack` while the daemon runs) get their own and wait up to `BUSY_TIMEOUT_SECONDS` for a
+writer. A database that is not a database, fails its integrity check or was written by a newer
+schema is kept aside as `gpu-agent.db.corrupt-<unix time>` (or `.newer-<unix time>`) and a new
+one is created: losing history is better than not starting. Rows older than `RETENTION_SECONDS`
+are pruned on open; lifetime totals per (rule, action, outcome) are kept apart and never pruned,
+because they feed a Prometheus counter that must not go down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import json
+import logging
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agent.events import Event, EventKind, Severity, SuggestedAction
+from agent.rules.model import ActionOutcome, Outcome, Target
+from agent.state import RemediationCount
+
+log = logging.getLogger(__name__)
+
+DB_NAME = "gpu-agent.db"
+RETENTION_SECONDS = 30 * 24 * 3600.0
+BUSY_TIMEOUT_SECONDS = 5.0
+EXHAUSTED_STEP = -1  # agent.rules.engine.EXHAUSTED_STEP (not imported: the store must not need the rules)
+COUNTED_OUTCOMES = frozenset({Outcome.SUCCESS, Outcome.FAILED, Outcome.REFUSED, Outcome.DRY_RUN})
+ALL = "all"
+
+#: Schema migrations: MIGRATIONS[n] takes a database from user_version n to n + 1. Append only.
+MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    (
+        """CREATE TABLE events (
+            id INTEGER PRIMARY KEY,
+            key TEXT NOT NULL UNIQUE,
+            kind TEXT NOT NULL,
+            severity TEXT NOT NULL,
+            gpu INTEGER,
+            uuid TEXT,
+            message TEXT NOT NULL,
+            source TEXT NOT NULL,
+            suggested_action TEXT NOT NULL,
+            data TEXT NOT NULL,
+            ts REAL NOT NULL,
+            handled INTEGER NOT NULL DEFAULT 0
+        )""",
+        "CREATE INDEX events_ts ON events (ts)",
+        """CREATE TABLE remediations (
+            id INTEGER PRIMARY KEY,
+            ts REAL NOT NULL,
+            finished REAL NOT NULL,
+            rule TEXT NOT NULL,
+            action TEXT NOT NULL,
+            params TEXT NOT NULL,
+            target_key TEXT NOT NULL,
+            gpu INTEGER,
+            uuid TEXT,
+            service TEXT,
+            event_key TEXT NOT NULL,
+            attempt INTEGER NOT NULL,
+            step INTEGER NOT NULL,
+            outcome TEXT NOT NULL,
+            reason TEXT NOT NULL,
+            detail TEXT NOT NULL,
+            dry_run INTEGER NOT NULL,
+            counted INTEGER NOT NULL,
+            acked INTEGER NOT NULL DEFAULT 0
+        )""",
+        "CREATE INDEX remediations_attempts ON remediations (rule, target_key, ts)",
+        "CREATE INDEX remediations_ts ON remediations (ts)",
+        """CREATE TABLE circuits (
+            rule TEXT NOT NULL,
+            target_key TEXT NOT NULL,
+            gpu INTEGER,
+            uuid TEXT,
+            service TEXT,
+            opened_at REAL NOT NULL,
+            reason TEXT NOT NULL,
+            PRIMARY KEY (rule, target_key)
+        )""",
+        """CREATE TABLE acks (
+            id INTEGER PRIMARY KEY,
+            ts REAL NOT NULL,
+            selector TEXT NOT NULL,
+            reset INTEGER NOT NULL
+        )""",
+        """CREATE TABLE remediation_totals (
+            rule TEXT NOT NULL,
+            action TEXT NOT NULL,
+            outcome TEXT NOT NULL,
+            count INTEGER NOT NULL,
+            PRIMARY KEY (rule, action, outcome)
+        )""",
+    ),
+)
+
+
+class StoreError(Exception):
+    """The database could not be used (disk full, permissions, locked past the busy timeout)."""
+
+
+@dataclass(frozen=True)
+class StoredEvent:
+    event: Event
+    handled: bool
+
+
+@dataclass(frozen=True)
+class StoredRemediation:
+    started_seconds: float
+    finished_seconds: float
+    rule: str
+    action: str  # ActionKind value, or "none" for a decision without an action
+    params: dict[str, Any]
+    target_key: str
+    gpu: int | None
+    uuid: str | None
+    service: str | None
+    event_key: str
+    attempt: int
+    step: int
+    outcome: Outcome
+    reason: str
+    detail: str
+    dry_run: bool
+    counted: bool  # an attempt for storm protection
+    acked: bool  # retired from the counters by `gpu-agent ack`
+
+
+@dataclass(frozen=True)
+class Circuit:
+    rule: str
+    target_key: str
+    gpu: int | None
+    uuid: str | None
+    service: str | None
+    opened_seconds: float
+    reason: str
+
+
+def _json_default(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    return str(value)
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, default=_json_default, sort_keys=True)
+
+
+class Store:
+    """See the module docstring. Build it with `Store.open(state_dir)`."""
+
+    def __init__(self, path: Path, connection: sqlite3.Connection) -> None:
+        self.path = path
+        self._db = connection
+        self._lock = threading.Lock()
+
+    # -- opening ------------------------------------------------------------------------------
+
+    @classmethod
+    def open(
+        cls, state_dir: str | Path, now_seconds: float | None = None, retention_seconds: float = RETENTION_SECONDS
+    ) -> Store:
+        """Open (or create) the database; set aside an unusable one; prune old rows."""
+        now = time.time() if now_seconds is None else now_seconds
+        directory = Path(state_dir)
+        try:
+            # 0700: events carry process names and command lines; the directory keeps the WAL files private too.
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot create {directory}: {exc.strerror or exc}") from exc
+        path = directory / DB_NAME
+        try:
+            connection = _connect(path)
+        except _Unusable as unusable:
+            aside = _set_aside(path, unusable.label, now)
+            log.error("state database unusable, kept aside; starting a new one: %s (%s)", unusable, aside)
+            try:
+                connection = _connect(path)
+            except (_Unusable, sqlite3.Error) as exc:
+                raise StoreError(f"cannot create {path}: {exc}") from exc
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open {path}: {exc}") from exc
+        store = cls(path, connection)
+        store._prune(now - retention_seconds)
+        return store
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                raise StoreError(f"{self.path}: {exc}") from exc
+            try:
+                yield self._db
+                self._db.execute("COMMIT")
+            except BaseException as exc:
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.execute("ROLLBACK")
+                if isinstance(exc, sqlite3.Error):
+                    raise StoreError(f"{self.path}: {exc}") from exc
+                raise
+
+    def _query(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        with self._lock:
+            try:
+                return self._db.execute(sql, args).fetchall()
+            except sqlite3.Error as exc:
+                raise StoreError(f"{self.path}: {exc}") from exc
+
+    def _prune(self, before_seconds: float) -> None:
+        with self._transaction() as db:
+            events = db.execute("DELETE FROM events WHERE ts < ?", (before_seconds,)).rowcount
+            remediations = db.execute("DELETE FROM remediations WHERE ts < ?", (before_seconds,)).rowcount
+        if events or remediations:
+            log.info("pruned %d events and %d remediations older than the retention", events, remediations)
+
+    # -- events -------------------------------------------------------------------------------
+
+    def record_event(self, event: Event) -> bool:
+        """Store a new event. False when its key is already stored and handled: the fault was dealt
+        with (before a restart, maybe) and must not be handled again. A stored but unhandled event
+        (the agent stopped between seeing and handling it) is offered again."""
+        with self._transaction() as db:
+            row = db.execute("SELECT handled FROM events WHERE key = ?", (event.key,)).fetchone()
+            if row is not None:
+                return not row[0]
+            db.execute(
+                "INSERT INTO events (key, kind, severity, gpu, uuid, message, source, suggested_action, data, ts)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    event.key,
+                    event.kind.value,
+                    event.severity.value,
+                    event.gpu,
+                    event.uuid,
+                    event.message,
+                    event.source,
+                    event.suggested_action.value,
+                    _dumps(event.data),
+                    event.timestamp_seconds,
+                ),
+            )
+            return True
+
+    def mark_handled(self, event_key: str) -> None:
+        with self._transaction() as db:
+            db.execute("UPDATE events SET handled = 1 WHERE key = ?", (event_key,))
+
+    def handled(self, event_key: str) -> bool:
+        rows = self._query("SELECT handled FROM events WHERE key = ?", (event_key,))
+        return bool(rows and rows[0][0])
+
+    def events(self, since_seconds: float = 0.0, limit: int = 1000) -> list[StoredEvent]:
+        """The newest `limit` events at or after `since_seconds`, oldest first."""
+        rows = self._query(
+            "SELECT kind, severity, gpu, uuid, message, ts, source, key, data, suggested_action, handled"
+            " FROM events WHERE ts >= ? ORDER BY ts DESC, id DESC LIMIT ?",
+            (since_seconds, limit),
+        )
+        stored = [
+            StoredEvent(
+                Event(
+                    kind=EventKind(kind),
+                    severity=Severity(severity),
+                    gpu=gpu,
+                    uuid=uuid,
+                    message=message,
+                    timestamp_seconds=ts,
+                    source=source,
+                    key=key,
+                    data=json.loads(data),
+                    suggested_action=SuggestedAction(action),
+                ),
+                bool(handled),
+            )
+            for kind, severity, gpu, uuid, message, ts, source, key, data, action, handled in rows
+        ]
+        return stored[::-1]
+
+    # -- remediations -------------------------------------------------------------------------
+
+    def record_outcome(self, outcome: ActionOutcome) -> None:
+        """Record what came of a decision (see the module docstring for what it counts and opens)."""
+        decision = outcome.decision
+        action = decision.action.kind.value if decision.action is not None else "none"
+        params = decision.action.params if decision.action is not None else {}
+        counted = outcome.outcome in COUNTED_OUTCOMES and decision.action is not None and decision.step >= 0
+        target = decision.target
+        event = decision.event
+        with self._transaction() as db:
+            db.execute(
+                "INSERT INTO remediations (ts, finished, rule, action, params, target_key, gpu, uuid, service,"
+                " event_key, attempt, step, outcome, reason, detail, dry_run, counted)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    outcome.started_seconds,
+                    outcome.finished_seconds,
+                    decision.rule,
+                    action,
+                    _dumps(params),
+                    target.key,
+                    target.gpu,
+                    target.uuid,
+                    target.service,
+                    event.key,
+                    decision.attempt,
+                    decision.step,
+                    outcome.outcome.value,
+                    decision.reason,
+                    outcome.detail,
+                    int(decision.dry_run),
+                    int(counted),
+                ),
+            )
+            db.execute(
+                "INSERT INTO remediation_totals (rule, action, outcome, count) VALUES (?, ?, ?, 1)"
+                " ON CONFLICT (rule, action, outcome) DO UPDATE SET count = count + 1",
+                (decision.rule, action, outcome.outcome.value),
+            )
+            db.execute(
+                "INSERT INTO events (key, kind, severity, gpu, uuid, message, source, suggested_action, data, ts,"
+                " handled) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1)"
+                " ON CONFLICT (key) DO UPDATE SET handled = 1",
+                (
+                    event.key,
+                    event.kind.value,
+                    event.severity.value,
+                    event.gpu,
+                    event.uuid,
+                    event.message,
+                    event.source,
+                    event.suggested_action.value,
+                    _dumps(event.data),
+                    event.timestamp_seconds,
+                ),
+            )
+            if decision.step == EXHAUSTED_STEP:
+                self._open_circuit(db, decision.rule, target, decision.reason, outcome.started_seconds)
+
+    def remediations(self, since_seconds: float = 0.0, limit: int = 1000) -> list[StoredRemediation]:
+        """The newest `limit` remediations started at or after `since_seconds`, oldest first."""
+        rows = self._query(
+            "SELECT ts, finished, rule, action, params, target_key, gpu, uuid, service, event_key, attempt, step,"
+            " outcome, reason, detail, dry_run, counted, acked"
+            " FROM remediations WHERE ts >= ? ORDER BY ts DESC, id DESC LIMIT ?",
+            (since_seconds, limit),
+        )
+        stored = [
+            StoredRemediation(
+                started_seconds=row[0],
+                finished_seconds=row[1],
+                rule=row[2],
+                action=row[3],
+                params=json.loads(row[4]),
+                target_key=row[5],
+                gpu=row[6],
+                uuid=row[7],
+                service=row[8],
+                event_key=row[9],
+                attempt=row[10],
+                step=row[11],
+                outcome=Outcome(row[12]),
+                reason=row[13],
+                detail=row[14],
+                dry_run=bool(row[15]),
+                counted=bool(row[16]),
+                acked=bool(row[17]),
+            )
+            for row in rows
+        ]
+        return stored[::-1]
+
+    def remediation_counts(self) -> list[RemediationCount]:
+        """Lifetime totals per (rule, action, outcome), for gpu_agent_remediations_total."""
+        rows = self._query("SELECT rule, action, outcome, count FROM remediation_totals ORDER BY rule, action, outcome")
+        return [RemediationCount(rule, action, outcome, count) for rule, action, outcome, count in rows]
+
+    # -- AttemptHistory -----------------------------------------------------------------------
+
+    def attempts(self, rule: str, target_key: str, since_seconds: float) -> list[float]:
+        rows = self._query(
+            "SELECT ts FROM remediations WHERE rule = ? AND target_key = ? AND counted = 1 AND acked = 0"
+            " AND ts >= ? ORDER BY ts",
+            (rule, target_key, since_seconds),
+        )
+        return [row[0] for row in rows]
+
+    def last_attempt(self, rule: str, target_key: str) -> float | None:
+        rows = self._query(
+            "SELECT MAX(ts) FROM remediations WHERE rule = ? AND target_key = ? AND counted = 1 AND acked = 0",
+            (rule, target_key),
+        )
+        value: float | None = rows[0][0]
+        return value
+
+    def circuit_open(self, rule: str, target_key: str) -> bool:
+        return bool(self._query("SELECT 1 FROM circuits WHERE rule = ? AND target_key = ?", (rule, target_key)))
+
+    # -- circuits and acks --------------------------------------------------------------------
+
+    @staticmethod
+    def _open_circuit(db: sqlite3.Connection, rule: str, target: Target, reason: str, now_seconds: float) -> None:
+        db.execute(
+            "INSERT OR IGNORE INTO circuits (rule, target_key, gpu, uuid, service, opened_at, reason)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (rule, target.key, target.gpu, target.uuid, target.service, now_seconds, reason),
+        )
+
+    def open_circuit(self, rule: str, target: Target, reason: str, now_seconds: float | None = None) -> None:
+        """Stop `rule` acting on `target` until acknowledged (opening an open circuit changes nothing)."""
+        with self._transaction() as db:
+            self._open_circuit(db, rule, target, reason, time.time() if now_seconds is None else now_seconds)
+
+    def circuits(self) -> list[Circuit]:
+        rows = self._query(
+            "SELECT rule, target_key, gpu, uuid, service, opened_at, reason FROM circuits ORDER BY rule, target_key"
+        )
+        return [Circuit(*row) for row in rows]
+
+    def ack(self, selector: str, now_seconds: float | None = None) -> int:
+        """Re-arm rules: close their circuits and retire their attempts from the counters.
+
+        `selector`: "all"; a rule name; "gpu:<index>", "gpu:<uuid>" or a bare "GPU-..." uuid (every
+        rule's state for that GPU, services targeted through it included); "service:<name>".
+        Returns how many (rule, target) pairs it re-armed.
+        """
+        where, args = _selector(selector)
+        with self._transaction() as db:
+            pairs = set(db.execute(f"SELECT rule, target_key FROM circuits WHERE {where}", args).fetchall())  # noqa: S608 (fixed clauses)
+            pairs |= set(
+                db.execute(
+                    f"SELECT rule, target_key FROM remediations WHERE counted = 1 AND acked = 0 AND ({where})",  # noqa: S608
+                    args,
+                ).fetchall()
+            )
+            db.execute(f"DELETE FROM circuits WHERE {where}", args)  # noqa: S608
+            db.execute(f"UPDATE remediations SET acked = 1 WHERE counted = 1 AND acked = 0 AND ({where})", args)  # noqa: S608
+            db.execute(
+                "INSERT INTO acks (ts, selector, reset) VALUES (?, ?, ?)",
+                (time.time() if now_seconds is None else now_seconds, selector, len(pairs)),
+            )
+        log.info("acknowledged %s: %d rule/target pairs re-armed", selector, len(pairs))
+        return len(pairs)
+
+
+def _selector(selector: str) -> tuple[str, tuple[Any, ...]]:
+    """SQL condition (over rule, target_key, gpu, uuid, service columns) for an ack selector."""
+    if selector == ALL:
+        return "1 = 1", ()
+    if selector.startswith("GPU-"):
+        selector = f"gpu:{selector}"
+    kind, sep, value = selector.partition(":")
+    if sep and kind == "gpu" and value:
+        if value.isdigit():
+            return "(gpu = ? OR target_key = ?)", (int(value), f"gpu-index:{value}")
+        return "uuid = ?", (value,)
+    if sep and kind == "service" and value:
+        return "service = ?", (value,)
+    return "rule = ?", (selector,)
+
+
+# -- opening helpers ---------------------------------------------------------------------------
+
+
+class _Unusable(Exception):
+    def __init__(self, label: str, message: str) -> None:
+        super().__init__(message)
+        self.label = label  # "corrupt" or "newer": the suffix of the file kept aside
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    """A connection to a healthy database at the current schema, or _Unusable."""
+    connection = sqlite3.connect(path, timeout=BUSY_TIMEOUT_SECONDS, isolation_level=None, check_same_thread=False)
+    try:
+        check = connection.execute("PRAGMA quick_check").fetchall()
+        if check != [("ok",)]:
+            raise _Unusable("corrupt", f"integrity check failed: {'; '.join(str(row[0]) for row in check[:3])}")
+        version = connection.execute("PRAGMA user_version").fetchone()[0]
+        if version > len(MIGRATIONS):
+            raise _Unusable("newer", f"schema version {version} is newer than this agent's {len(MIGRATIONS)}")
+        mode = connection.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if mode != "wal":
+            raise sqlite3.OperationalError(f"cannot switch to WAL mode (got {mode})")
+        connection.execute("PRAGMA synchronous = NORMAL")  # durable in WAL mode across crashes
+        _migrate(connection, version)
+    except sqlite3.DatabaseError as exc:
+        connection.close()
+        if isinstance(exc, sqlite3.OperationalError):
+            raise
+        raise _Unusable("corrupt", str(exc)) from exc
+    except _Unusable:
+        connection.close()
+        raise
+    return connection
+
+
+def _migrate(connection: sqlite3.Connection, version: int) -> None:
+    for target in range(version, len(MIGRATIONS)):
+        connection.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in MIGRATIONS[target]:
+                connection.execute(statement)
+            connection.execute(f"PRAGMA user_version = {target + 1}")
+        except BaseException:
+            connection.execute("ROLLBACK")
+            raise
+        connection.execute("COMMIT")
+        log.info("state database migrated to schema version %d", target + 1)
+
+
+def _set_aside(path: Path, label: str, now_seconds: float) -> Path:
+    aside = path.with_name(f"{path.name}.{label}-{int(now_seconds)}")
+    serial = 0
+    while aside.exists():
+        serial += 1
+        aside = path.with_name(f"{path.name}.{label}-{int(now_seconds)}.{serial}")
+    path.rename(aside)
+    # The write-ahead log belongs to the old file; applied to a new one it would corrupt it.
+    for suffix in ("-wal", "-shm"):
+        companion = path.with_name(path.name + suffix)
+        if companion.exists():
+            companion.rename(aside.with_name(aside.name + suffix))
+    return aside

@@ -1,0 +1,545 @@
+"""The Grafana dashboard and the Prometheus alert rules, checked with real Prometheus parts.
+
+- promtool checks the rules and runs the unit tests in tests/prometheus/ (one firing and one
+  quiet case per alert, checked here).
+- A real `prometheus` server scrapes the real metrics server, which serves snapshots that a
+  stand-in for the daemon loop takes from the simulated backend (mixed node, throttling, an Xid,
+  policy drift, a service down); every dashboard expression must return data there, and the
+  alert rules must load, evaluate cleanly and reach the states the faults call for.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from snapshots import snapshot_from_backend
+
+from agent.backend.base import RecoveryAction
+from agent.backend.errors import GpuErrorKind
+from agent.backend.sim import SimulatedBackend
+from agent.clock_events import decode
+from agent.events import Health, HealthState
+from agent.metrics import MetricsServer, SnapshotCollector, serve_metrics
+from agent.policy import power_limit
+from agent.policy.base import GpuContext, ItemPlan, PlanStatus
+from agent.state import CollectorStatus, NodeSnapshot, RemediationCount, ServiceStatus, XidCount
+from agent.watch.xid_catalog import all_codes, lookup
+
+ROOT = Path(__file__).resolve().parent.parent
+DASHBOARD = ROOT / "packaging/grafana/gpu-agent-dashboard.json"
+ALERTS = ROOT / "packaging/prometheus/gpu-agent-alerts.yaml"
+RULE_TESTS = sorted((ROOT / "tests/prometheus").glob("*.yaml"))
+PROMTOOL = shutil.which("promtool")
+PROMETHEUS = shutil.which("prometheus")
+needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (apt-get install prometheus)")
+needs_prometheus = pytest.mark.skipif(
+    PROMETHEUS is None, reason="prometheus server not installed (apt-get install prometheus)"
+)
+
+#: What Grafana would put in for the template variables: every instance, every GPU, 1m windows.
+TEMPLATE_VALUES = {"instance": ".*", "gpu": ".*", "__rate_interval": "1m", "__interval": "1m", "__range": "1h"}
+LABEL_VALUES = re.compile(r"label_values\((?P<selector>.+),\s*(?P<label>\w+)\)")
+METRIC_NAME = re.compile(r"\bgpu_agent_\w+")
+
+
+def dashboard() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(DASHBOARD.read_text())
+    return data
+
+
+def alert_rules() -> list[dict[str, Any]]:
+    groups = yaml.safe_load(ALERTS.read_text())["groups"]
+    return [rule for group in groups for rule in group["rules"]]
+
+
+def all_panels(panels: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    for panel in panels:
+        yield panel
+        yield from all_panels(panel.get("panels", []))
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """(where, expression) for every PromQL expression and variable query in the dashboard."""
+    board = dashboard()
+    queries = [
+        (f"panel {panel['title']!r} {target['refId']}", target["expr"])
+        for panel in all_panels(board["panels"])
+        for target in panel.get("targets", [])
+    ]
+    queries += [(f"annotation {a['name']!r}", a["expr"]) for a in board["annotations"]["list"] if "expr" in a]
+    queries += [
+        (f"variable {var['name']!r}", var["query"]["query"])
+        for var in board["templating"]["list"]
+        if var["type"] == "query"
+    ]
+    return queries
+
+
+def substitute(expr: str) -> str:
+    return re.sub(r"\$(\w+)", lambda m: TEMPLATE_VALUES[m.group(1)], expr)
+
+
+def exported_metric_names() -> set[str]:
+    """Sample names the collector exports for the fully featured test snapshot."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from snapshots import node_snapshot
+
+    registry = CollectorRegistry(auto_describe=False)
+    snapshot = node_snapshot()
+    registry.register(SnapshotCollector(lambda: snapshot))
+    text = generate_latest(registry).decode()
+    return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+# -- static checks (no Prometheus needed) -------------------------------------------------------
+
+
+def test_dashboard_structure() -> None:
+    board = dashboard()
+    assert board["uid"] == "gpu-agent"
+    assert 36 <= board["schemaVersion"] <= 41
+    variables = {var["name"]: var for var in board["templating"]["list"]}
+    assert variables["DS_PROMETHEUS"]["type"] == "datasource"
+    assert variables["DS_PROMETHEUS"]["query"] == "prometheus"
+    for name in ("instance", "gpu"):
+        assert variables[name]["datasource"] == {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
+        assert variables[name]["includeAll"] and variables[name]["allValue"] == ".*"
+    panels = list(all_panels(board["panels"]))
+    ids = [panel["id"] for panel in panels]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    occupied: set[tuple[int, int]] = set()
+    for panel in panels:
+        pos = panel["gridPos"]
+        assert pos["x"] + pos["w"] <= 24, panel["title"]
+        cells = {(pos["x"] + dx, pos["y"] + dy) for dx in range(pos["w"]) for dy in range(pos["h"])}
+        assert not cells & occupied, f"panel {panel['title']!r} overlaps another"
+        occupied |= cells
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}, panel["title"]
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"] == panel["datasource"]
+            assert target["expr"].strip()
+        assert panel.get("description"), f"panel {panel['title']!r} needs a description"
+
+
+def test_dashboard_covers_what_the_brief_asks_for() -> None:
+    exprs = " ".join(expr for _, expr in dashboard_queries())
+    for name in (
+        "gpu_agent_gpu_temperature_celsius",
+        "gpu_agent_gpu_power_usage_watts",
+        "gpu_agent_gpu_power_limit_watts",
+        "gpu_agent_gpu_clock_hertz",
+        "gpu_agent_gpu_clock_event_active",
+        "gpu_agent_gpu_clock_event_seconds_total",
+        "gpu_agent_xid_errors_total",
+        "gpu_agent_gpu_ecc_errors_total",
+        "gpu_agent_gpu_remapped_rows",
+        "gpu_agent_policy_in_sync",
+        "gpu_agent_service_up",
+        "gpu_agent_remediations_total",
+        "gpu_agent_collector_success",
+    ):
+        assert name in exprs
+
+
+def test_every_metric_name_used_is_exported() -> None:
+    """A typo in a dashboard or alert expression would silently show nothing: every name must exist."""
+    exported = exported_metric_names()
+    used = set(METRIC_NAME.findall(" ".join(expr for _, expr in dashboard_queries())))
+    used |= set(METRIC_NAME.findall(" ".join(rule["expr"] for rule in alert_rules())))
+    assert used - exported == set()
+
+
+def test_alert_rules_are_complete() -> None:
+    rules = alert_rules()
+    names = [rule["alert"] for rule in rules]
+    assert len(names) == len(set(names))
+    for rule in rules:
+        assert rule["labels"]["severity"] in {"critical", "warning", "info"}, rule["alert"]
+        assert set(rule["annotations"]) == {"summary", "description"}, rule["alert"]
+        assert "{{ $labels.instance }}" in rule["annotations"]["summary"], rule["alert"]
+    assert {
+        "GpuAgentDown",
+        "GpuLost",
+        "GpuXidCritical",
+        "GpuThermalSlowdown",
+        "GpuPowerBrake",
+        "GpuUncorrectableEcc",
+        "GpuRowRemapFailed",
+        "GpuRowRemapPending",
+        "GpuPcieDegraded",
+        "GpuPolicyDrift",
+        "InferenceServiceDown",
+        "GpuAgentCollectorFailing",
+        "GpuAgentRemediationFailing",
+        "GpuStale",
+    } <= set(names)
+
+
+def xid_matcher(rule: dict[str, Any], op: str) -> set[int]:
+    match = re.search(r"xid" + op + r'"([0-9|]+)"', rule["expr"])
+    assert match, rule["expr"]
+    return {int(code) for code in match.group(1).split("|")}
+
+
+def test_xid_alert_lists_follow_the_catalog() -> None:
+    by_severity: dict[str, set[int]] = {}
+    for code in all_codes():
+        info = lookup(code)
+        assert info is not None
+        by_severity.setdefault(info.severity, set()).add(code)
+    rules = {rule["alert"]: rule for rule in alert_rules()}
+    assert xid_matcher(rules["GpuXidCritical"], "=~") == by_severity["critical"] | by_severity["fatal"]
+    assert xid_matcher(rules["GpuXidError"], "!~") == (
+        by_severity["critical"] | by_severity["fatal"] | by_severity["info"]
+    )
+
+
+def test_every_alert_has_a_firing_and_a_quiet_unit_test() -> None:
+    fired: set[str] = set()
+    quiet: set[str] = set()
+    for path in RULE_TESTS:
+        document = yaml.safe_load(path.read_text())
+        assert document["rule_files"] == ["../../packaging/prometheus/gpu-agent-alerts.yaml"], path
+        for test in document["tests"]:
+            for case in test["alert_rule_test"]:
+                (fired if case["exp_alerts"] else quiet).add(case["alertname"])
+    names = {rule["alert"] for rule in alert_rules()}
+    assert names - fired == set(), "alerts never tested firing"
+    assert names - quiet == set(), "alerts never tested quiet"
+
+
+@needs_promtool
+def test_promtool_check_rules() -> None:
+    assert PROMTOOL is not None
+    proc = subprocess.run([PROMTOOL, "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"SUCCESS: {len(alert_rules())} rules found" in proc.stdout
+    assert "WARNING" not in proc.stdout + proc.stderr
+
+
+@needs_promtool
+def test_promtool_rule_unit_tests() -> None:
+    assert PROMTOOL is not None
+    assert RULE_TESTS
+    proc = subprocess.run(
+        [PROMTOOL, "test", "rules", *map(str, RULE_TESTS)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("SUCCESS") == len(RULE_TESTS)
+
+
+# -- a real Prometheus scraping the real metrics server ------------------------------------------
+
+LOOP_PERIOD_SECONDS = 0.25
+
+
+class StandInLoop:
+    """What the daemon does, reduced to what metrics need: sample the simulated node every period,
+    account throttle time and Xids, publish a new frozen snapshot by swapping one reference."""
+
+    def __init__(self, backend: SimulatedBackend, policy: tuple[ItemPlan, ...]) -> None:
+        self.backend = backend
+        self.policy = policy
+        self.started_seconds = time.time()
+        self.clock_event_seconds: dict[tuple[int, str], float] = {}
+        self.xids: dict[tuple[int, int], XidCount] = {}
+        self.snapshot: NodeSnapshot | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stand-in-loop", daemon=True)
+
+    def start(self) -> None:
+        self.step()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(LOOP_PERIOD_SECONDS):
+            self.step()
+
+    def count_xid(self, gpu: int, xid: int) -> None:
+        with self._lock:
+            old = self.xids.get((gpu, xid))
+            uuid = self.backend.identity(gpu).uuid
+            self.xids[(gpu, xid)] = XidCount(gpu, uuid, xid, (old.count if old else 0) + 1, time.time())
+
+    def step(self) -> None:
+        started = time.monotonic()
+        self.backend.advance(LOOP_PERIOD_SECONDS)
+        snapshot = snapshot_from_backend(self.backend, started_seconds=self.started_seconds)
+        for sample in snapshot.gpus:
+            for reason in decode(sample.clock_event_reasons or 0):
+                key = (sample.index, reason)
+                self.clock_event_seconds[key] = self.clock_event_seconds.get(key, 0.0) + LOOP_PERIOD_SECONDS
+        with self._lock:
+            xids = tuple(self.xids.values())
+        duration = time.monotonic() - started
+        self.snapshot = replace(
+            snapshot,
+            health={
+                sample.index: Health(HealthState.UNHEALTHY, "row remap pending")
+                if sample.remap_pending
+                else Health(HealthState.DEGRADED, "throttled")
+                if sample.clock_event_reasons and sample.clock_event_reasons & 0x60
+                else Health.healthy()
+                for sample in snapshot.gpus
+            },
+            policy=self.policy,
+            item_modes={"power_limit": "observe", "transparent_hugepages": "enforce"},
+            clock_event_seconds=dict(self.clock_event_seconds),
+            xids=xids,
+            services=(
+                ServiceStatus("sglang", "sglang.service", up=True, last_latency_seconds=0.004),
+                ServiceStatus("embeddings", "embeddings.service", up=False, consecutive_failures=4, detail="HTTP 503"),
+            ),
+            remediations=(
+                RemediationCount("service-unhealthy", "restart_service", "succeeded", 1),
+                RemediationCount("service-unhealthy", "restart_service", "failed", 1),
+            ),
+            collectors=(
+                CollectorStatus("gpu", True, duration),
+                CollectorStatus("kmsg", False, 0.0, last_error="open /dev/kmsg: permission denied"),
+            ),
+            collect_duration_seconds=duration,
+        )
+
+
+def simulated_node(state_dir: Path) -> tuple[SimulatedBackend, tuple[ItemPlan, ...]]:
+    """Mixed node (GPUs 0-3 H200, 4-5 RTX PRO 6000) with a fault or two on most GPUs."""
+    backend = SimulatedBackend("mixed", state_dir)
+    backend.init()
+    for gpu in (0, 1, 4):
+        backend.set_processes(gpu, [4000 + gpu])
+    backend.set_clock_event_reasons(1, 0x20 | 0x40)  # sw + hw thermal slowdown
+    backend.set_temperature(1, 90)
+    backend.set_remapped_rows(2, correctable=1, pending=True)
+    backend.set_recovery_action(2, RecoveryAction.GPU_RESET)
+    backend.fail_call(3, "performance_state", GpuErrorKind.UNKNOWN)
+    backend.set_pcie_link(4, 4, 16)
+    backend.add_ecc_errors(0, corrected=2)
+    contexts = {gpu: GpuContext(backend, gpu, backend.identity(gpu)) for gpu in (0, 1)}
+    policy = (
+        power_limit.plan(contexts[0], 600.0),  # the board runs at 700 W: drift
+        power_limit.plan(contexts[1], 700.0),
+        ItemPlan("transparent_hugepages", None, PlanStatus.IN_SYNC, "never", "never"),
+    )
+    assert [plan.status for plan in policy] == [PlanStatus.DRIFT, PlanStatus.IN_SYNC, PlanStatus.IN_SYNC]
+    return backend, policy
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class Prometheus:
+    def __init__(self, workdir: Path, target_port: int) -> None:
+        assert PROMETHEUS is not None
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = {
+            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(ALERTS)],
+            "scrape_configs": [
+                {"job_name": "gpu-agent", "static_configs": [{"targets": [f"127.0.0.1:{target_port}"]}]}
+            ],
+        }
+        config_path = workdir / "prometheus.yml"
+        config_path.write_text(yaml.safe_dump(config))
+        self.log_path = workdir / "prometheus.log"
+        self._log = self.log_path.open("wb")
+        self.process = subprocess.Popen(
+            [
+                PROMETHEUS,
+                f"--config.file={config_path}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--log.level=warn",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def api(self, path: str, **params: str) -> Any:
+        url = f"{self.url}/api/v1/{path}"
+        if params:
+            url += "?" + urllib.parse.urlencode(params)
+        with urllib.request.urlopen(url, timeout=5) as response:
+            reply = json.loads(response.read())
+        assert reply["status"] == "success", reply
+        return reply["data"]
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        data = self.api("query", query=expr)
+        result: list[dict[str, Any]] = data["result"]
+        return result
+
+    def wait_for(self, what: str, condition: Callable[[], bool], timeout_seconds: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout_seconds
+        last_error: Exception | None = None
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                pytest.fail(f"prometheus exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                if condition():
+                    return
+            except (OSError, AssertionError, KeyError) as exc:  # not up yet, or not there yet
+                last_error = exc
+            time.sleep(0.2)
+        pytest.fail(f"timed out waiting for {what} (last error: {last_error!r})\n{self.log_tail()}")
+
+    def log_tail(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=5)
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometheus, StandInLoop]]:
+    if PROMETHEUS is None:
+        pytest.skip("prometheus server not installed (apt-get install prometheus)")
+    workdir = tmp_path_factory.mktemp("prometheus")
+    backend, policy = simulated_node(workdir / "sim")
+    loop = StandInLoop(backend, policy)
+    loop.count_xid(1, 48)
+    loop.start()
+    server: MetricsServer | None = None
+    prometheus: Prometheus | None = None
+    try:
+        server = serve_metrics("127.0.0.1:0", lambda: loop.snapshot)
+        prometheus = Prometheus(workdir, server.port)
+        prom = prometheus
+
+        def target_up() -> bool:
+            targets = prom.api("targets")["activeTargets"]
+            return len(targets) == 1 and targets[0]["health"] == "up"
+
+        prom.wait_for("the gpu-agent target to be up", target_up)
+        prom.wait_for("two scrapes", lambda: bool(prom.query("count_over_time(gpu_agent_up[1m]) >= 2")))
+        # New faults after Prometheus has seen the node without them: Xid 48 again, an uncorrected ECC error.
+        loop.count_xid(1, 48)
+        backend.add_ecc_errors(1, uncorrected=1)
+        prom.wait_for(
+            "the new Xid and ECC error to be scraped",
+            lambda: (
+                bool(prom.query('gpu_agent_xid_errors_total{xid="48"} == 2'))
+                and bool(prom.query('gpu_agent_gpu_ecc_errors_total{type="uncorrected"} == 1'))
+            ),
+        )
+        yield prom, loop
+    finally:
+        if prometheus is not None:
+            prometheus.stop()
+        if server is not None:
+            server.close()
+        loop.stop()
+
+
+@needs_prometheus
+def test_every_dashboard_query_returns_data(live: tuple[Prometheus, StandInLoop]) -> None:
+    prom, _ = live
+    failures = []
+    for where, raw in dashboard_queries():
+        expr = substitute(raw)
+        label_values = LABEL_VALUES.fullmatch(expr)
+        if label_values:  # a Grafana variable query: the selector must find series carrying the label
+            result = prom.query(label_values["selector"])
+            if not any(label_values["label"] in series["metric"] for series in result):
+                failures.append(f"{where}: no {label_values['label']} values from {label_values['selector']}")
+            continue
+        try:
+            if not prom.query(expr):
+                failures.append(f"{where}: no data for {expr}")
+        except urllib.error.HTTPError as exc:
+            failures.append(f"{where}: {exc.code} {exc.read().decode()} for {expr}")
+    assert failures == []
+
+
+@needs_prometheus
+def test_template_variables_list_the_node(live: tuple[Prometheus, StandInLoop]) -> None:
+    prom, loop = live
+    assert loop.snapshot is not None
+    gpus = {series["metric"]["gpu"] for series in prom.query("gpu_agent_gpu_info")}
+    assert gpus == {str(sample.index) for sample in loop.snapshot.gpus} == {"0", "1", "2", "3", "4", "5"}
+
+
+@needs_prometheus
+def test_alert_rules_load_and_evaluate_cleanly(live: tuple[Prometheus, StandInLoop]) -> None:
+    prom, _ = live
+
+    def all_evaluated() -> bool:
+        groups = prom.api("rules", type="alert")["groups"]
+        rules = [rule for group in groups for rule in group["rules"]]
+        assert {rule["name"] for rule in rules} == {rule["alert"] for rule in alert_rules()}
+        return all(rule["health"] == "ok" for rule in rules)
+
+    prom.wait_for("every alert rule to be evaluated", all_evaluated)
+    groups = prom.api("rules", type="alert")["groups"]
+    errors = {
+        rule["name"]: rule.get("lastError") for group in groups for rule in group["rules"] if rule.get("lastError")
+    }
+    assert errors == {}
+
+
+@needs_prometheus
+def test_alerts_follow_the_simulated_faults(live: tuple[Prometheus, StandInLoop]) -> None:
+    prom, _ = live
+    expected = {
+        ("GpuXidCritical", "1", "firing"),
+        ("GpuUncorrectableEcc", "1", "firing"),
+        ("GpuAgentRemediationFailing", "", "firing"),  # its series appeared less than 30 minutes ago
+        ("GpuThermalSlowdown", "1", "pending"),
+        ("GpuRowRemapPending", "2", "pending"),
+        ("GpuRecoveryActionRequired", "2", "pending"),
+        ("GpuPcieDegraded", "4", "pending"),
+        ("GpuPolicyDrift", "0", "pending"),
+        ("InferenceServiceDown", "", "pending"),
+        ("GpuAgentCollectorFailing", "", "pending"),
+        ("GpuUnhealthy", "2", "pending"),
+    }
+    seen: set[tuple[str, str, str]] = set()
+
+    def reached() -> bool:
+        seen.clear()
+        for alert in prom.api("alerts")["alerts"]:
+            seen.add((alert["labels"]["alertname"], alert["labels"].get("gpu", ""), alert["state"]))
+        return seen == expected
+
+    try:
+        prom.wait_for("the alerts the faults call for", reached, timeout_seconds=10)
+    finally:
+        assert seen == expected
