@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from agent import __version__
 from agent.backend import open_backend
+from agent.backend.base import GpuIdentity
 from agent.backend.errors import NO_DRIVER_KINDS, GpuError
 from agent.config import DEFAULT_CONFIG_PATH, AgentConfig, ConfigError, load_config
 from agent.host.paths import HostPaths
@@ -193,19 +195,54 @@ def cmd_xid_parse(args: argparse.Namespace) -> int:
     import json
 
     from agent.watch.kernel_log import KernelLogParser
+    from agent.watch.xid import match_bus_id
 
+    identities = _identities_if_available(args)
     parser = KernelLogParser()
     for line in sys.stdin:
         for found in parser.feed(line.rstrip("\n")):
+            gpu, identity = match_bus_id(found.pci_bus_id, identities)
             record = {
                 "xid": found.xid,
                 "pci_bus_id": found.pci_bus_id,
-                "gpu": None,
+                "gpu": gpu,
+                "uuid": identity.uuid if identity is not None else None,
                 "pid": found.pid,
                 "process": found.process,
                 "text": found.text,
+                "fallen_off_bus": found.fallen_off_bus,
+                "recovery_action": found.recovery_action,
             }
             _print(json.dumps(record))
+    return EXIT_OK
+
+
+def _identities_if_available(args: argparse.Namespace) -> dict[int, GpuIdentity]:
+    """This host's GPUs, to map bus ids to GPUs, when a config and a backend are at hand; else {}."""
+    path, _ = _config_path(args)
+    if path is None:
+        return {}
+    try:
+        backend = open_backend(load_config(path), writable_items=())
+    except (ConfigError, GpuError):
+        return {}
+    try:
+        found: dict[int, GpuIdentity] = {}
+        for gpu in range(backend.device_count()):
+            with contextlib.suppress(GpuError):
+                found[gpu] = backend.identity(gpu)
+        return found
+    finally:
+        backend.shutdown()
+
+
+def cmd_inject(args: argparse.Namespace) -> int:
+    from agent.inject import InjectError, inject
+
+    try:
+        _print(inject(load(args), args))
+    except (InjectError, ValueError) as exc:
+        raise CliError(str(exc)) from None
     return EXIT_OK
 
 
@@ -279,9 +316,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = xid_sub.add_parser("explain", parents=[as_json], help="what an Xid means and what to do")
     p.add_argument("code", type=int)
     p.set_defaults(func=cmd_xid_explain)
-    p = xid_sub.add_parser("parse", help="kernel-log lines on stdin -> one JSON object per Xid")
+    p = xid_sub.add_parser(
+        "parse",
+        parents=[common],
+        help="kernel-log lines on stdin -> one JSON object per Xid (gpu/uuid filled in when --config names this node)",
+    )
     p.set_defaults(func=cmd_xid_parse)
 
+    from agent.inject import add_parsers
+
+    add_parsers(sub, common)
+    sub.choices["inject"].set_defaults(func=cmd_inject)
     p = sub.add_parser("demo", help="plan -> apply -> plan on a simulated node (changes nothing on this machine)")
     p.add_argument("--dir", metavar="DIR", help="scratch directory for the simulated node (default: a new temp dir)")
     p.set_defaults(func=cmd_demo)

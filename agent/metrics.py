@@ -198,18 +198,7 @@ class _Families:
     """Metric families of one scrape, in first-use order; empty ones are not exposed."""
 
     def __init__(self) -> None:
-        self._families: dict[str, Metric] = {}
-
-    def _family(self, name: str, documentation: str, labels: list[str], counter: bool) -> Metric:
-        family = self._families.get(name)
-        if family is None:
-            if counter:
-                # prometheus_client appends "_total" to a counter family's samples.
-                family = CounterMetricFamily(name, documentation, labels=labels)
-            else:
-                family = GaugeMetricFamily(name, documentation, labels=labels)
-            self._families[name] = family
-        return family
+        self._families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
 
     def gauge(self, name: str, documentation: str, labels: dict[str, str], value: float | None) -> None:
         self.add(name, documentation, labels, value, counter=False)
@@ -218,14 +207,12 @@ class _Families:
         self.add(name, documentation, labels, value, counter=True)
 
     def add(self, name: str, documentation: str, labels: dict[str, str], value: float | None, counter: bool) -> None:
-        family = self._family(name, documentation, list(labels), counter)
-        if value is None:
-            return
-        if counter:
-            assert isinstance(family, CounterMetricFamily)
-            family.add_metric(list(labels.values()), value)
-        else:
-            assert isinstance(family, GaugeMetricFamily)
+        family = self._families.get(name)
+        if family is None:
+            # prometheus_client appends "_total" to a counter family's samples.
+            kind = CounterMetricFamily if counter else GaugeMetricFamily
+            family = self._families[name] = kind(name, documentation, labels=list(labels))
+        if value is not None:
             family.add_metric(list(labels.values()), value)
 
     def __iter__(self) -> Iterator[Metric]:
@@ -481,7 +468,7 @@ class SnapshotCollector(Collector):
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
-    """ "HOST:PORT" or "[V6]:PORT" -> (host, port); an empty host means every IPv4 address."""
+    """Split "HOST:PORT" or "[V6]:PORT" into (host, port); an empty host means every IPv4 address."""
     host, sep, port = listen.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ValueError(f"listen address {listen!r} must be HOST:PORT")
@@ -497,10 +484,17 @@ class _Handler(BaseHTTPRequestHandler):
         path = urlsplit(self.path).path
         if path == "/metrics":
             encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-            self._reply(200, content_type, encoder(self.server.registry))
+            try:
+                body = encoder(self.server.registry)
+            except Exception as exc:
+                # A bad snapshot must cost one scrape (Prometheus marks the target down), not the server.
+                log.exception("rendering metrics failed")
+                self._reply(500, "text/plain; charset=utf-8", f"rendering metrics failed: {exc}\n".encode())
+                return
+            self._reply(200, content_type, body)
         elif path == "/healthz":
-            status, body = self.server.health()
-            self._reply(status, "application/json", json.dumps(body).encode() + b"\n")
+            status, health = self.server.health()
+            self._reply(status, "application/json", json.dumps(health).encode() + b"\n")
         elif path == "/":
             page = b'<html><body><a href="/metrics">/metrics</a> <a href="/healthz">/healthz</a></body></html>\n'
             self._reply(200, "text/html; charset=utf-8", page)
@@ -553,7 +547,9 @@ class MetricsServer:
         bound = self._server.server_address
         self.host: str = str(bound[0])
         self.port: int = int(bound[1])
-        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, name="metrics-http", daemon=True
+        )
         self._thread.start()
 
     def _health(self) -> tuple[int, dict[str, object]]:

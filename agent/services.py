@@ -417,7 +417,7 @@ class HealthProber:
     def expect_down(self, name: str, seconds: float) -> None:
         """The agent is taking the service down on purpose: do not count failed probes for a while.
 
-        A successful probe ends the window early.
+        A successful probe ends the window early; `seconds=0` ends it now.
         """
         with self._lock:
             self._tracked[name].expected_down_until = self.clock() + seconds

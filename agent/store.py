@@ -511,8 +511,17 @@ class _Unusable(Exception):
         self.label = label  # "corrupt" or "newer": the suffix of the file kept aside
 
 
+_SQLITE_HEADER = b"SQLite format 3\x00"
+
+
 def _connect(path: Path) -> sqlite3.Connection:
     """A connection to a healthy database at the current schema, or _Unusable."""
+    # Checked before connecting: closing the last connection deletes the write-ahead log, and the
+    # log of a file that is not a database at all is worth keeping aside with it.
+    with contextlib.suppress(FileNotFoundError), path.open("rb") as existing:
+        header = existing.read(len(_SQLITE_HEADER))
+        if header and header != _SQLITE_HEADER:
+            raise _Unusable("corrupt", "not an SQLite database (bad header)")
     connection = sqlite3.connect(path, timeout=BUSY_TIMEOUT_SECONDS, isolation_level=None, check_same_thread=False)
     try:
         check = connection.execute("PRAGMA quick_check").fetchall()

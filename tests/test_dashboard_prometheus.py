@@ -17,6 +17,7 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -26,7 +27,8 @@ from typing import Any
 
 import pytest
 import yaml
-from snapshots import snapshot_from_backend
+from prometheus_client import CollectorRegistry, generate_latest
+from snapshots import node_snapshot, snapshot_from_backend
 
 from agent.backend.base import RecoveryAction
 from agent.backend.errors import GpuErrorKind
@@ -95,9 +97,6 @@ def substitute(expr: str) -> str:
 
 def exported_metric_names() -> set[str]:
     """Sample names the collector exports for the fully featured test snapshot."""
-    from prometheus_client import CollectorRegistry, generate_latest
-    from snapshots import node_snapshot
-
     registry = CollectorRegistry(auto_describe=False)
     snapshot = node_snapshot()
     registry.register(SnapshotCollector(lambda: snapshot))
@@ -400,7 +399,13 @@ class Prometheus:
         result: list[dict[str, Any]] = data["result"]
         return result
 
-    def wait_for(self, what: str, condition: Callable[[], bool], timeout_seconds: float = 15.0) -> None:
+    def wait_for(
+        self,
+        what: str,
+        condition: Callable[[], bool],
+        timeout_seconds: float = 15.0,
+        detail: Callable[[], str] = lambda: "",
+    ) -> None:
         deadline = time.monotonic() + timeout_seconds
         last_error: Exception | None = None
         while time.monotonic() < deadline:
@@ -412,7 +417,7 @@ class Prometheus:
             except (OSError, AssertionError, KeyError) as exc:  # not up yet, or not there yet
                 last_error = exc
             time.sleep(0.2)
-        pytest.fail(f"timed out waiting for {what} (last error: {last_error!r})\n{self.log_tail()}")
+        pytest.fail(f"timed out waiting for {what} {detail()} (last error: {last_error!r})\n{self.log_tail()}")
 
     def log_tail(self) -> str:
         self._log.flush()
@@ -523,6 +528,7 @@ def test_alerts_follow_the_simulated_faults(live: tuple[Prometheus, StandInLoop]
         ("GpuUncorrectableEcc", "1", "firing"),
         ("GpuAgentRemediationFailing", "", "firing"),  # its series appeared less than 30 minutes ago
         ("GpuThermalSlowdown", "1", "pending"),
+        ("GpuTemperatureHigh", "1", "pending"),  # 90 C, slowdown at 89 C
         ("GpuRowRemapPending", "2", "pending"),
         ("GpuRecoveryActionRequired", "2", "pending"),
         ("GpuPcieDegraded", "4", "pending"),
@@ -539,7 +545,9 @@ def test_alerts_follow_the_simulated_faults(live: tuple[Prometheus, StandInLoop]
             seen.add((alert["labels"]["alertname"], alert["labels"].get("gpu", ""), alert["state"]))
         return seen == expected
 
-    try:
-        prom.wait_for("the alerts the faults call for", reached, timeout_seconds=10)
-    finally:
-        assert seen == expected
+    prom.wait_for(
+        "the alerts the faults call for",
+        reached,
+        timeout_seconds=10,
+        detail=lambda: f"missing: {sorted(expected - seen)}, unexpected: {sorted(seen - expected)}",
+    )

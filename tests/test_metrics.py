@@ -327,6 +327,9 @@ def test_http_healthz_and_unknown_paths(server: MetricsServer) -> None:
     assert reply["status"] == "ok"
     assert reply["snapshot_age_seconds"] > 0
     assert get(server.url + "/nope")[0] == 404
+    status, _, page = get(server.url + "/")
+    assert status == 200
+    assert 'href="/metrics"' in page
     assert get(server.url + "/metrics?name[]=x")[0] == 200
 
 
@@ -345,6 +348,27 @@ def test_http_healthz_before_first_snapshot_and_when_stale() -> None:
         status, _, body = get(srv.url + "/healthz")
         assert status == 503
         assert json.loads(body)["status"] == "stale"
+    finally:
+        srv.close()
+
+
+def test_a_failing_render_costs_one_scrape_not_the_server() -> None:
+    calls = [0]
+
+    def flaky() -> NodeSnapshot:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("snapshot getter broke")
+        return node_snapshot()
+
+    srv = serve_metrics("127.0.0.1:0", flaky)
+    try:
+        status, _, body = get(srv.url + "/metrics")
+        assert status == 500
+        assert "snapshot getter broke" in body
+        status, _, body = get(srv.url + "/metrics")
+        assert status == 200
+        assert "gpu_agent_up 1.0" in body
     finally:
         srv.close()
 
@@ -385,7 +409,7 @@ def test_scrape_does_not_wait_for_a_hung_gpu_call(tmp_path: Path) -> None:
     backend = SimulatedBackend("h200x8", tmp_path)
     backend.init()
     published = snapshot_from_backend(backend)  # what the previous loop published
-    backend.hang_call(0, "temperature_celsius", 2.0)
+    backend.hang_call(0, "temperature_celsius", 1.0)
     loop_lock = threading.Lock()
 
     def stuck_loop() -> None:

@@ -57,10 +57,21 @@ class Pipeline:
     identities: dict[int, GpuIdentity]
     lost: list[GpuError] = field(default_factory=list)
     seen: list[Event] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def on_nvml(self, event: GpuEvent) -> None:
+        produced = self.watcher.ingest_nvml(event)
+        with self.lock:
+            self.seen.extend(produced)
+
+    def on_kernel(self, record: KernelXid) -> None:
+        produced = self.watcher.ingest_kernel(record)
+        with self.lock:
+            self.seen.extend(produced)
 
     def xid_events(self) -> list[Event]:
-        self.seen.extend(self.watcher.drain_events())
-        return [e for e in self.seen if e.kind is EventKind.XID]
+        with self.lock:
+            return [e for e in self.seen if e.kind is EventKind.XID]
 
     def counted(self, gpu: int | None, xid: int) -> int:
         return sum(c.count for c in self.watcher.counts() if c.gpu == gpu and c.xid == xid)
@@ -79,8 +90,8 @@ def pipeline(tmp_path: Path) -> Iterator[Pipeline]:
     clock = FakeClock()
     watcher = XidWatcher(lambda: identities, clock=clock)
     result = Pipeline(backend, paths, watcher, clock, identities)
-    nvml = NvmlEventSource(backend, watcher.ingest_nvml, result.lost.append, timeout_seconds=0.2, backoff_seconds=0.05)
-    kmsg = KmsgSource(paths, watcher.ingest_kernel, start_monotonic_seconds=None)
+    nvml = NvmlEventSource(backend, result.on_nvml, result.lost.append, timeout_seconds=0.2, backoff_seconds=0.05)
+    kmsg = KmsgSource(paths, result.on_kernel, start_monotonic_seconds=None)
     nvml.start()
     kmsg.start()
     try:
@@ -367,13 +378,6 @@ def test_nvml_sighting_of_154_keeps_the_recovery_action_the_kernel_named() -> No
     assert len(watcher.ingest_nvml(nvml(1, 154))) == 1  # a new fault, with no action text of its own
     health = watcher.health(1)
     assert (health.state, health.suggested_action) == (HealthState.UNHEALTHY, SuggestedAction.REBOOT)
-
-
-def test_drain_returns_each_event_once() -> None:
-    watcher, _ = make_watcher()
-    produced = watcher.ingest_nvml(nvml(0, 13)) + watcher.ingest_nvml(nvml(0, 31))
-    assert watcher.drain_events() == produced
-    assert watcher.drain_events() == []
 
 
 # -- health ------------------------------------------------------------------------------------------

@@ -478,6 +478,8 @@ def _restart_service(decision: Decision, params: Mapping[str, Any], ctx: ActionC
         except ServiceError as exc:
             ok = False
             steps.append(f"restart {service.name} failed: {exc}")
+            if ctx.prober is not None:
+                ctx.prober.expect_down(service.name, 0)
             continue
         healthy, what = _verify_healthy(service, params, ctx)
         ok = ok and healthy
@@ -540,15 +542,28 @@ def _wait_idle(gpu: int, ctx: ActionContext) -> tuple[list[int], float]:
         ctx.sleep(min(ctx.drain_poll_seconds, deadline - now))
 
 
-def _start_all(services: Sequence[ServiceConfig], managers: Mapping[str, ServiceManager], steps: list[str]) -> bool:
+def _bring_back(
+    services: Sequence[ServiceConfig],
+    managers: Mapping[str, ServiceManager],
+    params: Mapping[str, Any],
+    ctx: ActionContext,
+    steps: list[str],
+) -> bool:
+    """Start the stopped services again and wait until they are healthy; False if any is not."""
     ok = True
     for service in services:
         try:
             managers[service.name].start(service)
-            steps.append(f"started {service.name}")
         except ServiceError as exc:
             ok = False
             steps.append(f"start {service.name} failed: {exc}")
+            if ctx.prober is not None:
+                ctx.prober.expect_down(service.name, 0)  # its outage is real now: let the probes count
+            continue
+        steps.append(f"started {service.name}")
+        healthy, what = _verify_healthy(service, params, ctx)
+        ok = ok and healthy
+        steps.append(what)
     return ok
 
 
@@ -573,51 +588,60 @@ def _reset_gpu(decision: Decision, params: Mapping[str, Any], ctx: ActionContext
             managers[service.name].stop(service)
         except ServiceError as exc:
             steps.append(f"stop {service.name} failed: {exc}")
-            _start_all(stopped, managers, steps)
+            if ctx.prober is not None:
+                ctx.prober.expect_down(service.name, 0)
+            _bring_back(stopped, managers, params, ctx, steps)
             return _failed("; ".join(steps))
         stopped.append(service)
         steps.append(f"stopped {service.name}")
 
-    remaining, waited = _wait_idle(gpu, ctx)
+    try:
+        outcome = _reset_idle_gpu(gpu, ctx, steps)
+    except Exception as exc:  # whatever went wrong, the stopped services must come back
+        log.exception("GPU %d reset sequence failed unexpectedly", gpu)
+        steps.append(f"unexpected error: {type(exc).__name__}: {exc}")
+        outcome = Outcome.FAILED
+    back = _bring_back(stopped, managers, params, ctx, steps)
+    if outcome is Outcome.SUCCESS and not back:
+        outcome = Outcome.FAILED
+    return _Result(outcome, "; ".join(steps))
+
+
+def _reset_idle_gpu(gpu: int, ctx: ActionContext, steps: list[str]) -> Outcome:
+    """With the services stopped: wait until the GPU is idle, reset it, re-apply the policy."""
+    try:
+        remaining, waited = _wait_idle(gpu, ctx)
+    except GpuError as exc:
+        steps.append(f"cannot list the processes on GPU {gpu}: {exc}")
+        return Outcome.FAILED
     if remaining:
         steps.append(f"processes {_process_names(remaining, ctx)} still on GPU {gpu} after {waited:.1f} s")
-        _start_all(stopped, managers, steps)
-        return _refused("; ".join(steps))
+        return Outcome.REFUSED
     steps.append(f"GPU {gpu} idle after {waited:.1f} s")
 
-    ok = True
     try:
         ctx.backend.reset_gpu(gpu)
-        steps.append(f"reset GPU {gpu}")
     except (GpuError, WriteRefused) as exc:
         steps.append(f"reset of GPU {gpu} failed: {exc}")
-        _start_all(stopped, managers, steps)
-        in_use = isinstance(exc, GpuError) and exc.kind is GpuErrorKind.IN_USE
-        return _Result(Outcome.REFUSED if in_use else Outcome.FAILED, "; ".join(steps))
+        # IN_USE: something grabbed the GPU between our check and the reset; a safety refusal.
+        return Outcome.REFUSED if isinstance(exc, GpuError) and exc.kind is GpuErrorKind.IN_USE else Outcome.FAILED
+    steps.append(f"reset GPU {gpu}")
 
     try:
         report = ctx.policy.apply()
     except GpuError as exc:
-        ok = False
         steps.append(f"policy re-apply failed: {exc}")
-    else:
-        failures = [r for r in report.results if r.outcome is ItemOutcome.FAILED]
-        applied = sum(1 for r in report.results if r.outcome is ItemOutcome.APPLIED)
-        if failures:
-            ok = False
-            listed = "; ".join(
-                f"{r.plan.item}{'' if r.plan.gpu is None else f' GPU {r.plan.gpu}'}: {r.detail}" for r in failures
-            )
-            steps.append(f"policy re-applied with {len(failures)} failure(s): {listed}")
-        else:
-            steps.append(f"policy re-applied ({applied} item(s) set)")
-
-    ok = _start_all(stopped, managers, steps) and ok
-    for service in stopped:
-        healthy, what = _verify_healthy(service, params, ctx)
-        ok = ok and healthy
-        steps.append(what)
-    return _Result(Outcome.SUCCESS if ok else Outcome.FAILED, "; ".join(steps))
+        return Outcome.FAILED
+    failures = [r for r in report.results if r.outcome is ItemOutcome.FAILED]
+    if failures:
+        listed = "; ".join(
+            f"{r.plan.item}{'' if r.plan.gpu is None else f' GPU {r.plan.gpu}'}: {r.detail}" for r in failures
+        )
+        steps.append(f"policy re-applied with {len(failures)} failure(s): {listed}")
+        return Outcome.FAILED
+    applied = sum(1 for r in report.results if r.outcome is ItemOutcome.APPLIED)
+    steps.append(f"policy re-applied ({applied} item(s) set)")
+    return Outcome.SUCCESS
 
 
 # -- hooks ------------------------------------------------------------------------------------------

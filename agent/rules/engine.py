@@ -28,12 +28,14 @@ targets `Target(service=...)`; a fault without GPU or service targets the node, 
 Storm protection, per (rule, target key), counting the decisions of this call as attempts too
 ------------------------------------------------------------------------------------------------
 1. circuit open (in the history, or opened by this call): SUPPRESSED.
-2. attempts in the last `window_seconds` >= `max_attempts`: the circuit opens. The decisions for
+2. less than `cooldown_seconds` since the last attempt: SUPPRESSED ("cooldown: 240 s left"). It
+   comes before 3 so that the rest of a burst (one crash logs Xid 13 then 45) is not taken for
+   "the last attempt did not help".
+3. attempts in the last `window_seconds` >= `max_attempts`: the circuit opens. The decisions for
    `on_exhausted` come out once, with step EXHAUSTED_STEP (-1); with no `on_exhausted`, one
    decision without an action and the same step. Recording a decision with that step opens the
    circuit in the store (`Store.record_outcome`), so every decision must be recorded, suppressed
    ones included. The circuit stays open until `gpu-agent ack`.
-3. less than `cooldown_seconds` since the last attempt: SUPPRESSED ("cooldown: 240 s left").
 4. otherwise: attempt N uses ladder step N-1; past the end, the last step repeats.
 
 Within one call, one GPU reset per GPU and one (recommended) reboot per node are decided; a second
@@ -152,15 +154,17 @@ class _Call:
             if fault.held:
                 return []
             return suppressed(f"circuit open: attempts exhausted; `gpu-agent ack {rule.name}` re-arms the rule")
-        if count >= rule.max_attempts:
-            tally.exhausted = True
-            return self._exhausted(fault, target, count)
         last = now if tally.decided else self.history.last_attempt(rule.name, target.key)
         if last is not None:
             # abs(): a wall clock stepped backwards must not stretch the cooldown by the size of the step.
             left = rule.cooldown_seconds - abs(now - last)
             if left > 0:
                 return [] if fault.held else suppressed(f"cooldown: {math.ceil(left)} s left")
+        # After the cooldown: the Xids one crash logs a second apart, or a service still loading after
+        # the last restart, must not count as "the last attempt did not help".
+        if count >= rule.max_attempts:
+            tally.exhausted = True
+            return self._exhausted(fault, target, count)
         spec, problem = self._resolve(rule.actions[step].spec(), target, rule)
         if spec is None:
             return suppressed(problem)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -61,8 +60,6 @@ _RECOVERY_SEVERITY = {
     SuggestedAction.ALERT: Severity.WARNING,
     SuggestedAction.NONE: Severity.INFO,
 }
-# Events nobody drained yet: enough for a burst on every GPU, bounded so an undrained watcher cannot grow.
-_PENDING_EVENTS_MAX = 1024
 
 
 @dataclass(frozen=True)
@@ -128,6 +125,33 @@ def _where(gpu: int | None, pci_bus_id: str | None) -> str:
     return f"unknown GPU ({pci_bus_id})" if pci_bus_id else "an unidentified GPU"
 
 
+def match_bus_id(
+    pci_bus_id: str | None, identities: Mapping[int, GpuIdentity]
+) -> tuple[int | None, GpuIdentity | None]:
+    """The GPU a kernel-log bus id names, in any of the forms drivers print; (None, None) if none."""
+    if pci_bus_id is None:
+        return None, None
+    wanted = normalise_pci_bus_id(pci_bus_id)
+    if wanted is None:
+        return None, None
+    by_bus: dict[str, tuple[int, GpuIdentity]] = {}
+    for index, identity in identities.items():
+        normalised = normalise_pci_bus_id(identity.pci_bus_id)
+        if normalised is not None:
+            by_bus[normalised] = (index, identity)
+    found = by_bus.get(wanted)
+    if found is not None:
+        return found
+    # Older drivers print "PCI:3b:00" without a domain, which reads as domain 0; on a host whose GPUs
+    # sit in another PCI domain, bus:device.function still names one GPU when it is unique.
+    if wanted.startswith("00000000:"):
+        tail = wanted.partition(":")[2]
+        candidates = [entry for bus, entry in by_bus.items() if bus.partition(":")[2] == tail]
+        if len(candidates) == 1:
+            return candidates[0]
+    return None, None
+
+
 class XidWatcher:
     """Folds NVML and kernel-log Xid sightings into one Event per fault; thread-safe.
 
@@ -154,7 +178,6 @@ class XidWatcher:
         self._faults: dict[tuple[int | str | None, int], _Fault] = {}
         self._marks: dict[tuple[int, int], _Mark] = {}
         self._counts: dict[tuple[int | None, int], _Count] = {}
-        self._pending: deque[Event] = deque(maxlen=_PENDING_EVENTS_MAX)
 
     # -- sources ----------------------------------------------------------------------------
 
@@ -197,28 +220,7 @@ class XidWatcher:
         return self._ingest(sighting)
 
     def _match_bus_id(self, pci_bus_id: str | None) -> tuple[int | None, GpuIdentity | None]:
-        if pci_bus_id is None:
-            return None, None
-        wanted = normalise_pci_bus_id(pci_bus_id)
-        if wanted is None:
-            return None, None
-        identities = self._identities()
-        by_bus: dict[str, tuple[int, GpuIdentity]] = {}
-        for index, identity in identities.items():
-            normalised = normalise_pci_bus_id(identity.pci_bus_id)
-            if normalised is not None:
-                by_bus[normalised] = (index, identity)
-        found = by_bus.get(wanted)
-        if found is not None:
-            return found
-        # Older drivers print "PCI:3b:00" without a domain, which reads as domain 0; on a host whose GPUs
-        # sit in another PCI domain, bus:device.function still names one GPU when it is unique.
-        if wanted.startswith("00000000:"):
-            tail = wanted.partition(":")[2]
-            candidates = [entry for bus, entry in by_bus.items() if bus.partition(":")[2] == tail]
-            if len(candidates) == 1:
-                return candidates[0]
-        return None, None
+        return match_bus_id(pci_bus_id, self._identities())
 
     # -- folding ----------------------------------------------------------------------------
 
@@ -245,7 +247,6 @@ class XidWatcher:
                 fault.recovery_actions.add(recovery)
                 events.append(self._recovery_event(sighting, recovery, now))
             self._mark(sighting, now)
-            self._pending.extend(events)
             return events
 
     def _forget_old_faults(self, now: float) -> None:
@@ -340,16 +341,6 @@ class XidWatcher:
         self._marks[key] = _Mark(sighting.xid, action, f"Xid {sighting.xid}: {name}", now)
 
     # -- readers ----------------------------------------------------------------------------
-
-    def drain_events(self) -> list[Event]:
-        """Events produced since the last drain (the same ones ingest_* returned), oldest first.
-
-        For callers that feed the watcher from source threads, whose sinks drop return values.
-        """
-        with self._lock:
-            events = list(self._pending)
-            self._pending.clear()
-            return events
 
     def counts(self) -> list[XidCount]:
         """Faults per (GPU, Xid) since start, for ``gpu_agent_xid_errors_total``; folded sightings count once."""

@@ -1,0 +1,400 @@
+"""The SQLite store on real files: WAL, migrations, corruption recovery, retention, threads."""
+
+from __future__ import annotations
+
+import dataclasses
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent import store as store_module
+from agent.events import Event, EventKind, Severity, SuggestedAction
+from agent.rules.model import ActionKind, ActionOutcome, ActionSpec, Decision, Outcome, Target
+from agent.state import RemediationCount
+from agent.store import DB_NAME, MIGRATIONS, RETENTION_SECONDS, Store, StoreError
+
+T0 = 1_780_000_000.0
+DAY = 86400.0
+UUID = "GPU-5e1b7a3c-0003-4d2e-9f10-6a7b8c9d0e03"
+GPU3 = Target(3, UUID)
+
+
+def event(key: str, at: float = T0, **data: Any) -> Event:
+    return Event(
+        kind=EventKind.XID,
+        severity=Severity.CRITICAL,
+        gpu=3,
+        uuid=UUID,
+        message="Xid 48 on GPU 3",
+        timestamp_seconds=at,
+        source="kmsg",
+        key=key,
+        data=data,
+        suggested_action=SuggestedAction.RESET_GPU,
+    )
+
+
+def outcome(
+    outcome: Outcome = Outcome.SUCCESS,
+    at: float = T0,
+    rule: str = "reset",
+    step: int = 0,
+    action: ActionKind | None = ActionKind.RESET_GPU,
+    target: Target = GPU3,
+    key: str = "e",
+) -> ActionOutcome:
+    spec = ActionSpec(action, {"why": "test"}) if action is not None else None
+    decision = Decision(rule, event(key, at), target, spec, step, 1, "because", dry_run=outcome is Outcome.DRY_RUN)
+    return ActionOutcome(decision, outcome, "detail", at, at + 2.5)
+
+
+def sql(path: Path, query: str) -> list[tuple[Any, ...]]:
+    connection = sqlite3.connect(path)
+    try:
+        return connection.execute(query).fetchall()
+    finally:
+        connection.close()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Any:
+    with Store.open(tmp_path, now_seconds=T0) as opened:
+        yield opened
+
+
+# -- file, WAL, schema -------------------------------------------------------------------------
+
+
+def test_creates_a_wal_database_at_the_current_schema(tmp_path: Path) -> None:
+    state = tmp_path / "var" / "lib" / "gpu-agent"
+    with Store.open(state, now_seconds=T0) as opened:
+        assert opened.path == state / DB_NAME
+        opened.record_event(event("a"))
+        assert (state / f"{DB_NAME}-wal").exists()  # the write-ahead log, while open
+    assert state.stat().st_mode & 0o777 == 0o700
+    assert sql(state / DB_NAME, "PRAGMA journal_mode") == [("wal",)]
+    assert sql(state / DB_NAME, "PRAGMA user_version") == [(len(MIGRATIONS),)]
+    tables = {row[0] for row in sql(state / DB_NAME, "SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert {"events", "remediations", "circuits", "acks", "remediation_totals"} <= tables
+
+
+def test_migrations_run_once_and_keep_the_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with Store.open(tmp_path, now_seconds=T0) as opened:
+        opened.record_event(event("kept"))
+    newer = (*MIGRATIONS, ("ALTER TABLE events ADD COLUMN note TEXT NOT NULL DEFAULT 'migrated'",))
+    monkeypatch.setattr(store_module, "MIGRATIONS", newer)
+    for _ in range(2):  # the second open finds nothing left to do
+        with Store.open(tmp_path, now_seconds=T0) as opened:
+            assert [e.event.key for e in opened.events()] == ["kept"]
+    db = tmp_path / DB_NAME
+    assert sql(db, "PRAGMA user_version") == [(len(newer),)]
+    assert sql(db, "SELECT key, note FROM events") == [("kept", "migrated")]
+
+
+def test_a_failed_migration_leaves_the_old_schema(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with Store.open(tmp_path, now_seconds=T0) as opened:
+        opened.record_event(event("kept"))
+    broken = (*MIGRATIONS, ("ALTER TABLE events ADD COLUMN note TEXT", "ALTER TABLE no_such_table ADD COLUMN x"))
+    monkeypatch.setattr(store_module, "MIGRATIONS", broken)
+    with pytest.raises(StoreError):
+        Store.open(tmp_path, now_seconds=T0)
+    db = tmp_path / DB_NAME
+    assert sql(db, "PRAGMA user_version") == [(len(MIGRATIONS),)]
+    assert "note" not in {row[1] for row in sql(db, "PRAGMA table_info(events)")}
+
+
+def test_a_database_from_a_newer_agent_is_kept_aside(tmp_path: Path) -> None:
+    with Store.open(tmp_path, now_seconds=T0) as opened:
+        opened.record_event(event("from-the-future"))
+    sql(tmp_path / DB_NAME, f"PRAGMA user_version = {len(MIGRATIONS) + 5}")
+    with Store.open(tmp_path, now_seconds=T0 + 7) as opened:
+        assert opened.events() == []
+    aside = tmp_path / f"{DB_NAME}.newer-{int(T0 + 7)}"
+    assert sql(aside, "SELECT key FROM events") == [("from-the-future",)]
+
+
+# -- corruption ---------------------------------------------------------------------------------
+
+
+def test_a_file_that_is_not_a_database_is_kept_aside(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    garbage = b"this is not an SQLite database\n" * 200
+    (tmp_path / DB_NAME).write_bytes(garbage)
+    (tmp_path / f"{DB_NAME}-wal").write_bytes(b"stale log of the broken file")
+    with Store.open(tmp_path, now_seconds=T0) as opened:
+        assert opened.record_event(event("fresh"))
+        assert [e.event.key for e in opened.events()] == ["fresh"]
+    aside = tmp_path / f"{DB_NAME}.corrupt-{int(T0)}"
+    assert aside.read_bytes() == garbage
+    assert (tmp_path / f"{DB_NAME}.corrupt-{int(T0)}-wal").read_bytes() == b"stale log of the broken file"
+    assert "state database unusable" in caplog.text
+
+
+def test_a_damaged_database_is_kept_aside(tmp_path: Path) -> None:
+    with Store.open(tmp_path, now_seconds=T0) as opened:
+        for n in range(300):
+            opened.record_event(event(f"e{n}", message_padding="x" * 500))
+    db = tmp_path / DB_NAME
+    raw = bytearray(db.read_bytes())
+    page_size = sql(db, "PRAGMA page_size")[0][0]
+    assert len(raw) > 8 * page_size
+    raw[2 * page_size : 6 * page_size] = b"\xa5" * (4 * page_size)  # scribble over b-tree pages
+    db.write_bytes(bytes(raw))
+    with Store.open(tmp_path, now_seconds=T0) as opened:
+        assert opened.events() == []
+        assert opened.record_event(event("after"))
+    assert (tmp_path / f"{DB_NAME}.corrupt-{int(T0)}").exists()
+
+
+def test_two_corruptions_in_the_same_second_keep_both(tmp_path: Path) -> None:
+    for _ in range(2):
+        (tmp_path / DB_NAME).write_bytes(b"garbage" * 1000)
+        Store.open(tmp_path, now_seconds=T0).close()
+    assert (tmp_path / f"{DB_NAME}.corrupt-{int(T0)}").exists()
+    assert (tmp_path / f"{DB_NAME}.corrupt-{int(T0)}.1").exists()
+
+
+def test_an_unusable_state_dir_is_a_store_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("in the way")
+    with pytest.raises(StoreError, match="cannot create"):
+        Store.open(tmp_path / "file" / "state")
+
+
+# -- retention ----------------------------------------------------------------------------------
+
+
+def test_open_prunes_rows_older_than_the_retention_but_keeps_totals(tmp_path: Path) -> None:
+    old = T0 - RETENTION_SECONDS - 1
+    with Store.open(tmp_path, now_seconds=old) as opened:
+        opened.record_event(event("old", at=old))
+        opened.record_outcome(outcome(at=old, key="old"))
+        opened.record_event(event("recent", at=T0 - DAY))
+        opened.record_outcome(outcome(at=T0 - DAY, key="recent"))
+    with Store.open(tmp_path, now_seconds=T0) as opened:
+        assert [e.event.key for e in opened.events()] == ["recent"]
+        assert [r.event_key for r in opened.remediations()] == ["recent"]
+        assert opened.remediation_counts() == [RemediationCount("reset", "reset_gpu", "success", 2)]
+        # A pruned, handled key is a new event again: thirty days later it is news.
+        assert opened.record_event(event("old", at=T0))
+
+
+# -- events -------------------------------------------------------------------------------------
+
+
+def test_record_event_says_whether_the_event_still_needs_handling(store: Store, tmp_path: Path) -> None:
+    assert store.record_event(event("a")) is True
+    assert store.record_event(event("a")) is True  # stored, not handled yet: offered again
+    store.mark_handled("a")
+    assert store.handled("a")
+    assert store.record_event(event("a")) is False
+    assert not store.handled("never-seen")
+    store.close()
+    with Store.open(tmp_path, now_seconds=T0) as reopened:
+        assert reopened.record_event(event("a")) is False
+
+
+def test_events_round_trip_with_data_that_is_not_plain_json(store: Store) -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Decode:
+        unit: str
+        link: int
+
+    store.record_event(
+        event("a", at=T0, xid=48, nvlink=Decode("RLW", 2), sources=("kmsg", "nvml"), level=Severity.FATAL)
+    )
+    (stored,) = store.events()
+    assert stored.handled is False
+    assert stored.event.data == {
+        "xid": 48,
+        "nvlink": {"unit": "RLW", "link": 2},
+        "sources": ["kmsg", "nvml"],
+        "level": "fatal",
+    }
+    assert dataclasses.replace(stored.event, data={}) == dataclasses.replace(event("a"), data={})
+
+
+def test_events_since_and_limit_give_the_newest_oldest_first(store: Store) -> None:
+    for n in range(10):
+        store.record_event(event(f"e{n}", at=T0 + n))
+    assert [e.event.key for e in store.events(since_seconds=T0 + 5)] == ["e5", "e6", "e7", "e8", "e9"]
+    assert [e.event.key for e in store.events(limit=3)] == ["e7", "e8", "e9"]
+
+
+# -- remediations, attempts, circuits -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("result", "counted"),
+    [
+        (Outcome.SUCCESS, True),
+        (Outcome.FAILED, True),
+        (Outcome.REFUSED, True),
+        (Outcome.DRY_RUN, True),
+        (Outcome.SUPPRESSED, False),
+    ],
+)
+def test_what_counts_as_an_attempt(store: Store, result: Outcome, counted: bool) -> None:
+    store.record_outcome(outcome(result, at=T0))
+    key = Target(3, UUID).key
+    assert store.attempts("reset", key, T0 - 1) == ([T0] if counted else [])
+    assert store.last_attempt("reset", key) == (T0 if counted else None)
+    (row,) = store.remediations()
+    assert (row.outcome, row.counted, row.dry_run) == (result, counted, result is Outcome.DRY_RUN)
+
+
+def test_a_decision_without_action_never_counts(store: Store) -> None:
+    store.record_outcome(outcome(Outcome.SUCCESS, action=None))
+    assert store.attempts("reset", Target(3, UUID).key, 0) == []
+    assert store.remediation_counts() == [RemediationCount("reset", "none", "success", 1)]
+
+
+def test_attempts_are_per_rule_and_target_and_window(store: Store) -> None:
+    store.record_outcome(outcome(at=T0))
+    store.record_outcome(outcome(at=T0 + 10, rule="other"))
+    store.record_outcome(outcome(at=T0 + 20, target=Target(2, "GPU-other")))
+    store.record_outcome(outcome(at=T0 + 30))
+    key = Target(3, UUID).key
+    assert store.attempts("reset", key, T0) == [T0, T0 + 30]
+    assert store.attempts("reset", key, T0 + 1) == [T0 + 30]
+    assert store.last_attempt("reset", key) == T0 + 30
+
+
+def test_record_outcome_stores_the_decision_and_marks_its_event_handled(store: Store) -> None:
+    store.record_outcome(outcome(at=T0, key="synthesized"))
+    assert store.handled("synthesized")
+    assert store.record_event(event("synthesized")) is False
+    (row,) = store.remediations()
+    assert (row.rule, row.action, row.params, row.target_key, row.gpu, row.uuid, row.service) == (
+        "reset",
+        "reset_gpu",
+        {"why": "test"},
+        f"gpu:{UUID}",
+        3,
+        UUID,
+        None,
+    )
+    assert (row.started_seconds, row.finished_seconds, row.attempt, row.step, row.reason, row.detail) == (
+        T0,
+        T0 + 2.5,
+        1,
+        0,
+        "because",
+        "detail",
+    )
+
+
+def test_the_exhausted_step_opens_the_circuit_once(store: Store) -> None:
+    key = Target(3, UUID).key
+    store.record_outcome(outcome(Outcome.SUCCESS, at=T0, step=-1, action=ActionKind.ALERTMANAGER))
+    store.record_outcome(outcome(Outcome.SUPPRESSED, at=T0 + 5, step=-1, action=None))
+    assert store.circuit_open("reset", key)
+    (circuit,) = store.circuits()
+    assert (circuit.rule, circuit.target_key, circuit.gpu, circuit.uuid, circuit.opened_seconds) == (
+        "reset",
+        key,
+        3,
+        UUID,
+        T0,
+    )
+    assert store.attempts("reset", key, 0) == []  # the on_exhausted actions are not ladder attempts
+
+
+def test_open_circuit_directly(store: Store) -> None:
+    store.open_circuit("r", Target(service="sglang"), "operator says stop", now_seconds=T0)
+    assert store.circuit_open("r", "service:sglang")
+    assert store.circuits()[0].reason == "operator says stop"
+
+
+def test_remediation_counts_are_lifetime_totals(store: Store) -> None:
+    for result in (Outcome.SUCCESS, Outcome.SUCCESS, Outcome.FAILED):
+        store.record_outcome(outcome(result))
+    store.record_outcome(outcome(Outcome.SUCCESS, rule="app", action=ActionKind.RESTART_SERVICE))
+    assert store.remediation_counts() == [
+        RemediationCount("app", "restart_service", "success", 1),
+        RemediationCount("reset", "reset_gpu", "failed", 1),
+        RemediationCount("reset", "reset_gpu", "success", 2),
+    ]
+
+
+# -- ack ------------------------------------------------------------------------------------------
+
+
+def test_ack_closes_circuits_retires_attempts_and_keeps_history(store: Store, tmp_path: Path) -> None:
+    gpu3, gpu2, svc = Target(3, UUID), Target(2, "GPU-two"), Target(1, "GPU-one", "sglang")
+    for rule, target in (("reset", gpu3), ("reset", gpu2), ("app", svc), ("app", gpu3)):
+        store.record_outcome(outcome(at=T0, rule=rule, target=target))
+        store.record_outcome(outcome(Outcome.SUPPRESSED, at=T0 + 1, rule=rule, target=target, step=-1, action=None))
+    assert store.ack("gpu:2", now_seconds=T0 + 10) == 1
+    assert not store.circuit_open("reset", gpu2.key) and store.circuit_open("reset", gpu3.key)
+    assert store.ack("service:sglang") == 1
+    assert store.ack(UUID) == 2  # both rules' state for GPU 3
+    assert store.ack("reset") == 0  # nothing left for it
+    assert store.circuits() == [] and store.attempts("reset", gpu3.key, 0) == []
+    assert len(store.remediations()) == 8
+    assert all(r.acked for r in store.remediations() if r.counted)
+    assert sql(tmp_path / DB_NAME, "SELECT selector, reset FROM acks ORDER BY id") == [
+        ("gpu:2", 1),
+        ("service:sglang", 1),
+        (UUID, 2),
+        ("reset", 0),
+    ]
+
+
+def test_ack_all(store: Store) -> None:
+    store.record_outcome(outcome(rule="a"))
+    store.record_outcome(outcome(rule="b", step=-1, action=None, outcome=Outcome.SUPPRESSED))
+    assert store.ack("all") == 2
+    assert store.circuits() == [] and store.ack("all") == 0
+
+
+# -- threads and processes --------------------------------------------------------------------------
+
+
+def test_concurrent_writers_share_one_store(store: Store) -> None:
+    errors: list[BaseException] = []
+
+    def writer(name: str) -> None:
+        try:
+            for n in range(150):
+                store.record_event(event(f"{name}-{n}", at=T0 + n))
+                store.record_outcome(outcome(at=T0 + n, rule=name, key=f"{name}-o{n}"))
+                store.mark_handled(f"{name}-{n}")
+                store.attempts(name, Target(3, UUID).key, 0)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(name,)) for name in ("t1", "t2")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert len(store.events(limit=10_000)) == 600  # 300 events plus the 300 outcomes' events
+    assert {c.rule: c.count for c in store.remediation_counts()} == {"t1": 150, "t2": 150}
+
+
+def test_two_stores_on_one_file_from_two_threads(tmp_path: Path) -> None:
+    """The daemon writes while `gpu-agent ack` (another process, another connection) writes too."""
+    errors: list[BaseException] = []
+
+    def writer(name: str) -> None:
+        try:
+            with Store.open(tmp_path, now_seconds=T0) as own:
+                for n in range(100):
+                    own.record_outcome(outcome(at=T0 + n, rule=name, key=f"{name}-{n}"))
+                    if n % 10 == 0:
+                        own.ack(name)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(name,)) for name in ("daemon", "cli")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    with Store.open(tmp_path, now_seconds=T0) as reader:
+        assert len(reader.remediations(limit=1000)) == 200
+        assert [c.count for c in reader.remediation_counts()] == [100, 100]
