@@ -40,7 +40,7 @@ from agent.notify import SdNotifier
 from agent.policy.base import HostContext, ItemPlan, PlanStatus
 from agent.policy.engine import PolicyEngine
 from agent.state import CollectorStatus, GpuSample, NodeSnapshot
-from agent.watch.devices import DeviceWatcher
+from agent.watch.devices import DeviceWatcher, UdevWakeup
 from agent.watch.gpu_lost import GpuLostWatcher
 from agent.watch.health import HealthBook, PollWatcher
 from agent.watch.kernel_log import KernelXid
@@ -117,7 +117,9 @@ class Daemon:
         self.poll_watchers: list[PollWatcher] = [self.throttle, MemoryWatcher(), GpuLostWatcher(), PcieWatcher()]
         self.devices = DeviceWatcher()
         self.xid = XidWatcher(lambda: self.identities, clock=clock)
-        self.health_book = HealthBook([*self.poll_watchers, self.xid])
+        self.health_book = HealthBook([*self.poll_watchers, self.xid, self.devices])
+        self.rescan = threading.Event()  # udev saw an NVIDIA device come or go: enumerate again
+        self.udev = UdevWakeup(self.rescan.set, self.host.paths)
         self.kmsg = KmsgSource(self.host.paths, self._on_kernel_xid, start_monotonic_seconds=time.monotonic())
         self.nvml_events: NvmlEventSource | None = None
         self._watchdog_thread: threading.Thread | None = None
@@ -181,24 +183,32 @@ class Daemon:
         return result
 
     def _enumerate(self, backend: GpuBackend) -> None:
-        def read() -> dict[int, GpuIdentity]:
+        def read() -> tuple[int, dict[int, GpuIdentity]]:
             found: dict[int, GpuIdentity] = {}
-            for gpu in range(backend.device_count()):
+            count = backend.device_count()
+            for gpu in range(count):
                 with contextlib.suppress(GpuError):
                     found[gpu] = backend.identity(gpu)
-            return found
+            return count, found
 
-        found = self._timed("enumerate", lambda: self.runner.run("library", read))
-        # keep the last identity of a GPU that cannot be read now, so its kernel-log lines still map
-        self.identities = {**self.identities, **found}
+        count, found = self._timed("enumerate", lambda: self.runner.run("library", read))
+        # A GPU NVML still counts but cannot identify (lost) keeps its last identity, so its
+        # kernel-log lines still map to it; one that left the count is gone.
+        previous = self.identities
+        self.identities = {
+            gpu: identity for gpu in range(count) if (identity := found.get(gpu) or previous.get(gpu)) is not None
+        }
 
     def collect(self, now: float) -> list[GpuSample]:
         backend = self.backend
         assert backend is not None
-        if not self.identities or len(self.identities) != self._device_count(backend):
+        slow = now - self.last_slow_seconds >= self.timing.slow_every_seconds
+        # enumerate at start, when udev says so, when the count changes, and on every slow pass
+        # (polling covers hosts without udev)
+        if slow or self.rescan.is_set() or not self.identities or len(self.identities) != self._device_count(backend):
+            self.rescan.clear()
             with contextlib.suppress(GpuError, StaleGpu):
                 self._enumerate(backend)
-        slow = now - self.last_slow_seconds >= self.timing.slow_every_seconds
         started = time.monotonic()
         stale: set[int] = set()
         samples: list[GpuSample] = []
@@ -434,6 +444,10 @@ class Daemon:
         self._closers.append(api.close)
         self.kmsg.start()
         self._closers.append(self.kmsg.stop)
+        if self.udev.start():
+            self._closers.append(self.udev.stop)
+        else:
+            log.info("udev not available; GPUs are re-enumerated by polling", reason=self.udev.reason)
         log.info("serving", metrics=self.config.metrics.listen, socket=self.config.api.socket)
 
     def api_handlers(self) -> dict[str, Callable[[Any], Any]]:

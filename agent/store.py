@@ -202,18 +202,15 @@ class Store:
             raise StoreError(f"cannot create {directory}: {exc.strerror or exc}") from exc
         path = directory / DB_NAME
         try:
-            connection = _connect(path)
-        except _Unusable as unusable:
-            aside = _set_aside(path, unusable.label, now)
-            log.error("state database unusable, kept aside; starting a new one: %s (%s)", unusable, aside)
-            try:
-                connection = _connect(path)
-            except (_Unusable, sqlite3.Error) as exc:
-                raise StoreError(f"cannot create {path}: {exc}") from exc
-        except sqlite3.Error as exc:
+            connection = _connect_or_replace(path, now)
+        except (_Unusable, sqlite3.Error, OSError) as exc:
             raise StoreError(f"cannot open {path}: {exc}") from exc
         store = cls(path, connection)
-        store._prune(now - retention_seconds)
+        try:
+            store._prune(now - retention_seconds)
+        except StoreError:
+            store.close()
+            raise
         return store
 
     def close(self) -> None:
@@ -534,7 +531,7 @@ def _connect(path: Path) -> sqlite3.Connection:
         if mode != "wal":
             raise sqlite3.OperationalError(f"cannot switch to WAL mode (got {mode})")
         connection.execute("PRAGMA synchronous = NORMAL")  # durable in WAL mode across crashes
-        _migrate(connection, version)
+        _migrate(connection)
     except sqlite3.DatabaseError as exc:
         connection.close()
         if isinstance(exc, sqlite3.OperationalError):
@@ -546,18 +543,32 @@ def _connect(path: Path) -> sqlite3.Connection:
     return connection
 
 
-def _migrate(connection: sqlite3.Connection, version: int) -> None:
-    for target in range(version, len(MIGRATIONS)):
+def _connect_or_replace(path: Path, now_seconds: float) -> sqlite3.Connection:
+    try:
+        return _connect(path)
+    except _Unusable as unusable:
+        aside = _set_aside(path, unusable.label, now_seconds)
+        log.error("state database unusable, kept aside; starting a new one: %s (%s)", unusable, aside)
+        return _connect(path)
+
+
+def _migrate(connection: sqlite3.Connection) -> None:
+    while True:
         connection.execute("BEGIN IMMEDIATE")
         try:
-            for statement in MIGRATIONS[target]:
-                connection.execute(statement)
-            connection.execute(f"PRAGMA user_version = {target + 1}")
+            # Read under the write lock: another process (the CLI) may have migrated since we looked.
+            version = connection.execute("PRAGMA user_version").fetchone()[0]
+            if version < len(MIGRATIONS):
+                for statement in MIGRATIONS[version]:
+                    connection.execute(statement)
+                connection.execute(f"PRAGMA user_version = {version + 1}")
         except BaseException:
             connection.execute("ROLLBACK")
             raise
         connection.execute("COMMIT")
-        log.info("state database migrated to schema version %d", target + 1)
+        if version >= len(MIGRATIONS):
+            return
+        log.info("state database migrated to schema version %d", version + 1)
 
 
 def _set_aside(path: Path, label: str, now_seconds: float) -> Path:

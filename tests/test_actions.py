@@ -19,6 +19,7 @@ from hosttree import ScriptedHostContext, make_host_tree
 from inference_standin import free_port, running
 
 from agent.backend.base import RecoveryAction
+from agent.backend.errors import GpuErrorKind
 from agent.backend.sim import SimulatedBackend
 from agent.config import AgentConfig, Mode, RemediationConfig, ServiceConfig
 from agent.events import Event, EventKind, Severity, SuggestedAction
@@ -399,13 +400,36 @@ def test_reset_refused_when_processes_remain_and_services_come_back(node: Node) 
     assert node.ctx.prober.wait_healthy("sglang", 10).ok
 
 
+def test_services_come_back_when_the_sequence_breaks_after_the_reset(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = node.start_service()
+    node.backend.fail_call(None, "device_count", GpuErrorKind.UNKNOWN)  # the policy cannot even enumerate
+    outcome = execute(decision(ActionKind.RESET_GPU), node.ctx)
+    node.backend.fail_call(None, "device_count", None)
+    assert outcome.outcome is Outcome.FAILED
+    steps = outcome.detail.split("; ")
+    assert steps[2] == "reset GPU 0"
+    assert steps[3].startswith("policy re-apply failed: injected failure of device_count")
+    assert steps[4] == "started sglang" and steps[5].startswith("sglang healthy after ")
+    second = node.service_pid()
+    assert second != first and running(second)
+
+    def broken_apply(dry_run: bool = False) -> None:
+        raise RuntimeError("engine bug")
+
+    monkeypatch.setattr(node.ctx.policy, "apply", broken_apply)
+    outcome = execute(decision(ActionKind.RESET_GPU), node.ctx)
+    assert outcome.outcome is Outcome.FAILED
+    assert "; unexpected error: RuntimeError: engine bug; started sglang; sglang healthy after " in outcome.detail
+    assert running(node.service_pid()) and node.service_pid() != second
+
+
 def test_reset_without_services_and_with_a_failing_policy_item(tmp_path: Path) -> None:
     node = make_node(tmp_path)
     node.ctx.config = node.config.model_copy(update={"services": []})
     node.ctx.policy.config = node.ctx.config
     node.backend.set_recovery_action(1, RecoveryAction.GPU_RESET)
-    from agent.backend.errors import GpuErrorKind
-
     node.backend.fail_call(1, "set_power_limit_watts", GpuErrorKind.UNKNOWN)
     uuid1 = node.backend.identity(1).uuid
     outcome = execute(

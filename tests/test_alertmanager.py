@@ -16,7 +16,7 @@ from hosttree import make_host_tree
 from inference_standin import free_port
 
 from agent.backend.sim import SimulatedBackend
-from agent.config import AgentConfig, RemediationConfig
+from agent.config import AgentConfig, Mode, RemediationConfig
 from agent.events import Event, EventKind, Severity, SuggestedAction
 from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
@@ -99,7 +99,7 @@ def alertmanager(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Alertmana
 
 def context(tmp_path: Path, alertmanager_url: str | None) -> ActionContext:
     config = AgentConfig(
-        mode="enforce",
+        mode=Mode.ENFORCE,
         state_dir=str(tmp_path / "state"),
         host_root=str(tmp_path / "host"),
         remediation=RemediationConfig(alertmanager_url=alertmanager_url),
@@ -209,7 +209,7 @@ def test_resolve_alert_posts_ends_at_now(alertmanager: Alertmanager) -> None:
     assert by_name(wait_for(alertmanager, lambda a: not by_name(a, "GpuAgentDirect")), "GpuAgentDirect") == []
 
 
-def test_throttle_end_resolves_the_same_reason_on_the_same_gpu(tmp_path: Path, alertmanager: Alertmanager) -> None:
+def test_throttle_end_resolves_the_same_reason_on_the_same_gpu(alertmanager: Alertmanager) -> None:
     tracker = AlertTracker()
     for gpu, reason in ((0, "hw_thermal_slowdown"), (0, "sw_thermal_slowdown"), (1, "hw_thermal_slowdown")):
         ev = event(EventKind.THROTTLE_STARTED, gpu=gpu, uuid=f"GPU-{gpu}", reason=reason)

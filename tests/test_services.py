@@ -114,9 +114,7 @@ def test_run_process_does_not_wait_for_a_daemon_holding_stdout(tmp_path: Path) -
 
 def test_command_manager_starts_stops_and_restarts_the_standin(tmp_path: Path) -> None:
     port = free_port()
-    service = command_service(
-        tmp_path, port, status_command=[sys.executable, STANDIN, "--stop", "--pid-file", "/nonexistent"]
-    )
+    service = command_service(tmp_path, port)
     manager = CommandManager()
     manager.start(service)
     try:

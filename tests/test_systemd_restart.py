@@ -11,7 +11,7 @@ from inference_standin import free_port
 from systemd_sandbox import SystemdSandbox, missing_requirements
 
 from agent.backend.sim import SimulatedBackend
-from agent.config import AgentConfig, ServiceConfig
+from agent.config import AgentConfig, Mode, ServiceConfig
 from agent.events import Event, EventKind, Severity
 from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
@@ -59,7 +59,7 @@ def sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SystemdSandbox
 
 def context(tmp_path: Path, sandbox: SystemdSandbox, services: list[ServiceConfig]) -> ActionContext:
     config = AgentConfig(
-        mode="enforce", state_dir=str(tmp_path / "state"), host_root=str(tmp_path / "host"), services=services
+        mode=Mode.ENFORCE, state_dir=str(tmp_path / "state"), host_root=str(tmp_path / "host"), services=services
     )
     backend = SimulatedBackend("h200", tmp_path / "state")
     host = HostContext(make_host_tree(tmp_path / "host"))

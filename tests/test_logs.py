@@ -1,0 +1,81 @@
+"""Structured logs: journal entries carry fields (GPU_UUID, XID, RULE, ACTION); JSON lines elsewhere."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import structlog
+
+from agent import logs
+
+
+def parse_native(datagram: bytes) -> dict[str, str]:
+    """journald's native protocol: KEY=value lines, or KEY\\n<le64 size><data>\\n for values with newlines."""
+    fields: dict[str, str] = {}
+    rest = datagram
+    while rest:
+        line, _, tail = rest.partition(b"\n")
+        if b"=" in line:
+            key, _, value = line.partition(b"=")
+            fields[key.decode()] = value.decode()
+            rest = tail
+        else:
+            size = int.from_bytes(tail[:8], "little")
+            fields[line.decode()] = tail[8 : 8 + size].decode()
+            rest = tail[8 + size + 1 :]
+    return fields
+
+
+def test_journal_field_names() -> None:
+    assert logs.journal_field("gpu_uuid") == "GPU_UUID"
+    assert logs.journal_field("xid") == "XID"
+    assert logs.journal_field("rule-name") == "RULE_NAME"
+    assert logs.journal_field("_private") == "PRIVATE"
+
+
+def test_journal_entries_have_fields(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    journald = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    path = tmp_path / "journal.sock"
+    journald.bind(str(path))
+    journald.settimeout(2)
+    monkeypatch.setattr(logs, "JOURNAL_SOCKET", str(path))
+    monkeypatch.setitem(sys.modules, "systemd", None)  # force the native-socket path
+    assert logs.configure_logging("info", "journal") == "journal"
+    log = structlog.get_logger("test")
+    log.error(
+        "action finished", gpu_uuid="GPU-1234", xid=79, rule="reboot-on-79", action="recommend_reboot", detail="a\nb"
+    )
+    fields = parse_native(journald.recv(65536))
+    journald.close()
+    assert fields["GPU_UUID"] == "GPU-1234"
+    assert fields["XID"] == "79"
+    assert fields["RULE"] == "reboot-on-79"
+    assert fields["ACTION"] == "recommend_reboot"
+    assert fields["DETAIL"] == "a\nb"
+    assert fields["PRIORITY"] == "3"
+    assert fields["SYSLOG_IDENTIFIER"] == "gpu-agent"
+    assert fields["MESSAGE"].startswith("action finished")
+
+
+def test_json_lines_when_not_under_systemd(capsys: pytest.CaptureFixture[str]) -> None:
+    assert logs.configure_logging("info", "json") == "json"
+    structlog.get_logger("test").info("policy drift corrected", item="power_limit", gpu=0)
+    structlog.get_logger("test").debug("not shown at info")
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1
+    record = json.loads(lines[0])
+    assert record["event"] == "policy drift corrected" and record["item"] == "power_limit" and record["level"] == "info"
+
+
+def test_auto_picks_journal_only_under_systemd(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("JOURNAL_STREAM", raising=False)
+    assert not logs.under_journal()
+    sock = tmp_path / "journal.sock"
+    sock.touch()
+    monkeypatch.setattr(logs, "JOURNAL_SOCKET", str(sock))
+    monkeypatch.setenv("JOURNAL_STREAM", "8:1234")
+    assert logs.under_journal()
