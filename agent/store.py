@@ -531,13 +531,18 @@ def _connect(path: Path) -> sqlite3.Connection:
         if mode != "wal":
             raise sqlite3.OperationalError(f"cannot switch to WAL mode (got {mode})")
         connection.execute("PRAGMA synchronous = NORMAL")  # durable in WAL mode across crashes
-        _migrate(connection)
     except sqlite3.DatabaseError as exc:
         connection.close()
-        if isinstance(exc, sqlite3.OperationalError):
+        if isinstance(exc, sqlite3.OperationalError):  # locked, unreadable: not the file's fault
             raise
         raise _Unusable("corrupt", str(exc)) from exc
     except _Unusable:
+        connection.close()
+        raise
+    try:
+        # A failing migration is a bug in this agent, not a damaged file: an error, never a reason to start over.
+        _migrate(connection)
+    except BaseException:
         connection.close()
         raise
     return connection

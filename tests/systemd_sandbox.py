@@ -21,8 +21,10 @@ Differences from the bare recipe, to keep the host out of reach:
   view of the sandbox's `/`;
 - `container=gpu-agent-sandbox` is in systemd's environment: systemd then knows it is in a
   container and skips what would reach the host (swap, loop and DM devices at shutdown, udev);
-- `/dev/console` is `/dev/null` inside (systemd would otherwise write its boot messages to the
-  host's console) and `/proc/sys` is read-only (systemd-sysctl would change the host's sysctls).
+- `/dev` is a private tmpfs with its own device nodes and a plain file as `/dev/console`:
+  systemd chowns and chmods its console and ttys, and with the host's `/dev` bound in that
+  changed the host's `/dev/null` (it became `0620 root:tty`). `/proc/sys` is read-only
+  (systemd-sysctl would change the host's sysctls).
 
 The network namespace is the host's: a service in the sandbox listening on 127.0.0.1 is reachable
 from the test. The cgroup tree is the host's too, which is why the host must not run systemd itself
@@ -166,8 +168,22 @@ mount -t proc proc {root}/proc
 mount --bind {root}/proc/sys {root}/proc/sys
 mount -o remount,bind,ro {root}/proc/sys
 mount --rbind /sys {root}/sys
-mount --rbind /dev {root}/dev
-mount --bind /dev/null {root}/dev/console
+mount -t tmpfs -o mode=0755,nosuid tmpfs {root}/dev
+mknod -m 666 {root}/dev/null c 1 3
+mknod -m 666 {root}/dev/zero c 1 5
+mknod -m 666 {root}/dev/full c 1 7
+mknod -m 666 {root}/dev/random c 1 8
+mknod -m 666 {root}/dev/urandom c 1 9
+mknod -m 666 {root}/dev/tty c 5 0
+: > {root}/dev/console
+mkdir -m 755 {root}/dev/pts {root}/dev/shm
+mount -t devpts -o newinstance,ptmxmode=0666,mode=620 devpts {root}/dev/pts
+ln -s pts/ptmx {root}/dev/ptmx
+mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs {root}/dev/shm
+ln -s /proc/self/fd {root}/dev/fd
+ln -s /proc/self/fd/0 {root}/dev/stdin
+ln -s /proc/self/fd/1 {root}/dev/stdout
+ln -s /proc/self/fd/2 {root}/dev/stderr
 mount -t tmpfs tmpfs {root}/run
 mount -t tmpfs tmpfs {root}/tmp
 exec chroot {root} /lib/systemd/systemd --system --unit=multi-user.target

@@ -321,7 +321,7 @@ def test_failures_while_the_agent_restarts_a_service_are_not_counted(tmp_path: P
 
 
 def test_wait_healthy_waits_for_a_loading_server(tmp_path: Path) -> None:
-    with StandinServer(tmp_path, extra_args=("--ready-after-seconds", "0.6")) as server:
+    with StandinServer(tmp_path, extra_args=("--ready-after-seconds", "1.0")) as server:
         prober = HealthProber([probed(server.health_url, unhealthy_after_probes=1)])
         began = time.monotonic()
         result = prober.wait_healthy("sglang", timeout_seconds=10)

@@ -94,16 +94,28 @@ def test_migrations_run_once_and_keep_the_data(tmp_path: Path, monkeypatch: pyte
     assert sql(db, "SELECT key, note FROM events") == [("kept", "migrated")]
 
 
-def test_a_failed_migration_leaves_the_old_schema(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "failing",
+    [
+        "ALTER TABLE no_such_table ADD COLUMN x",  # OperationalError
+        "INSERT INTO events (key, kind, severity, message, source, suggested_action, data, ts)"
+        " VALUES ('kept', 'xid', 'info', '', '', 'none', '{}', 0)",  # IntegrityError
+    ],
+)
+def test_a_failed_migration_is_an_error_and_leaves_the_old_schema(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
     with Store.open(tmp_path, now_seconds=T0) as opened:
         opened.record_event(event("kept"))
-    broken = (*MIGRATIONS, ("ALTER TABLE events ADD COLUMN note TEXT", "ALTER TABLE no_such_table ADD COLUMN x"))
+    broken = (*MIGRATIONS, ("ALTER TABLE events ADD COLUMN note TEXT", failing))
     monkeypatch.setattr(store_module, "MIGRATIONS", broken)
     with pytest.raises(StoreError):
         Store.open(tmp_path, now_seconds=T0)
     db = tmp_path / DB_NAME
     assert sql(db, "PRAGMA user_version") == [(len(MIGRATIONS),)]
     assert "note" not in {row[1] for row in sql(db, "PRAGMA table_info(events)")}
+    assert sql(db, "SELECT key FROM events") == [("kept",)]  # a bug in a migration never costs the history
+    assert sorted(p.name for p in tmp_path.iterdir() if ".corrupt-" in p.name) == []
 
 
 def test_a_database_from_a_newer_agent_is_kept_aside(tmp_path: Path) -> None:

@@ -1,7 +1,9 @@
 """The one place that acts: carries out the Decisions the rule engine made.
 
 `execute(decision, ctx)` runs one decision and says how it went (an `ActionOutcome`); it never
-raises, so one broken action cannot take the daemon down.
+raises, so one broken action cannot take the daemon down. It blocks: restart_service and reset_gpu
+wait until the services answer again (up to `ready_timeout_seconds`, 600 s by default, since a
+large model loads for minutes), so the daemon calls it from a worker, not from its collection loop.
 
 What runs when
 --------------
@@ -25,7 +27,8 @@ The actions
   refuse; reset; re-apply the node policy (a reset returns settings to defaults); start the
   services; wait until healthy. The outcome's detail lists every step.
 - run_hook: `params.argv` run directly (never a shell) with the event as JSON on stdin, a minimal
-  environment plus `GPU_AGENT_*` variables, a timeout that kills its process group, output captured.
+  environment plus `GPU_AGENT_{EVENT_KIND,GPU,GPU_UUID,XID,RULE,SEVERITY,SERVICE}` (empty when
+  unknown), a timeout that kills its process group, output captured.
   The hook file must not be group/world writable (nor its directories, unless sticky) and, when the
   agent runs as root, must be owned by root (as must its directories).
 - webhook: POST the event as JSON to `params.url` with `params.headers`; header values and the URL

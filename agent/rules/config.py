@@ -96,12 +96,11 @@ def _empty_for_null(value: Any) -> Any:
     return value
 
 
-def _exactly_one(model: StrictModel, names: Iterable[str], what: str) -> str:
+def _exactly_one(model: StrictModel, names: Iterable[str], what: str) -> None:
     chosen = [name for name in names if getattr(model, name) is not None]
     if len(chosen) != 1:
         given = f"got {', '.join(chosen)}" if chosen else "got none"
         raise ValueError(f"needs exactly one {what} ({given}); one of: {', '.join(names)}")
-    return chosen[0]
 
 
 # -- conditions ------------------------------------------------------------------------------
@@ -319,7 +318,7 @@ class ActionStep(StrictModel):
 
 
 class Rule(StrictModel):
-    name: str = Field(pattern=RULE_NAME_PATTERN, max_length=100)
+    name: str = Field(max_length=100)
     description: str = ""
     match: Match
     gpus: Literal["all"] | list[Annotated[int, Field(ge=0)]] = "all"
@@ -334,7 +333,12 @@ class Rule(StrictModel):
 
     @field_validator("name")
     @classmethod
-    def _not_a_selector(cls, name: str) -> str:
+    def _usable_name(cls, name: str) -> str:
+        if not re.fullmatch(RULE_NAME_PATTERN, name):
+            raise ValueError(
+                "must be lowercase letters, digits, '-', '_' and '.', starting with a letter or digit "
+                "(it is a metric label and the argument of `gpu-agent ack`)"
+            )
         if name == "all":
             raise ValueError("'all' is reserved: `gpu-agent ack all` acknowledges every rule")
         return name
@@ -370,7 +374,8 @@ class RulesFile(StrictModel):
 
 
 def _unsafe_permissions(path: Path) -> str | None:
-    """Rules can run hooks as root: a file anyone but root (or the agent's own user) may change is refused."""
+    """Rules can run hooks as root: a file or directory anyone but root (or the agent's own user) may
+    change is refused. A sticky directory (/tmp) still lets others add files, so it is refused too."""
     info = path.stat()
     if info.st_uid not in (0, os.geteuid()):
         return f"owned by uid {info.st_uid}, not root"
@@ -413,7 +418,8 @@ def _load_file(file: Path, allow_reboot: bool) -> list[Rule]:
                 if step.kind is ActionKind.REBOOT:
                     path: PathKey = ("rules", index, ladder, position, "reboot")
                     message = "not allowed: set remediation.allow_reboot: true in agent.yaml to let rules reboot"
-                    problems.append(ConfigProblem(where, lines.get(path), format_path(path), message))
+                    line = lines.get(path, lines.get(path[:-1]))  # `- reboot` has no key of its own
+                    problems.append(ConfigProblem(where, line, format_path(path), message))
     if problems:
         raise ConfigError(problems)
     return parsed.rules
@@ -428,6 +434,11 @@ def load_rules(paths: Iterable[Path], allow_reboot: bool = False) -> list[Rule]:
     missing = [ConfigProblem(str(p), None, "", "no such file or directory") for p in given if not p.exists()]
     if missing:
         raise ConfigError(missing)
+    # Whoever may add a file to the directory may add a rule (and a hook): the directory counts too.
+    unsafe = [(p, _unsafe_permissions(p)) for p in given if p.is_dir()]
+    refused = [ConfigProblem(str(p), None, "", f"refused: {why}") for p, why in unsafe if why]
+    if refused:
+        raise ConfigError(refused)
     problems: list[ConfigProblem] = []
     rules: list[Rule] = []
     first_seen: dict[str, Rule] = {}
