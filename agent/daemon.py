@@ -34,12 +34,19 @@ from agent.backend.errors import GpuError
 from agent.bounded import BoundedRunner, StaleGpu
 from agent.collect import sample_identified
 from agent.config import AgentConfig, ConfigError, load_config
+from agent.episodes import Episodes
 from agent.events import Event, EventKind, Health, HealthState, Severity
 from agent.host.paths import HostPaths
 from agent.notify import SdNotifier
 from agent.policy.base import HostContext, ItemPlan, PlanStatus
 from agent.policy.engine import PolicyEngine
-from agent.state import CollectorStatus, GpuSample, NodeSnapshot
+from agent.rules.actions import ActionContext, AlertTracker, execute
+from agent.rules.config import Rule, load_rules
+from agent.rules.engine import evaluate, gpus_by_service
+from agent.rules.model import ActionOutcome, Decision, Outcome
+from agent.services import HealthProber, ProberThread, build_managers
+from agent.state import CollectorStatus, GpuSample, NodeSnapshot, RemediationCount
+from agent.store import Store, StoreError
 from agent.watch.devices import DeviceWatcher, UdevWakeup
 from agent.watch.gpu_lost import GpuLostWatcher
 from agent.watch.health import HealthBook, PollWatcher
@@ -124,6 +131,16 @@ class Daemon:
         self.nvml_events: NvmlEventSource | None = None
         self._watchdog_thread: threading.Thread | None = None
         self._closers: list[Callable[[], None]] = []
+        self.store: Store | None = None
+        self.episodes = Episodes(config.state_dir)
+        self.rules: list[Rule] = []
+        self.alerts = AlertTracker()
+        self.prober = HealthProber(config.services, build_managers(config, self.host))
+        self.prober_thread: ProberThread | None = None
+        self.actions: queue.SimpleQueue[Decision | None] = queue.SimpleQueue()
+        self.inflight: list[tuple[Decision, float]] = []  # queued or running: counted as attempts
+        self.inflight_lock = threading.Lock()
+        self.last_alert_refresh_seconds = 0.0
         self.status_note = ""  # appended to STATUS= until the next successful reload
         self.loop_hook: Callable[[], None] | None = None  # tests: runs inside each loop iteration
 
@@ -323,10 +340,12 @@ class Daemon:
                 events.append(self.events.get_nowait())
             except queue.Empty:
                 break
+        events.extend(self.prober.take_events())
         for event in events:
             log.info(event.message, kind=event.kind.value, gpu=event.gpu, gpu_uuid=event.uuid, **_event_fields(event))
         self.recent_events = (self.recent_events + events)[-RECENT_EVENTS:]
         snapshot = self.build_snapshot(now, samples, time.monotonic() - started)
+        self.remediate(snapshot, events, now)
         self.published.set(snapshot)
         self.heartbeat_seconds = time.monotonic()
         self.notifier.status(status_line(snapshot) + self.status_note)
@@ -353,6 +372,8 @@ class Daemon:
             health={gpu: self._health(gpu) for gpu in gpus},
             policy=self.policy,
             item_modes={p.item: self.config.item_mode(p.item).value for p in self.policy if p.item != "gpu"},
+            services=tuple(self.prober.statuses()),
+            remediations=self._remediation_counts(),
             clock_event_seconds=self.throttle.clock_event_seconds(),
             throttle_active_since=self.throttle.active_since(),
             xids=tuple(self.xid.counts()),
@@ -360,6 +381,106 @@ class Daemon:
             recent_events=tuple(self.recent_events),
             collect_duration_seconds=duration_seconds,
         )
+
+    def _remediation_counts(self) -> tuple[RemediationCount, ...]:
+        if self.store is None:
+            return ()
+        try:
+            return tuple(self.store.remediation_counts())
+        except StoreError as exc:
+            log.error("cannot read remediation counts", error=str(exc))
+            return ()
+
+    # -- evaluate -> act ---------------------------------------------------------------------
+
+    def remediate(self, snapshot: NodeSnapshot, events: Sequence[Event], now: float) -> None:
+        """Store new events, evaluate the rules (pure), queue the actions: the loop never waits on one."""
+        store = self.store
+        if store is None:
+            return
+        started = time.monotonic()
+        new: list[Event] = []
+        try:
+            for event in events:
+                keyed = self.episodes.keyed(event)
+                if store.record_event(keyed):
+                    new.append(keyed)
+            with self.inflight_lock:
+                history = _InflightHistory(store, list(self.inflight))
+            decisions = evaluate(snapshot, new, self.rules, history, now, gpus_by_service(self.config.services))
+            for decision in decisions:
+                if decision.action is None or decision.dry_run:
+                    outcome = Outcome.SUPPRESSED if decision.action is None else Outcome.DRY_RUN
+                    self._record(ActionOutcome(decision, outcome, decision.reason, now, now))
+                    continue
+                with self.inflight_lock:
+                    self.inflight.append((decision, now))
+                log.info(
+                    "action started",
+                    rule=decision.rule,
+                    action=decision.action.kind.value,
+                    attempt=decision.attempt,
+                    reason=decision.reason,
+                    **_target_fields(decision),
+                )
+                self.actions.put(decision)
+            for event in new:
+                store.mark_handled(event.key)
+        except StoreError as exc:
+            self.collectors["remediation"] = CollectorStatus("remediation", False, time.monotonic() - started, str(exc))
+            log.error("remediation step failed: the event store is unusable", error=str(exc))
+            return
+        self.collectors["remediation"] = CollectorStatus("remediation", True, time.monotonic() - started)
+        for event in events:
+            with contextlib.suppress(Exception):
+                self.alerts.resolve_cleared(event)
+        if now - self.last_alert_refresh_seconds >= ALERT_REFRESH_SECONDS:
+            self.last_alert_refresh_seconds = now
+            for error in self.alerts.refresh():
+                log.warning("could not refresh an alert", error=error)
+
+    def _record(self, outcome: ActionOutcome) -> None:
+        if self.store is None:
+            return
+        try:
+            self.store.record_outcome(outcome)
+        except StoreError as exc:
+            log.error("could not record a remediation", error=str(exc), rule=outcome.decision.rule)
+
+    def _action_worker(self) -> None:
+        while (decision := self.actions.get()) is not None:
+            started = self.clock()
+            backend = self.backend
+            if backend is None:
+                outcome = ActionOutcome(decision, Outcome.FAILED, "GPU backend unavailable", started, self.clock())
+            else:
+                context = ActionContext(
+                    config=self.config,
+                    backend=backend,
+                    policy=PolicyEngine(self.config, backend, self.host),
+                    host=self.host,
+                    managers=build_managers(self.config, self.host),
+                    prober=self.prober,
+                    alerts=self.alerts,
+                    clock=self.clock,
+                )
+                outcome = execute(decision, context)
+            self._record(outcome)
+            with self.inflight_lock:
+                self.inflight = [(d, t) for d, t in self.inflight if d is not decision]
+            log.info(
+                "action finished",
+                rule=decision.rule,
+                action=decision.action.kind.value if decision.action else None,
+                outcome=outcome.outcome.value,
+                detail=outcome.detail,
+                seconds=round(outcome.finished_seconds - outcome.started_seconds, 3),
+                **_target_fields(decision),
+            )
+            action = decision.action
+            reset_done = action is not None and action.kind.value == "reset_gpu" and outcome.outcome is Outcome.SUCCESS
+            if reset_done and decision.target.gpu is not None:
+                self.xid.clear(decision.target.gpu)  # a reset GPU starts with a clean Xid history
 
     def _health(self, gpu: int) -> Health:
         if gpu in self.stale:
@@ -384,6 +505,7 @@ class Daemon:
             return False
         try:
             new = load_config(self.config_path)
+            rules = self._load_rules(new)
         except ConfigError as exc:
             message = "; ".join(str(p) for p in exc.problems)
             log.error("config reload failed; keeping the running config", error=message)
@@ -393,7 +515,15 @@ class Daemon:
         if new.backend != self.config.backend or new.host_root != self.config.host_root:
             log.error("config reload: backend and host_root changes need a restart; keeping the running config")
             return False
+        old_services = self.config.services
         self.config = new
+        self.rules = rules
+        if new.services != old_services:
+            if self.prober_thread is not None:
+                self.prober_thread.stop()
+            self.prober = HealthProber(new.services, build_managers(new, self.host))
+            self.prober_thread = ProberThread(self.prober)
+            self.prober_thread.start()
         self.status_note = ""
         if self.backend is not None and hasattr(self.backend, "write_guard"):
             self.backend.write_guard = WriteGuard(new.writable_items())
@@ -444,11 +574,41 @@ class Daemon:
         self._closers.append(api.close)
         self.kmsg.start()
         self._closers.append(self.kmsg.stop)
+        self.rules = self._load_rules(self.config)
+        try:
+            self.store = Store.open(self.config.state_dir)
+        except StoreError as exc:
+            log.error("event store unavailable: remediation is off until a restart", error=str(exc))
+            self.collectors["remediation"] = CollectorStatus("remediation", False, 0.0, str(exc))
+        else:
+            self._closers.append(self.store.close)
+        self.prober_thread = ProberThread(self.prober)
+        self.prober_thread.start()
+        self._closers.append(lambda: self.prober_thread.stop() if self.prober_thread else None)
+        worker = threading.Thread(target=self._action_worker, name="actions", daemon=True)
+        worker.start()
+
+        def stop_worker() -> None:
+            self.actions.put(None)
+            worker.join(5)  # an action still running (a reset) is left to finish in its daemon thread
+
+        self._closers.append(stop_worker)
         if self.udev.start():
             self._closers.append(self.udev.stop)
         else:
             log.info("udev not available; GPUs are re-enumerated by polling", reason=self.udev.reason)
         log.info("serving", metrics=self.config.metrics.listen, socket=self.config.api.socket)
+
+    @staticmethod
+    def _load_rules(config: AgentConfig) -> list[Rule]:
+        """Rules from rules_dir; a missing directory means no rules (logged), an invalid file is a ConfigError."""
+        rules_dir = Path(config.remediation.rules_dir)
+        if not rules_dir.is_dir():
+            log.warning("no rules directory: remediation has nothing to do", rules_dir=str(rules_dir))
+            return []
+        rules = load_rules([rules_dir], allow_reboot=config.remediation.allow_reboot)
+        log.info("rules loaded", rules_dir=str(rules_dir), count=len(rules))
+        return rules
 
     def api_handlers(self) -> dict[str, Callable[[Any], Any]]:
         from agent.render import snapshot_document
@@ -514,6 +674,47 @@ class Daemon:
                 log.error("could not restore automatic fan control", gpu=gpu, error=str(exc))
                 continue
             log.info("fans restored to automatic", gpu=gpu, outcome=result.outcome.value)
+
+
+ALERT_REFRESH_SECONDS = 60.0
+
+
+class _InflightHistory:
+    """The store's attempt history plus actions queued or running, so the next loop's evaluation
+    counts an action from the moment it is decided, not only once it has finished."""
+
+    def __init__(self, store: Store, inflight: list[tuple[Decision, float]]) -> None:
+        self._store = store
+        self._inflight = inflight
+
+    def _mine(self, rule: str, target_key: str) -> list[float]:
+        return [t for d, t in self._inflight if d.rule == rule and d.target.key == target_key]
+
+    def attempts(self, rule: str, target_key: str, since_seconds: float) -> list[float]:
+        extra = [t for t in self._mine(rule, target_key) if t >= since_seconds]
+        return sorted(self._store.attempts(rule, target_key, since_seconds) + extra)
+
+    def last_attempt(self, rule: str, target_key: str) -> float | None:
+        times = self._mine(rule, target_key)
+        stored = self._store.last_attempt(rule, target_key)
+        if stored is not None:
+            times.append(stored)
+        return max(times) if times else None
+
+    def circuit_open(self, rule: str, target_key: str) -> bool:
+        return self._store.circuit_open(rule, target_key)
+
+    def handled(self, event_key: str) -> bool:
+        return self._store.handled(event_key)
+
+
+def _target_fields(decision: Decision) -> dict[str, Any]:
+    fields: dict[str, Any] = {"gpu": decision.target.gpu, "gpu_uuid": decision.target.uuid}
+    if decision.target.service:
+        fields["service"] = decision.target.service
+    if "xid" in decision.event.data:
+        fields["xid"] = decision.event.data["xid"]
+    return fields
 
 
 def _carry_slow_fields(previous: GpuSample, fresh: GpuSample) -> GpuSample:

@@ -38,6 +38,15 @@ class EventKind(str, Enum):
     POLICY_DRIFT = "policy_drift"
 
 
+#: Which condition events a clearing event ends (for alert resolution and fault episodes).
+CLEARS: dict[EventKind, frozenset[EventKind]] = {
+    EventKind.SERVICE_HEALTHY: frozenset({EventKind.SERVICE_UNHEALTHY}),
+    EventKind.THROTTLE_ENDED: frozenset({EventKind.THROTTLE_STARTED}),
+    EventKind.PCIE_RESTORED: frozenset({EventKind.PCIE_DEGRADED}),
+    EventKind.GPU_RECOVERED: frozenset({EventKind.GPU_LOST, EventKind.GPU_RESET_REQUIRED}),
+}
+
+
 class HealthState(str, Enum):
     HEALTHY = "healthy"
     DEGRADED = "degraded"  # works, but something needs attention (throttling, correctable errors)

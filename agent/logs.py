@@ -10,6 +10,7 @@ native socket directly.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -61,7 +62,8 @@ def _native_datagram(fields: Mapping[str, str]) -> bytes:
 
 def _journal_sender() -> Callable[[dict[str, str]], None]:
     try:
-        from systemd import journal
+        # imported by name: the repo's own systemd/ folder would otherwise shadow it for type checkers
+        journal = importlib.import_module("systemd.journal")
 
         def send(fields: dict[str, str]) -> None:
             journal.send(fields.pop("MESSAGE"), **fields)
@@ -94,6 +96,16 @@ def under_journal() -> bool:
     return bool(os.environ.get("JOURNAL_STREAM")) and os.path.exists(JOURNAL_SOCKET)
 
 
+class _StdlibToStructlog(logging.Handler):
+    """Modules that log through `logging` end up in the same journal/JSON stream."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        fields: dict[str, Any] = {"logger": record.name}
+        if record.exc_info:
+            fields["exc_info"] = record.exc_info
+        structlog.get_logger(record.name).log(record.levelno, record.getMessage(), **fields)
+
+
 def configure_logging(level: str = "info", output: str = "auto") -> str:
     """output: auto | journal | json | console. Returns the one chosen."""
     if output == "auto":
@@ -114,4 +126,7 @@ def configure_logging(level: str = "info", output: str = "auto") -> str:
         logger_factory=structlog.PrintLoggerFactory(sys.stderr if output == "console" else sys.stdout),
         cache_logger_on_first_use=False,
     )
+    root = logging.getLogger()
+    root.handlers = [_StdlibToStructlog()]
+    root.setLevel(_LEVELS[level.lower()])
     return output

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 from hosttree import ScriptedHostContext, make_host_tree
-from inference_standin import free_port, running
 
+from agent import standin
 from agent.backend.base import RecoveryAction
 from agent.backend.errors import GpuErrorKind
 from agent.backend.sim import SimulatedBackend
@@ -28,8 +28,9 @@ from agent.policy.engine import PolicyEngine
 from agent.rules.actions import ActionContext, execute, hook_path_problem, redacted_url
 from agent.rules.model import ActionKind, ActionSpec, Decision, Outcome, Target
 from agent.services import CommandManager, HealthProber, build_managers
+from agent.standin import free_port, running
 
-STANDIN = str(Path(__file__).with_name("inference_standin.py"))
+STANDIN = str(Path(standin.__file__))
 PROFILE = "h200x2"
 UUID0 = "GPU-8bb8f26c-9cd6-525f-ae91-348f344348a2"  # GPU 0 of the simulated h200x2
 

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 from hosttree import make_host_tree
-from inference_standin import free_port
 
 from agent.backend.sim import SimulatedBackend
 from agent.config import AgentConfig, Mode, RemediationConfig
@@ -22,6 +21,7 @@ from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
 from agent.rules.actions import ActionContext, AlertTracker, alert_for, execute, post_alert, resolve_alert
 from agent.rules.model import ActionKind, ActionSpec, Decision, Outcome, Target
+from agent.standin import free_port
 
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
 pytestmark = pytest.mark.skipif(

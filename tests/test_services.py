@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
-from inference_standin import StandinServer, free_port, running
 from pydantic import ValidationError
 
+from agent import standin
 from agent.config import AgentConfig, ServiceConfig
 from agent.events import EventKind, Severity, SuggestedAction
 from agent.host.paths import HostPaths
@@ -24,8 +24,9 @@ from agent.services import (
     build_managers,
     run_process,
 )
+from agent.standin import StandinServer, free_port, running
 
-STANDIN = str(Path(__file__).with_name("inference_standin.py"))
+STANDIN = str(Path(standin.__file__))
 
 
 def probed(url: str, **fields: object) -> ServiceConfig:

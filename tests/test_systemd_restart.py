@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 from hosttree import make_host_tree
-from inference_standin import free_port
 from systemd_sandbox import SystemdSandbox, missing_requirements
 
+from agent import standin
 from agent.backend.sim import SimulatedBackend
 from agent.config import AgentConfig, Mode, ServiceConfig
 from agent.events import Event, EventKind, Severity
@@ -18,12 +18,13 @@ from agent.policy.engine import PolicyEngine
 from agent.rules.actions import ActionContext, execute
 from agent.rules.model import ActionKind, ActionSpec, Decision, Outcome, Target
 from agent.services import HealthProber, SystemdManager, build_managers
+from agent.standin import free_port
 
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.skipif(missing_requirements() is not None, reason=str(missing_requirements())),
 ]
-STANDIN = Path(__file__).with_name("inference_standin.py")
+STANDIN = Path(standin.__file__)
 PORT = free_port()
 UNIT = f"""[Unit]
 Description=sglang stand-in

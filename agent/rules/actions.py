@@ -64,7 +64,7 @@ from typing import Any
 from agent.backend.base import GpuBackend
 from agent.backend.errors import GpuError, GpuErrorKind, WriteRefused
 from agent.config import AgentConfig, Mode, ServiceConfig
-from agent.events import Event, EventKind
+from agent.events import CLEARS, Event, EventKind
 from agent.policy.base import HostContext
 from agent.policy.base import Outcome as ItemOutcome
 from agent.policy.engine import PolicyEngine
@@ -82,12 +82,6 @@ DEFAULT_HTTP_TIMEOUT_SECONDS = 10.0
 #: Actions that change the node; observe mode refuses them.
 NODE_CHANGING_ACTIONS = frozenset({ActionKind.RESTART_SERVICE, ActionKind.RESET_GPU, ActionKind.REBOOT})
 #: A clearing event -> the kinds whose alerts it resolves.
-CLEARS: dict[EventKind, frozenset[EventKind]] = {
-    EventKind.SERVICE_HEALTHY: frozenset({EventKind.SERVICE_UNHEALTHY}),
-    EventKind.THROTTLE_ENDED: frozenset({EventKind.THROTTLE_STARTED}),
-    EventKind.PCIE_RESTORED: frozenset({EventKind.PCIE_DEGRADED}),
-    EventKind.GPU_RECOVERED: frozenset({EventKind.GPU_LOST, EventKind.GPU_RESET_REQUIRED}),
-}
 _IDENTITY_LABELS = ("service", "uuid", "gpu", "reason")
 
 

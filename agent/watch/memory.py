@@ -174,7 +174,9 @@ class MemoryWatcher:
             message=f"GPU {sample.index}: {new} new uncorrected ECC error{'s' if new != 1 else ''}; reset the GPU",
             timestamp_seconds=now_seconds,
             source="poll",
-            key=f"{EventKind.ECC_UNCORRECTED.value}:{sample.uuid}",
+            # the counter value tells one occurrence from the next, and stays the same across agent restarts
+            key=f"{EventKind.ECC_UNCORRECTED.value}:{sample.uuid}:"
+            f"{_occurrence(sample.ecc_uncorrected_aggregate, sample.ecc_uncorrected_volatile)}",
             data={"new_errors": new, **self._counts(sample), **self._remap_counts(sample)},
             suggested_action=SuggestedAction.RESET_GPU,
         )
@@ -196,7 +198,8 @@ class MemoryWatcher:
                 message=f"GPU {sample.index}: {new} corrected ECC error{'s' if new != 1 else ''}",
                 timestamp_seconds=now_seconds,
                 source="poll",
-                key=f"{EventKind.ECC_CORRECTED.value}:{sample.uuid}",
+                key=f"{EventKind.ECC_CORRECTED.value}:{sample.uuid}:"
+                f"{_occurrence(sample.ecc_corrected_aggregate, sample.ecc_corrected_volatile)}",
                 data={"new_errors": new, **self._counts(sample)},
             )
         ]
@@ -223,7 +226,8 @@ class MemoryWatcher:
                     message=f"GPU {sample.index}: {text}",
                     timestamp_seconds=now_seconds,
                     source="poll",
-                    key=f"{kind.value}:{sample.uuid}",
+                    key=f"{kind.value}:{sample.uuid}:"
+                    f"{sample.remapped_rows_correctable}+{sample.remapped_rows_uncorrectable}",
                     data=self._remap_counts(sample),
                     suggested_action=action,
                 )
@@ -282,3 +286,7 @@ class MemoryWatcher:
                 suggested_action=recovery.action,
             )
         ]
+
+
+def _occurrence(aggregate: int | None, volatile: int | None) -> str:
+    return f"a{aggregate}" if aggregate is not None else f"v{volatile}"
