@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agent import __version__
 from agent.backend import open_backend
@@ -17,6 +18,9 @@ from agent.config import DEFAULT_CONFIG_PATH, AgentConfig, ConfigError, load_con
 from agent.host.paths import HostPaths
 from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
+
+if TYPE_CHECKING:
+    from agent.store import Store
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -236,6 +240,56 @@ def _identities_if_available(args: argparse.Namespace) -> dict[int, GpuIdentity]
         backend.shutdown()
 
 
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration_seconds(text: str) -> float:
+    """'90s', '30m', '1h', '7d' -> seconds."""
+    number, unit = text[:-1], text[-1:]
+    if unit not in _DURATION_UNITS or not number.replace(".", "", 1).isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: give a duration like 90s, 30m, 1h or 7d")
+    return float(number) * _DURATION_UNITS[unit]
+
+
+def _open_store(config: AgentConfig) -> Store:
+    from agent.store import Store, StoreError
+
+    try:
+        return Store.open(config.state_dir)
+    except StoreError as exc:
+        raise CliError(str(exc)) from None
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from agent import render
+
+    config = load(args)
+    since = time.time() - args.since
+    with _open_store(config) as store:
+        events = store.events(since_seconds=since, limit=args.limit)
+        remediations = store.remediations(since_seconds=since, limit=args.limit)
+    if args.json:
+        document = {
+            "events": [{**render.event_json(e.event), "key": e.event.key, "handled": e.handled} for e in events],
+            "remediations": [render.remediation_json(r) for r in remediations],
+        }
+        _print(json.dumps({"schema": render.JSON_SCHEMA_VERSION, **document}, indent=2, default=str))
+        return EXIT_OK
+    _print(render.history_text(events, remediations))
+    return EXIT_OK
+
+
+def cmd_ack(args: argparse.Namespace) -> int:
+    config = load(args)
+    with _open_store(config) as store:
+        count = store.ack(args.selector)
+    _print(f"{args.selector}: {count} rule/target pair(s) re-armed" if count else f"{args.selector}: nothing to re-arm")
+    return EXIT_OK
+
+
 def cmd_inject(args: argparse.Namespace) -> int:
     from agent.inject import InjectError, inject
 
@@ -303,6 +357,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--direct", action="store_true", help="read the GPUs directly even if a daemon runs")
     p.set_defaults(func=cmd_status)
+    p = sub.add_parser("events", parents=[common, as_json], help="event and remediation history from the store")
+    p.add_argument(
+        "--since",
+        type=parse_duration_seconds,
+        default=parse_duration_seconds("1h"),
+        metavar="DURATION",
+        help="how far back: 90s, 30m, 1h (default), 7d",
+    )
+    p.add_argument("--limit", type=int, default=200, help="at most this many of each (default 200)")
+    p.set_defaults(func=cmd_events)
+    p = sub.add_parser(
+        "ack",
+        parents=[common],
+        help="re-arm rules whose attempts ran out (circuit open)",
+        description="SELECTOR: a rule name, gpu:INDEX, gpu:UUID, service:NAME, or all.",
+    )
+    p.add_argument("selector")
+    p.set_defaults(func=cmd_ack)
     p = sub.add_parser(
         "check-config",
         parents=[common],

@@ -412,6 +412,13 @@ class Daemon:
                 if decision.action is None or decision.dry_run:
                     outcome = Outcome.SUPPRESSED if decision.action is None else Outcome.DRY_RUN
                     self._record(ActionOutcome(decision, outcome, decision.reason, now, now))
+                    log.info(
+                        f"action {outcome.value}",
+                        rule=decision.rule,
+                        action=decision.action.kind.value if decision.action else None,
+                        reason=decision.reason,
+                        **_target_fields(decision),
+                    )
                     continue
                 with self.inflight_lock:
                     self.inflight.append((decision, now))

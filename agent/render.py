@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
@@ -12,6 +13,7 @@ from agent.events import Event
 from agent.policy.base import ItemPlan, ItemResult
 from agent.policy.engine import ApplyReport, NodePlan
 from agent.state import GpuSample, NodeSnapshot
+from agent.store import StoredEvent, StoredRemediation
 
 JSON_SCHEMA_VERSION = 1
 
@@ -57,7 +59,7 @@ def plan_json(plan: NodePlan) -> dict[str, Any]:
     }
 
 
-def _event_json(event: Event) -> dict[str, Any]:
+def event_json(event: Event) -> dict[str, Any]:
     return {
         "kind": event.kind.value,
         "severity": event.severity.value,
@@ -102,7 +104,7 @@ def snapshot_document(snapshot: NodeSnapshot, source: str, note: str = "", mode:
         "xids": [asdict(x) for x in snapshot.xids],
         "services": [asdict(s) for s in snapshot.services],
         "remediations": [asdict(r) for r in snapshot.remediations],
-        "recent_events": [_event_json(e) for e in snapshot.recent_events[-20:]],
+        "recent_events": [event_json(e) for e in snapshot.recent_events[-20:]],
         "collectors": [asdict(c) for c in snapshot.collectors],
     }
 
@@ -240,3 +242,33 @@ def _fmt(value: object, unit: str = "", digits: int = 0) -> str:
     if isinstance(value, float):
         return f"{value:.{digits}f}{unit}"
     return f"{value}{unit}"
+
+
+def remediation_json(r: StoredRemediation) -> dict[str, Any]:
+    data = asdict(r)
+    data["outcome"] = r.outcome.value
+    return data
+
+
+def _when(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
+
+
+def history_text(events: Sequence[StoredEvent], remediations: Sequence[StoredRemediation]) -> str:
+    """`gpu-agent events`: one time-ordered list of what happened and what the agent did about it."""
+    lines: list[tuple[float, str]] = []
+    for stored in events:
+        e = stored.event
+        where = "" if e.gpu is None else f"GPU {e.gpu} "
+        lines.append(
+            (e.timestamp_seconds, f"{_when(e.timestamp_seconds)}  event  [{e.severity.value}] {where}{e.message}")
+        )
+    for r in remediations:
+        target = r.service or (f"GPU {r.gpu}" if r.gpu is not None else "node")
+        text = f"{r.rule}: {r.action} on {target} -> {r.outcome.value}"
+        if r.detail or r.reason:
+            text += f" ({r.detail or r.reason})"
+        lines.append((r.started_seconds, f"{_when(r.started_seconds)}  action {text}"))
+    if not lines:
+        return "no events or remediations in that period"
+    return "\n".join(text for _, text in sorted(lines))

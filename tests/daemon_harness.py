@@ -152,6 +152,7 @@ def write_agent_config(
 def running_agent(tmp_path: Path, watchdog_usec: int | None = 1_000_000, **config: Any) -> Iterator[RunningAgent]:
     config_path, port = write_agent_config(tmp_path, **config)
     notify_path = tmp_path / "notify.sock"
+    notify_path.unlink(missing_ok=True)  # left by an earlier agent in the same directory
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(str(notify_path))
     env = {k: v for k, v in os.environ.items() if k not in ("JOURNAL_STREAM", "WATCHDOG_PID")}

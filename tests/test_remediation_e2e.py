@@ -1,0 +1,163 @@
+"""Remediation through the real daemon: faults injected into a simulated node, actions carried out
+on real processes, storm protection kept across agent restarts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from daemon_harness import running_agent
+
+from agent import standin
+from agent.standin import free_port
+
+POLICY = "  gpus: []\n"
+
+
+def gpu_agent(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "agent.cli", *args, "--config", str(config)], capture_output=True, text=True, timeout=30
+    )
+
+
+def wait_until(predicate, timeout_seconds: float = 15.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def decided(log: str, rule: str) -> bool:
+    """A decision of `rule` is done: its action finished, or it was suppressed."""
+    for line in log.splitlines():
+        record = json.loads(line)
+        if record.get("rule") == rule and record["event"] in ("action finished", "action suppressed"):
+            return True
+    return False
+
+
+def write_rules(directory: Path, text: str) -> Path:
+    directory.mkdir(mode=0o755, exist_ok=True)
+    (directory / "10-test.yaml").write_text(text)
+    os.chmod(directory / "10-test.yaml", 0o644)
+    return directory
+
+
+def hook_script(tmp_path: Path) -> tuple[Path, Path]:
+    record = tmp_path / "hook-calls.log"
+    hook = tmp_path / "hooks" / "record.sh"
+    hook.parent.mkdir(mode=0o755)
+    hook.write_text(f'#!/bin/sh\necho "$GPU_AGENT_XID $GPU_AGENT_GPU_UUID" >> {record}\n')
+    os.chmod(hook, 0o755)
+    return hook, record
+
+
+def test_ten_faults_three_attempts_across_restarts(tmp_path: Path) -> None:
+    hook, record = hook_script(tmp_path)
+    rules = write_rules(
+        tmp_path / "rules.d",
+        f"""rules:
+  - name: hook-on-xid-13
+    match: {{xid: {{codes: [13]}}}}
+    actions:
+      - run_hook: {{argv: [{hook}], timeout_seconds: 10}}
+    cooldown_seconds: 0
+    max_attempts: 3
+    window_seconds: 3600
+""",
+    )
+    for fault in range(10):
+        # a fresh agent process for every fault: only the store in state_dir remembers
+        with running_agent(tmp_path, rules_dir=rules, policy=POLICY, mode="observe") as agent:
+            agent.notifications.wait_for("READY", "1")
+            injected = gpu_agent(agent.config_path, "inject", "xid", "13", "--gpu", "0", "--source", "nvml")
+            assert injected.returncode == 0, injected.stderr
+            wait_until(lambda: decided(agent.log(), "hook-on-xid-13"), what=f"the decision on fault {fault}")
+            agent.signal(signal.SIGTERM)
+            assert agent.process.wait(timeout=15) == 0
+    calls = record.read_text().splitlines()
+    assert len(calls) == 3, calls
+    assert all(line.startswith("13 GPU-") for line in calls)
+    history = json.loads(gpu_agent(tmp_path / "agent.yaml", "events", "--json", "--since", "1h").stdout)
+    decisions = [r for r in history["remediations"] if r["rule"] == "hook-on-xid-13"]
+    assert [r["outcome"] for r in decisions if r["counted"]] == ["success"] * 3
+    assert len(decisions) == 10  # 3 actions, the circuit opening, 6 suppressed
+    assert any(r["step"] == -1 for r in decisions)
+    # ack re-arms the rule
+    acked = gpu_agent(tmp_path / "agent.yaml", "ack", "hook-on-xid-13")
+    assert "re-armed" in acked.stdout
+
+
+def test_unhealthy_service_is_restarted_through_the_command_adapter(tmp_path: Path) -> None:
+    port = free_port()
+    pid_file = tmp_path / "standin.pid"
+    start = [sys.executable, standin.__file__, "--daemon", "--port", str(port), "--pid-file", str(pid_file)]
+    stop = [sys.executable, standin.__file__, "--stop", "--pid-file", str(pid_file)]
+    subprocess.run(start, check=True, timeout=30)
+    first_pid = int(pid_file.read_text())
+    rules = write_rules(
+        tmp_path / "rules.d",
+        """rules:
+  - name: restart-unhealthy
+    match: {service_unhealthy: {probes: 3}}
+    actions: [restart_service]
+    cooldown_seconds: 60
+    max_attempts: 3
+    window_seconds: 3600
+""",
+    )
+    services = (
+        f"services:\n  - name: sglang\n    manager: command\n    health_url: http://127.0.0.1:{port}/health\n"
+        f"    start_command: {json.dumps(start)}\n    stop_command: {json.dumps(stop)}\n"
+        "    probe_interval_seconds: 0.2\n    probe_timeout_seconds: 1\n    unhealthy_after_probes: 3\n"
+        "    ready_timeout_seconds: 20\n"
+    )
+    try:
+        with running_agent(tmp_path, rules_dir=rules, policy=POLICY + services) as agent:
+            agent.notifications.wait_for("READY", "1")
+            wait_until(lambda: agent.status()["services"][0]["up"] is True, what="service up")
+            os.kill(first_pid, signal.SIGUSR1)  # the server starts answering 503
+            wait_until(lambda: pid_file.exists() and int(pid_file.read_text()) != first_pid, what="restart")
+            wait_until(lambda: "action finished" in agent.log(), what="action finished")
+            finished = [json.loads(line) for line in agent.log().splitlines() if '"action finished"' in line]
+            assert finished[0]["outcome"] == "success" and finished[0]["service"] == "sglang"
+            wait_until(lambda: agent.status()["services"][0]["up"] is True, what="service healthy again")
+            status = agent.status()
+            assert {
+                "rule": "restart-unhealthy",
+                "action": "restart_service",
+                "outcome": "success",
+                "count": 1,
+            } in status["remediations"]
+            assert (
+                'gpu_agent_remediations_total{action="restart_service",outcome="success",rule="restart-unhealthy"} 1.0'
+                in agent.metrics()
+            )
+    finally:
+        subprocess.run(stop, timeout=30, check=False)
+
+
+def test_xid_79_recommends_a_reboot_and_never_resets(tmp_path: Path) -> None:
+    repo_rules = Path(__file__).parent.parent / "rules"
+    rules = tmp_path / "rules.d"
+    rules.mkdir(mode=0o755)
+    for source in repo_rules.glob("*.yaml"):
+        (rules / source.name).write_text(source.read_text())
+        os.chmod(rules / source.name, 0o644)
+    with running_agent(tmp_path, rules_dir=rules, policy=POLICY) as agent:
+        agent.notifications.wait_for("READY", "1")
+        assert gpu_agent(agent.config_path, "inject", "xid", "79", "--gpu", "1").returncode == 0
+        flag = agent.state_dir / "reboot-recommended"
+        wait_until(flag.exists, what="reboot-recommended flag")
+        assert "79" in flag.read_text()
+        time.sleep(0.5)
+        assert '"reset_gpu"' not in agent.log()
+        health = agent.status()["gpus"][1]["health"]
+        assert health["state"] == "unhealthy" and health["suggested_action"] == "reboot"
