@@ -303,7 +303,7 @@ def cmd_inject(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from agent.demo import run_demo
 
-    return run_demo(Path(args.dir) if args.dir else None)
+    return run_demo(Path(args.dir) if args.dir else None, keep_running=not args.exit_after_scenario)
 
 
 # -- parser --------------------------------------------------------------------------------------
@@ -399,8 +399,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_parsers(sub, common)
     sub.choices["inject"].set_defaults(func=cmd_inject)
-    p = sub.add_parser("demo", help="plan -> apply -> plan on a simulated node (changes nothing on this machine)")
+    p = sub.add_parser(
+        "demo", help="the daemon on a simulated node with a fault scenario (changes nothing on this machine)"
+    )
     p.add_argument("--dir", metavar="DIR", help="scratch directory for the simulated node (default: a new temp dir)")
+    p.add_argument("--exit-after-scenario", action="store_true", help="stop the agent when the scenario is done")
     p.set_defaults(func=cmd_demo)
     return parser
 

@@ -251,6 +251,8 @@ class AgentConfig(StrictModel):
     host_root: str = "/"
     state_dir: str = "/var/lib/gpu-agent"
     interval_seconds: float = Field(default=5.0, gt=0, le=3600)
+    # every item is re-planned (and drift put back in enforce mode) this often; the fan curve every loop
+    policy_interval_seconds: float = Field(default=60.0, gt=0, le=86400)
     metrics: MetricsConfig = MetricsConfig()
     api: ApiConfig = ApiConfig()
     policy: PolicyConfig = PolicyConfig()

@@ -67,7 +67,6 @@ RECENT_EVENTS = 100
 class LoopTiming:
     call_timeout_seconds: float = 2.0  # one GPU's whole sample; past it the GPU is stale
     slow_every_seconds: float = 30.0  # ECC counters, remapping, PCIe, thresholds
-    policy_every_seconds: float = 60.0  # full plan; the fan curve is re-planned every loop
     stall_loops: float = 3.0  # the watchdog stops pinging once the loop is this many intervals late
 
 
@@ -270,7 +269,7 @@ class Daemon:
         engine = self.engine
         if engine is None:
             return []
-        full = now - self.last_policy_seconds >= self.timing.policy_every_seconds
+        full = now - self.last_policy_seconds >= self.config.policy_interval_seconds
         wants_fans = any(p.fan_curve is not None for p in self.config.policy.gpus)
         if not full and not wants_fans:
             return []

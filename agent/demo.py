@@ -1,26 +1,44 @@
-"""`gpu-agent demo`: the agent on a simulated node, in a scratch directory, changing nothing real.
+"""`gpu-agent demo`: the daemon on a simulated node, with a scripted fault scenario.
 
-It builds a fake host tree (THP sysfs files, /proc/modules with nouveau loaded, an Ubuntu
-/etc/os-release, empty /etc/modprobe.d and /etc/systemd/system), writes a config in
-enforce mode with an example policy for a mixed H200 + RTX PRO 6000 node, and runs
-plan -> apply -> plan, printing each step.
+Everything lives in one scratch directory: a fake host tree (THP sysfs files, /proc/modules
+with nouveau loaded, an Ubuntu /etc/os-release, /etc/modprobe.d, /etc/systemd/system), the
+simulated node's state (4x H200 SXM + 2x RTX PRO 6000), a stand-in inference server managed by
+the `command` adapter, the shipped default rules, and a config in enforce mode. Nothing outside
+that directory is read or changed. The scenario: the policy is enforced at start; a setting
+drifts behind the agent's back and is put back; GPU 4 overheats and throttles; an app-level Xid
+on GPU 1 gets the inference service restarted by the default rule.
 """
 
 from __future__ import annotations
 
 import grp
+import json
 import os
 import pwd
+import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from agent import api, standin
 
 DEMO_CONFIG = """\
-# gpu-agent demo config: a simulated node (4x H200 SXM, 2x RTX PRO 6000) and a fake host tree.
+# gpu-agent demo: a simulated node (4x H200 SXM, 2x RTX PRO 6000) and a fake host tree.
 mode: enforce
 backend: simulated
 simulated: {{profile: mixed}}
 host_root: {host_root}
 state_dir: {state_dir}
+interval_seconds: 1
+policy_interval_seconds: 5
+metrics: {{listen: "127.0.0.1:{metrics_port}"}}
+api: {{socket: {socket}}}
+remediation: {{rules_dir: {rules_dir}}}
 policy:
   node:
     transparent_hugepages: {{enabled: never, defrag: never}}
@@ -38,7 +56,14 @@ policy:
       persistence: enabled
       ecc: enabled
 services:
-  - {{name: sglang, unit: sglang.service, health_url: "http://127.0.0.1:30000/health", gpus: all}}
+  - name: sglang
+    manager: command
+    health_url: "http://127.0.0.1:{service_port}/health"
+    gpus: [0, 1, 2, 3]
+    start_command: {start}
+    stop_command: {stop}
+    probe_interval_seconds: 1
+    ready_timeout_seconds: 30
 """
 
 
@@ -60,45 +85,203 @@ def build_demo_host(root: Path) -> None:
     (etc / "modprobe.d").mkdir(parents=True, exist_ok=True)
     (etc / "systemd/system").mkdir(parents=True, exist_ok=True)
     (etc / "os-release").write_text('NAME="Ubuntu"\nVERSION_ID="24.04"\nID=ubuntu\nID_LIKE=debian\n')
+    (root / "dev").mkdir(exist_ok=True)
+
+
+def default_rules_dir() -> Path:
+    """The shipped default rules: next to the package in a checkout, /etc/gpu-agent/rules.d when installed."""
+    for candidate in (Path(__file__).resolve().parent.parent / "rules", Path("/etc/gpu-agent/rules.d")):
+        if candidate.is_dir() and any(candidate.glob("*.yaml")):
+            return candidate
+    raise FileNotFoundError("default rules not found (rules/ in the checkout or /etc/gpu-agent/rules.d)")
 
 
 def write_demo_config(directory: Path) -> Path:
-    host_root = directory / "host"
-    state_dir = directory / "state"
+    host_root, state_dir = directory / "host", directory / "state"
     build_demo_host(host_root)
-    state_dir.mkdir(parents=True, exist_ok=True)
+    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    rules_dir = directory / "rules.d"
+    rules_dir.mkdir(mode=0o755, exist_ok=True)
+    for rule_file in sorted(default_rules_dir().glob("*.yaml")):
+        target = rules_dir / rule_file.name
+        shutil.copyfile(rule_file, target)
+        os.chmod(target, 0o644)  # the loader refuses rules others can write
+    service_port = standin.free_port()
+    pid_file = directory / "sglang.pid"
+    server = [sys.executable, "-m", "agent.standin", "--port", str(service_port), "--pid-file", str(pid_file)]
+    start = [*server, "--daemon", "--sim-state-dir", str(state_dir), "--sim-profile", "mixed", "--gpus", "0,1,2,3"]
+    stop = [sys.executable, "-m", "agent.standin", "--stop", "--pid-file", str(pid_file)]
     config = directory / "agent.yaml"
     config.write_text(
         DEMO_CONFIG.format(
             host_root=host_root,
             state_dir=state_dir,
+            metrics_port=standin.free_port(),
+            socket=directory / "agent.sock",
+            rules_dir=rules_dir,
             user=pwd.getpwuid(os.getuid()).pw_name,
             group=grp.getgrgid(os.getgid()).gr_name,
+            service_port=service_port,
+            start=json.dumps(start),
+            stop=json.dumps(stop),
         )
     )
+    subprocess.run(start, check=True, timeout=60)  # the service is up before the agent
     return config
 
 
-def run_demo(directory: Path | None = None) -> int:
-    from agent.cli import main
+class Demo:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.config = write_demo_config(directory)
+        self.socket = directory / "agent.sock"
+        self.log_path = directory / "agent.log"
+        self.agent: subprocess.Popen[bytes] | None = None
 
+    def cli(self, *args: str, ok_codes: tuple[int, ...] = (0,)) -> str:
+        result = subprocess.run(
+            [sys.executable, "-m", "agent.cli", *args, "--config", str(self.config)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if result.returncode not in ok_codes:
+            raise RuntimeError(f"gpu-agent {' '.join(args)} failed: {result.stderr.strip()}")
+        return result.stdout.strip()
+
+    def status(self) -> dict[str, Any]:
+        try:
+            document = api.call(self.socket, "status", timeout_seconds=5)
+        except (OSError, ValueError, api.ApiError):
+            return {}
+        return dict(document) if isinstance(document, dict) and not document.get("starting") else {}
+
+    def wait(self, what: str, predicate: Callable[[dict[str, Any]], bool], timeout_seconds: float = 60) -> None:
+        deadline = time.monotonic() + timeout_seconds
+        while time.monotonic() < deadline:
+            if self.agent is not None and self.agent.poll() is not None:
+                raise RuntimeError(f"the agent exited ({self.agent.returncode}); see {self.log_path}")
+            status = self.status()
+            if status and predicate(status):
+                return
+            time.sleep(0.25)
+        raise RuntimeError(f"timed out waiting for {what}; see {self.log_path}")
+
+    def start_agent(self) -> None:
+        with open(self.log_path, "wb") as log:
+            self.agent = subprocess.Popen(
+                [sys.executable, "-m", "agent.cli", "run", "--log-format", "json", "--config", str(self.config)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def stop(self) -> None:
+        if self.agent is not None and self.agent.poll() is None:
+            self.agent.send_signal(signal.SIGTERM)
+            try:
+                self.agent.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.agent.kill()
+        stop = json.loads(self.config.read_text().split("stop_command: ", 1)[1].splitlines()[0])
+        subprocess.run(stop, timeout=30, check=False, capture_output=True)
+
+
+def _gpu(status: dict[str, Any], index: int) -> dict[str, Any]:
+    return dict(next(g for g in status["gpus"] if g["index"] == index))
+
+
+def _events(status: dict[str, Any], kind: str) -> list[dict[str, Any]]:
+    return [e for e in status["recent_events"] if e["kind"] == kind]
+
+
+def _power_drift(status: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        e
+        for e in _events(status, "policy_drift")
+        if e["gpu"] == 0 and e["data"]["item"] == "power_limit" and e["data"]["reappeared"] >= 1
+    ]
+
+
+def _thermal_events(status: dict[str, Any]) -> list[dict[str, Any]]:
+    return [e for e in _events(status, "throttle_started") if e["gpu"] == 4 and "thermal" in e["data"]["reason"]]
+
+
+def _remediated(status: dict[str, Any], rule: str) -> bool:
+    return any(r["rule"] == rule and r["outcome"] == "success" for r in status["remediations"])
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def run_demo(directory: Path | None = None, keep_running: bool = True) -> int:
     directory = directory or Path(tempfile.mkdtemp(prefix="gpu-agent-demo-"))
     directory.mkdir(parents=True, exist_ok=True)
-    config = write_demo_config(directory)
-    print(f"gpu-agent demo: a simulated node (4x H200, 2x RTX PRO 6000) under {directory}")
-    print(f"config: {config}  (nothing outside that directory is read or changed)\n")
-    steps = [
-        ("1. plan: what differs from the policy", ["plan"]),
-        ("2. apply: enforce it", ["apply"]),
-        ("3. plan again: in sync, except what waits for a reboot", ["plan"]),
+    demo = Demo(directory)
+    config = demo.config
+    say(f"gpu-agent demo: a simulated node (4x H200 SXM, 2x RTX PRO 6000) under {directory}")
+    say("nothing outside that directory is read or changed\n")
+    say("== 0. before the agent starts: gpu-agent plan")
+    say(_plan_summary(demo))
+    try:
+        demo.start_agent()
+        demo.wait("the first loop", lambda s: bool(s.get("gpus")))
+        say("\n== 1. the daemon enforces the policy on its first loop")
+        demo.wait("power limits", lambda s: _gpu(s, 0)["power_limit_watts"] == 600.0, 30)
+        say("   GPU 0-3 power limit 700 W -> 600 W, clocks locked at 1980 MHz; GPU 4-5 450 W, fans on the curve")
+        say("   THP off, nouveau blacklisted (reboot pending), Triton cache dir and drop-in written")
+
+        say("\n== 2. someone sets GPU 0 to 650 W behind the agent's back")
+        say("   " + demo.cli("inject", "drift", "--gpu", "0", "--power-limit-watts", "650"))
+        demo.wait("drift corrected", lambda s: bool(_power_drift(s)), 60)
+        say("   " + _power_drift(demo.status())[-1]["message"])
+
+        say("\n== 3. GPU 4 overheats: 92 C, thermal slowdown")
+        say("   " + demo.cli("inject", "temperature", "--gpu", "4", "--celsius", "92"))
+        say("   " + demo.cli("inject", "throttle", "--gpu", "4", "--reason", "sw_thermal_slowdown"))
+        demo.wait("throttling seen", lambda s: _gpu(s, 4)["health"]["state"] != "healthy", 30)
+        say("   " + _thermal_events(demo.status())[-1]["message"])
+        health = _gpu(demo.status(), 4)["health"]
+        say(f"   GPU 4 is {health['state']}: {health['reason']} (suggested: {health['suggested_action']})")
+        say("   (rule clock-slowdown-held alerts if it lasts 60 s; cooling it down now)")
+        demo.cli("inject", "throttle", "--gpu", "4", "--clear")
+        demo.cli("inject", "temperature", "--gpu", "4", "--clear")
+
+        say("\n== 4. an app-level Xid 13 on GPU 1 (NVML event and kernel log)")
+        say("   " + demo.cli("inject", "xid", "13", "--gpu", "1", "--pid", "4242", "--process", "python3"))
+        demo.wait("the service restart", lambda s: _remediated(s, "xid-restart-service"), 90)
+        say("   rule xid-restart-service restarted sglang (stop, start, health check): success")
+        say(f"   GPU 1 Xids counted: {[x for x in demo.status()['xids'] if x['gpu'] == 1]}")
+
+        port = config.read_text().split('listen: "127.0.0.1:', 1)[1].split('"', 1)[0]
+        say("\nscenario done. Look around:")
+        say(f"   gpu-agent status --config {config}")
+        say(f"   gpu-agent events --config {config}")
+        say(f"   gpu-agent inject --help   (then e.g. gpu-agent inject lost --gpu 2 --config {config})")
+        say(f"   curl -s http://127.0.0.1:{port}/metrics | grep gpu_agent_")
+        say(f"   agent log: {demo.log_path}")
+        if keep_running:
+            say("\nthe agent keeps running; Ctrl-C stops it (fans go back to automatic)")
+            assert demo.agent is not None
+            try:
+                demo.agent.wait()
+            except KeyboardInterrupt:
+                say("\nstopping")
+        return 0
+    except (RuntimeError, FileNotFoundError) as exc:
+        say(f"\ndemo failed: {exc}")
+        return 1
+    finally:
+        demo.stop()
+
+
+def _plan_summary(demo: Demo) -> str:
+    document = json.loads(demo.cli("plan", "--json", ok_codes=(0, 2)))
+    drifting = [i for i in document["items"] if i["status"] != "in_sync" and i["status"] != "not_applicable"]
+    lines = [f"   {len(drifting)} of {len(document['items'])} items differ from the policy, for example:"]
+    lines += [
+        f"   {i['item']} GPU {i['gpu']}: {i['actual']} (want {i['desired']})"
+        for i in drifting[:4]
+        if i["gpu"] is not None
     ]
-    codes = []
-    for title, argv in steps:
-        print(f"== {title}  (gpu-agent {' '.join(argv)} --config {config.name})")
-        code = main([*argv, "--config", str(config)])
-        print(f"-> exit code {code}\n")
-        codes.append(code)
-    print(f"Try: gpu-agent status --config {config}")
-    # plan before apply must show drift (2); apply must succeed (0); afterwards only
-    # reboot-pending items (ECC, nouveau) remain, which plan reports as 2.
-    return 0 if codes[1] == 0 and codes[0] == 2 else 1
+    return "\n".join(lines)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from hosttree import make_host_tree
 
+from agent import standin
 from agent.backend.base import ClockDomain
 from agent.backend.errors import GpuErrorKind
 from agent.backend.sim import SimulatedBackend
@@ -256,12 +257,15 @@ def test_missing_explicit_config_is_an_error(tmp_path: Path) -> None:
     assert "cannot read" in result.stderr
 
 
-def test_demo_runs_plan_apply_plan(tmp_path: Path) -> None:
-    result = gpu_agent("demo", "--dir", str(tmp_path / "demo"))
+def test_demo_plays_the_scenario_on_a_live_daemon(tmp_path: Path) -> None:
+    result = gpu_agent("demo", "--dir", str(tmp_path / "demo"), "--exit-after-scenario")
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
-    assert out.index("== 1. plan") < out.index("== 2. apply") < out.index("== 3. plan again")
-    third = out[out.index("== 3. plan again") :]
-    assert "power_limit            0    in_sync" in third
-    assert "reboot_required" in third  # ECC on the RTX boards and nouveau wait for a reboot
-    assert "drift " not in third.replace("drift)", "")
+    assert (
+        out.index("== 1.") < out.index("== 2.") < out.index("== 3.") < out.index("== 4.") < out.index("scenario done")
+    )
+    assert "power_limit drifted (650 W, want 600 W) and was corrected" in out
+    assert "GPU 4 is degraded: clocks slowed by sw_thermal_slowdown" in out
+    assert "rule xid-restart-service restarted sglang" in out
+    pid_file = tmp_path / "demo/sglang.pid"  # the stand-in service is stopped with the demo
+    assert not pid_file.exists() or not standin.running(int(pid_file.read_text()))
