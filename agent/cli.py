@@ -69,11 +69,22 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
+    from agent.rules.config import load_rules
+
     path, _ = _config_path(args)
     if path is None:
         raise CliError(f"no config: {DEFAULT_CONFIG_PATH} does not exist (give --config PATH)")
     config = load_config(path)
-    _print(f"{path}: ok ({config.mode.value} mode, {config.backend} backend, {len(config.policy.gpus)} GPU profiles)")
+    rules_dir = Path(args.rules or config.remediation.rules_dir)
+    if rules_dir.exists() or args.rules:
+        rules = load_rules([rules_dir], allow_reboot=config.remediation.allow_reboot)
+        rules_note = f"{len(rules)} rules from {rules_dir}"
+    else:
+        rules_note = f"no rules directory {rules_dir}"
+    _print(
+        f"{path}: ok ({config.mode.value} mode, {config.backend} backend, {len(config.policy.gpus)} GPU profiles, "
+        f"{len(config.services)} services); {rules_note}"
+    )
     return EXIT_OK
 
 
@@ -379,8 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
         "check-config",
         parents=[common],
         help="validate the config; errors name file, line, field",
-        description="Exit codes: 0 valid, 1 invalid.",
+        description="Validates agent.yaml and every rules file. Exit codes: 0 valid, 1 invalid.",
     )
+    p.add_argument("--rules", metavar="DIR", help="rules directory (default: remediation.rules_dir from the config)")
     p.set_defaults(func=cmd_check_config)
 
     xid = sub.add_parser("xid", help="the Xid catalog and the kernel-log parser")
