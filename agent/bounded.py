@@ -62,6 +62,11 @@ class BoundedRunner:
         self._lock = threading.Lock()
 
     def run(self, key: str, work: Callable[[], T], timeout_seconds: float | None = None) -> T:
+        return self.result(key, self.submit(key, work), timeout_seconds)
+
+    def submit(self, key: str, work: Callable[[], T]) -> Future[T]:
+        """Start `work` on the key's lane without waiting; StaleGpu at once while the lane is hung.
+        Lets the caller start every GPU's work first and then wait on all of them against one deadline."""
         with self._lock:
             lane = self._lanes.get(key)
             if lane is None:
@@ -71,10 +76,18 @@ class BoundedRunner:
             future = lane.submit(work)
             lane.busy = future
             lane.busy_since = self._clock()
+        return future
+
+    def result(self, key: str, future: Future[T], timeout_seconds: float | None = None) -> T:
+        """What `submit` started, waited for at most the timeout (the runner's by default)."""
+        started = self._clock()
         try:
             return future.result(timeout=self.timeout_seconds if timeout_seconds is None else timeout_seconds)
         except FutureTimeout:
-            raise StaleGpu(key, self._clock() - lane.busy_since) from None
+            with self._lock:
+                lane = self._lanes.get(key)
+                since = lane.busy_since if lane is not None and lane.busy is future else started
+            raise StaleGpu(key, self._clock() - since) from None
 
     def stale_keys(self) -> list[str]:
         with self._lock:

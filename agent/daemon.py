@@ -19,6 +19,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -30,7 +31,7 @@ import structlog
 from agent import __version__
 from agent.backend import open_backend
 from agent.backend.base import GpuBackend, GpuEvent, GpuIdentity, WriteGuard
-from agent.backend.errors import GpuError
+from agent.backend.errors import NO_DRIVER_KINDS, GpuError, GpuErrorKind
 from agent.bounded import BoundedRunner, StaleGpu
 from agent.collect import sample_identified
 from agent.config import AgentConfig, ConfigError, load_config
@@ -39,6 +40,7 @@ from agent.events import Event, EventKind, Health, HealthState, Severity
 from agent.host.paths import HostPaths
 from agent.notify import SdNotifier
 from agent.policy.base import HostContext, ItemPlan, PlanStatus
+from agent.policy.base import Outcome as ItemOutcome
 from agent.policy.engine import PolicyEngine
 from agent.rules.actions import ActionContext, AlertTracker, execute
 from agent.rules.config import Rule, load_rules
@@ -61,6 +63,10 @@ from agent.watch.xid import XidWatcher
 log = structlog.get_logger("gpu-agent")
 
 RECENT_EVENTS = 100
+#: Errors meaning the NVML session itself is gone (driver unloaded or reloaded, library and kernel
+#: module now differ after an upgrade): only a fresh nvmlInit can recover, so the backend is reopened.
+LIBRARY_FAULT_KINDS = NO_DRIVER_KINDS | {GpuErrorKind.UNINITIALIZED}
+_LIBRARY_FAULT_VALUES = frozenset(kind.value for kind in LIBRARY_FAULT_KINDS)
 
 
 @dataclass
@@ -68,6 +74,14 @@ class LoopTiming:
     call_timeout_seconds: float = 2.0  # one GPU's whole sample; past it the GPU is stale
     slow_every_seconds: float = 30.0  # ECC counters, remapping, PCIe, thresholds
     stall_loops: float = 3.0  # the watchdog stops pinging once the loop is this many intervals late
+    # How long one loop waits for the policy step or for opening the backend before going on
+    # without it (the work keeps running and its result is taken by a later loop). None: one
+    # interval, so a slow update-initramfs or a hung nvmlInit never costs the watchdog.
+    step_wait_seconds: float | None = None
+
+
+#: What one policy step hands back: the plans, the items it fixed, and why the others failed to apply.
+_PolicyStep = tuple[tuple[ItemPlan, ...], list[ItemPlan], dict[tuple[str, int | None], str]]
 
 
 @dataclass
@@ -106,6 +120,8 @@ class Daemon:
         self.heartbeat_seconds = time.monotonic()
         self.backend: GpuBackend | None = None
         self.backend_error: GpuError | None = None
+        self._opening: Future[GpuBackend] | None = None  # an open_backend still running in the library lane
+        self._library_faults: list[str] = []  # this loop's evidence that the NVML session is gone
         self.engine: PolicyEngine | None = None
         self.host = HostContext(HostPaths.at(config.host_root))
         self.runner = BoundedRunner(self.timing.call_timeout_seconds)
@@ -119,6 +135,8 @@ class Daemon:
         self.collectors: dict[str, CollectorStatus] = {}
         self.last_slow_seconds = float("-inf")
         self.last_policy_seconds = float("-inf")
+        self._policy_pending: tuple[Future[_PolicyStep], bool] | None = None  # (step, full pass?)
+        self._apply_failures: dict[tuple[str, int | None], str] = {}  # item -> why the last apply failed
         self.throttle = ThrottleWatcher()
         self.poll_watchers: list[PollWatcher] = [self.throttle, MemoryWatcher(), GpuLostWatcher(), PcieWatcher()]
         self.devices = DeviceWatcher()
@@ -131,6 +149,8 @@ class Daemon:
         self._watchdog_thread: threading.Thread | None = None
         self._closers: list[Callable[[], None]] = []
         self.store: Store | None = None
+        self._store_failed_monotonic: float | None = None  # when opening the store last failed
+        self._unstored: list[Event] = []  # keyed events the store could not take yet
         self.episodes = Episodes(config.state_dir)
         self.rules: list[Rule] = []
         self.alerts = AlertTracker()
@@ -158,33 +178,79 @@ class Daemon:
 
     # -- backend -------------------------------------------------------------------------------
 
+    def step_wait_seconds(self) -> float:
+        if self.timing.step_wait_seconds is not None:
+            return self.timing.step_wait_seconds
+        return max(self.timing.call_timeout_seconds, self.config.interval_seconds)
+
     def _ensure_backend(self) -> bool:
-        """Open the backend if it is not open; a missing driver is retried every loop, not fatal."""
+        """Open the backend if it is not open; a missing driver is retried every loop, not fatal.
+        nvmlInit runs in the library lane: on a wedged driver it can hang, and the loop must not."""
         if self.backend is not None:
             return True
         try:
-            self.backend = open_backend(self.config)
-        except GpuError as exc:
-            if self.backend_error is None or self.backend_error.kind != exc.kind:
-                log.error("GPU backend unavailable; retrying every loop", error=str(exc), kind=exc.kind.value)
-            self.backend_error = exc
+            if self._opening is None:
+                self._opening = self.runner.submit("library", partial(open_backend, self.config))
+            backend = self.runner.result("library", self._opening, self.step_wait_seconds())
+        except StaleGpu as exc:
+            self._backend_unavailable(
+                GpuError(GpuErrorKind.TIMEOUT, f"opening the GPU backend has not returned ({exc})", call="init")
+            )
             return False
+        except GpuError as exc:
+            self._opening = None
+            self._backend_unavailable(exc)
+            return False
+        self._opening = None
+        self.backend = backend
         self.backend_error = None
         self.engine = PolicyEngine(self.config, self.backend, self.host)
         self.nvml_events = NvmlEventSource(self.backend, self._on_nvml_event, self._on_nvml_lost)
         self.nvml_events.start()
-        log.info("GPU backend open", backend=self.config.backend, driver=self.backend.driver_version())
+        log.info("GPU backend open", backend=self.config.backend, driver=self._driver_version())
         return True
+
+    def _backend_unavailable(self, exc: GpuError) -> None:
+        if self.backend_error is None or self.backend_error.kind != exc.kind:
+            log.error("GPU backend unavailable; retrying every loop", error=str(exc), kind=exc.kind.value)
+        self.backend_error = exc
 
     def _close_backend(self) -> None:
         if self.nvml_events is not None:
             self.nvml_events.stop()
             self.nvml_events = None
-        if self.backend is not None:
-            with contextlib.suppress(GpuError):
-                self.backend.shutdown()
+        backend = self.backend
+        if backend is not None:
+            with contextlib.suppress(GpuError, StaleGpu):
+                self.runner.run("library", backend.shutdown)
         self.backend = None
         self.engine = None
+        self._policy_pending = None  # a step still running holds the old backend: its result is dropped
+
+    def _library_fault(self, where: str, kind: GpuErrorKind | str) -> None:
+        value = kind.value if isinstance(kind, GpuErrorKind) else kind
+        if value in _LIBRARY_FAULT_VALUES:
+            self._library_faults.append(f"{where}: {value}")
+
+    def _reopen_if_driver_gone(self) -> None:
+        """After a driver reload or upgrade the old NVML session answers DRIVER_NOT_LOADED, VERSION_MISMATCH
+        or UNINITIALIZED for good: close it, and the next loop runs nvmlInit again (retried every loop)."""
+        if not self._library_faults:
+            return
+        log.error(
+            "NVML session lost (driver unloaded, reloaded or upgraded): re-initialising", seen=self._library_faults
+        )
+        self._close_backend()
+        self.backend_error = GpuError(GpuErrorKind.UNINITIALIZED, "re-initialising NVML: " + self._library_faults[0])
+
+    def _unavailable_samples(self, now: float) -> list[GpuSample]:
+        """GPUs known from before the backend went away stay in the snapshot, down, rather than vanish
+        from metrics (an alert on gpu_up == 0 must still fire)."""
+        kind = self.backend_error.kind.value if self.backend_error is not None else GpuErrorKind.UNKNOWN.value
+        return [
+            GpuSample(gpu, i.uuid, i.name, i.pci_bus_id, up=False, timestamp_seconds=now, read_errors={"backend": kind})
+            for gpu, i in sorted(self.identities.items())
+        ]
 
     # -- collect ------------------------------------------------------------------------------
 
@@ -218,21 +284,35 @@ class Daemon:
     def collect(self, now: float) -> list[GpuSample]:
         backend = self.backend
         assert backend is not None
-        slow = now - self.last_slow_seconds >= self.timing.slow_every_seconds
+        slow = _due(now, self.last_slow_seconds, self.timing.slow_every_seconds)
         # enumerate at start, when udev says so, when the count changes, and on every slow pass
         # (polling covers hosts without udev)
         if slow or self.rescan.is_set() or not self.identities or len(self.identities) != self._device_count(backend):
             self.rescan.clear()
-            with contextlib.suppress(GpuError, StaleGpu):
+            try:
                 self._enumerate(backend)
+            except GpuError as exc:
+                self._library_fault("enumerate", exc.kind)
+            except StaleGpu:
+                pass
         started = time.monotonic()
         stale: set[int] = set()
         samples: list[GpuSample] = []
+        # Every GPU's reads start before any is waited for: eight hung GPUs cost one timeout, not eight.
+        pending: dict[int, Future[GpuSample] | StaleGpu] = {}
+        for gpu, identity in sorted(self.identities.items()):
+            work = partial(sample_identified, backend, identity, slow=slow, clock=self.clock)
+            try:
+                pending[gpu] = self.runner.submit(f"gpu{gpu}", work)
+            except StaleGpu as exc:
+                pending[gpu] = exc
+        deadline = time.monotonic() + self.timing.call_timeout_seconds
         for gpu, identity in sorted(self.identities.items()):
             try:
-                sample = self.runner.run(
-                    f"gpu{gpu}", partial(sample_identified, backend, identity, slow=slow, clock=self.clock)
-                )
+                started_work = pending[gpu]
+                if isinstance(started_work, StaleGpu):
+                    raise started_work
+                sample = self.runner.result(f"gpu{gpu}", started_work, max(0.0, deadline - time.monotonic()))
             except StaleGpu as exc:
                 stale.add(gpu)
                 previous = self.samples.get(gpu)
@@ -241,6 +321,8 @@ class Daemon:
                 )
                 sample = replace(sample, read_errors={**sample.read_errors, "stale": str(exc)})
             else:
+                for field_name, kind in sample.read_errors.items():
+                    self._library_fault(f"GPU {gpu} {field_name}", kind)
                 if not slow and gpu in self.samples:
                     sample = _carry_slow_fields(self.samples[gpu], sample)
             samples.append(sample)
@@ -258,7 +340,10 @@ class Daemon:
     def _device_count(self, backend: GpuBackend) -> int:
         try:
             count: int = self.runner.run("library", backend.device_count)
-        except (GpuError, StaleGpu):
+        except GpuError as exc:
+            self._library_fault("device_count", exc.kind)
+            return len(self.identities)
+        except StaleGpu:
             return len(self.identities)
         return count
 
@@ -269,31 +354,76 @@ class Daemon:
         engine = self.engine
         if engine is None:
             return []
-        full = now - self.last_policy_seconds >= self.config.policy_interval_seconds
+        full = _due(now, self.last_policy_seconds, self.config.policy_interval_seconds)
         wants_fans = any(p.fan_curve is not None for p in self.config.policy.gpus)
         if not full and not wants_fans:
             return []
         enforcing = bool(self.config.writable_items() - {"gpu_reset"})
 
-        def step() -> tuple[tuple[ItemPlan, ...], list[ItemPlan]]:
+        def step() -> _PolicyStep:
             items = None if full else {"fan_curve"}
             if enforcing:
+                # apply() only writes items whose plan was read completely and says DRIFT: an item
+                # with any failed read is an ERROR plan and is skipped, never half-applied.
                 report = engine.apply(only=items)
-                fixed = [r.plan for r in report.results if r.outcome.value == "applied"]
-                return report.plan.items, fixed
-            return engine.plan(only=items).items, []
+                fixed = [r.plan for r in report.results if r.outcome is ItemOutcome.APPLIED]
+                failed = {
+                    (r.plan.item, r.plan.gpu): r.detail for r in report.results if r.outcome is ItemOutcome.FAILED
+                }
+                return report.plan.items, fixed, failed
+            return engine.plan(only=items).items, [], {}
 
         try:
-            plans, fixed = self._timed("policy", lambda: self.runner.run("policy", step, timeout_seconds=60.0))
-        except (GpuError, StaleGpu, OSError) as exc:
-            log.error("policy step failed", error=str(exc))
+            if self._policy_pending is None:
+                self._policy_pending = (self.runner.submit("policy", step), full)
+            future, full = self._policy_pending  # possibly a step an earlier loop started
+            plans, fixed, failed = self._timed(
+                "policy", lambda: self.runner.result("policy", future, self.step_wait_seconds())
+            )
+        except StaleGpu as exc:
+            # Still running (a long update-initramfs, a hung NVML call): the loop goes on and a later
+            # loop takes the result; the collector says so meanwhile.
+            self.collectors["policy"] = CollectorStatus("policy", False, 0.0, f"step still running: {exc}")
+            log.warning("policy step still running; the loop goes on without it", error=str(exc))
             return []
+        except (GpuError, OSError) as exc:
+            self._policy_pending = None
+            log.error("policy step failed", error=str(exc))
+            if isinstance(exc, GpuError):
+                self._library_fault("policy", exc.kind)
+            # What the last pass said is no longer known to hold.
+            self.policy = tuple(_unknown_plan(p, exc) if full or p.item == "fan_curve" else p for p in self.policy)
+            return []
+        self._policy_pending = None
+        for plan in plans:
+            if plan.error_kind is not None:
+                self._library_fault(f"policy {plan.item}", plan.error_kind)
+        plans = self._note_apply_failures(plans, failed)
         if full:
             self.last_policy_seconds = now
             self.policy = plans
         else:
             self.policy = _merge_plans(self.policy, plans)
         return self._drift_events(fixed, now)
+
+    def _note_apply_failures(
+        self, plans: tuple[ItemPlan, ...], failed: dict[tuple[str, int | None], str]
+    ) -> tuple[ItemPlan, ...]:
+        """A drift that could not be put back says why, in the plan and (once per reason) in the log."""
+        for key, detail in failed.items():
+            if self._apply_failures.get(key) != detail:
+                log.warning("policy item could not be applied", item=key[0], gpu=key[1], error=detail)
+        planned = {(p.item, p.gpu) for p in plans}
+        self._apply_failures = {
+            **{k: v for k, v in self._apply_failures.items() if k not in planned},
+            **failed,
+        }
+        return tuple(
+            replace(p, detail="; ".join(filter(None, (p.detail, f"not applied: {failed[(p.item, p.gpu)]}"))))
+            if (p.item, p.gpu) in failed
+            else p
+            for p in plans
+        )
 
     def _drift_events(self, fixed: Sequence[ItemPlan], now: float) -> list[Event]:
         events = []
@@ -328,12 +458,16 @@ class Daemon:
             self.loop_hook()
         events: list[Event] = []
         samples: list[GpuSample] = []
+        self._library_faults = []
         if self._ensure_backend():
             samples = self.collect(now)
             for watcher in self.poll_watchers:
                 events.extend(watcher.observe(samples, now))
             events.extend(self.devices.observe(samples, now))
             events.extend(self.enforce_policy(now))
+            self._reopen_if_driver_gone()
+        else:
+            samples = self._unavailable_samples(now)
         while True:
             try:
                 events.append(self.events.get_nowait())
@@ -392,16 +526,39 @@ class Daemon:
 
     # -- evaluate -> act ---------------------------------------------------------------------
 
+    def _reopen_store(self) -> Store | None:
+        """A store that could not be opened (state dir full, read-only) is tried again now and then."""
+        if self.store is not None or self._store_failed_monotonic is None:
+            return self.store
+        if time.monotonic() - self._store_failed_monotonic < STORE_RETRY_SECONDS:
+            return None
+        try:
+            self.store = Store.open(self.config.state_dir)
+        except StoreError as exc:
+            self._store_failed_monotonic = time.monotonic()
+            self.collectors["remediation"] = CollectorStatus("remediation", False, 0.0, str(exc))
+            return None
+        log.info("event store open again: remediation resumes", path=str(self.store.path))
+        self._store_failed_monotonic = None
+        self._closers.append(self.store.close)
+        return self.store
+
     def remediate(self, snapshot: NodeSnapshot, events: Sequence[Event], now: float) -> None:
         """Store new events, evaluate the rules (pure), queue the actions: the loop never waits on one."""
-        store = self.store
+        store = self._reopen_store()
+        if store is None and self._store_failed_monotonic is None:
+            return  # no store at all (an embedded daemon that never started its services)
+        # Keyed once: a clearing event closes its episode once, however often it has to be retried. A
+        # retried event the store took before it failed, but no rule saw, is offered again by the store.
+        keyed_events = self._unstored + [self.episodes.keyed(event) for event in events]
+        self._unstored = []
         if store is None:
+            self._keep_unstored(keyed_events)
             return
         started = time.monotonic()
         new: list[Event] = []
         try:
-            for event in events:
-                keyed = self.episodes.keyed(event)
+            for keyed in keyed_events:
                 if store.record_event(keyed):
                     new.append(keyed)
             with self.inflight_lock:
@@ -435,15 +592,24 @@ class Daemon:
         except StoreError as exc:
             self.collectors["remediation"] = CollectorStatus("remediation", False, time.monotonic() - started, str(exc))
             log.error("remediation step failed: the event store is unusable", error=str(exc))
+            self._keep_unstored(keyed_events)
             return
         self.collectors["remediation"] = CollectorStatus("remediation", True, time.monotonic() - started)
         for event in events:
             with contextlib.suppress(Exception):
                 self.alerts.resolve_cleared(event)
-        if now - self.last_alert_refresh_seconds >= ALERT_REFRESH_SECONDS:
+        if _due(now, self.last_alert_refresh_seconds, ALERT_REFRESH_SECONDS):
             self.last_alert_refresh_seconds = now
             for error in self.alerts.refresh():
                 log.warning("could not refresh an alert", error=error)
+
+    def _keep_unstored(self, keyed_events: list[Event]) -> None:
+        """Events the store could not take wait for the next loop (bounded: a store down for days must
+        not grow the agent); the oldest go first, and that is logged."""
+        dropped = len(keyed_events) - MAX_UNSTORED_EVENTS
+        if dropped > 0:
+            log.error("event store unusable for long: oldest unstored events dropped", dropped=dropped)
+        self._unstored = keyed_events[-MAX_UNSTORED_EVENTS:]
 
     def _record(self, outcome: ActionOutcome) -> None:
         if self.store is None:
@@ -489,6 +655,8 @@ class Daemon:
                 self.xid.clear(decision.target.gpu)  # a reset GPU starts with a clean Xid history
 
     def _health(self, gpu: int) -> Health:
+        if self.backend is None and self.backend_error is not None:
+            return Health(HealthState.DEGRADED, f"GPU backend unavailable: {self.backend_error}")
         if gpu in self.stale:
             return Health(HealthState.DEGRADED, "NVML calls for this GPU hang: readings are stale")
         return self.health_book.gpu_health(gpu)
@@ -584,8 +752,13 @@ class Daemon:
         try:
             self.store = Store.open(self.config.state_dir)
         except StoreError as exc:
-            log.error("event store unavailable: remediation is off until a restart", error=str(exc))
+            log.error(
+                "event store unavailable: remediation is off until it can be opened",
+                error=str(exc),
+                retry_seconds=STORE_RETRY_SECONDS,
+            )
             self.collectors["remediation"] = CollectorStatus("remediation", False, 0.0, str(exc))
+            self._store_failed_monotonic = time.monotonic()
         else:
             self._closers.append(self.store.close)
         self.prober_thread = ProberThread(self.prober)
@@ -679,10 +852,15 @@ class Daemon:
             except (StaleGpu, GpuError) as exc:
                 log.error("could not restore automatic fan control", gpu=gpu, error=str(exc))
                 continue
-            log.info("fans restored to automatic", gpu=gpu, outcome=result.outcome.value)
+            if result.outcome is ItemOutcome.FAILED:
+                log.error("could not restore automatic fan control", gpu=gpu, error=result.detail)
+            else:
+                log.info("fans restored to automatic", gpu=gpu, outcome=result.outcome.value)
 
 
 ALERT_REFRESH_SECONDS = 60.0
+STORE_RETRY_SECONDS = 30.0
+MAX_UNSTORED_EVENTS = 10_000
 
 
 class _InflightHistory:
@@ -750,6 +928,24 @@ def _carry_slow_fields(previous: GpuSample, fresh: GpuSample) -> GpuSample:
         )
     }
     return replace(fresh, **slow) if fresh.up else fresh
+
+
+def _due(now: float, last: float, every_seconds: float) -> bool:
+    """Whether periodic work is due on the wall clock; a clock stepped backwards makes it due at once
+    rather than wait for the clock to catch up with the old time (an hour without policy checks)."""
+    elapsed = now - last
+    return elapsed >= every_seconds or elapsed < 0
+
+
+def _unknown_plan(plan: ItemPlan, exc: Exception) -> ItemPlan:
+    return replace(
+        plan,
+        status=PlanStatus.ERROR,
+        actual="unknown",
+        detail=f"policy step failed: {exc}",
+        changes=(),
+        error_kind=exc.kind.value if isinstance(exc, GpuError) else None,
+    )
 
 
 def _merge_plans(previous: tuple[ItemPlan, ...], fresh: tuple[ItemPlan, ...]) -> tuple[ItemPlan, ...]:

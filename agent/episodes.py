@@ -39,12 +39,16 @@ class Episodes:
             return event  # keys that already name one occurrence (Xids carry their time, ECC its counter)
         subject = event.key.partition(":")[2]
         with self._lock:
-            if cleared is not None:
-                for kind in cleared:
-                    condition = f"{kind.value}:{subject}"
+            if cleared is None:
+                number = self._numbers.get(event.key, 0)
+            else:
+                conditions = [f"{kind.value}:{subject}" for kind in cleared]
+                # A clearing event is keyed by the episode it ends: every recovery of a flapping
+                # service is its own stored event, not a duplicate of the first one.
+                number = max(self._numbers.get(condition, 0) for condition in conditions)
+                for condition in conditions:
                     self._numbers[condition] = self._numbers.get(condition, 0) + 1
                 self._save()
-            number = self._numbers.get(event.key, 0)
         return replace(event, key=f"{event.key}#{number}")
 
     def _save(self) -> None:

@@ -21,10 +21,10 @@ Usage: python3 -m bench.collect_cost [--backend nvml] [--out FILE.json]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -200,10 +200,8 @@ def nvml_raw_calls(gpu: int, chosen: dict[str, str]) -> tuple[list[Call], list[C
 
 def run_calls(calls: Sequence[Call], errors: tuple[type[BaseException], ...]) -> None:
     for function, args in calls:
-        try:
+        with contextlib.suppress(*errors):  # NOT_SUPPORTED and friends: the raw loop only pays for the call
             function(*args)
-        except errors:
-            pass  # NOT_SUPPORTED and friends: the raw loop only pays for the call
 
 
 # -- measuring ----------------------------------------------------------------------------------
@@ -338,7 +336,9 @@ def nvidia_smi_comparison(
 
 def open_bench_backend(backend_name: str, profile: str, state_dir: Path) -> GpuBackend:
     """The backend with nothing writable: every setter is refused before it reaches a GPU."""
-    config = AgentConfig(backend=backend_name, simulated=SimulatedConfig(profile=profile), state_dir=str(state_dir))
+    config = AgentConfig.model_validate(
+        {"backend": backend_name, "simulated": SimulatedConfig(profile=profile), "state_dir": str(state_dir)}
+    )
     return open_backend(config, writable_items=())
 
 

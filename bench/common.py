@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -330,48 +331,59 @@ def scratch_dir(prefix: str) -> Iterator[Path]:
 
 
 class RunningDaemon:
-    """`gpu-agent run` as a child process, with the sd_notify datagram socket it reports to."""
+    """`gpu-agent run` as a child process, with the sd_notify datagram socket it reports to.
+
+    A thread reads every datagram as it comes, as systemd does: a notify socket nobody reads
+    fills up after a few datagrams (net.unix.max_dgram_qlen) and the daemon's next send blocks.
+    """
 
     def __init__(self, node: Node, *, log_level: str = "info") -> None:
         self.node = node
         self.notify_path = node.directory / "notify.sock"
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.notify.bind(str(self.notify_path))
+        self.received: list[tuple[float, dict[str, str]]] = []
+        self._arrived = threading.Condition()
+        self._reader = threading.Thread(target=self._read_notifications, name="notify-reader", daemon=True)
+        self._reader.start()
         env = agent_env({"NOTIFY_SOCKET": str(self.notify_path)})
         argv = node.cli("run", "--log-format", "json", "--log-level", log_level)
         with open(node.log_path, "ab") as log:
             self.spawned = time.perf_counter()
             self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
-        self.received: list[tuple[float, dict[str, str]]] = []
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
-    def wait_for(self, key: str, timeout_seconds: float = 60.0) -> float:
-        """perf_counter() when a datagram carrying `key` (e.g. READY) arrived; raises on timeout or exit."""
-        for arrived, fields in self.received:
-            if key in fields:
-                return arrived
-        deadline = time.monotonic() + timeout_seconds
+    def _read_notifications(self) -> None:
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"no {key}= from the daemon within {timeout_seconds:g} s; log: {self.log_tail()}")
-            self.notify.settimeout(min(remaining, 0.5))
             try:
                 data = self.notify.recv(65536)
-            except TimeoutError:
+            except OSError:  # closed by stop()
+                return
+            arrived = time.perf_counter()
+            fields = dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
+            with self._arrived:
+                self.received.append((arrived, fields))
+                self._arrived.notify_all()
+
+    def wait_for(self, key: str, timeout_seconds: float = 60.0) -> float:
+        """perf_counter() when a datagram carrying `key` (e.g. READY) arrived; raises on timeout or exit."""
+        deadline = time.monotonic() + timeout_seconds
+        with self._arrived:
+            while True:
+                for arrived, fields in self.received:
+                    if key in fields:
+                        return arrived
                 if self.process.poll() is not None:
                     raise RuntimeError(
                         f"daemon exited ({self.process.returncode}) before {key}=; log: {self.log_tail()}"
-                    ) from None
-                continue
-            arrived = time.perf_counter()
-            fields = dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
-            self.received.append((arrived, fields))
-            if key in fields:
-                return arrived
+                    )
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"no {key}= within {timeout_seconds:g} s; log: {self.log_tail()}")
+                self._arrived.wait(min(remaining, 0.2))
 
     def stop(self, timeout_seconds: float = 20.0) -> float:
         """SIGTERM; seconds until the process exited (killed after `timeout_seconds`)."""
@@ -383,10 +395,14 @@ class RunningDaemon:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        stopped = time.perf_counter() - started
+        with contextlib.suppress(OSError):
+            self.notify.shutdown(socket.SHUT_RDWR)
         self.notify.close()
+        self._reader.join(timeout=5)
         with contextlib.suppress(FileNotFoundError):
             self.notify_path.unlink()
-        return time.perf_counter() - started
+        return stopped
 
     def log_tail(self, lines: int = 15) -> str:
         with contextlib.suppress(OSError):

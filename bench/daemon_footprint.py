@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import http.client
+import itertools
 import os
 import re
 import time
@@ -56,12 +57,12 @@ def read_stat(pid: int) -> ProcStat:
     return ProcStat(ppid=int(fields[1]), cpu_ticks=utime + stime + cutime + cstime, threads=int(fields[17]))
 
 
-def status_kb(pid: int, key: str) -> int:
-    """A `kB` line of /proc/PID/status (VmRSS, VmHWM); 0 when absent (a zombie)."""
+def status_kb(pid: int, key: str) -> int | None:
+    """A `kB` line of /proc/PID/status (VmRSS, VmHWM); None when absent (a zombie, a sandboxed /proc)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(key + ":"):
             return int(line.split()[1])
-    return 0
+    return None
 
 
 def pss_kb(pid: int) -> int | None:
@@ -100,12 +101,12 @@ class Reading:
 def read_tree(pid: int) -> Reading:
     wall = time.monotonic()
     own = read_stat(pid)
-    ticks, rss = own.cpu_ticks, status_kb(pid, "VmRSS")
+    ticks, rss = own.cpu_ticks, status_kb(pid, "VmRSS") or 0
     kids = descendants(pid)
     for child in kids:
         with contextlib.suppress(OSError, ValueError, IndexError):
             ticks += read_stat(child).cpu_ticks
-            rss += status_kb(child, "VmRSS")
+            rss += status_kb(child, "VmRSS") or 0
     return Reading(wall, ticks / CLOCK_TICKS_PER_SECOND, rss, own.threads, len(kids))
 
 
@@ -130,7 +131,7 @@ def measure_node(args: argparse.Namespace, profile: str, directory: Path) -> dic
         daemon.stop()
     per_second = [
         100.0 * (b.cpu_seconds - a.cpu_seconds) / (b.wall_seconds - a.wall_seconds)
-        for a, b in zip(readings, readings[1:])
+        for a, b in itertools.pairwise(readings)
     ]
     first, last = readings[0], readings[-1]
     window = last.wall_seconds - first.wall_seconds
@@ -146,7 +147,7 @@ def measure_node(args: argparse.Namespace, profile: str, directory: Path) -> dic
         "rss_mb_start": round(first.rss_kb / 1024, 1),
         "rss_mb_end": round(last.rss_kb / 1024, 1),
         "rss_growth_mb": round((last.rss_kb - first.rss_kb) / 1024, 2),
-        "peak_rss_mb_vmhwm": round(peak_kb / 1024, 1),
+        "peak_rss_mb_vmhwm": round(peak_kb / 1024, 1) if peak_kb is not None else None,
         "pss_mb_end": round(pss / 1024, 1) if pss is not None else None,
         "threads": last.threads,
         "child_processes_max": max(r.children for r in readings),

@@ -295,9 +295,7 @@ def copyright_file(wheels: Sequence[Wheel], common_licenses: bool) -> str:
         if wheel.project == NAME:
             continue
         texts = _wheel_license_texts(wheel)
-        holders = sorted(
-            {m.strip() for text in texts for m in re.findall(r"^\s*(Copyright\b.+)$", text, re.MULTILINE)}
-        )
+        holders = sorted({m.strip() for text in texts for m in re.findall(r"^\s*(Copyright\b.+)$", text, re.MULTILINE)})
         if common_licenses:
             texts = [
                 f"On Debian systems, the complete text of the {name} license can be found in "
@@ -316,7 +314,7 @@ def copyright_file(wheels: Sequence[Wheel], common_licenses: bool) -> str:
     parts.append(
         f"License: {PROJECT_LICENSE}\n"
         + _dep5_text(
-            "Licensed under the Apache License, Version 2.0 (the \"License\"); you may not use this file\n"
+            'Licensed under the Apache License, Version 2.0 (the "License"); you may not use this file\n'
             "except in compliance with the License. You may obtain a copy of the License at\n"
             "\n"
             "    http://www.apache.org/licenses/LICENSE-2.0\n"
@@ -387,7 +385,7 @@ def stage_target(
     work: Path, target: Target, wheels: Sequence[Wheel], version: str, release_number: int
 ) -> tuple[Path, dict[str, str]]:
     """Write everything the recipe takes from ${STAGE}; return the stage and the template values."""
-    stage = work / "stage" / target.name
+    stage = work / "stage" / f"{target.name}-{release_number}"
     shutil.rmtree(stage, ignore_errors=True)
     (stage / "wheels").mkdir(parents=True)
     release = target.release(release_number)

@@ -128,7 +128,7 @@ class ScriptedHostContext(HostContext):
     missing: frozenset[str] = frozenset()
     calls: list[tuple[str, ...]] = field(default_factory=list)
 
-    def run_command(self, argv: Sequence[str]) -> CommandResult:
+    def run_command(self, argv: Sequence[str], outside_sandbox: bool = False) -> CommandResult:
         self.calls.append(tuple(argv))
         if argv[0] in self.missing:
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv[0])

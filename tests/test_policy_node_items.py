@@ -661,3 +661,30 @@ def test_nouveau_unreadable_module_list_is_an_error(tmp_path: Path) -> None:
     assert plan.detail.startswith("cannot read: [Errno 21] Is a directory")
     assert nouveau.apply(ctx, "blacklisted", plan).outcome is Outcome.FAILED
     assert not ctx.paths.exists(CONF)
+
+
+def test_initramfs_rebuild_leaves_the_service_sandbox_under_systemd(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside the hardened unit /boot is read-only: the rebuild runs as a transient unit of its own."""
+    import subprocess as real_subprocess
+
+    from agent.policy.base import HostContext
+
+    ran: list[list[str]] = []
+
+    def fake_run(argv: list[str], **_kwargs: object) -> real_subprocess.CompletedProcess[str]:
+        ran.append(argv)
+        return real_subprocess.CompletedProcess(argv, 0, "", "")
+
+    monkeypatch.setattr("agent.policy.base.subprocess.run", fake_run)
+    monkeypatch.setattr("agent.policy.base.shutil.which", lambda name: f"/usr/bin/{name}")
+    ctx = HostContext(HostPaths.at("/"))
+    monkeypatch.delenv("INVOCATION_ID", raising=False)
+    ctx.run_command(["update-initramfs", "-u"], outside_sandbox=True)
+    monkeypatch.setenv("INVOCATION_ID", "0123456789abcdef")
+    ctx.run_command(["update-initramfs", "-u"], outside_sandbox=True)
+    ctx.run_command(["systemctl", "daemon-reload"])
+    assert ran == [
+        ["update-initramfs", "-u"],
+        ["systemd-run", "--wait", "--pipe", "--collect", "--quiet", "--", "update-initramfs", "-u"],
+        ["systemctl", "daemon-reload"],
+    ]

@@ -7,6 +7,8 @@ only called by the engine for items in enforce mode whose plan says DRIFT.
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -90,11 +92,16 @@ class HostContext:
     def is_real_root(self) -> bool:
         return self.paths.root.resolve() == Path("/")
 
-    def run_command(self, argv: Sequence[str]) -> CommandResult:
+    def run_command(self, argv: Sequence[str], outside_sandbox: bool = False) -> CommandResult:
+        """Run a host-wide command. `outside_sandbox`: when the agent runs as a hardened systemd
+        service (it cannot write /boot or read the module tree), run the command as a transient
+        unit of its own, `systemd-run --wait --pipe --collect`, with the host's full view."""
         if not self.is_real_root:
             return CommandResult(
                 tuple(argv), ran=False, returncode=None, output=f"not run: host_root is {self.paths.root}"
             )
+        if outside_sandbox and os.environ.get("INVOCATION_ID") and shutil.which("systemd-run"):
+            argv = ["systemd-run", "--wait", "--pipe", "--collect", "--quiet", "--", *argv]
         proc = subprocess.run(
             list(argv),
             capture_output=True,

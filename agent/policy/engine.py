@@ -216,7 +216,16 @@ class PolicyEngine:
         """Fans to automatic, locked clocks reset, default power limit: only for items the agent may change."""
         self.enumerate_gpus()
         writable = self.config.writable_items()
-        results: list[ItemResult] = []
+        # A GPU that cannot even be identified was not restored: say so, never report success for it.
+        results: list[ItemResult] = [
+            ItemResult(
+                ItemPlan(GPU_ITEM, gpu, PlanStatus.ERROR, "readable", "unreadable", str(error), (), error.kind.value),
+                Outcome.FAILED,
+                f"GPU {gpu} could not be identified, so nothing on it was restored: {error}",
+            )
+            for gpu, error in sorted(self.state.unreadable.items())
+            if writable & {m.NAME for m in RESTORABLE_MODULES}
+        ]
         for gpu in sorted(self.state.contexts):
             ctx = self.state.contexts[gpu]
             for module in RESTORABLE_MODULES:

@@ -141,11 +141,12 @@ def _fans_text(fans: list[int]) -> str:
 
 
 def _manual(ctx: GpuContext, fan: int) -> bool | None:
-    """Whether software holds this fan; None when the board cannot say (older control-policy API)."""
+    """Whether software holds this fan; None when that cannot be read (an older control-policy API,
+    or the read failing), so restore resets the fan anyway. Only a lost GPU is past helping."""
     try:
         return ctx.backend.fan_manual(ctx.gpu, fan)
     except GpuError as exc:
-        if exc.kind is not GpuErrorKind.NOT_SUPPORTED:
+        if exc.kind is GpuErrorKind.GPU_LOST:
             raise
         return None
 

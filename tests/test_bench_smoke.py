@@ -1,0 +1,202 @@
+"""Each benchmark runs in a tiny configuration and writes a valid result document.
+
+The figures are not checked (they are measurements, not assertions); what is checked is that
+each benchmark measured what it claims to: the hang was in effect while scrapes were timed, the
+injected faults were seen, the status command answered from the daemon, and so on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+from nvml_replay import install_replay
+
+from bench import collect_cost, daemon_footprint, detection_latency, run_all, scrape_latency, startup, status_wall
+from bench.common import SCHEMA, percentile, summarize
+
+
+def read_document(path: Path, returned: dict[str, Any], benchmark: str) -> dict[str, Any]:
+    document: dict[str, Any] = json.loads(path.read_text())
+    assert document == json.loads(json.dumps(returned))
+    assert document["schema"] == SCHEMA
+    assert document["benchmark"] == benchmark
+    assert document["machine"]["gpu_count"] >= 1
+    assert document["results"]
+    for goal in document["targets"]:
+        assert goal["met"] in (True, False, None)
+        assert goal["met"] is None or isinstance(goal["value"], (int, float))
+    # every figure in a summary is ordered as its name says
+    figures = [value for value in _walk(document["results"]) if isinstance(value, dict) and "median" in value]
+    for figure in figures:
+        assert figure["min"] <= figure["median"] <= figure["p90"] <= figure["p99"] <= figure["max"]
+    return document
+
+
+def _walk(value: Any) -> Any:
+    yield value
+    if isinstance(value, dict):
+        for item in value.values():
+            yield from _walk(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _walk(item)
+
+
+def test_statistics() -> None:
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([1.0, 2.0], 90) == pytest.approx(1.9)
+    assert summarize([0.001, 0.002, 0.003], 1e3) == {
+        "n": 3,
+        "mean": 2.0,
+        "median": 2.0,
+        "p90": 2.8,
+        "p99": 2.98,
+        "min": 1.0,
+        "max": 3.0,
+    }
+    assert summarize([]) == {"n": 0}
+
+
+def test_collect_cost_simulated(tmp_path: Path) -> None:
+    out = tmp_path / "collect.json"
+    returned = collect_cost.main(
+        ["--profile", "h200x2", "--rounds", "20", "--seconds", "0.2", "--lane-calls", "200", "--out", str(out)]
+    )
+    document = read_document(out, returned, "collect_cost")
+    results = document["results"]
+    assert set(results["per_poll_ms"]) == {"agent_fast", "agent_fast_lanes", "raw_fast", "agent_full", "raw_full"}
+    assert document["parameters"]["gpus"] == 2
+    # 13 fast readers on a fan-less H200 (the fan count, no speeds), 13 more slow ones, per GPU
+    assert document["parameters"]["raw_calls_per_poll"] == {"fast": 26, "full": 52}
+    assert results["ratios"]["fast_poll_over_raw"] > 0
+    assert results["lane_handoff"]["through_lane_us"]["n"] == 200
+    assert "nvml backend only" in results["nvidia_smi"]["skipped"]
+    assert [t["name"] for t in document["targets"]] == [
+        "agent fast poll / raw getters",
+        "agent fast+slow poll / raw getters",
+    ]
+
+
+def test_collect_cost_nvml_replay_with_nvidia_smi(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The nvml path on a replayed H200, and the nvidia-smi pairing against a stand-in that
+    knows only some fields (an older driver names the clock-event field after throttling)."""
+    install_replay(monkeypatch)
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in\n'
+        '  --help-query-gpu) printf \'"temperature.gpu"\\nGPU core temperature.\\n'
+        '"power.draw"\\n"clocks_throttle_reasons.active" or "clocks_throttle_reasons_active"\\n\';;\n'
+        '  --query-gpu=*,*) echo "33, 120.5, 0x1";;\n'
+        "  --query-gpu=pstate) echo P0;;\n"
+        "  *) exit 2;;\n"
+        "esac\n"
+    )
+    smi.chmod(smi.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{smi.parent}{os.pathsep}{os.environ['PATH']}")
+    out = tmp_path / "collect-nvml.json"
+    nvml_args = ["--backend", "nvml", "--rounds", "10", "--seconds", "0.1", "--smi-runs", "2", "--lane-calls", "50"]
+    returned = collect_cost.main([*nvml_args, "--out", str(out)])
+    document = read_document(out, returned, "collect_cost")
+    assert document["machine"]["gpu_names"] == ["NVIDIA H200"]
+    assert document["parameters"]["nvml_functions_chosen"] == {
+        "temperature": "nvmlDeviceGetTemperatureV",
+        "clock_event_reasons": "nvmlDeviceGetCurrentClocksEventReasons",
+    }
+    smi_result = document["results"]["nvidia_smi"]
+    fields = smi_result["command_fast"].split("--query-gpu=")[1].split()[0].split(",")
+    assert fields == ["temperature.gpu", "power.draw", "clocks_throttle_reasons.active", "pstate"]
+    assert "memory.used" in smi_result["fields_without_query_name"]
+    assert smi_result["sample_output"] == ["33, 120.5, 0x1"]
+    assert smi_result["per_run_ms"]["nvidia_smi_fast"]["n"] == 2
+    assert smi_result["smi_over_poll_fast"] > 0
+    assert "nvidia-smi query / agent poll (fast)" in [t["name"] for t in document["targets"]]
+
+
+def test_daemon_footprint(tmp_path: Path) -> None:
+    out = tmp_path / "footprint.json"
+    returned = daemon_footprint.main(
+        ["--profiles", "h200", "--seconds", "1.5", "--warmup", "0.2", "--interval", "0.2", "--out", str(out)]
+    )
+    document = read_document(out, returned, "daemon_footprint")
+    (node,) = document["results"]["nodes"]
+    assert node["gpus"] == 1
+    assert node["window_seconds"] >= 1.0
+    assert node["cpu_percent_mean"] > 0
+    assert 10 < node["rss_mb_max"] <= node["peak_rss_mb_vmhwm"] + 1  # sampled once a second vs the kernel's peak
+    assert node["threads"] > 3  # the loop, a GPU lane, the servers, the watchers
+    assert node["last_loop_seconds"] is not None
+
+
+def test_scrape_latency_with_a_hung_call(tmp_path: Path) -> None:
+    out = tmp_path / "scrape.json"
+    returned = scrape_latency.main(
+        ["--profile", "h200x2", "--scrapes", "12", "--interval", "0.2", "--hang-seconds", "20", "--out", str(out)]
+    )
+    document = read_document(out, returned, "scrape_latency")
+    baseline, hanging = document["results"]["phases"]["baseline"], document["results"]["phases"]["hanging"]
+    assert baseline["keepalive_ms"]["n"] == 12 and baseline["fresh_connection_ms"]["n"] == 3
+    assert baseline["scrapes_seeing_gpu0_stale"] == 0
+    assert hanging["scrapes_seeing_gpu0_stale"] == 12  # the hang held for the whole phase
+    assert baseline["series"] > 50
+    assert len(document["targets"]) == 2
+
+
+def test_detection_latency(tmp_path: Path) -> None:
+    out = tmp_path / "detection.json"
+    tiny = ["--profile", "h200x2", "--injections", "1", "--service-rounds", "1", "--interval", "0.2"]
+    returned = detection_latency.main([*tiny, "--probe-interval", "0.1", "--action-grace", "0.5", "--out", str(out)])
+    document = read_document(out, returned, "detection_latency")
+    results = document["results"]
+    assert set(results) == {"xid_nvml", "xid_kmsg", "service"}
+    for summary in results.values():
+        # the daemon logs the event, then "action started" and "action finished" for the rule
+        assert summary["milestones_present"][:3] == ["action_finished", "action_started", "event_visible"]
+        assert summary["headline"] == "action_started"
+        assert summary["missed"] == 0
+        visible = summary["milestones"]["event_visible"]
+        assert visible["observed_ms"]["n"] == 1
+        assert 0 < visible["logged_ms"]["median"] < 5000
+        assert summary["headline_p99_ms"] is not None
+
+
+def test_startup(tmp_path: Path) -> None:
+    out = tmp_path / "startup.json"
+    returned = startup.main(["--profile", "h200", "--runs", "1", "--out", str(out)])
+    document = read_document(out, returned, "startup")
+    results = document["results"]
+    assert results["ready_ms"]["n"] == 1
+    assert results["first_ready_ms"] == results["ready_ms"]["median"]
+    assert results["ready_ms_after_first"] == {"n": 0}
+    assert results["python_bare_ms"]["median"] < results["ready_ms"]["median"]
+
+
+def test_status_wall(tmp_path: Path) -> None:
+    out = tmp_path / "status.json"
+    returned = status_wall.main(["--profile", "h200", "--runs", "1", "--out", str(out)])
+    document = read_document(out, returned, "status_wall")
+    results = document["results"]
+    assert {"status_daemon", "status_direct", "python_bare"} <= set(results["wall_ms"])
+    assert results["exit_codes"]["status_daemon"] == [0]
+    assert results["exit_codes"]["status_direct"] == [0]
+    assert results["ratios"]["daemon_over_python_bare"] > 1
+
+
+def test_run_all_merges(tmp_path: Path) -> None:
+    merged = run_all.main(["--only", "collect_cost", "--quick", "--profile", "h200", "--out-dir", str(tmp_path)])
+    assert merged["failures"] == {}
+    on_disk = json.loads((tmp_path / "all.json").read_text())
+    assert on_disk["benchmarks"]["collect_cost"] == json.loads((tmp_path / "collect_cost.json").read_text())
+    assert on_disk["machine"]["backend"] == "simulated"
+    assert any(row["figure"] == "poll / raw, fast tier" for row in on_disk["figures"])
+    assert {t["benchmark"] for t in on_disk["targets"]} == {"collect_cost"}
+    with pytest.raises(SystemExit):
+        run_all.main(["--only", "nonsense", "--out-dir", str(tmp_path)])

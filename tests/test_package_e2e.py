@@ -1,0 +1,288 @@
+"""The Debian 12 package installed with apt in a real systemd (tests/systemd_sandbox.py): the
+hardened unit starts, notifies, answers `gpu-agent status`, logs structured journal entries, is
+restarted by its watchdog, restarts a stand-in sglang.service by rule, upgrades keeping its
+configuration, and leaves nothing behind when purged.
+
+The sandbox is a Debian 12 (bookworm) root file system, so the cp311 package is the one under
+test. Its dependencies (python3-venv, python3-systemd) come from Debian's archive through the
+sandbox's apt, as they would on a server. The GPUs are the simulated backend's; the host tree it
+reads is a fake one inside the sandbox.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from hosttree import make_host_tree
+from systemd_sandbox import SystemdSandbox, missing_requirements
+from test_packaging import VERSION, build_packages
+
+from agent.standin import free_port
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(missing_requirements() is not None, reason=str(missing_requirements())),
+]
+
+UNIT = "gpu-agent.service"
+HOST_ROOT = "/srv/gpu-agent-host"
+DEB = "/root/gpu-agent.deb"
+APT_ENV = ["env", "DEBIAN_FRONTEND=noninteractive"]
+SGLANG_PORT = free_port()
+METRICS_PORT = free_port()
+# The stand-in runs from the package's own environment: agent/standin.py is part of gpu-agent.
+SGLANG_UNIT = f"""[Unit]
+Description=sglang stand-in
+
+[Service]
+ExecStart=/opt/gpu-agent/venv/bin/python -m agent.standin --port {SGLANG_PORT} --control-file /run/sglang.control
+"""
+# Watchdog and restart delays shortened for the test: the shipped 30 s / 5 s are checked by
+# tests/test_unit_file.py; here the mechanism is what counts.
+FAST_WATCHDOG = "[Service]\nWatchdogSec=6s\nRestartSec=1s\n"
+SIMULATED_CONFIG = f"""mode: enforce
+backend: simulated
+simulated: {{profile: h200x2}}
+host_root: {HOST_ROOT}
+interval_seconds: 1
+metrics: {{listen: "127.0.0.1:{METRICS_PORT}"}}
+services:
+  - name: sglang
+    unit: sglang.service
+    health_url: "http://127.0.0.1:{SGLANG_PORT}/health"
+    probe_interval_seconds: 1
+    probe_timeout_seconds: 1
+    ready_timeout_seconds: 30
+"""
+
+
+def wait_for(
+    what: str, predicate: Callable[[], bool], timeout_seconds: float = 30.0, sandbox: SystemdSandbox | None = None
+) -> None:
+    deadline = time.monotonic() + timeout_seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    context = f"\njournalctl -u {UNIT}:\n{journal(sandbox)[-4000:]}" if sandbox is not None else ""
+    raise AssertionError(f"timed out after {timeout_seconds:.0f} s waiting for {what}{context}")
+
+
+def main_pid(sandbox: SystemdSandbox, unit: str = UNIT) -> int:
+    return int(sandbox.unit_property(unit, "MainPID"))
+
+
+def active(sandbox: SystemdSandbox, unit: str = UNIT) -> bool:
+    return sandbox.unit_property(unit, "ActiveState") == "active"
+
+
+def journal(sandbox: SystemdSandbox, *args: str) -> str:
+    return sandbox.run(["journalctl", "--no-pager", "-u", UNIT, *args]).stdout
+
+
+def journal_entries(sandbox: SystemdSandbox) -> list[dict[str, str]]:
+    return [json.loads(line) for line in journal(sandbox, "-o", "json").splitlines() if line.startswith("{")]
+
+
+def apt_install(sandbox: SystemdSandbox, deb: Path) -> None:
+    sandbox.copy_in(deb, DEB)
+    proc = sandbox.run([*APT_ENV, "apt-get", "install", "-y", "-q", DEB], check=False, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def packages() -> dict[str, Path]:
+    return build_packages()
+
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory: pytest.TempPathFactory, packages: dict[str, Path]) -> Iterator[SystemdSandbox]:
+    with SystemdSandbox(tmp_path_factory.mktemp("sandbox")) as booted:
+        update = booted.run(["apt-get", "update", "-q"], check=False, timeout=300)
+        assert update.returncode == 0, f"apt-get update in the sandbox failed: {update.stdout}{update.stderr}"
+        apt_install(booted, packages["debian12"])
+        yield booted
+
+
+def test_install_enables_and_starts_the_shipped_config(sandbox: SystemdSandbox) -> None:
+    assert sandbox.systemctl("is-enabled", UNIT).stdout.strip() == "enabled"
+    wait_for("gpu-agent active", lambda: active(sandbox))
+    # Type=notify: active means the daemon sent READY=1; its STATUS= line is in systemd's hands.
+    assert sandbox.unit_property(UNIT, "Type") == "notify"
+    assert sandbox.unit_property(UNIT, "StatusText")
+    shipped = (Path(__file__).resolve().parent.parent / "packaging" / "agent.yaml").read_text()
+    assert sandbox.path("/etc/gpu-agent/agent.yaml").read_text() == shipped
+    # No NVIDIA driver in the sandbox: the shipped nvml config runs and says so.
+    assert "libnvidia-ml.so.1 not found" in journal(sandbox)
+    venv = sandbox.run(["readlink", "/opt/gpu-agent/venv"]).stdout.strip()
+    assert re.fullmatch(r"/opt/gpu-agent/env-0\.1\.0-1~bookworm\.\w+", venv), venv
+    version = sandbox.run(["gpu-agent", "--version"]).stdout
+    assert version.strip() == f"gpu-agent {VERSION}"
+
+
+@pytest.fixture(scope="module")
+def simulated(sandbox: SystemdSandbox) -> SystemdSandbox:
+    """The agent reconfigured for a simulated 2x H200 node watching a stand-in sglang.service."""
+    make_host_tree(sandbox.path(HOST_ROOT))
+    # kmod's directory (not in a minimal Debian root): the unit makes it writable when it exists.
+    sandbox.run(["mkdir", "-p", "/etc/modprobe.d"])
+    sandbox.install_unit("sglang.service", SGLANG_UNIT)
+    sandbox.systemctl("start", "sglang.service")
+    sandbox.write_file(f"/etc/systemd/system/{UNIT}.d/50-test-watchdog.conf", FAST_WATCHDOG)
+    sandbox.write_file("/etc/gpu-agent/agent.yaml", SIMULATED_CONFIG)
+    sandbox.run(["gpu-agent", "check-config"])
+    sandbox.systemctl("daemon-reload")
+    sandbox.systemctl("restart", UNIT)
+    assert active(sandbox)
+    return sandbox
+
+
+def test_the_sandbox_is_in_force(simulated: SystemdSandbox) -> None:
+    pid = main_pid(simulated)
+    status = simulated.run(["cat", f"/proc/{pid}/status"]).stdout
+    fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+    # CAP_CHOWN (0), CAP_FOWNER (3), CAP_SYS_ADMIN (21), CAP_SYSLOG (34), nothing else.
+    assert int(fields["CapBnd"], 16) == (1 << 0) | (1 << 3) | (1 << 21) | (1 << 34)
+    assert fields["NoNewPrivs"].strip() == "1"
+    assert fields["Seccomp"].strip() == "2"  # the system-call filter
+
+    def writable(path: str) -> str:
+        """Whether the daemon, in its own mount namespace, can create a file in `path`."""
+        probe = f"touch {path}/.probe 2>&1 && rm {path}/.probe && echo writable"
+        argv = ["nsenter", "-t", str(pid), "-m", "-r", "-w", "sh", "-c", probe]
+        return simulated.run(argv, check=False).stdout.strip()
+
+    for path in ("/usr", "/etc", "/etc/gpu-agent", "/opt/gpu-agent", "/var/lib/dpkg", HOST_ROOT):
+        assert writable(path).endswith("Read-only file system"), path
+    for path in ("/var/lib/gpu-agent", "/run/gpu-agent", "/etc/modprobe.d", "/etc/systemd/system", "/var/cache"):
+        assert writable(path) == "writable", path
+    # ProtectHome=yes: the daemon's /root is an empty, inaccessible directory.
+    simulated.write_file("/root/secret", "not for the agent\n")
+    listing = ["nsenter", "-t", str(pid), "-m", "-r", "-w", "ls", "-A", "/root"]
+    assert simulated.run(listing).stdout == ""
+
+
+def test_status_through_the_socket(simulated: SystemdSandbox) -> None:
+    proc = simulated.run(["gpu-agent", "status", "--json"])
+    document = json.loads(proc.stdout)
+    assert document["source"] != "direct", document.get("note")
+    assert len(document["gpus"]) == 2
+    assert simulated.path("/run/gpu-agent/agent.sock").is_socket()
+    assert "H200" in simulated.run(["gpu-agent", "status"]).stdout
+
+
+def test_reload_keeps_the_daemon(simulated: SystemdSandbox) -> None:
+    before = main_pid(simulated)
+    simulated.systemctl("reload", UNIT)
+    wait_for("config reloaded", lambda: "config reloaded" in journal(simulated))
+    assert main_pid(simulated) == before
+    assert active(simulated)
+
+
+def test_journal_has_structured_fields(simulated: SystemdSandbox) -> None:
+    simulated.run(["gpu-agent", "inject", "xid", "31", "--gpu", "1", "--source", "nvml"])
+
+    def xid_entry() -> dict[str, str] | None:
+        for entry in journal_entries(simulated):
+            if entry.get("XID") == "31":
+                return entry
+        return None
+
+    wait_for("an Xid 31 journal entry", lambda: xid_entry() is not None)
+    entry = xid_entry()
+    assert entry is not None
+    assert entry["SYSLOG_IDENTIFIER"] == "gpu-agent"
+    assert entry["_SYSTEMD_UNIT"] == UNIT
+    assert re.fullmatch(r"GPU-[0-9a-f-]+", entry["GPU_UUID"]), entry["GPU_UUID"]
+    assert entry["GPU"] == "1"
+    # The point of the fields: journalctl can select on them.
+    assert entry["MESSAGE"] in journal(simulated, "XID=31", "-o", "cat").splitlines()
+
+
+def test_watchdog_restarts_a_hung_daemon(simulated: SystemdSandbox) -> None:
+    before = main_pid(simulated)
+    restarts = int(simulated.unit_property(UNIT, "NRestarts"))
+    # A stopped process sends no WATCHDOG=1: systemd kills it with SIGABRT (and SIGCONT) after
+    # WatchdogSec and Restart=on-failure starts a new one.
+    simulated.run(["kill", "-STOP", str(before)])
+    wait_for(
+        "a new daemon after the watchdog fired",
+        lambda: main_pid(simulated) not in (0, before) and active(simulated),
+        timeout_seconds=60,
+    )
+    assert int(simulated.unit_property(UNIT, "NRestarts")) == restarts + 1
+    log = journal(simulated)
+    assert "Watchdog timeout" in log
+    # faulthandler's dump of every thread (the wrapper runs python -X faulthandler).
+    assert "Fatal Python error: Aborted" in log
+    # ExecStopPost ran `gpu-agent restore` after the kill (an H200 has no fans to give back).
+    after_kill = log[log.rindex("Watchdog timeout") :]
+    assert re.search(r"gpu-agent\[\d+\]: fan_curve +0 +skipped", after_kill), after_kill[-3000:]
+
+
+def test_unhealthy_service_restarted_by_rule(simulated: SystemdSandbox) -> None:
+    # The agent drives systemd units only on the real host tree (host_root /): with an empty
+    # policy and the simulated backend, enforce mode changes nothing else in the sandbox.
+    simulated.write_file("/etc/gpu-agent/agent.yaml", SIMULATED_CONFIG.replace(HOST_ROOT, "/"))
+    simulated.systemctl("restart", UNIT)
+    wait_for("sglang active", lambda: active(simulated, "sglang.service"))
+    before = main_pid(simulated, "sglang.service")
+    simulated.write_file("/run/sglang.control", "503\n")
+    # 30-service.yaml (shipped): 3 failed probes, 1 s apart here -> restart_service through systemctl.
+    wait_for(
+        "sglang restarted by the agent",
+        lambda: main_pid(simulated, "sglang.service") not in (0, before),
+        timeout_seconds=45,
+        sandbox=simulated,
+    )
+    simulated.write_file("/run/sglang.control", "ok\n")
+    wait_for(
+        "the restart logged",
+        lambda: any(
+            e.get("RULE") == "service-unhealthy-restart"
+            and e.get("ACTION") == "restart_service"
+            and e.get("MESSAGE", "").startswith("action finished")
+            for e in journal_entries(simulated)
+        ),
+    )
+
+
+def test_upgrade_keeps_config_then_remove_and_purge_leave_nothing(simulated: SystemdSandbox) -> None:
+    config = simulated.path("/etc/gpu-agent/agent.yaml").read_text()
+    upgrade = build_packages(release=2, targets=("debian12",))["debian12"]
+    old_pid = main_pid(simulated)
+    old_env = simulated.run(["readlink", "/opt/gpu-agent/venv"]).stdout.strip()
+    apt_install(simulated, upgrade)
+    assert simulated.run(["dpkg-query", "-W", "-f", "${Version}", "gpu-agent"]).stdout == f"{VERSION}-2~bookworm"
+    # The changed conffile is kept (the shipped one did not change between the releases).
+    assert simulated.path("/etc/gpu-agent/agent.yaml").read_text() == config
+    new_env = simulated.run(["readlink", "/opt/gpu-agent/venv"]).stdout.strip()
+    assert new_env != old_env and f"{VERSION}-2~bookworm" in new_env
+    assert sorted(p.name for p in simulated.path("/opt/gpu-agent").glob("env-*")) == [Path(new_env).name]
+    wait_for("the daemon restarted", lambda: active(simulated) and main_pid(simulated) not in (0, old_pid))
+    # It runs from the new environment (its compiled modules are mapped from there).
+    assert f"{new_env}/lib/" in simulated.run(["cat", f"/proc/{main_pid(simulated)}/maps"]).stdout
+
+    # The test's own drop-in is not the package's to remove.
+    simulated.run(["rm", "-r", f"/etc/systemd/system/{UNIT}.d"])
+    remove = simulated.run([*APT_ENV, "apt-get", "remove", "-y", "-q", "gpu-agent"], check=False, timeout=300)
+    assert remove.returncode == 0, remove.stdout + remove.stderr
+    # Removal stops and disables the service and removes the environment; config and state stay.
+    assert simulated.unit_property(UNIT, "LoadState") == "not-found"
+    assert simulated.run(["find", "/etc/systemd", "/lib/systemd", "-name", "gpu-agent*"]).stdout == ""
+    assert not simulated.path("/opt/gpu-agent").exists()
+    assert simulated.path("/etc/gpu-agent/agent.yaml").read_text() == config
+    assert simulated.path("/var/lib/gpu-agent").is_dir()
+
+    purge = simulated.run([*APT_ENV, "apt-get", "purge", "-y", "-q", "gpu-agent"], check=False, timeout=300)
+    assert purge.returncode == 0, purge.stdout + purge.stderr
+    for path in ("/opt/gpu-agent", "/etc/gpu-agent", "/var/lib/gpu-agent", "/run/gpu-agent", "/usr/bin/gpu-agent"):
+        assert not simulated.path(path).exists(), path
+    assert simulated.run(["dpkg-query", "-W", "gpu-agent"], check=False).returncode != 0
+    # The inference service is not the package's: it keeps running.
+    assert active(simulated, "sglang.service")

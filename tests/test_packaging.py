@@ -1,0 +1,585 @@
+"""The .deb and .rpm packages built by scripts/build-packages: contents, metadata, scriptlets,
+lint, an RPM installed into an empty root, and the install-time environment built from a
+package's wheels. tests/test_package_e2e.py installs the Debian 12 one in a real systemd."""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BUILD_OUT = REPO / "build" / "test-packages"
+
+
+def _load_build() -> ModuleType:
+    # packaging/ is not a Python package (the name belongs to PyPI's `packaging`): load the file.
+    spec = importlib.util.spec_from_file_location("gpu_agent_package_build", REPO / "packaging" / "build.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+build = _load_build()
+TARGETS = build.TARGETS
+VERSION: str = build.project_version()
+DEB_TARGETS = sorted(name for name, t in TARGETS.items() if t.packager == "deb")
+RULES = sorted(p.name for p in (REPO / "rules").glob("*.yaml"))
+
+
+@functools.cache
+def build_packages(release: int = 1, targets: tuple[str, ...] | None = None) -> dict[str, Path]:
+    """Build (once per test session) the packages of `targets` (default: all) into build/."""
+    names = tuple(targets) if targets else tuple(TARGETS)
+    out = BUILD_OUT / f"release-{release}"
+    argv = [sys.executable, str(REPO / "packaging" / "build.py"), "--out", str(out), "--release", str(release)]
+    for name in names:
+        argv += ["--target", name]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return {name: out / TARGETS[name].filename(VERSION, release) for name in names}
+
+
+@pytest.fixture(scope="module")
+def packages() -> dict[str, Path]:
+    return build_packages()
+
+
+def run(*argv: str | Path, env: dict[str, str] | None = None) -> str:
+    proc = subprocess.run([str(a) for a in argv], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, f"{argv}: {proc.stdout}{proc.stderr}"
+    return proc.stdout
+
+
+def needs(*tools: str) -> pytest.MarkDecorator:
+    missing = [t for t in tools if shutil.which(t) is None]
+    return pytest.mark.skipif(bool(missing), reason=f"needs {', '.join(missing)} (apt-get install lintian rpmlint rpm)")
+
+
+def stage(target: str) -> Path:
+    """What build.py generated for the target's release 1 (build_packages's default)."""
+    return REPO / "build" / "packages" / "stage" / f"{target}-1"
+
+
+def wheel_names(target: str) -> list[str]:
+    return sorted(p.name for p in (stage(target) / "wheels").iterdir())
+
+
+def expected_files(target: str) -> set[str]:
+    """Every regular file a package carries, by absolute path."""
+    t = TARGETS[target]
+    files = {
+        "/usr/bin/gpu-agent",
+        "/opt/gpu-agent/lib/install-env",
+        f"{t.unit_dir}/gpu-agent.service",
+        "/etc/gpu-agent/agent.yaml",
+        "/usr/share/man/man8/gpu-agent.8.gz",
+        "/usr/share/doc/gpu-agent/README.md",
+        "/usr/share/gpu-agent/grafana/gpu-agent-dashboard.json",
+        "/usr/share/gpu-agent/prometheus/gpu-agent-alerts.yaml",
+    }
+    files |= {f"/etc/gpu-agent/rules.d/{name}" for name in RULES}
+    files |= {f"/opt/gpu-agent/wheels/{name}" for name in wheel_names(target)}
+    if t.packager == "deb":
+        files |= {
+            "/usr/share/doc/gpu-agent/copyright",
+            "/usr/share/doc/gpu-agent/changelog.Debian.gz",
+            "/usr/share/lintian/overrides/gpu-agent",
+        }
+    else:
+        files |= {"/usr/share/licenses/gpu-agent/copyright", "/usr/share/licenses/gpu-agent/Apache-2.0"}
+    return files
+
+
+# -- .deb ----------------------------------------------------------------------------------------
+
+
+@needs("dpkg-deb")
+@pytest.mark.parametrize("target", DEB_TARGETS)
+def test_deb_contents(packages: dict[str, Path], target: str) -> None:
+    listing = run("dpkg-deb", "--contents", packages[target])
+    files = {}
+    for line in listing.splitlines():
+        mode, owner, _size, _date, _time, path = line.split(maxsplit=5)
+        assert owner == "root/root", line
+        if not mode.startswith("d"):
+            files[path.removeprefix(".")] = mode
+    assert set(files) == expected_files(target)
+    assert files["/usr/bin/gpu-agent"] == "-rwxr-xr-x"
+    assert files["/opt/gpu-agent/lib/install-env"] == "-rwxr-xr-x"
+    assert {m for p, m in files.items() if p not in ("/usr/bin/gpu-agent", "/opt/gpu-agent/lib/install-env")} == {
+        "-rw-r--r--"
+    }
+    abi = TARGETS[target].abi
+    compiled = [n for n in wheel_names(target) if re.search(r"-cp3\d+-cp3\d+-", n)]
+    assert compiled and all(f"-{abi}-{abi}-" in n for n in compiled), compiled
+
+
+@needs("dpkg-deb")
+@pytest.mark.parametrize("target", DEB_TARGETS)
+def test_deb_control(packages: dict[str, Path], target: str) -> None:
+    t = TARGETS[target]
+    fields = run("dpkg-deb", "--field", packages[target])
+    control = dict(re.findall(r"^([\w-]+): (.*)$", fields, re.MULTILINE))
+    assert control["Package"] == "gpu-agent"
+    assert control["Version"] == f"{VERSION}-{t.release(1)}"
+    assert control["Architecture"] == "amd64"
+    assert control["Section"] == "admin"
+    depends = [d.strip() for d in control["Depends"].split(",")]
+    assert depends == [
+        f"python3 (>= {t.python}~)",
+        f"python3 (<< {t.python_next})",
+        "python3-venv",
+        "python3-systemd",
+        "libudev1",
+        "systemd",
+        "init-system-helpers (>= 1.54~)",
+        "procps",
+    ]
+    # The agent runs (and says "no driver") without NVIDIA's packages: never a dependency.
+    assert "nvidia" not in fields.lower().split("description:")[0]
+
+
+@needs("dpkg-deb")
+def test_deb_conffiles_and_scripts(packages: dict[str, Path], tmp_path: Path) -> None:
+    run("dpkg-deb", "--control", packages["debian12"], tmp_path)
+    conffiles = (tmp_path / "conffiles").read_text().split()
+    assert conffiles == ["/etc/gpu-agent/agent.yaml", *(f"/etc/gpu-agent/rules.d/{n}" for n in RULES)]
+    for script in ("postinst", "prerm", "postrm"):
+        assert (tmp_path / script).read_bytes() == (REPO / "packaging" / "deb" / script).read_bytes()
+        assert os.access(tmp_path / script, os.X_OK)
+    assert not (tmp_path / "preinst").exists()
+
+
+@needs("dpkg-deb")
+def test_deb_ships_the_repository_files(packages: dict[str, Path], tmp_path: Path) -> None:
+    run("dpkg-deb", "--extract", packages["ubuntu24.04"], tmp_path)
+    same = {
+        "usr/lib/systemd/system/gpu-agent.service": "systemd/gpu-agent.service",
+        "etc/gpu-agent/agent.yaml": "packaging/agent.yaml",
+        "usr/bin/gpu-agent": "packaging/gpu-agent",
+        "opt/gpu-agent/lib/install-env": "packaging/install-env",
+        "usr/share/gpu-agent/grafana/gpu-agent-dashboard.json": "packaging/grafana/gpu-agent-dashboard.json",
+        "usr/share/gpu-agent/prometheus/gpu-agent-alerts.yaml": "packaging/prometheus/gpu-agent-alerts.yaml",
+        **{f"etc/gpu-agent/rules.d/{n}": f"rules/{n}" for n in RULES},
+    }
+    for installed, source in same.items():
+        assert (tmp_path / installed).read_bytes() == (REPO / source).read_bytes(), installed
+    man = gzip.decompress((tmp_path / "usr/share/man/man8/gpu-agent.8.gz").read_bytes())
+    assert man == (REPO / "packaging" / "gpu-agent.8").read_bytes()
+    wheels = tmp_path / "opt/gpu-agent/wheels"
+    assert (wheels / "ABI").read_text() == "cp312\n"
+    assert (wheels / "VERSION").read_text() == f"{VERSION}-1~noble\n"
+    lock = (wheels / "requirements.txt").read_text().splitlines()[1:]
+    locked = sorted(line.split("==")[0] for line in lock)
+    assert locked == sorted(build.Wheel.parse(p).project for p in wheels.glob("*.whl"))
+    assert all(re.search(r" --hash=sha256:[0-9a-f]{64}$", line) for line in lock)
+
+
+@needs("lintian")
+def test_lintian_clean(packages: dict[str, Path]) -> None:
+    debs = [str(packages[t]) for t in DEB_TARGETS]
+    proc = subprocess.run(
+        ["lintian", "--no-cfg", "--pedantic", "--display-experimental", "--show-overrides", *debs],
+        capture_output=True,
+        text=True,
+    )
+    tags = [line for line in proc.stdout.splitlines() if re.match(r"[EWIPXC]: ", line)]
+    assert tags == [], "\n".join(tags)
+    # The one override is in use (a stale override would have been reported as unused).
+    overridden = {line.split()[2] for line in proc.stdout.splitlines() if line.startswith("O: ")}
+    assert overridden == {"dir-or-file-in-opt"}
+    # (Its exit status is 2 whenever --show-overrides shows one, so stderr tells a failed run.)
+    assert proc.stderr.replace("running with root privileges is not recommended!\n", "") == ""
+
+
+def test_deb_copyright_is_dep5_and_covers_every_wheel(packages: dict[str, Path]) -> None:
+    text = (stage("debian12") / "copyright").read_text()
+    paragraphs = [dict(re.findall(r"^([\w-]+): (.*)$", p, re.MULTILINE)) for p in text.split("\n\n")]
+    assert paragraphs[0]["Format"].startswith("https://www.debian.org/doc/packaging-manuals/copyright-format/1.0")
+    covered = {p["Files"].rsplit("/", 1)[-1]: p["License"] for p in paragraphs if "Files" in p}
+    assert covered.pop("*") == "Apache-2.0"
+    bundled = {n for n in wheel_names("debian12") if n.endswith(".whl") and not n.startswith("gpu_agent-")}
+    assert set(covered) == bundled
+    assert covered[next(n for n in bundled if n.startswith("pyudev-"))] == "LGPL-2.1-or-later"
+    assert "/usr/share/common-licenses/LGPL-2.1" in text
+
+
+# -- .rpm ----------------------------------------------------------------------------------------
+
+
+def rpm_query(package: Path, *args: str) -> str:
+    return run("rpm", "-qp", "--nosignature", *args, package)
+
+
+@needs("rpm")
+def test_rpm_metadata_and_requires(packages: dict[str, Path]) -> None:
+    rpm = packages["el10"]
+    header = rpm_query(rpm, "--queryformat", "%{NAME} %{VERSION} %{RELEASE} %{ARCH}\n%{LICENSE}")
+    first, license_tag = header.split("\n", 1)
+    assert first == f"gpu-agent {VERSION} 1.el10 x86_64"
+    assert license_tag.startswith("Apache-2.0 AND ")
+    assert "LGPL-2.1-or-later" in license_tag and "(MIT OR Apache-2.0)" in license_tag
+    requires = {line.strip() for line in rpm_query(rpm, "--requires").splitlines()}
+    assert {
+        "python3",
+        "python(abi) = 3.12",
+        "python3-systemd",
+        "libudev.so.1()(64bit)",
+        "systemd",
+        "util-linux",
+    } <= requires
+    assert not any("nvidia" in r.lower() for r in requires)
+    flags: dict[str, str] = {}
+    for line in rpm_query(rpm, "--queryformat", "[%{FILEFLAGS:fflags} %{FILENAMES}\n]").splitlines():
+        flag, path = line.split(" ", 1)
+        flags[path] = flag
+    config = sorted(path for path, flag in flags.items() if "c" in flag)
+    assert config == ["/etc/gpu-agent/agent.yaml", *(f"/etc/gpu-agent/rules.d/{n}" for n in RULES)]
+    assert all("n" in flags[path] for path in config), "config files must be %config(noreplace)"
+    assert "l" in flags["/usr/share/licenses/gpu-agent/Apache-2.0"]
+    assert "d" in flags["/usr/share/man/man8/gpu-agent.8.gz"]
+
+
+@needs("rpm")
+def test_rpm_contents_and_scriptlets(packages: dict[str, Path]) -> None:
+    rpm = packages["el10"]
+    listing = rpm_query(rpm, "--queryformat", "[%{FILEMODES:perms} %{FILEUSERNAME}:%{FILEGROUPNAME} %{FILENAMES}\n]")
+    files = {}
+    for line in listing.splitlines():
+        mode, owner, path = line.split(" ", 2)
+        assert owner == "root:root", line
+        if not mode.startswith("d"):
+            files[path] = mode
+    assert set(files) == expected_files("el10")
+    assert files["/usr/bin/gpu-agent"] == "-rwxr-xr-x"
+    dirs = {line.split(" ", 2)[2] for line in listing.splitlines() if line.startswith("d")}
+    assert {"/opt/gpu-agent", "/opt/gpu-agent/wheels", "/etc/gpu-agent", "/etc/gpu-agent/rules.d"} <= dirs
+    scripts = rpm_query(rpm, "--scripts")
+    for name, source in (("postinstall", "post"), ("preuninstall", "preun"), ("postuninstall", "postun")):
+        body = re.search(rf"^{name} scriptlet \(using /bin/sh\):\n(.*?)(?=^\w+ scriptlet|\Z)", scripts, re.M | re.S)
+        assert body, f"no {name} scriptlet"
+        assert body.group(1).strip() == (REPO / "packaging" / "rpm" / source).read_text().strip()
+
+
+@needs("rpmlint")
+def test_rpmlint_clean(packages: dict[str, Path]) -> None:
+    proc = subprocess.run(
+        ["rpmlint", "-c", str(REPO / "packaging" / "rpm" / "rpmlint.toml"), str(packages["el10"])],
+        capture_output=True,
+        text=True,
+    )
+    assert "0 errors, 0 warnings" in proc.stdout, proc.stdout
+    assert proc.returncode == 0
+
+
+@needs("rpm")
+def test_rpm_installs_its_layout_into_an_empty_root(packages: dict[str, Path], tmp_path: Path) -> None:
+    """`rpm --root` into an empty directory, then verify and erase.
+
+    --noscripts: the scriptlets run /bin/sh, python3 and systemctl inside the root, and an empty
+    root has none of them. What they run is install-env (exercised below and in the Debian e2e
+    test, which runs the same script) and systemctl; their text is checked above.
+    --nodeps: the root has no python3 or systemd packages to satisfy the requirements.
+    """
+    root = tmp_path / "root"
+    root.mkdir()
+    rpm = packages["el10"]
+    run("rpm", "--root", root, "--nodeps", "--noscripts", "--nosignature", "-i", rpm)
+    for path in expected_files("el10"):
+        assert (root / path.lstrip("/")).is_file(), path
+    assert os.access(root / "usr/bin/gpu-agent", os.X_OK)
+    assert (root / "usr/lib/systemd/system/gpu-agent.service").read_bytes() == (
+        REPO / "systemd" / "gpu-agent.service"
+    ).read_bytes()
+    assert run("rpm", "--root", root, "-q", "gpu-agent").strip() == f"gpu-agent-{VERSION}-1.el10.x86_64"
+    # Every file as packaged: digests, modes, owners.
+    assert run("rpm", "--root", root, "-V", "--nodeps", "gpu-agent") == ""
+    run("rpm", "--root", root, "--nodeps", "--noscripts", "-e", "gpu-agent")
+    for path in ("opt/gpu-agent", "etc/gpu-agent", "usr/bin/gpu-agent", "usr/share/gpu-agent"):
+        assert not (root / path).exists(), path
+
+
+# -- the environment built at install time -----------------------------------------------------------
+
+
+def python_for(version: str) -> str | None:
+    """A CPython `version` interpreter with venv and ensurepip: the system one, or another on
+    PATH or in pyenv's versions (this machine kind has several there)."""
+    pyenv = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv") / "versions"
+    candidates = ["/usr/bin/python3", shutil.which(f"python{version}")]
+    candidates += sorted(str(p) for p in pyenv.glob(f"{version}.*/bin/python{version}"))
+    for candidate in candidates:
+        if candidate is None or not Path(candidate).exists():
+            continue
+        proc = subprocess.run(
+            [candidate, "-c", "import ensurepip, venv, sys; print('%d.%d' % sys.version_info[:2])"],
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode == 0 and proc.stdout.strip() == version:
+            return candidate
+    return None
+
+
+@pytest.fixture
+def extracted(packages: dict[str, Path], tmp_path: Path) -> Path:
+    """The package for this host's /usr/bin/python3 (Debian 12: cp311), unpacked under tmp_path."""
+    target = next((n for n in DEB_TARGETS if python_for(TARGETS[n].python) == "/usr/bin/python3"), None)
+    if target is None:
+        pytest.skip("no deb target for /usr/bin/python3 (with venv and ensurepip)")
+    run("dpkg-deb", "--extract", packages[target], tmp_path)
+    return tmp_path
+
+
+def install_env(root: Path, action: str, python: str = "/usr/bin/python3") -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "GPU_AGENT_PREFIX": str(root / "opt/gpu-agent"), "GPU_AGENT_PYTHON": python}
+    return subprocess.run(
+        [root / "opt/gpu-agent/lib/install-env", action], capture_output=True, text=True, env=env, timeout=300
+    )
+
+
+@needs("dpkg-deb")
+@pytest.mark.parametrize("target", DEB_TARGETS)
+def test_bundled_wheels_run_on_the_target_python(packages: dict[str, Path], tmp_path: Path, target: str) -> None:
+    """Each package's wheel set is complete and importable on its distribution's Python version
+    (Ubuntu 22.04: 3.10, Ubuntu 24.04 and EL10: 3.12, Debian 12: 3.11), wherever this machine has
+    that interpreter."""
+    python = python_for(TARGETS[target].python)
+    if python is None:
+        pytest.skip(f"no Python {TARGETS[target].python} with venv on this machine")
+    run("dpkg-deb", "--extract", packages[target], tmp_path)
+    built = install_env(tmp_path, "build", python)
+    assert built.returncode == 0, built.stderr
+    venv = tmp_path / "opt/gpu-agent/venv"
+    modules = ("agent.cli", "pydantic_core", "yaml", "psutil", "pynvml", "pyudev", "prometheus_client", "structlog")
+    code = f"import importlib; print('\\n'.join(importlib.import_module(m).__file__ for m in {modules!r}))"
+    files = run(venv / "bin/python", "-I", "-c", code).splitlines()
+    # All from the bundled wheels, none from the interpreter's own site-packages.
+    assert all(f.startswith(f"{venv}/lib/python{TARGETS[target].python}/site-packages/") for f in files), files
+    config = tmp_path / "agent.yaml"
+    rules = tmp_path / "etc/gpu-agent/rules.d"
+    config.write_text((tmp_path / "etc/gpu-agent/agent.yaml").read_text().replace("/etc/gpu-agent/rules.d", str(rules)))
+    assert "observe mode, nvml backend" in run(
+        venv / "bin/python", "-I", "-m", "agent.cli", "check-config", "--config", config
+    )
+
+
+def envs(root: Path) -> list[str]:
+    return sorted(p.name for p in (root / "opt/gpu-agent").glob("env-*"))
+
+
+@needs("dpkg-deb")
+def test_install_env_builds_upgrades_and_removes(extracted: Path) -> None:
+    prefix = extracted / "opt/gpu-agent"
+    first = install_env(extracted, "build")
+    assert first.returncode == 0, first.stderr
+    link = prefix / "venv"
+    assert link.is_symlink() and envs(extracted) == [Path(os.readlink(link)).name]
+    python = link / "bin" / "python"
+    version = run(python, "-I", "-m", "agent.cli", "--version")
+    assert version.strip() == f"gpu-agent {VERSION}"
+
+    # A second build (an upgrade) switches the link; prune drops the old environment.
+    old = os.readlink(link)
+    assert install_env(extracted, "build").returncode == 0
+    assert os.readlink(link) != old and len(envs(extracted)) == 2
+    assert install_env(extracted, "prune").returncode == 0
+    assert envs(extracted) == [Path(os.readlink(link)).name]
+
+    assert install_env(extracted, "remove").returncode == 0
+    assert not link.exists() and not link.is_symlink() and envs(extracted) == []
+
+
+@needs("dpkg-deb")
+def test_install_env_refuses_a_tampered_wheel_and_keeps_the_current_one(extracted: Path) -> None:
+    assert install_env(extracted, "build").returncode == 0
+    link = extracted / "opt/gpu-agent/venv"
+    current = os.readlink(link)
+    wheel = next((extracted / "opt/gpu-agent/wheels").glob("structlog-*.whl"))
+    wheel.write_bytes(wheel.read_bytes() + b"\0")
+    proc = install_env(extracted, "build")
+    assert proc.returncode != 0
+    assert "hash" in proc.stderr.lower(), proc.stderr
+    assert os.readlink(link) == current
+    assert envs(extracted) == [Path(current).name]  # the failed attempt cleaned up after itself
+
+
+@needs("dpkg-deb")
+def test_install_env_refuses_wheels_for_another_python(extracted: Path) -> None:
+    (extracted / "opt/gpu-agent/wheels/ABI").write_text("cp39\n")
+    proc = install_env(extracted, "build")
+    assert proc.returncode != 0
+    assert "the bundled wheels are for cp39" in proc.stderr
+    assert envs(extracted) == []
+
+
+def test_wrapper_points_at_install_env_when_the_environment_is_missing(tmp_path: Path) -> None:
+    if Path("/opt/gpu-agent").exists():
+        pytest.skip("gpu-agent is installed on this machine")
+    proc = subprocess.run([REPO / "packaging" / "gpu-agent", "--version"], capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert "/opt/gpu-agent/lib/install-env" in proc.stderr
+
+
+# -- maintainer scripts and scriptlets, with stand-ins for the commands they run ----------------------
+
+SCRIPT_CASES = {
+    # (script, arguments, systemd running): the commands it runs, in order
+    ("rpm/post", "1", True): [
+        "install-env build",
+        "systemctl --no-reload enable gpu-agent.service",
+        "systemctl daemon-reload",
+        "systemctl start gpu-agent.service",
+        "install-env prune",
+    ],
+    ("rpm/post", "2", True): [
+        "install-env build",
+        "systemctl daemon-reload",
+        "systemctl try-restart gpu-agent.service",
+        "install-env prune",
+    ],
+    # In a chroot or an image build (no systemd running): enable, but start nothing.
+    ("rpm/post", "1", False): [
+        "install-env build",
+        "systemctl --no-reload enable gpu-agent.service",
+        "install-env prune",
+    ],
+    ("rpm/preun", "0", True): ["systemctl --no-reload disable --now gpu-agent.service", "install-env remove"],
+    ("rpm/preun", "1", True): [],
+    ("rpm/postun", "0", True): ["systemctl daemon-reload"],
+    ("rpm/postun", "1", True): ["systemctl daemon-reload"],
+    ("deb/postinst", "configure", True): [
+        "install-env build",
+        "deb-systemd-helper --quiet was-enabled gpu-agent.service",
+        "deb-systemd-helper enable gpu-agent.service",
+        "systemctl --system daemon-reload",
+        "deb-systemd-invoke start gpu-agent.service",
+        "install-env prune",
+    ],
+    ("deb/postinst", "configure 0.1.0-1~bookworm", True): [
+        "install-env build",
+        "deb-systemd-helper --quiet was-enabled gpu-agent.service",
+        "deb-systemd-helper enable gpu-agent.service",
+        "systemctl --system daemon-reload",
+        "deb-systemd-invoke try-restart gpu-agent.service",
+        "install-env prune",
+    ],
+    ("deb/postinst", "configure", False): [
+        "install-env build",
+        "deb-systemd-helper --quiet was-enabled gpu-agent.service",
+        "deb-systemd-helper enable gpu-agent.service",
+        "install-env prune",
+    ],
+    ("deb/prerm", "remove", True): ["deb-systemd-invoke stop gpu-agent.service", "install-env remove"],
+    ("deb/prerm", "upgrade 0.1.0-2~bookworm", True): [],
+    ("deb/postrm", "remove", True): ["deb-systemd-helper purge gpu-agent.service", "systemctl --system daemon-reload"],
+    ("deb/postrm", "upgrade 0.1.0-2~bookworm", True): [],
+}
+
+
+@pytest.mark.parametrize(("script", "arguments", "systemd"), list(SCRIPT_CASES))
+def test_maintainer_script_runs(tmp_path: Path, script: str, arguments: str, systemd: bool) -> None:
+    """The script's commands, recorded by stand-ins on PATH. RPM's scriptlets never run in the
+    other tests (no EL10 root here), so this is where their logic is checked."""
+    calls = tmp_path / "calls"
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name in ("systemctl", "deb-systemd-helper", "deb-systemd-invoke", "install-env"):
+        (stubs / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\n')
+        (stubs / name).chmod(0o755)
+    run_dir = tmp_path / "run-systemd-system"
+    if systemd:
+        run_dir.mkdir()
+    text = (REPO / "packaging" / script).read_text()
+    text = text.replace("/opt/gpu-agent/lib/install-env", str(stubs / "install-env"))
+    text = text.replace("/run/systemd/system", str(run_dir))
+    # Nothing of the real machine may be reached (the purge case is tested separately).
+    assert "/etc/" not in text.replace("/etc/gpu-agent /var/lib/gpu-agent", "")
+    assert "/run/" not in text.replace(str(run_dir), "")
+    script_file = tmp_path / "script"
+    script_file.write_text(text)
+    env = {"PATH": f"{stubs}:/usr/bin:/bin", "LANG": "C.UTF-8"}
+    proc = subprocess.run(["sh", "-e", str(script_file), *arguments.split()], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    recorded = calls.read_text().splitlines() if calls.exists() else []
+    assert recorded == SCRIPT_CASES[(script, arguments, systemd)]
+
+
+def test_deb_purge_removes_config_and_state(tmp_path: Path) -> None:
+    etc, state = tmp_path / "etc-gpu-agent", tmp_path / "var-lib-gpu-agent"
+    for directory in (etc / "rules.d", state):
+        directory.mkdir(parents=True)
+        (directory / "file").write_text("x")
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name in ("systemctl", "deb-systemd-helper"):
+        (stubs / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {tmp_path / "calls"}\n')
+        (stubs / name).chmod(0o755)
+    text = (REPO / "packaging" / "deb" / "postrm").read_text()
+    assert "rm -rf /etc/gpu-agent /var/lib/gpu-agent" in text
+    text = text.replace("rm -rf /etc/gpu-agent /var/lib/gpu-agent", f"rm -rf {etc} {state}")
+    text = text.replace("/run/systemd/system", str(tmp_path / "absent"))
+    assert "/etc/gpu-agent" not in text and "/var/lib/gpu-agent" not in text
+    env = {"PATH": f"{stubs}:/usr/bin:/bin", "LANG": "C.UTF-8"}
+    proc = subprocess.run(["sh", "-c", text, "postrm", "purge"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert not etc.exists() and not state.exists()
+    assert (tmp_path / "calls").read_text() == "deb-systemd-helper purge gpu-agent.service\n"
+
+
+# -- sources of the packages -----------------------------------------------------------------------
+
+
+def test_man_page_names_every_command() -> None:
+    from agent.cli import build_parser
+
+    man = (REPO / "packaging" / "gpu-agent.8").read_text()
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    assert commands
+    for name in commands:
+        assert re.search(rf'^\.BI? "?{re.escape(name)}\b', man, re.MULTILINE), f"gpu-agent.8 lacks `{name}`"
+
+
+def test_shipped_config_observes_through_nvml() -> None:
+    from agent.config import Mode, load_config
+
+    config = load_config(REPO / "packaging" / "agent.yaml")
+    assert config.mode is Mode.OBSERVE
+    assert config.backend == "nvml"
+    assert config.metrics.listen == "0.0.0.0:9481"
+    assert config.remediation.rules_dir == "/etc/gpu-agent/rules.d"
+    assert config.remediation.allow_reboot is False
+
+
+def test_every_dependency_is_pinned() -> None:
+    # A regex, not tomllib: the project supports Python 3.10, which has no tomllib.
+    block = re.search(r"^dependencies = \[(.*?)^\]", (REPO / "pyproject.toml").read_text(), re.MULTILINE | re.DOTALL)
+    assert block
+    dependencies = re.findall(r'"([^"]+)"', block.group(1))
+    assert dependencies
+    pins = build.pinned()
+    for requirement in dependencies:
+        name = build.normalize(re.split(r"[<>=!~ \[;]", requirement, maxsplit=1)[0])
+        assert name in pins, f"{name} (pyproject.toml) is not in packaging/bundle-requirements.txt"
+        assert name in build.BUNDLED_LICENSES
+
+
+def test_changelog_matches_the_version() -> None:
+    entries = build.changelog_entries()
+    assert str(entries[0]["semver"]) == VERSION
+    text = build.debian_changelog(entries, TARGETS["debian12"], f"{VERSION}-1~bookworm")
+    assert text.startswith(f"gpu-agent ({VERSION}-1~bookworm) bookworm; urgency=medium\n\n  * ")
+    assert re.search(r"^ -- .+ <.+>  \w{3}, \d{2} \w{3} \d{4} \d{2}:\d{2}:\d{2} \+0000$", text, re.MULTILINE)
