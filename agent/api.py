@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import grp
 import json
+import logging
 import os
 import socket
 import socketserver
@@ -17,6 +18,8 @@ import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 64 * 1024
 REQUEST_TIMEOUT_SECONDS = 5.0
@@ -46,6 +49,9 @@ def handle_request(line: bytes, handlers: Mapping[str, Handler]) -> dict[str, An
         return {"ok": True, "result": handlers[method](params)}
     except ApiError as exc:
         return {"ok": False, "error": str(exc)}
+    except Exception as exc:  # a handler's bug answers this client with an error, never kills its thread silently
+        log.exception("API method %s failed", method)
+        return {"ok": False, "error": f"internal error in {method}: {type(exc).__name__}"}
 
 
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
@@ -85,7 +91,9 @@ class ApiServer:
         if group is not None:
             os.chown(self.path, -1, grp.getgrnam(group).gr_gid)
             os.chmod(self.path, 0o660)
-        self._thread = threading.Thread(target=self._server.serve_forever, name="api", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, name="api", daemon=True
+        )
 
     def start(self) -> None:
         self._thread.start()

@@ -18,9 +18,11 @@ from typing import Annotated, Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from agent.backend.base import GPU_RESET_ITEM
+from agent.trust import file_problem
+
 DEFAULT_CONFIG_PATH = "/etc/gpu-agent/agent.yaml"
 DEFAULT_RULES_DIR = "/etc/gpu-agent/rules.d"
-GPU_RESET_ITEM = "gpu_reset"  # agent.backend.base.SETTER_ITEMS uses the same name
 DEFAULT_METRICS_PORT = 9481  # unused by node_exporter (9100), dcgm-exporter (9400), nvidia_gpu_exporter (9835)
 
 
@@ -417,6 +419,11 @@ def parse_yaml(text: str, file: str) -> tuple[Any, dict[PathKey, int]]:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark else None
         raise ConfigError([ConfigProblem(file, line, "", f"invalid YAML: {exc.problem or exc}")]) from None
+    except yaml.reader.ReaderError as exc:  # a character YAML does not allow (NUL, most control characters)
+        line = text.count("\n", 0, exc.position) + 1
+        raise ConfigError(
+            [ConfigProblem(file, line, "", f"invalid YAML: character {exc.character!r} not allowed")]
+        ) from None
     lines: dict[PathKey, int] = {}
     duplicates: list[tuple[PathKey, int]] = []
     if root is not None:
@@ -452,12 +459,29 @@ def validate_model(model: type[ModelT], data: Any, lines: dict[PathKey, int], fi
         raise ConfigError(problems) from None
 
 
-def load_config(path: str | Path) -> AgentConfig:
+def read_config_text(path: str | Path) -> str:
+    """A config file's text; ConfigError naming the file (and the line of a byte that is not UTF-8)."""
     file = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        raw = Path(path).read_bytes()
     except OSError as exc:
         raise ConfigError([ConfigProblem(file, None, "", f"cannot read: {exc.strerror or exc}")]) from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        message = f"not UTF-8 text: byte {raw[exc.start]:#04x} at offset {exc.start}"
+        raise ConfigError([ConfigProblem(file, line, "", message)]) from None
+
+
+def load_config(path: str | Path) -> AgentConfig:
+    """The config in `path`; refused (ConfigError naming the file) when someone other than root could
+    change it, since it decides what the agent does as root (see agent.trust)."""
+    file = str(path)
+    text = read_config_text(path)
+    untrusted = file_problem(path)
+    if untrusted is not None:
+        raise ConfigError([ConfigProblem(file, None, "", f"refused: {untrusted}")])
     data, lines = parse_yaml(text, file)
     if data is not None and not isinstance(data, dict):
         raise ConfigError([ConfigProblem(file, 1, "", "must be a YAML mapping")])

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agent.backend.base import GpuBackend
-from agent.config import AgentConfig
+
+if TYPE_CHECKING:  # the config (pydantic) is not needed to import the backend types
+    from agent.config import AgentConfig
 
 
 def open_backend(config: AgentConfig, writable_items: Iterable[str] | None = None) -> GpuBackend:

@@ -14,7 +14,9 @@ from enum import Enum, IntEnum
 from typing import Protocol, runtime_checkable
 
 from agent.backend.errors import WriteRefused
-from agent.config import GPU_RESET_ITEM
+
+#: Not a policy item: the permission to reset GPUs, granted only in enforce mode (remediation).
+GPU_RESET_ITEM = "gpu_reset"
 
 
 class ClockDomain(IntEnum):
