@@ -56,6 +56,9 @@ def handle_request(line: bytes, handlers: Mapping[str, Handler]) -> dict[str, An
 
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
+    # socketserver's default backlog of 5 turns a burst of `gpu-agent status` callers (a monitoring
+    # script on every node, a fleet-wide ssh loop) into EAGAIN on connect.
+    request_queue_size = 128
     handlers: Mapping[str, Handler]
 
 
@@ -90,7 +93,8 @@ class ApiServer:
         self._server.handlers = handlers
         if group is not None:
             os.chown(self.path, -1, grp.getgrnam(group).gr_gid)
-            os.chmod(self.path, 0o660)
+            # Group read/write is what api.group asks for.
+            os.chmod(self.path, 0o660)  # nosec B103
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, name="api", daemon=True
         )

@@ -14,12 +14,13 @@ from agent import __version__
 from agent.backend import open_backend
 from agent.backend.base import GpuIdentity
 from agent.backend.errors import NO_DRIVER_KINDS, GpuError
-from agent.config import DEFAULT_CONFIG_PATH, AgentConfig, ConfigError, load_config
+from agent.config import DEFAULT_CONFIG_PATH, AgentConfig, ConfigError, ConfigProblem, load_config
 from agent.host.paths import HostPaths
 from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
 
 if TYPE_CHECKING:
+    from agent.rules.config import Rule
     from agent.store import Store
 
 EXIT_OK = 0
@@ -78,6 +79,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     rules_dir = Path(args.rules or config.remediation.rules_dir)
     if rules_dir.exists() or args.rules:
         rules = load_rules([rules_dir], allow_reboot=config.remediation.allow_reboot)
+        _check_hooks(rules)
         rules_note = f"{len(rules)} rules from {rules_dir}"
     else:
         rules_note = f"no rules directory {rules_dir}"
@@ -86,6 +88,26 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         f"{len(config.services)} services); {rules_note}"
     )
     return EXIT_OK
+
+
+def _check_hooks(rules: Sequence[Rule]) -> None:
+    """The hooks the rules would run, checked now rather than refused at 3 a.m. when a fault needs them."""
+    from agent.rules.actions import hook_path_problem
+    from agent.rules.model import ActionKind
+
+    problems: list[ConfigProblem] = []
+    for rule in rules:
+        file, _, line = rule.source.rpartition(":")
+        for ladder in ("actions", "on_exhausted"):
+            for position, step in enumerate(getattr(rule, ladder)):
+                if step.kind is not ActionKind.RUN_HOOK:
+                    continue
+                problem = hook_path_problem(str(step.spec().params["argv"][0]))
+                if problem is not None:
+                    where = f"rule {rule.name}: {ladder}[{position}].run_hook.argv[0]"
+                    problems.append(ConfigProblem(file, int(line) if line.isdigit() else None, where, problem))
+    if problems:
+        raise ConfigError(problems)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

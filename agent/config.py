@@ -421,9 +421,8 @@ def parse_yaml(text: str, file: str) -> tuple[Any, dict[PathKey, int]]:
         raise ConfigError([ConfigProblem(file, line, "", f"invalid YAML: {exc.problem or exc}")]) from None
     except yaml.reader.ReaderError as exc:  # a character YAML does not allow (NUL, most control characters)
         line = text.count("\n", 0, exc.position) + 1
-        raise ConfigError(
-            [ConfigProblem(file, line, "", f"invalid YAML: character {exc.character!r} not allowed")]
-        ) from None
+        character = f"#x{exc.character:04x}" if isinstance(exc.character, int) else repr(exc.character)
+        raise ConfigError([ConfigProblem(file, line, "", f"invalid YAML: character {character} not allowed")]) from None
     lines: dict[PathKey, int] = {}
     duplicates: list[tuple[PathKey, int]] = []
     if root is not None:

@@ -472,7 +472,8 @@ def parse_listen(listen: str) -> tuple[str, int]:
     host, sep, port = listen.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ValueError(f"listen address {listen!r} must be HOST:PORT")
-    return host.removeprefix("[").removesuffix("]") or "0.0.0.0", int(port)  # noqa: S104 - the default exporter bind
+    # An exporter listens on every interface unless told otherwise (metrics.listen narrows it).
+    return host.removeprefix("[").removesuffix("]") or "0.0.0.0", int(port)  # noqa: S104  # nosec B104
 
 
 class _Handler(BaseHTTPRequestHandler):

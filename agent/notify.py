@@ -39,7 +39,9 @@ class SdNotifier:
         if self._socket is None:
             self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         try:
-            self._socket.sendto("\n".join(fields).encode(), target)
+            # Never block: a manager that stopped reading (its queue full) must not stall the loop or
+            # the exit path; a dropped STATUS= is harmless and a dropped WATCHDOG=1 is what a stall means.
+            self._socket.sendto("\n".join(fields).encode(), socket.MSG_DONTWAIT, target)
         except OSError:
             return False
         return True

@@ -35,6 +35,7 @@ import logging
 import sqlite3
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,6 +173,18 @@ def _json_default(value: Any) -> Any:
     if isinstance(value, (set, frozenset, tuple)):
         return list(value)
     return str(value)
+
+
+def _without_secrets(params: dict[str, Any]) -> dict[str, Any]:
+    """Action params as stored: header values (tokens) and a URL's credentials, path and query (tokens
+    live there too) stay out of the database and so out of `gpu-agent events`."""
+    kept = dict(params)
+    if isinstance(kept.get("headers"), dict):
+        kept["headers"] = dict.fromkeys(kept["headers"], "<redacted>")
+    if isinstance(kept.get("url"), str):
+        parts = urllib.parse.urlsplit(kept["url"])
+        kept["url"] = f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}" + ("/…" if parts.path.strip("/") else "")
+    return kept
 
 
 def _dumps(value: Any) -> str:
@@ -323,7 +336,7 @@ class Store:
         """Record what came of a decision (see the module docstring for what it counts and opens)."""
         decision = outcome.decision
         action = decision.action.kind.value if decision.action is not None else "none"
-        params = decision.action.params if decision.action is not None else {}
+        params = _without_secrets(decision.action.params) if decision.action is not None else {}
         counted = outcome.outcome in COUNTED_OUTCOMES and decision.action is not None and decision.step >= 0
         target = decision.target
         event = decision.event
@@ -464,17 +477,18 @@ class Store:
         rule's state for that GPU, services targeted through it included); "service:<name>".
         Returns how many (rule, target) pairs it re-armed.
         """
+        # `where` is one of _selector's fixed clauses; every value in it is a bound parameter (nosec B608 below).
         where, args = _selector(selector)
         with self._transaction() as db:
-            pairs = set(db.execute(f"SELECT rule, target_key FROM circuits WHERE {where}", args).fetchall())  # noqa: S608 (fixed clauses)
+            pairs = set(db.execute(f"SELECT rule, target_key FROM circuits WHERE {where}", args).fetchall())  # noqa: S608  # nosec B608
             pairs |= set(
                 db.execute(
-                    f"SELECT rule, target_key FROM remediations WHERE counted = 1 AND acked = 0 AND ({where})",  # noqa: S608
+                    f"SELECT rule, target_key FROM remediations WHERE counted = 1 AND acked = 0 AND ({where})",  # noqa: S608  # nosec B608
                     args,
                 ).fetchall()
             )
-            db.execute(f"DELETE FROM circuits WHERE {where}", args)  # noqa: S608
-            db.execute(f"UPDATE remediations SET acked = 1 WHERE counted = 1 AND acked = 0 AND ({where})", args)  # noqa: S608
+            db.execute(f"DELETE FROM circuits WHERE {where}", args)  # noqa: S608  # nosec B608
+            db.execute(f"UPDATE remediations SET acked = 1 WHERE counted = 1 AND acked = 0 AND ({where})", args)  # noqa: S608  # nosec B608
             db.execute(
                 "INSERT INTO acks (ts, selector, reset) VALUES (?, ?, ?)",
                 (time.time() if now_seconds is None else now_seconds, selector, len(pairs)),

@@ -274,13 +274,17 @@ def test_demo_plays_the_scenario_on_a_live_daemon(tmp_path: Path) -> None:
 def test_check_config_validates_rules_with_file_and_line(tmp_path: Path) -> None:
     rules = tmp_path / "rules.d"
     rules.mkdir(mode=0o755)
-    (rules / "10-bad.yaml").write_text("rules:\n  - name: bad\n    match: {xid: {codes: [13]}}\n    actions: [restart_servce]\n")
+    (rules / "10-bad.yaml").write_text(
+        "rules:\n  - name: bad\n    match: {xid: {codes: [13]}}\n    actions: [restart_servce]\n"
+    )
     config = tmp_path / "agent.yaml"
     config.write_text(f"remediation: {{rules_dir: {rules}}}\n")
     result = gpu_agent("check-config", "--config", str(config))
     assert result.returncode == 1
     assert result.stderr.startswith(f"{rules / '10-bad.yaml'}:4 rules[0].actions[0]")
-    (rules / "10-bad.yaml").write_text("rules:\n  - name: good\n    match: {xid: {codes: [13]}}\n    actions: [restart_service]\n")
+    (rules / "10-bad.yaml").write_text(
+        "rules:\n  - name: good\n    match: {xid: {codes: [13]}}\n    actions: [restart_service]\n"
+    )
     ok = gpu_agent("check-config", "--config", str(config))
     assert ok.returncode == 0 and "1 rules from" in ok.stdout
     shipped = gpu_agent("check-config", "--config", str(config), "--rules", str(Path(__file__).parent.parent / "rules"))

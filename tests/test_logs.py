@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import structlog
 
 from agent import logs
+
+
+@pytest.fixture(autouse=True)
+def restore_logging() -> Iterator[None]:
+    """configure_logging binds structlog and the root logger to this test's streams: undo it, or
+    every later test logs into a closed capture file."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    structlog.reset_defaults()
+    root.handlers, root.level = handlers, level
 
 
 def parse_native(datagram: bytes) -> dict[str, str]:

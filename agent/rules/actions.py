@@ -45,6 +45,7 @@ The actions
 
 from __future__ import annotations
 
+import base64
 import datetime
 import json
 import logging
@@ -112,9 +113,18 @@ def post_json(url: str, payload: Any, timeout_seconds: float, headers: Mapping[s
     if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
         raise ActionError(f"not an http(s) URL: {redacted_url(url)}")
     body = json.dumps(payload, default=str).encode()
+    parts = urllib.parse.urlsplit(url)
+    credentials = None
+    if parts.username is not None:
+        # urllib takes user:password@ for part of the host name: send it as basic auth instead.
+        userinfo = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
+        credentials = "Basic " + base64.b64encode(userinfo.encode()).decode()
+        url = urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
     request = urllib.request.Request(url, data=body, method="POST")  # noqa: S310 (scheme checked above)
     request.add_header("Content-Type", "application/json")
     request.add_header("User-Agent", "gpu-agent")
+    if credentials is not None:
+        request.add_header("Authorization", credentials)
     for name, value in (headers or {}).items():
         request.add_header(name, value)
     where = redacted_url(url)

@@ -76,6 +76,7 @@ from agent.config import (
     StrictModel,
     format_path,
     parse_yaml,
+    read_config_text,
     validate_model,
 )
 from agent.events import EventKind, Severity, SuggestedAction
@@ -399,11 +400,11 @@ def _load_file(file: Path, allow_reboot: bool) -> list[Rule]:
     where = str(file)
     try:
         unsafe = _unsafe_permissions(file)
-        text = file.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError([ConfigProblem(where, None, "", f"cannot read: {exc.strerror or exc}")]) from None
     if unsafe:
         raise ConfigError([ConfigProblem(where, None, "", f"refused: {unsafe}")])
+    text = read_config_text(file)
     data, lines = parse_yaml(text, where)
     if data is not None and not isinstance(data, dict):
         raise ConfigError([ConfigProblem(where, 1, "", "must be a YAML mapping with a `rules` list")])

@@ -1,0 +1,367 @@
+"""Property-based fuzzing of what the agent reads from people and from clients: agent.yaml, rules.d and
+the status socket. Whatever comes in, the answer is a valid result or a clear error (a ConfigError whose
+every problem names the file, and the line when there is one; an error response on the socket), never a
+traceback, a crash or a hang. The kernel-log parser has its own properties in test_kernel_log_parser.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import socket
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from daemon_harness import write_agent_config
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agent import api
+from agent.config import AgentConfig, ConfigError, config_from_text, load_config
+from agent.daemon import Daemon
+from agent.notify import SdNotifier
+from agent.rules.config import Rule, load_rules
+
+FILE = "/etc/gpu-agent/agent.yaml"
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+VALID_CONFIG: dict[str, Any] = {
+    "mode": "enforce",
+    "backend": "simulated",
+    "simulated": {"profile": "h200x2", "privileged": True},
+    "interval_seconds": 5,
+    "policy_interval_seconds": 60,
+    "metrics": {"listen": "127.0.0.1:9481"},
+    "api": {"socket": "/run/gpu-agent/agent.sock", "group": None},
+    "policy": {
+        "node": {"transparent_hugepages": "never", "nouveau": "blacklisted"},
+        "gpus": [
+            {
+                "match": {"model": "NVIDIA H200*"},
+                "power_limit_watts": 600,
+                "locked_clocks": {"gpu_mhz": [1500, 1980]},
+                "persistence": "enabled",
+                "ecc": "enabled",
+            },
+            {"match": {"index": 1}, "fan_curve": [[30, 30], [50, 65], [75, 100]]},
+        ],
+        "modes": {"ecc": "observe"},
+    },
+    "services": [
+        {"name": "sglang", "unit": "sglang.service", "health_url": "http://127.0.0.1:30000/health", "gpus": [0, 1]},
+        {"name": "vllm", "manager": "command", "start_command": ["/bin/true"], "stop_command": ["/bin/true"]},
+    ],
+    "remediation": {"rules_dir": "/etc/gpu-agent/rules.d", "alertmanager_url": "http://127.0.0.1:9093"},
+}
+
+VALID_RULES: dict[str, Any] = {
+    "rules": [
+        {
+            "name": "reset-on-xid",
+            "match": {"xid": {"codes": [48, 79], "buckets": ["RESTART_APP"]}},
+            "gpus": "all",
+            "actions": [
+                {"restart_service": {"service": "sglang"}},
+                "reset_gpu",
+                {"alertmanager": {"severity": "critical"}},
+            ],
+            "cooldown_seconds": 300,
+            "max_attempts": 3,
+            "window_seconds": 3600,
+            "on_exhausted": [{"webhook": {"url": "https://hooks.example/gpu", "headers": {"X-Token": "abc"}}}],
+        },
+        {
+            "name": "thermal",
+            "match": {"throttle": {"reasons": ["hw_thermal_slowdown"], "held_seconds": 60}},
+            "gpus": [0],
+            "actions": [{"recommend_reboot": {"reason": "hot"}}],
+            "dry_run": True,
+        },
+        {"name": "svc", "match": {"service_unhealthy": {"probes": 3}}, "actions": ["restart_service"]},
+    ]
+}
+
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats()
+    | st.text(max_size=20)
+    | st.sampled_from(["all", "enforce", "observe", "never", "reset_gpu", "NVIDIA H200*", "/bin/true", "0755"])
+)
+values = st.recursive(
+    scalars,
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4),
+    max_leaves=12,
+)
+
+
+def locations(value: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    """Every path into a nested document (the root included)."""
+    yield path
+    if isinstance(value, dict):
+        for key, child in value.items():
+            yield from locations(child, (*path, key))
+    elif isinstance(value, list):
+        for index, child in enumerate(value):
+            yield from locations(child, (*path, index))
+
+
+@st.composite
+def mutated(draw: st.DrawFn, document: dict[str, Any]) -> Any:
+    """A valid document with a few random edits: a value replaced, a key dropped, renamed or added."""
+    result: Any = copy.deepcopy(document)
+    for _ in range(draw(st.integers(min_value=1, max_value=3))):
+        path = draw(st.sampled_from(list(locations(result))))
+        if not path:
+            result = draw(values) if draw(st.integers(0, 9)) == 0 else result
+            continue
+        parent = result
+        for part in path[:-1]:
+            parent = parent[part]
+        key = path[-1]
+        operation = draw(st.sampled_from(["replace", "delete", "rename", "add"]))
+        if operation == "replace":
+            parent[key] = draw(values)
+        elif operation == "delete":
+            del parent[key]
+        elif operation == "rename" and isinstance(parent, dict):
+            parent[draw(st.text(max_size=12))] = parent.pop(key)
+        elif isinstance(parent, dict):
+            parent[draw(st.text(max_size=12))] = draw(values)
+        else:
+            parent.insert(key, draw(values))
+    return result
+
+
+@st.composite
+def edited_text(draw: st.DrawFn, document: dict[str, Any]) -> str:
+    """A valid document's YAML text with characters inserted, deleted or swapped: broken syntax."""
+    text = yaml.safe_dump(document, sort_keys=False)
+    for _ in range(draw(st.integers(min_value=1, max_value=4))):
+        position = draw(st.integers(min_value=0, max_value=len(text)))
+        junk = draw(st.sampled_from([":", "-", "[", "]", "{", "}", "'", '"', "\t", "\n", " ", "&a", "*a", "!!", "%"]))
+        end = position + draw(st.integers(min_value=0, max_value=3))
+        text = text[:position] + junk + text[end:]
+    return text
+
+
+def check_config_text(text: str) -> None:
+    try:
+        loaded = config_from_text(text, FILE)
+    except ConfigError as exc:
+        assert exc.problems
+        for problem in exc.problems:
+            assert problem.file == FILE
+            assert problem.line is None or problem.line >= 1
+            assert problem.message
+            assert str(problem).startswith(FILE)
+        # A document that is a mapping and is valid YAML is blamed on a line.
+        with contextlib.suppress(yaml.YAMLError):
+            if isinstance(yaml.safe_load(text), dict):
+                assert all(p.line is not None for p in exc.problems), exc.problems
+    else:
+        assert isinstance(loaded, AgentConfig)
+
+
+# -- agent.yaml -----------------------------------------------------------------------------------
+
+
+@FUZZ
+@given(values)
+def test_any_yaml_document_is_a_config_or_a_config_error(document: Any) -> None:
+    check_config_text(yaml.safe_dump(document))
+
+
+@FUZZ
+@given(mutated(VALID_CONFIG))
+def test_a_mutated_valid_config_is_a_config_or_a_config_error(document: Any) -> None:
+    check_config_text(yaml.safe_dump(document, sort_keys=False))
+
+
+@FUZZ
+@given(edited_text(VALID_CONFIG))
+def test_broken_yaml_syntax_is_a_config_error_with_a_line(text: str) -> None:
+    check_config_text(text)
+
+
+@FUZZ
+@given(st.binary(max_size=300))
+def test_arbitrary_bytes_in_the_config_file(data: bytes) -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "agent.yaml"
+        path.write_bytes(data)
+        path.chmod(0o644)
+        try:
+            load_config(path)
+        except ConfigError as exc:
+            assert all(p.file == str(path) and p.message for p in exc.problems)
+
+
+def test_the_valid_documents_are_valid() -> None:
+    assert config_from_text(yaml.safe_dump(VALID_CONFIG), FILE).mode.value == "enforce"
+    with tempfile.TemporaryDirectory() as directory:
+        assert len(load_rules([write_rules(Path(directory), yaml.safe_dump(VALID_RULES))])) == 3
+
+
+# -- rules.d --------------------------------------------------------------------------------------
+
+
+def write_rules(directory: Path, text: str) -> Path:
+    path = directory / "10-fuzz.yaml"
+    path.write_text(text, encoding="utf-8", errors="surrogateescape")
+    path.chmod(0o644)
+    return path
+
+
+def check_rules_text(text: str, allow_reboot: bool = False) -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        path = write_rules(Path(directory), text)
+        try:
+            rules = load_rules([path], allow_reboot=allow_reboot)
+        except ConfigError as exc:
+            assert exc.problems
+            for problem in exc.problems:
+                assert problem.file == str(path)
+                assert problem.line is None or problem.line >= 1
+                assert problem.message
+        else:
+            assert all(isinstance(rule, Rule) and rule.source.startswith(f"{path}:") for rule in rules)
+
+
+@FUZZ
+@given(mutated(VALID_RULES), st.booleans())
+def test_a_mutated_valid_rules_file_is_rules_or_a_config_error(document: Any, allow_reboot: bool) -> None:
+    check_rules_text(yaml.safe_dump(document, sort_keys=False), allow_reboot)
+
+
+@FUZZ
+@given(values)
+def test_any_yaml_document_as_a_rules_file(document: Any) -> None:
+    check_rules_text(yaml.safe_dump({"rules": document} if isinstance(document, list) else document))
+
+
+@FUZZ
+@given(edited_text(VALID_RULES))
+def test_broken_rules_yaml_is_a_config_error(text: str) -> None:
+    check_rules_text(text)
+
+
+# -- the status socket ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def daemon_handlers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The real daemon's API handlers, after one loop on a simulated node."""
+    tmp = tmp_path_factory.mktemp("api")
+    config_path, _ = write_agent_config(tmp)
+    daemon = Daemon(load_config(config_path), config_path, notifier=SdNotifier(None, None))
+    daemon.published.set(daemon.loop_once())
+    daemon.shutdown()
+    handlers = daemon.api_handlers()
+
+    def broken(_params: Any) -> Any:
+        raise KeyError("a handler with a bug")
+
+    return {**handlers, "broken": broken}
+
+
+requests = (
+    st.binary(max_size=400)
+    | st.text(max_size=200).map(str.encode)
+    | values.map(lambda v: json.dumps(v).encode())
+    | st.fixed_dictionaries(
+        {"method": st.sampled_from(["status", "ping", "broken", "events", ""]) | values, "params": values}
+    ).map(lambda v: json.dumps(v).encode())
+)
+
+
+@FUZZ
+@given(requests)
+def test_any_request_line_gets_a_response_and_never_raises(daemon_handlers: dict[str, Any], line: bytes) -> None:
+    response = api.handle_request(line, daemon_handlers)
+    assert isinstance(response["ok"], bool)
+    assert response["ok"] or isinstance(response["error"], str)
+    json.dumps(response, default=str)  # it can be sent
+
+
+@contextlib.contextmanager
+def server(directory: Path, handlers: dict[str, Any]) -> Iterator[Path]:
+    path = directory / "agent.sock"
+    running = api.ApiServer(path, handlers)
+    running.start()
+    try:
+        yield path
+    finally:
+        running.close()
+
+
+def exchange(path: Path, payload: bytes) -> bytes:
+    """Send payload, close our side (so a line without a newline ends), read the whole answer."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+        client.settimeout(10)
+        client.connect(str(path))
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            client.sendall(payload)
+        client.shutdown(socket.SHUT_WR)
+        answer = b""
+        while chunk := client.recv(65536):
+            answer += chunk
+    return answer
+
+
+@pytest.fixture(scope="module")
+def api_socket(daemon_handlers: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    with server(tmp_path_factory.mktemp("socket"), daemon_handlers) as path:
+        yield path
+
+
+@FUZZ
+@given(requests, st.booleans())
+def test_a_real_server_answers_every_request_with_one_json_line(api_socket: Path, line: bytes, newline: bool) -> None:
+    answer = exchange(api_socket, line + (b"\n" if newline else b""))
+    assert answer.endswith(b"\n") and answer.count(b"\n") == 1, answer
+    assert isinstance(json.loads(answer)["ok"], bool)
+    assert api.call(api_socket, "ping")["version"]  # still serving
+
+
+def test_oversized_silent_and_concurrent_clients(
+    daemon_handlers: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(api, "REQUEST_TIMEOUT_SECONDS", 0.5)
+    with server(tmp_path, daemon_handlers) as path:
+        big = json.loads(exchange(path, b'{"method": "ping", "x": "' + b"a" * (api.MAX_REQUEST_BYTES + 10) + b'"}\n'))
+        assert big == {"ok": False, "error": "request too large"}
+        # a client that connects and says nothing holds one thread until the timeout, no one else
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
+            silent.connect(str(path))
+            results: list[Any] = []
+            workers = [threading.Thread(target=lambda: results.append(api.call(path, "ping"))) for _ in range(20)]
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join(10)
+            assert len(results) == 20
+            silent.settimeout(5)
+            assert silent.recv(100) == b""  # the server gave up on it
+        status = api.call(path, "status")
+        assert status["source"] == "daemon" and len(status["gpus"]) == 2
+
+
+@FUZZ
+@given(st.binary(max_size=300))
+def test_arbitrary_bytes_in_a_rules_file(data: bytes) -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "10-bytes.yaml"
+        path.write_bytes(data)
+        path.chmod(0o644)
+        try:
+            load_rules([path])
+        except ConfigError as exc:
+            assert all(p.file == str(path) and p.message for p in exc.problems)

@@ -1,0 +1,332 @@
+"""Trust: the agent runs as root, so the files that steer it (agent.yaml, rules.d, hooks) must be
+changeable by root alone, the status socket must be root's unless a group is configured, and the
+secrets in webhook and Alertmanager URLs and headers must never reach a log or the event store."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import grp
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from daemon_harness import running_agent, write_agent_config
+from hosttree import NOBODY_ID, run_unprivileged
+
+from agent import api
+from agent.backend.sim import SimulatedBackend
+from agent.config import ConfigError, load_config
+from agent.daemon import Daemon
+from agent.notify import SdNotifier
+from agent.trust import file_problem
+
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="ownership checks apply when the agent runs as root")
+
+
+def gpu_agent(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "agent.cli", *args], capture_output=True, text=True, timeout=60)
+
+
+def refusal(path: Path) -> str:
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    (problem,) = caught.value.problems
+    assert problem.file == str(path)
+    assert problem.message.startswith("refused: ")
+    return problem.message
+
+
+# -- agent.yaml -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", [0o664, 0o646, 0o666, 0o660])
+def test_a_config_others_can_write_is_refused(tmp_path: Path, mode: int) -> None:
+    config, _ = write_agent_config(tmp_path)
+    assert load_config(config).backend == "simulated"
+    config.chmod(mode)
+    message = refusal(config)
+    assert f"{config} is writable by group or others (mode {mode:04o})" in message
+    assert f"chmod go-w {config}" in message
+    # Always, whoever the agent runs as.
+    assert file_problem(config, running_as_root=False) is not None
+
+
+@as_root
+def test_a_config_not_owned_by_root_is_refused_when_running_as_root(tmp_path: Path) -> None:
+    config, _ = write_agent_config(tmp_path)
+    os.chown(config, NOBODY_ID, NOBODY_ID)
+    assert f"{config} is owned by uid {NOBODY_ID}, not root" in refusal(config)
+    # An unprivileged agent (a developer's) may use its own files.
+    assert file_problem(config, running_as_root=False) is None
+
+
+def test_a_config_in_a_directory_others_can_write_is_refused(tmp_path: Path) -> None:
+    directory = tmp_path / "etc"
+    directory.mkdir()
+    config, _ = write_agent_config(tmp_path)
+    moved = directory / "agent.yaml"
+    shutil.move(config, moved)
+    directory.chmod(0o775)
+    assert f"directory {directory} of {moved} is writable by group or others (mode 0775)" in refusal(moved)
+    # sticky (as /tmp): others may add files but not replace this one
+    directory.chmod(0o1777)
+    assert load_config(moved).backend == "simulated"
+
+
+def test_a_symlink_is_judged_by_the_file_it_points_to(tmp_path: Path) -> None:
+    config, _ = write_agent_config(tmp_path)
+    link = tmp_path / "link.yaml"
+    link.symlink_to(config)
+    assert load_config(link).backend == "simulated"
+    config.chmod(0o666)
+    assert f"{config} is writable by group or others" in refusal(link)
+
+
+def test_check_config_names_the_untrusted_file(tmp_path: Path) -> None:
+    config, _ = write_agent_config(tmp_path)
+    config.chmod(0o666)
+    result = gpu_agent("check-config", "--config", str(config))
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"{config}: refused: {config} is writable by group or others (mode 0666)")
+    assert "Traceback" not in result.stderr
+
+
+def test_reload_of_an_untrusted_config_keeps_the_running_one(tmp_path: Path) -> None:
+    config_path, _ = write_agent_config(tmp_path)
+    daemon = Daemon(load_config(config_path), config_path, notifier=SdNotifier(None, None))
+    config_path.write_text(config_path.read_text().replace("mode: enforce", "mode: observe"))
+    config_path.chmod(0o664)
+    assert daemon.reload() is False
+    assert daemon.config.mode.value == "enforce"
+    assert "refused" in daemon.status_note and str(config_path) in daemon.status_note
+    config_path.chmod(0o644)
+    assert daemon.reload() is True
+    assert daemon.config.mode.value == "observe"
+
+
+# -- rules.d and hooks ------------------------------------------------------------------------------
+
+
+HOOK_RULE = """\
+rules:
+  - name: drain-on-xid
+    match: {{xid: {{codes: [79]}}}}
+    actions:
+      - run_hook: {{argv: [{hook}, --reason, xid]}}
+"""
+
+
+def rules_setup(tmp_path: Path) -> tuple[Path, Path, Path]:
+    rules = tmp_path / "rules.d"
+    rules.mkdir(mode=0o755)
+    hooks = tmp_path / "hooks"
+    hooks.mkdir(mode=0o755)
+    hook = hooks / "drain.sh"
+    hook.write_text("#!/bin/sh\nexit 0\n")
+    hook.chmod(0o755)
+    rule_file = rules / "10-drain.yaml"
+    rule_file.write_text(HOOK_RULE.format(hook=hook))
+    rule_file.chmod(0o644)
+    config, _ = write_agent_config(tmp_path, rules_dir=rules)
+    return config, rule_file, hook
+
+
+def test_check_config_refuses_untrusted_rules_and_hooks(tmp_path: Path) -> None:
+    config, rule_file, hook = rules_setup(tmp_path)
+    ok = gpu_agent("check-config", "--config", str(config))
+    assert ok.returncode == 0, ok.stderr
+    assert "1 rules" in ok.stdout
+
+    rule_file.chmod(0o664)
+    refused = gpu_agent("check-config", "--config", str(config))
+    assert refused.returncode == 1
+    assert f"{rule_file}: refused: writable by group or others (mode 0664)" in refused.stderr
+    rule_file.chmod(0o644)
+
+    rule_file.parent.chmod(0o777)
+    refused = gpu_agent("check-config", "--config", str(config))
+    assert f"{rule_file.parent}: refused: writable by group or others (mode 0777)" in refused.stderr
+    rule_file.parent.chmod(0o755)
+
+    hook.chmod(0o775)
+    refused = gpu_agent("check-config", "--config", str(config))
+    assert refused.returncode == 1
+    assert f"{rule_file}:2 rule drain-on-xid: actions[0].run_hook.argv[0]:" in refused.stderr
+    assert f"hook {hook} is group or world writable (mode 0775)" in refused.stderr
+    hook.chmod(0o755)
+    if os.geteuid() == 0:
+        os.chown(hook, NOBODY_ID, NOBODY_ID)
+        refused = gpu_agent("check-config", "--config", str(config))
+        assert f"hook {hook} is not owned by root (uid {NOBODY_ID})" in refused.stderr
+        os.chown(rule_file, NOBODY_ID, NOBODY_ID)
+        refused = gpu_agent("check-config", "--config", str(config))
+        assert f"{rule_file}: refused: owned by uid {NOBODY_ID}, not root" in refused.stderr
+
+
+# -- the status socket ----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def public_directory() -> Iterator[Path]:
+    """A directory everyone can reach (pytest's own are private), so the socket's own mode decides."""
+    directory = Path(tempfile.mkdtemp(prefix="gpu-agent-trust-"))
+    directory.chmod(0o755)
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def connect_as_nobody(path: Path) -> str:
+    def attempt() -> str:
+        try:
+            return json.dumps(api.call(path, "ping"))
+        except PermissionError:
+            return "denied"
+
+    return run_unprivileged(attempt)
+
+
+def test_the_socket_is_root_only_without_a_group() -> None:
+    with public_directory() as directory:
+        server = api.ApiServer(directory / "agent.sock", {"ping": lambda _p: "pong"})
+        server.start()
+        try:
+            info = (directory / "agent.sock").stat()
+            assert oct(info.st_mode & 0o777) == oct(0o600)
+            assert info.st_uid == os.geteuid()
+            assert api.call(directory / "agent.sock", "ping") == "pong"
+            if os.geteuid() == 0:
+                assert connect_as_nobody(directory / "agent.sock") == "denied"
+        finally:
+            server.close()
+
+
+@as_root
+def test_a_configured_group_may_use_the_socket() -> None:
+    group = grp.getgrgid(NOBODY_ID).gr_name if NOBODY_ID in {g.gr_gid for g in grp.getgrall()} else None
+    if group is None:
+        pytest.skip("no group with nobody's gid on this machine")
+    with public_directory() as directory:
+        server = api.ApiServer(directory / "agent.sock", {"ping": lambda _p: "pong"}, group=group)
+        server.start()
+        try:
+            info = (directory / "agent.sock").stat()
+            assert oct(info.st_mode & 0o777) == oct(0o660)
+            assert (info.st_uid, info.st_gid) == (0, NOBODY_ID)
+            assert connect_as_nobody(directory / "agent.sock") == '"pong"'
+        finally:
+            server.close()
+
+
+# -- secrets stay out of logs and the store -----------------------------------------------------------
+
+
+SECRET = "s3cr3t-T0KEN-42"
+
+
+class Receiver:
+    """A local HTTP endpoint standing in for a webhook receiver and Alertmanager; records requests."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, dict[str, str]]] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                receiver.requests.append((self.path, dict(self.headers)))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+SECRET_RULES = """\
+rules:
+  - name: tell-someone
+    match: {{xid: {{codes: [13]}}}}
+    cooldown_seconds: 0
+    actions:
+      - webhook:
+          url: "http://127.0.0.1:{port}/hooks/{secret}?token={secret}"
+          headers: {{Authorization: "Bearer {secret}", X-Token: {secret}}}
+    on_exhausted: []
+  - name: page-someone
+    match: {{xid: {{codes: [13]}}}}
+    cooldown_seconds: 0
+    actions:
+      - alertmanager: {{severity: warning}}
+  - name: nobody-listens
+    match: {{xid: {{codes: [13]}}}}
+    cooldown_seconds: 0
+    actions:
+      - webhook: {{url: "http://127.0.0.1:{closed}/x/{secret}?key={secret}", headers: {{X-Token: {secret}}}}}
+"""
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_webhook_and_alertmanager_secrets_never_reach_the_log_or_the_store(tmp_path: Path) -> None:
+    receiver = Receiver()
+    rules = tmp_path / "rules.d"
+    rules.mkdir(mode=0o755)
+    (rules / "10-notify.yaml").write_text(SECRET_RULES.format(port=receiver.port, secret=SECRET, closed=closed_port()))
+    (rules / "10-notify.yaml").chmod(0o644)
+    try:
+        with running_agent(tmp_path, rules_dir=rules) as agent:
+            agent.notifications.wait_for("READY", "1")
+            text = agent.config_path.read_text()
+            alertmanager = f"http://alert:{SECRET}@127.0.0.1:{receiver.port}/am/{SECRET}"
+            agent.config_path.write_text(
+                text.replace("remediation: {", f'remediation: {{alertmanager_url: "{alertmanager}", ')
+            )
+            agent.signal(signal.SIGHUP)
+            deadline = time.monotonic() + 15
+            while "config reloaded" not in agent.log():
+                assert time.monotonic() < deadline, agent.log()[-2000:]
+                time.sleep(0.1)
+            SimulatedBackend("h200x2", agent.state_dir).inject_xid(0, 13)
+            while agent.log().count('"action finished"') < 3:
+                assert time.monotonic() < deadline + 15, agent.log()[-3000:]
+                time.sleep(0.1)
+            events = gpu_agent("events", "--json", "--config", str(agent.config_path))
+            log = agent.log()
+    finally:
+        receiver.server.shutdown()
+    # the secrets were used ...
+    paths = [path for path, _ in receiver.requests]
+    assert f"/hooks/{SECRET}?token={SECRET}" in paths
+    assert any(path.startswith(f"/am/{SECRET}/api/v2/alerts") for path in paths)
+    assert any(headers.get("X-Token") == SECRET for _, headers in receiver.requests)
+    basic = "Basic " + base64.b64encode(f"alert:{SECRET}".encode()).decode()
+    assert any(headers.get("Authorization") == basic for _, headers in receiver.requests), (
+        "user:password@ is basic auth"
+    )
+    # ... and appear nowhere the agent writes: the structured log, the event store
+    assert events.returncode == 0, events.stderr
+    assert '"tell-someone"' in events.stdout and "HTTP 200" in events.stdout
+    assert "nobody-listens" in events.stdout and "failed" in events.stdout
+    for where, text in (("log", log), ("event store", events.stdout)):
+        assert SECRET not in text, f"a secret in the {where}: {text[text.find(SECRET) - 300 : text.find(SECRET) + 100]}"
