@@ -10,16 +10,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agent import __version__
-from agent.backend import open_backend
-from agent.backend.base import GpuIdentity
+from agent import __version__, textview
 from agent.backend.errors import NO_DRIVER_KINDS, GpuError
-from agent.config import DEFAULT_CONFIG_PATH, AgentConfig, ConfigError, ConfigProblem, load_config
-from agent.host.paths import HostPaths
-from agent.policy.base import HostContext
-from agent.policy.engine import PolicyEngine
+from agent.config_errors import ConfigError, ConfigProblem
+from agent.defaults import DEFAULT_CONFIG_PATH, DEFAULT_SOCKET_PATH
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the heavy modules (pydantic models, the policy engine) load only for commands that use them
+    from agent.backend.base import GpuIdentity
+    from agent.config import AgentConfig
+    from agent.policy.engine import PolicyEngine
     from agent.rules.config import Rule
     from agent.store import Store
 
@@ -41,6 +40,8 @@ def _config_path(args: argparse.Namespace) -> tuple[Path | None, bool]:
 
 
 def load(args: argparse.Namespace) -> AgentConfig:
+    from agent.config import AgentConfig, load_config
+
     path, _ = _config_path(args)
     if path is None:
         print(f"note: {DEFAULT_CONFIG_PATH} not found; using built-in defaults (observe mode, nvml)", file=sys.stderr)
@@ -49,6 +50,11 @@ def load(args: argparse.Namespace) -> AgentConfig:
 
 
 def make_engine(config: AgentConfig) -> PolicyEngine:
+    from agent.backend import open_backend
+    from agent.host.paths import HostPaths
+    from agent.policy.base import HostContext
+    from agent.policy.engine import PolicyEngine
+
     backend = open_backend(config)
     return PolicyEngine(config, backend, HostContext(HostPaths.at(config.host_root)))
 
@@ -70,6 +76,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
+    from agent.config import load_config
     from agent.rules.config import load_rules
 
     path, _ = _config_path(args)
@@ -118,7 +125,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan = engine.plan()
     finally:
         engine.backend.shutdown()
-    _print(render.dumps(render.plan_json(plan)) if args.json else render.plan_text(plan))
+    _print(textview.dumps(render.plan_json(plan)) if args.json else render.plan_text(plan))
     return plan.exit_code
 
 
@@ -132,7 +139,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     finally:
         engine.backend.shutdown()
     if args.json:
-        _print(render.dumps(render.apply_json(report)))
+        _print(textview.dumps(render.apply_json(report)))
     else:
         _print(render.results_text(report.results))
         skipped = [r for r in report.results if r.outcome.value == "skipped" and r.plan.status.value == "drift"]
@@ -154,28 +161,45 @@ def cmd_restore(args: argparse.Namespace) -> int:
     finally:
         engine.backend.shutdown()
     if args.json:
-        _print(render.dumps({"results": [render.result_json(r, "enforce") for r in results]}))
+        _print(textview.dumps({"results": [render.result_json(r, "enforce") for r in results]}))
     else:
         _print(render.results_text(results))
     return EXIT_ERROR if any(r.outcome.value == "failed" for r in results) else EXIT_OK
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from agent import api, render
+    from agent import api
 
-    config = load(args)
     document = None
     if not args.direct:
+        # Against a running daemon only `api.socket` is read from the config (no validation, no
+        # pydantic): the daemon already validated it, and the answer comes back in a fraction of the time.
+        socket_path = _socket_path(args)
         try:
-            document = api.call(config.api.socket, "status")
+            document = api.call(socket_path, "status")
         except (OSError, ValueError):
             document = None  # no daemon (or not ours): read directly
         except api.ApiError as exc:
-            raise CliError(f"daemon at {config.api.socket}: {exc}") from None
+            raise CliError(f"daemon at {socket_path}: {exc}") from None
     if document is None or document.get("starting"):
-        document = direct_status(config)
-    _print(render.dumps(document) if args.json else render.status_text(document))
+        document = direct_status(load(args))
+    _print(textview.dumps(document) if args.json else textview.status_text(document))
     return EXIT_OK
+
+
+def _socket_path(args: argparse.Namespace) -> str:
+    import yaml
+
+    path, _ = _config_path(args)
+    if path is None:
+        return DEFAULT_SOCKET_PATH
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return DEFAULT_SOCKET_PATH  # the direct read then reports the config problem properly
+    api = data.get("api") if isinstance(data, dict) else None
+    socket = api.get("socket") if isinstance(api, dict) else None
+    return str(socket) if isinstance(socket, str) else DEFAULT_SOCKET_PATH
 
 
 def direct_status(config: AgentConfig) -> dict[str, object]:
@@ -218,11 +242,10 @@ def direct_status(config: AgentConfig) -> dict[str, object]:
 
 
 def cmd_xid_explain(args: argparse.Namespace) -> int:
-    from agent import render
     from agent.watch import xid_catalog
 
     if args.json:
-        _print(render.dumps(xid_catalog.explain(args.code)))
+        _print(textview.dumps(xid_catalog.explain(args.code)))
     else:
         _print(xid_catalog.explain_text(args.code))
     return EXIT_OK if xid_catalog.lookup(args.code) is not None else EXIT_ERROR
@@ -256,6 +279,9 @@ def cmd_xid_parse(args: argparse.Namespace) -> int:
 
 def _identities_if_available(args: argparse.Namespace) -> dict[int, GpuIdentity]:
     """This host's GPUs, to map bus ids to GPUs, when a config and a backend are at hand; else {}."""
+    from agent.backend import open_backend
+    from agent.config import load_config
+
     path, _ = _config_path(args)
     if path is None:
         return {}
@@ -309,7 +335,7 @@ def cmd_events(args: argparse.Namespace) -> int:
             "events": [{**render.event_json(e.event), "key": e.event.key, "handled": e.handled} for e in events],
             "remediations": [render.remediation_json(r) for r in remediations],
         }
-        _print(json.dumps({"schema": render.JSON_SCHEMA_VERSION, **document}, indent=2, default=str))
+        _print(json.dumps({"schema": textview.JSON_SCHEMA_VERSION, **document}, indent=2, default=str))
         return EXIT_OK
     _print(render.history_text(events, remediations))
     return EXIT_OK

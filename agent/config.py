@@ -10,7 +10,6 @@ import difflib
 import itertools
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -19,11 +18,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agent.backend.base import GPU_RESET_ITEM
+from agent.config_errors import ConfigError as ConfigError
+from agent.config_errors import ConfigProblem as ConfigProblem
+from agent.defaults import DEFAULT_METRICS_PORT, DEFAULT_RULES_DIR, DEFAULT_SOCKET_PATH
 from agent.trust import file_problem
-
-DEFAULT_CONFIG_PATH = "/etc/gpu-agent/agent.yaml"
-DEFAULT_RULES_DIR = "/etc/gpu-agent/rules.d"
-DEFAULT_METRICS_PORT = 9481  # unused by node_exporter (9100), dcgm-exporter (9400), nvidia_gpu_exporter (9835)
 
 
 class Mode(str, Enum):
@@ -69,7 +67,7 @@ class MetricsConfig(StrictModel):
 
 
 class ApiConfig(StrictModel):
-    socket: str = "/run/gpu-agent/agent.sock"
+    socket: str = DEFAULT_SOCKET_PATH
     group: str | None = None  # a group allowed to read the socket; root-only when unset
 
 
@@ -293,24 +291,6 @@ class AgentConfig(StrictModel):
 
 
 # -- loading with file:line errors ---------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ConfigProblem:
-    file: str
-    line: int | None
-    field: str
-    message: str
-
-    def __str__(self) -> str:
-        where = f"{self.file}:{self.line}" if self.line else self.file
-        return f"{where} {self.field}: {self.message}" if self.field else f"{where}: {self.message}"
-
-
-class ConfigError(Exception):
-    def __init__(self, problems: list[ConfigProblem]) -> None:
-        super().__init__("\n".join(str(p) for p in problems))
-        self.problems = problems
 
 
 PathKey = tuple[str | int, ...]

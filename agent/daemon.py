@@ -116,6 +116,7 @@ class Daemon:
         self.started_seconds = clock()
         self.published = _Published()
         self.stop_requested = threading.Event()
+        self.wake = threading.Event()  # set by event sources, signals: the loop reacts before its next tick
         self.reload_requested = threading.Event()
         self.heartbeat_seconds = time.monotonic()
         self.backend: GpuBackend | None = None
@@ -155,6 +156,7 @@ class Daemon:
         self.rules: list[Rule] = []
         self.alerts = AlertTracker()
         self.prober = HealthProber(config.services, build_managers(config, self.host))
+        self.prober.on_event = self.wake.set
         self.prober_thread: ProberThread | None = None
         self.actions: queue.SimpleQueue[Decision | None] = queue.SimpleQueue()
         self.inflight: list[tuple[Decision, float]] = []  # queued or running: counted as attempts
@@ -168,10 +170,12 @@ class Daemon:
     def _on_kernel_xid(self, record: KernelXid) -> None:
         for event in self.xid.ingest_kernel(record):
             self.events.put(event)
+            self.wake.set()
 
     def _on_nvml_event(self, event: GpuEvent) -> None:
         for produced in self.xid.ingest_nvml(event):
             self.events.put(produced)
+            self.wake.set()
 
     def _on_nvml_lost(self, error: GpuError) -> None:
         log.warning("nvml event wait reports a lost GPU", gpu=error.gpu, error=str(error))
@@ -468,21 +472,50 @@ class Daemon:
             self._reopen_if_driver_gone()
         else:
             samples = self._unavailable_samples(now)
-        while True:
-            try:
-                events.append(self.events.get_nowait())
-            except queue.Empty:
-                break
-        events.extend(self.prober.take_events())
-        for event in events:
-            log.info(event.message, kind=event.kind.value, gpu=event.gpu, gpu_uuid=event.uuid, **_event_fields(event))
-        self.recent_events = (self.recent_events + events)[-RECENT_EVENTS:]
+        events.extend(self._take_queued_events())
+        self._note_events(events)
         snapshot = self.build_snapshot(now, samples, time.monotonic() - started)
         self.remediate(snapshot, events, now)
         self.published.set(snapshot)
         self.heartbeat_seconds = time.monotonic()
         self.notifier.status(status_line(snapshot) + self.status_note)
         return snapshot
+
+    def _take_queued_events(self) -> list[Event]:
+        """Events from the source threads (Xids, probes), logged and kept for the status view."""
+        events: list[Event] = []
+        while True:
+            try:
+                events.append(self.events.get_nowait())
+            except queue.Empty:
+                break
+        events.extend(self.prober.take_events())
+        return events
+
+    def _note_events(self, events: Sequence[Event]) -> None:
+        for event in events:
+            log.info(event.message, kind=event.kind.value, gpu=event.gpu, gpu_uuid=event.uuid, **_event_fields(event))
+        self.recent_events = (self.recent_events + list(events))[-RECENT_EVENTS:]
+
+    def react(self) -> None:
+        """Between loops: an Xid or a failed probe is evaluated at once, against the last snapshot,
+        instead of waiting up to one interval for the next collection."""
+        snapshot = self.published.get()
+        events = self._take_queued_events()
+        if snapshot is None or not events:
+            for event in events:  # before the first snapshot: keep them for the first loop
+                self.events.put(event)
+            return
+        self._note_events(events)
+        snapshot = replace(
+            snapshot,
+            services=tuple(self.prober.statuses()),
+            xids=tuple(self.xid.counts()),
+            recent_events=tuple(self.recent_events),
+            health={gpu: self._health(gpu) for gpu in snapshot.health},
+        )
+        self.remediate(snapshot, events, self.clock())
+        self.published.set(snapshot)
 
     def build_snapshot(self, now: float, samples: Sequence[GpuSample], duration_seconds: float) -> NodeSnapshot:
         gpus = sorted(s.index for s in samples)
@@ -696,6 +729,7 @@ class Daemon:
             if self.prober_thread is not None:
                 self.prober_thread.stop()
             self.prober = HealthProber(new.services, build_managers(new, self.host))
+            self.prober.on_event = self.wake.set
             self.prober_thread = ProberThread(self.prober)
             self.prober_thread.start()
         self.status_note = ""
@@ -728,9 +762,11 @@ class Daemon:
 
         def on_stop(signum: int, _frame: FrameType | None) -> None:
             self.stop_requested.set()
+            self.wake.set()
 
         def on_hup(_signum: int, _frame: FrameType | None) -> None:
             self.reload_requested.set()
+            self.wake.set()
 
         signal.signal(signal.SIGTERM, on_stop)
         signal.signal(signal.SIGINT, on_stop)
@@ -812,19 +848,22 @@ class Daemon:
                     target=self._watchdog, args=(period / 2,), name="watchdog", daemon=True
                 )
                 self._watchdog_thread.start()
-            next_loop = time.monotonic()
+            next_loop = time.monotonic() + self.config.interval_seconds
             while not self.stop_requested.is_set():
-                next_loop += self.config.interval_seconds
-                delay = next_loop - time.monotonic()
-                if delay < 0:  # a slow loop: start again now, do not try to catch up
-                    next_loop = time.monotonic()
-                    delay = 0
-                if self.stop_requested.wait(delay):
+                self.wake.wait(max(0.0, next_loop - time.monotonic()))
+                self.wake.clear()
+                if self.stop_requested.is_set():
                     break
                 if self.reload_requested.is_set():
                     self.reload_requested.clear()
                     self.reload()
+                if time.monotonic() < next_loop:
+                    self.react()  # woken early by an event
+                    continue
                 self.loop_once()
+                next_loop += self.config.interval_seconds
+                if next_loop < time.monotonic():  # a slow loop: start again now, do not try to catch up
+                    next_loop = time.monotonic()
             return 0
         finally:
             self.shutdown()

@@ -11,14 +11,16 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agent.backend.base import RecoveryAction
 from agent.backend.errors import GpuErrorKind
-from agent.backend.sim import SimulatedBackend
 from agent.clock_events import CLOCK_EVENT_REASONS
-from agent.config import GPU_ITEMS, AgentConfig
 from agent.host.paths import HostPaths
-from agent.watch.fake_kernel_log import append_kmsg, xid_line
+
+if TYPE_CHECKING:  # imported when a fault is injected, not to build `gpu-agent --help`
+    from agent.backend.sim import SimulatedBackend
+    from agent.config import AgentConfig
 
 REASON_BITS = {name: bit for bit, name in CLOCK_EVENT_REASONS.items()}
 
@@ -35,6 +37,8 @@ class Node:
 
 
 def _xid(node: Node, args: argparse.Namespace) -> str:
+    from agent.watch.fake_kernel_log import append_kmsg, xid_line
+
     if args.source in ("nvml", "both"):
         node.sim.inject_xid(args.gpu, args.code)
     if args.source in ("kmsg", "both"):
@@ -91,6 +95,9 @@ def _pcie(node: Node, args: argparse.Namespace) -> str:
 
 def _drift(node: Node, args: argparse.Namespace) -> str:
     # Someone else (an operator, another tool) changes a setting behind the agent's back.
+    from agent.backend.sim import SimulatedBackend
+    from agent.config import GPU_ITEMS
+
     operator = SimulatedBackend(node.profile, node.sim.state_dir, writable_items=GPU_ITEMS)
     operator.init()
     try:
@@ -185,6 +192,8 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser], common
 
 
 def inject(config: AgentConfig, args: argparse.Namespace) -> str:
+    from agent.backend.sim import SimulatedBackend
+
     if config.backend != "simulated":
         raise InjectError("inject only works on a simulated node (backend: simulated); it never touches a real GPU")
     if args.fault == "throttle" and not args.clear and not args.reason:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -14,21 +13,7 @@ from agent.policy.base import ItemPlan, ItemResult
 from agent.policy.engine import ApplyReport, NodePlan
 from agent.state import GpuSample, NodeSnapshot
 from agent.store import StoredEvent, StoredRemediation
-
-JSON_SCHEMA_VERSION = 1
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [len(h) for h in headers]
-    for row in rows:
-        widths = [max(w, len(cell)) for w, cell in zip(widths, row)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
-    return "\n".join(lines)
-
-
-def dumps(document: dict[str, Any]) -> str:
-    return json.dumps({"schema": JSON_SCHEMA_VERSION, **document}, indent=2, sort_keys=False)
+from agent.textview import table
 
 
 def _gpu(gpu: int | None) -> str:
@@ -109,76 +94,6 @@ def snapshot_document(snapshot: NodeSnapshot, source: str, note: str = "", mode:
     }
 
 
-def status_text(document: dict[str, Any]) -> str:
-    """The human view of a status document (daemon or direct)."""
-    lines = [
-        f"gpu-agent {document['version']} ({document['source']}"
-        + (f": {document['note']}" if document.get("note") else "")
-        + f"); backend {document['backend']}, driver {document['driver_version'] or '-'}"
-        + (f", up {_duration(document['uptime_seconds'])}" if document["source"] == "daemon" else ""),
-        "",
-    ]
-    rows = []
-    for g in document["gpus"]:
-        health = g.get("health") or {}
-        rows.append(
-            [
-                str(g["index"]),
-                g["name"] or "?",
-                ("STALE " if g.get("stale") else "") + (health.get("state") or ("up" if g["up"] else "DOWN")),
-                _fmt(g["temperature_celsius"], " C"),
-                f"{_fmt(g['power_usage_watts'], '', 0)}/{_fmt(g['power_limit_watts'], ' W', 0)}",
-                f"{_fmt(g['sm_clock_mhz'])}/{_fmt(g['memory_clock_mhz'])} MHz",
-                _fmt(g["gpu_utilization_percent"], "%"),
-                "/".join(f"{f}%" for f in g["fan_speeds_percent"]) if g["fan_speeds_percent"] else "-",
-                ", ".join(g["clock_event_reasons_active"] or []) or "-",
-                health.get("reason") or ", ".join(f"{k}: {v}" for k, v in g["read_errors"].items()),
-            ]
-        )
-    lines.append(
-        table(
-            ["GPU", "NAME", "HEALTH", "TEMP", "POWER", "SM/MEM CLOCK", "UTIL", "FANS", "CLOCK EVENTS", "REASON"], rows
-        )
-    )
-    items = document["policy"]["items"]
-    off = [i for i in items if i["status"] not in ("in_sync", "not_applicable")]
-    lines.append("")
-    lines.append(f"policy: {len(items) - len(off)}/{len(items)} items in sync")
-    lines.extend(
-        f"  {i['item']}{'' if i['gpu'] is None else ' GPU ' + str(i['gpu'])}: {i['status']} "
-        f"(want {i['desired']}, have {i['actual']}){' - ' + i['detail'] if i['detail'] else ''}"
-        for i in off
-    )
-    if document["xids"]:
-        lines.append("")
-        lines.append("Xids: " + ", ".join(f"GPU {x['gpu']} Xid {x['xid']} x{x['count']}" for x in document["xids"]))
-    if document["services"]:
-        lines.append("")
-        lines.extend(
-            f"service {s['name']} ({s['unit']}): "
-            + ("up" if s["up"] else "not probed yet" if s["up"] is None else f"DOWN ({s['detail']})")
-            for s in document["services"]
-        )
-    if document["remediations"]:
-        lines.append("")
-        lines.append(
-            "remediations: "
-            + ", ".join(f"{r['rule']}/{r['action']} {r['outcome']} x{r['count']}" for r in document["remediations"])
-        )
-    recent = document["recent_events"][-5:]
-    if recent:
-        lines.append("")
-        lines.append("recent events:")
-        lines.extend(f"  [{e['severity']}] {e['message']}" for e in recent)
-    return "\n".join(lines)
-
-
-def _duration(seconds: float) -> str:
-    minutes, secs = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
-
-
 def _why(plan: ItemPlan) -> str:
     if plan.changes and plan.status.value == "drift":
         return "; ".join(plan.changes)
@@ -234,14 +149,6 @@ def sample_json(sample: GpuSample) -> dict[str, Any]:
     mask = sample.clock_event_reasons
     data["clock_event_reasons_active"] = decode(mask) if mask is not None else None
     return data
-
-
-def _fmt(value: object, unit: str = "", digits: int = 0) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}{unit}"
-    return f"{value}{unit}"
 
 
 def remediation_json(r: StoredRemediation) -> dict[str, Any]:

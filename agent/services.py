@@ -297,6 +297,8 @@ class HealthProber:
         self._lock = threading.Lock()
         self._tracked = {s.name: _Tracked(s) for s in services}
         self._events: list[Event] = []
+        #: Called (from a probe thread) when a transition event is ready: the daemon wakes its loop.
+        self.on_event: Callable[[], None] | None = None
 
     def names(self) -> list[str]:
         return list(self._tracked)
@@ -341,6 +343,12 @@ class HealthProber:
         return result
 
     def _record(self, result: ProbeResult) -> None:
+        before = len(self._events)
+        self._record_locked(result)
+        if len(self._events) != before and self.on_event is not None:
+            self.on_event()
+
+    def _record_locked(self, result: ProbeResult) -> None:
         with self._lock:
             tracked = self._tracked[result.service]
             tracked.last_latency_seconds = result.latency_seconds

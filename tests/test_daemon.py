@@ -76,12 +76,13 @@ def test_xid_from_nvml_and_kernel_log_is_one_event(tmp_path: Path) -> None:
         backend.inject_xid(1, 79)
         append_kmsg(HostPaths.at(agent.host_root), xid_line(bus_id, 79))
 
-        def one_xid() -> bool:
-            xids = agent.status()["xids"]
-            return len(xids) == 1 and xids[0]["count"] == 1
+        def both_sources_seen() -> bool:
+            events = [e for e in agent.status()["recent_events"] if e["kind"] == "xid"]
+            return bool(events) and len(events[0]["data"]["sources"]) == 2
 
-        wait_until(one_xid, what="one Xid 79 counted")
+        wait_until(both_sources_seen, what="the Xid seen by NVML and the kernel log")
         status = agent.status()
+        assert len(status["xids"]) == 1 and status["xids"][0]["count"] == 1
         assert status["xids"][0]["gpu"] == 1 and status["xids"][0]["xid"] == 79
         gpu1 = status["gpus"][1]["health"]
         assert gpu1["state"] == "unhealthy" and gpu1["suggested_action"] == "reboot"
