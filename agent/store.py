@@ -165,6 +165,22 @@ class Circuit:
     reason: str
 
 
+def _event_row(event: Event) -> tuple[Any, ...]:
+    """The events table's columns key .. ts, in INSERT order."""
+    return (
+        event.key,
+        event.kind.value,
+        event.severity.value,
+        event.gpu,
+        event.uuid,
+        event.message,
+        event.source,
+        event.suggested_action.value,
+        _dumps(event.data),
+        event.timestamp_seconds,
+    )
+
+
 def _json_default(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.asdict(value)
@@ -280,18 +296,7 @@ class Store:
             db.execute(
                 "INSERT INTO events (key, kind, severity, gpu, uuid, message, source, suggested_action, data, ts)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    event.key,
-                    event.kind.value,
-                    event.severity.value,
-                    event.gpu,
-                    event.uuid,
-                    event.message,
-                    event.source,
-                    event.suggested_action.value,
-                    _dumps(event.data),
-                    event.timestamp_seconds,
-                ),
+                _event_row(event),
             )
             return True
 
@@ -374,18 +379,7 @@ class Store:
                 "INSERT INTO events (key, kind, severity, gpu, uuid, message, source, suggested_action, data, ts,"
                 " handled) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1)"
                 " ON CONFLICT (key) DO UPDATE SET handled = 1",
-                (
-                    event.key,
-                    event.kind.value,
-                    event.severity.value,
-                    event.gpu,
-                    event.uuid,
-                    event.message,
-                    event.source,
-                    event.suggested_action.value,
-                    _dumps(event.data),
-                    event.timestamp_seconds,
-                ),
+                _event_row(event),
             )
             if decision.step == EXHAUSTED_STEP:
                 self._open_circuit(db, decision.rule, target, decision.reason, outcome.started_seconds)

@@ -130,7 +130,8 @@ def test_fans_restored_after_every_stop() -> None:
 
 
 def test_directories_match_the_agent_defaults() -> None:
-    from agent.config import DEFAULT_CONFIG_PATH, AgentConfig
+    from agent.config import AgentConfig
+    from agent.defaults import DEFAULT_CONFIG_PATH
 
     defaults = AgentConfig()
     assert defaults.api.socket == f"/run/{value('RuntimeDirectory')}/agent.sock"
