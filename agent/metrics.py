@@ -488,7 +488,7 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/metrics":
             encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
             try:
-                body = encoder(self.server.registry)
+                body = self.server.render(encoder, content_type)
             except Exception as exc:
                 # A bad snapshot must cost one scrape (Prometheus marks the target down), not the server.
                 log.exception("rendering metrics failed")
@@ -523,11 +523,29 @@ class _MetricsHTTPServer(ThreadingHTTPServer):
         address: tuple[str, int],
         registry: CollectorRegistry,
         health: Callable[[], tuple[int, dict[str, object]]],
+        get_snapshot: SnapshotGetter,
     ) -> None:
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.registry = registry
         self.health = health
+        self.get_snapshot = get_snapshot
+        # One rendering per snapshot and format: the loop publishes a snapshot every interval,
+        # Prometheus (and dashboards, and people with curl) may scrape more often than that.
+        self._rendered: dict[str, tuple[NodeSnapshot, bytes]] = {}
+        self._render_lock = threading.Lock()
         super().__init__(address, _Handler)
+
+    def render(self, encoder: Callable[[CollectorRegistry], bytes], content_type: str) -> bytes:
+        snapshot = self.get_snapshot()
+        with self._render_lock:
+            cached = self._rendered.get(content_type)
+            # the cache holds the snapshot itself, so `is` cannot be fooled by a reused id()
+            if snapshot is not None and cached is not None and cached[0] is snapshot:
+                return cached[1]
+            body = encoder(self.registry)
+            if snapshot is not None:
+                self._rendered[content_type] = (snapshot, body)
+            return body
 
 
 class MetricsServer:
@@ -546,7 +564,7 @@ class MetricsServer:
         self._clock = clock
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SnapshotCollector(get_snapshot))
-        self._server = _MetricsHTTPServer(parse_listen(listen), self.registry, self._health)
+        self._server = _MetricsHTTPServer(parse_listen(listen), self.registry, self._health, get_snapshot)
         bound = self._server.server_address
         self.host: str = str(bound[0])
         self.port: int = int(bound[1])

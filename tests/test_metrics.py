@@ -468,3 +468,30 @@ def test_concurrent_scrapes_while_snapshots_swap() -> None:
     finally:
         srv.close()
     assert errors == []
+
+
+def test_a_snapshot_is_rendered_once_however_often_it_is_scraped() -> None:
+    first, second = node_snapshot(), node_snapshot()
+    current = [first]
+    collected: list[object] = []
+
+    def getter() -> object:
+        collected.append(current[0])
+        return current[0]
+
+    srv = serve_metrics("127.0.0.1:0", getter)  # type: ignore[arg-type]
+    try:
+        bodies = []
+        for _ in range(3):
+            with urllib.request.urlopen(f"{srv.url}/metrics", timeout=5) as response:
+                bodies.append(response.read())
+        renders_of_first = len(collected)
+        current[0] = second
+        with urllib.request.urlopen(f"{srv.url}/metrics", timeout=5) as response:
+            bodies.append(response.read())
+    finally:
+        srv.close()
+    assert bodies[0] == bodies[1] == bodies[2]
+    # one lookup per scrape to find the snapshot, plus one collection for the first scrape only
+    assert renders_of_first == 3 + 1
+    assert len(collected) == renders_of_first + 2  # a new snapshot is collected again
