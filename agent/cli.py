@@ -150,9 +150,10 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
 def cmd_restore(args: argparse.Namespace) -> int:
     from agent import render
+    from agent.policy.registry import RESTORABLE_NAMES
 
     config = load(args)
-    if not config.writable_items() & {"fan_curve", "locked_clocks", "power_limit"}:
+    if not config.writable_items() & RESTORABLE_NAMES:
         _print("observe mode: gpu-agent changed nothing, so there is nothing to restore")
         return EXIT_OK
     engine = make_engine(config)

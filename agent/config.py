@@ -21,6 +21,8 @@ from agent.backend.base import GPU_RESET_ITEM
 from agent.config_errors import ConfigError as ConfigError
 from agent.config_errors import ConfigProblem as ConfigProblem
 from agent.defaults import DEFAULT_METRICS_PORT, DEFAULT_RULES_DIR, DEFAULT_SOCKET_PATH
+from agent.policy.names import GPU_ITEM_NAMES, ITEM_NAMES
+from agent.policy.names import ItemName as ItemName
 from agent.trust import file_problem
 
 
@@ -29,18 +31,9 @@ class Mode(str, Enum):
     ENFORCE = "enforce"
 
 
-GPU_ITEMS = ("power_limit", "locked_clocks", "fan_curve", "persistence", "ecc")
-NODE_ITEMS = ("transparent_hugepages", "triton_cache", "nouveau")
-ItemName = Literal[
-    "power_limit",
-    "locked_clocks",
-    "fan_curve",
-    "persistence",
-    "ecc",
-    "transparent_hugepages",
-    "triton_cache",
-    "nouveau",
-]
+#: The GPU policy items' names (from the one list, agent.policy.names): what a backend that may write every GPU
+#: setting is built with.
+GPU_ITEMS = GPU_ITEM_NAMES
 EnabledState = Literal["enabled", "disabled"]
 PositiveMhz = Annotated[int, Field(gt=0)]
 
@@ -277,7 +270,7 @@ class AgentConfig(StrictModel):
     def writable_items(self) -> frozenset[str]:
         """Policy items the backend and host may change: those in enforce mode; GPU resets
         (remediation) only when the agent as a whole is in enforce mode."""
-        items = {i for i in GPU_ITEMS + NODE_ITEMS if self.item_mode(i) is Mode.ENFORCE}
+        items: set[str] = {i for i in ITEM_NAMES if self.item_mode(i) is Mode.ENFORCE}
         if self.mode is Mode.ENFORCE:
             items.add(GPU_RESET_ITEM)
         return frozenset(items)

@@ -6,18 +6,21 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-from agent.backend.base import SETTER_ITEMS, ClockDomain, GpuBackend
+from agent.backend.base import GPU_RESET_ITEM, SETTER_ITEMS, ClockDomain, GpuBackend
 from agent.backend.errors import GpuErrorKind, WriteRefused
 from agent.backend.sim import SimulatedBackend
 from agent.config import GPU_ITEMS, FanCurve, GpuMatch, GpuProfile, LockedClocks
 from agent.policy import ecc, fan_curve, locked_clocks, persistence, power_limit
-from agent.policy.base import GpuContext, ItemPlan, Outcome, PlanStatus
-from agent.policy.gpu_item import ERROR_LABELS, format_watts
+from agent.policy.base import ERROR_LABELS, GpuContext, ItemPlan, Outcome, PlanStatus
+from agent.policy.gpu_item import format_watts
+from agent.policy.item import GpuItem, NodeItem, PolicyItem, RestorableGpuItem, enforce
+from agent.policy.names import GPU_ITEM_NAMES, NODE_ITEM_NAMES
+from agent.policy.registry import GPU_ITEMS as REGISTERED
+from agent.policy.registry import NODE_ITEMS, RESTORABLE_ITEMS, RESTORABLE_NAMES
 
 PROFILES = ("h200", "rtx-pro-6000")
 GPU = 0
@@ -84,7 +87,7 @@ class Case:
     """How to exercise one item: a desired value that differs from the board's state, and one that
     the board cannot take (with the words the error must contain)."""
 
-    module: ModuleType
+    item: GpuItem[Any, Any]
     drift: Callable[[GpuBackend], Any]
     impossible: Callable[[GpuBackend], tuple[Any, list[str]]] | None
     settles_after_reboot: bool = False
@@ -129,11 +132,11 @@ def _flip(enabled: bool) -> str:
 
 
 CASES = {
-    "power_limit": Case(power_limit, _power_drift, _power_impossible),
-    "locked_clocks": Case(locked_clocks, _clocks_drift, _clocks_impossible),
-    "fan_curve": Case(fan_curve, lambda b: CURVE, _fan_impossible),
-    "persistence": Case(persistence, lambda b: _flip(b.persistence_enabled(GPU)), None),
-    "ecc": Case(ecc, lambda b: _flip(b.ecc_mode(GPU).current), None, settles_after_reboot=True),
+    "power_limit": Case(power_limit.ITEM, _power_drift, _power_impossible),
+    "locked_clocks": Case(locked_clocks.ITEM, _clocks_drift, _clocks_impossible),
+    "fan_curve": Case(fan_curve.ITEM, lambda b: CURVE, _fan_impossible),
+    "persistence": Case(persistence.ITEM, lambda b: _flip(b.persistence_enabled(GPU)), None),
+    "ecc": Case(ecc.ITEM, lambda b: _flip(b.ecc_mode(GPU).current), None, settles_after_reboot=True),
 }
 
 # Fans are the one feature the H200 lacks: that pairing has its own not-applicable test.
@@ -144,15 +147,27 @@ ids = [f"{p}-{item}" for p, item in APPLICABLE]
 # -- every item, both boards -----------------------------------------------------------------------
 
 
-def test_module_shape() -> None:
-    for name, case in CASES.items():
-        assert name == case.module.NAME
-        assert callable(case.module.desired) and callable(case.module.plan) and callable(case.module.apply)
-    assert [name for name, case in CASES.items() if hasattr(case.module, "restore")] == [
+def test_every_registered_item_satisfies_its_protocol() -> None:
+    """mypy checks each item class against its protocol (agent/policy/registry.py is typed on them);
+    this checks the registry at run time: every name has its item, in the names' order, and each
+    item carries the members the engine calls."""
+    assert [i.name for i in REGISTERED] == list(GPU_ITEM_NAMES) == list(CASES)
+    assert [i.name for i in NODE_ITEMS] == list(NODE_ITEM_NAMES)
+    for registered in REGISTERED:
+        assert isinstance(registered, GpuItem) and isinstance(registered, PolicyItem)
+        assert registered.scope == "gpu"
+        assert CASES[registered.name].item is registered
+    for node_item in NODE_ITEMS:
+        assert isinstance(node_item, NodeItem) and not isinstance(node_item, RestorableGpuItem)
+        assert node_item.scope == "node"
+    assert [i.name for i in REGISTERED if isinstance(i, RestorableGpuItem)] == [
         "power_limit",
         "locked_clocks",
         "fan_curve",
     ]
+    assert {i.name for i in RESTORABLE_ITEMS} == RESTORABLE_NAMES == {"power_limit", "locked_clocks", "fan_curve"}
+    # The write guard knows every GPU item's setters, and nothing else but the reset permission.
+    assert set(SETTER_ITEMS.values()) == {*GPU_ITEM_NAMES, GPU_RESET_ITEM}
     assert set(ERROR_LABELS) == set(GpuErrorKind)
 
 
@@ -165,13 +180,13 @@ def test_desired_reads_the_profile() -> None:
         persistence="enabled",
         ecc="disabled",
     )
-    assert power_limit.desired(profile) == 600
-    assert locked_clocks.desired(profile) == LockedClocks(gpu_mhz=(1500, 1500))
-    assert fan_curve.desired(profile) == FanCurve(points=[(30, 30), (60, 100)])
-    assert persistence.desired(profile) == "enabled"
-    assert ecc.desired(profile) == "disabled"
+    assert power_limit.ITEM.desired(profile) == 600
+    assert locked_clocks.ITEM.desired(profile) == LockedClocks(gpu_mhz=(1500, 1500))
+    assert fan_curve.ITEM.desired(profile) == FanCurve(points=[(30, 30), (60, 100)])
+    assert persistence.ITEM.desired(profile) == "enabled"
+    assert ecc.ITEM.desired(profile) == "disabled"
     empty = GpuProfile(match=GpuMatch(index=0))
-    assert all(case.module.desired(empty) is None for case in CASES.values())
+    assert all(case.item.desired(empty) is None for case in CASES.values())
 
 
 @pytest.mark.parametrize(("profile", "item"), APPLICABLE, ids=ids)
@@ -180,26 +195,26 @@ def test_drift_apply_then_in_sync_and_not_reapplied(tmp_path: Path, profile: str
     node = make_node(tmp_path, profile)
     want = case.drift(node.backend)
 
-    plan = case.module.plan(node.ctx, want)
-    assert plan.status is PlanStatus.DRIFT, plan
-    assert (plan.item, plan.gpu) == (item, GPU)
-    assert plan.changes and plan.desired != plan.actual
+    done = case.item.plan(node.ctx, want)
+    assert done.plan.status is PlanStatus.DRIFT, done
+    assert (done.plan.item, done.plan.gpu) == (item, GPU)
+    assert done.plan.changes and done.plan.desired != done.plan.actual
     assert not node.recorder.writes, "plan must only read"
 
-    result = case.module.apply(node.ctx, want, plan)
+    result = enforce(case.item, node.ctx, want, done)
     expected_outcome = Outcome.REBOOT_REQUIRED if case.settles_after_reboot else Outcome.APPLIED
     assert result.outcome is expected_outcome, result
     assert node.recorder.writes and all(SETTER_ITEMS[name] == item for name, _ in node.recorder.writes)
 
     if case.settles_after_reboot:
-        assert case.module.plan(node.ctx, want).status is PlanStatus.REBOOT_REQUIRED
+        assert case.item.plan(node.ctx, want).plan.status is PlanStatus.REBOOT_REQUIRED
         node.backend.reboot()
     node.recorder.writes.clear()
-    again = case.module.plan(node.ctx, want)
-    assert again.status is PlanStatus.IN_SYNC, again
-    assert again.changes == ()
-    assert again.desired == again.actual or item == "fan_curve"
-    unchanged = case.module.apply(node.ctx, want, again)
+    again = case.item.plan(node.ctx, want)
+    assert again.plan.status is PlanStatus.IN_SYNC, again
+    assert again.plan.changes == ()
+    assert again.plan.desired == again.plan.actual or item == "fan_curve"
+    unchanged = enforce(case.item, node.ctx, want, again)
     assert unchanged.outcome is Outcome.UNCHANGED
     assert node.recorder.writes == []
 
@@ -210,12 +225,12 @@ def test_in_sync_state_survives_a_new_backend(tmp_path: Path, profile: str, item
     case = CASES[item]
     first = make_node(tmp_path, profile)
     want = case.drift(first.backend)
-    case.module.apply(first.ctx, want, case.module.plan(first.ctx, want))
+    enforce(case.item, first.ctx, want, case.item.plan(first.ctx, want))
     if case.settles_after_reboot:
         first.backend.reboot()
     second = make_node(tmp_path, profile)
-    plan = case.module.plan(second.ctx, want)
-    assert plan.status is PlanStatus.IN_SYNC, plan
+    done = case.item.plan(second.ctx, want)
+    assert done.plan.status is PlanStatus.IN_SYNC, done
     assert second.recorder.writes == []
 
 
@@ -225,13 +240,13 @@ def test_impossible_value_is_an_error_naming_the_range(tmp_path: Path, profile: 
     node = make_node(tmp_path, profile)
     assert case.impossible is not None
     want, words = case.impossible(node.backend)
-    plan = case.module.plan(node.ctx, want)
-    assert plan.status is PlanStatus.ERROR, plan
-    assert plan.error_kind is None  # the device is fine; the config is wrong
+    done = case.item.plan(node.ctx, want)
+    assert done.plan.status is PlanStatus.ERROR, done
+    assert done.plan.error_kind is None  # the device is fine; the config is wrong
     for text in words:
-        assert text in plan.detail
+        assert text in done.plan.detail
     # Never clamped: nothing is applied for an error plan.
-    assert case.module.apply(node.ctx, want, plan).outcome is Outcome.SKIPPED
+    assert enforce(case.item, node.ctx, want, done).outcome is Outcome.SKIPPED
     assert node.recorder.writes == []
 
 
@@ -240,12 +255,12 @@ def test_no_permission_fails_apply(tmp_path: Path, profile: str, item: str) -> N
     case = CASES[item]
     node = make_node(tmp_path, profile, privileged=False)
     want = case.drift(node.backend)
-    plan = case.module.plan(node.ctx, want)
-    assert plan.status is PlanStatus.DRIFT  # reading needs no root
-    result = case.module.apply(node.ctx, want, plan)
+    done = case.item.plan(node.ctx, want)
+    assert done.plan.status is PlanStatus.DRIFT  # reading needs no root
+    result = enforce(case.item, node.ctx, want, done)
     assert result.outcome is Outcome.FAILED
     assert "no_permission" in result.detail and "needs root" in result.detail
-    assert case.module.plan(node.ctx, want).status is PlanStatus.DRIFT
+    assert case.item.plan(node.ctx, want).plan.status is PlanStatus.DRIFT
 
 
 @pytest.mark.parametrize(("profile", "item"), [(p, i) for p in PROFILES for i in GPU_ITEMS], ids=str)
@@ -253,15 +268,15 @@ def test_gpu_lost(tmp_path: Path, profile: str, item: str) -> None:
     case = CASES[item]
     node = make_node(tmp_path, profile)
     want = case.drift(node.backend)
-    before = case.module.plan(node.ctx, want)
+    before = case.item.plan(node.ctx, want)
 
     node.backend.set_lost(GPU)
-    plan = case.module.plan(node.ctx, want)
-    assert plan.status is PlanStatus.ERROR
-    assert plan.error_kind == "gpu_lost"
-    assert "GPU lost" in plan.detail
-    if before.status is PlanStatus.DRIFT:
-        result = case.module.apply(node.ctx, want, before)
+    done = case.item.plan(node.ctx, want)
+    assert done.plan.status is PlanStatus.ERROR
+    assert done.plan.error_kind == "gpu_lost"
+    assert "GPU lost" in done.plan.detail
+    if before.plan.status is PlanStatus.DRIFT:
+        result = enforce(case.item, node.ctx, want, before)
         assert result.outcome is Outcome.FAILED
         assert "gpu_lost" in result.detail
 
@@ -271,11 +286,16 @@ def test_write_refused_propagates(tmp_path: Path, profile: str, item: str) -> No
     case = CASES[item]
     node = make_node(tmp_path, profile, writable=[i for i in GPU_ITEMS if i != item])
     want = case.drift(node.backend)
-    plan = case.module.plan(node.ctx, want)
-    assert plan.status is PlanStatus.DRIFT  # observe mode still plans
+    done = case.item.plan(node.ctx, want)
+    assert done.plan.status is PlanStatus.DRIFT  # observe mode still plans
     with pytest.raises(WriteRefused) as refused:
-        case.module.apply(node.ctx, want, plan)
+        case.item.apply(node.ctx, done.changes)
     assert refused.value.item == item
+    # Through the one enforce path it is a FAILED result naming the refusal, never a write.
+    result = enforce(case.item, node.ctx, want, done)
+    assert result.outcome is Outcome.FAILED
+    assert f"policy item '{item}' is in observe mode" in result.detail
+    assert case.item.plan(node.ctx, want).plan.status is PlanStatus.DRIFT
 
 
 @pytest.mark.parametrize(("profile", "item"), APPLICABLE, ids=ids)
@@ -294,15 +314,15 @@ def test_getter_errors_map_to_plan_status(tmp_path: Path, profile: str, item: st
     node = make_node(tmp_path, profile)
     want = case.drift(node.backend)
     node.backend.fail_call(GPU, getters[item], kind)
-    plan = case.module.plan(node.ctx, want)
+    done = case.item.plan(node.ctx, want)
     if kind is GpuErrorKind.NOT_SUPPORTED:
-        assert plan.status is PlanStatus.NOT_APPLICABLE
-        assert plan.error_kind is None
-        assert node.ctx.identity.name in plan.detail
+        assert done.plan.status is PlanStatus.NOT_APPLICABLE
+        assert done.plan.error_kind is None
+        assert node.ctx.identity.name in done.plan.detail
     else:
-        assert plan.status is PlanStatus.ERROR
-        assert plan.error_kind == kind.value
-        assert ERROR_LABELS[kind] in plan.detail
+        assert done.plan.status is PlanStatus.ERROR
+        assert done.plan.error_kind == kind.value
+        assert ERROR_LABELS[kind] in done.plan.detail
 
 
 # -- fans ------------------------------------------------------------------------------------------
@@ -311,12 +331,12 @@ def test_getter_errors_map_to_plan_status(tmp_path: Path, profile: str, item: st
 def test_fan_curve_not_applicable_on_fanless_h200(tmp_path: Path) -> None:
     node = make_node(tmp_path, "h200")
     want = CURVE
-    plan = fan_curve.plan(node.ctx, want)
-    assert plan.status is PlanStatus.NOT_APPLICABLE
-    assert plan.in_sync
-    assert plan.detail == "NVIDIA H200 (GPU 0) has no fans: no fan curve to enforce"
-    assert fan_curve.apply(node.ctx, want, plan).outcome is Outcome.SKIPPED
-    restored = fan_curve.restore(node.ctx)
+    done = fan_curve.ITEM.plan(node.ctx, want)
+    assert done.plan.status is PlanStatus.NOT_APPLICABLE
+    assert done.plan.in_sync
+    assert done.plan.detail == "NVIDIA H200 (GPU 0) has no fans: no fan curve to enforce"
+    assert enforce(fan_curve.ITEM, node.ctx, want, done).outcome is Outcome.UNCHANGED  # as `apply` reports it
+    restored = fan_curve.ITEM.restore(node.ctx)
     assert restored.outcome is Outcome.SKIPPED
     assert node.recorder.writes == []
 
@@ -329,43 +349,43 @@ def test_fan_curve_interpolates_and_sets_every_fan(tmp_path: Path) -> None:
     node = make_node(tmp_path, "rtx-pro-6000")
     want = CURVE
     node.backend.set_temperature(GPU, 40)
-    plan = fan_curve.plan(node.ctx, want)
+    done = fan_curve.ITEM.plan(node.ctx, want)
     # 30 + (65 - 30) * 10 / 20 = 47.5 -> 48
-    assert plan.desired == "48% (40 C on the curve)"
-    assert plan.changes == (
+    assert done.plan.desired == "48% (40 C on the curve)"
+    assert done.plan.changes == (
         "set fan 0 of GPU 0 to 48% (40 C on the curve)",
         "set fan 1 of GPU 0 to 48% (40 C on the curve)",
     )
-    assert "automatic" in plan.actual
-    assert fan_curve.apply(node.ctx, want, plan).outcome is Outcome.APPLIED
+    assert "automatic" in done.plan.actual
+    assert enforce(fan_curve.ITEM, node.ctx, want, done).outcome is Outcome.APPLIED
     assert _fans(node.backend) == [(True, 48), (True, 48)]
 
     for celsius, percent in ((10, 30), (30, 30), (75, 100), (110, 100)):
         node.ctx.item_state.clear()  # each a first reading: no hysteresis memory
         node.backend.set_temperature(GPU, celsius)
-        assert fan_curve.plan(node.ctx, want).desired == f"{percent}% ({celsius} C on the curve)"
+        assert fan_curve.ITEM.plan(node.ctx, want).plan.desired == f"{percent}% ({celsius} C on the curve)"
 
 
 def test_fan_speed_tolerance_and_automatic_fan_is_drift(tmp_path: Path) -> None:
     node = make_node(tmp_path, "rtx-pro-6000")
     want = CURVE
     node.backend.set_temperature(GPU, 50)
-    fan_curve.apply(node.ctx, want, fan_curve.plan(node.ctx, want))
+    enforce(fan_curve.ITEM, node.ctx, want, fan_curve.ITEM.plan(node.ctx, want))
     node.backend.set_fan_speed_percent(GPU, 1, 67)  # 2 points off: in sync
-    assert fan_curve.plan(node.ctx, want).status is PlanStatus.IN_SYNC
+    assert fan_curve.ITEM.plan(node.ctx, want).plan.status is PlanStatus.IN_SYNC
     node.backend.set_fan_speed_percent(GPU, 1, 68)  # 3 points off: drift, for that fan only
-    assert fan_curve.plan(node.ctx, want).changes == ("set fan 1 of GPU 0 to 65% (50 C on the curve)",)
+    assert fan_curve.ITEM.plan(node.ctx, want).plan.changes == ("set fan 1 of GPU 0 to 65% (50 C on the curve)",)
 
     # Automatic is drift whatever its speed: at 25 C the board's own curve also gives 30%, but
     # nothing would hold the fan there once the GPU warms.
     node.ctx.item_state.clear()
     node.backend.set_temperature(GPU, 25)
-    fan_curve.apply(node.ctx, want, fan_curve.plan(node.ctx, want))
+    enforce(fan_curve.ITEM, node.ctx, want, fan_curve.ITEM.plan(node.ctx, want))
     node.backend.set_fan_automatic(GPU, 0)
     assert _fans(node.backend) == [(False, 30), (True, 30)]
-    plan = fan_curve.plan(node.ctx, want)
-    assert plan.changes == ("set fan 0 of GPU 0 to 30% (25 C on the curve)",)
-    assert plan.actual == "fan 0 30% automatic, fan 1 30% manual"
+    done = fan_curve.ITEM.plan(node.ctx, want)
+    assert done.plan.changes == ("set fan 0 of GPU 0 to 30% (25 C on the curve)",)
+    assert done.plan.actual == "fan 0 30% automatic, fan 1 30% manual"
 
 
 def test_fan_curve_hysteresis_sequence(tmp_path: Path) -> None:
@@ -375,12 +395,12 @@ def test_fan_curve_hysteresis_sequence(tmp_path: Path) -> None:
 
     def loop(celsius: int) -> tuple[int, ItemPlan]:
         node.backend.set_temperature(GPU, celsius)
-        plan = fan_curve.plan(node.ctx, want)
-        if plan.status is PlanStatus.DRIFT:
-            assert fan_curve.apply(node.ctx, want, plan).outcome is Outcome.APPLIED
+        done = fan_curve.ITEM.plan(node.ctx, want)
+        if done.plan.status is PlanStatus.DRIFT:
+            assert enforce(fan_curve.ITEM, node.ctx, want, done).outcome is Outcome.APPLIED
         speeds = {speed for _, speed in _fans(node.backend)}
         assert len(speeds) == 1
-        return speeds.pop(), plan
+        return speeds.pop(), done.plan
 
     assert loop(40)[0] == 48  # rising: follows the curve at once
     assert loop(50)[0] == 65
@@ -400,16 +420,16 @@ def test_fan_curve_hysteresis_sequence(tmp_path: Path) -> None:
     # A changed curve (config reload) starts over instead of holding the old target.
     node.backend.set_temperature(GPU, 88)
     other = FanCurve(points=[(30, 30), (90, 80)], hysteresis_celsius=3)
-    assert fan_curve.plan(node.ctx, other).desired == "78% (88 C on the curve)"
+    assert fan_curve.ITEM.plan(node.ctx, other).plan.desired == "78% (88 C on the curve)"
 
 
 def test_fan_restore_returns_every_fan_to_automatic(tmp_path: Path) -> None:
     node = make_node(tmp_path, "rtx-pro-6000")
     want = CURVE
-    fan_curve.apply(node.ctx, want, fan_curve.plan(node.ctx, want))
+    enforce(fan_curve.ITEM, node.ctx, want, fan_curve.ITEM.plan(node.ctx, want))
     assert all(manual for manual, _ in _fans(node.backend))
 
-    restored = fan_curve.restore(node.ctx)
+    restored = fan_curve.ITEM.restore(node.ctx)
     assert restored.outcome is Outcome.APPLIED, restored
     assert restored.plan.changes == (
         "return fan 0 of GPU 0 to automatic control",
@@ -419,7 +439,7 @@ def test_fan_restore_returns_every_fan_to_automatic(tmp_path: Path) -> None:
     assert "fan_curve" not in node.ctx.item_state
 
     node.recorder.writes.clear()
-    assert fan_curve.restore(node.ctx).outcome is Outcome.UNCHANGED
+    assert fan_curve.ITEM.restore(node.ctx).outcome is Outcome.UNCHANGED
     assert node.recorder.writes == []
 
 
@@ -430,10 +450,10 @@ def test_power_restore_returns_to_default(tmp_path: Path, profile: str) -> None:
     node = make_node(tmp_path, profile)
     default_watts = node.backend.default_power_limit_watts(GPU)
     want = _power_drift(node.backend)
-    power_limit.apply(node.ctx, want, power_limit.plan(node.ctx, want))
+    enforce(power_limit.ITEM, node.ctx, want, power_limit.ITEM.plan(node.ctx, want))
     assert node.backend.power_limit_watts(GPU) == pytest.approx(want, abs=0.5)
 
-    restored = power_limit.restore(node.ctx)
+    restored = power_limit.ITEM.restore(node.ctx)
     assert restored.outcome is Outcome.APPLIED
     assert restored.plan.desired == f"default {format_watts(default_watts)} W"
     gpu = GPU
@@ -444,17 +464,19 @@ def test_power_restore_returns_to_default(tmp_path: Path, profile: str) -> None:
     assert node.backend.power_limit_watts(GPU) == pytest.approx(default_watts, abs=0.5)
 
     node.recorder.writes.clear()
-    assert power_limit.restore(node.ctx).outcome is Outcome.UNCHANGED
+    assert power_limit.ITEM.restore(node.ctx).outcome is Outcome.UNCHANGED
     assert node.recorder.writes == []
 
 
 def test_clock_restore_unlocks_both_domains(tmp_path: Path, profile: str) -> None:
     node = make_node(tmp_path, profile)
     want = _clocks_drift(node.backend)
-    assert locked_clocks.apply(node.ctx, want, locked_clocks.plan(node.ctx, want)).outcome is Outcome.APPLIED
+    assert (
+        enforce(locked_clocks.ITEM, node.ctx, want, locked_clocks.ITEM.plan(node.ctx, want)).outcome is Outcome.APPLIED
+    )
     assert node.backend.locked_clocks_mhz(GPU, ClockDomain.GRAPHICS) == want.gpu_mhz
 
-    restored = locked_clocks.restore(node.ctx)
+    restored = locked_clocks.ITEM.restore(node.ctx)
     assert restored.outcome is Outcome.APPLIED
     assert restored.plan.changes == (
         "reset locked graphics clocks of GPU 0 (nvidia-smi -i 0 -rgc)",
@@ -464,19 +486,19 @@ def test_clock_restore_unlocks_both_domains(tmp_path: Path, profile: str) -> Non
     assert node.backend.locked_clocks_mhz(GPU, ClockDomain.MEMORY) is None
 
     node.recorder.writes.clear()
-    assert locked_clocks.restore(node.ctx).outcome is Outcome.UNCHANGED
+    assert locked_clocks.ITEM.restore(node.ctx).outcome is Outcome.UNCHANGED
     assert node.recorder.writes == []
 
 
-@pytest.mark.parametrize("module", [power_limit, locked_clocks, fan_curve], ids=lambda m: m.NAME)
+@pytest.mark.parametrize("item", RESTORABLE_ITEMS, ids=lambda i: i.name)
 def test_restore_in_observe_mode_reads_only_and_fails_cleanly_when_lost(
-    tmp_path: Path, profile: str, module: ModuleType
+    tmp_path: Path, profile: str, item: RestorableGpuItem[Any, Any]
 ) -> None:
     node = make_node(tmp_path, profile, writable=())
-    result = module.restore(node.ctx)  # already at defaults: no write, so no WriteRefused
+    result = item.restore(node.ctx)  # already at defaults: no write, so no WriteRefused
     assert result.outcome in (Outcome.UNCHANGED, Outcome.SKIPPED)
     node.backend.set_lost(GPU)
-    lost = module.restore(node.ctx)
+    lost = item.restore(node.ctx)
     assert lost.outcome is Outcome.FAILED
     assert lost.plan.error_kind == "gpu_lost"
 
@@ -486,29 +508,29 @@ def test_restore_in_observe_mode_reads_only_and_fails_cleanly_when_lost(
 
 def test_power_limit_texts_and_tolerance(tmp_path: Path) -> None:
     node = make_node(tmp_path, "h200")
-    plan = power_limit.plan(node.ctx, 600)
-    assert (plan.desired, plan.actual) == ("600 W", "700 W")
-    assert plan.changes == ("set power limit of GPU 0 from 700 W to 600 W (nvidia-smi -i 0 -pl 600)",)
-    assert plan.detail == "allowed 200-700 W"
-    assert power_limit.plan(node.ctx, 699.6).status is PlanStatus.IN_SYNC  # NVML's mW rounding
-    assert power_limit.plan(node.ctx, 699.4).status is PlanStatus.DRIFT
-    error = power_limit.plan(node.ctx, 900)
-    assert error.detail == "900 W is outside this board's range 200-700 W"
-    assert power_limit.plan(node.ctx, 150).status is PlanStatus.ERROR
+    done = power_limit.ITEM.plan(node.ctx, 600)
+    assert (done.plan.desired, done.plan.actual) == ("600 W", "700 W")
+    assert done.plan.changes == ("set power limit of GPU 0 from 700 W to 600 W (nvidia-smi -i 0 -pl 600)",)
+    assert done.plan.detail == "allowed 200-700 W"
+    assert power_limit.ITEM.plan(node.ctx, 699.6).plan.status is PlanStatus.IN_SYNC  # NVML's mW rounding
+    assert power_limit.ITEM.plan(node.ctx, 699.4).plan.status is PlanStatus.DRIFT
+    error = power_limit.ITEM.plan(node.ctx, 900)
+    assert error.plan.detail == "900 W is outside this board's range 200-700 W"
+    assert power_limit.ITEM.plan(node.ctx, 150).plan.status is PlanStatus.ERROR
 
 
 def test_locked_clocks_texts_and_memory_errors(tmp_path: Path) -> None:
     node = make_node(tmp_path, "h200")
-    plan = locked_clocks.plan(node.ctx, LockedClocks(gpu_mhz=(1500, 1500)))
-    assert (plan.desired, plan.actual) == ("graphics 1500-1500 MHz", "graphics unlocked")
-    assert plan.changes == ("lock graphics clocks of GPU 0 to 1500-1500 MHz (nvidia-smi -i 0 -lgc 1500,1500)",)
+    done = locked_clocks.ITEM.plan(node.ctx, LockedClocks(gpu_mhz=(1500, 1500)))
+    assert (done.plan.desired, done.plan.actual) == ("graphics 1500-1500 MHz", "graphics unlocked")
+    assert done.plan.changes == ("lock graphics clocks of GPU 0 to 1500-1500 MHz (nvidia-smi -i 0 -lgc 1500,1500)",)
 
-    bad_memory = locked_clocks.plan(node.ctx, LockedClocks(memory_mhz=(2600, 3201)))
-    assert bad_memory.status is PlanStatus.ERROR
-    assert bad_memory.detail == "memory clock 2600 MHz is not supported by this board; supported: 3201, 2201 MHz"
+    bad_memory = locked_clocks.ITEM.plan(node.ctx, LockedClocks(memory_mhz=(2600, 3201)))
+    assert bad_memory.plan.status is PlanStatus.ERROR
+    assert bad_memory.plan.detail == "memory clock 2600 MHz is not supported by this board; supported: 3201, 2201 MHz"
 
-    too_high = locked_clocks.plan(node.ctx, LockedClocks(gpu_mhz=(1500, 2100)))
-    assert too_high.detail == (
+    too_high = locked_clocks.ITEM.plan(node.ctx, LockedClocks(gpu_mhz=(1500, 2100)))
+    assert too_high.plan.detail == (
         "graphics clock 2100 MHz is not supported at memory clock 3201 MHz;"
         " nearest supported: 1980 MHz (range 345-1980 MHz)"
     )
@@ -516,7 +538,7 @@ def test_locked_clocks_texts_and_memory_errors(tmp_path: Path) -> None:
     # Only the domain that differs is written.
     want = LockedClocks(gpu_mhz=(1500, 1500), memory_mhz=(3201, 3201))
     node.backend.set_locked_clocks_mhz(GPU, ClockDomain.MEMORY, 3201, 3201)
-    result = locked_clocks.apply(node.ctx, want, locked_clocks.plan(node.ctx, want))
+    result = enforce(locked_clocks.ITEM, node.ctx, want, locked_clocks.ITEM.plan(node.ctx, want))
     assert result.outcome is Outcome.APPLIED
     assert [name for name, _ in node.recorder.writes] == ["set_locked_clocks_mhz"]
     assert node.recorder.writes[0][1] == (GPU, ClockDomain.GRAPHICS, 1500, 1500)
@@ -524,10 +546,10 @@ def test_locked_clocks_texts_and_memory_errors(tmp_path: Path) -> None:
 
 def test_persistence_texts(tmp_path: Path) -> None:
     node = make_node(tmp_path, "h200")  # on, as in the fixture
-    assert persistence.plan(node.ctx, "enabled").status is PlanStatus.IN_SYNC
-    plan = persistence.plan(node.ctx, "disabled")
-    assert (plan.desired, plan.actual) == ("disabled", "enabled")
-    assert plan.changes == ("disable persistence mode on GPU 0 (nvidia-smi -i 0 -pm 0)",)
+    assert persistence.ITEM.plan(node.ctx, "enabled").plan.status is PlanStatus.IN_SYNC
+    done = persistence.ITEM.plan(node.ctx, "disabled")
+    assert (done.plan.desired, done.plan.actual) == ("disabled", "enabled")
+    assert done.plan.changes == ("disable persistence mode on GPU 0 (nvidia-smi -i 0 -pm 0)",)
 
 
 def test_ecc_pending_then_reboot(tmp_path: Path, profile: str) -> None:
@@ -535,33 +557,35 @@ def test_ecc_pending_then_reboot(tmp_path: Path, profile: str) -> None:
     current = node.backend.ecc_mode(GPU).current
     want = _flip(current)
     verb = "enable" if want == "enabled" else "disable"
-    plan = ecc.plan(node.ctx, want)
-    assert plan.status is PlanStatus.DRIFT
-    assert plan.changes == (f"{verb} ECC on GPU 0 (nvidia-smi -i 0 -e {int(not current)}); takes effect after reboot",)
+    done = ecc.ITEM.plan(node.ctx, want)
+    assert done.plan.status is PlanStatus.DRIFT
+    assert done.plan.changes == (
+        f"{verb} ECC on GPU 0 (nvidia-smi -i 0 -e {int(not current)}); takes effect after reboot",
+    )
 
-    result = ecc.apply(node.ctx, want, plan)
+    result = enforce(ecc.ITEM, node.ctx, want, done)
     assert result.outcome is Outcome.REBOOT_REQUIRED
-    pending = ecc.plan(node.ctx, want)
-    assert pending.status is PlanStatus.REBOOT_REQUIRED
-    assert pending.detail == f"ECC {verb} pending; takes effect after reboot"
-    assert pending.actual == f"{_flip(not current)} (pending {want})"
+    pending = ecc.ITEM.plan(node.ctx, want)
+    assert pending.plan.status is PlanStatus.REBOOT_REQUIRED
+    assert pending.plan.detail == f"ECC {verb} pending; takes effect after reboot"
+    assert pending.plan.actual == f"{_flip(not current)} (pending {want})"
     node.recorder.writes.clear()
-    assert ecc.apply(node.ctx, want, pending).outcome is Outcome.REBOOT_REQUIRED
+    assert enforce(ecc.ITEM, node.ctx, want, pending).outcome is Outcome.REBOOT_REQUIRED
     assert node.recorder.writes == []  # nothing more to do until the reboot
 
     node.backend.reboot()
-    settled = ecc.plan(node.ctx, want)
-    assert settled.status is PlanStatus.IN_SYNC
-    assert settled.actual == want
+    settled = ecc.ITEM.plan(node.ctx, want)
+    assert settled.plan.status is PlanStatus.IN_SYNC
+    assert settled.plan.actual == want
 
 
 def test_ecc_pending_opposite_of_a_correct_current_mode_is_drift(tmp_path: Path) -> None:
     node = make_node(tmp_path, "h200")  # ECC on
     node.backend.set_ecc_mode(GPU, False)  # someone ran nvidia-smi -e 0: the next reboot turns it off
-    plan = ecc.plan(node.ctx, "enabled")
-    assert plan.status is PlanStatus.DRIFT
-    assert plan.actual == "enabled (pending disabled)"
-    assert plan.changes == ("enable ECC on GPU 0 (nvidia-smi -i 0 -e 1)",)
-    result = ecc.apply(node.ctx, "enabled", plan)
+    done = ecc.ITEM.plan(node.ctx, "enabled")
+    assert done.plan.status is PlanStatus.DRIFT
+    assert done.plan.actual == "enabled (pending disabled)"
+    assert done.plan.changes == ("enable ECC on GPU 0 (nvidia-smi -i 0 -e 1)",)
+    result = enforce(ecc.ITEM, node.ctx, "enabled", done)
     assert result.outcome is Outcome.APPLIED  # the current mode never changes: no reboot needed
-    assert ecc.plan(node.ctx, "enabled").status is PlanStatus.IN_SYNC
+    assert ecc.ITEM.plan(node.ctx, "enabled").plan.status is PlanStatus.IN_SYNC

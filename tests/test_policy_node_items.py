@@ -18,6 +18,7 @@ from agent.config import AgentConfig, NodePolicy, ServiceConfig, TransparentHuge
 from agent.host.paths import HostPaths
 from agent.policy import nouveau, thp, triton_cache
 from agent.policy.base import HostContext, ItemPlan, ItemResult, Outcome, PlanStatus
+from agent.policy.item import enforce
 from agent.policy.triton_cache import TritonCacheWant
 
 ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
@@ -37,10 +38,10 @@ def thp_want(enabled: str | None = "never", defrag: str | None = None) -> Transp
 
 
 def test_thp_desired_reads_the_shorthand_and_skips_an_empty_item() -> None:
-    assert thp.NAME == "transparent_hugepages"
-    assert thp.desired(NodePolicy(), CONFIG) is None
-    assert thp.desired(NodePolicy.model_validate({"transparent_hugepages": {}}), CONFIG) is None
-    want = thp.desired(NodePolicy.model_validate({"transparent_hugepages": "never"}), CONFIG)
+    assert thp.ITEM.name == "transparent_hugepages"
+    assert thp.ITEM.desired(NodePolicy(), CONFIG) is None
+    assert thp.ITEM.desired(NodePolicy.model_validate({"transparent_hugepages": {}}), CONFIG) is None
+    want = thp.ITEM.desired(NodePolicy.model_validate({"transparent_hugepages": "never"}), CONFIG)
     assert want == TransparentHugepages(enabled="never")
 
 
@@ -67,8 +68,8 @@ def test_thp_finds_no_active_value_without_exactly_one_bracket(text: str) -> Non
 
 
 def test_thp_in_sync(tmp_path: Path) -> None:
-    plan = thp.plan(host(tmp_path), thp_want("madvise", "madvise"))
-    assert plan == ItemPlan(
+    done = thp.ITEM.plan(host(tmp_path), thp_want("madvise", "madvise"))
+    assert done.plan == ItemPlan(
         "transparent_hugepages",
         None,
         PlanStatus.IN_SYNC,
@@ -78,12 +79,12 @@ def test_thp_in_sync(tmp_path: Path) -> None:
 
 
 def test_thp_drift_lists_one_write_per_file(tmp_path: Path) -> None:
-    plan = thp.plan(host(tmp_path), thp_want("never", "defer+madvise"))
-    assert plan.status is PlanStatus.DRIFT
-    assert plan.gpu is None
-    assert plan.desired == "enabled=never defrag=defer+madvise"
-    assert plan.actual == "enabled=madvise defrag=madvise"
-    assert plan.changes == (
+    done = thp.ITEM.plan(host(tmp_path), thp_want("never", "defer+madvise"))
+    assert done.plan.status is PlanStatus.DRIFT
+    assert done.plan.gpu is None
+    assert done.plan.desired == "enabled=never defrag=defer+madvise"
+    assert done.plan.actual == "enabled=madvise defrag=madvise"
+    assert done.plan.changes == (
         "write never to /sys/kernel/mm/transparent_hugepage/enabled",
         "write defer+madvise to /sys/kernel/mm/transparent_hugepage/defrag",
     )
@@ -92,69 +93,69 @@ def test_thp_drift_lists_one_write_per_file(tmp_path: Path) -> None:
 def test_thp_apply_writes_like_the_kernel_and_converges(tmp_path: Path) -> None:
     ctx = host(tmp_path)
     want = thp_want("never", "defer+madvise")
-    result = thp.apply(ctx, want, thp.plan(ctx, want))
+    result = enforce(thp.ITEM, ctx, want, thp.ITEM.plan(ctx, want))
     assert result.outcome is Outcome.APPLIED
     assert "lost at reboot" in result.detail
     assert ctx.paths.read_text(ENABLED) == "always madvise [never]\n"
     assert ctx.paths.read_text(DEFRAG) == "always defer [defer+madvise] madvise never\n"
-    again = thp.plan(ctx, want)
-    assert again.status is PlanStatus.IN_SYNC
-    assert again.actual == "enabled=never defrag=defer+madvise"
-    assert thp.apply(ctx, want, again).outcome is Outcome.UNCHANGED
+    again = thp.ITEM.plan(ctx, want)
+    assert again.plan.status is PlanStatus.IN_SYNC
+    assert again.plan.actual == "enabled=never defrag=defer+madvise"
+    assert enforce(thp.ITEM, ctx, want, again).outcome is Outcome.UNCHANGED
     assert ctx.paths.read_text(ENABLED) == "always madvise [never]\n"
 
 
 def test_thp_apply_on_plain_files_reads_back_the_bare_word(tmp_path: Path) -> None:
     ctx = host(tmp_path, kernel_sysfs=False)
     want = thp_want("never")
-    assert thp.apply(ctx, want, thp.plan(ctx, want)).outcome is Outcome.APPLIED
+    assert enforce(thp.ITEM, ctx, want, thp.ITEM.plan(ctx, want)).outcome is Outcome.APPLIED
     assert ctx.paths.read_text(ENABLED) == "never"
-    assert thp.plan(ctx, want).status is PlanStatus.IN_SYNC
+    assert thp.ITEM.plan(ctx, want).plan.status is PlanStatus.IN_SYNC
 
 
 def test_thp_only_touches_the_configured_file(tmp_path: Path) -> None:
     ctx = host(tmp_path)
     want = thp_want(enabled=None, defrag="never")
-    plan = thp.plan(ctx, want)
-    assert plan.changes == ("write never to /sys/kernel/mm/transparent_hugepage/defrag",)
-    thp.apply(ctx, want, plan)
+    done = thp.ITEM.plan(ctx, want)
+    assert done.plan.changes == ("write never to /sys/kernel/mm/transparent_hugepage/defrag",)
+    enforce(thp.ITEM, ctx, want, done)
     assert ctx.paths.read_text(ENABLED) == "always [madvise] never\n"
 
 
 def test_thp_kernel_without_thp_is_not_applicable(tmp_path: Path) -> None:
     ctx = host(tmp_path, thp_enabled=None, thp_defrag=None)
-    plan = thp.plan(ctx, thp_want("never"))
-    assert plan.status is PlanStatus.NOT_APPLICABLE
-    assert plan.in_sync
-    assert "kernel built without transparent hugepages" in plan.detail
-    assert thp.apply(ctx, thp_want("never"), plan).outcome is Outcome.SKIPPED
+    done = thp.ITEM.plan(ctx, thp_want("never"))
+    assert done.plan.status is PlanStatus.NOT_APPLICABLE
+    assert done.plan.in_sync
+    assert "kernel built without transparent hugepages" in done.plan.detail
+    assert enforce(thp.ITEM, ctx, thp_want("never"), done).outcome is Outcome.UNCHANGED  # as `apply` reports it
 
 
 def test_thp_choice_the_kernel_does_not_offer_is_an_error_naming_the_choices(tmp_path: Path) -> None:
     # Kernels before 4.6 had no `defer` defrag modes.
-    plan = thp.plan(host(tmp_path, thp_defrag="always [madvise] never"), thp_want(None, "defer"))
-    assert plan.status is PlanStatus.ERROR
-    assert plan.detail == "defrag=defer is not offered by this kernel (choices: always, madvise, never)"
-    assert plan.actual == "defrag=madvise"
+    done = thp.ITEM.plan(host(tmp_path, thp_defrag="always [madvise] never"), thp_want(None, "defer"))
+    assert done.plan.status is PlanStatus.ERROR
+    assert done.plan.detail == "defrag=defer is not offered by this kernel (choices: always, madvise, never)"
+    assert done.plan.actual == "defrag=madvise"
 
 
 def test_thp_unparseable_file_is_an_error(tmp_path: Path) -> None:
-    plan = thp.plan(host(tmp_path, thp_enabled="always madvise never"), thp_want())
-    assert plan.status is PlanStatus.ERROR
-    assert "cannot parse /sys/kernel/mm/transparent_hugepage/enabled" in plan.detail
+    done = thp.ITEM.plan(host(tmp_path, thp_enabled="always madvise never"), thp_want())
+    assert done.plan.status is PlanStatus.ERROR
+    assert "cannot parse /sys/kernel/mm/transparent_hugepage/enabled" in done.plan.detail
 
 
 def test_thp_write_failure_is_reported_not_raised(tmp_path: Path) -> None:
     ctx = host(tmp_path, kernel_sysfs=False)
     want = thp_want("never")
-    plan = thp.plan(ctx, want)
-    assert plan.status is PlanStatus.DRIFT
+    done = thp.ITEM.plan(ctx, want)
+    assert done.plan.status is PlanStatus.DRIFT
 
     class RefusingSysfs(HostPaths):
         def write_sysfs(self, absolute: str, value: str) -> None:
             raise PermissionError(13, "Permission denied", str(self.path(absolute)))
 
-    result = thp.apply(HostContext(RefusingSysfs(tmp_path)), want, plan)
+    result = enforce(thp.ITEM, HostContext(RefusingSysfs(tmp_path)), want, done)
     assert result.outcome is Outcome.FAILED
     assert result.detail == "cannot write never to /sys/kernel/mm/transparent_hugepage/enabled: Permission denied"
 
@@ -162,14 +163,14 @@ def test_thp_write_failure_is_reported_not_raised(tmp_path: Path) -> None:
 def test_thp_file_replaced_by_a_directory_after_planning_fails_cleanly(tmp_path: Path) -> None:
     ctx = host(tmp_path)
     want = thp_want("never")
-    plan = thp.plan(ctx, want)
+    done = thp.ITEM.plan(ctx, want)
     enabled = ctx.paths.path(ENABLED)
     enabled.unlink()
     enabled.mkdir()
-    result = thp.apply(ctx, want, plan)
+    result = enforce(thp.ITEM, ctx, want, done)
     assert result.outcome is Outcome.FAILED
     assert "Is a directory" in result.detail
-    assert thp.plan(ctx, want).status is PlanStatus.ERROR
+    assert thp.ITEM.plan(ctx, want).plan.status is PlanStatus.ERROR
 
 
 def test_thp_write_the_kernel_ignores_fails_the_apply(tmp_path: Path) -> None:
@@ -180,9 +181,10 @@ def test_thp_write_the_kernel_ignores_fails_the_apply(tmp_path: Path) -> None:
     make_host_tree(tmp_path)
     ctx = HostContext(IgnoringSysfs(tmp_path))
     want = thp_want("never")
-    result = thp.apply(ctx, want, thp.plan(ctx, want))
+    result = enforce(thp.ITEM, ctx, want, thp.ITEM.plan(ctx, want))
     assert result.outcome is Outcome.FAILED
-    assert result.detail == "wrote enabled=never, but the kernel now reports enabled=madvise"
+    # The engine's one verification read the file again and found the old value.
+    assert result.detail == "applied but still drift: actual enabled=madvise"
 
 
 # -- Triton cache -------------------------------------------------------------------------------
@@ -214,9 +216,9 @@ def test_triton_desired_resolves_service_names_to_units() -> None:
             path="/srv/triton", owner="svc", group="gpu", mode="0775", services=["sglang", "vllm", "tgi.service"]
         )
     )
-    assert triton_cache.NAME == "triton_cache"
-    assert triton_cache.desired(NodePolicy(), config) is None
-    assert triton_cache.desired(node, config) == TritonCacheWant(
+    assert triton_cache.ITEM.name == "triton_cache"
+    assert triton_cache.ITEM.desired(NodePolicy(), config) is None
+    assert triton_cache.ITEM.desired(node, config) == TritonCacheWant(
         "/srv/triton", "svc", "gpu", 0o775, ("sglang-main.service", "vllm.service", "tgi.service")
     )
 
@@ -233,22 +235,22 @@ def test_triton_dropin_content_quotes_for_systemd() -> None:
 
 def test_triton_missing_directory_and_dropin_is_drift(tmp_path: Path) -> None:
     user, group = me()
-    plan = triton_cache.plan(host(tmp_path), cache_want())
-    assert plan.status is PlanStatus.DRIFT
-    assert plan.desired == f"/var/cache/triton {user}:{group} 0755; TRITON_CACHE_DIR for sglang.service"
-    assert plan.actual == "/var/cache/triton missing; drop-in missing for sglang.service"
-    assert plan.changes == (
+    done = triton_cache.ITEM.plan(host(tmp_path), cache_want())
+    assert done.plan.status is PlanStatus.DRIFT
+    assert done.plan.desired == f"/var/cache/triton {user}:{group} 0755; TRITON_CACHE_DIR for sglang.service"
+    assert done.plan.actual == "/var/cache/triton missing; drop-in missing for sglang.service"
+    assert done.plan.changes == (
         f"create /var/cache/triton ({user}:{group} 0755)",
         f"write {DROPIN}",
         "run: systemctl daemon-reload",
     )
-    assert "restart sglang.service" in plan.detail
+    assert "restart sglang.service" in done.plan.detail
 
 
 def test_triton_apply_creates_everything_reports_the_reload_and_converges(tmp_path: Path) -> None:
     ctx = host(tmp_path)
     want = cache_want("/var/cache/gpu/triton")
-    result = triton_cache.apply(ctx, want, triton_cache.plan(ctx, want))
+    result = enforce(triton_cache.ITEM, ctx, want, triton_cache.ITEM.plan(ctx, want))
     assert result.outcome is Outcome.APPLIED, result.detail
     st = ctx.paths.path("/var/cache/gpu/triton").stat()
     assert stat.S_ISDIR(st.st_mode)
@@ -256,24 +258,24 @@ def test_triton_apply_creates_everything_reports_the_reload_and_converges(tmp_pa
     assert ctx.paths.read_text(DROPIN).endswith("[Service]\nEnvironment=TRITON_CACHE_DIR=/var/cache/gpu/triton\n")
     assert f"systemd not reloaded (not run: host_root is {tmp_path}); run `systemctl daemon-reload`" in result.detail
     assert "restart sglang.service to pick up the new environment" in result.detail
-    again = triton_cache.plan(ctx, want)
-    assert again.status is PlanStatus.IN_SYNC, again
-    assert again.actual.endswith("0755; TRITON_CACHE_DIR set for sglang.service")
-    assert triton_cache.apply(ctx, want, again).outcome is Outcome.UNCHANGED
+    again = triton_cache.ITEM.plan(ctx, want)
+    assert again.plan.status is PlanStatus.IN_SYNC, again
+    assert again.plan.actual.endswith("0755; TRITON_CACHE_DIR set for sglang.service")
+    assert enforce(triton_cache.ITEM, ctx, want, again).outcome is Outcome.UNCHANGED
 
 
 def test_triton_setgid_mode_survives_create_and_reads_in_sync(tmp_path: Path) -> None:
     ctx = host(tmp_path)
     want = cache_want(mode=0o2775, units=())
-    assert triton_cache.apply(ctx, want, triton_cache.plan(ctx, want)).outcome is Outcome.APPLIED
+    assert enforce(triton_cache.ITEM, ctx, want, triton_cache.ITEM.plan(ctx, want)).outcome is Outcome.APPLIED
     assert stat.S_IMODE(ctx.paths.path("/var/cache/triton").stat().st_mode) == 0o2775
-    assert triton_cache.plan(ctx, want).status is PlanStatus.IN_SYNC
+    assert triton_cache.ITEM.plan(ctx, want).plan.status is PlanStatus.IN_SYNC
 
 
 def test_triton_apply_reloads_systemd_through_the_host_context(tmp_path: Path) -> None:
     ctx = ScriptedHostContext(make_host_tree(tmp_path))
     want = cache_want()
-    result = triton_cache.apply(ctx, want, triton_cache.plan(ctx, want))
+    result = enforce(triton_cache.ITEM, ctx, want, triton_cache.ITEM.plan(ctx, want))
     assert result.outcome is Outcome.APPLIED
     assert ctx.calls == [("systemctl", "daemon-reload")]
     assert "systemd reloaded" in result.detail
@@ -284,7 +286,7 @@ def test_triton_apply_reloads_systemd_through_the_host_context(tmp_path: Path) -
 def test_triton_failing_reload_fails_with_its_output(tmp_path: Path) -> None:
     ctx = ScriptedHostContext(make_host_tree(tmp_path), results={"systemctl": (1, "Failed to connect to bus")})
     want = cache_want()
-    result = triton_cache.apply(ctx, want, triton_cache.plan(ctx, want))
+    result = enforce(triton_cache.ITEM, ctx, want, triton_cache.ITEM.plan(ctx, want))
     assert result.outcome is Outcome.FAILED
     assert result.detail == "drop-ins written, but `systemctl daemon-reload` failed (exit 1): Failed to connect to bus"
 
@@ -293,13 +295,13 @@ def test_triton_in_sync_without_services_needs_no_reload(tmp_path: Path) -> None
     ctx = ScriptedHostContext(make_host_tree(tmp_path))
     ctx.paths.path("/var/cache/triton").mkdir(mode=0o700)
     want = cache_want(units=())
-    plan = triton_cache.plan(ctx, want)
-    assert plan.changes == ("chmod 0755 /var/cache/triton",)
-    assert triton_cache.apply(ctx, want, plan).outcome is Outcome.APPLIED
+    done = triton_cache.ITEM.plan(ctx, want)
+    assert done.plan.changes == ("chmod 0755 /var/cache/triton",)
+    assert enforce(triton_cache.ITEM, ctx, want, done).outcome is Outcome.APPLIED
     assert stat.S_IMODE(ctx.paths.path("/var/cache/triton").stat().st_mode) == 0o755
     assert ctx.calls == []
-    assert triton_cache.plan(ctx, want) == ItemPlan(
-        "triton_cache", None, PlanStatus.IN_SYNC, plan.desired, f"/var/cache/triton {':'.join(me())} 0755"
+    assert triton_cache.ITEM.plan(ctx, want).plan == ItemPlan(
+        "triton_cache", None, PlanStatus.IN_SYNC, done.plan.desired, f"/var/cache/triton {':'.join(me())} 0755"
     )
 
 
@@ -308,10 +310,10 @@ def test_triton_outdated_dropin_is_rewritten(tmp_path: Path) -> None:
     ctx.paths.path("/var/cache/triton").mkdir(mode=0o755)
     ctx.paths.write_file_atomic(DROPIN, "[Service]\nEnvironment=TRITON_CACHE_DIR=/old\n")
     want = cache_want()
-    plan = triton_cache.plan(ctx, want)
-    assert plan.changes == (f"write {DROPIN}", "run: systemctl daemon-reload")
-    assert "drop-in outdated for sglang.service" in plan.actual
-    triton_cache.apply(ctx, want, plan)
+    done = triton_cache.ITEM.plan(ctx, want)
+    assert done.plan.changes == (f"write {DROPIN}", "run: systemctl daemon-reload")
+    assert "drop-in outdated for sglang.service" in done.plan.actual
+    enforce(triton_cache.ITEM, ctx, want, done)
     assert "TRITON_CACHE_DIR=/var/cache/triton" in ctx.paths.read_text(DROPIN)
 
 
@@ -323,12 +325,12 @@ def test_triton_wrong_owner_is_fixed_as_root(tmp_path: Path) -> None:
     os.chown(cache, 12345, 12345)
     user, group = me()
     want = cache_want(units=())
-    plan = triton_cache.plan(ctx, want)
-    assert plan.actual == "/var/cache/triton 12345:12345 0755"
-    assert plan.changes == (f"chown {user}:{group} /var/cache/triton",)
-    assert triton_cache.apply(ctx, want, plan).outcome is Outcome.APPLIED
+    done = triton_cache.ITEM.plan(ctx, want)
+    assert done.plan.actual == "/var/cache/triton 12345:12345 0755"
+    assert done.plan.changes == (f"chown {user}:{group} /var/cache/triton",)
+    assert enforce(triton_cache.ITEM, ctx, want, done).outcome is Outcome.APPLIED
     assert (cache.stat().st_uid, cache.stat().st_gid) == (os.geteuid(), os.getegid())
-    assert triton_cache.plan(ctx, want).status is PlanStatus.IN_SYNC
+    assert triton_cache.ITEM.plan(ctx, want).plan.status is PlanStatus.IN_SYNC
 
 
 @pytest.fixture
@@ -353,11 +355,12 @@ def test_triton_unprivileged_skips_a_correct_chown_and_fixes_the_mode(reachable_
     os.chown(cache, who.uid, who.gid)
     want = TritonCacheWant("/var/cache/triton", who.user, who.group, 0o755, ())
 
-    def enforce() -> tuple[ItemResult, ItemPlan]:
+    def enforce_as_user() -> tuple[ItemResult, ItemPlan]:
         ctx = HostContext(paths)
-        return triton_cache.apply(ctx, want, triton_cache.plan(ctx, want)), triton_cache.plan(ctx, want)
+        result = enforce(triton_cache.ITEM, ctx, want, triton_cache.ITEM.plan(ctx, want))
+        return result, triton_cache.ITEM.plan(ctx, want).plan
 
-    result, after = run_unprivileged(enforce)
+    result, after = run_unprivileged(enforce_as_user)
     assert result.outcome is Outcome.APPLIED, result.detail
     assert result.detail == "chmod 0755 /var/cache/triton"
     assert after.status is PlanStatus.IN_SYNC
@@ -372,11 +375,11 @@ def test_triton_unprivileged_wrong_owner_fails_clearly_and_changes_nothing(reach
     os.chown(cache, who.uid, who.gid)
     want = TritonCacheWant("/var/cache/triton", "root", grp.getgrgid(0).gr_name, 0o755, ())
 
-    def enforce() -> ItemResult:
+    def enforce_as_user() -> ItemResult:
         ctx = HostContext(paths)
-        return triton_cache.apply(ctx, want, triton_cache.plan(ctx, want))
+        return enforce(triton_cache.ITEM, ctx, want, triton_cache.ITEM.plan(ctx, want))
 
-    result = run_unprivileged(enforce)
+    result = run_unprivileged(enforce_as_user)
     assert result.outcome is Outcome.FAILED
     assert result.detail == (
         f"cannot give /var/cache/triton to root:{grp.getgrgid(0).gr_name}: gpu-agent is not running as root "
@@ -387,94 +390,97 @@ def test_triton_unprivileged_wrong_owner_fails_clearly_and_changes_nothing(reach
 
 @pytest.mark.parametrize(("field", "name"), [("owner", "no-such-user-gpu-agent"), ("group", "no-such-group-gpu-agent")])
 def test_triton_unknown_owner_or_group_is_an_error_naming_it(tmp_path: Path, field: str, name: str) -> None:
-    plan = triton_cache.plan(host(tmp_path), cache_want(**{field: name}))  # type: ignore[arg-type]
-    assert plan.status is PlanStatus.ERROR
-    assert plan.detail == f"unknown {'user' if field == 'owner' else 'group'} {name!r}"
+    done = triton_cache.ITEM.plan(host(tmp_path), cache_want(**{field: name}))  # type: ignore[arg-type]
+    assert done.plan.status is PlanStatus.ERROR
+    assert done.plan.detail == f"unknown {'user' if field == 'owner' else 'group'} {name!r}"
 
 
 def test_triton_file_in_the_way_is_an_error(tmp_path: Path) -> None:
     ctx = host(tmp_path)
     ctx.paths.path("/var/cache/triton").write_text("not a directory")
-    plan = triton_cache.plan(ctx, cache_want())
-    assert plan.status is PlanStatus.ERROR
-    assert plan.detail == "/var/cache/triton exists and is not a directory"
-    assert triton_cache.apply(ctx, cache_want(), plan).outcome is Outcome.FAILED
+    done = triton_cache.ITEM.plan(ctx, cache_want())
+    assert done.plan.status is PlanStatus.ERROR
+    assert done.plan.detail == "/var/cache/triton exists and is not a directory"
+    assert (
+        enforce(triton_cache.ITEM, ctx, cache_want(), done).outcome is Outcome.SKIPPED
+    )  # an ERROR plan writes nothing
     assert ctx.paths.path("/var/cache/triton").read_text() == "not a directory"
 
 
 def test_triton_file_in_the_parent_path_is_an_error(tmp_path: Path) -> None:
     ctx = host(tmp_path)
     ctx.paths.path("/srv").write_text("")
-    plan = triton_cache.plan(ctx, cache_want("/srv/triton"))
-    assert plan.status is PlanStatus.ERROR
-    assert plan.detail == "cannot inspect /srv/triton: Not a directory"
+    done = triton_cache.ITEM.plan(ctx, cache_want("/srv/triton"))
+    assert done.plan.status is PlanStatus.ERROR
+    assert done.plan.detail == "cannot inspect /srv/triton: Not a directory"
 
 
 def test_triton_symlink_is_an_error_naming_its_target(tmp_path: Path) -> None:
     ctx = host(tmp_path)
     (tmp_path / "nvme").mkdir()
     ctx.paths.path("/var/cache/triton").symlink_to(tmp_path / "nvme")
-    plan = triton_cache.plan(ctx, cache_want())
-    assert plan.status is PlanStatus.ERROR
+    done = triton_cache.ITEM.plan(ctx, cache_want())
+    assert done.plan.status is PlanStatus.ERROR
     assert (
-        plan.detail
+        done.plan.detail
         == f"/var/cache/triton is a symlink to {tmp_path / 'nvme'}; set triton_cache.path to the real directory"
     )
 
 
 def test_triton_invalid_unit_name_is_an_error(tmp_path: Path) -> None:
-    plan = triton_cache.plan(host(tmp_path), cache_want(units=("../../evil",)))
-    assert plan.status is PlanStatus.ERROR
-    assert plan.detail == "'../../evil' is not a systemd unit name"
+    done = triton_cache.ITEM.plan(host(tmp_path), cache_want(units=("../../evil",)))
+    assert done.plan.status is PlanStatus.ERROR
+    assert done.plan.detail == "'../../evil' is not a systemd unit name"
 
 
 def test_triton_dropped_service_loses_its_stale_dropin(tmp_path: Path) -> None:
     ctx = host(tmp_path)
     want = cache_want(units=("sglang.service", "vllm.service"))
-    triton_cache.apply(ctx, want, triton_cache.plan(ctx, want))
+    enforce(triton_cache.ITEM, ctx, want, triton_cache.ITEM.plan(ctx, want))
     own = "/etc/systemd/system/vllm.service.d/override.conf"
     ctx.paths.write_file_atomic(own, "[Service]\nNice=5\n")
     ctx.paths.write_file_atomic("/etc/systemd/system/old.service.d/gpu-agent-triton.conf", "[Service]\n")
 
     narrower = cache_want(units=("sglang.service",))
-    plan = triton_cache.plan(ctx, narrower)
-    assert plan.status is PlanStatus.DRIFT
-    assert plan.changes == (
+    done = triton_cache.ITEM.plan(ctx, narrower)
+    assert done.plan.status is PlanStatus.DRIFT
+    assert done.plan.changes == (
         "remove /etc/systemd/system/old.service.d/gpu-agent-triton.conf",
         "remove /etc/systemd/system/vllm.service.d/gpu-agent-triton.conf",
         "run: systemctl daemon-reload",
     )
-    assert "stale drop-in for old.service; stale drop-in for vllm.service" in plan.actual
-    result = triton_cache.apply(ctx, narrower, plan)
+    assert "stale drop-in for old.service; stale drop-in for vllm.service" in done.plan.actual
+    result = enforce(triton_cache.ITEM, ctx, narrower, done)
     assert result.outcome is Outcome.APPLIED
     assert "restart old.service, vllm.service" in result.detail
     assert not ctx.paths.exists("/etc/systemd/system/old.service.d")  # emptied, so removed
     assert not ctx.paths.exists("/etc/systemd/system/vllm.service.d/gpu-agent-triton.conf")
     assert ctx.paths.read_text(own) == "[Service]\nNice=5\n"  # the operator's drop-in stays
     assert ctx.paths.exists(DROPIN)
-    assert triton_cache.plan(ctx, narrower).status is PlanStatus.IN_SYNC
+    assert triton_cache.ITEM.plan(ctx, narrower).plan.status is PlanStatus.IN_SYNC
 
 
 def test_triton_write_failure_is_reported_not_raised(tmp_path: Path) -> None:
     ctx = host(tmp_path)
     want = cache_want()
-    plan = triton_cache.plan(ctx, want)
-    assert plan.status is PlanStatus.DRIFT
+    done = triton_cache.ITEM.plan(ctx, want)
+    assert done.plan.status is PlanStatus.DRIFT
     # Something takes the drop-in's place between plan and apply.
     ctx.paths.path(DROPIN).mkdir(parents=True)
-    result = triton_cache.apply(ctx, want, plan)
+    result = enforce(triton_cache.ITEM, ctx, want, done)
     assert result.outcome is Outcome.FAILED
-    assert result.detail == f"cannot read {DROPIN}: Is a directory"
+    # apply writes what the plan said, without looking again: the write itself fails, and says why.
+    assert result.detail.startswith("cannot apply: [Errno 21] Is a directory")
 
 
 def test_triton_unwritable_dropin_fails_with_the_reason(tmp_path: Path) -> None:
     ctx = host(tmp_path)
     want = cache_want()
-    plan = triton_cache.plan(ctx, want)
+    done = triton_cache.ITEM.plan(ctx, want)
     # A directory at the atomic write's rename target: the write itself raises.
     ctx.paths.path("/etc/systemd/system/sglang.service.d").mkdir()
     ctx.paths.path("/etc/systemd/system/sglang.service.d/.gpu-agent-triton.conf.gpu-agent.tmp").mkdir()
-    result = triton_cache.apply(ctx, want, plan)
+    result = enforce(triton_cache.ITEM, ctx, want, done)
     assert result.outcome is Outcome.FAILED
     assert result.detail.startswith("cannot apply: [Errno 21] Is a directory")
 
@@ -485,9 +491,9 @@ CONF = "/etc/modprobe.d/gpu-agent-nouveau.conf"
 
 
 def test_nouveau_desired() -> None:
-    assert nouveau.NAME == "nouveau"
-    assert nouveau.desired(NodePolicy(), CONFIG) is None
-    assert nouveau.desired(NodePolicy(nouveau="blacklisted"), CONFIG) == "blacklisted"
+    assert nouveau.ITEM.name == "nouveau"
+    assert nouveau.ITEM.desired(NodePolicy(), CONFIG) is None
+    assert nouveau.ITEM.desired(NodePolicy(nouveau="blacklisted"), CONFIG) == "blacklisted"
 
 
 @pytest.mark.parametrize(
@@ -502,12 +508,12 @@ def test_nouveau_desired() -> None:
 def test_nouveau_missing_blacklist_is_drift_with_the_distro_initramfs_command(
     tmp_path: Path, os_release: str, command: str
 ) -> None:
-    plan = nouveau.plan(host(tmp_path, os_release=os_release), "blacklisted")
-    assert plan.status is PlanStatus.DRIFT
-    assert plan.gpu is None
-    assert plan.desired == "blacklisted, not loaded"
-    assert plan.actual == "not blacklisted, not loaded"
-    assert plan.changes == (f"write {CONF}", f"run: {command}")
+    done = nouveau.ITEM.plan(host(tmp_path, os_release=os_release), "blacklisted")
+    assert done.plan.status is PlanStatus.DRIFT
+    assert done.plan.gpu is None
+    assert done.plan.desired == "blacklisted, not loaded"
+    assert done.plan.actual == "not blacklisted, not loaded"
+    assert done.plan.changes == (f"write {CONF}", f"run: {command}")
 
 
 @pytest.mark.parametrize(("os_release", "command"), [("ubuntu", "update-initramfs -u"), ("rocky", "dracut -f")])
@@ -515,52 +521,53 @@ def test_nouveau_apply_writes_the_file_and_plans_but_never_runs_the_rebuild(
     tmp_path: Path, os_release: str, command: str
 ) -> None:
     ctx = host(tmp_path, os_release=os_release)
-    result = nouveau.apply(ctx, "blacklisted", nouveau.plan(ctx, "blacklisted"))
+    result = enforce(nouveau.ITEM, ctx, "blacklisted", nouveau.ITEM.plan(ctx, "blacklisted"))
     assert result.outcome is Outcome.APPLIED
     assert result.detail == f"wrote {CONF}; initramfs not rebuilt (not run: host_root is {tmp_path}); run `{command}`"
     content = ctx.paths.read_text(CONF)
     assert content.startswith("# Managed by gpu-agent")
     assert content.endswith("blacklist nouveau\noptions nouveau modeset=0\n")
-    again = nouveau.plan(ctx, "blacklisted")
-    assert again.status is PlanStatus.IN_SYNC
-    assert again.actual == f"blacklisted ({CONF}), not loaded"
-    assert nouveau.apply(ctx, "blacklisted", again).outcome is Outcome.UNCHANGED
+    again = nouveau.ITEM.plan(ctx, "blacklisted")
+    assert again.plan.status is PlanStatus.IN_SYNC
+    assert again.plan.actual == f"blacklisted ({CONF}), not loaded"
+    assert enforce(nouveau.ITEM, ctx, "blacklisted", again).outcome is Outcome.UNCHANGED
 
 
 def test_nouveau_unknown_distribution_asks_for_a_manual_rebuild(tmp_path: Path) -> None:
     ctx = host(tmp_path, os_release="ID=arch\n")
-    plan = nouveau.plan(ctx, "blacklisted")
-    assert plan.changes == (f"write {CONF}",)
-    assert plan.detail == "unknown distribution (arch): rebuild the initramfs by hand after apply"
-    result = nouveau.apply(ctx, "blacklisted", plan)
+    done = nouveau.ITEM.plan(ctx, "blacklisted")
+    assert done.plan.changes == (f"write {CONF}",)
+    assert done.plan.detail == "unknown distribution (arch): rebuild the initramfs by hand after apply"
+    result = enforce(nouveau.ITEM, ctx, "blacklisted", done)
     assert result.outcome is Outcome.APPLIED
     assert result.detail == f"wrote {CONF}; unknown distribution (arch): rebuild the initramfs by hand"
     assert (
-        "unknown distribution (unknown)" in nouveau.plan(host(tmp_path / "bare", os_release=None), "blacklisted").detail
+        "unknown distribution (unknown)"
+        in nouveau.ITEM.plan(host(tmp_path / "bare", os_release=None), "blacklisted").plan.detail
     )
 
 
 def test_nouveau_loaded_needs_a_reboot_after_apply(tmp_path: Path) -> None:
     ctx = host(tmp_path, nouveau_loaded=True)
-    plan = nouveau.plan(ctx, "blacklisted")
-    assert plan.status is PlanStatus.DRIFT
-    assert plan.actual == "not blacklisted, loaded"
-    assert "nouveau is loaded; reboot to unload it" in plan.detail
-    result = nouveau.apply(ctx, "blacklisted", plan)
+    done = nouveau.ITEM.plan(ctx, "blacklisted")
+    assert done.plan.status is PlanStatus.DRIFT
+    assert done.plan.actual == "not blacklisted, loaded"
+    assert "nouveau is loaded; reboot to unload it" in done.plan.detail
+    result = enforce(nouveau.ITEM, ctx, "blacklisted", done)
     assert result.outcome is Outcome.REBOOT_REQUIRED
     assert result.detail.endswith("nouveau is loaded; reboot to unload it")
-    after = nouveau.plan(ctx, "blacklisted")
-    assert after.status is PlanStatus.REBOOT_REQUIRED
-    assert after.detail == "nouveau is loaded; reboot to unload it"
-    assert after.changes == ()
-    assert nouveau.apply(ctx, "blacklisted", after).outcome is Outcome.REBOOT_REQUIRED
+    after = nouveau.ITEM.plan(ctx, "blacklisted")
+    assert after.plan.status is PlanStatus.REBOOT_REQUIRED
+    assert after.plan.detail == "nouveau is loaded; reboot to unload it"
+    assert after.plan.changes == ()
+    assert enforce(nouveau.ITEM, ctx, "blacklisted", after).outcome is Outcome.REBOOT_REQUIRED
 
 
 def test_nouveau_loaded_seen_through_sys_module_alone(tmp_path: Path) -> None:
     ctx = host(tmp_path)
     ctx.paths.write_file_atomic(CONF, nouveau.CONF_CONTENT)
     ctx.paths.path("/sys/module/nouveau").mkdir()
-    assert nouveau.plan(ctx, "blacklisted").status is PlanStatus.REBOOT_REQUIRED
+    assert nouveau.ITEM.plan(ctx, "blacklisted").plan.status is PlanStatus.REBOOT_REQUIRED
 
 
 def test_nouveau_blacklist_from_another_file_or_directory_counts(tmp_path: Path) -> None:
@@ -569,16 +576,16 @@ def test_nouveau_blacklist_from_another_file_or_directory_counts(tmp_path: Path)
     ctx.paths.write_file_atomic(
         vendor, "# generated by nvidia-installer\nblacklist nouveau\noptions nouveau modeset=0\n"
     )
-    plan = nouveau.plan(ctx, "blacklisted")
-    assert plan.status is PlanStatus.IN_SYNC
-    assert plan.actual == f"blacklisted ({vendor}), not loaded"
+    done = nouveau.ITEM.plan(ctx, "blacklisted")
+    assert done.plan.status is PlanStatus.IN_SYNC
+    assert done.plan.actual == f"blacklisted ({vendor}), not loaded"
 
 
 def test_nouveau_etc_file_hides_the_vendor_file_of_the_same_name(tmp_path: Path) -> None:
     ctx = host(tmp_path)
     ctx.paths.write_file_atomic("/usr/lib/modprobe.d/nouveau.conf", "blacklist nouveau\noptions nouveau modeset=0\n")
     ctx.paths.write_file_atomic("/etc/modprobe.d/nouveau.conf", "# emptied by the operator\n")
-    assert nouveau.plan(ctx, "blacklisted").status is PlanStatus.DRIFT
+    assert nouveau.ITEM.plan(ctx, "blacklisted").plan.status is PlanStatus.DRIFT
 
 
 @pytest.mark.parametrize(
@@ -593,23 +600,23 @@ def test_nouveau_etc_file_hides_the_vendor_file_of_the_same_name(tmp_path: Path)
 def test_nouveau_half_a_blacklist_is_drift(tmp_path: Path, content: str, actual: str) -> None:
     ctx = host(tmp_path)
     ctx.paths.write_file_atomic("/etc/modprobe.d/local.conf", content)
-    plan = nouveau.plan(ctx, "blacklisted")
-    assert plan.status is PlanStatus.DRIFT
-    assert plan.actual == f"{actual}, not loaded"
+    done = nouveau.ITEM.plan(ctx, "blacklisted")
+    assert done.plan.status is PlanStatus.DRIFT
+    assert done.plan.actual == f"{actual}, not loaded"
 
 
 def test_nouveau_split_across_files_is_in_sync(tmp_path: Path) -> None:
     ctx = host(tmp_path)
     ctx.paths.write_file_atomic("/etc/modprobe.d/a.conf", "blacklist nouveau\n")
     ctx.paths.write_file_atomic("/etc/modprobe.d/b.conf", "options nouveau modeset=0 NVreg_x=1\n")
-    plan = nouveau.plan(ctx, "blacklisted")
-    assert plan.status is PlanStatus.IN_SYNC
-    assert plan.actual == "blacklisted (/etc/modprobe.d/a.conf, /etc/modprobe.d/b.conf), not loaded"
+    done = nouveau.ITEM.plan(ctx, "blacklisted")
+    assert done.plan.status is PlanStatus.IN_SYNC
+    assert done.plan.actual == "blacklisted (/etc/modprobe.d/a.conf, /etc/modprobe.d/b.conf), not loaded"
 
 
 def test_nouveau_rebuild_runs_through_the_host_context(tmp_path: Path) -> None:
     ctx = ScriptedHostContext(make_host_tree(tmp_path, os_release="rocky"))
-    result = nouveau.apply(ctx, "blacklisted", nouveau.plan(ctx, "blacklisted"))
+    result = enforce(nouveau.ITEM, ctx, "blacklisted", nouveau.ITEM.plan(ctx, "blacklisted"))
     assert ctx.calls == [("dracut", "-f")]
     assert result.outcome is Outcome.APPLIED
     assert result.detail == f"wrote {CONF}; initramfs rebuilt (`dracut -f`)"
@@ -619,14 +626,14 @@ def test_nouveau_failing_rebuild_fails_with_its_output(tmp_path: Path) -> None:
     ctx = ScriptedHostContext(
         make_host_tree(tmp_path), results={"update-initramfs": (1, "E: /boot: No space left on device")}
     )
-    result = nouveau.apply(ctx, "blacklisted", nouveau.plan(ctx, "blacklisted"))
+    result = enforce(nouveau.ITEM, ctx, "blacklisted", nouveau.ITEM.plan(ctx, "blacklisted"))
     assert result.outcome is Outcome.FAILED
     assert result.detail == f"wrote {CONF}; `update-initramfs -u` failed (exit 1): E: /boot: No space left on device"
 
 
 def test_nouveau_missing_rebuild_tool_fails(tmp_path: Path) -> None:
     ctx = ScriptedHostContext(make_host_tree(tmp_path, os_release="rocky"), missing=frozenset({"dracut"}))
-    result = nouveau.apply(ctx, "blacklisted", nouveau.plan(ctx, "blacklisted"))
+    result = enforce(nouveau.ITEM, ctx, "blacklisted", nouveau.ITEM.plan(ctx, "blacklisted"))
     assert result.outcome is Outcome.FAILED
     assert "`dracut -f` could not run: [Errno 2] No such file or directory" in result.detail
 
@@ -634,9 +641,9 @@ def test_nouveau_missing_rebuild_tool_fails(tmp_path: Path) -> None:
 def test_nouveau_write_failure_is_reported_not_raised(tmp_path: Path) -> None:
     ctx = ScriptedHostContext(make_host_tree(tmp_path))
     ctx.paths.path(CONF).mkdir()  # modprobe ignores a directory, and the write cannot replace it
-    plan = nouveau.plan(ctx, "blacklisted")
-    assert plan.status is PlanStatus.DRIFT
-    result = nouveau.apply(ctx, "blacklisted", plan)
+    done = nouveau.ITEM.plan(ctx, "blacklisted")
+    assert done.plan.status is PlanStatus.DRIFT
+    result = enforce(nouveau.ITEM, ctx, "blacklisted", done)
     assert result.outcome is Outcome.FAILED
     assert result.detail.startswith(f"cannot write {CONF}: [Errno 21] Is a directory")
     assert ctx.calls == []  # no rebuild without the file
@@ -647,19 +654,19 @@ def test_nouveau_dangling_links_are_skipped_like_modprobe_does(tmp_path: Path) -
     ctx.paths.path("/etc/modprobe.d/broken.conf").symlink_to(tmp_path / "nowhere")
     ctx.paths.write_file_atomic("/etc/modprobe.d/latin1.conf", "")
     ctx.paths.path("/etc/modprobe.d/latin1.conf").write_bytes(b"# Jos\xe9's box\nblacklist nouveau\n")
-    plan = nouveau.plan(ctx, "blacklisted")
-    assert plan.status is PlanStatus.DRIFT
-    assert plan.actual == "blacklisted without modeset=0, not loaded"
+    done = nouveau.ITEM.plan(ctx, "blacklisted")
+    assert done.plan.status is PlanStatus.DRIFT
+    assert done.plan.actual == "blacklisted without modeset=0, not loaded"
 
 
 def test_nouveau_unreadable_module_list_is_an_error(tmp_path: Path) -> None:
     ctx = host(tmp_path)
     ctx.paths.path("/proc/modules").unlink()
     ctx.paths.path("/proc/modules").mkdir()
-    plan = nouveau.plan(ctx, "blacklisted")
-    assert plan.status is PlanStatus.ERROR
-    assert plan.detail.startswith("cannot read: [Errno 21] Is a directory")
-    assert nouveau.apply(ctx, "blacklisted", plan).outcome is Outcome.FAILED
+    done = nouveau.ITEM.plan(ctx, "blacklisted")
+    assert done.plan.status is PlanStatus.ERROR
+    assert done.plan.detail.startswith("cannot read: [Errno 21] Is a directory")
+    assert enforce(nouveau.ITEM, ctx, "blacklisted", done).outcome is Outcome.SKIPPED  # an ERROR plan writes nothing
     assert not ctx.paths.exists(CONF)
 
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum, IntEnum
-from typing import Protocol, runtime_checkable
+from typing import Final, Literal, Protocol, runtime_checkable
 
 from agent.backend.errors import WriteRefused
+from agent.policy.names import GpuItemName
 
 #: Not a policy item: the permission to reset GPUs, granted only in enforce mode (remediation).
-GPU_RESET_ITEM = "gpu_reset"
+GPU_RESET_ITEM: Final = "gpu_reset"
 
 
 class ClockDomain(IntEnum):
@@ -239,7 +240,8 @@ class GpuBackend(Protocol):
 
 
 #: The policy item each setter belongs to; a backend refuses setters outside its writable items.
-SETTER_ITEMS: dict[str, str] = {
+#: Typed on the item names (agent.policy.names), so a misspelt item cannot slip into the guard.
+SETTER_ITEMS: dict[str, GpuItemName | Literal["gpu_reset"]] = {
     "set_power_limit_watts": "power_limit",
     "set_locked_clocks_mhz": "locked_clocks",
     "reset_locked_clocks": "locked_clocks",

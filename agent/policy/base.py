@@ -1,8 +1,9 @@
-"""What every policy item produces: a plan (desired vs actual) and, when enforced, a result.
+"""What every policy item produces: a plan (desired vs actual) and, when enforced, a result;
+and the GPU and host as items see them.
 
-Each item is one module exposing `NAME`, `desired(...)`, `plan(ctx, desired)` and
-`apply(ctx, desired, plan)`. `plan` only reads; `apply` is the only code that writes, and is
-only called by the engine for items in enforce mode whose plan says DRIFT.
+The item contract itself (plan, apply, restore) is `agent.policy.item`. `plan` only reads;
+`apply` is the only code that writes, and the engine calls it only for items in enforce mode
+whose plan says DRIFT.
 """
 
 from __future__ import annotations
@@ -16,7 +17,29 @@ from enum import Enum
 from pathlib import Path
 
 from agent.backend.base import GpuBackend, GpuIdentity
+from agent.backend.errors import GpuError, GpuErrorKind
 from agent.host.paths import HostPaths
+
+#: Operator wording for each error kind; the kind's value follows it in brackets for grepping.
+ERROR_LABELS: dict[GpuErrorKind, str] = {
+    GpuErrorKind.NOT_SUPPORTED: "not supported by this board",
+    GpuErrorKind.NO_PERMISSION: "no permission (changing GPU settings needs root)",
+    GpuErrorKind.GPU_LOST: "GPU lost (fell off the bus)",
+    GpuErrorKind.RESET_REQUIRED: "GPU needs a reset",
+    GpuErrorKind.TIMEOUT: "GPU call timed out",
+    GpuErrorKind.IN_USE: "GPU in use",
+    GpuErrorKind.INVALID_ARGUMENT: "the driver rejected the value",
+    GpuErrorKind.DRIVER_NOT_LOADED: "NVIDIA driver not loaded",
+    GpuErrorKind.LIBRARY_NOT_FOUND: "NVML library not found",
+    GpuErrorKind.VERSION_MISMATCH: "NVML library and kernel driver differ (driver upgraded, not reloaded)",
+    GpuErrorKind.UNINITIALIZED: "NVML not initialised",
+    GpuErrorKind.UNKNOWN: "unknown GPU error",
+}
+
+
+def describe_error(exc: GpuError) -> str:
+    """`GPU lost (fell off the bus) [gpu_lost]: GPU 0: GPU is lost (nvmlDeviceGetPowerUsage)`."""
+    return f"{ERROR_LABELS[exc.kind]} [{exc.kind.value}]: {exc}"
 
 
 class PlanStatus(str, Enum):

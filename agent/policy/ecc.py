@@ -3,17 +3,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
 from agent.backend.base import EnabledPending
 from agent.config import EnabledState, GpuProfile
-from agent.policy.base import GpuContext, ItemPlan, ItemResult, Outcome, PlanStatus
-from agent.policy.gpu_item import enabled_text, guarded_apply, guarded_plan
+from agent.policy.base import GpuContext, ItemPlan, PlanStatus
+from agent.policy.gpu_item import enabled_text, guarded_read
+from agent.policy.item import GpuItem, Planned, planned
 
-NAME = "ecc"
 _MISSING = "has no ECC memory mode"
-
-
-def desired(profile: GpuProfile) -> EnabledState | None:
-    return profile.ecc
 
 
 def _mode_text(mode: EnabledPending) -> str:
@@ -22,51 +22,53 @@ def _mode_text(mode: EnabledPending) -> str:
     return current if mode.pending == mode.current else f"{current} (pending {enabled_text(mode.pending)})"
 
 
-def plan(ctx: GpuContext, want: EnabledState) -> ItemPlan:
-    want_on = want == "enabled"
+@dataclass(frozen=True)
+class SetEcc:
+    """Set the pending ECC mode; `after_reboot`: the current mode differs, so it takes a reboot."""
 
-    def read() -> ItemPlan:
-        mode = ctx.backend.ecc_mode(ctx.gpu)
-        actual = _mode_text(mode)
-        if mode.pending == want_on and mode.current == want_on:
-            return ItemPlan(NAME, ctx.gpu, PlanStatus.IN_SYNC, want, actual)
-        verb = "enable" if want_on else "disable"
-        if mode.pending == want_on:
-            # Already set; nothing more the agent can do short of rebooting, which is the operator's call.
-            return ItemPlan(
-                NAME,
-                ctx.gpu,
-                PlanStatus.REBOOT_REQUIRED,
-                want,
-                actual,
-                detail=f"ECC {verb} pending; takes effect after reboot",
+    gpu: int
+    enabled: bool
+    after_reboot: bool
+
+    @property
+    def text(self) -> str:
+        verb = "enable" if self.enabled else "disable"
+        after = "; takes effect after reboot" if self.after_reboot else ""
+        return f"{verb} ECC on GPU {self.gpu} (nvidia-smi -i {self.gpu} -e {int(self.enabled)}){after}"
+
+
+class EccItem(GpuItem[EnabledState, SetEcc]):
+    name: Final = "ecc"
+    scope: Final = "gpu"
+
+    def desired(self, profile: GpuProfile) -> EnabledState | None:
+        return profile.ecc
+
+    def plan(self, ctx: GpuContext, want: EnabledState) -> Planned[SetEcc]:
+        want_on = want == "enabled"
+
+        def read() -> Planned[SetEcc]:
+            mode = ctx.backend.ecc_mode(ctx.gpu)
+            actual = _mode_text(mode)
+            if mode.pending == want_on and mode.current == want_on:
+                return planned(ItemPlan(self.name, ctx.gpu, PlanStatus.IN_SYNC, want, actual))
+            if mode.pending == want_on:
+                # Already set; nothing more the agent can do short of rebooting, which is the operator's call.
+                verb = "enable" if want_on else "disable"
+                detail = f"ECC {verb} pending; takes effect after reboot"
+                return planned(ItemPlan(self.name, ctx.gpu, PlanStatus.REBOOT_REQUIRED, want, actual, detail))
+            # Current may already match: a pending opposite mode would still flip it at the next reboot.
+            return planned(
+                ItemPlan(self.name, ctx.gpu, PlanStatus.DRIFT, want, actual),
+                [SetEcc(ctx.gpu, want_on, after_reboot=mode.current != want_on)],
             )
-        # Current may already match: a pending opposite mode would still flip it at the next reboot.
-        after = "" if mode.current == want_on else "; takes effect after reboot"
-        return ItemPlan(
-            NAME,
-            ctx.gpu,
-            PlanStatus.DRIFT,
-            want,
-            actual,
-            changes=(f"{verb} ECC on GPU {ctx.gpu} (nvidia-smi -i {ctx.gpu} -e {int(want_on)}){after}",),
-        )
 
-    return guarded_plan(NAME, ctx, want, _MISSING, read)
+        return guarded_read(self.name, ctx, want, _MISSING, read)
+
+    def apply(self, ctx: GpuContext, changes: Sequence[SetEcc]) -> str:
+        for change in changes:
+            ctx.backend.set_ecc_mode(change.gpu, change.enabled)
+        return "; ".join(f"ECC mode of GPU {c.gpu} set to {enabled_text(c.enabled)}" for c in changes)
 
 
-def apply(ctx: GpuContext, want: EnabledState, plan: ItemPlan) -> ItemResult:
-    want_on = want == "enabled"
-
-    def write() -> ItemResult:
-        ctx.backend.set_ecc_mode(ctx.gpu, want_on)
-        now = ctx.backend.ecc_mode(ctx.gpu)
-        if now.pending != want_on:
-            return ItemResult(plan, Outcome.FAILED, f"set ECC {want} but GPU {ctx.gpu} reports {_mode_text(now)}")
-        if now.current != want_on:
-            verb = "enable" if want_on else "disable"
-            return ItemResult(plan, Outcome.REBOOT_REQUIRED, f"ECC {verb} pending; takes effect after reboot")
-        # Only a stray pending mode was undone: the current mode was right all along.
-        return ItemResult(plan, Outcome.APPLIED, f"ECC {plan.actual} -> {_mode_text(now)}")
-
-    return guarded_apply(plan, write)
+ITEM: Final = EccItem()

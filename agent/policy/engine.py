@@ -2,8 +2,9 @@
 
 One GPU or item failing never stops the others: each becomes an ERROR plan or a FAILED
 result, and the rest of the node is still handled. Apply only touches items whose plan was
-read completely and says DRIFT, and only in enforce mode; afterwards each applied item is
-planned again, so "applied" means verified, not merely attempted.
+read completely and says DRIFT, and only in enforce mode; it makes the changes that very plan
+listed, then plans the item once more (`agent.policy.item.enforce`), so "applied" means
+verified, not merely attempted.
 """
 
 from __future__ import annotations
@@ -12,18 +13,19 @@ import fnmatch
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 from agent.backend.base import GpuBackend, GpuIdentity
 from agent.backend.errors import GpuError, WriteRefused
 from agent.config import AgentConfig, GpuProfile, Mode
-from agent.policy import ecc, fan_curve, locked_clocks, nouveau, persistence, power_limit, thp, triton_cache
 from agent.policy.base import GpuContext, HostContext, ItemPlan, ItemResult, Outcome, PlanStatus
+from agent.policy.item import Change, PolicyItem, enforce, plan_item, result_without_write
+from agent.policy.registry import GPU_ITEMS, NODE_ITEMS, RESTORABLE_ITEMS, RESTORABLE_NAMES
 
-GPU_ITEM_MODULES: tuple[ModuleType, ...] = (power_limit, locked_clocks, fan_curve, persistence, ecc)
-NODE_ITEM_MODULES: tuple[ModuleType, ...] = (thp, triton_cache, nouveau)
-RESTORABLE_MODULES: tuple[ModuleType, ...] = (fan_curve, locked_clocks, power_limit)
+C = TypeVar("C", bound=Change)
+W = TypeVar("W")
+T = TypeVar("T", GpuContext, HostContext)
+ItemT = TypeVar("ItemT", bound=PolicyItem[Any, Any, Any])
 
 #: Pseudo-item for a GPU that cannot even be identified (lost before the plan started).
 GPU_ITEM = "gpu"
@@ -124,91 +126,55 @@ class PolicyEngine:
 
     # -- plan ------------------------------------------------------------------------------------
 
-    def _gpu_desired(
-        self, gpu: int, only: Collection[str] | None = None
-    ) -> tuple[int | None, list[tuple[ModuleType, Any]]]:
-        profiles = self.config.policy.gpus
-        number = match_profile(profiles, self.state.identities[gpu])
-        if number is None:
-            return None, []
-        profile = profiles[number]
-        wanted = [(m, m.desired(profile)) for m in GPU_ITEM_MODULES if only is None or m.NAME in only]
-        return number, [(m, w) for m, w in wanted if w is not None]
+    def _planned(self, only: Collection[str] | None) -> tuple[list[_Planned], dict[int, int | None]]:
+        """Every wanted item planned, GPUs first; and which profile each GPU matched."""
+        self.enumerate_gpus()
+        entries = [_Planned(_unreadable(gpu, error), None) for gpu, error in sorted(self.state.unreadable.items())]
+        profiles: dict[int, int | None] = {}
+        for gpu in sorted(self.state.identities):
+            number = match_profile(self.config.policy.gpus, self.state.identities[gpu])
+            profiles[gpu] = number
+            if number is None:
+                continue
+            profile = self.config.policy.gpus[number]
+            ctx = self.state.contexts[gpu]
+            for gpu_item in _selected(GPU_ITEMS, only):
+                want = gpu_item.desired(profile)
+                if want is not None:
+                    entries.append(_plan_one(gpu_item, ctx, want))
+        for node_item in _selected(NODE_ITEMS, only):
+            want = node_item.desired(self.config.policy.node, self.config)
+            if want is not None:
+                entries.append(_plan_one(node_item, self.host, want))
+        return entries, profiles
 
-    def _node_desired(self, only: Collection[str] | None = None) -> list[tuple[ModuleType, Any]]:
-        node = self.config.policy.node
-        wanted = [(m, m.desired(node, self.config)) for m in NODE_ITEM_MODULES if only is None or m.NAME in only]
-        return [(m, w) for m, w in wanted if w is not None]
+    def _node_plan(self, entries: list[_Planned], profiles: dict[int, int | None]) -> NodePlan:
+        items = tuple(entry.plan for entry in entries)
+        modes = {p.item: self.config.item_mode(p.item) for p in items if p.item != GPU_ITEM}
+        return NodePlan(self.config.mode, items, modes, profiles)
 
     def plan(self, only: Collection[str] | None = None) -> NodePlan:
         """Plan every configured item, or only those named (the daemon re-plans the fan curve every loop)."""
-        self.enumerate_gpus()
-        items: list[ItemPlan] = []
-        profiles: dict[int, int | None] = {}
-        for gpu, error in sorted(self.state.unreadable.items()):
-            items.append(
-                ItemPlan(GPU_ITEM, gpu, PlanStatus.ERROR, "readable", "unreadable", str(error), (), error.kind.value)
-            )
-        for gpu in sorted(self.state.identities):
-            number, wanted = self._gpu_desired(gpu, only)
-            profiles[gpu] = number
-            ctx = self.state.contexts[gpu]
-            items.extend(_guarded_plan(module.NAME, gpu, partial(module.plan, ctx, want)) for module, want in wanted)
-        items.extend(
-            _guarded_plan(module.NAME, None, partial(module.plan, self.host, want))
-            for module, want in self._node_desired(only)
-        )
-        modes = {p.item: self.config.item_mode(p.item) for p in items if p.item != GPU_ITEM}
-        return NodePlan(self.config.mode, tuple(items), modes, profiles)
+        return self._node_plan(*self._planned(only))
 
     # -- apply -----------------------------------------------------------------------------------
 
     def apply(self, dry_run: bool = False, only: Collection[str] | None = None) -> ApplyReport:
-        node_plan = self.plan(only)
-        desired = self._desired_by_key()
-        results = [self._apply_item(p, desired, dry_run) for p in node_plan.items]
-        return ApplyReport(node_plan, tuple(results), dry_run)
+        entries, profiles = self._planned(only)
+        results = tuple(self._apply_one(entry, dry_run) for entry in entries)
+        return ApplyReport(self._node_plan(entries, profiles), results, dry_run)
 
-    def _desired_by_key(self) -> dict[tuple[str, int | None], tuple[ModuleType, Any]]:
-        by_key: dict[tuple[str, int | None], tuple[ModuleType, Any]] = {}
-        for gpu in self.state.identities:
-            for module, want in self._gpu_desired(gpu)[1]:
-                by_key[(module.NAME, gpu)] = (module, want)
-        for module, want in self._node_desired():
-            by_key[(module.NAME, None)] = (module, want)
-        return by_key
-
-    def _apply_item(
-        self, plan: ItemPlan, desired: dict[tuple[str, int | None], tuple[ModuleType, Any]], dry_run: bool
-    ) -> ItemResult:
-        if plan.status in (PlanStatus.IN_SYNC, PlanStatus.NOT_APPLICABLE):
-            return ItemResult(plan, Outcome.UNCHANGED)
-        if plan.status is PlanStatus.REBOOT_REQUIRED:
-            return ItemResult(plan, Outcome.REBOOT_REQUIRED, plan.detail)
-        if plan.status is PlanStatus.ERROR:
-            return ItemResult(plan, Outcome.SKIPPED, f"not applied: {plan.detail}")
+    def _apply_one(self, entry: _Planned, dry_run: bool) -> ItemResult:
+        plan = entry.plan
+        no_write = result_without_write(plan)
+        if no_write is not None:
+            return no_write
+        assert entry.enforce is not None  # only an unidentified GPU has none, and its plan is an ERROR
         if self.config.item_mode(plan.item) is not Mode.ENFORCE:
             return ItemResult(plan, Outcome.SKIPPED, "observe mode: drift reported, nothing changed")
         if dry_run:
             return ItemResult(plan, Outcome.SKIPPED, "dry run: would " + "; ".join(plan.changes))
-        module, want = desired[(plan.item, plan.gpu)]
-        target: GpuContext | HostContext = self.host if plan.gpu is None else self.state.contexts[plan.gpu]
-        try:
-            result: ItemResult = module.apply(target, want, plan)
-        except WriteRefused as exc:
-            return ItemResult(plan, Outcome.FAILED, str(exc))
-        except GpuError as exc:
-            return ItemResult(plan, Outcome.FAILED, str(exc))
-        except OSError as exc:
-            return ItemResult(plan, Outcome.FAILED, f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
-        if result.outcome is not Outcome.APPLIED:
-            return result
-        verified = _guarded_plan(plan.item, plan.gpu, lambda: module.plan(target, want))
-        if verified.status in (PlanStatus.IN_SYNC, PlanStatus.REBOOT_REQUIRED):
-            return result
-        return ItemResult(
-            verified, Outcome.FAILED, f"applied but still {verified.status.value}: actual {verified.actual}"
-        )
+        return entry.enforce()
 
     # -- restore ---------------------------------------------------------------------------------
 
@@ -219,30 +185,43 @@ class PolicyEngine:
         # A GPU that cannot even be identified was not restored: say so, never report success for it.
         results: list[ItemResult] = [
             ItemResult(
-                ItemPlan(GPU_ITEM, gpu, PlanStatus.ERROR, "readable", "unreadable", str(error), (), error.kind.value),
+                _unreadable(gpu, error),
                 Outcome.FAILED,
                 f"GPU {gpu} could not be identified, so nothing on it was restored: {error}",
             )
             for gpu, error in sorted(self.state.unreadable.items())
-            if writable & {m.NAME for m in RESTORABLE_MODULES}
+            if writable & RESTORABLE_NAMES
         ]
         for gpu in sorted(self.state.contexts):
             ctx = self.state.contexts[gpu]
-            for module in RESTORABLE_MODULES:
-                if module.NAME not in writable:
+            for item in RESTORABLE_ITEMS:
+                if item.name not in writable:
                     continue
-                results.append(_guarded_restore(module.NAME, gpu, partial(module.restore, ctx)))
+                results.append(_guarded_restore(item.name, gpu, partial(item.restore, ctx)))
         return results
 
 
-def _guarded_plan(item: str, gpu: int | None, plan: Callable[[], ItemPlan]) -> ItemPlan:
-    """Backstop: an item that raises still yields an ERROR plan instead of taking the rest down."""
-    try:
-        return plan()
-    except GpuError as exc:
-        return ItemPlan(item, gpu, PlanStatus.ERROR, "?", "?", str(exc), (), exc.kind.value)
-    except OSError as exc:
-        return ItemPlan(item, gpu, PlanStatus.ERROR, "?", "?", f"{exc.strerror or exc}: {exc.filename or ''}")
+def _unreadable(gpu: int, error: GpuError) -> ItemPlan:
+    return ItemPlan(GPU_ITEM, gpu, PlanStatus.ERROR, "readable", "unreadable", str(error), (), error.kind.value)
+
+
+def _selected(items: Sequence[ItemT], only: Collection[str] | None) -> list[ItemT]:
+    return [item for item in items if only is None or item.name in only]
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """One item on one GPU or the host: its plan, and the write and verification that plan leads
+    to (None for the pseudo-item of a GPU that could not be identified)."""
+
+    plan: ItemPlan
+    enforce: Callable[[], ItemResult] | None
+
+
+def _plan_one(item: PolicyItem[T, W, C], target: T, want: W) -> _Planned:
+    """Plan `item`, keeping its typed changes with it for `apply`."""
+    done = plan_item(item, target, want)
+    return _Planned(done.plan, partial(enforce, item, target, want, done))
 
 
 def _guarded_restore(item: str, gpu: int, restore: Callable[[], ItemResult]) -> ItemResult:

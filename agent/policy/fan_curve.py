@@ -1,23 +1,26 @@
 """Fan curve: drive each fan of an air-cooled board from the GPU temperature instead of the
 vBIOS's own curve, which favours quiet over headroom. Fan-less (SXM) boards have nothing to do.
 
-The module plans against the temperature of the moment; re-evaluating the curve as the
-temperature moves is the daemon's loop. The target set at each step is remembered in
-`ctx.item_state` so hysteresis can hold it while the GPU cools by less than the margin.
+The item plans against the temperature of the moment; re-evaluating the curve as the
+temperature moves is the daemon's loop. The target of each plan is remembered in
+`ctx.item_state["fan_curve"]` so hysteresis can hold it while the GPU cools by less than the margin,
+and `apply` sets the speed that plan chose.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Final
 
 from agent.backend.errors import GpuError, GpuErrorKind
 from agent.config import FanCurve, GpuProfile
-from agent.policy.base import GpuContext, ItemPlan, ItemResult, Outcome, PlanStatus
-from agent.policy.gpu_item import guarded_apply, guarded_plan, guarded_restore, not_applicable_plan
+from agent.policy.base import GpuContext, ItemPlan, ItemResult, PlanStatus
+from agent.policy.gpu_item import guarded_read, not_applicable_plan, run_restore
+from agent.policy.item import Planned, RestorableGpuItem, planned
 
-NAME = "fan_curve"
 _NO_FANS = "has no fans: no fan curve to enforce"
 _MISSING = "has no software-controllable fans: no fan curve to enforce"
 # A fan at a manual speed reads back within a point or two of what was set; closer is in sync.
@@ -31,10 +34,6 @@ class _Target:
     curve: FanCurve
     percent: int
     set_at_celsius: int
-
-
-def desired(profile: GpuProfile) -> FanCurve | None:
-    return profile.fan_curve
 
 
 def _curve_text(curve: FanCurve) -> str:
@@ -58,13 +57,13 @@ def _target(ctx: GpuContext, curve: FanCurve, celsius: int) -> _Target:
     once it is `hysteresis_celsius` below the temperature that set the current one, so a GPU
     hovering around a point does not make the fans hunt."""
     percent = _curve_percent(curve, celsius)
-    held = ctx.item_state.get(NAME)
+    held = ctx.item_state.get("fan_curve")
     if isinstance(held, _Target) and held.curve == curve:
         cooled_enough = celsius <= held.set_at_celsius - curve.hysteresis_celsius
         if percent == held.percent or (percent < held.percent and not cooled_enough):
             return held
     target = _Target(curve, percent, celsius)
-    ctx.item_state[NAME] = target
+    ctx.item_state["fan_curve"] = target
     return target
 
 
@@ -77,63 +76,121 @@ def _range_problems(curve: FanCurve, min_percent: int, max_percent: int) -> list
     ]
 
 
-def plan(ctx: GpuContext, want: FanCurve) -> ItemPlan:
-    want_text = _curve_text(want)
+@dataclass(frozen=True)
+class SetFan:
+    """One fan to a manual speed (`percent`, from the curve at `at_celsius`), or back to automatic
+    (`percent` None). `manual_before`: how the fan was found, None when that could not be read."""
 
-    def read() -> ItemPlan:
-        fans = ctx.backend.fan_count(ctx.gpu)
-        if fans == 0:
-            return not_applicable_plan(NAME, ctx, want_text, _NO_FANS)
-        # Never clamp: a curve written for another board would silently run hotter or louder than declared.
-        problems = _range_problems(want, *ctx.backend.fan_speed_range_percent(ctx.gpu))
-        if problems:
-            return ItemPlan(NAME, ctx.gpu, PlanStatus.ERROR, want_text, "unknown", detail="; ".join(problems))
-        celsius = ctx.backend.temperature_celsius(ctx.gpu)
-        target = _target(ctx, want, celsius)
-        readings = [
-            (ctx.backend.fan_manual(ctx.gpu, fan), ctx.backend.fan_speed_percent(ctx.gpu, fan)) for fan in range(fans)
-        ]
-        actual = ", ".join(
-            f"fan {fan} {speed}% {'manual' if manual else 'automatic'}" for fan, (manual, speed) in enumerate(readings)
-        )
-        changes = tuple(
-            f"set fan {fan} of GPU {ctx.gpu} to {target.percent}% ({target.set_at_celsius} C on the curve)"
-            for fan, (manual, speed) in enumerate(readings)
-            if not manual or abs(speed - target.percent) > _SPEED_TOLERANCE_PERCENT
-        )
-        detail = f"GPU at {celsius} C"
-        if _curve_percent(want, celsius) < target.percent:
-            release_celsius = target.set_at_celsius - want.hysteresis_celsius
-            detail += f"; holding {target.percent}% until it cools to {release_celsius} C (hysteresis)"
-        return ItemPlan(
-            NAME,
-            ctx.gpu,
-            PlanStatus.DRIFT if changes else PlanStatus.IN_SYNC,
-            f"{target.percent}% ({target.set_at_celsius} C on the curve)",
-            actual,
-            detail=detail,
-            changes=changes,
-        )
+    gpu: int
+    fan: int
+    percent: int | None
+    at_celsius: int = 0
+    manual_before: bool | None = None
 
-    return guarded_plan(NAME, ctx, want_text, _MISSING, read)
+    @property
+    def text(self) -> str:
+        if self.percent is None:
+            return f"return fan {self.fan} of GPU {self.gpu} to automatic control"
+        return f"set fan {self.fan} of GPU {self.gpu} to {self.percent}% ({self.at_celsius} C on the curve)"
 
 
-def apply(ctx: GpuContext, want: FanCurve, plan: ItemPlan) -> ItemResult:
-    def write() -> ItemResult:
-        # Re-read the temperature: the curve is evaluated again, with the same hysteresis memory.
-        target = _target(ctx, want, ctx.backend.temperature_celsius(ctx.gpu))
-        fans = ctx.backend.fan_count(ctx.gpu)
-        for fan in range(fans):
-            ctx.backend.set_fan_speed_percent(ctx.gpu, fan, target.percent)
-        # No read-back here: the engine re-plans after apply, which compares every fan with the target.
-        return ItemResult(
-            plan,
-            Outcome.APPLIED,
-            f"{_fans_text(list(range(fans)))} of GPU {ctx.gpu} set to {target.percent}%"
-            f" ({target.set_at_celsius} C on the curve)",
-        )
+class FanCurveItem(RestorableGpuItem[FanCurve, SetFan]):
+    name: Final = "fan_curve"
+    scope: Final = "gpu"
 
-    return guarded_apply(plan, write)
+    def desired(self, profile: GpuProfile) -> FanCurve | None:
+        return profile.fan_curve
+
+    def plan(self, ctx: GpuContext, want: FanCurve) -> Planned[SetFan]:
+        want_text = _curve_text(want)
+
+        def read() -> Planned[SetFan]:
+            fans = ctx.backend.fan_count(ctx.gpu)
+            if fans == 0:
+                return planned(not_applicable_plan(self.name, ctx, want_text, _NO_FANS))
+            # Never clamp: a curve written for another board would silently run hotter or louder than declared.
+            problems = _range_problems(want, *ctx.backend.fan_speed_range_percent(ctx.gpu))
+            if problems:
+                detail = "; ".join(problems)
+                return planned(ItemPlan(self.name, ctx.gpu, PlanStatus.ERROR, want_text, "unknown", detail=detail))
+            celsius = ctx.backend.temperature_celsius(ctx.gpu)
+            target = _target(ctx, want, celsius)
+            readings = [
+                (ctx.backend.fan_manual(ctx.gpu, fan), ctx.backend.fan_speed_percent(ctx.gpu, fan))
+                for fan in range(fans)
+            ]
+            actual = ", ".join(
+                f"fan {fan} {speed}% {'manual' if manual else 'automatic'}"
+                for fan, (manual, speed) in enumerate(readings)
+            )
+            changes = [
+                SetFan(ctx.gpu, fan, target.percent, target.set_at_celsius, manual)
+                for fan, (manual, speed) in enumerate(readings)
+                if not manual or abs(speed - target.percent) > _SPEED_TOLERANCE_PERCENT
+            ]
+            detail = f"GPU at {celsius} C"
+            if _curve_percent(want, celsius) < target.percent:
+                release_celsius = target.set_at_celsius - want.hysteresis_celsius
+                detail += f"; holding {target.percent}% until it cools to {release_celsius} C (hysteresis)"
+            return planned(
+                ItemPlan(
+                    self.name,
+                    ctx.gpu,
+                    PlanStatus.DRIFT if changes else PlanStatus.IN_SYNC,
+                    f"{target.percent}% ({target.set_at_celsius} C on the curve)",
+                    actual,
+                    detail=detail,
+                ),
+                changes,
+            )
+
+        return guarded_read(self.name, ctx, want_text, _MISSING, read)
+
+    def apply(self, ctx: GpuContext, changes: Sequence[SetFan]) -> str:
+        for change in changes:
+            if change.percent is None:
+                ctx.backend.set_fan_automatic(change.gpu, change.fan)
+            else:
+                ctx.backend.set_fan_speed_percent(change.gpu, change.fan, change.percent)
+        done: list[str] = []
+        to_automatic = [c.fan for c in changes if c.percent is None]
+        if to_automatic:
+            done.append(f"{_fans_text(to_automatic)} of GPU {ctx.gpu} back to automatic control")
+        for percent, at_celsius in dict.fromkeys((c.percent, c.at_celsius) for c in changes if c.percent is not None):
+            fans = [c.fan for c in changes if c.percent == percent]
+            done.append(f"{_fans_text(fans)} of GPU {ctx.gpu} set to {percent}% ({at_celsius} C on the curve)")
+        return "; ".join(done)
+
+    def restore(self, ctx: GpuContext) -> ItemResult:
+        """Every fan back to automatic (vBIOS) control. A fan whose control mode cannot be read is
+        reset anyway: a fan left at a fixed low speed is the one failure this must never cause."""
+        ctx.item_state.pop(self.name, None)  # the curve starts over if it is enforced again
+
+        def read() -> Planned[SetFan]:
+            fans = ctx.backend.fan_count(ctx.gpu)
+            if fans == 0:
+                return planned(not_applicable_plan(self.name, ctx, "automatic", _NO_FANS))
+            modes = [_manual(ctx, fan) for fan in range(fans)]
+            names = {True: "manual", False: "automatic", None: "control mode unknown"}
+            changes = [SetFan(ctx.gpu, fan, None, manual_before=m) for fan, m in enumerate(modes) if m is not False]
+            return planned(
+                ItemPlan(
+                    self.name,
+                    ctx.gpu,
+                    PlanStatus.DRIFT if changes else PlanStatus.IN_SYNC,
+                    "automatic",
+                    ", ".join(f"fan {fan} {names[manual]}" for fan, manual in enumerate(modes)),
+                ),
+                changes,
+            )
+
+        # A fan whose mode still cannot be read was reset all the same: only one reading manual failed.
+        def settled(after: Planned[SetFan]) -> bool:
+            return after.plan.status is PlanStatus.IN_SYNC or (
+                after.plan.status is PlanStatus.DRIFT and all(c.manual_before is None for c in after.changes)
+            )
+
+        return run_restore(self, ctx, read, "automatic", _MISSING, settled)
 
 
 def _fans_text(fans: list[int]) -> str:
@@ -151,42 +208,9 @@ def _manual(ctx: GpuContext, fan: int) -> bool | None:
         return None
 
 
+ITEM: Final = FanCurveItem()
+
+
 def restore(ctx: GpuContext) -> ItemResult:
-    """Every fan back to automatic (vBIOS) control. A fan whose control mode cannot be read is
-    reset anyway: a fan left at a fixed low speed is the one failure this must never cause."""
-    ctx.item_state.pop(NAME, None)
-
-    def read() -> ItemPlan:
-        fans = ctx.backend.fan_count(ctx.gpu)
-        if fans == 0:
-            return not_applicable_plan(NAME, ctx, "automatic", _NO_FANS)
-        modes = [_manual(ctx, fan) for fan in range(fans)]
-        names = {True: "manual", False: "automatic", None: "control mode unknown"}
-        changes = tuple(
-            f"return fan {fan} of GPU {ctx.gpu} to automatic control"
-            for fan, manual in enumerate(modes)
-            if manual is not False
-        )
-        return ItemPlan(
-            NAME,
-            ctx.gpu,
-            PlanStatus.DRIFT if changes else PlanStatus.IN_SYNC,
-            "automatic",
-            ", ".join(f"fan {fan} {names[manual]}" for fan, manual in enumerate(modes)),
-            changes=changes,
-        )
-
-    restore_plan = guarded_plan(NAME, ctx, "automatic", _MISSING, read)
-
-    def write() -> ItemResult:
-        reset = [fan for fan in range(ctx.backend.fan_count(ctx.gpu)) if _manual(ctx, fan) is not False]
-        for fan in reset:
-            ctx.backend.set_fan_automatic(ctx.gpu, fan)
-        still_manual = [fan for fan in reset if _manual(ctx, fan)]
-        if still_manual:
-            return ItemResult(restore_plan, Outcome.FAILED, f"{_fans_text(still_manual)} of GPU {ctx.gpu} still manual")
-        return ItemResult(
-            restore_plan, Outcome.APPLIED, f"{_fans_text(reset)} of GPU {ctx.gpu} back to automatic control"
-        )
-
-    return guarded_restore(restore_plan, write)
+    """Fans back to automatic on one GPU: what the daemon runs on every exit path."""
+    return ITEM.restore(ctx)

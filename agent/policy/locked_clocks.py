@@ -4,15 +4,17 @@ and a lower graphics lock keeps a dense node under its power and thermal budget.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final
 
 from agent.backend.base import ClockDomain
 from agent.backend.errors import GpuError, GpuErrorKind
 from agent.config import GpuProfile, LockedClocks
-from agent.policy.base import GpuContext, ItemPlan, ItemResult, Outcome, PlanStatus
-from agent.policy.gpu_item import guarded_apply, guarded_plan, guarded_restore, not_applicable_plan
+from agent.policy.base import GpuContext, ItemPlan, ItemResult, PlanStatus
+from agent.policy.gpu_item import guarded_read, not_applicable_plan, run_restore
+from agent.policy.item import Planned, RestorableGpuItem, planned
 
-NAME = "locked_clocks"
 _MISSING = "does not support locked clocks"
 
 # The domains this item manages, with what nvidia-smi calls their lock and reset flags.
@@ -22,10 +24,6 @@ _DOMAINS: tuple[tuple[ClockDomain, str, str, str], ...] = (
 )
 
 _MhzRange = tuple[int, int]
-
-
-def desired(profile: GpuProfile) -> LockedClocks | None:
-    return profile.locked_clocks
 
 
 def _wanted(want: LockedClocks) -> dict[ClockDomain, _MhzRange]:
@@ -83,43 +81,78 @@ def _problems(ctx: GpuContext, wanted: dict[ClockDomain, _MhzRange]) -> list[str
     return problems
 
 
-def _lock_change(gpu: int, domain: ClockDomain, mhz: _MhzRange) -> str:
-    label, flag = next((label, flag) for d, label, flag, _ in _DOMAINS if d is domain)
-    return f"lock {label} clocks of GPU {gpu} to {_range_text(mhz)} (nvidia-smi -i {gpu} {flag} {mhz[0]},{mhz[1]})"
+@dataclass(frozen=True)
+class SetClockLock:
+    """Lock one domain's clocks to `to_mhz`, or unlock them (`to_mhz` None)."""
+
+    gpu: int
+    domain: ClockDomain
+    from_mhz: _MhzRange | None
+    to_mhz: _MhzRange | None
+
+    @property
+    def text(self) -> str:
+        label, lock_flag, reset_flag = next(
+            (label, lock, reset) for d, label, lock, reset in _DOMAINS if d is self.domain
+        )
+        if self.to_mhz is None:
+            return f"reset locked {label} clocks of GPU {self.gpu} (nvidia-smi -i {self.gpu} {reset_flag})"
+        low, high = self.to_mhz
+        return (
+            f"lock {label} clocks of GPU {self.gpu} to {_range_text(self.to_mhz)}"
+            f" (nvidia-smi -i {self.gpu} {lock_flag} {low},{high})"
+        )
 
 
-def plan(ctx: GpuContext, want: LockedClocks) -> ItemPlan:
-    wanted = _wanted(want)
-    want_text = _domains_text(wanted)
+class LockedClocksItem(RestorableGpuItem[LockedClocks, SetClockLock]):
+    name: Final = "locked_clocks"
+    scope: Final = "gpu"
 
-    def read() -> ItemPlan:
-        actual = {domain: ctx.backend.locked_clocks_mhz(ctx.gpu, domain) for domain in wanted}
-        actual_text = _domains_text(actual)
-        problems = _problems(ctx, wanted)
-        if problems:
-            return ItemPlan(NAME, ctx.gpu, PlanStatus.ERROR, want_text, actual_text, detail="; ".join(problems))
-        changes = tuple(_lock_change(ctx.gpu, d, mhz) for d, mhz in wanted.items() if actual[d] != mhz)
-        status = PlanStatus.DRIFT if changes else PlanStatus.IN_SYNC
-        return ItemPlan(NAME, ctx.gpu, status, want_text, actual_text, changes=changes)
+    def desired(self, profile: GpuProfile) -> LockedClocks | None:
+        return profile.locked_clocks
 
-    return guarded_plan(NAME, ctx, want_text, _MISSING, read)
+    def plan(self, ctx: GpuContext, want: LockedClocks) -> Planned[SetClockLock]:
+        wanted = _wanted(want)
+        want_text = _domains_text(wanted)
 
+        def read() -> Planned[SetClockLock]:
+            actual = {domain: ctx.backend.locked_clocks_mhz(ctx.gpu, domain) for domain in wanted}
+            actual_text = _domains_text(actual)
+            problems = _problems(ctx, wanted)
+            if problems:
+                detail = "; ".join(problems)
+                return planned(ItemPlan(self.name, ctx.gpu, PlanStatus.ERROR, want_text, actual_text, detail))
+            changes = [SetClockLock(ctx.gpu, d, actual[d], mhz) for d, mhz in wanted.items() if actual[d] != mhz]
+            status = PlanStatus.DRIFT if changes else PlanStatus.IN_SYNC
+            return planned(ItemPlan(self.name, ctx.gpu, status, want_text, actual_text), changes)
 
-def apply(ctx: GpuContext, want: LockedClocks, plan: ItemPlan) -> ItemResult:
-    wanted = _wanted(want)
+        return guarded_read(self.name, ctx, want_text, _MISSING, read)
 
-    def write() -> ItemResult:
-        for domain, mhz in wanted.items():
-            if ctx.backend.locked_clocks_mhz(ctx.gpu, domain) != mhz:
-                ctx.backend.set_locked_clocks_mhz(ctx.gpu, domain, mhz[0], mhz[1])
-        now = {domain: ctx.backend.locked_clocks_mhz(ctx.gpu, domain) for domain in wanted}
-        if now != wanted:
-            return ItemResult(
-                plan, Outcome.FAILED, f"locked {plan.desired} but GPU {ctx.gpu} reports {_domains_text(now)}"
+    def apply(self, ctx: GpuContext, changes: Sequence[SetClockLock]) -> str:
+        for change in changes:
+            if change.to_mhz is None:
+                ctx.backend.reset_locked_clocks(change.gpu, change.domain)
+            else:
+                ctx.backend.set_locked_clocks_mhz(change.gpu, change.domain, *change.to_mhz)
+        return "clocks " + ", ".join(
+            f"{_domains_text({c.domain: c.from_mhz})} -> {_range_text(c.to_mhz)}" for c in changes
+        )
+
+    def restore(self, ctx: GpuContext) -> ItemResult:
+        """Unlock graphics and memory clocks."""
+
+        def read() -> Planned[SetClockLock]:
+            locks = _read_locks(ctx)
+            if not locks:
+                return planned(not_applicable_plan(self.name, ctx, "unlocked", _MISSING))
+            changes = [SetClockLock(ctx.gpu, domain, mhz, None) for domain, mhz in locks.items() if mhz is not None]
+            status = PlanStatus.DRIFT if changes else PlanStatus.IN_SYNC
+            return planned(
+                ItemPlan(self.name, ctx.gpu, status, _domains_text(dict.fromkeys(locks)), _domains_text(locks)),
+                changes,
             )
-        return ItemResult(plan, Outcome.APPLIED, f"clocks {plan.actual} -> {_domains_text(now)}")
 
-    return guarded_apply(plan, write)
+        return run_restore(self, ctx, read, "unlocked", _MISSING)
 
 
 def _read_locks(ctx: GpuContext) -> dict[ClockDomain, _MhzRange | None]:
@@ -134,34 +167,4 @@ def _read_locks(ctx: GpuContext) -> dict[ClockDomain, _MhzRange | None]:
     return locks
 
 
-def restore(ctx: GpuContext) -> ItemResult:
-    """Unlock graphics and memory clocks; reads first, so an unlocked board is not written."""
-
-    def read() -> ItemPlan:
-        locks = _read_locks(ctx)
-        if not locks:
-            return not_applicable_plan(NAME, ctx, "unlocked", _MISSING)
-        changes = tuple(
-            f"reset locked {label} clocks of GPU {ctx.gpu} (nvidia-smi -i {ctx.gpu} {reset_flag})"
-            for domain, label, _, reset_flag in _DOMAINS
-            if locks.get(domain) is not None
-        )
-        status = PlanStatus.DRIFT if changes else PlanStatus.IN_SYNC
-        return ItemPlan(
-            NAME, ctx.gpu, status, _domains_text(dict.fromkeys(locks)), _domains_text(locks), changes=changes
-        )
-
-    restore_plan = guarded_plan(NAME, ctx, "unlocked", _MISSING, read)
-
-    def write() -> ItemResult:
-        for domain, mhz in _read_locks(ctx).items():
-            if mhz is not None:
-                ctx.backend.reset_locked_clocks(ctx.gpu, domain)
-        now = _read_locks(ctx)
-        if any(mhz is not None for mhz in now.values()):
-            return ItemResult(
-                restore_plan, Outcome.FAILED, f"reset clocks but GPU {ctx.gpu} reports {_domains_text(now)}"
-            )
-        return ItemResult(restore_plan, Outcome.APPLIED, f"clocks {restore_plan.actual} -> {_domains_text(now)}")
-
-    return guarded_restore(restore_plan, write)
+ITEM: Final = LockedClocksItem()

@@ -12,14 +12,15 @@ packages ship their own blacklist, and a host that has one is in sync.
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Final, Literal
 
 from agent.config import AgentConfig, NodePolicy
 from agent.host.paths import HostPaths
-from agent.policy.base import HostContext, ItemPlan, ItemResult, Outcome, PlanStatus
+from agent.policy.base import HostContext, ItemPlan, PlanStatus
+from agent.policy.item import ChangeFailed, NodeItem, Planned, planned
 
-NAME = "nouveau"
 CONF = "/etc/modprobe.d/gpu-agent-nouveau.conf"
 CONF_CONTENT = (
     "# Managed by gpu-agent (policy.node.nouveau): keeps nouveau off the NVIDIA GPUs.\n"
@@ -39,10 +40,6 @@ BLACKLIST = ("blacklist", "nouveau")
 MODESET_OFF = "modeset=0"
 
 Blacklisted = Literal["blacklisted"]
-
-
-def desired(node: NodePolicy, config: AgentConfig) -> Blacklisted | None:
-    return node.nouveau
 
 
 _DEBIAN = ("update-initramfs", "-u")
@@ -127,33 +124,27 @@ def _actual(seen: _Observed) -> str:
     return f"{state}, {'loaded' if seen.loaded else 'not loaded'}"
 
 
-def plan(ctx: HostContext, want: Blacklisted) -> ItemPlan:
-    return _plan(ctx, want)
+@dataclass(frozen=True)
+class WriteBlacklist:
+    """Write our modprobe file; `unknown_distro`: the distribution whose initramfs gpu-agent cannot rebuild."""
+
+    unknown_distro: str | None = None
+
+    @property
+    def text(self) -> str:
+        return f"write {CONF}"
 
 
-def _plan(ctx: HostContext, want: Blacklisted) -> ItemPlan:
-    desired_text = "blacklisted, not loaded"
-    try:
-        seen = _observe(ctx.paths)
-    except OSError as exc:
-        return ItemPlan(NAME, None, PlanStatus.ERROR, desired_text, "unreadable", detail=f"cannot read: {exc}")
-    changes: list[str] = []
-    notes: list[str] = []
-    if not seen.blacklisted:
-        changes.append(f"write {CONF}")
-        if seen.initramfs is not None:
-            changes.append(f"run: {' '.join(seen.initramfs)}")
-        else:
-            notes.append(f"unknown distribution ({seen.distro}): rebuild the initramfs by hand after apply")
-    if seen.loaded:
-        notes.append("nouveau is loaded; reboot to unload it")
-    if changes:
-        status = PlanStatus.DRIFT
-    elif seen.loaded:
-        status = PlanStatus.REBOOT_REQUIRED
-    else:
-        status = PlanStatus.IN_SYNC
-    return ItemPlan(NAME, None, status, desired_text, _actual(seen), detail="; ".join(notes), changes=tuple(changes))
+@dataclass(frozen=True)
+class RebuildInitramfs:
+    argv: tuple[str, ...]
+
+    @property
+    def text(self) -> str:
+        return f"run: {' '.join(self.argv)}"
+
+
+NouveauChange = WriteBlacklist | RebuildInitramfs
 
 
 def _rebuild(ctx: HostContext, argv: tuple[str, ...]) -> tuple[bool, str]:
@@ -170,32 +161,60 @@ def _rebuild(ctx: HostContext, argv: tuple[str, ...]) -> tuple[bool, str]:
     return False, f"initramfs rebuilt (`{command}`)"
 
 
-def apply(ctx: HostContext, want: Blacklisted, plan: ItemPlan) -> ItemResult:
-    # Look again rather than trust the plan: the host may have changed since it was made.
-    try:
-        seen = _observe(ctx.paths)
-    except OSError as exc:
-        return ItemResult(plan, Outcome.FAILED, f"cannot read: {exc}")
-    done_outcome = Outcome.REBOOT_REQUIRED if seen.loaded else Outcome.APPLIED
-    reboot_note = ["nouveau is loaded; reboot to unload it"] if seen.loaded else []
-    if seen.blacklisted:
-        outcome = Outcome.REBOOT_REQUIRED if seen.loaded else Outcome.UNCHANGED
-        return ItemResult(plan, outcome, "; ".join(reboot_note))
+class NouveauItem(NodeItem[Blacklisted, NouveauChange]):
+    name: Final = "nouveau"
+    scope: Final = "node"
 
-    try:
-        ctx.paths.write_file_atomic(CONF, CONF_CONTENT)
-    except OSError as exc:
-        return ItemResult(plan, Outcome.FAILED, f"cannot write {CONF}: {exc}")
-    notes = [f"wrote {CONF}"]
-    # A failed rebuild is reported once; the file stays, so later plans read in sync and the
-    # operator reruns the command. Judging the image by its mtime was rejected: `update-initramfs
-    # -u` rebuilds the newest kernel's image, not always the running one's, and a check that never
-    # settles would rebuild the initramfs on every loop.
-    if seen.initramfs is None:
-        notes.append(f"unknown distribution ({seen.distro}): rebuild the initramfs by hand")
-    else:
-        failed, what = _rebuild(ctx, seen.initramfs)
-        if failed:
-            return ItemResult(plan, Outcome.FAILED, "; ".join([*notes, what]))
-        notes.append(what)
-    return ItemResult(plan, done_outcome, "; ".join(notes + reboot_note))
+    def desired(self, node: NodePolicy, config: AgentConfig) -> Blacklisted | None:
+        return node.nouveau
+
+    def plan(self, host: HostContext, want: Blacklisted) -> Planned[NouveauChange]:
+        desired_text = "blacklisted, not loaded"
+        try:
+            seen = _observe(host.paths)
+        except OSError as exc:
+            return planned(
+                ItemPlan(self.name, None, PlanStatus.ERROR, desired_text, "unreadable", detail=f"cannot read: {exc}")
+            )
+        changes: list[NouveauChange] = []
+        notes: list[str] = []
+        if not seen.blacklisted:
+            if seen.initramfs is not None:
+                changes += [WriteBlacklist(), RebuildInitramfs(seen.initramfs)]
+            else:
+                changes.append(WriteBlacklist(unknown_distro=seen.distro))
+                notes.append(f"unknown distribution ({seen.distro}): rebuild the initramfs by hand after apply")
+        if seen.loaded:
+            notes.append("nouveau is loaded; reboot to unload it")
+        if changes:
+            status = PlanStatus.DRIFT
+        elif seen.loaded:
+            status = PlanStatus.REBOOT_REQUIRED
+        else:
+            status = PlanStatus.IN_SYNC
+        return planned(ItemPlan(self.name, None, status, desired_text, _actual(seen), detail="; ".join(notes)), changes)
+
+    def apply(self, host: HostContext, changes: Sequence[NouveauChange]) -> str:
+        done: list[str] = []
+        for change in changes:
+            if isinstance(change, WriteBlacklist):
+                try:
+                    host.paths.write_file_atomic(CONF, CONF_CONTENT)
+                except OSError as exc:
+                    raise ChangeFailed(f"cannot write {CONF}: {exc}") from exc
+                done.append(f"wrote {CONF}")
+                if change.unknown_distro is not None:
+                    done.append(f"unknown distribution ({change.unknown_distro}): rebuild the initramfs by hand")
+                continue
+            # A failed rebuild is reported once; the file stays, so later plans read in sync and the
+            # operator reruns the command. Judging the image by its mtime was rejected: `update-initramfs
+            # -u` rebuilds the newest kernel's image, not always the running one's, and a check that never
+            # settles would rebuild the initramfs on every loop.
+            failed, what = _rebuild(host, change.argv)
+            done.append(what)
+            if failed:
+                raise ChangeFailed("; ".join(done))
+        return "; ".join(done)
+
+
+ITEM: Final = NouveauItem()

@@ -8,43 +8,52 @@ so a node where the daemon is missing or was stopped still converges.
 
 from __future__ import annotations
 
-from agent.config import EnabledState, GpuProfile
-from agent.policy.base import GpuContext, ItemPlan, ItemResult, Outcome, PlanStatus
-from agent.policy.gpu_item import enabled_text, guarded_apply, guarded_plan
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
 
-NAME = "persistence"
+from agent.config import EnabledState, GpuProfile
+from agent.policy.base import GpuContext, ItemPlan, PlanStatus
+from agent.policy.gpu_item import enabled_text, guarded_read
+from agent.policy.item import GpuItem, Planned, planned
+
 _MISSING = "has no persistence mode"
 
 
-def desired(profile: GpuProfile) -> EnabledState | None:
-    return profile.persistence
+@dataclass(frozen=True)
+class SetPersistence:
+    gpu: int
+    enabled: bool
+
+    @property
+    def text(self) -> str:
+        verb = "enable" if self.enabled else "disable"
+        return f"{verb} persistence mode on GPU {self.gpu} (nvidia-smi -i {self.gpu} -pm {int(self.enabled)})"
 
 
-def plan(ctx: GpuContext, want: EnabledState) -> ItemPlan:
-    def read() -> ItemPlan:
-        actual = enabled_text(ctx.backend.persistence_enabled(ctx.gpu))
-        if actual == want:
-            return ItemPlan(NAME, ctx.gpu, PlanStatus.IN_SYNC, want, actual)
-        verb = "enable" if want == "enabled" else "disable"
-        flag = 1 if want == "enabled" else 0
-        return ItemPlan(
-            NAME,
-            ctx.gpu,
-            PlanStatus.DRIFT,
-            want,
-            actual,
-            changes=(f"{verb} persistence mode on GPU {ctx.gpu} (nvidia-smi -i {ctx.gpu} -pm {flag})",),
-        )
+class PersistenceItem(GpuItem[EnabledState, SetPersistence]):
+    name: Final = "persistence"
+    scope: Final = "gpu"
 
-    return guarded_plan(NAME, ctx, want, _MISSING, read)
+    def desired(self, profile: GpuProfile) -> EnabledState | None:
+        return profile.persistence
+
+    def plan(self, ctx: GpuContext, want: EnabledState) -> Planned[SetPersistence]:
+        def read() -> Planned[SetPersistence]:
+            actual = enabled_text(ctx.backend.persistence_enabled(ctx.gpu))
+            if actual == want:
+                return planned(ItemPlan(self.name, ctx.gpu, PlanStatus.IN_SYNC, want, actual))
+            return planned(
+                ItemPlan(self.name, ctx.gpu, PlanStatus.DRIFT, want, actual),
+                [SetPersistence(ctx.gpu, want == "enabled")],
+            )
+
+        return guarded_read(self.name, ctx, want, _MISSING, read)
+
+    def apply(self, ctx: GpuContext, changes: Sequence[SetPersistence]) -> str:
+        for change in changes:
+            ctx.backend.set_persistence(change.gpu, change.enabled)
+        return "; ".join(f"persistence mode of GPU {c.gpu} set to {enabled_text(c.enabled)}" for c in changes)
 
 
-def apply(ctx: GpuContext, want: EnabledState, plan: ItemPlan) -> ItemResult:
-    def write() -> ItemResult:
-        ctx.backend.set_persistence(ctx.gpu, want == "enabled")
-        now = enabled_text(ctx.backend.persistence_enabled(ctx.gpu))
-        if now != want:
-            return ItemResult(plan, Outcome.FAILED, f"set persistence mode {want} but GPU {ctx.gpu} reports {now}")
-        return ItemResult(plan, Outcome.APPLIED, f"persistence mode {plan.actual} -> {now}")
-
-    return guarded_apply(plan, write)
+ITEM: Final = PersistenceItem()

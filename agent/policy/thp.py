@@ -9,12 +9,14 @@ command line as well.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Final
 
 from agent.config import AgentConfig, NodePolicy, TransparentHugepages
-from agent.policy.base import HostContext, ItemPlan, ItemResult, Outcome, PlanStatus
+from agent.policy.base import HostContext, ItemPlan, PlanStatus
+from agent.policy.item import ChangeFailed, NodeItem, Planned, planned
 
-NAME = "transparent_hugepages"
 SYSFS_DIR = "/sys/kernel/mm/transparent_hugepage"
 SETTINGS = ("enabled", "defrag")
 
@@ -42,13 +44,6 @@ def parse_choice(text: str) -> KernelChoice | None:
     return None
 
 
-def desired(node: NodePolicy, config: AgentConfig) -> TransparentHugepages | None:
-    want = node.transparent_hugepages
-    if want is None or (want.enabled is None and want.defrag is None):
-        return None
-    return want
-
-
 class _Unusable(Exception):
     """The kernel's THP files cannot serve this desired state; carries the plan status and why."""
 
@@ -57,14 +52,6 @@ class _Unusable(Exception):
         self.status = status
         self.actual = actual
         self.detail = detail
-
-
-@dataclass(frozen=True)
-class _Setting:
-    name: str
-    path: str
-    want: str
-    active: str
 
 
 def _wanted(want: TransparentHugepages) -> list[tuple[str, str]]:
@@ -76,8 +63,22 @@ def _describe(pairs: list[tuple[str, str]]) -> str:
     return " ".join(f"{name}={value}" for name, value in pairs)
 
 
-def _observe(ctx: HostContext, want: TransparentHugepages) -> list[_Setting]:
-    settings: list[_Setting] = []
+@dataclass(frozen=True)
+class WriteSetting:
+    """Make `word` the active choice of one THP file."""
+
+    name: str
+    path: str
+    word: str
+
+    @property
+    def text(self) -> str:
+        return f"write {self.word} to {self.path}"
+
+
+def _observe(ctx: HostContext, want: TransparentHugepages) -> list[tuple[str, str, str]]:
+    """(name, wanted word, active word) per configured file; raises _Unusable."""
+    settings: list[tuple[str, str, str]] = []
     for name, value in _wanted(want):
         path = f"{SYSFS_DIR}/{name}"
         try:
@@ -99,49 +100,48 @@ def _observe(ctx: HostContext, want: TransparentHugepages) -> list[_Setting]:
                 f"{name}={choice.active}",
                 f"{name}={value} is not offered by this kernel (choices: {', '.join(choice.offered)})",
             )
-        settings.append(_Setting(name, path, value, choice.active))
+        settings.append((name, value, choice.active))
     return settings
 
 
-def plan(ctx: HostContext, want: TransparentHugepages) -> ItemPlan:
-    return _plan(ctx, want)
+class TransparentHugepagesItem(NodeItem[TransparentHugepages, WriteSetting]):
+    name: Final = "transparent_hugepages"
+    scope: Final = "node"
 
+    def desired(self, node: NodePolicy, config: AgentConfig) -> TransparentHugepages | None:
+        want = node.transparent_hugepages
+        if want is None or (want.enabled is None and want.defrag is None):
+            return None
+        return want
 
-def _plan(ctx: HostContext, want: TransparentHugepages) -> ItemPlan:
-    desired_text = _describe(_wanted(want))
-    try:
-        settings = _observe(ctx, want)
-    except _Unusable as exc:
-        return ItemPlan(NAME, None, exc.status, desired_text, exc.actual, detail=exc.detail)
-    changes = tuple(f"write {s.want} to {s.path}" for s in settings if s.active != s.want)
-    return ItemPlan(
-        NAME,
-        None,
-        PlanStatus.DRIFT if changes else PlanStatus.IN_SYNC,
-        desired_text,
-        _describe([(s.name, s.active) for s in settings]),
-        changes=changes,
-    )
-
-
-def apply(ctx: HostContext, want: TransparentHugepages, plan: ItemPlan) -> ItemResult:
-    # Read again rather than trust the plan: the value may have changed since it was made.
-    try:
-        settings = _observe(ctx, want)
-    except _Unusable as exc:
-        outcome = Outcome.SKIPPED if exc.status is PlanStatus.NOT_APPLICABLE else Outcome.FAILED
-        return ItemResult(plan, outcome, exc.detail)
-    todo = [s for s in settings if s.active != s.want]
-    if not todo:
-        return ItemResult(plan, Outcome.UNCHANGED)
-    for setting in todo:
+    def plan(self, host: HostContext, want: TransparentHugepages) -> Planned[WriteSetting]:
+        desired_text = _describe(_wanted(want))
         try:
-            ctx.paths.write_sysfs(setting.path, setting.want)
-        except OSError as exc:
-            return ItemResult(plan, Outcome.FAILED, f"cannot write {setting.want} to {setting.path}: {exc.strerror}")
-    after = _plan(ctx, want)  # `plan` is the argument here
-    written = ", ".join(f"{s.name}={s.want}" for s in todo)
-    if after.status is not PlanStatus.IN_SYNC:
-        why = f" ({after.detail})" if after.detail else ""
-        return ItemResult(plan, Outcome.FAILED, f"wrote {written}, but the kernel now reports {after.actual}{why}")
-    return ItemResult(plan, Outcome.APPLIED, f"set {written}; lost at reboot, the daemon sets it again at start")
+            settings = _observe(host, want)
+        except _Unusable as exc:
+            return planned(ItemPlan(self.name, None, exc.status, desired_text, exc.actual, detail=exc.detail))
+        changes = [
+            WriteSetting(name, f"{SYSFS_DIR}/{name}", value) for name, value, active in settings if active != value
+        ]
+        return planned(
+            ItemPlan(
+                self.name,
+                None,
+                PlanStatus.DRIFT if changes else PlanStatus.IN_SYNC,
+                desired_text,
+                _describe([(name, active) for name, _, active in settings]),
+            ),
+            changes,
+        )
+
+    def apply(self, host: HostContext, changes: Sequence[WriteSetting]) -> str:
+        for change in changes:
+            try:
+                host.paths.write_sysfs(change.path, change.word)
+            except OSError as exc:
+                raise ChangeFailed(f"cannot write {change.word} to {change.path}: {exc.strerror}") from exc
+        written = ", ".join(f"{c.name}={c.word}" for c in changes)
+        return f"set {written}; lost at reboot, the daemon sets it again at start"
+
+
+ITEM: Final = TransparentHugepagesItem()

@@ -16,12 +16,15 @@ import os
 import pwd
 import stat
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
 
 from agent.config import AgentConfig, NodePolicy
-from agent.policy.base import HostContext, ItemPlan, ItemResult, Outcome, PlanStatus
+from agent.policy.base import HostContext, ItemPlan, PlanStatus
+from agent.policy.item import ChangeFailed, NodeItem, Planned, planned
 
-NAME = "triton_cache"
 SYSTEMD_DIR = "/etc/systemd/system"
 DROPIN_NAME = "gpu-agent-triton.conf"
 RELOAD = ("systemctl", "daemon-reload")
@@ -38,14 +41,6 @@ class TritonCacheWant:
     @property
     def summary(self) -> str:
         return f"{self.path} {self.owner}:{self.group} {self.mode_bits:04o}"
-
-
-def desired(node: NodePolicy, config: AgentConfig) -> TritonCacheWant | None:
-    cache = node.triton_cache
-    if cache is None:
-        return None
-    units = tuple(dict.fromkeys(config.service_unit(name) for name in cache.services))
-    return TritonCacheWant(cache.path, cache.owner, cache.group, cache.mode_bits, units)
 
 
 def dropin_path(unit: str) -> str:
@@ -161,108 +156,200 @@ def _observe(ctx: HostContext, want: TritonCacheWant) -> _Observed:
     return _Observed(uid, gid, create, chown, chmod, tuple(write), tuple(remove), parts[0], "; ".join(parts))
 
 
-def _changes(want: TritonCacheWant, seen: _Observed) -> tuple[str, ...]:
-    changes: list[str] = []
+@dataclass(frozen=True)
+class CreateDirectory:
+    """Create the cache directory and give it the wanted owner (`chown`: not this process) and mode."""
+
+    path: str
+    owner: str
+    group: str
+    uid: int
+    gid: int
+    mode_bits: int
+    chown: bool
+
+    @property
+    def text(self) -> str:
+        return f"create {self.path} ({self.owner}:{self.group} {self.mode_bits:04o})"
+
+
+@dataclass(frozen=True)
+class ChownDirectory:
+    path: str
+    owner: str
+    group: str
+    uid: int
+    gid: int
+    found: str  # the directory as found, for the refusal when not root
+
+    @property
+    def text(self) -> str:
+        return f"chown {self.owner}:{self.group} {self.path}"
+
+
+@dataclass(frozen=True)
+class ChmodDirectory:
+    path: str
+    mode_bits: int
+
+    @property
+    def text(self) -> str:
+        return f"chmod {self.mode_bits:04o} {self.path}"
+
+
+@dataclass(frozen=True)
+class WriteDropin:
+    unit: str
+    cache_path: str
+
+    @property
+    def text(self) -> str:
+        return f"write {dropin_path(self.unit)}"
+
+
+@dataclass(frozen=True)
+class RemoveDropin:
+    unit: str
+
+    @property
+    def text(self) -> str:
+        return f"remove {dropin_path(self.unit)}"
+
+
+@dataclass(frozen=True)
+class ReloadSystemd:
+    @property
+    def text(self) -> str:
+        return f"run: {' '.join(RELOAD)}"
+
+
+TritonChange = CreateDirectory | ChownDirectory | ChmodDirectory | WriteDropin | RemoveDropin | ReloadSystemd
+
+
+def _changes(want: TritonCacheWant, seen: _Observed) -> list[TritonChange]:
+    changes: list[TritonChange] = []
     if seen.create:
-        changes.append(f"create {want.path} ({want.owner}:{want.group} {want.mode_bits:04o})")
+        changes.append(
+            CreateDirectory(want.path, want.owner, want.group, seen.uid, seen.gid, want.mode_bits, seen.chown)
+        )
     else:
         if seen.chown:
-            changes.append(f"chown {want.owner}:{want.group} {want.path}")
+            changes.append(ChownDirectory(want.path, want.owner, want.group, seen.uid, seen.gid, seen.directory))
         if seen.chmod:
-            changes.append(f"chmod {want.mode_bits:04o} {want.path}")
-    changes.extend(f"write {dropin_path(unit)}" for unit in seen.write)
-    changes.extend(f"remove {dropin_path(unit)}" for unit in seen.remove)
+            changes.append(ChmodDirectory(want.path, want.mode_bits))
+    changes.extend(WriteDropin(unit, want.path) for unit in seen.write)
+    changes.extend(RemoveDropin(unit) for unit in seen.remove)
     if seen.write or seen.remove:
-        changes.append(f"run: {' '.join(RELOAD)}")
-    return tuple(changes)
+        changes.append(ReloadSystemd())
+    return changes
 
 
 def _desired_text(want: TritonCacheWant) -> str:
     return want.summary + (f"; TRITON_CACHE_DIR for {', '.join(want.units)}" if want.units else "")
 
 
-def plan(ctx: HostContext, want: TritonCacheWant) -> ItemPlan:
-    return _plan(ctx, want)
+def _refuse_chown(path: str, owner: str, group: str, found: str) -> None:
+    if os.geteuid() != 0:
+        raise ChangeFailed(f"cannot give {path} to {owner}:{group}: gpu-agent is not running as root (now: {found})")
 
 
-def _plan(ctx: HostContext, want: TritonCacheWant) -> ItemPlan:
-    try:
-        seen = _observe(ctx, want)
-    except _Unusable as exc:
-        return ItemPlan(NAME, None, PlanStatus.ERROR, _desired_text(want), exc.actual or "unknown", detail=exc.detail)
-    changes = _changes(want, seen)
-    detail = ""
-    if seen.write or seen.remove:
-        detail = f"restart {', '.join(seen.write + seen.remove)} after apply to pick up the environment"
-    status = PlanStatus.DRIFT if changes else PlanStatus.IN_SYNC
-    return ItemPlan(NAME, None, status, _desired_text(want), seen.actual, detail=detail, changes=changes)
-
-
-def _fix_directory(ctx: HostContext, want: TritonCacheWant, seen: _Observed) -> str | None:
-    """Create, chown, chmod as needed; the reason it cannot, or None."""
-    if seen.chown and os.geteuid() != 0:
-        return (
-            f"cannot give {want.path} to {want.owner}:{want.group}: gpu-agent is not running as root "
-            f"(now: {seen.directory})"
-        )
-    target = ctx.paths.path(want.path)
-    if seen.create:
-        target.mkdir(parents=True)
+def _set_owner(target: Path, uid: int, gid: int) -> None:
     st = os.lstat(target)
-    if (st.st_uid, st.st_gid) != (seen.uid, seen.gid):
-        os.chown(target, seen.uid, seen.gid, follow_symlinks=False)
+    if (st.st_uid, st.st_gid) != (uid, gid):
+        os.chown(target, uid, gid, follow_symlinks=False)
+
+
+def _set_mode(target: Path, mode_bits: int) -> None:
     # After chown, which may clear the setgid bit.
-    if stat.S_IMODE(os.lstat(target).st_mode) != want.mode_bits:
-        os.chmod(target, want.mode_bits)
+    if stat.S_IMODE(os.lstat(target).st_mode) != mode_bits:
+        os.chmod(target, mode_bits)
+
+
+def _remove_dropin(ctx: HostContext, unit: str) -> None:
+    ctx.paths.path(dropin_path(unit)).unlink(missing_ok=True)
+    unit_dir = ctx.paths.path(f"{SYSTEMD_DIR}/{unit}.d")
+    if not any(unit_dir.iterdir()):
+        unit_dir.rmdir()
+
+
+def _reload(ctx: HostContext) -> str:
+    """Reload systemd so it sees the drop-ins; what happened, or ChangeFailed."""
+    command = " ".join(RELOAD)
+    try:
+        reload = ctx.run_command(RELOAD)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ChangeFailed(f"drop-ins written, but `{command}` could not run: {exc}") from exc
+    if not reload.ran:
+        return f"systemd not reloaded ({reload.output}); run `{command}`"
+    if reload.returncode != 0:
+        raise ChangeFailed(f"drop-ins written, but `{command}` failed (exit {reload.returncode}): {reload.output}")
+    return "systemd reloaded"
+
+
+def _make(ctx: HostContext, change: TritonChange) -> str | None:
+    """Make one change; a note for the operator, if it has one."""
+    if isinstance(change, CreateDirectory):
+        if change.chown:
+            _refuse_chown(change.path, change.owner, change.group, f"{change.path} missing")
+        target = ctx.paths.path(change.path)
+        target.mkdir(parents=True)
+        _set_owner(target, change.uid, change.gid)
+        _set_mode(target, change.mode_bits)
+    elif isinstance(change, ChownDirectory):
+        _refuse_chown(change.path, change.owner, change.group, change.found)
+        _set_owner(ctx.paths.path(change.path), change.uid, change.gid)
+    elif isinstance(change, ChmodDirectory):
+        _set_mode(ctx.paths.path(change.path), change.mode_bits)
+    elif isinstance(change, WriteDropin):
+        ctx.paths.write_file_atomic(dropin_path(change.unit), dropin_content(change.cache_path))
+    elif isinstance(change, RemoveDropin):
+        _remove_dropin(ctx, change.unit)
+    else:
+        return _reload(ctx)
     return None
 
 
-def _fix_dropins(ctx: HostContext, want: TritonCacheWant, seen: _Observed) -> None:
-    for unit in seen.write:
-        ctx.paths.write_file_atomic(dropin_path(unit), dropin_content(want.path))
-    for unit in seen.remove:
-        ctx.paths.path(dropin_path(unit)).unlink(missing_ok=True)
-        unit_dir = ctx.paths.path(f"{SYSTEMD_DIR}/{unit}.d")
-        if not any(unit_dir.iterdir()):
-            unit_dir.rmdir()
+class TritonCacheItem(NodeItem[TritonCacheWant, TritonChange]):
+    name: Final = "triton_cache"
+    scope: Final = "node"
 
+    def desired(self, node: NodePolicy, config: AgentConfig) -> TritonCacheWant | None:
+        cache = node.triton_cache
+        if cache is None:
+            return None
+        units = tuple(dict.fromkeys(config.service_unit(name) for name in cache.services))
+        return TritonCacheWant(cache.path, cache.owner, cache.group, cache.mode_bits, units)
 
-def apply(ctx: HostContext, want: TritonCacheWant, plan: ItemPlan) -> ItemResult:
-    # Look again rather than trust the plan: the host may have changed since it was made.
-    try:
-        seen = _observe(ctx, want)
-    except _Unusable as exc:
-        return ItemResult(plan, Outcome.FAILED, exc.detail)
-    if not _changes(want, seen):
-        return ItemResult(plan, Outcome.UNCHANGED)
-    try:
-        refused = _fix_directory(ctx, want, seen)
-        if refused:
-            return ItemResult(plan, Outcome.FAILED, refused)
-        _fix_dropins(ctx, want, seen)
-    except OSError as exc:
-        return ItemResult(plan, Outcome.FAILED, f"cannot apply: {exc}")
-
-    done = [c for c in _changes(want, seen) if not c.startswith("run: ")]
-    notes: list[str] = []
-    if seen.write or seen.remove:
+    def plan(self, host: HostContext, want: TritonCacheWant) -> Planned[TritonChange]:
         try:
-            reload = ctx.run_command(RELOAD)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return ItemResult(plan, Outcome.FAILED, f"drop-ins written, but `{' '.join(RELOAD)}` could not run: {exc}")
-        if not reload.ran:
-            notes.append(f"systemd not reloaded ({reload.output}); run `{' '.join(RELOAD)}`")
-        elif reload.returncode != 0:
-            return ItemResult(
-                plan,
-                Outcome.FAILED,
-                f"drop-ins written, but `{' '.join(RELOAD)}` failed (exit {reload.returncode}): {reload.output}",
+            seen = _observe(host, want)
+        except _Unusable as exc:
+            return planned(
+                ItemPlan(
+                    self.name, None, PlanStatus.ERROR, _desired_text(want), exc.actual or "unknown", detail=exc.detail
+                )
             )
-        else:
-            notes.append("systemd reloaded")
-        notes.append(f"restart {', '.join(seen.write + seen.remove)} to pick up the new environment")
+        changes = _changes(want, seen)
+        detail = ""
+        if seen.write or seen.remove:
+            detail = f"restart {', '.join(seen.write + seen.remove)} after apply to pick up the environment"
+        status = PlanStatus.DRIFT if changes else PlanStatus.IN_SYNC
+        return planned(ItemPlan(self.name, None, status, _desired_text(want), seen.actual, detail=detail), changes)
 
-    after = _plan(ctx, want)  # `plan` is the argument here
-    if after.status is not PlanStatus.IN_SYNC:
-        return ItemResult(plan, Outcome.FAILED, f"still not in sync after apply: {after.actual} {after.detail}".strip())
-    return ItemResult(plan, Outcome.APPLIED, "; ".join([", ".join(done), *notes]))
+    def apply(self, host: HostContext, changes: Sequence[TritonChange]) -> str:
+        notes: list[str] = []
+        for change in changes:
+            try:
+                note = _make(host, change)
+            except OSError as exc:
+                raise ChangeFailed(f"cannot apply: {exc}") from exc
+            if note is not None:
+                notes.append(note)
+        restart = [c.unit for c in changes if isinstance(c, (WriteDropin, RemoveDropin))]
+        if restart:
+            notes.append(f"restart {', '.join(restart)} to pick up the new environment")
+        done = ", ".join(c.text for c in changes if not isinstance(c, ReloadSystemd))
+        return "; ".join([done, *notes])
+
+
+ITEM: Final = TritonCacheItem()

@@ -1,0 +1,20 @@
+"""The names of the policy items: the one list every other part derives its names from.
+
+Config keys (`policy.modes`), the backend's write guard (which setter belongs to which item),
+the registry of item implementations and `gpu-agent restore` all take their names from here,
+and mypy checks every literal use against these types. This module imports nothing from the
+agent, so the config and the backend can use it without importing the items themselves.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+GpuItemName = Literal["power_limit", "locked_clocks", "fan_curve", "persistence", "ecc"]
+NodeItemName = Literal["transparent_hugepages", "triton_cache", "nouveau"]
+ItemName = Literal[GpuItemName, NodeItemName]
+
+#: In the order `gpu-agent plan` lists them.
+GPU_ITEM_NAMES: tuple[GpuItemName, ...] = get_args(GpuItemName)
+NODE_ITEM_NAMES: tuple[NodeItemName, ...] = get_args(NodeItemName)
+ITEM_NAMES: tuple[ItemName, ...] = (*GPU_ITEM_NAMES, *NODE_ITEM_NAMES)
