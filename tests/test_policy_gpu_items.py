@@ -3,6 +3,7 @@ the simulated backend, on an H200 (SXM: no fans, ECC on) and an RTX PRO 6000 (fa
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,11 +14,13 @@ import pytest
 from agent.backend.base import GPU_RESET_ITEM, SETTER_ITEMS, ClockDomain, GpuBackend
 from agent.backend.errors import GpuErrorKind, WriteRefused
 from agent.backend.sim import SimulatedBackend
-from agent.config import GPU_ITEMS, FanCurve, GpuMatch, GpuProfile, LockedClocks
+from agent.config import GPU_ITEMS, AgentConfig, FanCurve, GpuMatch, GpuProfile, LockedClocks, Mode, PolicyConfig
+from agent.host.paths import HostPaths
 from agent.policy import ecc, fan_curve, locked_clocks, persistence, power_limit
-from agent.policy.base import ERROR_LABELS, GpuContext, ItemPlan, Outcome, PlanStatus
+from agent.policy.base import ERROR_LABELS, GpuContext, HostContext, ItemPlan, Outcome, PlanStatus
+from agent.policy.engine import PolicyEngine
 from agent.policy.gpu_item import format_watts
-from agent.policy.item import GpuItem, NodeItem, PolicyItem, RestorableGpuItem, enforce
+from agent.policy.item import GpuItem, NodeItem, Planned, PolicyItem, RestorableGpuItem, enforce, planned
 from agent.policy.names import GPU_ITEM_NAMES, NODE_ITEM_NAMES
 from agent.policy.registry import GPU_ITEMS as REGISTERED
 from agent.policy.registry import NODE_ITEMS, RESTORABLE_ITEMS, RESTORABLE_NAMES
@@ -589,3 +592,110 @@ def test_ecc_pending_opposite_of_a_correct_current_mode_is_drift(tmp_path: Path)
     result = enforce(ecc.ITEM, node.ctx, "enabled", done)
     assert result.outcome is Outcome.APPLIED  # the current mode never changes: no reboot needed
     assert ecc.ITEM.plan(node.ctx, "enabled").plan.status is PlanStatus.IN_SYNC
+
+
+# -- one description, one verification ---------------------------------------------------------------
+
+
+def _as_command(setter: str, args: tuple[Any, ...]) -> str:
+    """A recorded setter call as the words a change's text must contain for it."""
+    gpu = args[0]
+    if setter == "set_power_limit_watts":
+        return f"nvidia-smi -i {gpu} -pl {format_watts(args[1])}"
+    if setter == "set_locked_clocks_mhz":
+        flag = "-lgc" if args[1] is ClockDomain.GRAPHICS else "-lmc"
+        return f"nvidia-smi -i {gpu} {flag} {args[2]},{args[3]}"
+    if setter == "reset_locked_clocks":
+        return f"nvidia-smi -i {gpu} {'-rgc' if args[1] is ClockDomain.GRAPHICS else '-rmc'}"
+    if setter == "set_fan_speed_percent":
+        return f"set fan {args[1]} of GPU {gpu} to {args[2]}%"
+    if setter == "set_fan_automatic":
+        return f"return fan {args[1]} of GPU {gpu} to automatic control"
+    if setter == "set_persistence":
+        return f"nvidia-smi -i {gpu} -pm {int(args[1])}"
+    assert setter == "set_ecc_mode", setter
+    return f"nvidia-smi -i {gpu} -e {int(args[1])}"
+
+
+@pytest.mark.parametrize(("profile", "item"), APPLICABLE, ids=ids)
+def test_plan_text_and_apply_write_are_one_description(tmp_path: Path, profile: str, item: str) -> None:
+    """Each line `gpu-agent plan` shows is one write `apply` makes, with the very values shown."""
+    case = CASES[item]
+    node = make_node(tmp_path, profile)
+    done = case.item.plan(node.ctx, case.drift(node.backend))
+    assert done.plan.changes == tuple(change.text for change in done.changes) != ()
+    case.item.apply(node.ctx, done.changes)
+    assert len(node.recorder.writes) == len(done.changes)
+    for text, (setter, args) in zip(done.plan.changes, node.recorder.writes):
+        assert _as_command(setter, args) in text
+
+    if isinstance(case.item, RestorableGpuItem):
+        node.recorder.writes.clear()
+        restored = case.item.restore(node.ctx)
+        assert restored.outcome is Outcome.APPLIED, restored
+        assert len(node.recorder.writes) == len(restored.plan.changes)
+        for text, (setter, args) in zip(restored.plan.changes, node.recorder.writes):
+            assert _as_command(setter, args) in text
+
+
+def test_a_plan_whose_text_differs_from_its_changes_is_refused() -> None:
+    change = power_limit.SetPowerLimit(GPU, 700, 600)
+    shown = ItemPlan("power_limit", GPU, PlanStatus.DRIFT, "600 W", "700 W", changes=("set power limit to 500 W",))
+    with pytest.raises(ValueError, match="plan shows"):
+        Planned(shown, (change,))
+    assert planned(shown, [change]).plan.changes == (change.text,)
+
+
+class CountingBackend:
+    """The simulated backend, counting every call by name."""
+
+    def __init__(self, inner: SimulatedBackend) -> None:
+        self.inner = inner
+        self.calls: Counter[str] = Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+
+        def count(*args: Any) -> Any:
+            self.calls[name] += 1
+            return attr(*args)
+
+        return count if callable(attr) else attr
+
+    def reads(self) -> int:
+        """GPU reads the policy made, leaving out enumeration and the writes themselves."""
+        return sum(n for name, n in self.calls.items() if name not in {*SETTER_ITEMS, "device_count", "identity"})
+
+
+PROFILE_FIELDS = {"power_limit": "power_limit_watts"}
+
+
+@pytest.mark.parametrize(("profile", "item"), APPLICABLE, ids=ids)
+def test_apply_verifies_exactly_once(tmp_path: Path, profile: str, item: str) -> None:
+    """apply = one plan, the writes it lists, one more plan: reading the GPU twice as often as a plan
+    does, not three times (the item re-reading, then the engine re-planning)."""
+    case = CASES[item]
+    backend = SimulatedBackend(profile, tmp_path / "state", writable_items=GPU_ITEMS)
+    backend.init()
+    spy = CountingBackend(backend)
+    gpu_profile = GpuProfile(match=GpuMatch(index=GPU), **{PROFILE_FIELDS.get(item, item): case.drift(backend)})
+    config = AgentConfig(mode=Mode.ENFORCE, policy=PolicyConfig(gpus=[gpu_profile]))
+    engine = PolicyEngine(config, spy, HostContext(HostPaths.at(tmp_path)))  # type: ignore[arg-type]
+
+    engine.plan(only={item})
+    one_plan = spy.reads()
+    assert one_plan > 0
+    spy.calls.clear()
+    report = engine.apply(only={item})
+    [result] = [r for r in report.results if r.plan.gpu == GPU]
+    assert result.outcome is (Outcome.REBOOT_REQUIRED if case.settles_after_reboot else Outcome.APPLIED), result
+    assert spy.reads() == 2 * one_plan
+
+    # Nothing left to write: nothing to verify either.
+    if case.settles_after_reboot:
+        backend.reboot()
+    spy.calls.clear()
+    again = engine.apply(only={item})
+    assert [r.outcome for r in again.results if r.plan.gpu == GPU] == [Outcome.UNCHANGED]
+    assert spy.reads() == one_plan
+    assert not set(spy.calls) & set(SETTER_ITEMS)

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hosttree import ScriptedHostContext, make_host_tree, run_unprivileged, unprivileged_identity
+from hosttree import KernelSysfsPaths, ScriptedHostContext, make_host_tree, run_unprivileged, unprivileged_identity
 
 from agent.config import AgentConfig, NodePolicy, ServiceConfig, TransparentHugepages, TritonCache
 from agent.host.paths import HostPaths
@@ -185,6 +185,32 @@ def test_thp_write_the_kernel_ignores_fails_the_apply(tmp_path: Path) -> None:
     assert result.outcome is Outcome.FAILED
     # The engine's one verification read the file again and found the old value.
     assert result.detail == "applied but still drift: actual enabled=madvise"
+
+
+def test_thp_apply_writes_what_the_plan_shows_and_verifies_with_one_read(tmp_path: Path) -> None:
+    """Each line the plan shows is one sysfs write with the word shown; apply reads nothing itself,
+    and enforce reads each file once more to verify."""
+    make_host_tree(tmp_path)
+
+    class CountingSysfs(KernelSysfsPaths):
+        def read_text(self, absolute: str) -> str:
+            reads.append(absolute)
+            return super().read_text(absolute)
+
+        def write_sysfs(self, absolute: str, value: str) -> None:
+            writes.append((absolute, value))
+            super().write_sysfs(absolute, value)
+
+    reads: list[str] = []
+    writes: list[tuple[str, str]] = []
+    ctx = HostContext(CountingSysfs(tmp_path))
+    want = thp_want("never", "defer+madvise")
+    done = thp.ITEM.plan(ctx, want)
+    assert writes == [] and reads == [ENABLED, DEFRAG]
+    reads.clear()
+    assert enforce(thp.ITEM, ctx, want, done).outcome is Outcome.APPLIED
+    assert done.plan.changes == tuple(f"write {value} to {path}" for path, value in writes)
+    assert reads == [ENABLED, DEFRAG]  # the one verifying plan
 
 
 # -- Triton cache -------------------------------------------------------------------------------
