@@ -34,10 +34,10 @@ class Change(Protocol):
     def text(self) -> str: ...
 
 
-C = TypeVar("C", bound=Change)
-W = TypeVar("W")
-T = TypeVar("T", GpuContext, HostContext)
-C_inv = TypeVar("C_inv", bound=Change)
+C = TypeVar("C", bound=Change)  # an item's change type
+W = TypeVar("W")  # what the config wants of an item, e.g. watts for the power limit
+T = TypeVar("T", GpuContext, HostContext)  # where an item applies
+# PolicyItem only takes its target and desired value, so its protocol wants them contravariant.
 W_contra = TypeVar("W_contra", contravariant=True)
 T_contra = TypeVar("T_contra", contravariant=True)
 
@@ -70,7 +70,7 @@ class ChangeFailed(Exception):
 
 
 @runtime_checkable
-class PolicyItem(Protocol[T_contra, W_contra, C_inv]):
+class PolicyItem(Protocol[T_contra, W_contra, C]):
     """What the engine needs of every item, on a GPU (`GpuContext`) or the host (`HostContext`)."""
 
     @property
@@ -79,18 +79,18 @@ class PolicyItem(Protocol[T_contra, W_contra, C_inv]):
     @property
     def scope(self) -> Scope: ...
 
-    def plan(self, target: T_contra, want: W_contra) -> Planned[C_inv]:
+    def plan(self, target: T_contra, want: W_contra) -> Planned[C]:
         """Read only; never raises for a device or host that cannot be read (that is an ERROR plan)."""
         ...
 
-    def apply(self, target: T_contra, changes: Sequence[C_inv]) -> str:
+    def apply(self, target: T_contra, changes: Sequence[C]) -> str:
         """Make `changes`, in order; read nothing back. Returns what was done, for the operator.
         Raises `ChangeFailed`, `GpuError`, `WriteRefused` (observe mode) or `OSError`."""
         ...
 
 
 @runtime_checkable
-class GpuItem(PolicyItem[GpuContext, W, C_inv], Protocol[W, C_inv]):
+class GpuItem(PolicyItem[GpuContext, W, C], Protocol[W, C]):
     """A setting of one GPU, desired per GPU profile (`policy.gpus`)."""
 
     @property
@@ -105,7 +105,7 @@ class GpuItem(PolicyItem[GpuContext, W, C_inv], Protocol[W, C_inv]):
 
 
 @runtime_checkable
-class RestorableGpuItem(GpuItem[W, C_inv], Protocol[W, C_inv]):
+class RestorableGpuItem(GpuItem[W, C], Protocol[W, C]):
     """A GPU setting `gpu-agent restore` returns to the board's default."""
 
     def restore(self, ctx: GpuContext) -> ItemResult:
@@ -114,7 +114,7 @@ class RestorableGpuItem(GpuItem[W, C_inv], Protocol[W, C_inv]):
 
 
 @runtime_checkable
-class NodeItem(PolicyItem[HostContext, W, C_inv], Protocol[W, C_inv]):
+class NodeItem(PolicyItem[HostContext, W, C], Protocol[W, C]):
     """A setting of the host, desired once per node (`policy.node`)."""
 
     @property
