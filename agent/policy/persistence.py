@@ -53,7 +53,10 @@ class PersistenceItem(GpuItem[EnabledState, SetPersistence]):
     def apply(self, ctx: GpuContext, changes: Sequence[SetPersistence]) -> str:
         for change in changes:
             ctx.backend.set_persistence(change.gpu, change.enabled)
-        return "; ".join(f"persistence mode of GPU {c.gpu} set to {enabled_text(c.enabled)}" for c in changes)
+        # A change is only planned when the mode differs, so it was the opposite before.
+        return "; ".join(
+            f"persistence mode {enabled_text(not c.enabled)} -> {enabled_text(c.enabled)}" for c in changes
+        )
 
 
 ITEM: Final = PersistenceItem()
