@@ -20,12 +20,10 @@ from agent.backend.base import (
     EccErrorType,
     EnabledPending,
     GpuEvent,
-    GpuEventKind,
     GpuIdentity,
     GpuProcess,
     MemoryInfo,
     PcieLink,
-    RecoveryAction,
     RemappedRows,
     TemperatureThreshold,
     Utilization,
@@ -33,10 +31,10 @@ from agent.backend.base import (
     WriteGuard,
 )
 from agent.backend.errors import GpuError, GpuErrorKind
-from agent.backend.sim import faults, physics
+from agent.backend.sim.faults import FaultInjection
 from agent.backend.sim.physics import Readings
 from agent.backend.sim.profiles import load_profile
-from agent.backend.sim.state import GpuState, MachineState, StateFile
+from agent.backend.sim.state import MachineState, StateFile
 from agent.backend.sim.telemetry import GpuTelemetry, telemetry
 
 #: How often wait_events looks for injections made by another process.
@@ -48,7 +46,7 @@ def _error(kind: GpuErrorKind, message: str, gpu: int | None, call: str) -> GpuE
     return GpuError(kind, message, gpu=gpu, call=call)
 
 
-class SimulatedBackend:
+class SimulatedBackend(FaultInjection):
     """GpuBackend over simulated GPUs described by a profile; state shared through state_dir."""
 
     name = "simulated"
@@ -80,6 +78,9 @@ class SimulatedBackend:
     def _state(self) -> MachineState:
         return self._file.state
 
+    def _now_seconds(self) -> float:
+        return self._clock()
+
     # -- state file -----------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -90,12 +91,6 @@ class SimulatedBackend:
             yield self._file.state
             self._file.save()
             self._cond.notify_all()
-
-    @contextlib.contextmanager
-    def _gpu_mutation(self, gpu: int) -> Iterator[GpuState]:
-        """A mutation of one GPU's state; ValueError for a GPU the profile lacks."""
-        with self._mutation() as machine:
-            yield faults.gpu_state(machine, self.profile, gpu)
 
     def reload(self) -> bool:
         """Re-read the state file if another process changed it; True when it did."""
@@ -515,124 +510,6 @@ class SimulatedBackend:
                 raise _error(GpuErrorKind.NOT_SUPPORTED, f"{dev.model.name} has no ECC", gpu, "set_ecc_mode")
             # Takes effect at the next reboot or GPU reset, as NVML's SetEccMode.
             dev.state.ecc_pending = enabled
-
-    # -- fault injection and simulated world (see agent.backend.sim.faults) ----------------
-
-    def inject_xid(self, gpu: int, xid: int) -> None:
-        """Queue an Xid; wait_events delivers it as GpuEvent(kind=XID, data=xid)."""
-        with self._mutation() as machine:
-            faults.queue_event(machine, self.profile, gpu, GpuEventKind.XID, xid, self._clock())
-
-    def inject_ecc_event(self, gpu: int, uncorrected: bool) -> None:
-        """Queue a single-bit (corrected) or double-bit (uncorrected) ECC event and count the error."""
-        kind = GpuEventKind.DOUBLE_BIT_ECC if uncorrected else GpuEventKind.SINGLE_BIT_ECC
-        with self._mutation() as machine:
-            faults.queue_event(machine, self.profile, gpu, kind, 0, self._clock())
-            faults.count_ecc(machine.gpus[gpu], corrected=int(not uncorrected), uncorrected=int(uncorrected))
-
-    def add_ecc_errors(self, gpu: int, corrected: int = 0, uncorrected: int = 0) -> None:
-        """Count ECC errors (volatile and aggregate) without an event."""
-        with self._gpu_mutation(gpu) as state:
-            faults.count_ecc(state, corrected, uncorrected)
-
-    def set_lost(self, gpu: int, lost: bool = True) -> None:
-        """The GPU falls off the bus: every call on it raises GPU_LOST, wait_events raises it once."""
-        with self._gpu_mutation(gpu) as state:
-            state.lost = lost
-            state.lost_reported = False
-
-    def set_reset_required(self, gpu: int, required: bool = True) -> None:
-        with self._gpu_mutation(gpu) as state:
-            state.reset_required = required
-
-    def set_recovery_action(self, gpu: int, action: RecoveryAction) -> None:
-        """What the driver reports the GPU needs (Xid 154 carries the same); a reset clears it."""
-        with self._gpu_mutation(gpu) as state:
-            state.recovery_action = int(action)
-
-    def set_temperature(self, gpu: int, celsius: int | None) -> None:
-        """Override the GPU temperature (None: back to the derived value)."""
-        with self._gpu_mutation(gpu) as state:
-            state.temperature_override_c = celsius
-
-    def set_power_usage(self, gpu: int, watts: float | None) -> None:
-        """Override the power draw (None: back to the derived value)."""
-        with self._gpu_mutation(gpu) as state:
-            state.power_override_mw = None if watts is None else round(watts * 1000)
-
-    def set_clock_event_reasons(self, gpu: int, mask: int | None) -> None:
-        """Override the active clock-event reasons (None: back to the derived mask)."""
-        with self._gpu_mutation(gpu) as state:
-            faults.set_clock_event_reasons(state, self.profile, gpu, mask)
-
-    def set_remapped_rows(
-        self, gpu: int, correctable: int = 0, uncorrectable: int = 0, pending: bool = False, failed: bool = False
-    ) -> None:
-        with self._gpu_mutation(gpu) as state:
-            faults.set_remapped_rows(state, self.profile, gpu, correctable, uncorrectable, pending, failed)
-
-    def set_retired_pages_pending(self, gpu: int, pending: bool) -> None:
-        with self._gpu_mutation(gpu) as state:
-            faults.set_retired_pages_pending(state, self.profile, gpu, pending)
-
-    def set_pcie_link(self, gpu: int, generation: int, width: int) -> None:
-        """The link trained down (or back): current generation and width."""
-        with self._gpu_mutation(gpu) as state:
-            faults.set_pcie_link(state, self.profile, gpu, generation, width)
-
-    def add_pcie_replays(self, gpu: int, count: int) -> None:
-        if count < 0:
-            raise ValueError("the PCIe replay counter only grows")
-        with self._gpu_mutation(gpu) as state:
-            faults.add_pcie_errors(state, replays=count)
-
-    def add_pcie_errors(self, gpu: int, correctable: int = 0, fatal: int = 0) -> None:
-        """Count PCIe correctable and fatal errors (the NVML_FI_DEV_PCIE_COUNT_* fields)."""
-        with self._gpu_mutation(gpu) as state:
-            faults.add_pcie_errors(state, correctable=correctable, fatal=fatal)
-
-    def add_nvlink_errors(self, gpu: int, link: int, counter: str, count: int) -> None:
-        """Count NVLink errors on one link: counter crc_flit, crc_data, replay or recovery."""
-        with self._gpu_mutation(gpu) as state:
-            faults.add_nvlink_errors(state, self.profile, gpu, link, counter, count)
-
-    def set_nvlink_up(self, gpu: int, link: int, up: bool) -> None:
-        with self._gpu_mutation(gpu) as state:
-            faults.set_nvlink_up(state, self.profile, gpu, link, up)
-
-    def set_processes(self, gpu: int, pids: list[int]) -> None:
-        """The compute processes on the GPU; a GPU with processes is busy (draws load power, clocks up)."""
-        with self._gpu_mutation(gpu) as state:
-            state.processes = list(pids)
-
-    def fail_call(self, gpu: int | None, method: str, kind: GpuErrorKind | None) -> None:
-        """Make a protocol method raise GpuError(kind) on one GPU or (gpu None) on all; None clears."""
-        faults.check_method(gpu, method)
-        with self._mutation() as machine:
-            faults.fail_call(machine, self.profile, gpu, method, kind)
-
-    def hang_call(self, gpu: int | None, method: str, seconds: float | None) -> None:
-        """Make a protocol method sleep `seconds` before answering, on one GPU or all; None clears."""
-        faults.check_method(gpu, method)
-        if seconds is not None and seconds < 0:
-            raise ValueError("a hang lasts zero seconds or more")
-        with self._mutation() as machine:
-            faults.hang_call(machine, self.profile, gpu, method, seconds)
-
-    def advance(self, seconds: float) -> None:
-        """Simulated time passes: violation counters grow for the active reasons, energy with power,
-        GPM counters with the activity (see agent.backend.sim.physics)."""
-        if seconds < 0:
-            raise ValueError("time only moves forward")
-        with self._mutation() as machine:
-            for gpu, (model, state) in enumerate(zip(self.profile.models, machine.gpus)):
-                if not state.lost:
-                    physics.advance(Readings(model, state, self.profile.nvlink_links(gpu)), seconds)
-
-    def reboot(self) -> None:
-        """The machine reboots: pending modes apply, settings and counters return to boot, faults clear."""
-        with self._mutation() as machine:
-            faults.reboot(machine, self.profile)
 
     def reset_gpu(self, gpu: int) -> None:
         """`nvidia-smi --gpu-reset -i GPU`: refused while processes hold the GPU; settings to defaults."""
