@@ -44,6 +44,7 @@ from agent.backend.sim import (
     REASON_SW_POWER_CAP,
     REASON_SW_THERMAL,
     STATE_FILE_NAME,
+    FabricState,
     GpmActivity,
     SimulatedBackend,
     gpm_activity,
@@ -746,6 +747,7 @@ def test_profile_file(tmp_path: Path) -> None:
         ({"gpus": [{"model": {"name": "x"}}]}, "missing key"),
         ({"gpus": []}, "non-empty list"),
         ({"gpus": [{"model": "h200", "count": 2}], "pci_bus_ids": ["a"]}, "2 distinct strings"),
+        ({"gpus": [{"model": "rtx-pro-6000", "count": 2}], "nvswitch_fabric": True}, "needs every GPU on NVLink"),
     ],
 )
 def test_bad_profile_files(tmp_path: Path, profile: dict[str, Any], message: str) -> None:
@@ -991,3 +993,20 @@ def test_telemetry_answers_like_every_per_gpu_call(tmp_path: Path) -> None:
     b.set_lost(1, False)
     gpm = b.telemetry(1).gpm
     assert gpm is not None and gpm.counters.elapsed_ns == 0
+
+
+def test_fabric_registration_on_an_nvswitch_node(tmp_path: Path) -> None:
+    b = make(tmp_path, "h200x8")
+    fabrics = [b.telemetry(gpu).fabric for gpu in range(8)]
+    assert all(f is not None and (f.state, f.status) == (FabricState.COMPLETED, 0) for f in fabrics)
+    assert len({f.cluster_uuid for f in fabrics if f is not None}) == 1  # one baseboard, one fabric
+    b.set_fabric_state(5, FabricState.NOT_STARTED)  # the fabric manager never came up
+    fabric = make(tmp_path, "h200x8").telemetry(5).fabric  # another process sees it
+    assert fabric is not None and fabric.state is FabricState.NOT_STARTED
+    b.reboot()
+    fabric = b.telemetry(5).fabric
+    assert fabric is not None and fabric.state is FabricState.COMPLETED
+    single = make(tmp_path / "one", "h200")
+    assert single.telemetry(0).fabric is None  # no NVSwitch: NOT_SUPPORTED
+    with pytest.raises(ValueError, match="no NVSwitch fabric"):
+        single.set_fabric_state(0, FabricState.IN_PROGRESS)

@@ -38,7 +38,9 @@ Node profile (built-in file or your own)::
                    "fan_count": 1}},            #   or every model key without "base"
       ],
       "pci_bus_ids": ["00000000:18:00.0", ...], # optional, one per GPU; default: HGX slot ids
-      "nvlink_connected": true                  # optional; default: two or more GPUs with links
+      "nvlink_connected": true,                 # optional; default: two or more GPUs with links
+      "nvswitch_fabric": true                   # optional (default false): an NVSwitch fabric that
+                                                #   every GPU registers with (HGX); needs NVLink
     }
 
 Other top-level keys (a demo scenario, for example) are left to whoever reads them.
@@ -86,6 +88,9 @@ SM active 0.96, occupancy 0.14, tensor active 0.94, DRAM 0.17, PCIe 4.7/13.7 MiB
 (H200 SXM), used only where the node connects two or more of them (h200x2, h200x8, mixed): a single
 H200 answered NOT_SUPPORTED for every NVLink field and link state and 0 for GPM NVLink; the loaded
 NVLink rate (an assumption, ~25 GB/s each way for tensor-parallel decode) is not measured.
+`h200x8` has an NVSwitch fabric (HGX H200), registered at boot; the recorded H200 gave no fabric
+answer (a single GPU, and the recording script called the function wrongly), so its shape follows
+the NVML documentation, not a recording.
 `rtx-pro-6000` (NVIDIA RTX PRO 6000 Blackwell Workstation Edition): confirmed from public
 material: the name string, 96 GB GDDR7 with ECC (nvidia-smi shows 97887 MiB), 600 W board power,
 PCIe 5.0 x16, a double-flow-through cooler (two fans), MIG support (R575+ MIG guide), power limits
@@ -106,7 +111,7 @@ Fault injection and the simulated world (`inject_xid`, `inject_ecc_event`, `set_
 `set_reset_required`, `set_recovery_action`, `set_temperature`, `set_power_usage`,
 `set_clock_event_reasons`, `add_ecc_errors`, `set_remapped_rows`, `set_retired_pages_pending`,
 `set_pcie_link`, `add_pcie_replays`, `add_pcie_errors`, `add_nvlink_errors`, `set_nvlink_up`,
-`set_processes`, `fail_call`, `hang_call`, `advance`, `reboot`, `reset_gpu`, `reload`) and two
+`set_fabric_state`, `set_processes`, `fail_call`, `hang_call`, `advance`, `reboot`, `reset_gpu`, `reload`) and two
 extra readings, `total_energy_joules` and `telemetry`. Injection needs neither init() nor a
 writable item; a nonsensical injection (a GPU index the profile lacks, retired pages on a board
 that remaps rows) is a ValueError.
@@ -128,6 +133,9 @@ methods to come (they do not exist in the protocol yet):
                        total - reserved - used (v1 `memory_info` keeps counting reserved as used)
     memory_max_temperature_c, mig_mode, max_clocks_mhz, applications_clocks_mhz,
     processes          (PID, used memory; names come from /proc, not NVML)
+    fabric             FabricInfo (state, registration status, clique, cluster UUID) on nodes
+                       with an NVSwitch fabric (h200x8), None elsewhere (NOT_SUPPORTED);
+                       `set_fabric_state` makes a GPU unregistered (fabric manager down)
 
 State file
 ----------
@@ -168,6 +176,8 @@ from agent.backend.sim.profiles import (
 )
 from agent.backend.sim.state import PROTOCOL_METHODS, STATE_FILE_NAME
 from agent.backend.sim.telemetry import (
+    FabricInfo,
+    FabricState,
     FieldValues,
     GpmSample,
     GpuTelemetry,
@@ -192,6 +202,8 @@ __all__ = [
     "REASON_SW_THERMAL",
     "REASON_SYNC_BOOST",
     "STATE_FILE_NAME",
+    "FabricInfo",
+    "FabricState",
     "FieldValues",
     "GpmActivity",
     "GpmSample",

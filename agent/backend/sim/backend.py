@@ -400,7 +400,7 @@ class SimulatedBackend(FaultInjection):
         """The profiling-grade readings (GPM sample, field values, memory v2, MIG, clocks, processes)
         that issue 14's backend methods will expose; the same checks as every per-GPU call."""
         with self._read(gpu, "telemetry") as dev:
-            return telemetry(gpu, dev)
+            return telemetry(gpu, dev, self.profile.name if self.profile.nvswitch_fabric else None)
 
     # -- events ---------------------------------------------------------------------------
 

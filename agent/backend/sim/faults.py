@@ -19,6 +19,7 @@ from agent.backend.errors import GpuErrorKind
 from agent.backend.sim.physics import Readings, advance
 from agent.backend.sim.profiles import NodeProfile
 from agent.backend.sim.state import NVLINK_COUNTERS, PROTOCOL_METHODS, GpuState, MachineState
+from agent.backend.sim.telemetry import FabricState
 
 # nvmlEventType* bits
 EVENT_SINGLE_BIT_ECC = 0x1
@@ -193,6 +194,14 @@ class FaultInjection(abc.ABC):
     def set_nvlink_up(self, gpu: int, link: int, up: bool) -> None:
         with self._gpu_mutation(gpu) as state:
             state.nvlinks[self._nvlink(gpu, link)].up = up
+
+    def set_fabric_state(self, gpu: int, state: FabricState, status: int = 0) -> None:
+        """The GPU's NVSwitch fabric registration: state and the nvmlReturn_t it ended with (0: success)."""
+        with self._gpu_mutation(gpu) as gpu_state:
+            if not self.profile.nvswitch_fabric:
+                raise ValueError(f"profile {self.profile.name} has no NVSwitch fabric")
+            gpu_state.fabric_state = int(FabricState(state))
+            gpu_state.fabric_status = status
 
     def set_processes(self, gpu: int, pids: list[int]) -> None:
         """The compute processes on the GPU; a GPU with processes is busy (draws load power, clocks up)."""

@@ -225,6 +225,7 @@ class _NodeFile(BaseModel):
     gpus: list[_GpuEntry] = Field(min_length=1)
     pci_bus_ids: list[StrictStr] | None = None
     nvlink_connected: StrictBool | None = None
+    nvswitch_fabric: StrictBool = False
 
 
 class NodeProfile(_Strict):
@@ -238,6 +239,9 @@ class NodeProfile(_Strict):
     #: NVLink wired between the GPUs (HGX baseboard). A GPU alone in its node (a single-GPU VM, as
     #: the recorded H200) answers NOT_SUPPORTED to NVLink queries even though the board has links.
     nvlink_connected: bool
+    #: NVSwitch fabric (HGX baseboard): each GPU registers with the fabric manager before it can run
+    #: CUDA (nvmlDeviceGetGpuFabricInfo); elsewhere that query has nothing to say (NOT_SUPPORTED).
+    nvswitch_fabric: bool
 
     def nvlink_links(self, gpu: int) -> int:
         """The NVLink links GPU `gpu` has in this node (0: NVLink queries are NOT_SUPPORTED)."""
@@ -351,13 +355,17 @@ def _parse_node(data: object, default_name: str, file: str) -> NodeProfile:
     if len(bus_ids) != len(models) or len(set(bus_ids)) != len(bus_ids):
         raise ProfileError(f"{file}: pci_bus_ids: expected {len(models)} distinct strings, one per GPU")
     linked = sum(1 for m in models if m.nvlink_links)
+    nvlink_connected = node.nvlink_connected if node.nvlink_connected is not None else linked >= 2
+    if node.nvswitch_fabric and not (nvlink_connected and linked == len(models)):
+        raise ProfileError(f"{file}: nvswitch_fabric: needs every GPU on NVLink (nvlink_connected, nvlink_links)")
     return NodeProfile(
         name=node.name if node.name is not None else default_name,
         description=node.description,
         driver_version=node.driver_version,
         models=tuple(models),
         pci_bus_ids=tuple(bus_ids),
-        nvlink_connected=node.nvlink_connected if node.nvlink_connected is not None else linked >= 2,
+        nvlink_connected=nvlink_connected,
+        nvswitch_fabric=node.nvswitch_fabric,
     )
 
 

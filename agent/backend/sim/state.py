@@ -109,6 +109,8 @@ class GpuState(_State):
     pcie_generation: int | None = None  # None: trained at the board's maximum
     pcie_width: int | None = None
     nvlinks: list[NvLinkState] = Field(default_factory=list)
+    fabric_state: int = 3  # nvmlGpuFabricState_t: registered with the fabric manager (COMPLETED)
+    fabric_status: int = 0  # nvmlReturn_t of the registration: NVML_SUCCESS
     processes: list[int] = Field(default_factory=list)
     temperature_override_c: int | None = None
     power_override_mw: int | None = None

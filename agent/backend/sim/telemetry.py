@@ -8,8 +8,10 @@ docstring for what follows the fixture and what is assumed).
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import IntEnum
 
 from agent.backend.base import ClockDomain, EnabledPending, GpuProcess, TemperatureThreshold
 from agent.backend.sim.physics import GpmActivity, Readings
@@ -94,6 +96,25 @@ class MemoryInfoV2:
     free_bytes: int
 
 
+class FabricState(IntEnum):
+    """nvmlGpuFabricState_t."""
+
+    NOT_SUPPORTED = 0
+    NOT_STARTED = 1
+    IN_PROGRESS = 2
+    COMPLETED = 3
+
+
+@dataclass(frozen=True)
+class FabricInfo:
+    """nvmlDeviceGetGpuFabricInfo: CUDA runs only once the state is COMPLETED with status 0 (success)."""
+
+    state: FabricState
+    status: int  # nvmlReturn_t of the registration
+    clique_id: int
+    cluster_uuid: str
+
+
 @dataclass(frozen=True)
 class GpuTelemetry:
     gpm: GpmSample | None  # None: nvmlGpmQueryDeviceSupport says unsupported
@@ -104,10 +125,15 @@ class GpuTelemetry:
     max_clocks_mhz: Mapping[ClockDomain, int]  # nvmlDeviceGetMaxClockInfo
     applications_clocks_mhz: Mapping[ClockDomain, int]  # nvmlDeviceGetApplicationsClock
     processes: tuple[GpuProcess, ...]  # nvmlDeviceGetComputeRunningProcesses (PID, used memory)
+    fabric: FabricInfo | None  # None: no NVSwitch fabric (NOT_SUPPORTED)
 
 
-def telemetry(gpu: int, readings: Readings) -> GpuTelemetry:
-    """Every profiling-grade reading of one GPU at this moment."""
+_CLUSTER_NAMESPACE = uuid.UUID("0b6f3c1e-8a3d-4c59-b1f2-6d0e4f7a9c21")
+
+
+def telemetry(gpu: int, readings: Readings, fabric_node: str | None) -> GpuTelemetry:
+    """Every profiling-grade reading of one GPU at this moment; `fabric_node` names the node's
+    NVSwitch fabric (None: the node has none)."""
     model, state = readings.model, readings.state
     reserved = model.memory_used_idle_bytes
     used = readings.used_by_processes_bytes()
@@ -155,4 +181,12 @@ def telemetry(gpu: int, readings: Readings) -> GpuTelemetry:
         max_clocks_mhz=clocks,
         applications_clocks_mhz=dict(clocks),
         processes=tuple(GpuProcess(pid=pid, used_memory_bytes=each) for pid in pids),
+        fabric=None
+        if fabric_node is None
+        else FabricInfo(
+            state=FabricState(state.fabric_state),
+            status=state.fabric_status,
+            clique_id=1,  # one baseboard: one NVLink clique
+            cluster_uuid=str(uuid.uuid5(_CLUSTER_NAMESPACE, fabric_node)),
+        ),
     )
