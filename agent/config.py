@@ -46,6 +46,14 @@ class SimulatedConfig(StrictModel):
     profile: str = "h200x8"  # a built-in node profile name, or a path to a profile file
     privileged: bool = True  # False: setters fail with NO_PERMISSION, as NVML does for non-root
 
+    @field_validator("profile")
+    @classmethod
+    def _usable_profile(cls, profile: str) -> str:
+        # A bad profile is a config error now (check-config says so), not a traceback at `run`.
+        from agent.backend.sim.profiles import validate_profile
+
+        return validate_profile(profile)
+
 
 class MetricsConfig(StrictModel):
     listen: str = f"0.0.0.0:{DEFAULT_METRICS_PORT}"

@@ -251,7 +251,7 @@ def install_calls(monkeypatch: pytest.MonkeyPatch) -> Calls:
     for name in PROTOCOL_METHODS:
         monkeypatch.setattr(SimulatedBackend, name, wrap(name, getattr(SimulatedBackend, name)))
     # The simulator makes every change durable; hundreds of cells on a CI disk need not wait for that.
-    monkeypatch.setattr("agent.backend.sim.os.fsync", lambda _fd: None)
+    monkeypatch.setattr("agent.backend.sim.state.os.fsync", lambda _fd: None)
     # Event waits short enough that a stopped source lets go at once and a failed one retries quickly.
     monkeypatch.setattr(
         "agent.daemon.NvmlEventSource", partial(NvmlEventSource, timeout_seconds=0.02, backoff_seconds=0.02)

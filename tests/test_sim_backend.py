@@ -44,13 +44,20 @@ from agent.backend.sim import (
     REASON_SW_POWER_CAP,
     REASON_SW_THERMAL,
     STATE_FILE_NAME,
+    FabricState,
+    GpmActivity,
     SimulatedBackend,
+    gpm_activity,
     list_profiles,
     load_profile,
 )
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = json.loads((REPO / "tests" / "fixtures" / "nvml-h200.json").read_text())["devices"][0]
+#: The same H200 idle and under a bf16 matmul: GPM metrics and field values (issue 14).
+GPM_FIXTURE = json.loads((REPO / "tests" / "fixtures" / "nvml-h200-gpm-fields.json").read_text())
+NVML_NOT_SUPPORTED = 3
+MIB = 1 << 20
 ALL_ITEMS = sorted(set(SETTER_ITEMS.values()))
 RTX_NAME = "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"
 
@@ -740,6 +747,7 @@ def test_profile_file(tmp_path: Path) -> None:
         ({"gpus": [{"model": {"name": "x"}}]}, "missing key"),
         ({"gpus": []}, "non-empty list"),
         ({"gpus": [{"model": "h200", "count": 2}], "pci_bus_ids": ["a"]}, "2 distinct strings"),
+        ({"gpus": [{"model": "rtx-pro-6000", "count": 2}], "nvswitch_fabric": True}, "needs every GPU on NVLink"),
     ],
 )
 def test_bad_profile_files(tmp_path: Path, profile: dict[str, Any], message: str) -> None:
@@ -747,3 +755,258 @@ def test_bad_profile_files(tmp_path: Path, profile: dict[str, Any], message: str
     path.write_text(json.dumps(profile))
     with pytest.raises(ValueError, match=message):
         load_profile(path)
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ({"base": "h200", "gpm": {"idle": {"sm_active_ratio": 0.5}}}, r"gpus\[0\]\.model\.gpm\.idle: missing key"),
+        (
+            {
+                "base": "h200",
+                "gpm": {
+                    "idle": {
+                        **dict.fromkeys(
+                            ["sm_active_ratio", "sm_occupancy_ratio", "tensor_active_ratio", "dram_active_ratio"], 1.5
+                        ),
+                        "pcie_tx_bytes_per_second": 0,
+                        "pcie_rx_bytes_per_second": 0,
+                    },
+                    "load": {},
+                },
+            },
+            r"gpus\[0\]\.model\.gpm\.idle\.sm_active_ratio: Input should be less than or equal to 1",
+        ),
+        ({"base": "h200", "fan_count": "2"}, r"gpus\[0\]\.model\.fan_count: Input should be a valid integer"),
+        ({"base": "h200", "memory_temperature_load_c": None}, "go together"),
+    ],
+)
+def test_bad_profile_errors_name_the_file_and_field(tmp_path: Path, model: dict[str, Any], message: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"gpus": [{"model": model}]}))
+    with pytest.raises(ValueError, match=message) as info:
+        load_profile(path)
+    assert str(info.value).startswith(f"{path}: ")
+
+
+def check_config(tmp_path: Path, profile: str) -> subprocess.CompletedProcess[str]:
+    config = tmp_path / "agent.yaml"
+    config.write_text(f"backend: simulated\nsimulated:\n  profile: {profile}\nstate_dir: {tmp_path / 'state'}\n")
+    return subprocess.run(
+        [sys.executable, "-m", "agent.cli", "check-config", "--config", str(config), "--rules", str(REPO / "rules")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+
+
+def test_check_config_reports_a_bad_simulated_profile(tmp_path: Path) -> None:
+    bogus = check_config(tmp_path, "bogus")
+    assert bogus.returncode == 1
+    assert bogus.stderr.strip() == (
+        f"{tmp_path / 'agent.yaml'}:3 simulated.profile: unknown simulated GPU profile 'bogus': not a built-in "
+        "profile (h200, h200x2, h200x8, mixed, rtx-pro-6000, rtx-pro-6000x2) nor an existing profile file"
+    )
+    lab = tmp_path / "lab.json"
+    lab.write_text(json.dumps({"gpus": [{"model": {"base": "h200", "power_limit_default_mw": "700 W"}}]}))
+    wrong_field = check_config(tmp_path, str(lab))
+    assert wrong_field.returncode == 1
+    assert wrong_field.stderr.strip() == (
+        f"{tmp_path / 'agent.yaml'}:3 simulated.profile: {lab}: gpus[0].model.power_limit_default_mw: "
+        "Input should be a valid integer"
+    )
+    lab.write_text(json.dumps({"gpus": [{"model": {"base": "h200", "power_limit_default_mw": 650000}}]}))
+    good = check_config(tmp_path, str(lab))
+    assert good.returncode == 0, good.stderr
+    assert "simulated backend" in good.stdout
+
+
+# -- profiling-grade telemetry (issue 14) ------------------------------------------------------------
+
+
+def activity_over(b: SimulatedBackend, gpu: int, seconds: float) -> GpmActivity:
+    """Two GPM samples `seconds` of simulated time apart, differenced as nvmlGpmMetricsGet does."""
+    before = b.telemetry(gpu).gpm
+    b.advance(seconds)
+    after = b.telemetry(gpu).gpm
+    assert before is not None and after is not None
+    activity = gpm_activity(before, after)
+    assert activity is not None
+    return activity
+
+
+def assert_ratios(activity: GpmActivity) -> None:
+    ratios = (
+        activity.sm_active_ratio,
+        activity.sm_occupancy_ratio,
+        activity.tensor_active_ratio,
+        activity.dram_active_ratio,
+    )
+    assert all(0 <= r <= 1 for r in ratios), activity
+
+
+def test_gpm_activity_follows_the_load_like_the_recorded_h200(tmp_path: Path) -> None:
+    b = make(tmp_path, "h200")
+    recorded = {state: GPM_FIXTURE[state]["gpm_metrics"]["value"] for state in ("idle", "loaded")}
+    idle = activity_over(b, 0, 2)
+    assert_ratios(idle)
+    assert idle.sm_active_ratio == idle.tensor_active_ratio == 0 == recorded["idle"]["SM_ACTIVITY"][0]
+    assert idle.pcie_tx_bytes_per_second == pytest.approx(recorded["idle"]["PCIE_TX"][0] * MIB, rel=1e-3)
+    b.set_processes(0, [4242])
+    loaded = activity_over(b, 0, 2)
+    assert_ratios(loaded)
+    for name, key in [
+        ("sm_active_ratio", "SM_ACTIVITY"),
+        ("sm_occupancy_ratio", "SM_OCCUPANCY"),
+        ("tensor_active_ratio", "TENSOR_ACTIVE"),
+        ("dram_active_ratio", "DRAM_BW_UTIL"),
+    ]:
+        assert getattr(loaded, name) == pytest.approx(recorded["loaded"][key][0] / 100, abs=0.01), name
+    assert loaded.pcie_rx_bytes_per_second == pytest.approx(recorded["loaded"]["PCIE_RX"][0] * MIB, rel=1e-3)
+    # One GPU alone: GPM's NVLink counters answer 0, as on the recorded single-GPU H200.
+    assert loaded.nvlink_tx_bytes_per_second == loaded.nvlink_rx_bytes_per_second == 0
+    # A power cap slows the clocks: fewer bytes move, the SMs are as busy, ratios stay in 0..1.
+    b.set_power_limit_watts(0, 300)
+    capped = activity_over(b, 0, 2)
+    assert_ratios(capped)
+    assert capped.sm_active_ratio == loaded.sm_active_ratio
+    assert capped.dram_active_ratio < loaded.dram_active_ratio
+    assert capped.pcie_rx_bytes_per_second < loaded.pcie_rx_bytes_per_second
+    b.set_processes(0, [])
+    assert activity_over(b, 0, 1).tensor_active_ratio == 0
+    sample = b.telemetry(0).gpm
+    assert sample is not None and gpm_activity(sample, sample) is None  # no time between the samples
+
+
+def test_gpm_over_nvlink_and_where_the_board_has_none(tmp_path: Path) -> None:
+    pair = make(tmp_path, "h200x2")
+    pair.set_processes(1, [7])
+    busy = activity_over(pair, 1, 1)
+    assert busy.nvlink_tx_bytes_per_second > 0 and busy.nvlink_rx_bytes_per_second > 0
+    assert activity_over(pair, 0, 1).nvlink_tx_bytes_per_second == 0  # idle: nothing crosses the link
+    rtx = make(tmp_path / "rtx", "rtx-pro-6000")
+    assert rtx.telemetry(0).gpm is None  # nvmlGpmQueryDeviceSupport: unsupported (assumed, see the docstring)
+
+
+def test_energy_grows_with_power_times_time(tmp_path: Path) -> None:
+    b = make(tmp_path, "h200")
+    start = b.telemetry(0).fields
+    assert start.total_energy_mj == FIXTURE["nvmlDeviceGetTotalEnergyConsumption"]
+    assert start.power_instant_mw == FIXTURE["nvmlDeviceGetPowerUsage"]
+    b.advance(10)
+    idle = b.telemetry(0).fields
+    assert idle.total_energy_mj - start.total_energy_mj == 123_455 * 10  # mW x s = mJ
+    b.set_processes(0, [1])
+    b.advance(4)
+    loaded = b.telemetry(0).fields
+    assert loaded.power_instant_mw == 655_000
+    assert loaded.total_energy_mj - idle.total_energy_mj == 655_000 * 4
+    b.set_power_limit_watts(0, 300)
+    b.advance(4)
+    capped = b.telemetry(0).fields
+    assert capped.total_energy_mj - loaded.total_energy_mj == 300_000 * 4
+    assert b.total_energy_joules(0) == capped.total_energy_mj / 1000
+
+
+def test_field_values_have_the_recorded_shapes(tmp_path: Path) -> None:
+    recorded = {state: GPM_FIXTURE[state]["field_values"]["value"] for state in ("idle", "loaded")}
+    b = make(tmp_path, "h200")
+    idle = b.telemetry(0)
+    assert idle.fields.memory_temperature_c == recorded["idle"]["MEMORY_TEMP"]["ull"] == 39
+    assert idle.memory_max_temperature_c == GPM_FIXTURE["idle"]["temp_threshold_mem_max"]["value"] == 95
+    assert recorded["idle"]["NVLINK_CRC_FLIT_TOTAL"]["ret"] == NVML_NOT_SUPPORTED
+    assert idle.fields.nvlinks is None and idle.fields.nvlink_total("crc_flit") is None
+    assert idle.fields.pcie_correctable_errors == idle.fields.pcie_fatal_errors == 0
+    assert idle.fields.remapped_correctable_rows == recorded["idle"]["REMAP_COR"]["ull"]
+    assert idle.fields.recovery_action == recorded["idle"]["GPU_RECOVERY_ACTION"]["ull"]
+    assert idle.mig_mode == EnabledPending(False, False)
+    assert idle.max_clocks_mhz[ClockDomain.SM] == GPM_FIXTURE["idle"]["max_clocks_sm"]["value"]
+    assert idle.applications_clocks_mhz[ClockDomain.SM] == GPM_FIXTURE["idle"]["app_clocks_sm"]["value"]
+    b.set_processes(0, [4242])
+    assert b.telemetry(0).fields.memory_temperature_c == recorded["loaded"]["MEMORY_TEMP"]["ull"] == 49
+    b.set_power_limit_watts(0, 500)  # the load hits the power cap, as the recorded one did (SW power cap 6.5 s)
+    b.advance(6.5)
+    capped = b.telemetry(0).fields
+    assert recorded["loaded"]["CLOCKS_EVENT_REASON_SW_POWER_CAP"]["ull"] == pytest.approx(6.5e9, rel=0.01)
+    assert capped.reason_duration_ns["sw_power_cap"] == 6_500_000_000
+    assert capped.reason_duration_ns["hw_thermal"] == 0
+    assert 39 < (capped.memory_temperature_c or 0) < 49  # cooler at lower power
+    b.add_pcie_errors(0, correctable=3, fatal=1)
+    fields = b.telemetry(0).fields
+    assert (fields.pcie_correctable_errors, fields.pcie_fatal_errors) == (3, 1)
+    with pytest.raises(ValueError, match="has no NVLink"):
+        b.add_nvlink_errors(0, 0, "crc_flit", 1)
+    rtx = make(tmp_path / "rtx", "rtx-pro-6000")
+    assert rtx.telemetry(0).fields.memory_temperature_c is None  # GDDR7: no memory temperature
+    assert rtx.telemetry(0).memory_max_temperature_c is None
+
+
+def test_nvlink_counters_on_a_connected_node(tmp_path: Path) -> None:
+    b = make(tmp_path, "h200x2")
+    links = b.telemetry(0).fields.nvlinks
+    assert links is not None and len(links) == 18 and all(link.up for link in links)
+    b.add_nvlink_errors(0, 3, "crc_flit", 5)
+    b.add_nvlink_errors(0, 4, "crc_flit", 2)
+    b.add_nvlink_errors(0, 4, "replay", 1)
+    b.set_nvlink_up(0, 17, False)
+    fresh = make(tmp_path, "h200x2")  # the counters are in the state file
+    fields = fresh.telemetry(0).fields
+    assert fields.nvlink_total("crc_flit") == 7 and fields.nvlink_total("replay") == 1
+    assert fields.nvlinks is not None and not fields.nvlinks[17].up
+    assert fresh.telemetry(1).fields.nvlink_total("crc_flit") == 0
+    with pytest.raises(ValueError, match="no NVLink 18"):
+        b.add_nvlink_errors(0, 18, "replay", 1)
+    with pytest.raises(ValueError, match="unknown NVLink counter"):
+        b.add_nvlink_errors(0, 0, "crc", 1)
+    mixed = make(tmp_path / "mixed", "mixed")
+    assert mixed.telemetry(0).fields.nvlinks is not None
+    assert mixed.telemetry(4).fields.nvlinks is None  # the RTX PRO 6000 has no NVLink
+
+
+def test_memory_info_v2_excludes_reserved_memory(tmp_path: Path) -> None:
+    b = make(tmp_path, "h200")
+    recorded = GPM_FIXTURE["idle"]["memory_info_v2"]["value"]
+    idle = b.telemetry(0).memory
+    assert (idle.total_bytes, idle.reserved_bytes, idle.used_bytes, idle.free_bytes) == (
+        recorded["total"],
+        recorded["reserved"],
+        recorded["used"],
+        recorded["free"],
+    )
+    b.set_processes(0, [100, 101])
+    telemetry = b.telemetry(0)
+    assert telemetry.memory.used_bytes == sum(p.used_memory_bytes or 0 for p in telemetry.processes) > 0
+    assert [p.pid for p in telemetry.processes] == [100, 101]
+    v1 = b.memory_info(0)
+    assert v1.used_bytes == telemetry.memory.used_bytes + telemetry.memory.reserved_bytes  # v1 counts reserved
+    assert telemetry.memory.free_bytes == v1.free_bytes
+
+
+def test_telemetry_answers_like_every_per_gpu_call(tmp_path: Path) -> None:
+    b = make(tmp_path, "h200x2")
+    b.set_lost(1)
+    gpu_error(GpuErrorKind.GPU_LOST, lambda: b.telemetry(1))
+    b.set_reset_required(0)
+    gpu_error(GpuErrorKind.RESET_REQUIRED, lambda: b.telemetry(0))
+    b.advance(5)  # a lost GPU's counters stand still
+    b.set_lost(1, False)
+    gpm = b.telemetry(1).gpm
+    assert gpm is not None and gpm.counters.elapsed_ns == 0
+
+
+def test_fabric_registration_on_an_nvswitch_node(tmp_path: Path) -> None:
+    b = make(tmp_path, "h200x8")
+    fabrics = [b.telemetry(gpu).fabric for gpu in range(8)]
+    assert all(f is not None and (f.state, f.status) == (FabricState.COMPLETED, 0) for f in fabrics)
+    assert len({f.cluster_uuid for f in fabrics if f is not None}) == 1  # one baseboard, one fabric
+    b.set_fabric_state(5, FabricState.NOT_STARTED)  # the fabric manager never came up
+    fabric = make(tmp_path, "h200x8").telemetry(5).fabric  # another process sees it
+    assert fabric is not None and fabric.state is FabricState.NOT_STARTED
+    b.reboot()
+    fabric = b.telemetry(5).fabric
+    assert fabric is not None and fabric.state is FabricState.COMPLETED
+    single = make(tmp_path / "one", "h200")
+    assert single.telemetry(0).fabric is None  # no NVSwitch: NOT_SUPPORTED
+    with pytest.raises(ValueError, match="no NVSwitch fabric"):
+        single.set_fabric_state(0, FabricState.IN_PROGRESS)
