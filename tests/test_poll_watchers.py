@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import FakeClock
 
 from agent.backend.base import GpuEvent, GpuEventKind, RecoveryAction
 from agent.backend.errors import GpuErrorKind
@@ -38,15 +39,19 @@ class Node:
         kwargs.setdefault("writable_items", [GPU_RESET_ITEM, "power_limit"])
         self.sim = SimulatedBackend(profile, tmp_path / "state", **kwargs)
         self.sim.init()
-        self.now = 1_000_000.0
+        self.clock = FakeClock(wall_seconds=1_000_000.0)
+
+    @property
+    def now(self) -> float:
+        return self.clock()
 
     def tick(self, seconds: float, wall_seconds: float | None = None) -> None:
         """`seconds` of simulated GPU time; the sample clock moves `wall_seconds` (default the same)."""
         self.sim.advance(seconds)
-        self.now += seconds if wall_seconds is None else wall_seconds
+        self.clock.advance(seconds if wall_seconds is None else wall_seconds)
 
     def samples(self, slow: bool = True) -> list[GpuSample]:
-        return [sample_gpu(self.sim, gpu, slow=slow, clock=lambda: self.now) for gpu in range(self.sim.device_count())]
+        return [sample_gpu(self.sim, gpu, slow=slow, clock=self.clock) for gpu in range(self.sim.device_count())]
 
     def observe(self, watcher: PollWatcher, slow: bool = True) -> list[Event]:
         return watcher.observe(self.samples(slow), self.now)

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import wait_until
 from pydantic import ValidationError
 
 from agent import standin
@@ -359,12 +360,12 @@ def test_prober_thread_probes_each_service_and_stops_promptly(tmp_path: Path) ->
         prober = HealthProber(services)
         thread = ProberThread(prober)
         thread.start()
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
+
+        def settled() -> bool:
             status = {s.name: s for s in prober.statuses()}
-            if status["good"].up and status["wedged"].up is False:
-                break
-            time.sleep(0.05)
+            return bool(status["good"].up) and status["wedged"].up is False
+
+        wait_until(settled, 5, "the good service up and the wedged one down", poll_seconds=0.05)
         status = {s.name: s for s in prober.statuses()}
         assert status["good"].up is True
         assert status["wedged"].up is False  # the hanging server did not hold up the other one
