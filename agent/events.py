@@ -79,20 +79,8 @@ class Event:
     suggested_action: SuggestedAction = SuggestedAction.NONE
 
 
-@dataclass(frozen=True)
-class Health:
-    state: HealthState
-    reason: str = ""
-    suggested_action: SuggestedAction = SuggestedAction.NONE
-
-    @classmethod
-    def healthy(cls) -> Health:
-        return cls(HealthState.HEALTHY)
-
-
 def event_json(event: Event) -> dict[str, Any]:
-    """The one JSON form of an event: `status --json`'s recent events, `events --json`, the event
-    store's columns. `key` is left to the caller: documents that carry it put it beside this."""
+    """An event as JSON: `status --json`, `events --json`, hook stdin and webhook bodies."""
     return {
         "kind": event.kind.value,
         "severity": event.severity.value,
@@ -104,6 +92,17 @@ def event_json(event: Event) -> dict[str, Any]:
         "suggested_action": event.suggested_action.value,
         "data": event.data,
     }
+
+
+@dataclass(frozen=True)
+class Health:
+    state: HealthState
+    reason: str = ""
+    suggested_action: SuggestedAction = SuggestedAction.NONE
+
+    @classmethod
+    def healthy(cls) -> Health:
+        return cls(HealthState.HEALTHY)
 
 
 def event_from_json(document: Mapping[str, Any], key: str) -> Event:
