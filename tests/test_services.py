@@ -149,20 +149,16 @@ def test_command_manager_failures_raise_with_the_output(tmp_path: Path) -> None:
 
 
 def test_command_manager_status_command_answers_is_active(tmp_path: Path) -> None:
-    yes = ServiceConfig(
-        name="a",
-        manager="command",
-        start_command=["/bin/true"],
-        stop_command=["/bin/true"],
-        status_command=["/bin/true"],
-    )
-    no = ServiceConfig(
-        name="b",
-        manager="command",
-        start_command=["/bin/true"],
-        stop_command=["/bin/true"],
-        status_command=["/bin/false"],
-    )
+    def answering(name: str, status: str) -> ServiceConfig:
+        return ServiceConfig(
+            name=name,
+            manager="command",
+            start_command=["/bin/true"],
+            stop_command=["/bin/true"],
+            status_command=[status],
+        )
+
+    yes, no = answering("a", "/bin/true"), answering("b", "/bin/false")
     assert CommandManager().is_active(yes) is True
     assert CommandManager().is_active(no) is False
     prober = HealthProber([yes, no], {"a": CommandManager(), "b": CommandManager()})

@@ -54,6 +54,13 @@ class Pipeline:
         with self.lock:
             return [e for e in self.seen if e.kind is EventKind.XID]
 
+    def wait_xid_events(self, count: int) -> None:
+        wait_until(
+            lambda: len(self.xid_events()) == count,
+            WAIT_SECONDS,
+            lambda: f"{count} Xid events (seen: {[e.message for e in self.xid_events()]})",
+        )
+
     def counted(self, gpu: int | None, xid: int) -> int:
         return sum(c.count for c in self.watcher.counts() if c.gpu == gpu and c.xid == xid)
 
@@ -92,7 +99,7 @@ def test_nvml_and_kernel_sightings_of_one_xid_make_one_event(pipeline: Pipeline)
     wait_until(
         lambda: any(len(e.data["sources"]) == 2 for e in pipeline.xid_events()),
         WAIT_SECONDS,
-        'any(len(e.data["sources"]) == 2 for e in pipeline.xid_events())',
+        "an Xid event seen by both sources",
     )
     time.sleep(0.2)  # nothing else may trickle in
     events = pipeline.xid_events()
@@ -113,12 +120,12 @@ def test_nvml_and_kernel_sightings_of_one_xid_make_one_event(pipeline: Pipeline)
 
 def test_kernel_first_then_nvml_is_still_one_event(pipeline: Pipeline) -> None:
     pipeline.write_kernel_xid(5, 13, pid=777, process="sglang")
-    wait_until(lambda: pipeline.counted(5, 13) == 1, WAIT_SECONDS, "pipeline.counted(5, 13) == 1")
+    wait_until(lambda: pipeline.counted(5, 13) == 1, WAIT_SECONDS, "Xid 13 on GPU 5 counted")
     pipeline.backend.inject_xid(5, 13)
     wait_until(
         lambda: any(e.data["sources"] == ["kmsg", "nvml"] for e in pipeline.xid_events()),
         WAIT_SECONDS,
-        'any(e.data["sources"] == ["kmsg", "nvml"] for e in pipeline.xid_events())',
+        "the NVML sighting joined to the kernel's",
     )
     time.sleep(0.2)
     events = pipeline.xid_events()
@@ -135,15 +142,15 @@ def test_kernel_first_then_nvml_is_still_one_event(pipeline: Pipeline) -> None:
 
 def test_same_xid_after_the_window_is_a_new_event(pipeline: Pipeline) -> None:
     pipeline.backend.inject_xid(1, 31)
-    wait_until(lambda: len(pipeline.xid_events()) == 1, WAIT_SECONDS, "len(pipeline.xid_events()) == 1")
+    pipeline.wait_xid_events(1)
     pipeline.clock.advance(11)
     pipeline.backend.inject_xid(1, 31)
     pipeline.write_kernel_xid(1, 31)
-    wait_until(lambda: len(pipeline.xid_events()) == 2, WAIT_SECONDS, "len(pipeline.xid_events()) == 2")
+    pipeline.wait_xid_events(2)
     wait_until(
         lambda: sorted(pipeline.xid_events()[1].data["sources"]) == ["kmsg", "nvml"],
         WAIT_SECONDS,
-        'sorted(pipeline.xid_events()[1].data["sources"]) == ["kmsg", "nvml"]',
+        "the second event seen by both sources",
     )
     first, second = pipeline.xid_events()
     assert second.timestamp_seconds - first.timestamp_seconds == pytest.approx(11)
@@ -155,7 +162,7 @@ def test_same_xid_after_the_window_is_a_new_event(pipeline: Pipeline) -> None:
 def test_different_xids_on_one_gpu_are_different_events(pipeline: Pipeline) -> None:
     pipeline.backend.inject_xid(0, 31)
     pipeline.write_kernel_xid(0, 43)
-    wait_until(lambda: len(pipeline.xid_events()) == 2, WAIT_SECONDS, "len(pipeline.xid_events()) == 2")
+    pipeline.wait_xid_events(2)
     assert sorted(e.data["xid"] for e in pipeline.xid_events()) == [31, 43]
     assert pipeline.counted(0, 31) == 1
     assert pipeline.counted(0, 43) == 1
@@ -163,7 +170,7 @@ def test_different_xids_on_one_gpu_are_different_events(pipeline: Pipeline) -> N
 
 def test_unknown_bus_id_still_makes_an_event(pipeline: Pipeline) -> None:
     append_kmsg(pipeline.paths, xid_line("0000:e1:00.0", 48))
-    wait_until(lambda: len(pipeline.xid_events()) == 1, WAIT_SECONDS, "len(pipeline.xid_events()) == 1")
+    pipeline.wait_xid_events(1)
     event = pipeline.xid_events()[0]
     assert event.gpu is None
     assert event.uuid is None
@@ -175,15 +182,11 @@ def test_unknown_bus_id_still_makes_an_event(pipeline: Pipeline) -> None:
 
 def test_lost_gpu_from_the_event_wait_reaches_on_lost_and_events_keep_flowing(pipeline: Pipeline) -> None:
     pipeline.backend.set_lost(6)
-    wait_until(lambda: len(pipeline.lost) == 1, WAIT_SECONDS, "len(pipeline.lost) == 1")
+    wait_until(lambda: len(pipeline.lost) == 1, WAIT_SECONDS, "the lost GPU reported")
     assert pipeline.lost[0].kind is GpuErrorKind.GPU_LOST
     assert pipeline.lost[0].gpu == 6
     pipeline.backend.inject_xid(2, 94)
-    wait_until(
-        lambda: [e.data["xid"] for e in pipeline.xid_events()] == [94],
-        WAIT_SECONDS,
-        '[e.data["xid"] for e in pipeline.xid_events()] == [94]',
-    )
+    wait_until(lambda: [e.data["xid"] for e in pipeline.xid_events()] == [94], WAIT_SECONDS, "Xid 94 alone")
 
 
 # -- the watcher alone: mapping, dedupe, recovery actions ---------------------------------------------
@@ -520,19 +523,13 @@ def test_nvml_source_survives_other_errors_and_reports_them(tmp_path: Path) -> N
     source.start()
     try:
         wait_until(
-            lambda: "injected failure of wait_events" in source.status()[1],
-            WAIT_SECONDS,
-            '"injected failure of wait_events" in source.status()[1]',
+            lambda: "injected failure of wait_events" in source.status()[1], WAIT_SECONDS, "the failure in the status"
         )
         assert source.status()[0] is False
         backend.fail_call(None, "wait_events", None)
-        wait_until(lambda: source.status()[0] is True, WAIT_SECONDS, "source.status()[0] is True")
+        wait_until(lambda: source.status()[0] is True, WAIT_SECONDS, "the source working again")
         backend.inject_xid(1, 13)
-        wait_until(
-            lambda: [(e.gpu, e.data) for e in received] == [(1, 13)],
-            WAIT_SECONDS,
-            "[(e.gpu, e.data) for e in received] == [(1, 13)]",
-        )
+        wait_until(lambda: [(e.gpu, e.data) for e in received] == [(1, 13)], WAIT_SECONDS, "Xid 13 on GPU 1")
     finally:
         source.stop()
 
@@ -553,7 +550,7 @@ def test_nvml_source_survives_a_failing_consumer(tmp_path: Path) -> None:
         backend.inject_xid(0, 13)
         time.sleep(0.05)
         backend.inject_xid(0, 31)
-        wait_until(lambda: [e.data for e in received] == [31], WAIT_SECONDS, "[e.data for e in received] == [31]")
+        wait_until(lambda: [e.data for e in received] == [31], WAIT_SECONDS, "Xid 31 delivered")
     finally:
         source.stop()
 
