@@ -738,3 +738,30 @@ def test_health_book_across_watchers_and_other_sources(tmp_path: Path) -> None:
     sources: list[HealthSource] = [*watchers, xid, service]
     assert book.gpu_health(0) == combine(source.health(0) for source in sources)
     assert xid.health(0).reason in book.gpu_health(0).reason
+
+
+# -- per-board state ------------------------------------------------------------------------------
+
+
+def test_another_board_in_a_slot_starts_from_nothing(tmp_path: Path) -> None:
+    """A swapped card's ECC counters are its own history: a baseline, never new errors of the slot."""
+    node, watcher = Node(tmp_path), MemoryWatcher()
+    node.observe(watcher)
+    node.sim.add_ecc_errors(0, uncorrected=4)
+    (sample,) = node.samples()
+    swapped = dataclasses.replace(sample, uuid="GPU-another-board")
+    assert watcher.observe([swapped], node.now) == []
+    assert watcher.health(0) == HEALTHY
+    node.sim.add_ecc_errors(0, uncorrected=1)
+    (event,) = watcher.observe([dataclasses.replace(node.samples()[0], uuid="GPU-another-board")], node.now)
+    assert event.data["new_errors"] == 1
+
+
+def test_a_gpu_that_does_not_answer_keeps_its_state(tmp_path: Path) -> None:
+    node, watcher = Node(tmp_path), MemoryWatcher()
+    node.observe(watcher)
+    node.sim.add_ecc_errors(0, uncorrected=1)
+    (sample,) = node.samples()
+    assert watcher.observe([dataclasses.replace(sample, up=False)], node.now) == []
+    (event,) = watcher.observe([sample], node.now)
+    assert event.data["new_errors"] == 1

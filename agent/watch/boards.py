@@ -16,7 +16,7 @@ class BoardStates(Generic[S]):
     UUID) answers at an index, its state starts from nothing, so one card's history never judges
     the next."""
 
-    def __init__(self, new_state: Callable[[str], S]) -> None:
+    def __init__(self, new_state: Callable[[], S]) -> None:
         self._new_state = new_state
         self._boards: dict[int, tuple[str, S]] = {}
 
@@ -27,7 +27,7 @@ class BoardStates(Generic[S]):
                 continue
             board = self._boards.get(sample.index)
             if board is None or board[0] != sample.uuid:
-                board = self._boards[sample.index] = (sample.uuid, self._new_state(sample.uuid))
+                board = self._boards[sample.index] = (sample.uuid, self._new_state())
             yield sample, board[1]
 
     def get(self, gpu: int) -> S | None:

@@ -99,7 +99,6 @@ _FLAGS: tuple[tuple[str, EventKind, Severity, str, SuggestedAction], ...] = (
 
 @dataclass
 class _GpuState:
-    uuid: str
     counters: dict[str, int] = field(default_factory=dict)
     uncorrected: Health | None = None
     corrected_unreported: int = 0

@@ -43,7 +43,6 @@ class _Link:
 
 @dataclass
 class _GpuState:
-    uuid: str
     consecutive: int = 0
     reported: _Link | None = None
     replay_count: int | None = None

@@ -52,7 +52,6 @@ class _Total:
 
 @dataclass
 class _GpuState:
-    uuid: str
     last_timestamp_seconds: float | None = None  # the previous sample with a reasons reading
     last_reasons: tuple[str, ...] = ()
     started_seconds: dict[str, float] = field(default_factory=dict)  # active slowdown reason -> since
