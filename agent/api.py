@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import grp
 import json
-import logging
 import os
 import socket
 import socketserver
@@ -19,7 +18,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger(__name__)
+import structlog
+
+log = structlog.get_logger("gpu-agent")
 
 MAX_REQUEST_BYTES = 64 * 1024
 REQUEST_TIMEOUT_SECONDS = 5.0
@@ -50,7 +51,7 @@ def handle_request(line: bytes, handlers: Mapping[str, Handler]) -> dict[str, An
     except ApiError as exc:
         return {"ok": False, "error": str(exc)}
     except Exception as exc:  # a handler's bug answers this client with an error, never kills its thread silently
-        log.exception("API method %s failed", method)
+        log.exception("API method failed", method=method)
         return {"ok": False, "error": f"internal error in {method}: {type(exc).__name__}"}
 
 

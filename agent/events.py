@@ -3,6 +3,7 @@ store consume."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -78,6 +79,21 @@ class Event:
     suggested_action: SuggestedAction = SuggestedAction.NONE
 
 
+def event_json(event: Event) -> dict[str, Any]:
+    """An event as JSON: `status --json`, `events --json`, hook stdin and webhook bodies."""
+    return {
+        "kind": event.kind.value,
+        "severity": event.severity.value,
+        "gpu": event.gpu,
+        "uuid": event.uuid,
+        "message": event.message,
+        "timestamp_seconds": event.timestamp_seconds,
+        "source": event.source,
+        "suggested_action": event.suggested_action.value,
+        "data": event.data,
+    }
+
+
 @dataclass(frozen=True)
 class Health:
     state: HealthState
@@ -87,3 +103,19 @@ class Health:
     @classmethod
     def healthy(cls) -> Health:
         return cls(HealthState.HEALTHY)
+
+
+def event_from_json(document: Mapping[str, Any], key: str) -> Event:
+    """The inverse of `event_json`."""
+    return Event(
+        kind=EventKind(document["kind"]),
+        severity=Severity(document["severity"]),
+        gpu=document["gpu"],
+        uuid=document["uuid"],
+        message=document["message"],
+        timestamp_seconds=document["timestamp_seconds"],
+        source=document["source"],
+        key=key,
+        data=document["data"],
+        suggested_action=SuggestedAction(document["suggested_action"]),
+    )

@@ -97,13 +97,16 @@ def under_journal() -> bool:
 
 
 class _StdlibToStructlog(logging.Handler):
-    """Modules that log through `logging` end up in the same journal/JSON stream."""
+    """Libraries log through stdlib `logging` (the standard library's own modules, third-party
+    ones); their records join the same journal/JSON stream, with the library's logger name as
+    `logger`. The agent's own modules log through structlog directly (tests/test_logs.py holds them
+    to it), so their key=value fields become journal fields."""
 
     def emit(self, record: logging.LogRecord) -> None:
         fields: dict[str, Any] = {"logger": record.name}
         if record.exc_info:
             fields["exc_info"] = record.exc_info
-        structlog.get_logger(record.name).log(record.levelno, record.getMessage(), **fields)
+        structlog.get_logger("gpu-agent").log(record.levelno, record.getMessage(), **fields)
 
 
 def configure_logging(level: str = "info", output: str = "auto") -> str:

@@ -14,7 +14,6 @@ as 0. Readings of a stale GPU (a call hung, see `gpu_agent_gpu_stale`) are the l
 from __future__ import annotations
 
 import json
-import logging
 import socket
 import threading
 import time
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
+import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -34,7 +34,7 @@ from agent.events import HealthState
 from agent.policy.base import PlanStatus
 from agent.state import GpuSample, NodeSnapshot
 
-log = logging.getLogger(__name__)
+log = structlog.get_logger("gpu-agent")
 
 SnapshotGetter = Callable[[], "NodeSnapshot | None"]
 
@@ -512,7 +512,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def log_message(self, format: str, *args: object) -> None:
-        log.debug("metrics http: " + format, *args)
+        log.debug("metrics http request", client=self.address_string(), detail=format % args)
 
 
 class _MetricsHTTPServer(ThreadingHTTPServer):

@@ -32,7 +32,6 @@ which would otherwise turn one restart into a restart storm while the model load
 from __future__ import annotations
 
 import http.client
-import logging
 import os
 import signal
 import subprocess
@@ -45,12 +44,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import structlog
+
 from agent.config import AgentConfig, ServiceConfig
 from agent.events import Event, EventKind, Severity, SuggestedAction
 from agent.policy.base import HostContext
 from agent.state import ServiceStatus
 
-log = logging.getLogger(__name__)
+log = structlog.get_logger("gpu-agent")
 
 #: The whole environment of every command the agent runs: nothing inherited (no secrets, no
 #: LD_PRELOAD, no PYTHONPATH), a PATH of system directories only.
@@ -470,7 +471,7 @@ class ProberThread:
             try:
                 self.prober.probe_once(name)
             except Exception:  # a probe bug must not end the probing of this service for good
-                log.exception("probe of service %s failed", name)
+                log.exception("service probe failed", service=name)
             self._stop.wait(interval)
 
     def stop(self) -> None:

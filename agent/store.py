@@ -31,7 +31,6 @@ import contextlib
 import dataclasses
 import enum
 import json
-import logging
 import sqlite3
 import threading
 import time
@@ -41,11 +40,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.events import Event, EventKind, Severity, SuggestedAction
+import structlog
+
+from agent.events import Event, event_from_json, event_json
 from agent.rules.model import ActionOutcome, Outcome, Target
 from agent.state import RemediationCount
 
-log = logging.getLogger(__name__)
+log = structlog.get_logger("gpu-agent")
 
 DB_NAME = "gpu-agent.db"
 RETENTION_SECONDS = 30 * 24 * 3600.0
@@ -165,20 +166,34 @@ class Circuit:
     reason: str
 
 
+#: The events table's columns after `key`, in INSERT and SELECT order, as `event_json` names them
+#: (the table calls `timestamp_seconds` "ts").
+_EVENT_FIELDS = (
+    "kind",
+    "severity",
+    "gpu",
+    "uuid",
+    "message",
+    "source",
+    "suggested_action",
+    "data",
+    "timestamp_seconds",
+)
+
+
 def _event_row(event: Event) -> tuple[Any, ...]:
     """The events table's columns key .. ts, in INSERT order."""
-    return (
-        event.key,
-        event.kind.value,
-        event.severity.value,
-        event.gpu,
-        event.uuid,
-        event.message,
-        event.source,
-        event.suggested_action.value,
-        _dumps(event.data),
-        event.timestamp_seconds,
-    )
+    document = event_json(event)
+    document["data"] = _dumps(event.data)
+    return (event.key, *(document[name] for name in _EVENT_FIELDS))
+
+
+def _stored_event(row: tuple[Any, ...]) -> StoredEvent:
+    """A row of `SELECT key, <_EVENT_FIELDS>, handled FROM events`."""
+    key, *values, handled = row
+    document = dict(zip(_EVENT_FIELDS, values, strict=True))
+    document["data"] = json.loads(document["data"])
+    return StoredEvent(event_from_json(document, key), bool(handled))
 
 
 def _json_default(value: Any) -> Any:
@@ -281,7 +296,7 @@ class Store:
             events = db.execute("DELETE FROM events WHERE ts < ?", (before_seconds,)).rowcount
             remediations = db.execute("DELETE FROM remediations WHERE ts < ?", (before_seconds,)).rowcount
         if events or remediations:
-            log.info("pruned %d events and %d remediations older than the retention", events, remediations)
+            log.info("pruned rows older than the retention", events=events, remediations=remediations)
 
     # -- events -------------------------------------------------------------------------------
 
@@ -311,29 +326,11 @@ class Store:
     def events(self, since_seconds: float = 0.0, limit: int = 1000) -> list[StoredEvent]:
         """The newest `limit` events at or after `since_seconds`, oldest first."""
         rows = self._query(
-            "SELECT kind, severity, gpu, uuid, message, ts, source, key, data, suggested_action, handled"
+            "SELECT key, kind, severity, gpu, uuid, message, source, suggested_action, data, ts, handled"
             " FROM events WHERE ts >= ? ORDER BY ts DESC, id DESC LIMIT ?",
             (since_seconds, limit),
         )
-        stored = [
-            StoredEvent(
-                Event(
-                    kind=EventKind(kind),
-                    severity=Severity(severity),
-                    gpu=gpu,
-                    uuid=uuid,
-                    message=message,
-                    timestamp_seconds=ts,
-                    source=source,
-                    key=key,
-                    data=json.loads(data),
-                    suggested_action=SuggestedAction(action),
-                ),
-                bool(handled),
-            )
-            for kind, severity, gpu, uuid, message, ts, source, key, data, action, handled in rows
-        ]
-        return stored[::-1]
+        return [_stored_event(row) for row in reversed(rows)]
 
     # -- remediations -------------------------------------------------------------------------
 
@@ -487,7 +484,7 @@ class Store:
                 "INSERT INTO acks (ts, selector, reset) VALUES (?, ?, ?)",
                 (time.time() if now_seconds is None else now_seconds, selector, len(pairs)),
             )
-        log.info("acknowledged %s: %d rule/target pairs re-armed", selector, len(pairs))
+        log.info("acknowledged", selector=selector, rearmed=len(pairs))
         return len(pairs)
 
 
@@ -561,7 +558,7 @@ def _connect_or_replace(path: Path, now_seconds: float) -> sqlite3.Connection:
         return _connect(path)
     except _Unusable as unusable:
         aside = _set_aside(path, unusable.label, now_seconds)
-        log.error("state database unusable, kept aside; starting a new one: %s (%s)", unusable, aside)
+        log.error("state database unusable, kept aside; starting a new one", error=str(unusable), kept_aside=str(aside))
         return _connect(path)
 
 
@@ -581,7 +578,7 @@ def _migrate(connection: sqlite3.Connection) -> None:
         connection.execute("COMMIT")
         if version >= len(MIGRATIONS):
             return
-        log.info("state database migrated to schema version %d", version + 1)
+        log.info("state database migrated", schema_version=version + 1)
 
 
 def _set_aside(path: Path, label: str, now_seconds: float) -> Path:

@@ -48,21 +48,51 @@ def gpu_uuid(index: int) -> str:
     return f"GPU-5e1b7a3c-{index:04x}-4d2e-9f10-6a7b8c9d0e{index:02x}"
 
 
+#: What every board serving at full batch reads alike: busy, at its full PCIe link, no remaps, no recovery.
+_SERVING: dict[str, Any] = {
+    "clock_event_reasons": 0,
+    "gpu_utilization_percent": 100,
+    "performance_state": 0,
+    "remapped_rows_correctable": 0,
+    "remapped_rows_uncorrectable": 0,
+    "remap_pending": False,
+    "remap_failed": False,
+    "pcie_generation": 5,
+    "pcie_width": 16,
+    "pcie_max_generation": 5,
+    "pcie_max_width": 16,
+    "pcie_replay_count": 0,
+    "shutdown_temperature_celsius": 95,
+    "power_violation_ns": 0,
+    "thermal_violation_ns": 0,
+    "recovery_action": 0,  # RecoveryAction.NONE
+}
+
+
+def _sample(index: int, name: str, readings: dict[str, Any], overrides: dict[str, Any]) -> GpuSample:
+    return GpuSample(
+        index=index,
+        uuid=gpu_uuid(index),
+        name=name,
+        pci_bus_id=PCI_BUS_IDS[index % len(PCI_BUS_IDS)],
+        up=True,
+        timestamp_seconds=TIMESTAMP_SECONDS,
+        **{**_SERVING, **readings, **overrides},
+    )
+
+
 def h200_sample(index: int, **overrides: Any) -> GpuSample:
     """An H200 SXM serving at full batch: the fixture's limits and clocks, load power and temperature."""
-    values: dict[str, Any] = {
+    readings: dict[str, Any] = {
         "temperature_celsius": 66,
         "power_usage_watts": 655.0,
         "power_limit_watts": 700.0,
         "graphics_clock_mhz": 1980,
         "sm_clock_mhz": 1980,
         "memory_clock_mhz": 3201,
-        "clock_event_reasons": 0,
-        "gpu_utilization_percent": 100,
         "memory_utilization_percent": 62,
         "memory_used_bytes": 135_679_338_086,
         "memory_total_bytes": H200_MEMORY_BYTES,
-        "performance_state": 0,
         "fan_speeds_percent": None,  # SXM: NOT_SUPPORTED, left None by collect
         "persistence_enabled": True,
         "ecc_enabled": True,
@@ -71,78 +101,31 @@ def h200_sample(index: int, **overrides: Any) -> GpuSample:
         "ecc_uncorrected_volatile": 0,
         "ecc_corrected_aggregate": 3,
         "ecc_uncorrected_aggregate": 0,
-        "remapped_rows_correctable": 0,
-        "remapped_rows_uncorrectable": 0,
-        "remap_pending": False,
-        "remap_failed": False,
         "retired_pages_pending": None,  # Hopper remaps rows; page retirement is NOT_SUPPORTED
-        "pcie_generation": 5,
-        "pcie_width": 16,
-        "pcie_max_generation": 5,
-        "pcie_max_width": 16,
-        "pcie_replay_count": 0,
         "slowdown_temperature_celsius": 89,
-        "shutdown_temperature_celsius": 95,
-        "power_violation_ns": 0,
-        "thermal_violation_ns": 0,
-        "recovery_action": 0,  # RecoveryAction.NONE
     }
-    values.update(overrides)
-    return GpuSample(
-        index=index,
-        uuid=gpu_uuid(index),
-        name=H200_NAME,
-        pci_bus_id=PCI_BUS_IDS[index % len(PCI_BUS_IDS)],
-        up=True,
-        timestamp_seconds=TIMESTAMP_SECONDS,
-        **values,
-    )
+    return _sample(index, H200_NAME, readings, overrides)
 
 
 def rtx_pro_6000_sample(index: int, **overrides: Any) -> GpuSample:
     """An RTX PRO 6000 Blackwell Workstation Edition under load, ECC off as shipped (no ECC counters)."""
-    values: dict[str, Any] = {
+    readings: dict[str, Any] = {
         "temperature_celsius": 81,
         "power_usage_watts": 585.0,
         "power_limit_watts": 600.0,
         "graphics_clock_mhz": 2625,
         "sm_clock_mhz": 2625,
         "memory_clock_mhz": 14001,
-        "clock_event_reasons": 0,
-        "gpu_utilization_percent": 100,
         "memory_utilization_percent": 71,
         "memory_used_bytes": 92_377_763_020,
         "memory_total_bytes": RTX_MEMORY_BYTES,
-        "performance_state": 0,
         "fan_speeds_percent": (72, 74),
         "persistence_enabled": False,
         "ecc_enabled": False,
         "ecc_pending": False,
-        "remapped_rows_correctable": 0,
-        "remapped_rows_uncorrectable": 0,
-        "remap_pending": False,
-        "remap_failed": False,
-        "pcie_generation": 5,
-        "pcie_width": 16,
-        "pcie_max_generation": 5,
-        "pcie_max_width": 16,
-        "pcie_replay_count": 0,
         "slowdown_temperature_celsius": 92,
-        "shutdown_temperature_celsius": 95,
-        "power_violation_ns": 0,
-        "thermal_violation_ns": 0,
-        "recovery_action": 0,  # RecoveryAction.NONE
     }
-    values.update(overrides)
-    return GpuSample(
-        index=index,
-        uuid=gpu_uuid(index),
-        name=RTX_NAME,
-        pci_bus_id=PCI_BUS_IDS[index % len(PCI_BUS_IDS)],
-        up=True,
-        timestamp_seconds=TIMESTAMP_SECONDS,
-        **values,
-    )
+    return _sample(index, RTX_NAME, readings, overrides)
 
 
 def lost_sample(index: int, name: str = H200_NAME) -> GpuSample:

@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 import yaml
+from helpers import wait_until
 from prometheus_client import CollectorRegistry, generate_latest
 from snapshots import node_snapshot, snapshot_from_backend
 
@@ -406,18 +407,24 @@ class Prometheus:
         timeout_seconds: float = 15.0,
         detail: Callable[[], str] = lambda: "",
     ) -> None:
-        deadline = time.monotonic() + timeout_seconds
         last_error: Exception | None = None
-        while time.monotonic() < deadline:
+
+        def met() -> bool:
+            nonlocal last_error
             if self.process.poll() is not None:
                 pytest.fail(f"prometheus exited with {self.process.returncode}:\n{self.log_tail()}")
             try:
-                if condition():
-                    return
+                return condition()
             except (OSError, AssertionError, KeyError) as exc:  # not up yet, or not there yet
                 last_error = exc
-            time.sleep(0.2)
-        pytest.fail(f"timed out waiting for {what} {detail()} (last error: {last_error!r})\n{self.log_tail()}")
+                return False
+
+        wait_until(
+            met,
+            timeout_seconds,
+            lambda: f"{what} {detail()} (last error: {last_error!r})\n{self.log_tail()}",
+            poll_seconds=0.2,
+        )
 
     def log_tail(self) -> str:
         self._log.flush()

@@ -14,13 +14,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from daemon_harness import Notifications, write_agent_config
+from helpers import wait_until
 
 from agent.backend.base import ClockDomain
 from agent.backend.sim import SimulatedBackend
@@ -115,11 +115,12 @@ def fan_modes(backend: SimulatedBackend) -> list[bool]:
 def wait_enforced(running: Agent) -> SimulatedBackend:
     running.notifications.wait_for("READY", "1")
     backend = gpus(running.state_dir)
-    deadline = time.monotonic() + 15
-    while not all(fan_modes(backend)) or backend.locked_clocks_mhz(1, ClockDomain.GRAPHICS) is None:
+
+    def enforced() -> bool:
         assert running.process.poll() is None, running.log()
-        assert time.monotonic() < deadline, "the policy was never enforced"
-        time.sleep(0.05)
+        return all(fan_modes(backend)) and backend.locked_clocks_mhz(1, ClockDomain.GRAPHICS) is not None
+
+    wait_until(enforced, 15, "the policy enforced", poll_seconds=0.05)
     assert backend.power_limit_watts(0) == 500.0
     return backend
 

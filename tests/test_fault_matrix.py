@@ -32,6 +32,7 @@ from typing import Any
 
 import pytest
 import structlog
+from helpers import FakeClock, make_event, wait_until
 from hosttree import make_host_tree
 
 from agent.backend import open_backend
@@ -40,7 +41,7 @@ from agent.backend.errors import GpuError, GpuErrorKind
 from agent.backend.sim import PROTOCOL_METHODS, STATE_FILE_NAME, SimulatedBackend
 from agent.config import AgentConfig
 from agent.daemon import Daemon, LoopTiming
-from agent.events import Event, EventKind, HealthState, Severity, SuggestedAction
+from agent.events import Event, EventKind, HealthState, SuggestedAction
 from agent.host.paths import HostPaths
 from agent.notify import SdNotifier
 from agent.policy.base import HostContext, Outcome, PlanStatus
@@ -299,14 +300,6 @@ class Node:
         return Daemon(self.config, None, notifier=SdNotifier(None, None), timing=timing, clock=clock), clock
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1_800_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def make_node(tmp: Path, calls: Calls, state_file: Path | None = None) -> Node:
     """A node; `state_file` (simulated GPUs already set to the policy) saves each cell the first apply."""
     config = AgentConfig.model_validate(
@@ -399,7 +392,7 @@ def assert_no_half_read_write(snapshot: NodeSnapshot, writes: list[tuple[str, in
 
 
 def loop(daemon: Daemon, clock: FakeClock, calls: Calls) -> NodeSnapshot:
-    clock.now += INTERVAL_SECONDS
+    clock.advance(INTERVAL_SECONDS)
     snapshot = daemon.loop_once()
     # A step still running (hung) has written part of what it will report: judge it once it is taken.
     if daemon._policy_pending is None:
@@ -408,14 +401,14 @@ def loop(daemon: Daemon, clock: FakeClock, calls: Calls) -> NodeSnapshot:
 
 
 def run_until_recovered(daemon: Daemon, clock: FakeClock, calls: Calls) -> NodeSnapshot:
-    deadline = time.monotonic() + RECOVERY_DEADLINE_SECONDS
-    while True:
+    left: list[str] = []
+
+    def recovered() -> NodeSnapshot | None:
         snapshot = loop(daemon, clock, calls)
-        left = problems_left(snapshot)
-        if not left:
-            return snapshot
-        assert time.monotonic() < deadline, f"not recovered: {left}"
-        time.sleep(0.02)
+        left[:] = problems_left(snapshot)
+        return None if left else snapshot
+
+    return wait_until(recovered, RECOVERY_DEADLINE_SECONDS, lambda: f"recovery; still: {left}", poll_seconds=0.02)
 
 
 def stop(daemon: Daemon) -> None:
@@ -445,15 +438,16 @@ def test_loop(node: Node, calls: Calls, method: str, kind: str) -> None:
         if kind != GpuErrorKind.NOT_SUPPORTED.value or method in SETTER_ITEMS or method in LIBRARY_CALLS:
             assert seen or exempt, f"{method} failing with {kind} left no trace in the snapshot"
         node.inject(method, None)
-        recovered = run_until_recovered(daemon, clock, calls)
+        run_until_recovered(daemon, clock, calls)
         if method == "wait_events":
             # the event path works again: an Xid injected now arrives through it
             node.operator.inject_xid(1, 13)
-            deadline = time.monotonic() + RECOVERY_DEADLINE_SECONDS
-            while not any(x.xid == 13 for x in recovered.xids):
-                assert time.monotonic() < deadline, "no Xid through the NVML event path after the fault cleared"
-                time.sleep(0.02)
-                recovered = loop(daemon, clock, calls)
+            wait_until(
+                lambda: any(x.xid == 13 for x in loop(daemon, clock, calls).xids),
+                RECOVERY_DEADLINE_SECONDS,
+                "an Xid through the NVML event path after the fault cleared",
+                poll_seconds=0.02,
+            )
         power = node.operator.power_limit_watts(0)
         assert power == 500.0, f"drift not put back after recovery: {power} W"
         record("loop", method, kind, ", ".join(sorted(seen)) or f"unseen: {exempt or 'not a fault'}")
@@ -554,7 +548,7 @@ def test_a_slow_policy_step_finishes_in_the_background_and_is_taken_later(node: 
     daemon, clock = node.daemon()
     try:
         run_until_recovered(daemon, clock, calls)
-        since = clock.now
+        since = clock()
         node.operator.hang_call(0, "set_power_limit_watts", 0.4)
         node.operator.set_power_limit_watts(0, 550)
         snapshot = loop(daemon, clock, calls)
@@ -562,16 +556,17 @@ def test_a_slow_policy_step_finishes_in_the_background_and_is_taken_later(node: 
         assert not policy.success and "still running" in policy.last_error
         assert snapshot.stale_gpus == frozenset()  # the GPUs are still read every loop
         node.operator.hang_call(0, "set_power_limit_watts", None)
-        deadline = time.monotonic() + RECOVERY_DEADLINE_SECONDS
-        drift_events: list[Event] = []
-        while not drift_events:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+
+        def drift_events() -> list[Event]:
             snapshot = loop(daemon, clock, calls)
-            drift_events = [
+            return [
                 e for e in snapshot.recent_events if e.kind is EventKind.POLICY_DRIFT and e.timestamp_seconds > since
             ]
-        assert drift_events[0].data["item"] == "power_limit"
+
+        (first, *_) = wait_until(
+            drift_events, RECOVERY_DEADLINE_SECONDS, "the background policy step's drift event", poll_seconds=0.05
+        )
+        assert first.data["item"] == "power_limit"
         assert node.operator.power_limit_watts(0) == 500.0
     finally:
         stop(daemon)
@@ -682,17 +677,16 @@ def test_action(node: Node, calls: Calls, method: str, kind: str) -> None:
         drain_poll_seconds=0.05,
     )
     uuid = backend.identity(0).uuid
-    event = Event(
+    event = make_event(
         EventKind.XID,
-        Severity.CRITICAL,
         0,
-        uuid,
-        "Xid 48 on GPU 0",
-        1_800_000_000.0,
-        "nvml",
-        f"xid:{uuid}:48",
-        {"xid": 48},
-        SuggestedAction.RESET_GPU,
+        uuid=uuid,
+        message="Xid 48 on GPU 0",
+        timestamp_seconds=1_800_000_000.0,
+        source="nvml",
+        key=f"xid:{uuid}:48",
+        suggested_action=SuggestedAction.RESET_GPU,
+        xid=48,
     )
     decision = Decision("xid-reset", event, Target(gpu=0, uuid=uuid), ActionSpec(ActionKind.RESET_GPU), 0, 1, "Xid 48")
     node.inject(method, kind)

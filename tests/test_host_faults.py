@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 from daemon_harness import free_port, running_agent
+from helpers import FakeClock, wait_until
 from hosttree import make_host_tree
 
 from agent.backend.sim import REASON_HW_THERMAL, SimulatedBackend
@@ -51,14 +52,6 @@ rules:
 """
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1_800_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @dataclass
 class Node:
     daemon: Daemon
@@ -68,7 +61,7 @@ class Node:
     state_dir: Path
 
     def loop(self, seconds: float = INTERVAL_SECONDS) -> NodeSnapshot:
-        self.clock.now += seconds
+        self.clock.advance(seconds)
         return self.daemon.loop_once()
 
     def events(self) -> list[Any]:
@@ -149,13 +142,12 @@ def node_at(
 
 def wait_for(node: Node, predicate: Any, what: str, timeout_seconds: float = 5.0) -> NodeSnapshot:
     """Loop until `predicate(snapshot)`: events from the NVML thread arrive between loops."""
-    deadline = time.monotonic() + timeout_seconds
-    while True:
+
+    def looped() -> NodeSnapshot | None:
         snapshot = node.loop()
-        if predicate(snapshot):
-            return snapshot
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
+        return snapshot if predicate(snapshot) else None
+
+    return wait_until(looped, timeout_seconds, what, poll_seconds=0.02)
 
 
 def xid_keys(node: Node) -> list[str]:
@@ -250,8 +242,8 @@ def test_corrupted_database_is_kept_aside_and_recreated(tmp_path: Path) -> None:
         assert any("kept aside" in r["event"] and r["level"] == "error" for r in records), agent.log()
         gpus = SimulatedBackend("h200x2", agent.state_dir)
         gpus.inject_xid(0, 13)
-        deadline = time.monotonic() + 15
-        while True:
+
+        def xid_listed() -> bool:
             listed = subprocess.run(
                 [sys.executable, "-m", "agent.cli", "events", "--json", "--config", str(agent.config_path)],
                 capture_output=True,
@@ -259,10 +251,9 @@ def test_corrupted_database_is_kept_aside_and_recreated(tmp_path: Path) -> None:
                 timeout=30,
             )
             assert listed.returncode == 0, listed.stderr
-            if any(e["kind"] == "xid" for e in json.loads(listed.stdout)["events"]):
-                break
-            assert time.monotonic() < deadline, "no event in the new database"
-            time.sleep(0.2)
+            return any(e["kind"] == "xid" for e in json.loads(listed.stdout)["events"])
+
+        wait_until(xid_listed, 15, "an event in the new database", poll_seconds=0.2)
 
 
 # -- sysfs files that go missing --------------------------------------------------------------------
@@ -308,19 +299,13 @@ def test_a_kernel_log_that_disappears_and_comes_back(tmp_path: Path) -> None:
         def xids() -> set[tuple[int, int]]:
             return {(x["gpu"], x["xid"]) for x in agent.status()["xids"]}
 
-        def wait(predicate: Any, what: str) -> None:
-            deadline = time.monotonic() + 15
-            while not predicate():
-                assert time.monotonic() < deadline, f"timed out waiting for {what}"
-                time.sleep(0.1)
-
         append_kmsg(host, xid_line(bus[0], 13))
-        wait(lambda: (0, 13) in xids(), "the first Xid")
+        wait_until(lambda: (0, 13) in xids(), 15, "the first Xid", poll_seconds=0.1)
         host.path("/dev/kmsg").unlink()  # log rotated away, a container's /dev/kmsg unmounted
         time.sleep(0.5)
         assert agent.process.poll() is None
         append_kmsg(host, xid_line(bus[1], 31))  # a new log at the same path
-        wait(lambda: (1, 31) in xids(), "an Xid from the new log")
+        wait_until(lambda: (1, 31) in xids(), 15, "an Xid from the new log", poll_seconds=0.1)
         kmsg = next(c for c in agent.status()["collectors"] if c["name"] == "kmsg")
         assert kmsg["success"], kmsg
         host.path("/dev/kmsg").unlink()  # and gone for good: the agent keeps running
@@ -343,7 +328,7 @@ def test_wall_clock_jumps_break_neither_the_loop_nor_cooldowns_nor_throttle_time
         thermal_before = node.loop().clock_event_seconds[(1, "hw_thermal_slowdown")]
         assert before.throttle_active_since
 
-        node.clock.now -= 3600  # NTP steps the clock back an hour
+        node.clock.step_wall(-3600)  # NTP steps the clock back an hour
         node.gpus.set_power_limit_watts(0, 650)  # drift right after the step
         node.gpus.add_ecc_errors(1, corrected=5)
         snapshot = node.loop(0)
@@ -355,7 +340,7 @@ def test_wall_clock_jumps_break_neither_the_loop_nor_cooldowns_nor_throttle_time
         wait_for(node, lambda s: len(node.outcomes("xid-note")) == 2, "a decision after the step")
         assert node.outcomes("xid-note") == [Outcome.DRY_RUN, Outcome.DRY_RUN]
 
-        node.clock.now += 86400  # and a day forward
+        node.clock.step_wall(86400)  # and a day forward
         for _ in range(3):
             snapshot = node.loop()
         assert snapshot.clock_event_seconds[(1, "hw_thermal_slowdown")] >= thermal_before

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from helpers import wait_until
 
 from agent.host.paths import HostPaths
 from agent.watch.fake_kernel_log import append_kmsg, xid_line
@@ -24,15 +25,6 @@ from agent.watch.kmsg import KmsgSource
 
 WAIT_SECONDS = 1.5
 LINE_79 = "NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
-
-
-def wait_until(predicate: Callable[[], bool], timeout_seconds: float = WAIT_SECONDS) -> bool:
-    deadline = time.monotonic() + timeout_seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 class Reader:
@@ -52,6 +44,16 @@ class Reader:
     def codes(self) -> list[int]:
         with self._lock:
             return [x.xid for x in self.xids]
+
+    def wait_codes(self, codes: list[int]) -> None:
+        wait_until(lambda: self.codes() == codes, WAIT_SECONDS, lambda: f"Xids {codes} (delivered: {self.codes()})")
+
+    def wait_status(self, text: str) -> None:
+        wait_until(
+            lambda: text in self.source.status()[1],
+            WAIT_SECONDS,
+            lambda: f"a status saying {text!r} (status: {self.source.status()})",
+        )
 
     def quiet(self, seconds: float = 0.3) -> list[int]:
         """What was delivered after waiting long enough for the reader to have seen everything written."""
@@ -96,7 +98,7 @@ def test_records_before_start_are_skipped_and_later_ones_read(paths: HostPaths, 
     append_kmsg(paths, xid_line("0000:3b:00", 31), monotonic_seconds=now - 1)
     reader = start(start_monotonic_seconds=now)
     append_kmsg(paths, xid_line("0000:3b:00", 43))
-    assert wait_until(lambda: reader.codes() == [43])
+    reader.wait_codes([43])
     assert reader.quiet() == [43]
     assert reader.xids[0].timestamp_seconds is not None
     assert reader.xids[0].timestamp_seconds >= now
@@ -108,7 +110,7 @@ def test_read_history_reads_every_record(paths: HostPaths, start: Callable[..., 
     append_kmsg(paths, xid_line("0000:3b:00", 13), monotonic_seconds=now - 30)
     reader = start(start_monotonic_seconds=now, read_history=True)
     append_kmsg(paths, xid_line("0000:3b:00", 43))
-    assert wait_until(lambda: reader.codes() == [13, 43])
+    reader.wait_codes([13, 43])
     assert reader.xids[0].timestamp_seconds == pytest.approx(now - 30, abs=1e-5)
 
 
@@ -117,7 +119,7 @@ def test_default_start_is_when_the_source_is_built(paths: HostPaths, start: Call
     time.sleep(0.01)
     reader = start()
     append_kmsg(paths, xid_line("0000:3b:00", 31))
-    assert wait_until(lambda: reader.codes() == [31])
+    reader.wait_codes([31])
     assert reader.quiet() == [31]
 
 
@@ -130,7 +132,7 @@ def test_plain_dmesg_lines_are_parsed_and_filtered_by_their_stamp(
         log.write(f"[{now + 1:.6f}] {xid_line('0000:3b:00', 31)}\n")
         log.write(f"{xid_line('0000:3b:00', 43)}\n")  # no stamp: nothing to filter on
     reader = start(start_monotonic_seconds=now)
-    assert wait_until(lambda: reader.codes() == [31, 43])
+    reader.wait_codes([31, 43])
 
 
 def test_user_facility_records_are_not_kernel_reports(paths: HostPaths, start: Callable[..., Reader]) -> None:
@@ -140,7 +142,7 @@ def test_user_facility_records_are_not_kernel_reports(paths: HostPaths, start: C
         # What `echo ... > /dev/kmsg` produces: facility user (1), level 3 -> priority 11.
         log.write(f"11,5,{usec},-;{LINE_79}\n")
         log.write(f"3,6,{usec},-;{xid_line('0000:3b:00', 13)}\n")
-    assert wait_until(lambda: reader.codes() == [13])
+    reader.wait_codes([13])
     assert reader.quiet() == [13]
 
 
@@ -153,12 +155,12 @@ def test_record_split_across_writes_is_read_once_complete(paths: HostPaths, star
     fd = os.open(kmsg_file(paths), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         os.write(fd, record[:25])
-        assert wait_until(lambda: reader.source.status()[0])
+        wait_until(lambda: reader.source.status()[0], WAIT_SECONDS, "the reader following the log")
         assert reader.quiet() == []
         os.write(fd, record[25:-1])
         assert reader.quiet() == []
         os.write(fd, record[-1:])
-        assert wait_until(lambda: reader.codes() == [79])
+        reader.wait_codes([79])
     finally:
         os.close(fd)
     assert reader.xids[0].pci_bus_id == "00000000:3B:00.0"
@@ -174,7 +176,7 @@ def test_metadata_continuation_lines_are_ignored(paths: HostPaths, start: Callab
         log.write(f"3,8,{usec},-;NVRM: The NVIDIA GPU 0000:b3:00.0\n{metadata}")
         log.write(f"3,9,{usec},-;NVRM: (PCI ID: 10de:2335) installed in this system has\n{metadata}")
         log.write(f"3,10,{usec},-;NVRM: fallen off the bus and is not responding to commands.\n{metadata}")
-    assert wait_until(lambda: reader.codes() == [13, 79])
+    reader.wait_codes([13, 79])
     assert reader.quiet() == [13, 79]
     assert reader.xids[1].pci_bus_id == "00000000:B3:00.0"
 
@@ -182,29 +184,33 @@ def test_metadata_continuation_lines_are_ignored(paths: HostPaths, start: Callab
 def test_truncated_file_is_read_from_its_start(paths: HostPaths, start: Callable[..., Reader]) -> None:
     reader = start()
     append_kmsg(paths, xid_line("0000:3b:00", 13, text="Graphics Exception: " + "x" * 300))
-    assert wait_until(lambda: reader.codes() == [13])
+    reader.wait_codes([13])
     with open(kmsg_file(paths), "w", encoding="utf-8"):
         pass  # truncate, as `: > kmsg` or logrotate's copytruncate does
     time.sleep(0.25)
     append_kmsg(paths, xid_line("0000:3b:00", 31))
-    assert wait_until(lambda: reader.codes() == [13, 31])
+    reader.wait_codes([13, 31])
     assert reader.quiet() == [13, 31]
 
 
 def test_replaced_file_is_reopened(paths: HostPaths, start: Callable[..., Reader], tmp_path: Path) -> None:
     reader = start()
     append_kmsg(paths, xid_line("0000:3b:00", 13))
-    assert wait_until(lambda: reader.codes() == [13])
+    reader.wait_codes([13])
     other = HostPaths.at(tmp_path / "other")
     append_kmsg(other, xid_line("0000:3b:00", 31))
     os.replace(other.path("/dev/kmsg"), kmsg_file(paths))
-    assert wait_until(lambda: reader.codes() == [13, 31])
+    reader.wait_codes([13, 31])
 
 
 def test_fifo_as_the_kernel_log(paths: HostPaths, start: Callable[..., Reader]) -> None:
     os.mkfifo(kmsg_file(paths))
     reader = start()
-    assert wait_until(lambda: reader.source.status() == (True, f"following {kmsg_file(paths)} (FIFO)"))
+    wait_until(
+        lambda: reader.source.status() == (True, f"following {kmsg_file(paths)} (FIFO)"),
+        WAIT_SECONDS,
+        "the reader following the FIFO",
+    )
     append_kmsg(paths, xid_line("0000:3b:00", 13))
     record = f"3,9,{int(time.monotonic() * 1_000_000)},-;{xid_line('0000:3b:00', 31)}\n".encode()
     fd = os.open(kmsg_file(paths), os.O_WRONLY)
@@ -214,10 +220,10 @@ def test_fifo_as_the_kernel_log(paths: HostPaths, start: Callable[..., Reader]) 
         os.write(fd, record[40:] + record)  # the rest, then a whole second copy in the same write
     finally:
         os.close(fd)
-    assert wait_until(lambda: reader.codes() == [13, 31, 31])
+    reader.wait_codes([13, 31, 31])
     # Writers come and go; the reader keeps the FIFO open and sees the next one.
     append_kmsg(paths, xid_line("0000:3b:00", 43))
-    assert wait_until(lambda: reader.codes() == [13, 31, 31, 43])
+    reader.wait_codes([13, 31, 31, 43])
 
 
 def test_fallen_off_bus_printed_as_three_records_is_one_xid_79(paths: HostPaths, start: Callable[..., Reader]) -> None:
@@ -226,7 +232,7 @@ def test_fallen_off_bus_printed_as_three_records_is_one_xid_79(paths: HostPaths,
     append_kmsg(paths, "NVRM: (PCI ID: 10de:2335) installed in this system has")
     append_kmsg(paths, "NVRM: fallen off the bus and is not responding to commands.")
     append_kmsg(paths, "NVRM: GPU 0000:b3:00.0: GPU has fallen off the bus.")  # the driver's repeat
-    assert wait_until(lambda: reader.codes() == [79])
+    reader.wait_codes([79])
     assert reader.quiet() == [79]
     (xid,) = reader.xids
     assert xid.pci_bus_id == "00000000:B3:00.0"
@@ -241,7 +247,7 @@ def test_fallen_off_bus_as_one_multi_line_record_is_one_xid_79(paths: HostPaths,
         "NVRM: The NVIDIA GPU 0000:b3:00.0\nNVRM: (PCI ID: 10de:2335) installed in this system has\n"
         "NVRM: fallen off the bus and is not responding to commands.",
     )
-    assert wait_until(lambda: reader.codes() == [79])
+    reader.wait_codes([79])
     assert reader.quiet() == [79]
     assert reader.xids[0].pci_bus_id == "00000000:B3:00.0"
 
@@ -259,7 +265,7 @@ def test_a_failing_sink_does_not_stop_the_reader(paths: HostPaths) -> None:
     try:
         append_kmsg(paths, xid_line("0000:3b:00", 13))
         append_kmsg(paths, xid_line("0000:3b:00", 31))
-        assert wait_until(lambda: delivered == [31])
+        wait_until(lambda: delivered == [31], WAIT_SECONDS, "Xid 31 delivered")
     finally:
         source.stop()
 
@@ -284,7 +290,7 @@ def test_missing_kmsg_under_a_fake_root_is_degraded_without_journalctl(
     paths: HostPaths, start: Callable[..., Reader], fake_journalctl: Path
 ) -> None:
     reader = start()
-    assert wait_until(lambda: reader.source.status()[1] != "not started")
+    wait_until(lambda: reader.source.status()[1] != "not started", WAIT_SECONDS, "the reader to start")
     ok, detail = reader.source.status()
     assert not ok
     assert str(kmsg_file(paths)) in detail
@@ -293,7 +299,7 @@ def test_missing_kmsg_under_a_fake_root_is_degraded_without_journalctl(
     assert not fake_journalctl.exists()
     # A fake log created later is picked up.
     append_kmsg(paths, xid_line("0000:3b:00", 79))
-    assert wait_until(lambda: reader.codes() == [79])
+    reader.wait_codes([79])
     assert reader.source.status()[0]
     assert not fake_journalctl.exists()
 
@@ -302,14 +308,14 @@ def test_device_that_reads_end_of_file_is_not_a_kernel_log(paths: HostPaths, sta
     # A container's /dev/null bound over /dev/kmsg: a character device with nothing behind it.
     kmsg_file(paths).symlink_to("/dev/null")
     reader = start()
-    assert wait_until(lambda: "not a kernel log" in reader.source.status()[1])
+    reader.wait_status("not a kernel log")
     assert reader.source.status()[0] is False
 
 
 def test_unreadable_kmsg_is_degraded(paths: HostPaths, start: Callable[..., Reader]) -> None:
     kmsg_file(paths).mkdir()  # opens, but is neither a device nor a file
     reader = start()
-    assert wait_until(lambda: "neither the kernel log device nor a file" in reader.source.status()[1])
+    reader.wait_status("neither the kernel log device nor a file")
     assert reader.source.status()[0] is False
 
 
@@ -338,7 +344,7 @@ def test_journal_command_is_followed_when_kmsg_is_missing(paths: HostPaths, tmp_
     source = KmsgSource(paths, delivered.append, start_monotonic_seconds=None, journal_command=argv)
     source.start()
     try:
-        assert wait_until(lambda: [x.xid for x in delivered] == [13, 31])
+        wait_until(lambda: [x.xid for x in delivered] == [13, 31], WAIT_SECONDS, "Xids 13 and 31 delivered")
         ok, detail = source.status()
         assert ok
         assert "following" in detail and "journal.py" in detail and "No such file" in detail
@@ -365,7 +371,7 @@ def test_journal_command_that_exits_makes_the_source_degraded(paths: HostPaths, 
     source = KmsgSource(paths, lambda xid: None, start_monotonic_seconds=None, journal_command=argv)
     source.start()
     try:
-        assert wait_until(lambda: "exited" in source.status()[1])
+        wait_until(lambda: "exited" in source.status()[1], WAIT_SECONDS, "the journal command to exit")
         ok, detail = source.status()
         assert not ok
         assert "exited with status 1: No journal files were found." in detail
@@ -378,7 +384,7 @@ def test_journal_command_that_cannot_run_is_reported(paths: HostPaths, tmp_path:
     source = KmsgSource(paths, lambda xid: None, start_monotonic_seconds=None, journal_command=[missing])
     source.start()
     try:
-        assert wait_until(lambda: missing in source.status()[1])
+        wait_until(lambda: missing in source.status()[1], WAIT_SECONDS, "a status naming the missing command")
         assert source.status()[0] is False
     finally:
         source.stop()
@@ -388,7 +394,7 @@ def test_stop_is_prompt(paths: HostPaths) -> None:
     append_kmsg(paths, xid_line("0000:3b:00", 13))
     source = KmsgSource(paths, lambda xid: None, start_monotonic_seconds=None)
     source.start()
-    assert wait_until(lambda: source.status()[0])
+    wait_until(lambda: source.status()[0], WAIT_SECONDS, "the reader following the log")
     started = time.monotonic()
     source.stop()
     assert time.monotonic() - started < 0.5

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import logging
 import socket
@@ -92,3 +93,50 @@ def test_auto_picks_journal_only_under_systemd(monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setattr(logs, "JOURNAL_SOCKET", str(sock))
     monkeypatch.setenv("JOURNAL_STREAM", "8:1234")
     assert logs.under_journal()
+
+
+#: Modules allowed to import stdlib logging, and why. logs.py bridges third-party libraries that log
+#: through `logging` (pyudev, systemd's journal module) into the same structlog stream.
+STDLIB_LOGGING_ALLOWED = {
+    "agent/logs.py": "routes third-party libraries' stdlib records into structlog",
+    # converted to structlog on the "actions" branch; delete this entry when that branch is merged
+    "agent/rules/actions.py": "converted by the actions branch",
+}
+
+
+def _imports_stdlib_logging(path: Path) -> bool:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(alias.name.split(".")[0] == "logging" for alias in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "logging":
+            return True
+    return False
+
+
+def test_agent_modules_log_through_structlog_not_stdlib_logging() -> None:
+    """Messages logged through stdlib `logging` lose their fields in the journal (GPU_UUID, XID, ...)."""
+    root = Path(__file__).resolve().parent.parent
+    importing = {
+        path.relative_to(root).as_posix() for path in (root / "agent").rglob("*.py") if _imports_stdlib_logging(path)
+    }
+    assert importing <= set(STDLIB_LOGGING_ALLOWED), sorted(importing - set(STDLIB_LOGGING_ALLOWED))
+    assert set(STDLIB_LOGGING_ALLOWED) <= importing, (
+        f"stale exceptions: {sorted(set(STDLIB_LOGGING_ALLOWED) - importing)}"
+    )
+
+
+def test_named_loggers_are_the_daemons_one() -> None:
+    """Every module logs as "gpu-agent": the journal's SYSLOG_IDENTIFIER and the JSON lines agree."""
+    root = Path(__file__).resolve().parent.parent
+    for path in (root / "agent").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "get_logger"
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "structlog"
+            ):
+                names = [arg.value for arg in node.args if isinstance(arg, ast.Constant)]
+                assert names == ["gpu-agent"], f"{path}:{node.lineno}: structlog.get_logger({names})"

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import FakeClock
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
@@ -335,8 +336,8 @@ def test_http_healthz_and_unknown_paths(server: MetricsServer) -> None:
 
 def test_http_healthz_before_first_snapshot_and_when_stale() -> None:
     current: list[NodeSnapshot | None] = [None]
-    now = [TIMESTAMP_SECONDS + 5]
-    srv = serve_metrics("127.0.0.1:0", lambda: current[0], stale_after_seconds=30, clock=lambda: now[0])
+    clock = FakeClock(wall_seconds=TIMESTAMP_SECONDS + 5)
+    srv = serve_metrics("127.0.0.1:0", lambda: current[0], stale_after_seconds=30, clock=clock)
     try:
         status, _, body = get(srv.url + "/healthz")
         assert (status, json.loads(body)["status"]) == (503, "starting")
@@ -344,7 +345,7 @@ def test_http_healthz_before_first_snapshot_and_when_stale() -> None:
         current[0] = node_snapshot()
         status, _, body = get(srv.url + "/healthz")
         assert (status, json.loads(body)) == (200, {"status": "ok", "snapshot_age_seconds": 5.0})
-        now[0] = TIMESTAMP_SECONDS + 31
+        clock.advance(26)  # 31 s after the snapshot
         status, _, body = get(srv.url + "/healthz")
         assert status == 503
         assert json.loads(body)["status"] == "stale"

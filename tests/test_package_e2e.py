@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from helpers import wait_until
 from hosttree import make_host_tree
 from systemd_sandbox import SystemdSandbox, missing_requirements
 from test_packaging import VERSION, build_packages
@@ -64,13 +64,12 @@ services:
 def wait_for(
     what: str, predicate: Callable[[], bool], timeout_seconds: float = 30.0, sandbox: SystemdSandbox | None = None
 ) -> None:
-    deadline = time.monotonic() + timeout_seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    context = f"\njournalctl -u {UNIT}:\n{journal(sandbox)[-4000:]}" if sandbox is not None else ""
-    raise AssertionError(f"timed out after {timeout_seconds:.0f} s waiting for {what}{context}")
+
+    def described() -> str:
+        context = f"\njournalctl -u {UNIT}:\n{journal(sandbox)[-4000:]}" if sandbox is not None else ""
+        return f"{what}{context}"
+
+    wait_until(predicate, timeout_seconds, described, poll_seconds=0.2)
 
 
 def main_pid(sandbox: SystemdSandbox, unit: str = UNIT) -> int:

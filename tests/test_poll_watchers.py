@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import FakeClock
 
 from agent.backend.base import GpuEvent, GpuEventKind, RecoveryAction
 from agent.backend.errors import GpuErrorKind
@@ -38,15 +39,19 @@ class Node:
         kwargs.setdefault("writable_items", [GPU_RESET_ITEM, "power_limit"])
         self.sim = SimulatedBackend(profile, tmp_path / "state", **kwargs)
         self.sim.init()
-        self.now = 1_000_000.0
+        self.clock = FakeClock(wall_seconds=1_000_000.0)
+
+    @property
+    def now(self) -> float:
+        return self.clock()
 
     def tick(self, seconds: float, wall_seconds: float | None = None) -> None:
         """`seconds` of simulated GPU time; the sample clock moves `wall_seconds` (default the same)."""
         self.sim.advance(seconds)
-        self.now += seconds if wall_seconds is None else wall_seconds
+        self.clock.advance(seconds if wall_seconds is None else wall_seconds)
 
     def samples(self, slow: bool = True) -> list[GpuSample]:
-        return [sample_gpu(self.sim, gpu, slow=slow, clock=lambda: self.now) for gpu in range(self.sim.device_count())]
+        return [sample_gpu(self.sim, gpu, slow=slow, clock=self.clock) for gpu in range(self.sim.device_count())]
 
     def observe(self, watcher: PollWatcher, slow: bool = True) -> list[Event]:
         return watcher.observe(self.samples(slow), self.now)
@@ -69,6 +74,14 @@ def assert_well_formed(event: Event, node: Node, gpu: int) -> None:
     assert event.message.startswith(f"GPU {gpu}")
     assert event.key and event.source == "poll"
     assert event.timestamp_seconds == node.now
+
+
+def one_event(node: Node, watcher: PollWatcher, kind: EventKind, severity: Severity, action: SuggestedAction) -> Event:
+    """The one event GPU 0's next observation makes, well formed and of that kind, severity and action."""
+    (event,) = node.observe(watcher)
+    assert_well_formed(event, node, 0)
+    assert (event.kind, event.severity, event.suggested_action) == (kind, severity, action)
+    return event
 
 
 # -- throttle -----------------------------------------------------------------------------------
@@ -248,13 +261,7 @@ def test_uncorrected_ecc_baseline_event_and_reset(tmp_path: Path) -> None:
     assert watcher.health(0) == HEALTHY
     node.sim.add_ecc_errors(0, uncorrected=1)
     assert node.observe(watcher, slow=False) == []  # counters are slow-tier readings
-    (event,) = node.observe(watcher)
-    assert_well_formed(event, node, 0)
-    assert (event.kind, event.severity, event.suggested_action) == (
-        EventKind.ECC_UNCORRECTED,
-        Severity.CRITICAL,
-        SuggestedAction.RESET_GPU,
-    )
+    event = one_event(node, watcher, EventKind.ECC_UNCORRECTED, Severity.CRITICAL, SuggestedAction.RESET_GPU)
     assert event.data["new_errors"] == 1
     assert event.data["ecc_uncorrected_volatile"] == 3 and event.data["ecc_uncorrected_aggregate"] == 3
     assert node.observe(watcher) == []
@@ -307,13 +314,7 @@ def test_row_remap_pending_and_failed(tmp_path: Path) -> None:
     node, watcher = Node(tmp_path), MemoryWatcher()
     node.observe(watcher)
     node.sim.set_remapped_rows(0, uncorrectable=1, pending=True)
-    (event,) = node.observe(watcher)
-    assert_well_formed(event, node, 0)
-    assert (event.kind, event.severity, event.suggested_action) == (
-        EventKind.ROW_REMAP_PENDING,
-        Severity.WARNING,
-        SuggestedAction.RESET_GPU,
-    )
+    event = one_event(node, watcher, EventKind.ROW_REMAP_PENDING, Severity.WARNING, SuggestedAction.RESET_GPU)
     assert event.data["remapped_rows_uncorrectable"] == 1
     assert node.observe(watcher) == [] and node.observe(watcher, slow=False) == []
     assert watcher.health(0) == Health(HealthState.DEGRADED, "row remapping pending a reset", SuggestedAction.RESET_GPU)
@@ -322,12 +323,7 @@ def test_row_remap_pending_and_failed(tmp_path: Path) -> None:
     assert watcher.health(0) == HEALTHY
 
     node.sim.set_remapped_rows(0, uncorrectable=512, failed=True)
-    (event,) = node.observe(watcher)
-    assert (event.kind, event.severity, event.suggested_action) == (
-        EventKind.ROW_REMAP_FAILED,
-        Severity.CRITICAL,
-        SuggestedAction.CONTACT_SUPPORT,
-    )
+    event = one_event(node, watcher, EventKind.ROW_REMAP_FAILED, Severity.CRITICAL, SuggestedAction.CONTACT_SUPPORT)
     assert node.observe(watcher) == []
     health = watcher.health(0)
     assert (health.state, health.suggested_action) == (HealthState.UNHEALTHY, SuggestedAction.CONTACT_SUPPORT)
@@ -391,9 +387,7 @@ def test_recovery_action(
     node, watcher = Node(tmp_path), MemoryWatcher()
     node.observe(watcher)
     node.sim.set_recovery_action(0, action)
-    (event,) = node.observe(watcher)
-    assert_well_formed(event, node, 0)
-    assert (event.kind, event.severity, event.suggested_action) == (EventKind.RECOVERY_ACTION, severity, suggested)
+    event = one_event(node, watcher, EventKind.RECOVERY_ACTION, severity, suggested)
     assert event.data["recovery_action"] == action
     assert node.observe(watcher) == []
     health = watcher.health(0)
@@ -449,13 +443,7 @@ def test_gpu_reset_required(tmp_path: Path) -> None:
     node, watcher = Node(tmp_path), GpuLostWatcher()
     node.observe(watcher)
     node.sim.set_reset_required(0)
-    (event,) = node.observe(watcher)
-    assert_well_formed(event, node, 0)
-    assert (event.kind, event.severity, event.suggested_action) == (
-        EventKind.GPU_RESET_REQUIRED,
-        Severity.CRITICAL,
-        SuggestedAction.RESET_GPU,
-    )
+    one_event(node, watcher, EventKind.GPU_RESET_REQUIRED, Severity.CRITICAL, SuggestedAction.RESET_GPU)
     assert node.observe(watcher) == []
     assert watcher.health(0) == Health(HealthState.UNHEALTHY, "GPU requires a reset", SuggestedAction.RESET_GPU)
     node.sim.reset_gpu(0)
@@ -486,13 +474,7 @@ def test_pcie_width_degraded_after_sustained_loops_then_restored(tmp_path: Path)
     assert node.observe(watcher) == []
     assert node.observe(watcher, slow=False) == []  # no link reading: neither counts nor resets
     assert node.observe(watcher) == []
-    (event,) = node.observe(watcher)
-    assert_well_formed(event, node, 0)
-    assert (event.kind, event.severity, event.suggested_action) == (
-        EventKind.PCIE_DEGRADED,
-        Severity.WARNING,
-        SuggestedAction.CHECK_MECHANICALS,
-    )
+    event = one_event(node, watcher, EventKind.PCIE_DEGRADED, Severity.WARNING, SuggestedAction.CHECK_MECHANICALS)
     assert event.data == {
         "generation": 5,
         "width": 8,
@@ -756,3 +738,30 @@ def test_health_book_across_watchers_and_other_sources(tmp_path: Path) -> None:
     sources: list[HealthSource] = [*watchers, xid, service]
     assert book.gpu_health(0) == combine(source.health(0) for source in sources)
     assert xid.health(0).reason in book.gpu_health(0).reason
+
+
+# -- per-board state ------------------------------------------------------------------------------
+
+
+def test_another_board_in_a_slot_starts_from_nothing(tmp_path: Path) -> None:
+    """A swapped card's ECC counters are its own history: a baseline, never new errors of the slot."""
+    node, watcher = Node(tmp_path), MemoryWatcher()
+    node.observe(watcher)
+    node.sim.add_ecc_errors(0, uncorrected=4)
+    (sample,) = node.samples()
+    swapped = dataclasses.replace(sample, uuid="GPU-another-board")
+    assert watcher.observe([swapped], node.now) == []
+    assert watcher.health(0) == HEALTHY
+    node.sim.add_ecc_errors(0, uncorrected=1)
+    (event,) = watcher.observe([dataclasses.replace(node.samples()[0], uuid="GPU-another-board")], node.now)
+    assert event.data["new_errors"] == 1
+
+
+def test_a_gpu_that_does_not_answer_keeps_its_state(tmp_path: Path) -> None:
+    node, watcher = Node(tmp_path), MemoryWatcher()
+    node.observe(watcher)
+    node.sim.add_ecc_errors(0, uncorrected=1)
+    (sample,) = node.samples()
+    assert watcher.observe([dataclasses.replace(sample, up=False)], node.now) == []
+    (event,) = watcher.observe([sample], node.now)
+    assert event.data["new_errors"] == 1

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import wait_until
 from pydantic import ValidationError
 
 from agent import standin
@@ -148,20 +149,16 @@ def test_command_manager_failures_raise_with_the_output(tmp_path: Path) -> None:
 
 
 def test_command_manager_status_command_answers_is_active(tmp_path: Path) -> None:
-    yes = ServiceConfig(
-        name="a",
-        manager="command",
-        start_command=["/bin/true"],
-        stop_command=["/bin/true"],
-        status_command=["/bin/true"],
-    )
-    no = ServiceConfig(
-        name="b",
-        manager="command",
-        start_command=["/bin/true"],
-        stop_command=["/bin/true"],
-        status_command=["/bin/false"],
-    )
+    def answering(name: str, status: str) -> ServiceConfig:
+        return ServiceConfig(
+            name=name,
+            manager="command",
+            start_command=["/bin/true"],
+            stop_command=["/bin/true"],
+            status_command=[status],
+        )
+
+    yes, no = answering("a", "/bin/true"), answering("b", "/bin/false")
     assert CommandManager().is_active(yes) is True
     assert CommandManager().is_active(no) is False
     prober = HealthProber([yes, no], {"a": CommandManager(), "b": CommandManager()})
@@ -359,12 +356,12 @@ def test_prober_thread_probes_each_service_and_stops_promptly(tmp_path: Path) ->
         prober = HealthProber(services)
         thread = ProberThread(prober)
         thread.start()
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
+
+        def settled() -> bool:
             status = {s.name: s for s in prober.statuses()}
-            if status["good"].up and status["wedged"].up is False:
-                break
-            time.sleep(0.05)
+            return bool(status["good"].up) and status["wedged"].up is False
+
+        wait_until(settled, 5, "the good service up and the wedged one down", poll_seconds=0.05)
         status = {s.name: s for s in prober.statuses()}
         assert status["good"].up is True
         assert status["wedged"].up is False  # the hanging server did not hold up the other one

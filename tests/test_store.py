@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog.testing
+from helpers import make_event
 
 from agent import store as store_module
 from agent.events import Event, EventKind, Severity, SuggestedAction
@@ -23,17 +25,16 @@ GPU3 = Target(3, UUID)
 
 
 def event(key: str, at: float = T0, **data: Any) -> Event:
-    return Event(
-        kind=EventKind.XID,
-        severity=Severity.CRITICAL,
-        gpu=3,
+    return make_event(
+        EventKind.XID,
+        3,
         uuid=UUID,
         message="Xid 48 on GPU 3",
         timestamp_seconds=at,
         source="kmsg",
         key=key,
-        data=data,
         suggested_action=SuggestedAction.RESET_GPU,
+        **data,
     )
 
 
@@ -131,17 +132,19 @@ def test_a_database_from_a_newer_agent_is_kept_aside(tmp_path: Path) -> None:
 # -- corruption ---------------------------------------------------------------------------------
 
 
-def test_a_file_that_is_not_a_database_is_kept_aside(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_file_that_is_not_a_database_is_kept_aside(tmp_path: Path) -> None:
     garbage = b"this is not an SQLite database\n" * 200
     (tmp_path / DB_NAME).write_bytes(garbage)
     (tmp_path / f"{DB_NAME}-wal").write_bytes(b"stale log of the broken file")
-    with Store.open(tmp_path, now_seconds=T0) as opened:
+    with structlog.testing.capture_logs() as logs, Store.open(tmp_path, now_seconds=T0) as opened:
         assert opened.record_event(event("fresh"))
         assert [e.event.key for e in opened.events()] == ["fresh"]
     aside = tmp_path / f"{DB_NAME}.corrupt-{int(T0)}"
     assert aside.read_bytes() == garbage
     assert (tmp_path / f"{DB_NAME}.corrupt-{int(T0)}-wal").read_bytes() == b"stale log of the broken file"
-    assert "state database unusable" in caplog.text
+    (logged,) = [entry for entry in logs if entry["event"].startswith("state database unusable")]
+    assert logged["log_level"] == "error"
+    assert logged["kept_aside"] == str(aside) and "bad header" in logged["error"]
 
 
 def test_a_damaged_database_is_kept_aside(tmp_path: Path) -> None:
@@ -225,6 +228,24 @@ def test_events_round_trip_with_data_that_is_not_plain_json(store: Store) -> Non
         "level": "fatal",
     }
     assert dataclasses.replace(stored.event, data={}) == dataclasses.replace(event("a"), data={})
+
+
+def test_rows_an_earlier_agent_wrote_read_back_by_column_name(tmp_path: Path) -> None:
+    """The events table is read by column name: a row written by an earlier agent (the same schema,
+    its own column order in the INSERT) comes back as the event it stored."""
+    Store.open(tmp_path, now_seconds=T0).close()
+    connection = sqlite3.connect(tmp_path / DB_NAME)
+    with connection:
+        connection.execute(
+            "INSERT INTO events (ts, data, suggested_action, source, message, uuid, gpu, severity, kind, key, handled)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1)",
+            (T0, '{"xid": 48}', "reset_gpu", "kmsg", "Xid 48 on GPU 3", UUID, 3, "critical", "xid", "old-row"),
+        )
+    connection.close()
+    with Store.open(tmp_path, now_seconds=T0) as reopened:
+        (stored,) = reopened.events()
+    assert stored.handled is True
+    assert stored.event == event("old-row", xid=48) and stored.event.data == {"xid": 48}
 
 
 def test_events_since_and_limit_give_the_newest_oldest_first(store: Store) -> None:

@@ -16,13 +16,13 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 from daemon_harness import running_agent, write_agent_config
+from helpers import wait_until
 from hosttree import NOBODY_ID, run_unprivileged
 
 from agent import api
@@ -303,14 +303,19 @@ def test_webhook_and_alertmanager_secrets_never_reach_the_log_or_the_store(tmp_p
                 text.replace("remediation: {", f'remediation: {{alertmanager_url: "{alertmanager}", ')
             )
             agent.signal(signal.SIGHUP)
-            deadline = time.monotonic() + 15
-            while "config reloaded" not in agent.log():
-                assert time.monotonic() < deadline, agent.log()[-2000:]
-                time.sleep(0.1)
+            wait_until(
+                lambda: "config reloaded" in agent.log(),
+                15,
+                lambda: f"the reload in the log:\n{agent.log()[-2000:]}",
+                poll_seconds=0.1,
+            )
             SimulatedBackend("h200x2", agent.state_dir).inject_xid(0, 13)
-            while agent.log().count('"action finished"') < 3:
-                assert time.monotonic() < deadline + 15, agent.log()[-3000:]
-                time.sleep(0.1)
+            wait_until(
+                lambda: agent.log().count('"action finished"') >= 3,
+                30,
+                lambda: f"three finished actions in the log:\n{agent.log()[-3000:]}",
+                poll_seconds=0.1,
+            )
             events = gpu_agent("events", "--json", "--config", str(agent.config_path))
             log = agent.log()
     finally:

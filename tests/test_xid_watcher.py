@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from helpers import FakeClock, wait_until
 
 from agent.backend.base import GpuEvent, GpuEventKind, GpuIdentity
 from agent.backend.errors import GpuError, GpuErrorKind
@@ -26,26 +27,6 @@ from agent.watch.nvml_events import NvmlEventSource
 from agent.watch.xid import XidWatcher, recovery_suggested_action
 
 WAIT_SECONDS = 1.5
-
-
-def wait_until(predicate: Callable[[], bool], timeout_seconds: float = WAIT_SECONDS) -> bool:
-    deadline = time.monotonic() + timeout_seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
-
-
-@dataclass
-class FakeClock:
-    now: float = 1_700_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 @dataclass
@@ -72,6 +53,13 @@ class Pipeline:
     def xid_events(self) -> list[Event]:
         with self.lock:
             return [e for e in self.seen if e.kind is EventKind.XID]
+
+    def wait_xid_events(self, count: int) -> None:
+        wait_until(
+            lambda: len(self.xid_events()) == count,
+            WAIT_SECONDS,
+            lambda: f"{count} Xid events (seen: {[e.message for e in self.xid_events()]})",
+        )
 
     def counted(self, gpu: int | None, xid: int) -> int:
         return sum(c.count for c in self.watcher.counts() if c.gpu == gpu and c.xid == xid)
@@ -108,7 +96,11 @@ def pipeline(tmp_path: Path) -> Iterator[Pipeline]:
 def test_nvml_and_kernel_sightings_of_one_xid_make_one_event(pipeline: Pipeline) -> None:
     pipeline.backend.inject_xid(3, 79)
     pipeline.write_kernel_xid(3, 79, pid=4242, process="python3")
-    assert wait_until(lambda: any(len(e.data["sources"]) == 2 for e in pipeline.xid_events()))
+    wait_until(
+        lambda: any(len(e.data["sources"]) == 2 for e in pipeline.xid_events()),
+        WAIT_SECONDS,
+        "an Xid event seen by both sources",
+    )
     time.sleep(0.2)  # nothing else may trickle in
     events = pipeline.xid_events()
     assert len(events) == 1
@@ -120,7 +112,7 @@ def test_nvml_and_kernel_sightings_of_one_xid_make_one_event(pipeline: Pipeline)
     assert event.severity is Severity.FATAL
     assert event.suggested_action is SuggestedAction.REBOOT
     assert event.message == "Xid 79 on GPU 3 (00000000:5D:00.0): GPU has fallen off the bus — reboot"
-    assert event.key == f"xid:{pipeline.identities[3].uuid}:79:{pipeline.clock.now:.3f}"
+    assert event.key == f"xid:{pipeline.identities[3].uuid}:79:{pipeline.clock():.3f}"
     assert event.data["resolution"] == "RESTART_BM"
     assert event.data["name"] == "GPU has fallen off the bus"
     assert pipeline.counted(3, 79) == 1
@@ -128,9 +120,13 @@ def test_nvml_and_kernel_sightings_of_one_xid_make_one_event(pipeline: Pipeline)
 
 def test_kernel_first_then_nvml_is_still_one_event(pipeline: Pipeline) -> None:
     pipeline.write_kernel_xid(5, 13, pid=777, process="sglang")
-    assert wait_until(lambda: pipeline.counted(5, 13) == 1)
+    wait_until(lambda: pipeline.counted(5, 13) == 1, WAIT_SECONDS, "Xid 13 on GPU 5 counted")
     pipeline.backend.inject_xid(5, 13)
-    assert wait_until(lambda: any(e.data["sources"] == ["kmsg", "nvml"] for e in pipeline.xid_events()))
+    wait_until(
+        lambda: any(e.data["sources"] == ["kmsg", "nvml"] for e in pipeline.xid_events()),
+        WAIT_SECONDS,
+        "the NVML sighting joined to the kernel's",
+    )
     time.sleep(0.2)
     events = pipeline.xid_events()
     assert len(events) == 1
@@ -146,12 +142,16 @@ def test_kernel_first_then_nvml_is_still_one_event(pipeline: Pipeline) -> None:
 
 def test_same_xid_after_the_window_is_a_new_event(pipeline: Pipeline) -> None:
     pipeline.backend.inject_xid(1, 31)
-    assert wait_until(lambda: len(pipeline.xid_events()) == 1)
+    pipeline.wait_xid_events(1)
     pipeline.clock.advance(11)
     pipeline.backend.inject_xid(1, 31)
     pipeline.write_kernel_xid(1, 31)
-    assert wait_until(lambda: len(pipeline.xid_events()) == 2)
-    assert wait_until(lambda: sorted(pipeline.xid_events()[1].data["sources"]) == ["kmsg", "nvml"])
+    pipeline.wait_xid_events(2)
+    wait_until(
+        lambda: sorted(pipeline.xid_events()[1].data["sources"]) == ["kmsg", "nvml"],
+        WAIT_SECONDS,
+        "the second event seen by both sources",
+    )
     first, second = pipeline.xid_events()
     assert second.timestamp_seconds - first.timestamp_seconds == pytest.approx(11)
     assert first.key != second.key
@@ -162,7 +162,7 @@ def test_same_xid_after_the_window_is_a_new_event(pipeline: Pipeline) -> None:
 def test_different_xids_on_one_gpu_are_different_events(pipeline: Pipeline) -> None:
     pipeline.backend.inject_xid(0, 31)
     pipeline.write_kernel_xid(0, 43)
-    assert wait_until(lambda: len(pipeline.xid_events()) == 2)
+    pipeline.wait_xid_events(2)
     assert sorted(e.data["xid"] for e in pipeline.xid_events()) == [31, 43]
     assert pipeline.counted(0, 31) == 1
     assert pipeline.counted(0, 43) == 1
@@ -170,7 +170,7 @@ def test_different_xids_on_one_gpu_are_different_events(pipeline: Pipeline) -> N
 
 def test_unknown_bus_id_still_makes_an_event(pipeline: Pipeline) -> None:
     append_kmsg(pipeline.paths, xid_line("0000:e1:00.0", 48))
-    assert wait_until(lambda: len(pipeline.xid_events()) == 1)
+    pipeline.wait_xid_events(1)
     event = pipeline.xid_events()[0]
     assert event.gpu is None
     assert event.uuid is None
@@ -182,11 +182,11 @@ def test_unknown_bus_id_still_makes_an_event(pipeline: Pipeline) -> None:
 
 def test_lost_gpu_from_the_event_wait_reaches_on_lost_and_events_keep_flowing(pipeline: Pipeline) -> None:
     pipeline.backend.set_lost(6)
-    assert wait_until(lambda: len(pipeline.lost) == 1)
+    wait_until(lambda: len(pipeline.lost) == 1, WAIT_SECONDS, "the lost GPU reported")
     assert pipeline.lost[0].kind is GpuErrorKind.GPU_LOST
     assert pipeline.lost[0].gpu == 6
     pipeline.backend.inject_xid(2, 94)
-    assert wait_until(lambda: [e.data["xid"] for e in pipeline.xid_events()] == [94])
+    wait_until(lambda: [e.data["xid"] for e in pipeline.xid_events()] == [94], WAIT_SECONDS, "Xid 94 alone")
 
 
 # -- the watcher alone: mapping, dedupe, recovery actions ---------------------------------------------
@@ -256,7 +256,7 @@ def test_repeats_from_one_source_within_the_window_are_one_event() -> None:
     clock.advance(0.5)
     assert len(watcher.ingest_nvml(nvml(0, 31))) == 1
     (count,) = watcher.counts()
-    assert count == XidCount(gpu=0, uuid=IDENTITIES[0].uuid, xid=31, count=2, last_seen_seconds=clock.now)
+    assert count == XidCount(gpu=0, uuid=IDENTITIES[0].uuid, xid=31, count=2, last_seen_seconds=clock())
 
 
 def test_window_length_is_configurable() -> None:
@@ -280,7 +280,7 @@ def test_folded_sighting_changes_only_sources() -> None:
         k: v for k, v in before.items() if k != "sources"
     }
     assert event.data["pid"] is None
-    assert event.timestamp_seconds == clock.now - 1
+    assert event.timestamp_seconds == clock() - 1
 
 
 def test_unknown_xid_code_is_a_warning_asking_for_a_look() -> None:
@@ -479,9 +479,9 @@ def test_counts_after_dedupe() -> None:
     clock.advance(20)
     watcher.ingest_nvml(nvml(0, 13))
     assert watcher.counts() == [
-        XidCount(gpu=0, uuid=IDENTITIES[0].uuid, xid=13, count=1, last_seen_seconds=clock.now),
-        XidCount(gpu=1, uuid=IDENTITIES[1].uuid, xid=79, count=1, last_seen_seconds=clock.now - 21),
-        XidCount(gpu=None, uuid="", xid=13, count=1, last_seen_seconds=clock.now - 20),
+        XidCount(gpu=0, uuid=IDENTITIES[0].uuid, xid=13, count=1, last_seen_seconds=clock()),
+        XidCount(gpu=1, uuid=IDENTITIES[1].uuid, xid=79, count=1, last_seen_seconds=clock() - 21),
+        XidCount(gpu=None, uuid="", xid=13, count=1, last_seen_seconds=clock() - 20),
     ]
 
 
@@ -522,12 +522,14 @@ def test_nvml_source_survives_other_errors_and_reports_them(tmp_path: Path) -> N
     backend.fail_call(None, "wait_events", GpuErrorKind.UNKNOWN)
     source.start()
     try:
-        assert wait_until(lambda: "injected failure of wait_events" in source.status()[1])
+        wait_until(
+            lambda: "injected failure of wait_events" in source.status()[1], WAIT_SECONDS, "the failure in the status"
+        )
         assert source.status()[0] is False
         backend.fail_call(None, "wait_events", None)
-        assert wait_until(lambda: source.status()[0] is True)
+        wait_until(lambda: source.status()[0] is True, WAIT_SECONDS, "the source working again")
         backend.inject_xid(1, 13)
-        assert wait_until(lambda: [(e.gpu, e.data) for e in received] == [(1, 13)])
+        wait_until(lambda: [(e.gpu, e.data) for e in received] == [(1, 13)], WAIT_SECONDS, "Xid 13 on GPU 1")
     finally:
         source.stop()
 
@@ -548,7 +550,7 @@ def test_nvml_source_survives_a_failing_consumer(tmp_path: Path) -> None:
         backend.inject_xid(0, 13)
         time.sleep(0.05)
         backend.inject_xid(0, 31)
-        assert wait_until(lambda: [e.data for e in received] == [31])
+        wait_until(lambda: [e.data for e in received] == [31], WAIT_SECONDS, "Xid 31 delivered")
     finally:
         source.stop()
 

@@ -14,16 +14,17 @@ so and the daemon relies on polling alone.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import structlog
 
 from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
 from agent.host.paths import HostPaths
 from agent.state import GpuSample
 
-log = logging.getLogger(__name__)
+log = structlog.get_logger("gpu-agent")
 
 UDEV_CONTROL = "/run/udev/control"  # the socket systemd-udevd listens on: present only where udevd runs
 NVIDIA_PCI_VENDOR = "10DE"

@@ -23,7 +23,6 @@ What it reads, in order:
 
 from __future__ import annotations
 
-import logging
 import os
 import select
 import stat
@@ -33,10 +32,12 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import structlog
+
 from agent.host.paths import HostPaths
 from agent.watch.kernel_log import KernelLogParser, KernelXid, parse_kmsg_record
 
-log = logging.getLogger(__name__)
+log = structlog.get_logger("gpu-agent")
 
 KMSG_PATH = "/dev/kmsg"
 JOURNAL_COMMAND = ("journalctl", "-k", "-f", "-o", "cat", "--since", "now")
@@ -119,7 +120,7 @@ class KmsgSource:
             changed = (ok, detail) != (self._ok, self._detail)
             self._ok, self._detail = ok, detail
         if changed:
-            log.log(logging.INFO if ok else logging.WARNING, "kernel log source: %s", detail)
+            (log.info if ok else log.warning)("kernel log source", ok=ok, detail=detail)
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -206,7 +207,7 @@ class KmsgSource:
                 self._drain_lines(pending)
                 continue
             if regular and os.fstat(fd).st_size < os.lseek(fd, 0, os.SEEK_CUR):
-                log.info("kernel log %s was truncated; reading it from the start", self._path)
+                log.info("kernel log truncated; reading it from the start", path=str(self._path))
                 os.lseek(fd, 0, os.SEEK_SET)
                 pending.clear()
                 continue
@@ -227,7 +228,9 @@ class KmsgSource:
             end = pending.find(b"\n")
             if end < 0:
                 if len(pending) > MAX_LINE_BYTES:
-                    log.warning("kernel log %s: dropped %d bytes without a newline", self._path, len(pending))
+                    log.warning(
+                        "kernel log: dropped bytes without a newline", path=str(self._path), dropped_bytes=len(pending)
+                    )
                     pending.clear()
                 return
             line = bytes(pending[:end])
@@ -317,4 +320,4 @@ class KmsgSource:
             try:
                 self._sink(xid)
             except Exception:  # a failing consumer must not stop the reader
-                log.exception("kernel log sink failed for Xid %d", xid.xid)
+                log.exception("kernel log sink failed", xid=xid.xid, pci_bus_id=xid.pci_bus_id)

@@ -28,6 +28,7 @@ from typing import Any
 from agent.backend.base import RecoveryAction
 from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
 from agent.state import GpuSample
+from agent.watch.boards import BoardStates, sample_event
 from agent.watch.health import combine
 
 CORRECTED_EVENT_INTERVAL_SECONDS = 600.0
@@ -70,9 +71,34 @@ def _recovery(value: int) -> _Recovery:
         return _UNKNOWN_RECOVERY
 
 
+#: Flags reported when they appear: (GpuSample and _GpuState field, event kind, severity, message, action).
+_FLAGS: tuple[tuple[str, EventKind, Severity, str, SuggestedAction], ...] = (
+    (
+        "remap_pending",
+        EventKind.ROW_REMAP_PENDING,
+        Severity.WARNING,
+        "row remapping pending ({rows} rows remapped); a GPU reset applies it",
+        SuggestedAction.RESET_GPU,
+    ),
+    (
+        "remap_failed",
+        EventKind.ROW_REMAP_FAILED,
+        Severity.CRITICAL,
+        "row remapping failed ({rows} rows remapped): the memory has no spare rows left",
+        SuggestedAction.CONTACT_SUPPORT,
+    ),
+    (
+        "retired_pages_pending",
+        EventKind.RETIRED_PAGES_PENDING,
+        Severity.WARNING,
+        "memory pages are pending retirement; a GPU reset retires them",
+        SuggestedAction.RESET_GPU,
+    ),
+)
+
+
 @dataclass
 class _GpuState:
-    uuid: str
     counters: dict[str, int] = field(default_factory=dict)
     uncorrected: Health | None = None
     corrected_unreported: int = 0
@@ -87,16 +113,11 @@ class MemoryWatcher:
     name = "memory"
 
     def __init__(self) -> None:
-        self._gpus: dict[int, _GpuState] = {}
+        self._gpus = BoardStates(_GpuState)
 
     def observe(self, samples: Sequence[GpuSample], now_seconds: float) -> list[Event]:
         events: list[Event] = []
-        for sample in samples:
-            if not sample.up:
-                continue
-            state = self._gpus.get(sample.index)
-            if state is None or state.uuid != sample.uuid:
-                state = self._gpus[sample.index] = _GpuState(sample.uuid)
+        for sample, state in self._gpus.answering(samples):
             if self._was_reset(state, sample):
                 state.uncorrected = None
             uncorrected = self._growth(state, sample, _UNCORRECTED_FIELDS)
@@ -166,17 +187,14 @@ class MemoryWatcher:
         state.uncorrected = Health(
             HealthState.UNHEALTHY, "uncorrected ECC errors since the last GPU reset", SuggestedAction.RESET_GPU
         )
-        return Event(
-            kind=EventKind.ECC_UNCORRECTED,
-            severity=Severity.CRITICAL,
-            gpu=sample.index,
-            uuid=sample.uuid,
-            message=f"GPU {sample.index}: {new} new uncorrected ECC error{'s' if new != 1 else ''}; reset the GPU",
-            timestamp_seconds=now_seconds,
-            source="poll",
+        return sample_event(
+            sample,
+            EventKind.ECC_UNCORRECTED,
+            Severity.CRITICAL,
+            f"{new} new uncorrected ECC error{'s' if new != 1 else ''}; reset the GPU",
+            now_seconds,
             # the counter value tells one occurrence from the next, and stays the same across agent restarts
-            key=f"{EventKind.ECC_UNCORRECTED.value}:{sample.uuid}:"
-            f"{_occurrence(sample.ecc_uncorrected_aggregate, sample.ecc_uncorrected_volatile)}",
+            key_detail=_occurrence(sample.ecc_uncorrected_aggregate, sample.ecc_uncorrected_volatile),
             data={"new_errors": new, **self._counts(sample), **self._remap_counts(sample)},
             suggested_action=SuggestedAction.RESET_GPU,
         )
@@ -190,16 +208,13 @@ class MemoryWatcher:
         new, state.corrected_unreported = state.corrected_unreported, 0
         state.corrected_last_event_seconds = now_seconds
         return [
-            Event(
-                kind=EventKind.ECC_CORRECTED,
-                severity=Severity.INFO,
-                gpu=sample.index,
-                uuid=sample.uuid,
-                message=f"GPU {sample.index}: {new} corrected ECC error{'s' if new != 1 else ''}",
-                timestamp_seconds=now_seconds,
-                source="poll",
-                key=f"{EventKind.ECC_CORRECTED.value}:{sample.uuid}:"
-                f"{_occurrence(sample.ecc_corrected_aggregate, sample.ecc_corrected_volatile)}",
+            sample_event(
+                sample,
+                EventKind.ECC_CORRECTED,
+                Severity.INFO,
+                f"{new} corrected ECC error{'s' if new != 1 else ''}",
+                now_seconds,
+                key_detail=_occurrence(sample.ecc_corrected_aggregate, sample.ecc_corrected_volatile),
                 data={"new_errors": new, **self._counts(sample)},
             )
         ]
@@ -215,52 +230,25 @@ class MemoryWatcher:
 
     def _flags(self, state: _GpuState, sample: GpuSample, now_seconds: float) -> list[Event]:
         events: list[Event] = []
-
-        def event(kind: EventKind, severity: Severity, text: str, action: SuggestedAction) -> None:
-            events.append(
-                Event(
-                    kind=kind,
-                    severity=severity,
-                    gpu=sample.index,
-                    uuid=sample.uuid,
-                    message=f"GPU {sample.index}: {text}",
-                    timestamp_seconds=now_seconds,
-                    source="poll",
-                    key=f"{kind.value}:{sample.uuid}:"
-                    f"{sample.remapped_rows_correctable}+{sample.remapped_rows_uncorrectable}",
-                    data=self._remap_counts(sample),
-                    suggested_action=action,
-                )
-            )
-
         rows = f"{sample.remapped_rows_uncorrectable} uncorrectable, {sample.remapped_rows_correctable} correctable"
-        if sample.remap_pending is not None:
-            if sample.remap_pending and not state.remap_pending:
-                event(
-                    EventKind.ROW_REMAP_PENDING,
-                    Severity.WARNING,
-                    f"row remapping pending ({rows} rows remapped); a GPU reset applies it",
-                    SuggestedAction.RESET_GPU,
+        for name, kind, severity, text, action in _FLAGS:
+            value: bool | None = getattr(sample, name)
+            if value is None:
+                continue
+            if value and not getattr(state, name):
+                events.append(
+                    sample_event(
+                        sample,
+                        kind,
+                        severity,
+                        text.format(rows=rows),
+                        now_seconds,
+                        key_detail=f"{sample.remapped_rows_correctable}+{sample.remapped_rows_uncorrectable}",
+                        data=self._remap_counts(sample),
+                        suggested_action=action,
+                    )
                 )
-            state.remap_pending = sample.remap_pending
-        if sample.remap_failed is not None:
-            if sample.remap_failed and not state.remap_failed:
-                event(
-                    EventKind.ROW_REMAP_FAILED,
-                    Severity.CRITICAL,
-                    f"row remapping failed ({rows} rows remapped): the memory has no spare rows left",
-                    SuggestedAction.CONTACT_SUPPORT,
-                )
-            state.remap_failed = sample.remap_failed
-        if sample.retired_pages_pending is not None:
-            if sample.retired_pages_pending and not state.retired_pages_pending:
-                event(
-                    EventKind.RETIRED_PAGES_PENDING,
-                    Severity.WARNING,
-                    "memory pages are pending retirement; a GPU reset retires them",
-                    SuggestedAction.RESET_GPU,
-                )
-            state.retired_pages_pending = sample.retired_pages_pending
+            setattr(state, name, value)
         return events
 
     @staticmethod
@@ -273,15 +261,13 @@ class MemoryWatcher:
             return []
         recovery = _recovery(value)
         return [
-            Event(
-                kind=EventKind.RECOVERY_ACTION,
-                severity=recovery.severity,
-                gpu=sample.index,
-                uuid=sample.uuid,
-                message=f"GPU {sample.index}: the driver asks for recovery: {recovery.label}",
-                timestamp_seconds=now_seconds,
-                source="poll",
-                key=f"{EventKind.RECOVERY_ACTION.value}:{sample.uuid}:{value}",
+            sample_event(
+                sample,
+                EventKind.RECOVERY_ACTION,
+                recovery.severity,
+                f"the driver asks for recovery: {recovery.label}",
+                now_seconds,
+                key_detail=str(value),
                 data={"recovery_action": value, "label": recovery.label},
                 suggested_action=recovery.action,
             )

@@ -9,15 +9,16 @@ distinct message and retried with a growing pause; ``status()`` reports it.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable
 from typing import TypeVar
 
+import structlog
+
 from agent.backend.base import GpuBackend, GpuEvent
 from agent.backend.errors import GpuError, GpuErrorKind
 
-log = logging.getLogger(__name__)
+log = structlog.get_logger("gpu-agent")
 T = TypeVar("T")
 
 BACKOFF_SECONDS = 1.0
@@ -79,7 +80,7 @@ class NvmlEventSource:
             except GpuError as exc:
                 if exc.kind is GpuErrorKind.GPU_LOST:
                     self._set_status(True, f"waiting for NVML events ({exc})")
-                    log.warning("NVML event wait: %s", exc)
+                    log.warning("NVML event wait: GPU lost", gpu=exc.gpu, error=str(exc))
                     _deliver(self._on_lost, exc)
                     self._stop.wait(self._backoff_seconds)
                     continue
@@ -87,7 +88,7 @@ class NvmlEventSource:
                     continue  # a quiet wait, as some drivers report it
                 message = str(exc)
                 if message != last_error:
-                    log.warning("NVML event wait failed: %s; retrying in %.0f s", message, error_backoff_seconds)
+                    log.warning("NVML event wait failed; retrying", error=message, retry_seconds=error_backoff_seconds)
                     last_error = message
                 self._set_status(False, f"NVML event wait failed: {message}")
                 self._stop.wait(error_backoff_seconds)

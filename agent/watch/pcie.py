@@ -21,6 +21,7 @@ from typing import Any
 
 from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
 from agent.state import GpuSample
+from agent.watch.boards import BoardStates, sample_event
 
 
 class _Verdict(Enum):
@@ -42,7 +43,6 @@ class _Link:
 
 @dataclass
 class _GpuState:
-    uuid: str
     consecutive: int = 0
     reported: _Link | None = None
     replay_count: int | None = None
@@ -75,16 +75,11 @@ class PcieWatcher:
         if sustain_loops < 1:
             raise ValueError("sustain_loops must be at least 1")
         self.sustain_loops = sustain_loops
-        self._gpus: dict[int, _GpuState] = {}
+        self._gpus = BoardStates(_GpuState)
 
     def observe(self, samples: Sequence[GpuSample], now_seconds: float) -> list[Event]:
         events: list[Event] = []
-        for sample in samples:
-            if not sample.up:
-                continue
-            state = self._gpus.get(sample.index)
-            if state is None or state.uuid != sample.uuid:
-                state = self._gpus[sample.index] = _GpuState(sample.uuid)
+        for sample, state in self._gpus.answering(samples):
             self._count_replays(state, sample.pcie_replay_count)
             link = _link(sample)
             if link is None:
@@ -131,26 +126,13 @@ class PcieWatcher:
             "replays_since_start": state.replays_since_start,
         }
         if kind is EventKind.PCIE_DEGRADED:
-            return Event(
-                kind=kind,
-                severity=Severity.WARNING,
-                gpu=sample.index,
-                uuid=sample.uuid,
-                message=f"GPU {sample.index}: PCIe link degraded to {link.text()}",
-                timestamp_seconds=now_seconds,
-                source="poll",
-                key=f"{kind.value}:{sample.uuid}",
+            return sample_event(
+                sample,
+                kind,
+                Severity.WARNING,
+                f"PCIe link degraded to {link.text()}",
+                now_seconds,
                 data=data,
                 suggested_action=SuggestedAction.CHECK_MECHANICALS,
             )
-        return Event(
-            kind=kind,
-            severity=Severity.INFO,
-            gpu=sample.index,
-            uuid=sample.uuid,
-            message=f"GPU {sample.index}: PCIe link back at {link.text()}",
-            timestamp_seconds=now_seconds,
-            source="poll",
-            key=f"{kind.value}:{sample.uuid}",
-            data=data,
-        )
+        return sample_event(sample, kind, Severity.INFO, f"PCIe link back at {link.text()}", now_seconds, data=data)

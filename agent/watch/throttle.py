@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from agent.clock_events import SLOWDOWN_REASONS, decode
 from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
 from agent.state import GpuSample
+from agent.watch.boards import BoardStates, sample_event
 from agent.watch.health import combine
 
 #: Violation counter field of GpuSample -> the reason whose time it measures (see module docstring).
@@ -51,7 +52,6 @@ class _Total:
 
 @dataclass
 class _GpuState:
-    uuid: str
     last_timestamp_seconds: float | None = None  # the previous sample with a reasons reading
     last_reasons: tuple[str, ...] = ()
     started_seconds: dict[str, float] = field(default_factory=dict)  # active slowdown reason -> since
@@ -66,17 +66,11 @@ class ThrottleWatcher:
 
     def __init__(self, slowdown_margin_celsius: int = 5) -> None:
         self.slowdown_margin_celsius = slowdown_margin_celsius
-        self._gpus: dict[int, _GpuState] = {}
+        self._gpus = BoardStates(_GpuState)
 
     def observe(self, samples: Sequence[GpuSample], now_seconds: float) -> list[Event]:
         events: list[Event] = []
-        for sample in samples:
-            if not sample.up:
-                continue
-            state = self._gpus.get(sample.index)
-            if state is None or state.uuid != sample.uuid:
-                # A different board in this slot starts from nothing.
-                state = self._gpus[sample.index] = _GpuState(sample.uuid)
+        for sample, state in self._gpus.answering(samples):
             self._integrate(state, sample)
             self._count(state, sample)
             for total in state.totals.values():
@@ -162,15 +156,13 @@ class ThrottleWatcher:
         for reason in [r for r in state.started_seconds if r not in active]:
             duration = sample.timestamp_seconds - state.started_seconds.pop(reason)
             events.append(
-                Event(
-                    kind=EventKind.THROTTLE_ENDED,
-                    severity=Severity.INFO,
-                    gpu=sample.index,
-                    uuid=sample.uuid,
-                    message=f"GPU {sample.index}: {reason} slowdown ended after {duration:.0f} s",
-                    timestamp_seconds=now_seconds,
-                    source="poll",
-                    key=f"{EventKind.THROTTLE_ENDED.value}:{sample.uuid}:{reason}",
+                sample_event(
+                    sample,
+                    EventKind.THROTTLE_ENDED,
+                    Severity.INFO,
+                    f"{reason} slowdown ended after {duration:.0f} s",
+                    now_seconds,
+                    key_detail=reason,
                     data={"reason": reason, "duration_seconds": duration},
                 )
             )
@@ -195,15 +187,13 @@ class ThrottleWatcher:
         if sample.sm_clock_mhz is not None:
             context.append(f"SM {sample.sm_clock_mhz} MHz")
         detail = f" ({', '.join(context)})" if context else ""
-        return Event(
-            kind=EventKind.THROTTLE_STARTED,
-            severity=severity,
-            gpu=sample.index,
-            uuid=sample.uuid,
-            message=f"GPU {sample.index}: clocks slowed by {reason}{detail}",
-            timestamp_seconds=now_seconds,
-            source="poll",
-            key=f"{EventKind.THROTTLE_STARTED.value}:{sample.uuid}:{reason}",
+        return sample_event(
+            sample,
+            EventKind.THROTTLE_STARTED,
+            severity,
+            f"clocks slowed by {reason}{detail}",
+            now_seconds,
+            key_detail=reason,
             data={
                 "reason": reason,
                 "clock_event_reasons": sample.clock_event_reasons,
@@ -230,15 +220,12 @@ class ThrottleWatcher:
             return []
         state.margin_low = (temperature, slowdown)
         return [
-            Event(
-                kind=EventKind.TEMPERATURE_MARGIN_LOW,
-                severity=Severity.WARNING,
-                gpu=sample.index,
-                uuid=sample.uuid,
-                message=f"GPU {sample.index}: {_margin_text(temperature, slowdown)}",
-                timestamp_seconds=now_seconds,
-                source="poll",
-                key=f"{EventKind.TEMPERATURE_MARGIN_LOW.value}:{sample.uuid}",
+            sample_event(
+                sample,
+                EventKind.TEMPERATURE_MARGIN_LOW,
+                Severity.WARNING,
+                _margin_text(temperature, slowdown),
+                now_seconds,
                 data={
                     "temperature_celsius": temperature,
                     "slowdown_temperature_celsius": slowdown,

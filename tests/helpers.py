@@ -1,0 +1,102 @@
+"""What many tests need, written once: a bounded wait, a clock the test moves, an event builder."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from types import EllipsisType
+from typing import Any, TypeVar
+
+from snapshots import TIMESTAMP_SECONDS, gpu_uuid
+
+from agent.events import Event, EventKind, Severity, SuggestedAction
+
+T = TypeVar("T")
+
+POLL_SECONDS = 0.01
+
+
+def wait_until(
+    predicate: Callable[[], T],
+    timeout_seconds: float,
+    what: str | Callable[[], str],
+    *,
+    poll_seconds: float = POLL_SECONDS,
+) -> T:
+    """Poll `predicate` until it returns something true and return that; an AssertionError naming
+    `what` once `timeout_seconds` have passed (a callable `what` is asked then, to say what was seen
+    last). The predicate runs at least once, and once more at the deadline, so a slow machine fails
+    only when the condition really did not come true."""
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        result = predicate()
+        if result:
+            return result
+        if time.monotonic() >= deadline:
+            described = what() if callable(what) else what
+            raise AssertionError(f"timed out after {timeout_seconds:g} s waiting for {described}")
+        time.sleep(poll_seconds)
+
+
+class FakeClock:
+    """A clock that moves only when the test says so.
+
+    Calling it reads the wall clock, so it goes wherever code takes `clock: Callable[[], float]`
+    (time.time); `monotonic()` is the monotonic reading beside it. `advance` moves both, as time
+    passing does; `step_wall` moves only the wall clock, either way, as NTP or an operator does.
+    """
+
+    def __init__(self, wall_seconds: float = 1_800_000_000.0, monotonic_seconds: float = 1000.0) -> None:
+        self.wall_seconds = wall_seconds
+        self.monotonic_seconds = monotonic_seconds
+
+    def __call__(self) -> float:
+        return self.wall_seconds
+
+    def wall(self) -> float:
+        return self.wall_seconds
+
+    def monotonic(self) -> float:
+        return self.monotonic_seconds
+
+    def advance(self, seconds: float) -> None:
+        assert seconds >= 0, "time passing cannot go backwards: step_wall() steps the wall clock back"
+        self.wall_seconds += seconds
+        self.monotonic_seconds += seconds
+
+    def step_wall(self, seconds: float) -> None:
+        """A wall-clock step (negative: back); the monotonic clock does not notice."""
+        self.wall_seconds += seconds
+
+
+def make_event(
+    kind: EventKind = EventKind.XID,
+    gpu: int | None = 0,
+    *,
+    uuid: str | EllipsisType | None = ...,
+    severity: Severity = Severity.CRITICAL,
+    message: str | None = None,
+    timestamp_seconds: float = TIMESTAMP_SECONDS,
+    source: str = "test",
+    key: str | None = None,
+    suggested_action: SuggestedAction = SuggestedAction.NONE,
+    **data: Any,
+) -> Event:
+    """An event as a watcher would make it; keyword arguments beyond Event's fields become `data`.
+
+    By default the uuid is the one tests/snapshots.py gives GPU `gpu` (None without a GPU) and the key
+    is unique per kind, target, data and time, so two calls that differ in anything are two faults.
+    """
+    resolved_uuid = (gpu_uuid(gpu) if gpu is not None else None) if isinstance(uuid, EllipsisType) else uuid
+    return Event(
+        kind=kind,
+        severity=severity,
+        gpu=gpu,
+        uuid=resolved_uuid,
+        message=f"{kind.value} on GPU {gpu}" if message is None else message,
+        timestamp_seconds=timestamp_seconds,
+        source=source,
+        key=key or f"{kind.value}:{resolved_uuid or gpu}:{sorted(data.items())}:{timestamp_seconds:.3f}",
+        data=data,
+        suggested_action=suggested_action,
+    )
