@@ -8,7 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 from agent.clock_events import decode
-from agent.events import Event
+from agent.events import event_json as event_json
 from agent.policy.base import ItemPlan, ItemResult
 from agent.policy.engine import ApplyReport, NodePlan
 from agent.state import GpuSample, NodeSnapshot
@@ -41,20 +41,6 @@ def plan_json(plan: NodePlan) -> dict[str, Any]:
         "exit_code": plan.exit_code,
         "profiles": {str(gpu): number for gpu, number in sorted(plan.profiles.items())},
         "items": [plan_item_json(p, plan.item_modes.get(p.item, plan.mode).value) for p in plan.items],
-    }
-
-
-def event_json(event: Event) -> dict[str, Any]:
-    return {
-        "kind": event.kind.value,
-        "severity": event.severity.value,
-        "gpu": event.gpu,
-        "uuid": event.uuid,
-        "message": event.message,
-        "timestamp_seconds": event.timestamp_seconds,
-        "source": event.source,
-        "suggested_action": event.suggested_action.value,
-        "data": event.data,
     }
 
 
