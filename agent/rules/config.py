@@ -35,14 +35,15 @@ A full example::
           - webhook: {url: "https://hooks.example/gpu", headers: {X-Token: abc}, timeout_seconds: 5}
           - run_hook: {argv: [/usr/local/bin/drain-node, --reason, gpu], timeout_seconds: 60}
 
-Action kinds and their parameters:
+Action kinds and their parameters (the pydantic models in agent/rules/params.py, which the handlers
+receive as validated here; `timeout_seconds` of webhook is the request's total deadline):
 `restart_service: {service?, ready_timeout_seconds?}`, `reset_gpu: {}`,
 `run_hook: {argv: [ABSOLUTE_PATH, args...], timeout_seconds?}`, `webhook: {url, headers?,
 timeout_seconds?}`, `alertmanager: {url?, severity?, alertname?, labels?, summary?,
 description?, annotations?}` (url defaults to `remediation.alertmanager_url`, severity to the
 event's), `recommend_reboot: {reason?, url?}` (writes `<state_dir>/reboot-recommended` and
 alerts), `reboot: {}` (refused at load time unless `remediation.allow_reboot: true`). A step
-without parameters may be written bare: `- reset_gpu`. What each action does: agent/rules/actions.py.
+without parameters may be written bare: `- reset_gpu`. What each action does: agent/rules/actions/.
 
 What each condition reads (see agent/rules/engine.py for targets and storm protection):
 
