@@ -55,13 +55,35 @@ class HealthState(str, Enum):
 
 
 class SuggestedAction(str, Enum):
+    """What a fault needs: the one vocabulary of remedies, shared by the Xid catalog (its `action`),
+    the watchers' health, rule conditions and the rule actions that carry a remedy out.
+
+    Members are declared least to most drastic, and that order is the one ranking (`rank`,
+    `more_drastic`): a reboot also resets every GPU; a reset clears what a support case would first
+    ask for; a hardware check (cooling, power, seating) outranks restarting software.
+    """
+
     NONE = "none"
     ALERT = "alert"
     RESTART_SERVICE = "restart_service"
-    RESET_GPU = "reset_gpu"
-    REBOOT = "reboot"
     CHECK_MECHANICALS = "check_mechanicals"  # cooling, power, seating
     CONTACT_SUPPORT = "contact_support"
+    RESET_GPU = "reset_gpu"
+    REBOOT = "reboot"
+
+    @property
+    def rank(self) -> int:
+        """0 for NONE, growing with how drastic the remedy is."""
+        return ACTION_ORDER.index(self)
+
+
+#: Least to most drastic.
+ACTION_ORDER: tuple[SuggestedAction, ...] = tuple(SuggestedAction)
+
+
+def more_drastic(a: SuggestedAction, b: SuggestedAction) -> SuggestedAction:
+    """The more drastic of two remedies (`a` on a tie)."""
+    return a if a.rank >= b.rank else b
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from agent.clock_events import CLOCK_EVENT_REASONS
 from agent.events import HealthState
 from agent.policy.base import PlanStatus
 from agent.state import GpuSample, NodeSnapshot
+from agent.watch import xid_catalog
 
 log = structlog.get_logger("gpu-agent")
 
@@ -385,6 +386,15 @@ class SnapshotCollector(Collector):
                 "When each Xid code was last reported, in seconds since the epoch.",
                 labels,
                 xid.last_seen_seconds,
+            )
+        # The catalog's classification, so alert rules can select on it without copying code lists.
+        for code in sorted({xid.xid for xid in snap.xids}):
+            verdict = xid_catalog.verdict(code)
+            out.gauge(
+                "gpu_agent_xid_catalog_info",
+                "gpu-agent's Xid catalog classification of each Xid code seen: default severity and action.",
+                {"xid": str(code), "severity": verdict.severity, "action": verdict.action.value},
+                1,
             )
 
     def _policy(self, out: _Families, snap: NodeSnapshot) -> None:

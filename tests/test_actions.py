@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -15,18 +16,31 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 from hosttree import ScriptedHostContext, make_host_tree
+from pydantic import ValidationError
 
 from agent import standin
 from agent.backend.base import RecoveryAction
 from agent.backend.errors import GpuErrorKind
 from agent.backend.sim import SimulatedBackend
 from agent.config import AgentConfig, Mode, RemediationConfig, ServiceConfig
-from agent.events import Event, EventKind, Severity, SuggestedAction
+from agent.events import Event, EventKind, Severity, SuggestedAction, event_json
 from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
-from agent.rules.actions import ActionContext, execute, hook_path_problem, redacted_url
+from agent.rules.actions import (
+    ActionContext,
+    ActionError,
+    AlertTracker,
+    execute,
+    hook_path_problem,
+    post_json,
+    redacted_url,
+)
+from agent.rules.actions.dispatch import HANDLERS
+from agent.rules.config import ActionStep
 from agent.rules.model import ActionKind, ActionSpec, Decision, Outcome, Target
+from agent.rules.params import PARAMS_BY_KIND, ResetGpuParams, RestartServiceParams
 from agent.services import CommandManager, HealthProber, build_managers
 from agent.standin import free_port, running
 
@@ -159,6 +173,11 @@ def event(
     )
 
 
+def spec(kind: ActionKind, params: dict[str, Any] | None = None) -> ActionSpec:
+    """The step as a rules file would give it: `{kind: params}` validated by the same models."""
+    return ActionStep.model_validate({kind.value: params or {}}).spec()
+
+
 def decision(
     kind: ActionKind,
     params: dict[str, Any] | None = None,
@@ -170,7 +189,7 @@ def decision(
         rule="xid-reset",
         event=ev or event(),
         target=target or Target(gpu=0, uuid=UUID0),
-        action=ActionSpec(kind, params or {}),
+        action=spec(kind, params),
         step=0,
         attempt=1,
         reason="Xid 48 on GPU 0",
@@ -220,12 +239,34 @@ def test_observe_mode_still_runs_hooks_and_notifications(tmp_path: Path) -> None
     assert (Path(node.config.state_dir) / "reboot-recommended").exists()
 
 
-def test_an_unexpected_error_is_a_failed_outcome_not_an_exception(tmp_path: Path) -> None:
+def test_an_unexpected_error_is_a_failed_outcome_not_an_exception(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     node = make_node(tmp_path)
-    hook = write_hook(tmp_path, "#!/bin/sh\nexit 0\n")
-    outcome = execute(decision(ActionKind.RUN_HOOK, {"argv": [str(hook)], "timeout_seconds": "soon"}), node.ctx)
+
+    def broken(gpu: int) -> None:
+        raise ValueError(f"GPU {gpu}: a bug")
+
+    monkeypatch.setattr(node.backend, "identity", broken)
+    with structlog.testing.capture_logs() as logs:
+        outcome = execute(decision(ActionKind.RESET_GPU), node.ctx)
     assert outcome.outcome is Outcome.FAILED
-    assert outcome.detail.startswith("internal error: ValueError")
+    assert outcome.detail == "internal error: ValueError: GPU 0: a bug"
+    assert [entry["event"] for entry in logs] == ["action failed unexpectedly", "action carried out"]
+    assert logs[0]["log_level"] == "error" and logs[1]["outcome"] == "failed"
+
+
+def test_parameters_arrive_as_the_kinds_model() -> None:
+    """The rules file's models are what the handlers get: no dict, no second check."""
+    assert set(HANDLERS) == set(ActionKind)
+    for kind, handler in HANDLERS.items():
+        assert handler.params_type is PARAMS_BY_KIND[kind]
+    restart = spec(ActionKind.RESTART_SERVICE, {"service": "sglang", "ready_timeout_seconds": 30})
+    assert restart.options == RestartServiceParams(service="sglang", ready_timeout_seconds=30)
+    assert restart.params == {"service": "sglang", "ready_timeout_seconds": 30.0}  # as the store records it
+    assert ActionSpec(ActionKind.RESET_GPU).options == ResetGpuParams()
+    with pytest.raises(ValueError, match="parameters of reset_gpu, not reboot"):
+        ActionSpec(ActionKind.REBOOT, ResetGpuParams())
 
 
 # -- restart_service --------------------------------------------------------------------------------
@@ -608,12 +649,9 @@ class Receiver:
         self.server.server_close()
 
 
-def test_webhook_posts_the_event_with_headers_and_hides_secrets(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_webhook_posts_the_event_with_headers_and_hides_secrets(tmp_path: Path) -> None:
     node = make_node(tmp_path)
-    caplog.set_level("DEBUG")
-    with Receiver() as receiver:
+    with Receiver() as receiver, structlog.testing.capture_logs() as logs:
         url = receiver.url("/services/T000/B000/s3cr3tpath?token=abc")
         params = {"url": url, "headers": {"Authorization": "Bearer topsecret", "X-Team": "gpu"}}
         outcome = execute(decision(ActionKind.WEBHOOK, params), node.ctx)
@@ -626,9 +664,12 @@ def test_webhook_posts_the_event_with_headers_and_hides_secrets(
     assert request.headers["Content-Type"] == "application/json"
     body = json.loads(request.body)
     assert body["event"]["kind"] == "xid" and body["target"]["gpu"] == 0 and body["rule"] == "xid-reset"
+    # The event as every other JSON document shows it (agent.events.event_json), plus its key.
+    assert body["event"] == {**event_json(event()), "key": event().key}
+    assert [entry["event"] for entry in logs] == ["action carried out"]
     for secret in ("topsecret", "s3cr3tpath", "token=abc"):
         assert secret not in outcome.detail
-        assert secret not in caplog.text
+        assert secret not in repr(logs)
 
 
 def test_webhook_non_2xx_and_redirects_fail(tmp_path: Path) -> None:
@@ -649,8 +690,108 @@ def test_webhook_non_2xx_and_redirects_fail(tmp_path: Path) -> None:
     )
     assert outcome.outcome is Outcome.FAILED
     assert "refused" in outcome.detail.lower()
-    outcome = execute(decision(ActionKind.WEBHOOK, {"url": "file:///etc/passwd"}), node.ctx)
-    assert (outcome.outcome, outcome.detail) == (Outcome.FAILED, "not an http(s) URL: file:///…")
+    # Refused when the rules load, and by the client itself.
+    with pytest.raises(ValidationError, match="must be an http:// or https:// URL"):
+        spec(ActionKind.WEBHOOK, {"url": "file:///etc/passwd"})
+    with pytest.raises(ActionError, match=r"^not an http\(s\) URL: file:///…$"):
+        post_json("file:///etc/passwd", {}, 1.0)
+
+
+class SlowEndpoint:
+    """tests/slow_endpoint.py as its own process: a server that drips its answer or never answers."""
+
+    def __init__(self, mode: str, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("slow_endpoint.py")), mode, *args],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        self.port = int(self.proc.stdout.readline())
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.strip())
+
+    def url(self, path: str = "") -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def wait_for(self, line: str, timeout_seconds: float) -> bool:
+        deadline = time.monotonic() + timeout_seconds
+        while line not in self.lines and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return line in self.lines
+
+    def __enter__(self) -> SlowEndpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+DEADLINE_MARGIN_SECONDS = 1.0
+
+
+def timed(call: Any) -> tuple[Any, float]:
+    began = time.monotonic()
+    result = call()
+    return result, time.monotonic() - began
+
+
+def test_webhook_to_a_dripping_server_is_cut_at_its_total_deadline(tmp_path: Path) -> None:
+    """One byte every 2 s keeps every socket read short of its timeout; the request as a whole
+    still ends at timeout_seconds, and the connection is closed, not left to drip."""
+    node = make_node(tmp_path)
+    with SlowEndpoint("drip", "--interval", "2") as server:
+        outcome, took = timed(
+            lambda: execute(decision(ActionKind.WEBHOOK, {"url": server.url("/hook"), "timeout_seconds": 5}), node.ctx)
+        )
+        assert 5 <= took < 5 + DEADLINE_MARGIN_SECONDS, took
+        assert (outcome.outcome, outcome.detail) == (
+            Outcome.FAILED,
+            f"POST {server.url()}/…: timed out: no complete answer within 5 s",
+        )
+        assert server.lines[:1] == ["request 1"]
+        assert server.wait_for("gone 1", timeout_seconds=5)  # the agent hung up
+
+
+def test_alertmanager_that_never_answers_costs_one_deadline(tmp_path: Path) -> None:
+    """An Alertmanager that accepts and never answers: the action fails at the tracker's deadline,
+    and re-sending six active alerts is one request, so one deadline, not six."""
+    with SlowEndpoint("silent", "--answer", "6") as alertmanager:
+        node = make_node(tmp_path, remediation=RemediationConfig(alertmanager_url=alertmanager.url()))
+        node.ctx.alerts = AlertTracker(timeout_seconds=2.0)
+        for gpu in range(6):
+            ev = event(gpu=gpu, uuid=f"GPU-{gpu}", data={"xid": 48})
+            fired = execute(decision(ActionKind.ALERTMANAGER, ev=ev, target=Target(gpu=gpu)), node.ctx)
+            assert fired.outcome is Outcome.SUCCESS, fired.detail
+        assert len(node.ctx.alerts.active()) == 6
+        errors, took = timed(node.ctx.alerts.refresh)
+        assert 2 <= took < 2 + DEADLINE_MARGIN_SECONDS, took
+        assert errors == [f"POST {alertmanager.url()}/…: timed out: no complete answer within 2 s"]
+        assert alertmanager.wait_for("gone 7", timeout_seconds=5)
+        outcome, took = timed(lambda: execute(decision(ActionKind.ALERTMANAGER), node.ctx))
+        assert 2 <= took < 2 + DEADLINE_MARGIN_SECONDS, took
+        assert outcome.outcome is Outcome.FAILED and outcome.detail.endswith("timed out: no complete answer within 2 s")
+
+
+def test_refresh_resends_every_alert_in_one_request(tmp_path: Path) -> None:
+    with Receiver() as alertmanager:
+        node = make_node(tmp_path, remediation=RemediationConfig(alertmanager_url=alertmanager.url("")))
+        for gpu in range(3):
+            ev = event(gpu=gpu, uuid=f"GPU-{gpu}", data={"xid": 48})
+            assert execute(decision(ActionKind.ALERTMANAGER, ev=ev, target=Target(gpu=gpu)), node.ctx).outcome is (
+                Outcome.SUCCESS
+            )
+        assert node.ctx.alerts.refresh() == []
+    assert len(alertmanager.requests) == 4
+    resent = json.loads(alertmanager.requests[-1].body)
+    assert sorted(alert["labels"]["gpu"] for alert in resent) == ["0", "1", "2"]
 
 
 def test_redacted_url_keeps_only_where_it_goes() -> None:

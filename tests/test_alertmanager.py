@@ -21,6 +21,7 @@ from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
 from agent.rules.actions import ActionContext, AlertTracker, alert_for, execute, post_alert, resolve_alert
 from agent.rules.model import ActionKind, ActionSpec, Decision, Outcome, Target
+from agent.rules.params import AlertmanagerParams
 from agent.standin import free_port
 
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
@@ -131,8 +132,8 @@ def event(kind: EventKind, gpu: int | None = 0, uuid: str | None = UUID0, **data
     )
 
 
-def decision(ev: Event, target: Target, params: dict[str, Any] | None = None) -> Decision:
-    return Decision("page-oncall", ev, target, ActionSpec(ActionKind.ALERTMANAGER, params or {}), 0, 1, "fired")
+def decision(ev: Event, target: Target, params: AlertmanagerParams | None = None) -> Decision:
+    return Decision("page-oncall", ev, target, ActionSpec(ActionKind.ALERTMANAGER, params), 0, 1, "fired")
 
 
 def wait_for(alertmanager: Alertmanager, predicate: Any, timeout_seconds: float = 5.0) -> list[dict[str, Any]]:
@@ -150,7 +151,9 @@ def by_name(alerts: list[dict[str, Any]], alertname: str) -> list[dict[str, Any]
 
 def test_alert_reaches_alertmanager_with_labels_and_annotations(tmp_path: Path, alertmanager: Alertmanager) -> None:
     ctx = context(tmp_path, alertmanager.url)
-    xid = decision(event(EventKind.XID, xid=48), Target(gpu=0, uuid=UUID0), {"labels": {"team": "inference"}})
+    xid = decision(
+        event(EventKind.XID, xid=48), Target(gpu=0, uuid=UUID0), AlertmanagerParams(labels={"team": "inference"})
+    )
     outcome = execute(xid, ctx)
     assert outcome.outcome is Outcome.SUCCESS, outcome.detail
     assert outcome.detail == f"alert GpuAgentXid sent to {alertmanager.url}"
@@ -201,7 +204,7 @@ def test_cleared_condition_resolves_only_its_own_alert(tmp_path: Path, alertmana
 
 def test_resolve_alert_posts_ends_at_now(alertmanager: Alertmanager) -> None:
     dec = decision(event(EventKind.THROTTLE_STARTED, reason="hw_thermal_slowdown"), Target(gpu=0, uuid=UUID0))
-    alert = alert_for(dec, "gpu-node-7", {"alertname": "GpuAgentDirect"})
+    alert = alert_for(dec, "gpu-node-7", AlertmanagerParams(alertname="GpuAgentDirect"))
     assert alert.labels["reason"] == "hw_thermal_slowdown"
     post_alert(alertmanager.url, alert)
     assert by_name(wait_for(alertmanager, lambda a: by_name(a, "GpuAgentDirect")), "GpuAgentDirect")
@@ -213,7 +216,9 @@ def test_throttle_end_resolves_the_same_reason_on_the_same_gpu(alertmanager: Ale
     tracker = AlertTracker()
     for gpu, reason in ((0, "hw_thermal_slowdown"), (0, "sw_thermal_slowdown"), (1, "hw_thermal_slowdown")):
         ev = event(EventKind.THROTTLE_STARTED, gpu=gpu, uuid=f"GPU-{gpu}", reason=reason)
-        tracker.fire(alertmanager.url, alert_for(decision(ev, Target(gpu=gpu, uuid=f"GPU-{gpu}")), "h", {}))
+        tracker.fire(
+            alertmanager.url, alert_for(decision(ev, Target(gpu=gpu, uuid=f"GPU-{gpu}")), "h", AlertmanagerParams())
+        )
     ended = event(EventKind.THROTTLE_ENDED, gpu=0, uuid="GPU-0", reason="hw_thermal_slowdown")
     resolved = tracker.resolve_cleared(ended)
     assert [(a.labels["gpu"], a.labels["reason"]) for a in resolved] == [("0", "hw_thermal_slowdown")]

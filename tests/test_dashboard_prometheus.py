@@ -192,23 +192,33 @@ def test_alert_rules_are_complete() -> None:
     } <= set(names)
 
 
-def xid_matcher(rule: dict[str, Any], op: str) -> set[int]:
-    match = re.search(r"xid" + op + r'"([0-9|]+)"', rule["expr"])
-    assert match, rule["expr"]
-    return {int(code) for code in match.group(1).split("|")}
-
-
-def test_xid_alert_lists_follow_the_catalog() -> None:
-    by_severity: dict[str, set[int]] = {}
+def test_xid_alerts_follow_the_catalog_by_reference() -> None:
+    """The alerts select codes by the catalog classification the agent exports, so no code list is
+    copied into them; the exported classification is the catalog's for every code."""
+    rules = {rule["alert"]: rule for rule in alert_rules()}
+    for name, severities in (("GpuXidCritical", '=~"critical|fatal"'), ("GpuXidError", '="warning"')):
+        expr = rules[name]["expr"]
+        assert f"gpu_agent_xid_catalog_info{{severity{severities}}}" in expr, name
+        assert not re.search(r"xid\s*[=!]", expr), f"{name} still lists Xid codes: {expr}"
+    unknown_code = 999
+    assert lookup(unknown_code) is None
+    codes = [*all_codes(), unknown_code]
+    snapshot = replace(node_snapshot(), xids=tuple(XidCount(0, "GPU-0", code, 1, 1.0) for code in codes))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(lambda: snapshot))
+    exported = {
+        sample.labels["xid"]: (sample.labels["severity"], sample.labels["action"])
+        for family in registry.collect()
+        if family.name == "gpu_agent_xid_catalog_info"
+        for sample in family.samples
+    }
+    expected = {}
     for code in all_codes():
         info = lookup(code)
         assert info is not None
-        by_severity.setdefault(info.severity, set()).add(code)
-    rules = {rule["alert"]: rule for rule in alert_rules()}
-    assert xid_matcher(rules["GpuXidCritical"], "=~") == by_severity["critical"] | by_severity["fatal"]
-    assert xid_matcher(rules["GpuXidError"], "!~") == (
-        by_severity["critical"] | by_severity["fatal"] | by_severity["info"]
-    )
+        expected[str(code)] = (info.severity, info.action.value)
+    expected[str(unknown_code)] = ("warning", "alert")  # what the catalog says of a code it lacks
+    assert exported == expected
 
 
 def test_every_alert_has_a_firing_and_a_quiet_unit_test() -> None:

@@ -222,6 +222,45 @@ def test_default_xid_rules_follow_the_catalog(tmp_path: Path) -> None:
     assert mismatches == []
 
 
+def test_xid_rules_resolve_the_catalog_when_they_load(tmp_path: Path) -> None:
+    text = (
+        "rules:\n"
+        "  - name: resets\n    match:\n      xid: {catalog_action: reset_gpu}\n    actions: [reset_gpu]\n"
+        "  - name: notify\n    match:\n      xid: {catalog_action: [alert, reboot], except_codes: [154, 79]}\n"
+        "    actions: [alertmanager]\n"
+        "  - name: listed\n    match:\n      xid: {codes: [13], buckets: [RESET_GPU]}\n    actions: [alertmanager]\n"
+    )
+    resets, notify, listed = load_rules([write(tmp_path, "10-x.yaml", text)])
+    catalog = xid_catalog.catalog().entries
+    assert resets.match.xid is not None and notify.match.xid is not None and listed.match.xid is not None
+    assert resets.match.xid.resolved_codes == {
+        c for c, info in catalog.items() if info.action is SuggestedAction.RESET_GPU
+    }
+    assert {48, 64, 95} <= resets.match.xid.resolved_codes
+    assert notify.match.xid.resolved_codes == {
+        c for c, info in catalog.items() if info.action in (SuggestedAction.ALERT, SuggestedAction.REBOOT)
+    } - {154, 79}
+    assert listed.match.xid.resolved_codes == {13} | {
+        c for c, info in catalog.items() if info.resolution == "RESET_GPU"
+    }
+    # A code the catalog lacks is judged "alert": it follows catalog_action alert, not an explicit list.
+    assert xid_catalog.lookup(900) is None
+    assert notify.match.xid.matches(900) and not resets.match.xid.matches(900) and not listed.match.xid.matches(900)
+    assert not notify.match.xid.matches(79) and not notify.match.xid.matches(154)
+    assert notify.match.xid.matches(110)  # catalog action reboot
+
+
+def test_shipped_xid_rules_copy_no_code_lists() -> None:
+    text = (RULES_DIR / "10-xid.yaml").read_text()
+    conditions = [line.strip() for line in text.splitlines() if line.strip().startswith("xid:")]
+    assert conditions == [
+        "xid: {catalog_action: restart_service}",
+        "xid: {catalog_action: reset_gpu}",
+        "xid: {catalog_action: reboot}",
+        "xid: {catalog_action: alert, except_codes: [154]}",
+    ]
+
+
 # -- escalations that matter ------------------------------------------------------------------------
 
 
@@ -316,7 +355,19 @@ rules:
         ),
         (
             "rules:\n  - name: a\n    match:\n      xid: {}\n    actions: [reset_gpu]\n",
-            ":4 rules[0].match.xid: needs codes and/or buckets",
+            ":4 rules[0].match.xid: needs codes, buckets and/or catalog_action",
+        ),
+        (
+            "rules:\n  - name: a\n    match:\n      xid: {catalog_action: check_mechanicals}\n    actions: [reset_gpu]\n",
+            ":4 rules[0].match.xid: no Xid has catalog action check_mechanicals (the catalog uses: alert, none, reboot,",
+        ),
+        (
+            "rules:\n  - name: a\n    match:\n      xid: {catalog_action: [reboot, reboots]}\n    actions: [reset_gpu]\n",
+            ":4 rules[0].match.xid.catalog_action[1]: must be 'none', 'alert', 'restart_service', 'check_mechanicals',",
+        ),
+        (
+            "rules:\n  - name: a\n    match:\n      xid: {codes: [13, 48], except_codes: [48]}\n    actions: [reset_gpu]\n",
+            ":4 rules[0].match.xid: codes 48 are both listed and excepted",
         ),
         (
             "rules:\n  - name: a\n    match:\n      throttle: {reasons: [gpu_idle]}\n    actions: [alertmanager]\n",

@@ -139,6 +139,12 @@ EVENT_CASES = [
     ({"xid": {"buckets": ["RESTART_APP"]}}, xid(79), False),
     ({"xid": {"buckets": ["RESTART_BM"]}}, xid(79), True),
     ({"xid": {"buckets": ["UNKNOWN"]}}, xid(998), True),  # not in the catalog
+    ({"xid": {"catalog_action": "reset_gpu"}}, xid(48), True),
+    ({"xid": {"catalog_action": "reset_gpu"}}, xid(79), False),  # the catalog says reboot
+    ({"xid": {"catalog_action": ["reset_gpu", "reboot"]}}, xid(79), True),
+    ({"xid": {"catalog_action": "alert"}}, xid(998), True),  # the catalog's verdict for a code it lacks
+    ({"xid": {"catalog_action": "alert", "except_codes": [998]}}, xid(998), False),
+    ({"xid": {"catalog_action": "restart_service", "codes": [48]}}, xid(48), True),
     ({"xid": {"codes": [13]}}, event(EventKind.XID, xid="13"), False),  # not an int: a bug upstream, no guess
     ({"xid": {"codes": [1]}}, event(EventKind.XID, xid=True), False),
     ({"xid": {"codes": [13]}}, event(EventKind.ECC_UNCORRECTED, xid=13), False),
@@ -178,6 +184,22 @@ EVENT_CASES = [
         {"event": {"kinds": ["recovery_action"], "suggested_actions": ["reboot"]}},
         event(EventKind.RECOVERY_ACTION, suggested=SuggestedAction.REBOOT),
         True,
+    ),
+    # The one ranking of remedies: reset_gpu and reboot are at least reset_gpu, the rest are milder.
+    (
+        {"event": {"kinds": ["recovery_action"], "min_suggested_action": "reset_gpu"}},
+        event(EventKind.RECOVERY_ACTION, suggested=SuggestedAction.REBOOT),
+        True,
+    ),
+    (
+        {"event": {"kinds": ["recovery_action"], "min_suggested_action": "reset_gpu"}},
+        event(EventKind.RECOVERY_ACTION, suggested=SuggestedAction.RESET_GPU),
+        True,
+    ),
+    (
+        {"event": {"kinds": ["recovery_action"], "min_suggested_action": "reset_gpu"}},
+        event(EventKind.RECOVERY_ACTION, suggested=SuggestedAction.CONTACT_SUPPORT),
+        False,
     ),
 ]
 

@@ -47,7 +47,7 @@ def outcome(
     target: Target = GPU3,
     key: str = "e",
 ) -> ActionOutcome:
-    spec = ActionSpec(action, {"why": "test"}) if action is not None else None
+    spec = ActionSpec(action) if action is not None else None
     decision = Decision(rule, event(key, at), target, spec, step, 1, "because", dry_run=outcome is Outcome.DRY_RUN)
     return ActionOutcome(decision, outcome, "detail", at, at + 2.5)
 
@@ -302,7 +302,7 @@ def test_record_outcome_stores_the_decision_and_marks_its_event_handled(store: S
     assert (row.rule, row.action, row.params, row.target_key, row.gpu, row.uuid, row.service) == (
         "reset",
         "reset_gpu",
-        {"why": "test"},
+        {},
         f"gpu:{UUID}",
         3,
         UUID,

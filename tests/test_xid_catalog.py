@@ -11,8 +11,10 @@ from typing import Any
 
 import pytest
 
+from agent.events import ACTION_ORDER, SuggestedAction, more_drastic
+from agent.rules.params import ActionKind
 from agent.watch import xid_catalog
-from agent.watch.xid_catalog import CatalogError, XidInfo, parse_catalog
+from agent.watch.xid_catalog import ACTIONS, CatalogError, XidInfo, parse_catalog
 
 REQUIRED_CODES = [
     *[8, 13, 31, 32, 38, 43, 45, 48, 61, 62, 63, 64, 68, 69, 74, 79, 92, 94, 95, 109],
@@ -135,6 +137,40 @@ def test_severity_ranks_the_fault() -> None:
     assert severity(13) == "warning"
     assert severity(63) == "info"
     assert [c for c in xid_catalog.all_codes() if severity(c) == "fatal"] == [79]
+
+
+def test_one_vocabulary_of_remedies() -> None:
+    """The catalog's actions, its Xid 154 mapping, the health ranking and the rule actions that carry
+    a remedy out are all SuggestedAction: one set of words, one order."""
+    cat = xid_catalog.catalog()
+    assert all(isinstance(info.action, SuggestedAction) for info in cat.entries.values())
+    assert all(isinstance(action, SuggestedAction) for action in cat.recovery_actions.values())
+    assert tuple(SuggestedAction) == ACTION_ORDER
+    assert [a.rank for a in ACTION_ORDER] == list(range(len(ACTION_ORDER)))
+    assert more_drastic(SuggestedAction.RESET_GPU, SuggestedAction.REBOOT) is SuggestedAction.REBOOT
+    assert more_drastic(SuggestedAction.CHECK_MECHANICALS, SuggestedAction.RESTART_SERVICE) is (
+        SuggestedAction.CHECK_MECHANICALS
+    )
+    remedies = {kind: SuggestedAction(kind.value) for kind in ActionKind if kind.value in ACTIONS}
+    assert set(remedies) == {ActionKind.RESTART_SERVICE, ActionKind.RESET_GPU, ActionKind.REBOOT}
+
+
+def test_verdict_covers_unknown_codes() -> None:
+    known = xid_catalog.verdict(48)
+    assert (known.severity, known.action, known.resolution, known.known) == (
+        "critical",
+        SuggestedAction.RESET_GPU,
+        "WORKFLOW_XID_48",
+        True,
+    )
+    unknown = xid_catalog.verdict(998)
+    assert (unknown.name, unknown.severity, unknown.action, unknown.resolution, unknown.known) == (
+        "Unknown Xid",
+        "warning",
+        SuggestedAction.ALERT,
+        "UNKNOWN",
+        False,
+    )
 
 
 def test_lookup_unknown_code_is_none() -> None:

@@ -11,7 +11,8 @@ A full example::
       - name: restart-on-app-xid          # [a-z0-9][a-z0-9_.-]*: `gpu-agent ack NAME`, metric label
         description: "A CUDA application crashed the GPU context; the GPU itself is fine"
         match:                            # exactly one condition kind:
-          xid: {codes: [13, 31, 43], buckets: [RESTART_APP]}   # codes and/or NVIDIA resolution buckets
+          xid: {catalog_action: restart_service}   # the codes the shipped catalog says need this remedy
+          # xid: {codes: [13, 31, 43], buckets: [RESTART_APP], except_codes: [45]}  # or list them
           # throttle: {reasons: [hw_thermal_slowdown], held_seconds: 60}   # a slowdown held this long
           # service_unhealthy: {probes: 3, services: [sglang]}  # N failed probes in a row (services: all)
           # gpu_lost: {}                   # the GPU fell off the bus (NVML GPU_IS_LOST)
@@ -19,6 +20,7 @@ A full example::
           # row_remap: {failed: true}      # and/or pending: true
           # policy_drift: {reappeared: 2, items: [power_limit]}  # drift back N times after a fix
           # event: {kinds: [pcie_degraded], min_severity: warning, suggested_actions: [reset_gpu]}
+          # event: {kinds: [recovery_action], min_suggested_action: reset_gpu}   # reset_gpu or reboot
         gpus: all                         # or [0, 1]: GPU indices this rule watches
         actions:                          # the escalation ladder, one action per step:
           - restart_service: {service: sglang}   # service optional: the services on that GPU
@@ -33,19 +35,22 @@ A full example::
           - webhook: {url: "https://hooks.example/gpu", headers: {X-Token: abc}, timeout_seconds: 5}
           - run_hook: {argv: [/usr/local/bin/drain-node, --reason, gpu], timeout_seconds: 60}
 
-Action kinds and their parameters:
+Action kinds and their parameters (the pydantic models in agent/rules/params.py, which the handlers
+receive as validated here; `timeout_seconds` of webhook is the request's total deadline):
 `restart_service: {service?, ready_timeout_seconds?}`, `reset_gpu: {}`,
 `run_hook: {argv: [ABSOLUTE_PATH, args...], timeout_seconds?}`, `webhook: {url, headers?,
 timeout_seconds?}`, `alertmanager: {url?, severity?, alertname?, labels?, summary?,
 description?, annotations?}` (url defaults to `remediation.alertmanager_url`, severity to the
 event's), `recommend_reboot: {reason?, url?}` (writes `<state_dir>/reboot-recommended` and
 alerts), `reboot: {}` (refused at load time unless `remediation.allow_reboot: true`). A step
-without parameters may be written bare: `- reset_gpu`. What each action does: agent/rules/actions.py.
+without parameters may be written bare: `- reset_gpu`. What each action does: agent/rules/actions/.
 
 What each condition reads (see agent/rules/engine.py for targets and storm protection):
 
-- `xid`: XID events; `data["xid"]` is the code, its NVIDIA resolution bucket comes from the
-  shipped catalog (`UNKNOWN` for codes the catalog lacks).
+- `xid`: XID events; `data["xid"]` is the code. `catalog_action` (a SuggestedAction: none, alert,
+  restart_service, reset_gpu, reboot, ...) and `buckets` are resolved to codes from the shipped
+  catalog when the rules load (`gpu-agent xid explain N` shows a code's action and bucket); a code
+  the catalog lacks counts as action `alert`, bucket `UNKNOWN`.
 - `throttle`: the snapshot's `throttle_active_since`; one held slowdown is one fault.
 - `service_unhealthy`: the snapshot's services (`consecutive_failures`); checked every loop
   while the service stays down, so the ladder escalates until the service answers again.
@@ -53,7 +58,8 @@ What each condition reads (see agent/rules/engine.py for targets and storm prote
   ROW_REMAP_FAILED events.
 - `policy_drift`: POLICY_DRIFT events whose `data["reappeared"]` (how many times the drift came
   back after being corrected) reaches the threshold; `items` filters on `data["item"]`.
-- `event`: any event kind, optionally filtered by minimum severity and suggested action.
+- `event`: any event kind, optionally filtered by minimum severity, suggested actions, and a
+  minimum suggested action (the one ranking of remedies, agent/events.py).
 """
 
 from __future__ import annotations
@@ -80,14 +86,24 @@ from agent.config import (
     validate_model,
 )
 from agent.events import EventKind, Severity, SuggestedAction
-from agent.rules.model import ActionKind, ActionSpec
+from agent.rules.model import ActionSpec
+from agent.rules.params import (
+    ActionKind,
+    ActionParams,
+    AlertmanagerParams,
+    RebootParams,
+    RecommendRebootParams,
+    ResetGpuParams,
+    RestartServiceParams,
+    RunHookParams,
+    WebhookParams,
+)
 from agent.watch import xid_catalog
 
 RULE_NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]*$"
 # The store prunes history older than this; a longer window would count attempts it no longer has.
 MAX_WINDOW_SECONDS = 30 * 24 * 3600.0
 RULES_GLOB = "*.yaml"
-LABEL_NAME_PATTERN = r"^[a-zA-Z_][a-zA-Z0-9_]*$"
 
 
 def _empty_for_null(value: Any) -> Any:
@@ -107,9 +123,28 @@ def _exactly_one(model: StrictModel, names: Iterable[str], what: str) -> None:
 # -- conditions ------------------------------------------------------------------------------
 
 
+Code = Annotated[int, Field(ge=1, le=xid_catalog.MAX_CODE)]
+
+
 class XidCondition(StrictModel):
-    codes: list[Annotated[int, Field(ge=1, le=xid_catalog.MAX_CODE)]] = Field(default_factory=list)
+    """Xid codes to act on: explicit `codes`, NVIDIA resolution `buckets`, and/or `catalog_action`,
+    the codes whose default action in the shipped catalog is that remedy (resolved when the rules
+    load, so a rule follows the catalog instead of copying its code lists). The catalog's verdict for
+    a code it lacks is `alert` with bucket UNKNOWN: such codes match `catalog_action: alert` and
+    `buckets: [UNKNOWN]`. `except_codes` takes codes back out."""
+
+    codes: list[Code] = Field(default_factory=list)
     buckets: list[str] = Field(default_factory=list)  # NVIDIA resolution buckets, e.g. RESTART_APP
+    catalog_action: list[SuggestedAction] = Field(default_factory=list)  # one remedy or a list
+    except_codes: list[Code] = Field(default_factory=list)
+
+    _resolved: frozenset[int] = PrivateAttr(default=frozenset())
+    _unknown_codes: bool = PrivateAttr(default=False)
+
+    @field_validator("catalog_action", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
 
     @field_validator("buckets")
     @classmethod
@@ -121,16 +156,39 @@ class XidCondition(StrictModel):
         return buckets
 
     @model_validator(mode="after")
-    def _not_empty(self) -> XidCondition:
-        if not self.codes and not self.buckets:
-            raise ValueError("needs codes and/or buckets")
+    def _resolve(self) -> XidCondition:
+        if not self.codes and not self.buckets and not self.catalog_action:
+            raise ValueError("needs codes, buckets and/or catalog_action")
+        both = sorted(set(self.codes) & set(self.except_codes))
+        if both:
+            raise ValueError(f"codes {', '.join(map(str, both))} are both listed and excepted")
+        entries = xid_catalog.catalog().entries
+        used = {info.action for info in entries.values()} | {xid_catalog.UNKNOWN_ACTION}
+        unused = [action.value for action in self.catalog_action if action not in used]
+        if unused:
+            known = ", ".join(sorted(action.value for action in used))
+            raise ValueError(f"no Xid has catalog action {', '.join(unused)} (the catalog uses: {known})")
+        resolved = {
+            code
+            for code, info in entries.items()
+            if info.action in self.catalog_action or info.resolution in self.buckets
+        }
+        self._resolved = frozenset((resolved | set(self.codes)) - set(self.except_codes))
+        self._unknown_codes = (
+            xid_catalog.UNKNOWN_ACTION in self.catalog_action or xid_catalog.UNKNOWN_RESOLUTION in self.buckets
+        )
         return self
 
+    @property
+    def resolved_codes(self) -> frozenset[int]:
+        """The catalog codes this condition matches, as resolved at load time."""
+        return self._resolved
+
     def matches(self, code: int) -> bool:
-        if code in self.codes:
+        if code in self._resolved:
             return True
-        info = xid_catalog.lookup(code)
-        return (info.resolution if info else xid_catalog.UNKNOWN_RESOLUTION) in self.buckets
+        unlisted = xid_catalog.lookup(code) is None
+        return unlisted and self._unknown_codes and code not in self.except_codes
 
 
 class ThrottleCondition(StrictModel):
@@ -178,6 +236,9 @@ class EventCondition(StrictModel):
     kinds: list[EventKind] = Field(min_length=1)
     min_severity: Severity = Severity.INFO
     suggested_actions: list[SuggestedAction] | None = Field(default=None, min_length=1)
+    #: The event's suggested action at least this drastic (SuggestedAction's ranking: none < alert <
+    #: restart_service < check_mechanicals < contact_support < reset_gpu < reboot).
+    min_suggested_action: SuggestedAction = SuggestedAction.NONE
 
 
 CONDITION_KINDS = (
@@ -220,65 +281,6 @@ class Match(StrictModel):
 # -- actions ---------------------------------------------------------------------------------
 
 
-class RestartServiceParams(StrictModel):
-    service: str | None = Field(default=None, min_length=1)  # None: the services using the GPU
-    ready_timeout_seconds: float | None = Field(default=None, gt=0, le=7200)  # None: the service's own
-
-
-class RunHookParams(StrictModel):
-    argv: list[str] = Field(min_length=1)
-    timeout_seconds: float = Field(default=60.0, gt=0, le=3600)
-
-    @field_validator("argv")
-    @classmethod
-    def _absolute_program(cls, argv: list[str]) -> list[str]:
-        # No PATH lookup and no shell: what runs as root must not depend on the environment.
-        if not argv[0].startswith("/"):
-            raise ValueError(f"the program must be an absolute path, not {argv[0]!r}")
-        return argv
-
-
-def _http_url(value: str | None) -> str | None:
-    if value is not None and not value.startswith(("http://", "https://")):
-        raise ValueError("must be an http:// or https:// URL")
-    return value
-
-
-class WebhookParams(StrictModel):
-    url: str
-    headers: dict[str, str] = Field(default_factory=dict)
-    timeout_seconds: float = Field(default=10.0, gt=0, le=300)
-
-    _check_url = field_validator("url")(_http_url)
-
-
-class AlertmanagerParams(StrictModel):
-    url: str | None = None  # None: remediation.alertmanager_url from agent.yaml
-    severity: Severity | None = None  # None: the event's severity
-    alertname: str | None = Field(default=None, pattern=LABEL_NAME_PATTERN)  # None: GpuAgent<EventKind>
-    labels: dict[str, str] = Field(default_factory=dict)
-    summary: str | None = None  # None: the event's message
-    description: str | None = None  # None: the rule and the decision's reason
-    annotations: dict[str, str] = Field(default_factory=dict)
-
-    _check_url = field_validator("url")(_http_url)
-
-    @field_validator("labels", "annotations")
-    @classmethod
-    def _label_names(cls, labels: dict[str, str]) -> dict[str, str]:
-        bad = [name for name in labels if not re.fullmatch(LABEL_NAME_PATTERN, name)]
-        if bad:
-            raise ValueError(f"not a Prometheus label name: {', '.join(bad)} (letters, digits, underscores)")
-        return labels
-
-
-class RecommendRebootParams(StrictModel):
-    reason: str | None = None  # None: the event's message
-    url: str | None = None  # Alertmanager for its alert; None: remediation.alertmanager_url
-
-    _check_url = field_validator("url")(_http_url)
-
-
 ACTION_KINDS = tuple(kind.value for kind in ActionKind)
 
 
@@ -286,12 +288,12 @@ class ActionStep(StrictModel):
     """One step of a ladder: `{KIND: {params}}` with exactly one KIND (field names are ActionKind values)."""
 
     restart_service: RestartServiceParams | None = None
-    reset_gpu: NoParams | None = None
+    reset_gpu: ResetGpuParams | None = None
     run_hook: RunHookParams | None = None
     webhook: WebhookParams | None = None
     alertmanager: AlertmanagerParams | None = None
     recommend_reboot: RecommendRebootParams | None = None
-    reboot: NoParams | None = None
+    reboot: RebootParams | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -311,8 +313,8 @@ class ActionStep(StrictModel):
         return ActionKind(next(name for name in ACTION_KINDS if getattr(self, name) is not None))
 
     def spec(self) -> ActionSpec:
-        params: StrictModel = getattr(self, self.kind.value)
-        return ActionSpec(self.kind, params.model_dump(mode="json", exclude_none=True))
+        options: ActionParams = getattr(self, self.kind.value)
+        return ActionSpec(self.kind, options)
 
 
 # -- rules -----------------------------------------------------------------------------------

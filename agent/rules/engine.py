@@ -57,6 +57,7 @@ from agent.config import ServiceConfig
 from agent.events import Event, EventKind, Severity, SuggestedAction
 from agent.rules.config import Rule
 from agent.rules.model import ActionKind, ActionSpec, Decision, Target
+from agent.rules.params import RestartServiceParams
 from agent.state import NodeSnapshot
 
 EXHAUSTED_STEP = -1
@@ -194,11 +195,12 @@ class _Call:
 
     def _resolve(self, spec: ActionSpec, target: Target, rule: Rule) -> tuple[ActionSpec | None, str]:
         """The step's action aimed at the target, or (None, why it cannot run)."""
-        if spec.kind is ActionKind.RESTART_SERVICE:
-            service = spec.params.get("service") or target.service
+        options = spec.options
+        if isinstance(options, RestartServiceParams):
+            service = options.service or target.service
             if service is None:
                 return None, f"restart_service: no service uses GPU {target.gpu} (services[].gpus in agent.yaml)"
-            spec = ActionSpec(spec.kind, {**spec.params, "service": service})
+            spec = ActionSpec(spec.kind, options.model_copy(update={"service": service}))
         elif spec.kind is ActionKind.RESET_GPU and target.gpu is None:
             return None, "reset_gpu: the fault names no GPU"
         if spec.kind in _ONCE_PER_CALL:
@@ -252,6 +254,7 @@ def _event_matches(rule: Rule, event: Event) -> bool:
             kind in condition.kinds
             and _SEVERITY_RANK[event.severity] >= _SEVERITY_RANK[condition.min_severity]
             and (condition.suggested_actions is None or event.suggested_action in condition.suggested_actions)
+            and event.suggested_action.rank >= condition.min_suggested_action.rank
         )
     return False  # a state condition: read from the snapshot, not from events
 

@@ -11,19 +11,13 @@ from enum import Enum
 from typing import Any
 
 from agent.events import Event
-
-
-class ActionKind(str, Enum):
-    RESTART_SERVICE = "restart_service"
-    RESET_GPU = "reset_gpu"
-    RUN_HOOK = "run_hook"
-    WEBHOOK = "webhook"
-    ALERTMANAGER = "alertmanager"
-    RECOMMEND_REBOOT = "recommend_reboot"
-    REBOOT = "reboot"
+from agent.rules.params import PARAMS_BY_KIND, ActionParams
+from agent.rules.params import ActionKind as ActionKind
 
 
 class Outcome(str, Enum):
+    """How a Decision went. (agent.policy.base.Outcome is another thing: how a policy item's apply went.)"""
+
     SUCCESS = "success"
     FAILED = "failed"
     REFUSED = "refused"  # a safety check said no (Xid 79, MIG on, processes remain, observe mode, ...)
@@ -49,12 +43,26 @@ class Target:
         return "node" if self.gpu is None else f"gpu-index:{self.gpu}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class ActionSpec:
-    """One step of a rule's escalation ladder, as written in the rules file."""
+    """One step of a rule's escalation ladder: its kind and its parameters, validated by the kind's
+    pydantic model (the rules file is validated against the same models)."""
 
     kind: ActionKind
-    params: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    options: ActionParams = field(hash=False, compare=False)
+
+    def __init__(self, kind: ActionKind, options: ActionParams | None = None) -> None:
+        """`options` None: the kind's defaults (only for kinds whose parameters are all optional)."""
+        chosen = PARAMS_BY_KIND[kind]() if options is None else options
+        if chosen.kind is not kind:
+            raise ValueError(f"{type(chosen).__name__} are the parameters of {chosen.kind.value}, not {kind.value}")
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "options", chosen)
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """The parameters as JSON, as the store records them (the store redacts secrets)."""
+        return self.options.model_dump(mode="json", exclude_none=True)
 
 
 @dataclass(frozen=True)

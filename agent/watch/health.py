@@ -2,7 +2,8 @@
 
 The verdict follows gpud's shape (state + reason + suggested action): the worst state wins, the
 reasons of every source in that state are kept, and of their suggested actions the most drastic
-one is offered, because acting on a milder one would leave the worse fault in place.
+one is offered, because acting on a milder one would leave the worse fault in place. "Most drastic"
+is the one ranking of remedies, `SuggestedAction`'s order (agent/events.py).
 """
 
 from __future__ import annotations
@@ -10,23 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-from agent.events import Event, Health, HealthState, SuggestedAction
+from agent.events import ACTION_ORDER as ACTION_ORDER
+from agent.events import Event, Health, HealthState, SuggestedAction, more_drastic
 from agent.state import GpuSample
 
 _STATE_RANK = {HealthState.HEALTHY: 0, HealthState.DEGRADED: 1, HealthState.UNHEALTHY: 2}
-
-#: Least to most drastic. A reboot also resets every GPU; a reset clears what a support case would
-#: first ask for; a hardware check (cooling, power, seating) outranks restarting software.
-ACTION_ORDER: tuple[SuggestedAction, ...] = (
-    SuggestedAction.NONE,
-    SuggestedAction.ALERT,
-    SuggestedAction.RESTART_SERVICE,
-    SuggestedAction.CHECK_MECHANICALS,
-    SuggestedAction.CONTACT_SUPPORT,
-    SuggestedAction.RESET_GPU,
-    SuggestedAction.REBOOT,
-)
-_ACTION_RANK = {action: rank for rank, action in enumerate(ACTION_ORDER)}
 
 
 class HealthSource(Protocol):
@@ -46,10 +35,6 @@ class PollWatcher(HealthSource, Protocol):
     name: str
 
     def observe(self, samples: Sequence[GpuSample], now_seconds: float) -> list[Event]: ...
-
-
-def more_drastic(a: SuggestedAction, b: SuggestedAction) -> SuggestedAction:
-    return a if _ACTION_RANK[a] >= _ACTION_RANK[b] else b
 
 
 def combine(healths: Iterable[Health]) -> Health:

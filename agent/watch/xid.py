@@ -34,22 +34,11 @@ SOURCE_KMSG = "kmsg"
 DEFAULT_DEDUPE_WINDOW_SECONDS = 10.0
 DEFAULT_HEALTH_WINDOW_SECONDS = 3600.0
 
-# What an Xid the shipped catalog does not know gets: a human look, never an automatic repair.
-_UNKNOWN_NAME = "Unknown Xid"
-_UNKNOWN_SEVERITY = Severity.WARNING
-_UNKNOWN_ACTION = SuggestedAction.ALERT
-
-# Worst first: the health a GPU gets is that of its worst Xid in the window.
-_ACTION_RANK = {
-    SuggestedAction.REBOOT: 4,
-    SuggestedAction.RESET_GPU: 3,
-    SuggestedAction.RESTART_SERVICE: 2,
-    SuggestedAction.ALERT: 1,
-    SuggestedAction.NONE: 0,
-}
 _ACTION_HEALTH = {
     SuggestedAction.REBOOT: HealthState.UNHEALTHY,
     SuggestedAction.RESET_GPU: HealthState.UNHEALTHY,
+    SuggestedAction.CONTACT_SUPPORT: HealthState.DEGRADED,
+    SuggestedAction.CHECK_MECHANICALS: HealthState.DEGRADED,
     SuggestedAction.RESTART_SERVICE: HealthState.DEGRADED,
     SuggestedAction.ALERT: HealthState.DEGRADED,
     SuggestedAction.NONE: HealthState.HEALTHY,
@@ -107,16 +96,14 @@ class _Count:
 
 def _catalog_row(xid: int) -> tuple[str, str, Severity, SuggestedAction]:
     """(name, resolution bucket, severity, action) for a code, with the unknown-code defaults."""
-    info = xid_catalog.lookup(xid)
-    if info is None:
-        return _UNKNOWN_NAME, xid_catalog.UNKNOWN_RESOLUTION, _UNKNOWN_SEVERITY, _UNKNOWN_ACTION
-    return info.name, info.resolution, Severity(info.severity), SuggestedAction(info.action)
+    verdict = xid_catalog.verdict(xid)
+    return verdict.name, verdict.resolution, Severity(verdict.severity), verdict.action
 
 
 def recovery_suggested_action(recovery_action: str) -> SuggestedAction:
     """Xid 154's recovery action text ("GPU Reset Required", ...) -> SuggestedAction; unknown text -> ALERT."""
     mapped = xid_catalog.action_for_recovery(recovery_action)
-    return SuggestedAction(mapped) if mapped is not None else SuggestedAction.ALERT
+    return mapped if mapped is not None else SuggestedAction.ALERT
 
 
 def _where(gpu: int | None, pci_bus_id: str | None) -> str:
@@ -363,7 +350,7 @@ class XidWatcher:
                     continue
                 if mark_gpu != gpu:
                     continue
-                if worst is None or _ACTION_RANK[mark.action] > _ACTION_RANK[worst.action]:
+                if worst is None or mark.action.rank > worst.action.rank:
                     worst = mark
             if worst is None or worst.action is SuggestedAction.NONE:
                 return Health.healthy()

@@ -5,6 +5,10 @@ The data lives in ``xid_catalog.json`` next to this module (shipped as package d
 "Xid catalog" names them; ``severity`` and ``action`` are our defaults, which rules may override.
 The file is validated when first loaded: malformed data raises :class:`CatalogError` instead of
 silently mis-classifying a fault.
+
+``action`` is a :class:`~agent.events.SuggestedAction`, the one vocabulary of remedies that watchers'
+health, rule conditions (``xid: {catalog_action: reset_gpu}``) and the metrics share. A code the
+shipped catalog lacks gets :data:`UNKNOWN_SEVERITY` and :data:`UNKNOWN_ACTION` (see :func:`verdict`).
 """
 
 from __future__ import annotations
@@ -16,8 +20,14 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+from agent.events import SuggestedAction
+
 SEVERITIES = ("info", "warning", "critical", "fatal")
-ACTIONS = ("none", "alert", "restart_service", "reset_gpu", "reboot")
+ACTIONS = tuple(action.value for action in SuggestedAction)
+# What a code the shipped catalog does not know gets: a human look, never an automatic repair.
+UNKNOWN_NAME = "Unknown Xid"
+UNKNOWN_SEVERITY = "warning"
+UNKNOWN_ACTION = SuggestedAction.ALERT
 GPU_MODELS = ("A100", "H100", "B100", "GB200")
 # Where NVIDIA's catalog row has no resolution bucket yet (the newest codes).
 UNKNOWN_RESOLUTION = "UNKNOWN"
@@ -61,7 +71,7 @@ class XidInfo:
     description: str
     resolution: str
     severity: str
-    action: str
+    action: SuggestedAction
     mnemonic: str
     investigatory: str
     applies_to: tuple[str, ...]
@@ -75,8 +85,19 @@ class Catalog:
 
     source: dict[str, str]
     buckets: dict[str, str]
-    recovery_actions: dict[str, str]
+    recovery_actions: dict[str, SuggestedAction]
     entries: dict[int, XidInfo]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """gpu-agent's classification of a code: the catalog row's, or the unknown-code defaults."""
+
+    name: str
+    resolution: str
+    severity: str
+    action: SuggestedAction
+    known: bool
 
 
 def _error(where: str, message: str) -> CatalogError:
@@ -135,7 +156,7 @@ def _parse_entry(raw: object, index: int, buckets: dict[str, str]) -> XidInfo:
         description=_str_field(raw, "description", where, allow_empty=False),
         resolution=resolution,
         severity=severity,
-        action=action,
+        action=SuggestedAction(action),
         mnemonic=_str_field(raw, "mnemonic", where, allow_empty=False),
         investigatory=_str_field(raw, "investigatory", where, allow_empty=True),
         applies_to=tuple(applies),
@@ -158,10 +179,11 @@ def parse_catalog(data: object) -> Catalog:
     for bucket in buckets:
         if _BUCKET_RE.fullmatch(bucket) is None:
             raise _error("buckets", f"bad bucket name {bucket!r}")
-    recovery_actions = _str_map(data["recovery_actions"], "recovery_actions")
-    for label, mapped in recovery_actions.items():
+    recovery_actions: dict[str, SuggestedAction] = {}
+    for label, mapped in _str_map(data["recovery_actions"], "recovery_actions").items():
         if mapped not in ACTIONS:
             raise _error("recovery_actions", f"{label!r} maps to unknown action {mapped!r}")
+        recovery_actions[label] = SuggestedAction(mapped)
     rows = data["xids"]
     if not isinstance(rows, list) or not rows:
         raise _error("xids", "must be a non-empty list")
@@ -198,7 +220,15 @@ def all_codes() -> list[int]:
     return sorted(catalog().entries)
 
 
-def action_for_recovery(recovery_action: str) -> str | None:
+def verdict(code: int) -> Verdict:
+    """The classification of ``code``; a code the catalog lacks gets the unknown-code defaults."""
+    info = lookup(code)
+    if info is None:
+        return Verdict(UNKNOWN_NAME, UNKNOWN_RESOLUTION, UNKNOWN_SEVERITY, UNKNOWN_ACTION, known=False)
+    return Verdict(info.name, info.resolution, info.severity, info.action, known=True)
+
+
+def action_for_recovery(recovery_action: str) -> SuggestedAction | None:
     """Map the recovery action named by an Xid 154 line ("GPU Reset Required", ...) to our action."""
     return catalog().recovery_actions.get(recovery_action.strip())
 
@@ -211,16 +241,15 @@ def explain(code: int) -> dict[str, object]:
         return {
             "code": code,
             "known": False,
-            "name": "Unknown Xid",
+            "name": UNKNOWN_NAME,
             "description": (
                 f"Xid {code} is not in NVIDIA's Xid catalog as shipped with gpu-agent "
                 f"(transcribed {cat.source['transcribed']}); check {cat.source['url']} for a newer catalog."
             ),
             "resolution": UNKNOWN_RESOLUTION,
             "resolution_text": "",
-            # An unexplained fault deserves a human look, never an automatic repair.
-            "severity": "warning",
-            "action": "alert",
+            "severity": UNKNOWN_SEVERITY,
+            "action": UNKNOWN_ACTION.value,
             "source": cat.source["url"],
         }
     return {
@@ -235,7 +264,7 @@ def explain(code: int) -> dict[str, object]:
         "applies_to": list(info.applies_to),
         "xid154_linkage": info.xid154_linkage,
         "severity": info.severity,
-        "action": info.action,
+        "action": info.action.value,
         "note": info.note,
         "source": cat.source["url"],
     }
@@ -256,7 +285,7 @@ def explain_text(code: int) -> str:
     if info.investigatory:
         lines.append(f"NVIDIA investigatory action: {info.investigatory}")
     lines.append(f"Applies to: {', '.join(info.applies_to) or 'none of ' + ', '.join(GPU_MODELS)}")
-    lines.append(f"gpu-agent default: severity {info.severity}, action {info.action}")
+    lines.append(f"gpu-agent default: severity {info.severity}, action {info.action.value}")
     if info.note:
         lines.append(f"Note: {info.note}")
     return "\n".join(lines) + "\n"

@@ -1,0 +1,57 @@
+"""The one place that acts: carries out the Decisions the rule engine made.
+
+`execute(decision, ctx)` runs one decision and says how it went (an `ActionOutcome`); it never
+raises, so one broken action cannot take the daemon down. It blocks: restart_service and reset_gpu
+wait until the services answer again (up to `ready_timeout_seconds`, 600 s by default, since a
+large model loads for minutes), so the daemon calls it from a worker, not from its collection loop.
+
+Each handler receives its action's parameters as the pydantic model the rules file was validated
+against (agent/rules/params.py); nothing here checks a parameter again.
+
+What runs when
+--------------
+- A suppressed decision (no action) is SUPPRESSED and a dry-run decision is DRY_RUN: nothing runs.
+- In observe mode (`mode: observe`, the default) the actions that change the node, namely
+  `restart_service`, `reset_gpu` and `reboot`, are REFUSED. The others still run: `webhook`,
+  `alertmanager`, `recommend_reboot` (a flag file and an alert) and `run_hook` tell people and
+  systems about a fault without touching the GPUs or the services, which is what observing is for.
+  A hook runs whatever its owner wrote, so an operator who wants nothing run at all does not
+  configure hooks.
+
+Where each action lives
+-----------------------
+- dispatch.py: `execute`, the observe-mode refusal, one handler per kind.
+- service_actions.py: restart_service (the step's service, else the decision's, else every service
+  using the target GPU; restarted through its manager, then healthy within `ready_timeout_seconds`
+  or FAILED).
+- reset.py: reset_gpu, the safe sequence (services stopped, GPU idle, reset, policy re-applied,
+  services started and healthy; refused for Xid 79, a lost GPU, MIG, a re-enumerated index).
+- hooks.py: run_hook (argv, never a shell; event JSON on stdin; trusted files only).
+- notify.py: webhook and alertmanager; alertmanager.py: alerts and the AlertTracker;
+  http_client.py: POST with a total deadline, no redirects, no secrets in errors.
+- reboot.py: recommend_reboot (flag file + alert) and reboot (`remediation.allow_reboot` only).
+"""
+
+from agent.rules.actions.alertmanager import Alert, AlertTracker, alert_for, post_alert, resolve_alert
+from agent.rules.actions.base import ActionError, event_payload
+from agent.rules.actions.context import ActionContext
+from agent.rules.actions.dispatch import execute
+from agent.rules.actions.hooks import hook_env, hook_path_problem
+from agent.rules.actions.http_client import RequestTimedOut, post_json, redacted_url
+
+__all__ = [
+    "ActionContext",
+    "ActionError",
+    "Alert",
+    "AlertTracker",
+    "RequestTimedOut",
+    "alert_for",
+    "event_payload",
+    "execute",
+    "hook_env",
+    "hook_path_problem",
+    "post_alert",
+    "post_json",
+    "redacted_url",
+    "resolve_alert",
+]

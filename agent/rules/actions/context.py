@@ -1,0 +1,35 @@
+"""Everything an action handler reaches."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from agent.backend.base import GpuBackend
+from agent.config import AgentConfig
+from agent.policy.base import HostContext
+from agent.policy.engine import PolicyEngine
+from agent.rules.actions.alertmanager import AlertTracker
+from agent.services import HealthProber, ServiceManager
+
+
+@dataclass
+class ActionContext:
+    """Everything actions reach. `managers` maps service names to their manager (a service without
+    one cannot be restarted: see agent.services.build_managers)."""
+
+    config: AgentConfig
+    backend: GpuBackend
+    policy: PolicyEngine
+    host: HostContext
+    managers: Mapping[str, ServiceManager]
+    prober: HealthProber | None = None
+    alerts: AlertTracker = field(default_factory=AlertTracker)
+    clock: Callable[[], float] = time.time
+    sleep: Callable[[float], None] = time.sleep
+    hostname: str = field(default_factory=socket.gethostname)
+    #: How long a GPU reset waits for the GPU's processes to exit after the services stopped.
+    drain_timeout_seconds: float = 30.0
+    drain_poll_seconds: float = 0.5

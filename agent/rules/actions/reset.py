@@ -1,0 +1,160 @@
+"""reset_gpu, the safe sequence.
+
+Refused for Xid 79 / a lost GPU (a reset cannot bring it back: reboot territory), for MIG enabled
+or pending (a reset destroys the instances or changes the mode), for a GPU whose index now names
+another uuid. Otherwise: stop the services using the GPU; wait (bounded) until NVML lists no
+compute process on it, else start the services again and refuse; reset; re-apply the node policy
+(a reset returns settings to defaults); start the services; wait until healthy. The outcome's
+detail lists every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import structlog
+
+from agent.backend.errors import GpuError, GpuErrorKind, WriteRefused
+from agent.config import ServiceConfig
+from agent.events import EventKind
+from agent.policy.base import Outcome as ItemOutcome
+from agent.rules.actions.base import Result, failed, gpu_of, refused, uuid_of, xid_of
+from agent.rules.actions.context import ActionContext
+from agent.rules.actions.service_actions import managers_for, ready_timeout, services_for_gpu, start_again
+from agent.rules.model import Decision, Outcome
+from agent.rules.params import ResetGpuParams
+from agent.services import ServiceError
+
+log = structlog.get_logger("gpu-agent")
+
+#: Xid 79, "GPU has fallen off the bus": a reset cannot bring it back, only a reboot (or a repair).
+XID_FALLEN_OFF_BUS = 79
+
+
+def _reset_refusal(decision: Decision, gpu: int, ctx: ActionContext) -> str | None:
+    """Why the GPU must not be reset, or None."""
+    event = decision.event
+    if event.kind is EventKind.GPU_LOST or xid_of(event) == XID_FALLEN_OFF_BUS:
+        return f"Xid {XID_FALLEN_OFF_BUS} / GPU lost: a reset cannot recover GPU {gpu}; it needs a reboot"
+    try:
+        identity = ctx.backend.identity(gpu)
+    except GpuError as exc:
+        if exc.kind is GpuErrorKind.GPU_LOST:
+            return f"GPU {gpu} has fallen off the bus: a reset cannot recover it; it needs a reboot"
+        return f"cannot identify GPU {gpu}: {exc}"
+    uuid = uuid_of(decision)
+    if uuid and uuid.lower() != identity.uuid.lower():
+        return f"GPU index {gpu} is now {identity.uuid}, not {uuid}: the GPUs were re-enumerated"
+    try:
+        mig = ctx.backend.mig_mode(gpu)
+    except GpuError as exc:
+        if exc.kind is GpuErrorKind.NOT_SUPPORTED:
+            return None
+        if exc.kind is GpuErrorKind.GPU_LOST:
+            return f"GPU {gpu} has fallen off the bus: a reset cannot recover it; it needs a reboot"
+        return f"cannot read the MIG mode of GPU {gpu}: {exc}"
+    if mig.current:
+        return f"MIG is enabled on GPU {gpu}: a reset destroys its MIG instances"
+    if mig.pending:
+        return f"a MIG mode change is pending on GPU {gpu}: a reset would apply it"
+    return None
+
+
+def _process_names(pids: Sequence[int], ctx: ActionContext) -> str:
+    named = []
+    for pid in pids:
+        try:
+            comm = ctx.host.paths.read_text(f"/proc/{pid}/comm").strip()
+        except OSError:
+            comm = ""
+        named.append(f"{pid} ({comm})" if comm else str(pid))
+    return ", ".join(named)
+
+
+def _wait_idle(gpu: int, ctx: ActionContext) -> tuple[list[int], float]:
+    """Poll NVML's process list until it is empty or the drain timeout passes: (remaining pids, waited)."""
+    began = ctx.clock()
+    deadline = began + ctx.drain_timeout_seconds
+    while True:
+        pids = [p.pid for p in ctx.backend.compute_processes(gpu)]
+        now = ctx.clock()
+        if not pids or now >= deadline:
+            return pids, now - began
+        ctx.sleep(min(ctx.drain_poll_seconds, deadline - now))
+
+
+def reset_gpu(decision: Decision, params: ResetGpuParams, ctx: ActionContext) -> Result:
+    gpu = gpu_of(decision)
+    if gpu is None:
+        return failed("reset_gpu needs a GPU target")
+    refusal = _reset_refusal(decision, gpu, ctx)
+    if refusal is not None:
+        return refused(refusal)
+    services = services_for_gpu(ctx.config, gpu)
+    managers = managers_for(services, ctx)
+    if isinstance(managers, str):
+        return refused(f"cannot stop the services on GPU {gpu}: {managers}")
+    steps: list[str] = []
+    stopped: list[ServiceConfig] = []
+    for service in services:
+        if ctx.prober is not None:
+            budget = ctx.drain_timeout_seconds + 2 * service.command_timeout_seconds + ready_timeout(service, None)
+            ctx.prober.expect_down(service.name, budget)
+        try:
+            managers[service.name].stop(service)
+        except ServiceError as exc:
+            steps.append(f"stop {service.name} failed: {exc}")
+            if ctx.prober is not None:
+                ctx.prober.expect_down(service.name, 0)
+            start_again(stopped, managers, ctx, steps)
+            return failed("; ".join(steps))
+        stopped.append(service)
+        steps.append(f"stopped {service.name}")
+
+    try:
+        outcome = _reset_idle_gpu(gpu, ctx, steps)
+    except Exception as exc:  # whatever went wrong, the stopped services must come back
+        log.exception("GPU reset sequence failed unexpectedly", gpu=gpu)
+        steps.append(f"unexpected error: {type(exc).__name__}: {exc}")
+        outcome = Outcome.FAILED
+    back = start_again(stopped, managers, ctx, steps)
+    if outcome is Outcome.SUCCESS and not back:
+        outcome = Outcome.FAILED
+    return Result(outcome, "; ".join(steps))
+
+
+def _reset_idle_gpu(gpu: int, ctx: ActionContext, steps: list[str]) -> Outcome:
+    """With the services stopped: wait until the GPU is idle, reset it, re-apply the policy."""
+    try:
+        remaining, waited = _wait_idle(gpu, ctx)
+    except GpuError as exc:
+        steps.append(f"cannot list the processes on GPU {gpu}: {exc}")
+        return Outcome.FAILED
+    if remaining:
+        steps.append(f"processes {_process_names(remaining, ctx)} still on GPU {gpu} after {waited:.1f} s")
+        return Outcome.REFUSED
+    steps.append(f"GPU {gpu} idle after {waited:.1f} s")
+
+    try:
+        ctx.backend.reset_gpu(gpu)
+    except (GpuError, WriteRefused) as exc:
+        steps.append(f"reset of GPU {gpu} failed: {exc}")
+        # IN_USE: something grabbed the GPU between our check and the reset; a safety refusal.
+        return Outcome.REFUSED if isinstance(exc, GpuError) and exc.kind is GpuErrorKind.IN_USE else Outcome.FAILED
+    steps.append(f"reset GPU {gpu}")
+
+    try:
+        report = ctx.policy.apply()
+    except GpuError as exc:
+        steps.append(f"policy re-apply failed: {exc}")
+        return Outcome.FAILED
+    failures = [r for r in report.results if r.outcome is ItemOutcome.FAILED]
+    if failures:
+        listed = "; ".join(
+            f"{r.plan.item}{'' if r.plan.gpu is None else f' GPU {r.plan.gpu}'}: {r.detail}" for r in failures
+        )
+        steps.append(f"policy re-applied with {len(failures)} failure(s): {listed}")
+        return Outcome.FAILED
+    applied = sum(1 for r in report.results if r.outcome is ItemOutcome.APPLIED)
+    steps.append(f"policy re-applied ({applied} item(s) set)")
+    return Outcome.SUCCESS

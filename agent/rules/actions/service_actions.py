@@ -1,0 +1,105 @@
+"""restart_service, and the service handling the GPU reset shares: which services, their managers,
+waiting until they answer again."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from agent.config import AgentConfig, ServiceConfig
+from agent.rules.actions.base import ActionError, Result, failed, gpu_of, refused
+from agent.rules.actions.context import ActionContext
+from agent.rules.model import Decision, Outcome
+from agent.rules.params import RestartServiceParams
+from agent.services import ServiceError, ServiceManager
+
+
+def services_for_gpu(config: AgentConfig, gpu: int) -> list[ServiceConfig]:
+    return [s for s in config.services if s.gpus == "all" or gpu in s.gpus]
+
+
+def _named_services(decision: Decision, params: RestartServiceParams, config: AgentConfig) -> list[ServiceConfig]:
+    """The step's service, else the decision's, else every service using the decision's GPU."""
+    name = params.service or decision.target.service or decision.event.data.get("service")
+    if not name:
+        gpu = gpu_of(decision)
+        return services_for_gpu(config, gpu) if gpu is not None else []
+    known = {s.name: s for s in config.services}
+    if name not in known:
+        raise ActionError(f"unknown service(s) {name} (not in services:)")
+    return [known[str(name)]]
+
+
+def managers_for(services: Sequence[ServiceConfig], ctx: ActionContext) -> dict[str, ServiceManager] | str:
+    """Each service's manager, or why one is missing."""
+    missing = [s.name for s in services if s.name not in ctx.managers]
+    if missing:
+        return (
+            f"no service manager for {', '.join(missing)} "
+            f"(systemd units are only driven when host_root is /; host_root is {ctx.config.host_root})"
+        )
+    return {s.name: ctx.managers[s.name] for s in services}
+
+
+def ready_timeout(service: ServiceConfig, override_seconds: float | None) -> float:
+    return service.ready_timeout_seconds if override_seconds is None else override_seconds
+
+
+def verify_healthy(service: ServiceConfig, override_seconds: float | None, ctx: ActionContext) -> tuple[bool, str]:
+    """Wait until the (re)started service is healthy; (ok, what happened)."""
+    if ctx.prober is None or not ctx.prober.can_probe(service.name):
+        return True, f"{service.name} started (no health check configured)"
+    timeout = ready_timeout(service, override_seconds)
+    began = ctx.clock()
+    result = ctx.prober.wait_healthy(service.name, timeout)
+    if result.ok:
+        return True, f"{service.name} healthy after {ctx.clock() - began:.1f} s"
+    return False, f"{service.name} not healthy within {timeout:g} s ({result.detail})"
+
+
+def start_again(
+    services: Sequence[ServiceConfig], managers: Mapping[str, ServiceManager], ctx: ActionContext, steps: list[str]
+) -> bool:
+    """Start the stopped services again and wait until they are healthy; False if any is not."""
+    ok = True
+    for service in services:
+        try:
+            managers[service.name].start(service)
+        except ServiceError as exc:
+            ok = False
+            steps.append(f"start {service.name} failed: {exc}")
+            if ctx.prober is not None:
+                ctx.prober.expect_down(service.name, 0)  # its outage is real now: let the probes count
+            continue
+        steps.append(f"started {service.name}")
+        healthy, what = verify_healthy(service, None, ctx)
+        ok = ok and healthy
+        steps.append(what)
+    return ok
+
+
+def restart_service(decision: Decision, params: RestartServiceParams, ctx: ActionContext) -> Result:
+    """Restart the services through their managers, then healthy within the ready timeout or FAILED."""
+    services = _named_services(decision, params, ctx.config)
+    if not services:
+        return failed("no service to restart: the decision names none and no service uses its GPU")
+    managers = managers_for(services, ctx)
+    if isinstance(managers, str):
+        return refused(managers)
+    steps: list[str] = []
+    ok = True
+    for service in services:
+        if ctx.prober is not None:
+            budget = service.command_timeout_seconds + ready_timeout(service, params.ready_timeout_seconds)
+            ctx.prober.expect_down(service.name, budget)
+        try:
+            managers[service.name].restart(service)
+        except ServiceError as exc:
+            ok = False
+            steps.append(f"restart {service.name} failed: {exc}")
+            if ctx.prober is not None:
+                ctx.prober.expect_down(service.name, 0)
+            continue
+        healthy, what = verify_healthy(service, params.ready_timeout_seconds, ctx)
+        ok = ok and healthy
+        steps.append(f"restarted {service.name}; {what}")
+    return Result(Outcome.SUCCESS if ok else Outcome.FAILED, "; ".join(steps))
