@@ -353,8 +353,8 @@ def simulated_node(state_dir: Path) -> tuple[SimulatedBackend, tuple[ItemPlan, .
     backend.add_ecc_errors(0, corrected=2)
     contexts = {gpu: GpuContext(backend, gpu, backend.identity(gpu)) for gpu in (0, 1)}
     policy = (
-        power_limit.plan(contexts[0], 600.0),  # the board runs at 700 W: drift
-        power_limit.plan(contexts[1], 700.0),
+        power_limit.ITEM.plan(contexts[0], 600.0).plan,  # the board runs at 700 W: drift
+        power_limit.ITEM.plan(contexts[1], 700.0).plan,
         ItemPlan("transparent_hugepages", None, PlanStatus.IN_SYNC, "never", "never"),
     )
     assert [plan.status for plan in policy] == [PlanStatus.DRIFT, PlanStatus.IN_SYNC, PlanStatus.IN_SYNC]

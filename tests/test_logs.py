@@ -99,8 +99,6 @@ def test_auto_picks_journal_only_under_systemd(monkeypatch: pytest.MonkeyPatch, 
 #: through `logging` (pyudev, systemd's journal module) into the same structlog stream.
 STDLIB_LOGGING_ALLOWED = {
     "agent/logs.py": "routes third-party libraries' stdlib records into structlog",
-    # converted to structlog on the "actions" branch; delete this entry when that branch is merged
-    "agent/rules/actions.py": "converted by the actions branch",
 }
 
 
