@@ -105,12 +105,12 @@ class Daemon:
 
     def _collect(self, now: float) -> tuple[list[GpuSample], list[Event]]:
         """This loop's samples, and the events the watchers and the policy loop made of them."""
-        backend = self.session.open(self.config, self.timing.step_wait(self.config.interval_seconds))
+        wait_seconds = self.timing.step_wait(self.config.interval_seconds)
+        backend = self.session.begin_loop(self.config, wait_seconds)
         if backend is None:
             return self.collector.unavailable(now, self.session.error), []
         samples = self.collector.collect(backend, now)
         events = self.watchers.observe(samples, now)
-        wait_seconds = self.timing.step_wait(self.config.interval_seconds)
         events += self.policy.step(backend, now, wait_seconds, self.collector.identities)
         if self.session.end_loop():
             self.policy.forget_backend()
@@ -138,7 +138,7 @@ class Daemon:
         return DaemonParts(
             started_seconds=self.started_seconds,
             stale_gpus=self.collector.stale,
-            backend_error=self.session.error if self.session.backend is None else None,
+            backend_error=self.session.error,
             services=tuple(self.prober.statuses()),
             remediations=self.remediator.counts(),
             collectors=collectors,
@@ -155,13 +155,12 @@ class Daemon:
             self.intake.give_back(events)  # before the first snapshot: kept for the first loop
             return
         self.intake.note(events)
-        backend_error = self.session.error if self.session.backend is None else None
         snapshot = replace(
             snapshot,
             services=tuple(self.prober.statuses()),
             xids=tuple(self.watchers.xid.counts()),
             recent_events=self.intake.recent,
-            health=self.watchers.health(snapshot.health, self.collector.stale, backend_error),
+            health=self.watchers.health(snapshot.health, self.collector.stale, self.session.error),
         )
         self.remediator.remediate(snapshot, events, self.clock())
         self.publisher.set(snapshot)

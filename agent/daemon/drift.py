@@ -36,11 +36,11 @@ class DriftBook:
         events = []
         for plan in fixed:
             key = (plan.item, plan.gpu)
-            if self._curve_step(plan):
-                log.debug("fan curve step", gpu=plan.gpu, desired=plan.desired, actual=plan.actual)
-                self._fixed_to[key] = plan.desired
-                continue
+            curve_step = self._curve_step(plan)
             self._fixed_to[key] = plan.desired
+            if curve_step:
+                log.debug("fan curve step", gpu=plan.gpu, desired=plan.desired, actual=plan.actual)
+                continue
             count = self.reappeared.get(key, -1) + 1
             self.reappeared[key] = count
             identity = identities.get(plan.gpu) if plan.gpu is not None else None

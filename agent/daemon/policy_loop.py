@@ -72,10 +72,10 @@ class PolicyLoop:
         if self.engine is None or self.engine.backend is not backend:
             self.engine = PolicyEngine(self.config, backend, self.host)
             self.pending = None
-        if self.pending is None:
-            self.pending = (self.runner.submit("policy", partial(self._run, self.engine, full)), full)
-        future, full = self.pending  # possibly a step an earlier loop started
         try:
+            if self.pending is None:  # a step dropped with its backend may still hold the lane: StaleGpu
+                self.pending = (self.runner.submit("policy", partial(self._run, self.engine, full)), full)
+            future, full = self.pending  # possibly a step an earlier loop started
             plans, fixed, failed = timed(
                 "policy", lambda: self.runner.result("policy", future, wait_seconds), self._record
             )

@@ -38,13 +38,13 @@ class BackendSession:
         self.runner = runner
         self.on_event = on_event
         self.backend: GpuBackend | None = None
-        self.error: GpuError | None = None  # why there is no backend now
+        self.error: GpuError | None = None  # why there is no backend now (None while one is open)
         self._opening: Future[GpuBackend] | None = None  # an open_backend still running in the library lane
         self._faults: list[str] = []  # this loop's evidence that the NVML session is gone
         self._events: NvmlEventSource | None = None
 
-    def open(self, config: AgentConfig, wait_seconds: float) -> GpuBackend | None:
-        """The open backend, opening it first if needed; None while it cannot be opened."""
+    def begin_loop(self, config: AgentConfig, wait_seconds: float) -> GpuBackend | None:
+        """A loop starts: the open backend, opened first if needed; None while it cannot be opened."""
         self._faults = []
         if self.backend is not None:
             return self.backend
