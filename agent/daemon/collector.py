@@ -23,13 +23,11 @@ from agent.backend.base import GpuBackend, GpuIdentity
 from agent.backend.errors import GpuError, GpuErrorKind
 from agent.bounded import BoundedRunner, StaleGpu
 from agent.collect import carry_slow_fields, sample_identified
+from agent.daemon.session import FaultSink
 from agent.daemon.timing import LoopTiming, due, timed
 from agent.state import CollectorStatus, GpuSample
 
 log = structlog.get_logger("gpu-agent")
-
-#: Where a reading failed, and how: the backend session judges whether NVML itself is gone.
-FaultSink = Callable[[str, GpuErrorKind | str], None]
 
 
 class GpuCollector:

@@ -4,7 +4,7 @@ enforce mode drift is applied. The step runs in its own lane and the loop waits 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import replace
 from functools import partial
@@ -12,10 +12,11 @@ from functools import partial
 import structlog
 
 from agent.backend.base import GPU_RESET_ITEM, GpuBackend, GpuIdentity
-from agent.backend.errors import GpuError, GpuErrorKind
+from agent.backend.errors import GpuError
 from agent.bounded import BoundedRunner, StaleGpu
 from agent.config import AgentConfig
 from agent.daemon.drift import FAN_CURVE, DriftBook, ItemKey
+from agent.daemon.session import FaultSink
 from agent.daemon.timing import due, timed
 from agent.events import Event
 from agent.policy import fan_curve
@@ -36,7 +37,7 @@ class PolicyLoop:
         config: AgentConfig,
         host: HostContext,
         runner: BoundedRunner,
-        on_fault: Callable[[str, GpuErrorKind | str], None],
+        on_fault: FaultSink,
     ) -> None:
         self.config = config
         self.host = host

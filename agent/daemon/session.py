@@ -32,6 +32,9 @@ log = structlog.get_logger("gpu-agent")
 LIBRARY_FAULT_KINDS = NO_DRIVER_KINDS | {GpuErrorKind.UNINITIALIZED}
 _LIBRARY_FAULT_VALUES = frozenset(kind.value for kind in LIBRARY_FAULT_KINDS)
 
+#: Where a reading failed, and how (`BackendSession.note_fault`): the session judges whether NVML is gone.
+FaultSink = Callable[[str, GpuErrorKind | str], None]
+
 
 class BackendSession:
     def __init__(self, runner: BoundedRunner, on_event: Callable[[GpuEvent], None]) -> None:
