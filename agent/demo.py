@@ -237,8 +237,9 @@ def run_demo(directory: Path | None = None, keep_running: bool = True) -> int:
         say("   " + _power_drift(demo.status())[-1]["message"])
 
         say("\n== 3. GPU 4 overheats: 92 C, thermal slowdown")
-        say("   " + demo.cli("inject", "temperature", "--gpu", "4", "--celsius", "92"))
+        # The reasons first: a loop seeing 92 C without them would read the simulator's own hw slowdown.
         say("   " + demo.cli("inject", "throttle", "--gpu", "4", "--reason", "sw_thermal_slowdown"))
+        say("   " + demo.cli("inject", "temperature", "--gpu", "4", "--celsius", "92"))
         demo.wait("throttling seen", lambda s: _gpu(s, 4)["health"]["state"] != "healthy", 30)
         say("   " + _thermal_events(demo.status())[-1]["message"])
         health = _gpu(demo.status(), 4)["health"]
