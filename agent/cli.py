@@ -183,7 +183,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         except api.ApiError as exc:
             raise CliError(f"daemon at {socket_path}: {exc}") from None
     if document is None or document.get("starting"):
-        document = direct_status(load(args))
+        config = load(args)
+        if args.direct:
+            note = "direct read (--direct)"
+        elif document is None:
+            note = f"direct read: no daemon answered on {config.api.socket}"
+        else:
+            note = f"direct read: the daemon on {config.api.socket} is still starting"
+        document = direct_status(config, note)
     _print(textview.dumps(document) if args.json else textview.status_text(document))
     return EXIT_OK
 
@@ -203,16 +210,14 @@ def _socket_path(args: argparse.Namespace) -> str:
     return str(socket) if isinstance(socket, str) else DEFAULT_SOCKET_PATH
 
 
-def direct_status(config: AgentConfig) -> dict[str, object]:
-    """What `status` shows when no daemon answers: one collection and one plan, read-only."""
+def direct_status(config: AgentConfig, note: str) -> dict[str, object]:
+    """What `status` shows without a daemon: one collection and one plan, read-only, judged by the
+    same watchers and made into a snapshot by the same builder as the daemon's."""
     import time
 
     from agent import render
     from agent.collect import sample_all
-    from agent.state import NodeSnapshot
-    from agent.watch.gpu_lost import GpuLostWatcher
-    from agent.watch.health import HealthBook
-    from agent.watch.throttle import ThrottleWatcher
+    from agent.snapshot import NodeWatchers, build_snapshot
 
     engine = make_engine(config)
     now = time.time()
@@ -222,23 +227,9 @@ def direct_status(config: AgentConfig) -> dict[str, object]:
         plan = engine.plan()
     finally:
         engine.backend.shutdown()
-    throttle, lost = ThrottleWatcher(), GpuLostWatcher()
-    for watcher in (throttle, lost):
-        watcher.observe(samples, now)
-    book = HealthBook([throttle, lost])
-    snapshot = NodeSnapshot(
-        timestamp_seconds=now,
-        started_seconds=now,
-        version=__version__,
-        backend=config.backend,
-        driver_version=driver,
-        gpus=tuple(samples),
-        health={s.index: book.gpu_health(s.index) for s in samples},
-        policy=plan.items,
-        item_modes={item: mode.value for item, mode in plan.item_modes.items()},
-        throttle_active_since=throttle.active_since(),
-    )
-    note = f"direct read: no daemon answered on {config.api.socket}"
+    watchers = NodeWatchers()
+    watchers.observe(samples, now)
+    snapshot = build_snapshot(config, now, samples, watchers, driver_version=driver, policy=plan.items)
     return render.snapshot_document(snapshot, source="direct", note=note, mode=config.mode.value)
 
 

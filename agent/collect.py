@@ -2,12 +2,17 @@
 
 NOT_SUPPORTED leaves the field None silently (a fan-less board); any other failure is recorded
 in `read_errors`; GPU_LOST stops reading that GPU and marks it down.
+
+Two tiers: the fast tier is read every loop; the slow tier (counters and link state, 0.2-1.3 ms
+per call on an H200) every few loops, and `SLOW_TIER_FIELDS` names what it fills, so a fast-tier
+sample can carry the last slow readings forward.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from agent.backend.base import (
@@ -25,6 +30,24 @@ from agent.state import GpuSample
 _LOST_KINDS = frozenset({GpuErrorKind.GPU_LOST, GpuErrorKind.RESET_REQUIRED})
 
 
+@dataclass(frozen=True)
+class _Reader:
+    """One backend call. `name` keys `read_errors`; the reading fills the sample field `name`, or,
+    for a structured reading, each of `fields` from the reading's attribute of the same position."""
+
+    name: str
+    read: Callable[[GpuBackend, int], Any]
+    fields: tuple[tuple[str, str], ...] = ()  # (sample field, attribute of the reading)
+
+    def values(self, reading: Any) -> dict[str, Any]:
+        if not self.fields:
+            return {self.name: reading}
+        return {field: getattr(reading, attribute) for field, attribute in self.fields}
+
+    def field_names(self) -> tuple[str, ...]:
+        return tuple(field for field, _ in self.fields) or (self.name,)
+
+
 def _fans(backend: GpuBackend, gpu: int) -> tuple[int, ...]:
     count = backend.fan_count(gpu)
     if count == 0:  # fan-less (SXM) board: the same as NVML's NOT_SUPPORTED for the speed
@@ -32,49 +55,76 @@ def _fans(backend: GpuBackend, gpu: int) -> tuple[int, ...]:
     return tuple(backend.fan_speed_percent(gpu, fan) for fan in range(count))
 
 
-def _fast_readers(backend: GpuBackend, gpu: int) -> list[tuple[str, Callable[[], Any]]]:
-    return [
-        ("temperature_celsius", lambda: backend.temperature_celsius(gpu)),
-        ("power_usage_watts", lambda: backend.power_usage_watts(gpu)),
-        ("power_limit_watts", lambda: backend.power_limit_watts(gpu)),
-        ("graphics_clock_mhz", lambda: backend.clock_mhz(gpu, ClockDomain.GRAPHICS)),
-        ("sm_clock_mhz", lambda: backend.clock_mhz(gpu, ClockDomain.SM)),
-        ("memory_clock_mhz", lambda: backend.clock_mhz(gpu, ClockDomain.MEMORY)),
-        ("clock_event_reasons", lambda: backend.clock_event_reasons(gpu)),
-        ("utilization", lambda: backend.utilization(gpu)),
-        ("memory", lambda: backend.memory_info(gpu)),
-        ("performance_state", lambda: backend.performance_state(gpu)),
-        ("fan_speeds_percent", lambda: _fans(backend, gpu)),
-        ("persistence_enabled", lambda: backend.persistence_enabled(gpu)),
-        ("ecc", lambda: backend.ecc_mode(gpu)),
-    ]
+def _ecc(error: EccErrorType, counter: EccCounter) -> Callable[[GpuBackend, int], int]:
+    return lambda backend, gpu: backend.ecc_errors(gpu, error, counter)
 
 
-def _slow_readers(backend: GpuBackend, gpu: int) -> list[tuple[str, Callable[[], Any]]]:
-    def ecc(error: EccErrorType, counter: EccCounter) -> Callable[[], int]:
-        return lambda: backend.ecc_errors(gpu, error, counter)
+FAST_READERS: tuple[_Reader, ...] = (
+    _Reader("temperature_celsius", lambda b, gpu: b.temperature_celsius(gpu)),
+    _Reader("power_usage_watts", lambda b, gpu: b.power_usage_watts(gpu)),
+    _Reader("power_limit_watts", lambda b, gpu: b.power_limit_watts(gpu)),
+    _Reader("graphics_clock_mhz", lambda b, gpu: b.clock_mhz(gpu, ClockDomain.GRAPHICS)),
+    _Reader("sm_clock_mhz", lambda b, gpu: b.clock_mhz(gpu, ClockDomain.SM)),
+    _Reader("memory_clock_mhz", lambda b, gpu: b.clock_mhz(gpu, ClockDomain.MEMORY)),
+    _Reader("clock_event_reasons", lambda b, gpu: b.clock_event_reasons(gpu)),
+    _Reader(
+        "utilization",
+        lambda b, gpu: b.utilization(gpu),
+        (("gpu_utilization_percent", "gpu_percent"), ("memory_utilization_percent", "memory_percent")),
+    ),
+    _Reader(
+        "memory",
+        lambda b, gpu: b.memory_info(gpu),
+        (("memory_used_bytes", "used_bytes"), ("memory_total_bytes", "total_bytes")),
+    ),
+    _Reader("performance_state", lambda b, gpu: b.performance_state(gpu)),
+    _Reader("fan_speeds_percent", _fans),
+    _Reader("persistence_enabled", lambda b, gpu: b.persistence_enabled(gpu)),
+    _Reader("ecc", lambda b, gpu: b.ecc_mode(gpu), (("ecc_enabled", "current"), ("ecc_pending", "pending"))),
+)
 
-    return [
-        ("ecc_corrected_volatile", ecc(EccErrorType.CORRECTED, EccCounter.VOLATILE)),
-        ("ecc_uncorrected_volatile", ecc(EccErrorType.UNCORRECTED, EccCounter.VOLATILE)),
-        ("ecc_corrected_aggregate", ecc(EccErrorType.CORRECTED, EccCounter.AGGREGATE)),
-        ("ecc_uncorrected_aggregate", ecc(EccErrorType.UNCORRECTED, EccCounter.AGGREGATE)),
-        ("remapped_rows", lambda: backend.remapped_rows(gpu)),
-        ("retired_pages_pending", lambda: backend.retired_pages_pending(gpu)),
-        ("pcie", lambda: backend.pcie_link(gpu)),
-        ("pcie_replay_count", lambda: backend.pcie_replay_counter(gpu)),
+SLOW_READERS: tuple[_Reader, ...] = (
+    _Reader("ecc_corrected_volatile", _ecc(EccErrorType.CORRECTED, EccCounter.VOLATILE)),
+    _Reader("ecc_uncorrected_volatile", _ecc(EccErrorType.UNCORRECTED, EccCounter.VOLATILE)),
+    _Reader("ecc_corrected_aggregate", _ecc(EccErrorType.CORRECTED, EccCounter.AGGREGATE)),
+    _Reader("ecc_uncorrected_aggregate", _ecc(EccErrorType.UNCORRECTED, EccCounter.AGGREGATE)),
+    _Reader(
+        "remapped_rows",
+        lambda b, gpu: b.remapped_rows(gpu),
         (
-            "slowdown_temperature_celsius",
-            lambda: backend.temperature_threshold_celsius(gpu, TemperatureThreshold.SLOWDOWN),
+            ("remapped_rows_correctable", "correctable"),
+            ("remapped_rows_uncorrectable", "uncorrectable"),
+            ("remap_pending", "pending"),
+            ("remap_failed", "failed"),
         ),
+    ),
+    _Reader("retired_pages_pending", lambda b, gpu: b.retired_pages_pending(gpu)),
+    _Reader(
+        "pcie",
+        lambda b, gpu: b.pcie_link(gpu),
         (
-            "shutdown_temperature_celsius",
-            lambda: backend.temperature_threshold_celsius(gpu, TemperatureThreshold.SHUTDOWN),
+            ("pcie_generation", "current_generation"),
+            ("pcie_width", "current_width"),
+            ("pcie_max_generation", "max_generation"),
+            ("pcie_max_width", "max_width"),
         ),
-        ("power_violation_ns", lambda: backend.violation_time_ns(gpu, ViolationPolicy.POWER)),
-        ("thermal_violation_ns", lambda: backend.violation_time_ns(gpu, ViolationPolicy.THERMAL)),
-        ("recovery_action", lambda: backend.recovery_action(gpu)),
-    ]
+    ),
+    _Reader("pcie_replay_count", lambda b, gpu: b.pcie_replay_counter(gpu)),
+    _Reader(
+        "slowdown_temperature_celsius",
+        lambda b, gpu: b.temperature_threshold_celsius(gpu, TemperatureThreshold.SLOWDOWN),
+    ),
+    _Reader(
+        "shutdown_temperature_celsius",
+        lambda b, gpu: b.temperature_threshold_celsius(gpu, TemperatureThreshold.SHUTDOWN),
+    ),
+    _Reader("power_violation_ns", lambda b, gpu: b.violation_time_ns(gpu, ViolationPolicy.POWER)),
+    _Reader("thermal_violation_ns", lambda b, gpu: b.violation_time_ns(gpu, ViolationPolicy.THERMAL)),
+    _Reader("recovery_action", lambda b, gpu: b.recovery_action(gpu)),
+)
+
+#: The GpuSample fields only the slow tier reads.
+SLOW_TIER_FIELDS: tuple[str, ...] = tuple(field for reader in SLOW_READERS for field in reader.field_names())
 
 
 def sample_gpu(
@@ -94,41 +144,18 @@ def sample_identified(
     values: dict[str, Any] = {}
     errors: dict[str, str] = {}
     up = True
-    readers = _fast_readers(backend, identity.index)
-    if slow:
-        readers += _slow_readers(backend, identity.index)
-    for name, read in readers:
+    for reader in FAST_READERS + SLOW_READERS if slow else FAST_READERS:
         try:
-            value = read()
+            reading = reader.read(backend, identity.index)
         except GpuError as exc:
             if exc.kind is GpuErrorKind.NOT_SUPPORTED:
                 continue
-            errors[name] = exc.kind.value
+            errors[reader.name] = exc.kind.value
             if exc.kind in _LOST_KINDS:
                 up = False
                 break
             continue
-        if name == "utilization":
-            values["gpu_utilization_percent"] = value.gpu_percent
-            values["memory_utilization_percent"] = value.memory_percent
-        elif name == "memory":
-            values["memory_used_bytes"] = value.used_bytes
-            values["memory_total_bytes"] = value.total_bytes
-        elif name == "ecc":
-            values["ecc_enabled"] = value.current
-            values["ecc_pending"] = value.pending
-        elif name == "remapped_rows":
-            values["remapped_rows_correctable"] = value.correctable
-            values["remapped_rows_uncorrectable"] = value.uncorrectable
-            values["remap_pending"] = value.pending
-            values["remap_failed"] = value.failed
-        elif name == "pcie":
-            values["pcie_generation"] = value.current_generation
-            values["pcie_width"] = value.current_width
-            values["pcie_max_generation"] = value.max_generation
-            values["pcie_max_width"] = value.max_width
-        else:
-            values[name] = value
+        values.update(reader.values(reading))
     return GpuSample(
         identity.index,
         identity.uuid,
@@ -139,6 +166,14 @@ def sample_identified(
         read_errors=errors,
         **values,
     )
+
+
+def carry_slow_fields(previous: GpuSample, fresh: GpuSample) -> GpuSample:
+    """A fast-tier sample of a GPU that answers keeps the last slow-tier readings, so metrics do not
+    flap between slow passes."""
+    if not fresh.up:
+        return fresh
+    return replace(fresh, **{name: getattr(previous, name) for name in SLOW_TIER_FIELDS})
 
 
 def sample_all(backend: GpuBackend) -> list[GpuSample]:

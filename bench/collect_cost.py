@@ -49,7 +49,7 @@ from bench.common import Report, add_common_args, percentile, print_rows, scratc
 
 Call = tuple[Callable[..., Any], tuple[Any, ...]]
 
-# nvidia-smi --query-gpu fields for what the fast tier reads (agent.collect._fast_readers), and
+# nvidia-smi --query-gpu fields for what the fast tier reads (agent.collect.FAST_READERS), and
 # what the slow tier adds. Thresholds, violation time and the recovery action have no query field.
 SMI_FAST_FIELDS = (
     "temperature.gpu",

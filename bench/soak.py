@@ -303,23 +303,22 @@ def run_soak(
     process = psutil.Process()
     tracemalloc.start()
     started = time.monotonic()
-    with _thread_exceptions(result.exceptions), mock.patch("agent.daemon.NvmlEventSource", event_source):
+    with _thread_exceptions(result.exceptions), mock.patch("agent.daemon.session.NvmlEventSource", event_source):
         timing = LoopTiming(call_timeout_seconds=0.2, slow_every_seconds=30.0)
         daemon = Daemon(config, None, notifier=SdNotifier(None, None), timing=timing, clock=clock)
-        keyed = daemon.episodes.keyed
+        keyed = daemon.remediator.episodes.keyed
 
         def record(event: Event) -> Event:
             out = keyed(event)
             produced[out.key] = out
             return out
 
-        daemon.episodes.keyed = record  # type: ignore[method-assign]
+        daemon.remediator.episodes.keyed = record  # type: ignore[method-assign]
         try:
-            daemon.rules = load_rules([rules_dir])
-            daemon.store = Store.open(config.state_dir, now_seconds=clock.now)
+            daemon.remediator.rules = load_rules([rules_dir])
+            daemon.remediator.store = Store.open(config.state_dir, now_seconds=clock.now)
             daemon.kmsg.start()
-            worker = threading.Thread(target=daemon._action_worker, name="actions", daemon=True)
-            worker.start()
+            daemon.remediator.worker.start()
             daemon.loop_once()
             gpus = SimulatedBackend(profile, config.state_dir, writable_items=config.writable_items())
             gpus.init()
@@ -349,19 +348,18 @@ def run_soak(
                 time.sleep(0.3)
                 clock.now += INTERVAL_SECONDS
                 daemon.loop_once()
-            daemon.actions.put(None)
-            worker.join(60)
-            store = daemon.store
+            daemon.remediator.worker.stop(timeout_seconds=60)
+            store = daemon.remediator.store
             assert store is not None
             stored = {stored.event.key for stored in store.events(limit=1_000_000)}
             result.events_produced = len(produced)
             result.events_stored = len(stored)
             result.events_lost = sorted(set(produced) - stored)
-            _check_limits(store, daemon.rules, result)
+            _check_limits(store, daemon.remediator.rules, result)
         finally:
             daemon.shutdown()
-            if daemon.store is not None:
-                daemon.store.close()
+            if daemon.remediator.store is not None:
+                daemon.remediator.store.close()
             tracemalloc.stop()
     result.simulated_seconds = result.loops * INTERVAL_SECONDS
     result.wall_seconds = time.monotonic() - started

@@ -16,7 +16,9 @@ static answers the recording lacks, read on a real H200), the recording.
   backend mistakes it for a GPU answer); give one with `replay.answer(...)`.
 - `replay.fail(name, code)` makes a call raise that NVML error from then on.
 - `replay.push_event(gpu, event_type, data)` queues an event for nvmlEventSetWait_v2, which
-  raises NVML_ERROR_TIMEOUT at once (without sleeping) when the queue is empty.
+  raises NVML_ERROR_TIMEOUT at once (without sleeping) when the queue is empty, or, with
+  `replay.waits_block = True`, after the wait's timeout as the driver does (for a daemon whose
+  event thread would otherwise spin).
 - Calls before nvmlInit (or after the matching nvmlShutdown) raise NVML_ERROR_UNINITIALIZED.
 """
 
@@ -26,6 +28,7 @@ import ctypes
 import inspect
 import json
 import re
+import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -125,6 +128,8 @@ class Replay:
         self._events: deque[tuple[int, int, int]] = deque()
         self._failures: dict[tuple[str, int | None], int] = {}
         self._answers: dict[tuple[int, str], Any] = {}
+        #: A quiet event wait sleeps its timeout (the driver's behaviour) instead of answering at once.
+        self.waits_block = False
 
     # -- the test's controls -------------------------------------------------------------------
 
@@ -252,6 +257,8 @@ class Replay:
 
     def _event_set_wait(self, call: Call) -> Any:
         if not self._events:
+            if self.waits_block:
+                time.sleep(call.args[-1] / 1000)
             raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
         gpu, event_type, event_data = self._events.popleft()
         data = pynvml.c_nvmlEventData_t()

@@ -16,6 +16,7 @@ from agent.backend.base import ClockDomain
 from agent.backend.sim import SimulatedBackend
 from agent.config import load_config
 from agent.daemon import Daemon, LoopTiming
+from agent.events import EventKind, Severity
 from agent.notify import SdNotifier
 from agent.watch.fake_kernel_log import append_kmsg, xid_line
 
@@ -189,3 +190,31 @@ def test_a_stuck_loop_stops_the_watchdog_pings(tmp_path: Path) -> None:
         thread.join(15)
         receiver.close()
     assert not thread.is_alive()
+
+
+def test_the_fan_curve_following_the_temperature_is_not_drift(tmp_path: Path) -> None:
+    """The agent's own curve steps raise no drift; someone putting the fans back on automatic does."""
+    policy = '  gpus:\n    - match: {model: "NVIDIA RTX PRO 6000*"}\n      fan_curve: [[30, 30], [50, 65], [75, 100]]\n'
+    config_path, _ = write_agent_config(tmp_path, profile="rtx-pro-6000", policy=policy)
+    daemon = Daemon(load_config(config_path), config_path, notifier=SdNotifier(None, None))
+    gpus = sim(tmp_path / "state", "rtx-pro-6000")
+    try:
+        gpus.set_temperature(0, 40)
+        drift = [e for e in daemon.loop_once().recent_events if e.kind is EventKind.POLICY_DRIFT]
+        # taking the fans from the vBIOS is the one drift at start
+        assert [(e.data["item"], e.severity) for e in drift] == [("fan_curve", Severity.INFO)]
+        speeds = []
+        for celsius in (60, 70, 45, 35):
+            gpus.set_temperature(0, celsius)
+            snapshot = daemon.loop_once()
+            speeds.append(gpus.fan_speed_percent(0, 0))
+        assert speeds == [79, 93, 56, 39]  # the agent moved the fans along the curve, four times
+        assert [e for e in snapshot.recent_events if e.kind is EventKind.POLICY_DRIFT] == drift
+        operator = SimulatedBackend("rtx-pro-6000", tmp_path / "state", writable_items=["fan_curve"])
+        operator.init()
+        operator.set_fan_automatic(0, 0)
+        events = [e for e in daemon.loop_once().recent_events if e.kind is EventKind.POLICY_DRIFT]
+        assert [(e.severity, e.data["reappeared"]) for e in events[1:]] == [(Severity.WARNING, 1)]
+        assert "came back 1 time" in events[-1].message
+    finally:
+        daemon.shutdown()

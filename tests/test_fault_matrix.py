@@ -255,7 +255,7 @@ def install_calls(monkeypatch: pytest.MonkeyPatch) -> Calls:
     monkeypatch.setattr("agent.backend.sim.state.os.fsync", lambda _fd: None)
     # Event waits short enough that a stopped source lets go at once and a failed one retries quickly.
     monkeypatch.setattr(
-        "agent.daemon.NvmlEventSource", partial(NvmlEventSource, timeout_seconds=0.02, backoff_seconds=0.02)
+        "agent.daemon.session.NvmlEventSource", partial(NvmlEventSource, timeout_seconds=0.02, backoff_seconds=0.02)
     )
     return recorded
 
@@ -395,7 +395,7 @@ def loop(daemon: Daemon, clock: FakeClock, calls: Calls) -> NodeSnapshot:
     clock.advance(INTERVAL_SECONDS)
     snapshot = daemon.loop_once()
     # A step still running (hung) has written part of what it will report: judge it once it is taken.
-    if daemon._policy_pending is None:
+    if daemon.policy.pending is None:
         assert_no_half_read_write(snapshot, calls.writes())
     return snapshot
 
@@ -460,14 +460,14 @@ def test_driver_reload_reinitialises_nvml(node: Node, calls: Calls) -> None:
     daemon, clock = node.daemon()
     try:
         first = run_until_recovered(daemon, clock, calls)
-        old_backend = daemon.backend
+        old_backend = daemon.session.backend
         for method in PROTOCOL_METHODS - LIBRARY_CALLS - set(WRAPPED_CALLS):
             node.operator.fail_call(0, method, GpuErrorKind.DRIVER_NOT_LOADED)
             node.operator.fail_call(1, method, GpuErrorKind.DRIVER_NOT_LOADED)
         for method in ("init", "device_count", "driver_version", "wait_events"):
             node.operator.fail_call(None, method, GpuErrorKind.DRIVER_NOT_LOADED)
         gone = [loop(daemon, clock, calls) for _ in range(3)]
-        assert daemon.backend is None
+        assert daemon.session.backend is None
         for snapshot in gone[1:]:
             assert [(g.index, g.up, g.read_errors) for g in snapshot.gpus] == [
                 (0, False, {"backend": "driver_not_loaded"}),
@@ -482,7 +482,7 @@ def test_driver_reload_reinitialises_nvml(node: Node, calls: Calls) -> None:
             node.operator.fail_call(0, method, None)
             node.operator.fail_call(1, method, None)
         back = run_until_recovered(daemon, clock, calls)
-        assert daemon.backend is not None and daemon.backend is not old_backend
+        assert daemon.session.backend is not None and daemon.session.backend is not old_backend
         assert [g.uuid for g in back.gpus] == [g.uuid for g in first.gpus]
     finally:
         stop(daemon)
@@ -500,7 +500,7 @@ def test_version_mismatch_after_an_upgrade_keeps_the_agent_up_until_the_reload(n
             snapshot = loop(daemon, clock, calls)
             assert len(snapshot.gpus) == 2
         assert any(c.name == "backend" and not c.success for c in snapshot.collectors)
-        assert daemon.backend_error is not None and daemon.backend_error.kind is GpuErrorKind.VERSION_MISMATCH
+        assert daemon.session.error is not None and daemon.session.error.kind is GpuErrorKind.VERSION_MISMATCH
         for method in ("init", "device_count", "temperature_celsius"):
             node.operator.fail_call(None, method, None)
         run_until_recovered(daemon, clock, calls)

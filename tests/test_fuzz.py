@@ -262,9 +262,9 @@ def daemon_handlers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("api")
     config_path, _ = write_agent_config(tmp)
     daemon = Daemon(load_config(config_path), config_path, notifier=SdNotifier(None, None))
-    daemon.published.set(daemon.loop_once())
+    daemon.loop_once()
     daemon.shutdown()
-    handlers = daemon.api_handlers()
+    handlers = daemon.publisher.api_handlers()
 
     def broken(_params: Any) -> Any:
         raise KeyError("a handler with a bug")

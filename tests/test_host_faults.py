@@ -65,12 +65,12 @@ class Node:
         return self.daemon.loop_once()
 
     def events(self) -> list[Any]:
-        assert self.daemon.store is not None
-        return [e.event for e in self.daemon.store.events()]
+        assert self.daemon.remediator.store is not None
+        return [e.event for e in self.daemon.remediator.store.events()]
 
     def outcomes(self, rule: str) -> list[Outcome]:
-        assert self.daemon.store is not None
-        return [r.outcome for r in reversed(self.daemon.store.remediations()) if r.rule == rule]
+        assert self.daemon.remediator.store is not None
+        return [r.outcome for r in reversed(self.daemon.remediator.store.remediations()) if r.rule == rule]
 
 
 @contextlib.contextmanager
@@ -119,25 +119,25 @@ def node_at(
         backend.init()
         return backend
 
-    monkeypatch.setattr("agent.daemon.open_backend", open_sim)
+    monkeypatch.setattr("agent.daemon.session.open_backend", open_sim)
     monkeypatch.setattr(
-        "agent.daemon.NvmlEventSource", partial(NvmlEventSource, timeout_seconds=0.02, backoff_seconds=0.02)
+        "agent.daemon.session.NvmlEventSource", partial(NvmlEventSource, timeout_seconds=0.02, backoff_seconds=0.02)
     )
     clock = FakeClock()
     daemon = Daemon(
         config, None, notifier=SdNotifier(None, None), timing=LoopTiming(call_timeout_seconds=1.0), clock=clock
     )
-    daemon.rules = load_rules([rules_dir])
+    daemon.remediator.rules = load_rules([rules_dir])
     if open_store:
-        daemon.store = Store.open(state_dir)
+        daemon.remediator.store = Store.open(state_dir)
     gpus = SimulatedBackend("h200x2", gpu_dir, writable_items=config.writable_items())
     gpus.init()
     try:
         yield Node(daemon, clock, gpus, host, state_dir)
     finally:
         daemon.shutdown()
-        if daemon.store is not None:
-            daemon.store.close()
+        if daemon.remediator.store is not None:
+            daemon.remediator.store.close()
 
 
 def wait_for(node: Node, predicate: Any, what: str, timeout_seconds: float = 5.0) -> NodeSnapshot:
@@ -207,7 +207,7 @@ def test_state_dir_full_keeps_the_loop_and_loses_no_event(tmp_path: Path, monkey
 
 
 def test_read_only_state_dir_at_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("agent.daemon.STORE_RETRY_SECONDS", 0.05)
+    monkeypatch.setattr("agent.daemon.remediator.STORE_RETRY_SECONDS", 0.05)
     with tmpfs(tmp_path / "state", "4m") as state:
         subprocess.run(["mount", "-o", "remount,ro", str(state)], check=True)
         with node_at(tmp_path, monkeypatch, state_dir=state, rules=XID_RULE, open_store=False) as node:
@@ -216,13 +216,15 @@ def test_read_only_state_dir_at_start(tmp_path: Path, monkeypatch: pytest.Monkey
             # the database is open cannot be staged: a remount fails while files are open for writing; a
             # write failing mid-run is the full-disk test above.)
             daemon.start_services()
-            assert daemon.store is None
+            assert daemon.remediator.store is None
             node.gpus.inject_xid(1, 13)
             snapshot = wait_for(node, lambda s: any(e.data.get("xid") == 13 for e in s.recent_events), "Xid 13")
             assert not next(c for c in snapshot.collectors if c.name == "remediation").success
             subprocess.run(["mount", "-o", "remount,rw", str(state)], check=True)
             time.sleep(0.06)
-            wait_for(node, lambda s: daemon.store is not None and len(xid_keys(node)) == 1, "store opened later")
+            wait_for(
+                node, lambda s: daemon.remediator.store is not None and len(xid_keys(node)) == 1, "store opened later"
+            )
             assert node.outcomes("xid-note") == [Outcome.DRY_RUN]  # the event from the read-only time, kept
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pynvml
 import pytest
+from hosttree import make_host_tree
 from nvml_replay import FIXTURE_H200, Call, Replay, ReplayMissing, install_replay
 
 from agent.backend.base import (
@@ -35,6 +36,9 @@ from agent.backend.base import (
 )
 from agent.backend.errors import NO_DRIVER_KINDS, GpuError, GpuErrorKind, WriteRefused
 from agent.backend.nvml import NvmlBackend, classify, to_gpu_error
+from agent.config import load_config
+from agent.daemon import Daemon
+from agent.notify import SdNotifier
 
 ALL_ITEMS = frozenset(SETTER_ITEMS.values())
 H200_GRAPHICS_CLOCKS = list(range(1980, 344, -15))
@@ -798,3 +802,72 @@ def test_shutdown_waits_for_a_wait_in_progress(
     watcher.join(5)
     assert frees_seen_while_waiting == [0]  # the set was not freed under the waiting thread
     assert replay.count("nvmlEventSetFree") == 1
+
+
+# -- a daemon on NVML, reloaded between observe and enforce ------------------------------------------
+
+POWER_LIMIT_SETTER = "nvmlDeviceSetPowerManagementLimit"
+# The recording's H200 runs at 700 W: a 600 W policy is drift, written every pass in enforce mode.
+NVML_AGENT_CONFIG = """\
+mode: {mode}
+backend: nvml
+host_root: {root}
+state_dir: {root}/state
+interval_seconds: 0.2
+policy_interval_seconds: 60
+api: {{socket: {root}/agent.sock}}
+remediation: {{rules_dir: {root}/rules.d}}
+policy:
+  gpus:
+    - match: {{model: "NVIDIA H200*"}}
+      power_limit_watts: 600
+"""
+
+
+@pytest.fixture
+def nvml_daemon(replay: Replay, tmp_path: Path) -> Iterator[tuple[Daemon, Path]]:
+    """A daemon in process on the recorded H200, its config in observe mode until a test says otherwise."""
+    make_host_tree(tmp_path)
+    replay.waits_block = True  # the daemon's event thread waits as it would on the driver
+    config_path = tmp_path / "agent.yaml"
+    config_path.write_text(NVML_AGENT_CONFIG.format(mode="observe", root=tmp_path))
+    daemon = Daemon(load_config(config_path), config_path, notifier=SdNotifier(None, None))
+    yield daemon, config_path
+    daemon.shutdown()
+
+
+def _reload_into(daemon: Daemon, config_path: Path, mode: str) -> None:
+    config_path.write_text(NVML_AGENT_CONFIG.format(mode=mode, root=config_path.parent))
+    assert daemon.reload()
+    assert daemon.config.mode.value == mode
+
+
+def test_a_daemon_reloaded_from_enforce_to_observe_writes_nothing_through_nvml(
+    replay: Replay, nvml_daemon: tuple[Daemon, Path]
+) -> None:
+    daemon, config_path = nvml_daemon
+    _reload_into(daemon, config_path, "enforce")
+    daemon.loop_once()
+    assert [call.name for call in replay.calls] == [POWER_LIMIT_SETTER]  # enforce mode: the drift is written
+    _reload_into(daemon, config_path, "observe")
+    replay.calls.clear()
+    snapshot = daemon.loop_once()  # a full policy pass: the limit still reads 700 W
+    assert [(p.item, p.status.value) for p in snapshot.policy] == [("power_limit", "drift")]
+    backend = daemon.session.backend
+    assert backend is not None
+    for setter, write in GUARDED:  # whatever else in the daemon would write (an action, a restore)
+        with pytest.raises(WriteRefused) as refused:
+            write(backend)  # type: ignore[arg-type]
+        assert refused.value.item == SETTER_ITEMS[setter]
+    assert replay.calls == [], "a setter reached NVML after the reload to observe mode"
+
+
+def test_a_daemon_reloaded_from_observe_to_enforce_writes_through_nvml(
+    replay: Replay, nvml_daemon: tuple[Daemon, Path]
+) -> None:
+    daemon, config_path = nvml_daemon
+    daemon.loop_once()
+    assert replay.calls == []
+    _reload_into(daemon, config_path, "enforce")
+    daemon.loop_once()
+    assert replay.calls == [Call(POWER_LIMIT_SETTER, 0, (600_000,))]

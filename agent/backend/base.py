@@ -2,8 +2,9 @@
 
 Both backends (`nvml`, `simulated`) implement `GpuBackend`. Devices are addressed by their
 NVML index. Every method raises `GpuError` (never a backend-specific exception). Setters are
-guarded: a backend is built with the set of policy items it may change (`writable_items`)
-and raises `WriteRefused` for any other, so observe mode cannot reach the hardware.
+guarded: a backend holds a `write_guard` with the set of policy items it may change
+(`writable_items`) and raises `WriteRefused` for any other, so observe mode cannot reach the
+hardware. The daemon replaces `write_guard` when a reload changes the mode.
 """
 
 from __future__ import annotations
@@ -149,6 +150,8 @@ class GpuBackend(Protocol):
     """What the agent may ask of a GPU stack. Watts, MHz, Celsius, percent and bytes, never mW."""
 
     name: str
+    #: Asked by every setter before the hardware is touched; replaced on a config reload.
+    write_guard: WriteGuard
 
     # -- library ---------------------------------------------------------------------------
     def init(self) -> None:

@@ -158,7 +158,7 @@ class NvmlBackend:
     name = "nvml"
 
     def __init__(self, writable_items: Iterable[str] = ()) -> None:
-        self._guard = WriteGuard(writable_items)
+        self.write_guard = WriteGuard(writable_items)
         self._initialised = False
         self._handles: dict[int, Any] = {}
         self._unlocked_ranges: dict[tuple[int, ClockDomain], tuple[int, int]] = {}
@@ -571,40 +571,40 @@ class NvmlBackend:
 
     def set_power_limit_watts(self, gpu: int, watts: float) -> None:
         """nvidia-smi -pl WATTS (NVML takes milliwatts)."""
-        self._guard.check("set_power_limit_watts")
+        self.write_guard.check("set_power_limit_watts")
         self._device(gpu, "nvmlDeviceSetPowerManagementLimit", round(watts * 1000))
 
     def set_locked_clocks_mhz(self, gpu: int, domain: ClockDomain, min_mhz: int, max_mhz: int) -> None:
         """nvidia-smi -lgc MIN,MAX (GRAPHICS: nvmlDeviceSetGpuLockedClocks) / -lmc MIN,MAX (MEMORY)."""
-        self._guard.check("set_locked_clocks_mhz")
+        self.write_guard.check("set_locked_clocks_mhz")
         set_call, _ = self._lock_calls(gpu, domain)
         self._device(gpu, set_call, min_mhz, max_mhz)
 
     def reset_locked_clocks(self, gpu: int, domain: ClockDomain) -> None:
         """nvidia-smi -rgc (GRAPHICS: nvmlDeviceResetGpuLockedClocks) / -rmc (MEMORY)."""
-        self._guard.check("reset_locked_clocks")
+        self.write_guard.check("reset_locked_clocks")
         _, reset_call = self._lock_calls(gpu, domain)
         self._device(gpu, reset_call)
 
     def set_fan_speed_percent(self, gpu: int, fan: int, percent: int) -> None:
         """nvmlDeviceSetFanSpeed_v2: switches the fan to manual control at `percent`."""
-        self._guard.check("set_fan_speed_percent")
+        self.write_guard.check("set_fan_speed_percent")
         self._fan_call(gpu, fan, "nvmlDeviceSetFanSpeed_v2", fan, percent)
 
     def set_fan_automatic(self, gpu: int, fan: int) -> None:
         """nvmlDeviceSetDefaultFanSpeed_v2: gives the fan back to the driver's curve."""
-        self._guard.check("set_fan_automatic")
+        self.write_guard.check("set_fan_automatic")
         self._fan_call(gpu, fan, "nvmlDeviceSetDefaultFanSpeed_v2", fan)
 
     def set_persistence(self, gpu: int, enabled: bool) -> None:
         """nvidia-smi -pm 1|0."""
-        self._guard.check("set_persistence")
+        self.write_guard.check("set_persistence")
         mode = _ENABLED if enabled else _DISABLED
         self._device(gpu, "nvmlDeviceSetPersistenceMode", mode)
 
     def set_ecc_mode(self, gpu: int, enabled: bool) -> None:
         """nvidia-smi -e 1|0 (takes effect after a reboot: ecc_mode().pending shows it)."""
-        self._guard.check("set_ecc_mode")
+        self.write_guard.check("set_ecc_mode")
         mode = _ENABLED if enabled else _DISABLED
         self._device(gpu, "nvmlDeviceSetEccMode", mode)
 
@@ -619,7 +619,7 @@ class NvmlBackend:
         the caller re-applies the policy.
         """
         call = "nvidia-smi --gpu-reset"
-        self._guard.check("reset_gpu")
+        self.write_guard.check("reset_gpu")
         pids = [process.pid for process in self.compute_processes(gpu)]
         if pids:
             message = f"processes {pids} are using the GPU; stop them first"

@@ -1,0 +1,29 @@
+"""`gpu-agent run`: collect -> snapshot -> evaluate -> act -> publish, once per interval.
+
+The parts, one job each, wired by the thin `Daemon` (core.py):
+
+- session.py: the backend session (NVML opened and reopened in the library lane, library faults,
+  the NVML event wait, the write guard);
+- collector.py: the GPU collector (enumeration, fast and slow tier, stale GPUs);
+- policy_loop.py and drift.py: the policy loop (plan/apply steps, drift events, apply failures);
+- agent.snapshot: the snapshot builder and the health watchers (shared with `status --direct`);
+- remediator.py and action_worker.py: the event store, the rules, the action queue and worker;
+- publisher.py: the published snapshot, the metrics and API servers, systemd's STATUS= line;
+- intake.py: events from the source threads; watchdog.py: systemd's watchdog.
+
+Threads: one lane per GPU for time-bounded NVML reads (agent.bounded), the NVML event wait and
+the kernel-log reader feeding the Xid watcher, the service prober, the metrics and API servers,
+the action worker (a GPU reset can take a minute; the loop must not wait for it) and the
+watchdog pinger. Only the loop builds snapshots; everyone else reads the last published one.
+
+systemd: READY=1 after the first full collection; STATUS= one line per loop; WATCHDOG=1 only
+while the loop keeps completing; STOPPING=1 on the way out. SIGTERM/SIGINT stop (fans go back to
+automatic on every exit path); SIGHUP reloads config and rules, keeping the old ones if the new
+ones are invalid, and swaps the backend's write guard to the new mode.
+"""
+
+from agent.daemon.core import Daemon
+from agent.daemon.publisher import status_line
+from agent.daemon.timing import LoopTiming
+
+__all__ = ["Daemon", "LoopTiming", "status_line"]

@@ -1,0 +1,316 @@
+"""The thin `Daemon`: wires the parts, runs the loop, handles signals, reloads and stops.
+
+Each loop is the data flow collect -> snapshot -> evaluate -> act -> publish:
+the backend session and the GPU collector read the GPUs, the watchers and the policy loop turn
+the readings into events and plans, the snapshot builder makes one NodeSnapshot of it, the
+remediator stores the events, evaluates the rules and queues actions, and the publisher hands the
+snapshot to the metrics endpoint, the status API and systemd.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from types import FrameType
+
+import structlog
+
+from agent.backend.base import GpuEvent
+from agent.bounded import BoundedRunner
+from agent.config import AgentConfig, ConfigError, load_config
+from agent.daemon.collector import GpuCollector
+from agent.daemon.intake import EventIntake
+from agent.daemon.policy_loop import PolicyLoop
+from agent.daemon.publisher import Publisher, status_line
+from agent.daemon.remediator import Remediator, load_rules_dir
+from agent.daemon.session import BackendSession
+from agent.daemon.timing import LoopTiming
+from agent.daemon.watchdog import Watchdog
+from agent.events import Event
+from agent.host.paths import HostPaths
+from agent.notify import SdNotifier
+from agent.policy.base import HostContext
+from agent.policy.engine import PolicyEngine
+from agent.rules.actions import ActionContext, AlertTracker
+from agent.rules.config import Rule
+from agent.services import HealthProber, ProberThread, build_managers
+from agent.snapshot import DaemonParts, NodeWatchers, build_snapshot
+from agent.state import CollectorStatus, GpuSample, NodeSnapshot
+from agent.watch.devices import UdevWakeup
+from agent.watch.kernel_log import KernelXid
+from agent.watch.kmsg import KmsgSource
+
+log = structlog.get_logger("gpu-agent")
+
+
+class Daemon:
+    def __init__(
+        self,
+        config: AgentConfig,
+        config_path: Path | None = None,
+        *,
+        notifier: SdNotifier | None = None,
+        timing: LoopTiming | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.timing = timing or LoopTiming()
+        self.clock = clock
+        self.started_seconds = clock()
+        self.stop_requested = threading.Event()
+        self.wake = threading.Event()  # set by event sources, signals: the loop reacts before its next tick
+        self.reload_requested = threading.Event()
+        self.host = HostContext(HostPaths.at(config.host_root))
+        self.runner = BoundedRunner(self.timing.call_timeout_seconds)
+        self.intake = EventIntake(self.wake)
+        self.session = BackendSession(self.runner, self._on_nvml_event)
+        self.collector = GpuCollector(self.runner, self.timing, clock, self.session.note_fault)
+        self.watchers = NodeWatchers(lambda: self.collector.identities, clock)
+        self.policy = PolicyLoop(config, self.host, self.runner, self.session.note_fault)
+        self.remediator = Remediator(config, self._action_context, self.watchers.xid.clear, clock)
+        self.publisher = Publisher(notifier or SdNotifier.from_environment())
+        self.watchdog = Watchdog(
+            self.publisher.notifier,
+            lambda: self.timing.stall_seconds(self.config.interval_seconds),
+            self.stop_requested,
+        )
+        self.prober = self._new_prober(config)
+        self.prober_thread: ProberThread | None = None
+        self.udev = UdevWakeup(self.collector.rescan.set, self.host.paths)
+        self.kmsg = KmsgSource(self.host.paths, self._on_kernel_xid, start_monotonic_seconds=time.monotonic())
+        self._closers: list[Callable[[], None]] = []
+        self.loop_hook: Callable[[], None] | None = None  # tests: runs inside each loop iteration
+
+    # -- one loop: collect -> snapshot -> evaluate -> act -> publish ---------------------------
+
+    def loop_once(self) -> NodeSnapshot:
+        now = self.clock()
+        started = time.monotonic()
+        if self.loop_hook is not None:
+            self.loop_hook()
+        samples, events = self._collect(now)
+        events += self.intake.take(self.prober.take_events())
+        self.intake.note(events)
+        snapshot = self._snapshot(now, samples, time.monotonic() - started)
+        self.remediator.remediate(snapshot, events, now)
+        self.publisher.publish(snapshot)
+        self.watchdog.beat()
+        return snapshot
+
+    def _collect(self, now: float) -> tuple[list[GpuSample], list[Event]]:
+        """This loop's samples, and the events the watchers and the policy loop made of them."""
+        wait_seconds = self.timing.step_wait(self.config.interval_seconds)
+        backend = self.session.begin_loop(self.config, wait_seconds)
+        if backend is None:
+            return self.collector.unavailable(now, self.session.error), []
+        samples = self.collector.collect(backend, now)
+        events = self.watchers.observe(samples, now)
+        events += self.policy.step(backend, now, wait_seconds, self.collector.identities)
+        if self.session.end_loop():
+            self.policy.forget_backend()
+        return samples, events
+
+    def _snapshot(self, now: float, samples: list[GpuSample], duration_seconds: float) -> NodeSnapshot:
+        return build_snapshot(
+            self.config,
+            now,
+            samples,
+            self.watchers,
+            driver_version=self.session.driver_version(),
+            policy=self.policy.plans,
+            daemon=self._daemon_parts(duration_seconds),
+        )
+
+    def _daemon_parts(self, duration_seconds: float) -> DaemonParts:
+        kmsg_ok, kmsg_detail = self.kmsg.status()
+        collectors = (
+            *self.collector.statuses(),
+            *(s for s in (self.policy.status, self.remediator.status) if s is not None),
+            CollectorStatus("kmsg", kmsg_ok, 0.0, "" if kmsg_ok else kmsg_detail),
+            *self.session.statuses(),
+        )
+        return DaemonParts(
+            started_seconds=self.started_seconds,
+            stale_gpus=self.collector.stale,
+            backend_error=self.session.error,
+            services=tuple(self.prober.statuses()),
+            remediations=self.remediator.counts(),
+            collectors=collectors,
+            recent_events=self.intake.recent,
+            collect_duration_seconds=duration_seconds,
+        )
+
+    def react(self) -> None:
+        """Between loops: an Xid or a failed probe is evaluated at once, against the last snapshot,
+        instead of waiting up to one interval for the next collection."""
+        snapshot = self.publisher.get()
+        events = self.intake.take(self.prober.take_events())
+        if snapshot is None or not events:
+            self.intake.give_back(events)  # before the first snapshot: kept for the first loop
+            return
+        self.intake.note(events)
+        snapshot = replace(
+            snapshot,
+            services=tuple(self.prober.statuses()),
+            xids=tuple(self.watchers.xid.counts()),
+            recent_events=self.intake.recent,
+            health=self.watchers.health(snapshot.health, self.collector.stale, self.session.error),
+        )
+        self.remediator.remediate(snapshot, events, self.clock())
+        self.publisher.set(snapshot)
+
+    # -- sources feeding the event intake ------------------------------------------------------
+
+    def _on_kernel_xid(self, record: KernelXid) -> None:
+        self.intake.put(self.watchers.xid.ingest_kernel(record))
+
+    def _on_nvml_event(self, event: GpuEvent) -> None:
+        self.intake.put(self.watchers.xid.ingest_nvml(event))
+
+    def _action_context(self, alerts: AlertTracker) -> ActionContext | None:
+        """What an action reaches, built when it runs (the backend of the moment); None without one."""
+        backend = self.session.backend
+        if backend is None:
+            return None
+        return ActionContext(
+            config=self.config,
+            backend=backend,
+            policy=PolicyEngine(self.config, backend, self.host),
+            host=self.host,
+            managers=build_managers(self.config, self.host),
+            prober=self.prober,
+            alerts=alerts,
+            clock=self.clock,
+        )
+
+    def _new_prober(self, config: AgentConfig) -> HealthProber:
+        prober = HealthProber(config.services, build_managers(config, self.host))
+        prober.on_event = self.wake.set
+        return prober
+
+    # -- reload --------------------------------------------------------------------------------
+
+    def reload(self) -> bool:
+        """SIGHUP: a valid new config replaces the old; an invalid one is logged and ignored."""
+        loaded = self._load_new_config()
+        if loaded is None:
+            return False
+        new, rules = loaded
+        old_services = self.config.services
+        self.config = new
+        # Before anything else runs under the new config: in observe mode no setter may reach the GPU.
+        self.session.set_writable(new.writable_items())
+        self.remediator.reconfigure(new, rules)
+        self.policy.reconfigure(new)
+        if new.services != old_services:
+            self._restart_prober(new)
+        self.publisher.status_note = ""
+        log.info("config reloaded", path=str(self.config_path), mode=new.mode.value)
+        return True
+
+    def _load_new_config(self) -> tuple[AgentConfig, list[Rule]] | None:
+        if self.config_path is None:
+            log.warning("reload requested but the daemon runs on a built-in config; nothing to reload")
+            return None
+        try:
+            new = load_config(self.config_path)
+            rules = load_rules_dir(new)
+        except ConfigError as exc:
+            message = "; ".join(str(p) for p in exc.problems)
+            log.error("config reload failed; keeping the running config", error=message)
+            self.publisher.status_note = f"; config reload failed (running the previous config): {message}"[:300]
+            self.publisher.notifier.status(f"config reload failed, running the previous config: {message}"[:400])
+            return None
+        if new.backend != self.config.backend or new.host_root != self.config.host_root:
+            log.error("config reload: backend and host_root changes need a restart; keeping the running config")
+            return None
+        return new, rules
+
+    def _restart_prober(self, config: AgentConfig) -> None:
+        if self.prober_thread is not None:
+            self.prober_thread.stop()
+        self.prober = self._new_prober(config)
+        self.prober_thread = ProberThread(self.prober)
+        self.prober_thread.start()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # embedded (tests): the caller stops the daemon through stop_requested
+
+        def on_stop(signum: int, _frame: FrameType | None) -> None:
+            self.stop_requested.set()
+            self.wake.set()
+
+        def on_hup(_signum: int, _frame: FrameType | None) -> None:
+            self.reload_requested.set()
+            self.wake.set()
+
+        signal.signal(signal.SIGTERM, on_stop)
+        signal.signal(signal.SIGINT, on_stop)
+        signal.signal(signal.SIGHUP, on_hup)
+
+    def start_services(self) -> None:
+        stale_after = self.timing.stall_seconds(self.config.interval_seconds)
+        self._closers.extend(self.publisher.serve(self.config, stale_after))
+        self.kmsg.start()
+        self._closers.append(self.kmsg.stop)
+        self.remediator.start()
+        self._closers.append(self.remediator.stop)
+        self.prober_thread = ProberThread(self.prober)
+        self.prober_thread.start()
+        self._closers.append(lambda: self.prober_thread.stop() if self.prober_thread else None)
+        if self.udev.start():
+            self._closers.append(self.udev.stop)
+        else:
+            log.info("udev not available; GPUs are re-enumerated by polling", reason=self.udev.reason)
+        log.info("serving", metrics=self.config.metrics.listen, socket=self.config.api.socket)
+
+    def run(self) -> int:
+        self.install_signal_handlers()
+        try:
+            self.start_services()
+            snapshot = self.loop_once()
+            self.publisher.notifier.ready(status_line(snapshot))
+            self.watchdog.start()
+            self._run_loops()
+            return 0
+        finally:
+            self.shutdown()
+
+    def _run_loops(self) -> None:
+        next_loop = time.monotonic() + self.config.interval_seconds
+        while not self.stop_requested.is_set():
+            self.wake.wait(max(0.0, next_loop - time.monotonic()))
+            self.wake.clear()
+            if self.stop_requested.is_set():
+                break
+            if self.reload_requested.is_set():
+                self.reload_requested.clear()
+                self.reload()
+            if time.monotonic() < next_loop:
+                self.react()  # woken early by an event
+                continue
+            self.loop_once()
+            next_loop += self.config.interval_seconds
+            if next_loop < time.monotonic():  # a slow loop: start again now, do not try to catch up
+                next_loop = time.monotonic()
+
+    def shutdown(self) -> None:
+        self.stop_requested.set()
+        self.publisher.notifier.stopping()
+        self.policy.restore_fans()  # fans the agent set to manual go back to automatic on every exit path
+        for close in reversed(self._closers):
+            with contextlib.suppress(Exception):
+                close()
+        self.session.close()
+        self.policy.forget_backend()
+        self.runner.shutdown()
+        log.info("stopped")

@@ -1,0 +1,154 @@
+"""The policy loop: every policy interval all items are planned, every loop the fan curve; in
+enforce mode drift is applied. The step runs in its own lane and the loop waits for it at most
+`step_wait` (a long update-initramfs, a hung NVML call): a later loop takes the result."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import replace
+from functools import partial
+
+import structlog
+
+from agent.backend.base import GPU_RESET_ITEM, GpuBackend, GpuIdentity
+from agent.backend.errors import GpuError, GpuErrorKind
+from agent.bounded import BoundedRunner, StaleGpu
+from agent.config import AgentConfig
+from agent.daemon.drift import FAN_CURVE, DriftBook, ItemKey
+from agent.daemon.timing import due, timed
+from agent.events import Event
+from agent.policy import fan_curve
+from agent.policy.base import HostContext, ItemPlan, PlanStatus
+from agent.policy.base import Outcome as ItemOutcome
+from agent.policy.engine import PolicyEngine
+from agent.state import CollectorStatus
+
+log = structlog.get_logger("gpu-agent")
+
+#: What one policy step hands back: the plans, the items it fixed, and why the others failed to apply.
+_PolicyStep = tuple[tuple[ItemPlan, ...], list[ItemPlan], dict[ItemKey, str]]
+
+
+class PolicyLoop:
+    def __init__(
+        self,
+        config: AgentConfig,
+        host: HostContext,
+        runner: BoundedRunner,
+        on_fault: Callable[[str, GpuErrorKind | str], None],
+    ) -> None:
+        self.config = config
+        self.host = host
+        self.runner = runner
+        self.on_fault = on_fault
+        self.plans: tuple[ItemPlan, ...] = ()
+        self.drift = DriftBook()
+        self.status: CollectorStatus | None = None
+        self.last_full_seconds = float("-inf")
+        self.engine: PolicyEngine | None = None
+        self.pending: tuple[Future[_PolicyStep], bool] | None = None  # (step still running, full pass?)
+
+    def reconfigure(self, config: AgentConfig) -> None:
+        """A reload: the next loop plans every item again against the new config."""
+        self.config = config
+        if self.engine is not None:
+            self.engine.config = config
+        self.last_full_seconds = float("-inf")
+
+    def forget_backend(self) -> None:
+        """The backend was closed: a step still running holds the old one, and its result is dropped."""
+        self.engine = None
+        self.pending = None
+
+    def step(
+        self, backend: GpuBackend, now: float, wait_seconds: float, identities: Mapping[int, GpuIdentity]
+    ) -> list[Event]:
+        """Plan (all items every policy interval, the fan curve every loop); apply drift in enforce mode."""
+        full = due(now, self.last_full_seconds, self.config.policy_interval_seconds)
+        wants_fans = any(p.fan_curve is not None for p in self.config.policy.gpus)
+        if not full and not wants_fans:
+            return []
+        if self.engine is None or self.engine.backend is not backend:
+            self.engine = PolicyEngine(self.config, backend, self.host)
+            self.pending = None
+        try:
+            if self.pending is None:  # a step dropped with its backend may still hold the lane: StaleGpu
+                self.pending = (self.runner.submit("policy", partial(self._run, self.engine, full)), full)
+            future, full = self.pending  # possibly a step an earlier loop started
+            plans, fixed, failed = timed(
+                "policy", lambda: self.runner.result("policy", future, wait_seconds), self._record
+            )
+        except StaleGpu as exc:
+            # Still running: the loop goes on and a later loop takes the result; the collector says so.
+            self.status = CollectorStatus("policy", False, 0.0, f"step still running: {exc}")
+            log.warning("policy step still running; the loop goes on without it", error=str(exc))
+            return []
+        except (GpuError, OSError) as exc:
+            self._failed(exc, full)
+            return []
+        self.pending = None
+        for plan in plans:
+            if plan.error_kind is not None:
+                self.on_fault(f"policy {plan.item}", plan.error_kind)
+        plans = self.drift.note_apply_failures(plans, failed)
+        if full:
+            self.last_full_seconds = now
+            self.plans = plans
+        else:
+            self.plans = _merge_plans(self.plans, plans)
+        return self.drift.fixed(fixed, identities, now)
+
+    def restore_fans(self) -> None:
+        """Fans the agent set to manual go back to automatic (every exit path)."""
+        if self.engine is None or FAN_CURVE not in self.config.writable_items():
+            return
+        for gpu, ctx in sorted(self.engine.state.contexts.items()):
+            try:
+                result = self.runner.run(f"gpu{gpu}", partial(fan_curve.restore, ctx), timeout_seconds=5.0)
+            except (StaleGpu, GpuError) as exc:
+                log.error("could not restore automatic fan control", gpu=gpu, error=str(exc))
+                continue
+            if result.outcome is ItemOutcome.FAILED:
+                log.error("could not restore automatic fan control", gpu=gpu, error=result.detail)
+            else:
+                log.info("fans restored to automatic", gpu=gpu, outcome=result.outcome.value)
+
+    def _run(self, engine: PolicyEngine, full: bool) -> _PolicyStep:
+        items = None if full else {FAN_CURVE}
+        if not self.config.writable_items() - {GPU_RESET_ITEM}:
+            return engine.plan(only=items).items, [], {}
+        # apply() only writes items whose plan was read completely and says DRIFT: an item with any
+        # failed read is an ERROR plan and is skipped, never half-applied.
+        report = engine.apply(only=items)
+        fixed = [r.plan for r in report.results if r.outcome is ItemOutcome.APPLIED]
+        failed = {(r.plan.item, r.plan.gpu): r.detail for r in report.results if r.outcome is ItemOutcome.FAILED}
+        return report.plan.items, fixed, failed
+
+    def _failed(self, exc: GpuError | OSError, full: bool) -> None:
+        self.pending = None
+        log.error("policy step failed", error=str(exc))
+        if isinstance(exc, GpuError):
+            self.on_fault("policy", exc.kind)
+        # What the last pass said is no longer known to hold.
+        self.plans = tuple(_unknown_plan(p, exc) if full or p.item == FAN_CURVE else p for p in self.plans)
+
+    def _record(self, status: CollectorStatus) -> None:
+        self.status = status
+
+
+def _unknown_plan(plan: ItemPlan, exc: Exception) -> ItemPlan:
+    return replace(
+        plan,
+        status=PlanStatus.ERROR,
+        actual="unknown",
+        detail=f"policy step failed: {exc}",
+        changes=(),
+        error_kind=exc.kind.value if isinstance(exc, GpuError) else None,
+    )
+
+
+def _merge_plans(previous: tuple[ItemPlan, ...], fresh: tuple[ItemPlan, ...]) -> tuple[ItemPlan, ...]:
+    replaced = {(p.item, p.gpu): p for p in fresh}
+    merged = [replaced.pop((p.item, p.gpu), p) for p in previous]
+    return (*merged, *replaced.values())

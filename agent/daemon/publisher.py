@@ -1,0 +1,76 @@
+"""The publisher: the last snapshot, for everyone who reads it (the metrics endpoint, the status
+API), and one line of it for systemd's STATUS=. Only the loop builds snapshots; readers on other
+threads get the last published one."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from agent import __version__
+from agent.config import AgentConfig
+from agent.events import HealthState
+from agent.notify import SdNotifier
+from agent.policy.base import PlanStatus
+from agent.state import NodeSnapshot
+
+
+class Publisher:
+    def __init__(self, notifier: SdNotifier) -> None:
+        self.notifier = notifier
+        self.status_note = ""  # appended to STATUS= until the next successful reload
+        self._snapshot: NodeSnapshot | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> NodeSnapshot | None:
+        with self._lock:
+            return self._snapshot
+
+    def set(self, snapshot: NodeSnapshot) -> None:
+        """The snapshot readers see from now on."""
+        with self._lock:
+            self._snapshot = snapshot
+
+    def publish(self, snapshot: NodeSnapshot) -> None:
+        """A loop's snapshot: to the readers and, as one line, to systemd."""
+        self.set(snapshot)
+        self.notifier.status(status_line(snapshot) + self.status_note)
+
+    def serve(self, config: AgentConfig, stale_after_seconds: float) -> list[Callable[[], None]]:
+        """The metrics endpoint and the status API; what closes them."""
+        from agent.api import ApiServer
+        from agent.metrics import serve_metrics
+
+        metrics = serve_metrics(config.metrics.listen, self.get, stale_after_seconds=stale_after_seconds)
+        api = ApiServer(config.api.socket, self.api_handlers(), group=config.api.group)
+        api.start()
+        return [metrics.close, api.close]
+
+    def api_handlers(self) -> dict[str, Callable[[Any], Any]]:
+        from agent.render import snapshot_document
+
+        def status(_params: Any) -> Any:
+            snapshot = self.get()
+            if snapshot is None:
+                return {"starting": True}
+            return snapshot_document(snapshot, source="daemon")
+
+        return {"status": status, "ping": lambda _p: {"pid": threading.get_native_id(), "version": __version__}}
+
+
+def status_line(snapshot: NodeSnapshot) -> str:
+    """One line for systemd's STATUS= (what `systemctl status gpu-agent` shows)."""
+    total = len(snapshot.gpus)
+    unhealthy = sum(1 for h in snapshot.health.values() if h.state is HealthState.UNHEALTHY)
+    degraded = sum(1 for h in snapshot.health.values() if h.state is HealthState.DEGRADED)
+    drift = sum(1 for p in snapshot.policy if p.status in (PlanStatus.DRIFT, PlanStatus.ERROR))
+    parts = [f"{total} GPUs"]
+    if unhealthy or degraded:
+        parts.append(f"{unhealthy} unhealthy, {degraded} degraded")
+    else:
+        parts.append("all healthy")
+    if snapshot.stale_gpus:
+        parts.append(f"{len(snapshot.stale_gpus)} stale")
+    parts.append(f"policy: {drift} item(s) off" if drift else "policy in sync")
+    return "; ".join(parts)

@@ -1,0 +1,190 @@
+"""The remediator: new events into the event store, the rules evaluated against the snapshot (a
+pure function), the decided actions queued for the action worker, and Alertmanager alerts kept
+fresh. A store that cannot be opened or written (state dir full, read-only) turns remediation off
+until it works again; the events meanwhile wait, bounded, and none is lost or handled twice."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import structlog
+
+from agent.config import AgentConfig
+from agent.daemon.action_worker import ActionWorker, target_fields
+from agent.daemon.timing import due
+from agent.episodes import Episodes
+from agent.events import Event
+from agent.rules.actions import ActionContext, AlertTracker
+from agent.rules.config import Rule, load_rules
+from agent.rules.engine import evaluate, gpus_by_service
+from agent.rules.model import ActionOutcome, Decision, Outcome
+from agent.state import CollectorStatus, NodeSnapshot, RemediationCount
+from agent.store import Store, StoreError
+
+log = structlog.get_logger("gpu-agent")
+
+ALERT_REFRESH_SECONDS = 60.0
+STORE_RETRY_SECONDS = 30.0
+MAX_UNSTORED_EVENTS = 10_000
+
+
+class Remediator:
+    def __init__(
+        self,
+        config: AgentConfig,
+        context: Callable[[AlertTracker], ActionContext | None],
+        on_reset: Callable[[int], None],
+        clock: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self.store: Store | None = None
+        self.rules: list[Rule] = []
+        self.episodes = Episodes(config.state_dir)
+        self.alerts = AlertTracker()
+        self.worker = ActionWorker(lambda: context(self.alerts), self._record, on_reset, clock)
+        self.status: CollectorStatus | None = None
+        self._store_failed_monotonic: float | None = None  # when opening the store last failed
+        self._unstored: list[Event] = []  # keyed events the store could not take yet
+        self._last_alert_refresh_seconds = 0.0
+
+    def start(self) -> None:
+        """The rules, the event store and the action worker; a store that cannot open is retried later."""
+        self.rules = load_rules_dir(self.config)
+        try:
+            self.store = Store.open(self.config.state_dir)
+        except StoreError as exc:
+            log.error(
+                "event store unavailable: remediation is off until it can be opened",
+                error=str(exc),
+                retry_seconds=STORE_RETRY_SECONDS,
+            )
+            self.status = CollectorStatus("remediation", False, 0.0, str(exc))
+            self._store_failed_monotonic = time.monotonic()
+        self.worker.start()
+
+    def stop(self) -> None:
+        self.worker.stop()
+        if self.store is not None:
+            self.store.close()
+
+    def reconfigure(self, config: AgentConfig, rules: list[Rule]) -> None:
+        self.config = config
+        self.rules = rules
+
+    def remediate(self, snapshot: NodeSnapshot, events: Sequence[Event], now: float) -> None:
+        """Store new events, evaluate the rules (pure), queue the actions: the loop never waits on one."""
+        store = self._reopen_store()
+        if store is None and self._store_failed_monotonic is None:
+            return  # no store at all (an embedded daemon that never started its services)
+        # Keyed once: a clearing event closes its episode once, however often it has to be retried. A
+        # retried event the store took before it failed, but no rule saw, is offered again by the store.
+        keyed_events = self._unstored + [self.episodes.keyed(event) for event in events]
+        self._unstored = []
+        if store is None:
+            self._keep_unstored(keyed_events)
+            return
+        started = time.monotonic()
+        try:
+            self._evaluate(store, snapshot, keyed_events, now)
+        except StoreError as exc:
+            self.status = CollectorStatus("remediation", False, time.monotonic() - started, str(exc))
+            log.error("remediation step failed: the event store is unusable", error=str(exc))
+            self._keep_unstored(keyed_events)
+            return
+        self.status = CollectorStatus("remediation", True, time.monotonic() - started)
+        self._refresh_alerts(events, now)
+
+    def counts(self) -> tuple[RemediationCount, ...]:
+        if self.store is None:
+            return ()
+        try:
+            return tuple(self.store.remediation_counts())
+        except StoreError as exc:
+            log.error("cannot read remediation counts", error=str(exc))
+            return ()
+
+    def _evaluate(self, store: Store, snapshot: NodeSnapshot, keyed_events: list[Event], now: float) -> None:
+        new = [keyed for keyed in keyed_events if store.record_event(keyed)]
+        history = self.worker.history(store)
+        services = gpus_by_service(self.config.services)
+        for decision in evaluate(snapshot, new, self.rules, history, now, services):
+            self._act(decision, now)
+        for event in new:
+            store.mark_handled(event.key)
+
+    def _act(self, decision: Decision, now: float) -> None:
+        if decision.action is None or decision.dry_run:
+            outcome = Outcome.SUPPRESSED if decision.action is None else Outcome.DRY_RUN
+            self._record(ActionOutcome(decision, outcome, decision.reason, now, now))
+            log.info(
+                f"action {outcome.value}",
+                rule=decision.rule,
+                action=decision.action.kind.value if decision.action else None,
+                reason=decision.reason,
+                **target_fields(decision),
+            )
+            return
+        log.info(
+            "action started",
+            rule=decision.rule,
+            action=decision.action.kind.value,
+            attempt=decision.attempt,
+            reason=decision.reason,
+            **target_fields(decision),
+        )
+        self.worker.submit(decision, now)
+
+    def _refresh_alerts(self, events: Sequence[Event], now: float) -> None:
+        for event in events:
+            with contextlib.suppress(Exception):
+                self.alerts.resolve_cleared(event)
+        if due(now, self._last_alert_refresh_seconds, ALERT_REFRESH_SECONDS):
+            self._last_alert_refresh_seconds = now
+            for error in self.alerts.refresh():
+                log.warning("could not refresh an alert", error=error)
+
+    def _reopen_store(self) -> Store | None:
+        """A store that could not be opened (state dir full, read-only) is tried again now and then."""
+        if self.store is not None or self._store_failed_monotonic is None:
+            return self.store
+        if time.monotonic() - self._store_failed_monotonic < STORE_RETRY_SECONDS:
+            return None
+        try:
+            self.store = Store.open(self.config.state_dir)
+        except StoreError as exc:
+            self._store_failed_monotonic = time.monotonic()
+            self.status = CollectorStatus("remediation", False, 0.0, str(exc))
+            return None
+        log.info("event store open again: remediation resumes", path=str(self.store.path))
+        self._store_failed_monotonic = None
+        return self.store
+
+    def _keep_unstored(self, keyed_events: list[Event]) -> None:
+        """Events the store could not take wait for the next loop (bounded: a store down for days must
+        not grow the agent); the oldest go first, and that is logged."""
+        dropped = len(keyed_events) - MAX_UNSTORED_EVENTS
+        if dropped > 0:
+            log.error("event store unusable for long: oldest unstored events dropped", dropped=dropped)
+        self._unstored = keyed_events[-MAX_UNSTORED_EVENTS:]
+
+    def _record(self, outcome: ActionOutcome) -> None:
+        if self.store is None:
+            return
+        try:
+            self.store.record_outcome(outcome)
+        except StoreError as exc:
+            log.error("could not record a remediation", error=str(exc), rule=outcome.decision.rule)
+
+
+def load_rules_dir(config: AgentConfig) -> list[Rule]:
+    """Rules from rules_dir; a missing directory means no rules (logged), an invalid file is a ConfigError."""
+    rules_dir = Path(config.remediation.rules_dir)
+    if not rules_dir.is_dir():
+        log.warning("no rules directory: remediation has nothing to do", rules_dir=str(rules_dir))
+        return []
+    rules = load_rules([rules_dir], allow_reboot=config.remediation.allow_reboot)
+    log.info("rules loaded", rules_dir=str(rules_dir), count=len(rules))
+    return rules

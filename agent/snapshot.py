@@ -1,0 +1,116 @@
+"""One snapshot builder: the watchers that judge GPU health, and the NodeSnapshot made from a loop's
+samples and plans. The daemon builds every loop's snapshot here and `gpu-agent status --direct`
+builds its one-off snapshot here, with the same watchers, so both give the same verdict for the
+same node. What only a running daemon knows (stale GPUs, services, remediations, collectors,
+recent events) comes in as `DaemonParts`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from agent import __version__
+from agent.backend.base import GpuIdentity
+from agent.backend.errors import GpuError
+from agent.config import AgentConfig
+from agent.events import Event, Health, HealthState
+from agent.policy.base import ItemPlan
+from agent.state import CollectorStatus, GpuSample, NodeSnapshot, RemediationCount, ServiceStatus
+from agent.watch.devices import DeviceWatcher
+from agent.watch.gpu_lost import GpuLostWatcher
+from agent.watch.health import HealthBook, PollWatcher
+from agent.watch.memory import MemoryWatcher
+from agent.watch.pcie import PcieWatcher
+from agent.watch.throttle import ThrottleWatcher
+from agent.watch.xid import XidWatcher
+
+
+class NodeWatchers:
+    """Every watcher with a say in GPU health. The poll watchers see each loop's samples; the Xid
+    watcher is fed by the NVML event wait and the kernel log (a one-off read has neither)."""
+
+    def __init__(
+        self, identities: Callable[[], Mapping[int, GpuIdentity]] = dict, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.throttle = ThrottleWatcher()
+        self.devices = DeviceWatcher()
+        self.xid = XidWatcher(identities, clock=clock)
+        polled: list[PollWatcher] = [self.throttle, MemoryWatcher(), GpuLostWatcher(), PcieWatcher()]
+        self.polled: tuple[PollWatcher, ...] = (*polled, self.devices)
+        self.book = HealthBook([*polled, self.xid, self.devices])
+
+    def observe(self, samples: Sequence[GpuSample], now: float) -> list[Event]:
+        """This loop's samples to every poll watcher; the transitions they saw."""
+        events: list[Event] = []
+        for watcher in self.polled:
+            events.extend(watcher.observe(samples, now))
+        return events
+
+    def health(
+        self, gpus: Iterable[int], stale: frozenset[int] = frozenset(), backend_error: GpuError | None = None
+    ) -> dict[int, Health]:
+        """The verdict per GPU; a GPU whose readings are stale, or all of them while the backend is
+        unavailable, is degraded whatever the watchers last saw."""
+        return {gpu: self._gpu_health(gpu, stale, backend_error) for gpu in gpus}
+
+    def _gpu_health(self, gpu: int, stale: frozenset[int], backend_error: GpuError | None) -> Health:
+        if backend_error is not None:
+            return Health(HealthState.DEGRADED, f"GPU backend unavailable: {backend_error}")
+        if gpu in stale:
+            return Health(HealthState.DEGRADED, "NVML calls for this GPU hang: readings are stale")
+        return self.book.gpu_health(gpu)
+
+
+@dataclass(frozen=True)
+class DaemonParts:
+    """What only a running daemon knows; a one-off read leaves them empty."""
+
+    started_seconds: float | None = None  # None: started now
+    stale_gpus: frozenset[int] = frozenset()
+    backend_error: GpuError | None = None  # the backend is not open: every GPU is degraded
+    services: tuple[ServiceStatus, ...] = ()
+    remediations: tuple[RemediationCount, ...] = ()
+    collectors: tuple[CollectorStatus, ...] = ()
+    recent_events: tuple[Event, ...] = ()
+    collect_duration_seconds: float = 0.0
+
+
+def item_modes(config: AgentConfig, plans: Iterable[ItemPlan]) -> dict[str, str]:
+    """The mode (observe/enforce) of each planned item; "gpu" (an unreadable GPU) is no item."""
+    return {p.item: config.item_mode(p.item).value for p in plans if p.item != "gpu"}
+
+
+def build_snapshot(
+    config: AgentConfig,
+    now: float,
+    samples: Sequence[GpuSample],
+    watchers: NodeWatchers,
+    *,
+    driver_version: str | None,
+    policy: tuple[ItemPlan, ...],
+    daemon: DaemonParts | None = None,
+) -> NodeSnapshot:
+    """The snapshot of `samples` once `watchers` have observed them."""
+    parts = daemon or DaemonParts()
+    return NodeSnapshot(
+        timestamp_seconds=now,
+        started_seconds=now if parts.started_seconds is None else parts.started_seconds,
+        version=__version__,
+        backend=config.backend,
+        driver_version=driver_version,
+        gpus=tuple(samples),
+        stale_gpus=parts.stale_gpus,
+        health=watchers.health(sorted(s.index for s in samples), parts.stale_gpus, parts.backend_error),
+        policy=policy,
+        item_modes=item_modes(config, policy),
+        services=parts.services,
+        remediations=parts.remediations,
+        clock_event_seconds=watchers.throttle.clock_event_seconds(),
+        throttle_active_since=watchers.throttle.active_since(),
+        xids=tuple(watchers.xid.counts()),
+        collectors=parts.collectors,
+        recent_events=parts.recent_events,
+        collect_duration_seconds=parts.collect_duration_seconds,
+    )
