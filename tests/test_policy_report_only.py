@@ -265,3 +265,24 @@ def test_metrics_and_status_show_the_next_boot_and_the_driver(tmp_path: Path, ba
     screen = status_text(snapshot_document(snapshot, source="daemon"))
     assert f"next boot: {NEW} — nvidia 580.159.04 module missing" in screen
     assert "driver: 580.159.04, CUDA 13.0" in screen
+
+
+# -- nouveau: the rebuild is verified in the next boot's initramfs -------------------------------------------
+
+
+@pytest.mark.parametrize(("blacklisted_image", "expected"), [(True, PlanStatus.IN_SYNC), (False, PlanStatus.DRIFT)])
+def test_nouveau_reads_the_next_boots_initramfs(
+    tmp_path: Path, backend: SimulatedBackend, blacklisted_image: bool, expected: PlanStatus
+) -> None:
+    from agent.policy import nouveau
+
+    root = tmp_path / "root"
+    ubuntu_tree(root, blacklist=blacklisted_image)
+    write(root, nouveau.CONF, nouveau.CONF_CONTENT)
+    write(root, "/etc/os-release", "ID=ubuntu\n")
+    write(root, "/proc/modules", "nvidia 1 0 - Live 0x0\n")
+    done = nouveau.ITEM.plan(host_with(tmp_path, backend), "blacklisted")
+    assert done.plan.status is expected
+    if expected is PlanStatus.DRIFT:
+        assert done.plan.changes == (f"run: update-initramfs -u -k {NEW}",)
+        assert f"the initramfs of {NEW} (the next boot) still loads nouveau" in done.plan.detail
