@@ -123,7 +123,9 @@ def test_services_cuda_version_alone_plans_the_driver_item() -> None:
     config = AgentConfig.model_validate({"services": [{"name": "sglang", "cuda_version": "12.4"}]})
     want = driver.ITEM.desired(config.policy.node, config)
     assert want is not None and want.services_cuda == (("sglang", "12.4"),)
-    assert driver.ITEM.desired(NodePolicy(), AgentConfig()) is None
+    assert driver.ITEM.desired(NodePolicy(), AgentConfig(backend="simulated")) is None
+    reporting = driver.ITEM.desired(NodePolicy(), AgentConfig(backend="nvml"))
+    assert reporting is not None and reporting.policy == DriverPolicy()
 
 
 def test_nvswitch_needs_the_fabric_manager_at_the_driver_version(tmp_path: Path, backend: SimulatedBackend) -> None:

@@ -60,31 +60,33 @@ class DriverItem(NodeItem[DriverWant, OperatorTask]):
 
     def desired(self, node: NodePolicy, config: AgentConfig) -> DriverWant | None:
         services = tuple((s.name, s.cuda_version) for s in config.services if s.cuda_version)
-        if node.driver is None and not services:
+        # On real GPUs the item always runs: with nothing pinned it is in sync and still reports the
+        # loaded driver, its branch and CUDA version (status, gpu_agent_driver_info).
+        if node.driver is None and not services and config.backend != "nvml":
             return None
         return DriverWant(node.driver or DriverPolicy(), services)
 
-    def _loaded(self, ctx: HostContext) -> tuple[str | None, str | None]:
-        """(driver version, CUDA version it supports); NVML first, the kernel module's file next."""
-        if ctx.backend is not None:
-            try:
-                version = ctx.backend.driver_version()
-            except GpuError:
-                version = None
-            try:
-                cuda = cuda_version_text(ctx.backend.cuda_driver_version())
-            except GpuError:
-                cuda = None
-            if version:
-                return version, cuda
-        return running_driver_version(ctx.paths), None
+    def _loaded(self, ctx: HostContext) -> tuple[str | None, str | None, GpuError | None]:
+        """(driver version, CUDA version it supports, why a read failed); NVML first, the kernel
+        module's file when NVML cannot be asked."""
+        if ctx.backend is None:
+            return running_driver_version(ctx.paths), None, None
+        try:
+            version = ctx.backend.driver_version()
+            cuda = cuda_version_text(ctx.backend.cuda_driver_version())
+        except GpuError as exc:
+            return running_driver_version(ctx.paths), None, exc
+        return version, cuda, None
 
     def plan(self, ctx: HostContext, want: DriverWant) -> Planned[OperatorTask]:
         desired = _desired_text(want.policy)
-        version, cuda = self._loaded(ctx)
-        if version is None:
+        version, cuda, failed = self._loaded(ctx)
+        if version is None or failed is not None:
+            # What was asked cannot be told: an error, never a guess from half the answers.
+            why = f"the driver could not be read: {failed}" if failed else "no NVIDIA driver is loaded"
+            kind = failed.kind.value if failed else None
             return planned(
-                ItemPlan(self.name, None, PlanStatus.ERROR, desired, "not loaded", "no NVIDIA driver is loaded")
+                ItemPlan(self.name, None, PlanStatus.ERROR, desired, version or "not loaded", why, error_kind=kind)
             )
         packages = driver_packages(ctx.paths, host_tool_runner(ctx.paths))
         branch = packages.branch
@@ -111,8 +113,6 @@ class DriverItem(NodeItem[DriverWant, OperatorTask]):
         notes = []
         if policy.branch is not None and branch is None:
             notes.append("the branch cannot be told from the installed packages")
-        if want.services_cuda and cuda is None:
-            notes.append("the driver's CUDA version could not be read")
         detail = "; ".join(notes)
         if tasks:
             return planned(ItemPlan(self.name, None, PlanStatus.DRIFT, desired, actual, detail, facts=facts), tasks)
