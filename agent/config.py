@@ -21,7 +21,7 @@ from agent.backend.base import GPU_RESET_ITEM
 from agent.config_errors import ConfigError as ConfigError
 from agent.config_errors import ConfigProblem as ConfigProblem
 from agent.defaults import DEFAULT_METRICS_PORT, DEFAULT_RULES_DIR, DEFAULT_SOCKET_PATH
-from agent.policy.names import GPU_ITEM_NAMES, ITEM_NAMES
+from agent.policy.names import ITEM_NAMES, SETTABLE_GPU_ITEM_NAMES
 from agent.policy.names import ItemName as ItemName
 from agent.trust import file_problem
 
@@ -33,9 +33,15 @@ class Mode(str, Enum):
 
 #: The GPU policy items' names (from the one list, agent.policy.names): what a backend that may write every GPU
 #: setting is built with.
-GPU_ITEMS = GPU_ITEM_NAMES
+GPU_ITEMS = SETTABLE_GPU_ITEM_NAMES
 EnabledState = Literal["enabled", "disabled"]
 PositiveMhz = Annotated[int, Field(gt=0)]
+#: A driver version as NVML and nvidia-smi print it: `580.159.04`, `535.104.05`, `580.95`.
+DriverVersion = Annotated[str, Field(pattern=r"^\d+\.\d+(\.\d+)?$")]
+#: A CUDA version an image was built for: `12.4`, `13.0`.
+CudaVersion = Annotated[str, Field(pattern=r"^\d+\.\d+$")]
+#: A VBIOS version as NVML prints it, dotted hex: `96.00.AF.00.01`.
+VbiosVersion = Annotated[str, Field(pattern=r"^[0-9A-Fa-f]{2}(\.[0-9A-Fa-f]{2}){4}$")]
 
 
 class StrictModel(BaseModel):
@@ -135,6 +141,21 @@ class GpuProfile(StrictModel):
     fan_curve: FanCurve | None = None
     persistence: EnabledState | None = None
     ecc: EnabledState | None = None
+    vbios_min: VbiosVersion | None = None  # report-only: older VBIOS is drift the operator updates
+
+
+class DriverPolicy(StrictModel):
+    """The driver this node should run (report-only: the agent never installs or removes drivers)."""
+
+    version: DriverVersion | None = None  # exactly this one
+    min_version: DriverVersion | None = None  # this one or newer
+    branch: Literal["datacenter", "desktop"] | None = None  # told from the installed package
+
+    @model_validator(mode="after")
+    def _one_version_rule(self) -> DriverPolicy:
+        if self.version is not None and self.min_version is not None:
+            raise ValueError("give either version or min_version, not both")
+        return self
 
 
 class TransparentHugepages(StrictModel):
@@ -178,6 +199,10 @@ class NodePolicy(StrictModel):
     transparent_hugepages: TransparentHugepages | None = None
     nouveau: Literal["blacklisted"] | None = None
     triton_cache: TritonCache | None = None
+    driver: DriverPolicy | None = None
+    # Whether the kernel that boots next has the NVIDIA module, a signature Secure Boot accepts and
+    # an initramfs that keeps nouveau out. Unset: checked when the backend is nvml.
+    next_boot: Literal["ready", "ignore"] | None = None
 
 
 class PolicyConfig(StrictModel):
@@ -204,6 +229,9 @@ class ServiceConfig(StrictModel):
     # How long a (re)started service may take to answer its health URL: loading model weights
     # takes minutes on a large model.
     ready_timeout_seconds: float = Field(default=600.0, gt=0, le=7200)
+    # The CUDA version the service's image was built for: a driver that supports less is drift of
+    # the `driver` item (and an alert) before the service crashes on start.
+    cuda_version: CudaVersion | None = None
 
     @property
     def unit_name(self) -> str:

@@ -258,6 +258,7 @@ class SnapshotCollector(Collector):
             self._clock_event_seconds(out, snapshot)
             self._xids(out, snapshot)
             self._policy(out, snapshot)
+            self._readiness(out, snapshot)
             self._services(out, snapshot)
             self._remediations(out, snapshot)
             self._collectors(out, snapshot)
@@ -425,6 +426,28 @@ class SnapshotCollector(Collector):
                 {"item": item},
                 float(mode == "enforce"),
             )
+
+    @staticmethod
+    def _readiness(out: _Families, snap: NodeSnapshot) -> None:
+        """What the report-only items found: the driver, and whether the next boot brings the GPUs back."""
+        for plan in snap.policy:
+            facts = dict(plan.facts)
+            if plan.item == "next_boot" and plan.status in (PlanStatus.IN_SYNC, PlanStatus.DRIFT):
+                out.gauge(
+                    "gpu_agent_boot_ready",
+                    "1 when the kernel that boots next has the NVIDIA module (signed under Secure Boot) and an "
+                    "initramfs that keeps nouveau out; the reason names what is missing.",
+                    {"kernel": facts.get("kernel", ""), "reason": facts.get("reason", "")},
+                    float(plan.status is PlanStatus.IN_SYNC),
+                )
+            if plan.item == "driver" and "version" in facts:
+                out.gauge(
+                    "gpu_agent_driver_info",
+                    "The loaded NVIDIA driver, its branch where the installed package tells it, and the newest "
+                    "CUDA version it supports; always 1.",
+                    {k: facts.get(k, "") for k in ("version", "branch", "cuda_version")},
+                    1,
+                )
 
     @staticmethod
     def _services(out: _Families, snap: NodeSnapshot) -> None:

@@ -31,6 +31,7 @@ def plan_item_json(plan: ItemPlan, mode: str) -> dict[str, Any]:
         "detail": plan.detail,
         "changes": list(plan.changes),
         "error_kind": plan.error_kind,
+        "facts": dict(plan.facts),
     }
 
 

@@ -71,6 +71,7 @@ def status_text(document: dict[str, Any]) -> str:
         f"(want {i['desired']}, have {i['actual']}){' - ' + i['detail'] if i['detail'] else ''}"
         for i in off
     )
+    lines.extend(_readiness_lines(items))
     if document["xids"]:
         lines.append("")
         lines.append("Xids: " + ", ".join(f"GPU {x['gpu']} Xid {x['xid']} x{x['count']}" for x in document["xids"]))
@@ -93,6 +94,20 @@ def status_text(document: dict[str, Any]) -> str:
         lines.append("recent events:")
         lines.extend(f"  [{e['severity']}] {e['message']}" for e in recent)
     return "\n".join(lines)
+
+
+def _readiness_lines(items: Sequence[dict[str, Any]]) -> list[str]:
+    """`next boot: 6.8.0-50-generic — nvidia 580.159.04 module missing` and the driver, when checked."""
+    lines = []
+    for item in items:
+        facts = item.get("facts") or {}
+        if item["item"] == "next_boot" and facts.get("summary"):
+            lines.append(f"next boot: {facts['summary']}")
+        elif item["item"] == "driver" and facts.get("version"):
+            branch = f", {facts['branch']} branch" if facts.get("branch") else ""
+            cuda = f", CUDA {facts['cuda_version']}" if facts.get("cuda_version") else ""
+            lines.append(f"driver: {facts['version']}{branch}{cuda}")
+    return lines
 
 
 def _duration(seconds: float) -> str:

@@ -202,6 +202,27 @@ def node_policy() -> tuple[ItemPlan, ...]:
             "missing",
             changes=("create /var/cache/triton",),
         ),
+        ItemPlan(
+            "driver",
+            None,
+            PlanStatus.IN_SYNC,
+            "580.159.04 datacenter",
+            "580.159.04 (datacenter, CUDA 13.0)",
+            facts=(("version", "580.159.04"), ("branch", "datacenter"), ("cuda_version", "13.0")),
+        ),
+        ItemPlan(
+            "next_boot",
+            None,
+            PlanStatus.DRIFT,
+            "ready",
+            "6.8.0-50-generic: not ready",
+            changes=("6.8.0-50-generic: nvidia 580.159.04 module missing (report-only: fix before rebooting)",),
+            facts=(
+                ("kernel", "6.8.0-50-generic"),
+                ("reason", "nvidia 580.159.04 module missing"),
+                ("summary", "6.8.0-50-generic — nvidia 580.159.04 module missing"),
+            ),
+        ),
     )
 
 

@@ -72,7 +72,7 @@ INTERVAL_SECONDS = 5.0
 FAULT_LOOPS = 3
 RECOVERY_DEADLINE_SECONDS = 5.0
 
-LIBRARY_CALLS = frozenset({"init", "shutdown", "driver_version", "device_count", "wait_events"})
+LIBRARY_CALLS = frozenset({"init", "shutdown", "driver_version", "cuda_driver_version", "device_count", "wait_events"})
 SETTER_ITEMS = {
     "set_power_limit_watts": "power_limit",
     "set_locked_clocks_mhz": "locked_clocks",
@@ -91,6 +91,7 @@ LOOP_CALLS = (
     "init",
     "device_count",
     "driver_version",
+    "cuda_driver_version",
     "wait_events",
     # per-GPU samples (fast and slow tier)
     "identity",
@@ -313,7 +314,8 @@ def make_node(tmp: Path, calls: Calls, state_file: Path | None = None) -> Node:
             "policy_interval_seconds": INTERVAL_SECONDS,
             "api": {"socket": str(tmp / "agent.sock")},
             "remediation": {"rules_dir": str(tmp / "rules.d")},
-            "policy": {"gpus": [POLICY]},
+            # the report-only driver item reads the driver version and the CUDA version it supports
+            "policy": {"gpus": [POLICY], "node": {"driver": {"min_version": "550.54"}}},
         }
     )
     make_host_tree(tmp / "host")

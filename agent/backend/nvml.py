@@ -240,6 +240,10 @@ class NvmlBackend:
         """nvidia-smi --query-gpu=driver_version"""
         return str(self._call(None, "nvmlSystemGetDriverVersion"))
 
+    def cuda_driver_version(self) -> int:
+        """nvidia-smi -q: CUDA Version"""
+        return int(self._call(None, "nvmlSystemGetCudaDriverVersion"))
+
     def device_count(self) -> int:
         """nvidia-smi --query-gpu=count"""
         return int(self._call(None, "nvmlDeviceGetCount"))

@@ -68,6 +68,9 @@ class ItemPlan:
     detail: str = ""  # why: "allowed 200-700 W", "ECC enable pending until reboot"
     changes: tuple[str, ...] = ()  # what apply would do, in words an operator recognises
     error_kind: str | None = None  # GpuErrorKind value when a GPU call failed
+    #: What a report-only item found, for metrics and JSON: (name, value) pairs, e.g. the kernel
+    #: that boots next, the driver's branch and CUDA version.
+    facts: tuple[tuple[str, str], ...] = ()
 
     @property
     def in_sync(self) -> bool:
@@ -110,6 +113,9 @@ class HostContext:
 
     paths: HostPaths
     command_timeout_seconds: float = 600.0
+    #: For node items that read the driver (report-only); the engine sets it. Setters stay behind
+    #: the backend's write guard like every other write.
+    backend: GpuBackend | None = None
 
     @property
     def is_real_root(self) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, TypeVar
 
@@ -99,7 +99,7 @@ class PolicyEngine:
     def __init__(self, config: AgentConfig, backend: GpuBackend, host: HostContext) -> None:
         self.config = config
         self.backend = backend
-        self.host = host
+        self.host = replace(host, backend=backend)
         self.state = NodeState()
 
     # -- enumeration ---------------------------------------------------------------------------

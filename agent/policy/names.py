@@ -10,11 +10,17 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-GpuItemName = Literal["power_limit", "locked_clocks", "fan_curve", "persistence", "ecc"]
-NodeItemName = Literal["transparent_hugepages", "triton_cache", "nouveau"]
+#: GPU settings the agent writes through the backend's setters.
+SettableGpuItemName = Literal["power_limit", "locked_clocks", "fan_curve", "persistence", "ecc"]
+#: Report-only items: the agent plans them (drift is reported) and never writes them.
+ReportOnlyItemName = Literal["vbios", "driver", "next_boot"]
+GpuItemName = Literal[SettableGpuItemName, "vbios"]
+NodeItemName = Literal["transparent_hugepages", "triton_cache", "nouveau", "driver", "next_boot"]
 ItemName = Literal[GpuItemName, NodeItemName]
 
 #: In the order `gpu-agent plan` lists them.
-GPU_ITEM_NAMES: tuple[GpuItemName, ...] = get_args(GpuItemName)
+GPU_ITEM_NAMES: tuple[GpuItemName, ...] = (*get_args(SettableGpuItemName), "vbios")
+SETTABLE_GPU_ITEM_NAMES: tuple[SettableGpuItemName, ...] = get_args(SettableGpuItemName)
+REPORT_ONLY_ITEM_NAMES: tuple[ReportOnlyItemName, ...] = get_args(ReportOnlyItemName)
 NODE_ITEM_NAMES: tuple[NodeItemName, ...] = get_args(NodeItemName)
 ITEM_NAMES: tuple[ItemName, ...] = (*GPU_ITEM_NAMES, *NODE_ITEM_NAMES)

@@ -18,6 +18,7 @@ from typing import Final, Literal
 
 from agent.config import AgentConfig, NodePolicy
 from agent.host.paths import HostPaths
+from agent.policy import next_boot
 from agent.policy.base import HostContext, ItemPlan, PlanStatus
 from agent.policy.item import ChangeFailed, NodeItem, Planned, planned
 
@@ -44,6 +45,8 @@ Blacklisted = Literal["blacklisted"]
 
 _DEBIAN = ("update-initramfs", "-u")
 _REDHAT = ("dracut", "-f")
+#: How each tool is told which kernel's image to rebuild (the one that boots next, not the running one).
+_KERNEL_OPTION: dict[tuple[str, ...], tuple[str, ...]] = {_DEBIAN: ("-k",), _REDHAT: ("--kver",)}
 _FAMILIES = {
     "debian": _DEBIAN,
     "ubuntu": _DEBIAN,
@@ -161,6 +164,17 @@ def _rebuild(ctx: HostContext, argv: tuple[str, ...]) -> tuple[bool, str]:
     return False, f"initramfs rebuilt (`{command}`)"
 
 
+def _stale_initramfs(host: HostContext, command: tuple[str, ...]) -> tuple[str, RebuildInitramfs] | None:
+    """With the blacklist in place, the image the next boot uses is read (agent.host.boot, cached
+    until /boot changes): one that still carries nouveau without the blacklist is rebuilt for that
+    kernel. An image that cannot be read or found is not a reason to rebuild (next_boot reports it)."""
+    verdict = next_boot.readiness(host)
+    if verdict.kernel is None or verdict.initramfs is None or verdict.initramfs.verdict != "nouveau included":
+        return None
+    kernel = verdict.kernel.release
+    return kernel, RebuildInitramfs((*command, *_KERNEL_OPTION.get(command, ()), kernel))
+
+
 class NouveauItem(NodeItem[Blacklisted, NouveauChange]):
     name: Final = "nouveau"
     scope: Final = "node"
@@ -184,6 +198,12 @@ class NouveauItem(NodeItem[Blacklisted, NouveauChange]):
             else:
                 changes.append(WriteBlacklist(unknown_distro=seen.distro))
                 notes.append(f"unknown distribution ({seen.distro}): rebuild the initramfs by hand after apply")
+        elif seen.initramfs is not None:
+            stale = _stale_initramfs(host, seen.initramfs)
+            if stale is not None:
+                kernel, rebuild = stale
+                changes.append(rebuild)
+                notes.append(f"the initramfs of {kernel} (the next boot) still loads nouveau")
         if seen.loaded:
             notes.append("nouveau is loaded; reboot to unload it")
         if changes:

@@ -9,15 +9,28 @@ from __future__ import annotations
 
 from typing import Any
 
-from agent.policy import ecc, fan_curve, locked_clocks, nouveau, persistence, power_limit, thp, triton_cache
+from agent.policy import (
+    driver,
+    ecc,
+    fan_curve,
+    locked_clocks,
+    next_boot,
+    nouveau,
+    persistence,
+    power_limit,
+    thp,
+    triton_cache,
+    vbios,
+)
 from agent.policy.item import GpuItem, NodeItem, RestorableGpuItem
 from agent.policy.names import GPU_ITEM_NAMES, NODE_ITEM_NAMES, GpuItemName, NodeItemName
 
 _GPU: dict[GpuItemName, GpuItem[Any, Any]] = {
-    item.name: item for item in (power_limit.ITEM, locked_clocks.ITEM, fan_curve.ITEM, persistence.ITEM, ecc.ITEM)
+    item.name: item
+    for item in (power_limit.ITEM, locked_clocks.ITEM, fan_curve.ITEM, persistence.ITEM, ecc.ITEM, vbios.ITEM)
 }
 _NODE: dict[NodeItemName, NodeItem[Any, Any]] = {
-    item.name: item for item in (thp.ITEM, triton_cache.ITEM, nouveau.ITEM)
+    item.name: item for item in (thp.ITEM, triton_cache.ITEM, nouveau.ITEM, driver.ITEM, next_boot.ITEM)
 }
 
 #: In the order of `GPU_ITEM_NAMES`: how `gpu-agent plan` lists them.

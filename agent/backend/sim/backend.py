@@ -181,6 +181,13 @@ class SimulatedBackend(FaultInjection):
             self._library_checks("driver_version")
             return self.profile.driver_version
 
+    def cuda_driver_version(self) -> int:
+        self._hang(None, "cuda_driver_version")
+        with self._cond:
+            self._file.refresh()
+            self._library_checks("cuda_driver_version")
+            return self.profile.cuda_driver_version
+
     def device_count(self) -> int:
         self._hang(None, "device_count")
         with self._cond:

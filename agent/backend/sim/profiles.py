@@ -32,6 +32,7 @@ from agent.backend.base import ClockDomain, TemperatureThreshold
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 DEFAULT_DRIVER_VERSION = "580.159.04"
+DEFAULT_CUDA_DRIVER_VERSION = 13000  # what 580.159.04 answers to nvmlSystemGetCudaDriverVersion
 #: PCI bus ids of the eight SXM slots of an HGX baseboard, in NVML index order.
 HGX_PCI_BUS_IDS = (
     "00000000:18:00.0",
@@ -222,6 +223,7 @@ class _NodeFile(BaseModel):
     name: StrictStr | None = None
     description: StrictStr = ""
     driver_version: StrictStr = DEFAULT_DRIVER_VERSION
+    cuda_driver_version: StrictInt = DEFAULT_CUDA_DRIVER_VERSION
     gpus: list[_GpuEntry] = Field(min_length=1)
     pci_bus_ids: list[StrictStr] | None = None
     nvlink_connected: StrictBool | None = None
@@ -234,6 +236,7 @@ class NodeProfile(_Strict):
     name: str
     description: str
     driver_version: str
+    cuda_driver_version: int  # NVML's integer form: 13000 is CUDA 13.0
     models: tuple[GpuModel, ...]
     pci_bus_ids: tuple[str, ...]
     #: NVLink wired between the GPUs (HGX baseboard). A GPU alone in its node (a single-GPU VM, as
@@ -362,6 +365,7 @@ def _parse_node(data: object, default_name: str, file: str) -> NodeProfile:
         name=node.name if node.name is not None else default_name,
         description=node.description,
         driver_version=node.driver_version,
+        cuda_driver_version=node.cuda_driver_version,
         models=tuple(models),
         pci_bus_ids=tuple(bus_ids),
         nvlink_connected=nvlink_connected,

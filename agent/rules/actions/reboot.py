@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
+from agent.policy import next_boot
+from agent.policy.base import HostContext
 from agent.rules.actions.alertmanager import alert_for
 from agent.rules.actions.base import ActionError, Result, failed, gpu_of, iso, refused, success, uuid_of, xid_of
 from agent.rules.actions.context import ActionContext
@@ -29,8 +32,23 @@ def _boot_id(ctx: ActionContext) -> str | None:
         return None
 
 
+def next_boot_problem(host: HostContext) -> str | None:
+    """Why the kernel that boots next would not bring the GPUs back (`6.8.0-50-generic — nvidia
+    580.159.04 module missing`), or None when it is ready."""
+    verdict = next_boot.readiness(host)
+    return None if verdict.ready else verdict.summary()
+
+
+def _next_boot_problem(ctx: ActionContext) -> str | None:
+    """Only where the next-boot item is checked (the nvml backend, or `next_boot: ready`)."""
+    if next_boot.ITEM.desired(ctx.config.policy.node, ctx.config) is None:
+        return None
+    return next_boot_problem(replace(ctx.host, backend=ctx.backend))
+
+
 def recommend_reboot(decision: Decision, params: RecommendRebootParams, ctx: ActionContext) -> Result:
     now = ctx.clock()
+    not_ready = _next_boot_problem(ctx)
     event = decision.event
     flag = {
         "reason": params.reason or event.message,
@@ -43,6 +61,8 @@ def recommend_reboot(decision: Decision, params: RecommendRebootParams, ctx: Act
         "time": iso(now),
         # So a reader can tell a flag written before the last boot (and so already acted on).
         "boot_id": _boot_id(ctx),
+        # A reboot now would not bring the GPUs back: fix this first.
+        "next_boot_not_ready": not_ready,
     }
     path = Path(ctx.config.state_dir) / REBOOT_FLAG_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -50,6 +70,8 @@ def recommend_reboot(decision: Decision, params: RecommendRebootParams, ctx: Act
     tmp.write_text(json.dumps(flag, indent=1) + "\n", encoding="utf-8")
     os.replace(tmp, path)
     detail = f"reboot recommended: wrote {path}"
+    if not_ready is not None:
+        detail += f"; but the next boot is not ready: {not_ready}"
     url = alertmanager_url(params.url, ctx)
     if url is None:
         return success(detail)
@@ -64,6 +86,9 @@ def recommend_reboot(decision: Decision, params: RecommendRebootParams, ctx: Act
 def reboot(decision: Decision, params: RebootParams, ctx: ActionContext) -> Result:
     if not ctx.config.remediation.allow_reboot:
         return refused("reboot is not allowed (remediation.allow_reboot is false)")
+    not_ready = _next_boot_problem(ctx)
+    if not_ready is not None:
+        return refused(f"the next boot is not ready: {not_ready}")
     result = ctx.host.run_command(ctx.config.remediation.reboot_command)
     if not result.ran:
         return refused(f"reboot not run: {result.output}")
