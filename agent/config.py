@@ -8,20 +8,21 @@ from __future__ import annotations
 
 import difflib
 import itertools
+import os
 import re
 from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from agent import safe_yaml
 from agent.backend.base import GPU_RESET_ITEM
 from agent.config_errors import ConfigError as ConfigError
 from agent.config_errors import ConfigProblem as ConfigProblem
 from agent.defaults import DEFAULT_METRICS_PORT, DEFAULT_RULES_DIR, DEFAULT_SOCKET_PATH
-from agent.trust import file_problem
+from agent.trust import TooLargeError, UntrustedError, read_trusted
 
 
 class Mode(str, Enum):
@@ -293,36 +294,9 @@ class AgentConfig(StrictModel):
 # -- loading with file:line errors ---------------------------------------------------------
 
 
-PathKey = tuple[str | int, ...]
+PathKey = safe_yaml.PathKey
+format_path = safe_yaml.format_path
 ModelT = TypeVar("ModelT", bound=BaseModel)
-
-
-def _node_lines(
-    node: yaml.Node, path: PathKey, lines: dict[PathKey, int], duplicates: list[tuple[PathKey, int]]
-) -> None:
-    lines.setdefault(path, node.start_mark.line + 1)
-    if isinstance(node, yaml.MappingNode):
-        seen: set[str] = set()
-        for key_node, value_node in node.value:
-            key = str(key_node.value)
-            child: PathKey = (*path, key)
-            if key in seen:
-                duplicates.append((child, key_node.start_mark.line + 1))
-            seen.add(key)
-            lines[child] = key_node.start_mark.line + 1
-            _node_lines(value_node, child, lines, duplicates)
-    elif isinstance(node, yaml.SequenceNode):
-        for index, item in enumerate(node.value):
-            element: PathKey = (*path, index)
-            lines[element] = item.start_mark.line + 1
-            _node_lines(item, element, lines, duplicates)
-
-
-def format_path(path: PathKey) -> str:
-    out = ""
-    for part in path:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
-    return out
 
 
 def _data_path(data: Any, loc: tuple[str | int, ...]) -> PathKey:
@@ -391,25 +365,10 @@ def _inner_model(annotation: Any) -> type[BaseModel] | None:
 
 
 def parse_yaml(text: str, file: str) -> tuple[Any, dict[PathKey, int]]:
-    """YAML text -> (data, line of every key and item). Duplicate keys are errors, not last-wins."""
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        line = mark.line + 1 if mark else None
-        raise ConfigError([ConfigProblem(file, line, "", f"invalid YAML: {exc.problem or exc}")]) from None
-    except yaml.reader.ReaderError as exc:  # a character YAML does not allow (NUL, most control characters)
-        line = text.count("\n", 0, exc.position) + 1
-        character = f"#x{exc.character:04x}" if isinstance(exc.character, int) else repr(exc.character)
-        raise ConfigError([ConfigProblem(file, line, "", f"invalid YAML: character {character} not allowed")]) from None
-    lines: dict[PathKey, int] = {}
-    duplicates: list[tuple[PathKey, int]] = []
-    if root is not None:
-        _node_lines(root, (), lines, duplicates)
-    if duplicates:
-        raise ConfigError([ConfigProblem(file, line, format_path(p), "duplicate key") for p, line in duplicates])
-    return data, lines
+    """YAML text -> (data, line of every key and item), through the bounded loader (agent.safe_yaml):
+    duplicate keys, aliases, deep nesting and oversized text are ConfigErrors with file and line."""
+    loaded = safe_yaml.load_text(text, file)
+    return loaded.data, loaded.lines
 
 
 def validate_model(model: type[ModelT], data: Any, lines: dict[PathKey, int], file: str) -> ModelT:
@@ -439,29 +398,34 @@ def validate_model(model: type[ModelT], data: Any, lines: dict[PathKey, int], fi
 
 
 def read_config_text(path: str | Path) -> str:
-    """A config file's text; ConfigError naming the file (and the line of a byte that is not UTF-8)."""
+    """A config file's text; ConfigError naming the file (its size when over the limit, the line of a
+    byte that is not UTF-8). No trust check: `load_config` reads through `read_trusted`."""
     file = str(path)
     try:
-        raw = Path(path).read_bytes()
+        with open(path, "rb") as stream:
+            size = os.fstat(stream.fileno()).st_size
+            if size > safe_yaml.MAX_YAML_BYTES:
+                raise ConfigError([ConfigProblem(file, None, "", safe_yaml.too_large(size))])
+            raw = stream.read(safe_yaml.MAX_YAML_BYTES + 1)
     except OSError as exc:
         raise ConfigError([ConfigProblem(file, None, "", f"cannot read: {exc.strerror or exc}")]) from None
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw.count(b"\n", 0, exc.start) + 1
-        message = f"not UTF-8 text: byte {raw[exc.start]:#04x} at offset {exc.start}"
-        raise ConfigError([ConfigProblem(file, line, "", message)]) from None
+    return safe_yaml.decode(raw, file)
 
 
 def load_config(path: str | Path) -> AgentConfig:
     """The config in `path`; refused (ConfigError naming the file) when someone other than root could
-    change it, since it decides what the agent does as root (see agent.trust)."""
+    change it, since it decides what the agent does as root. The trust check runs on the descriptor
+    that is then read (agent.trust.read_trusted), and the text goes through the bounded YAML loader."""
     file = str(path)
-    text = read_config_text(path)
-    untrusted = file_problem(path)
-    if untrusted is not None:
-        raise ConfigError([ConfigProblem(file, None, "", f"refused: {untrusted}")])
-    data, lines = parse_yaml(text, file)
+    try:
+        raw = read_trusted(path, limit_bytes=safe_yaml.MAX_YAML_BYTES)
+    except UntrustedError as exc:
+        raise ConfigError([ConfigProblem(file, None, "", f"refused: {exc}")]) from None
+    except TooLargeError as exc:
+        raise ConfigError([ConfigProblem(file, None, "", safe_yaml.too_large(exc.size_bytes))]) from None
+    except OSError as exc:
+        raise ConfigError([ConfigProblem(file, None, "", f"cannot read: {exc.strerror or exc}")]) from None
+    data, lines = parse_yaml(safe_yaml.decode(raw, file), file)
     if data is not None and not isinstance(data, dict):
         raise ConfigError([ConfigProblem(file, 1, "", "must be a YAML mapping")])
     return validate_model(AgentConfig, data, lines, file)

@@ -60,7 +60,7 @@ def test_a_config_others_can_write_is_refused(tmp_path: Path, mode: int) -> None
     assert f"{config} is writable by group or others (mode {mode:04o})" in message
     assert f"chmod go-w {config}" in message
     # Always, whoever the agent runs as.
-    assert file_problem(config, running_as_root=False) is not None
+    assert file_problem(config, agent_uid=NOBODY_ID) is not None
 
 
 @as_root
@@ -69,7 +69,7 @@ def test_a_config_not_owned_by_root_is_refused_when_running_as_root(tmp_path: Pa
     os.chown(config, NOBODY_ID, NOBODY_ID)
     assert f"{config} is owned by uid {NOBODY_ID}, not root" in refusal(config)
     # An unprivileged agent (a developer's) may use its own files.
-    assert file_problem(config, running_as_root=False) is None
+    assert file_problem(config, agent_uid=NOBODY_ID) is None
 
 
 def test_a_config_in_a_directory_others_can_write_is_refused(tmp_path: Path) -> None:
