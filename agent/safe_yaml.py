@@ -55,8 +55,8 @@ class _BoundedLoader(yaml.SafeLoader):
         super().__init__(stream)
         self.depth = 0
 
-    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node | None:  # type: ignore[override]
-        event = self.peek_event()
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        event = self.peek_event()  # type: ignore[no-untyped-call]
         line = event.start_mark.line + 1
         if isinstance(event, AliasEvent):
             raise _Refused(line, f"alias *{event.anchor} not allowed: gpu-agent files use no anchors or aliases")

@@ -229,9 +229,7 @@ def open_trusted(path: str | Path, *, agent_uid: int | None = None) -> tuple[int
     return fd, real
 
 
-def read_trusted(
-    path: str | Path, *, limit_bytes: int = DEFAULT_LIMIT_BYTES, agent_uid: int | None = None
-) -> bytes:
+def read_trusted(path: str | Path, *, limit_bytes: int = DEFAULT_LIMIT_BYTES, agent_uid: int | None = None) -> bytes:
     """The content of a config or rules file, read from the descriptor that passed the trust check.
 
     Raises OSError, UntrustedError, or TooLargeError (naming the size) for a file over

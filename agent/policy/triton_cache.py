@@ -110,7 +110,7 @@ def _observe(ctx: HostContext, want: TritonCacheWant) -> _Observed:
 
     target = ctx.paths.path(want.path)
     try:
-        st = os.lstat(target)
+        st = ctx.paths.lstat(want.path)
     except FileNotFoundError:
         st = None
     except OSError as exc:
@@ -205,15 +205,8 @@ def _fix_directory(ctx: HostContext, want: TritonCacheWant, seen: _Observed) -> 
             f"cannot give {want.path} to {want.owner}:{want.group}: gpu-agent is not running as root "
             f"(now: {seen.directory})"
         )
-    target = ctx.paths.path(want.path)
-    if seen.create:
-        target.mkdir(parents=True)
-    st = os.lstat(target)
-    if (st.st_uid, st.st_gid) != (seen.uid, seen.gid):
-        os.chown(target, seen.uid, seen.gid, follow_symlinks=False)
-    # After chown, which may clear the setgid bit.
-    if stat.S_IMODE(os.lstat(target).st_mode) != want.mode_bits:
-        os.chmod(target, want.mode_bits)
+    # Created, chowned and chmodded on its own descriptor, reached without following any link.
+    ctx.paths.ensure_directory(want.path, seen.uid, seen.gid, want.mode_bits)
     return None
 
 
@@ -221,10 +214,8 @@ def _fix_dropins(ctx: HostContext, want: TritonCacheWant, seen: _Observed) -> No
     for unit in seen.write:
         ctx.paths.write_file_atomic(dropin_path(unit), dropin_content(want.path))
     for unit in seen.remove:
-        ctx.paths.path(dropin_path(unit)).unlink(missing_ok=True)
-        unit_dir = ctx.paths.path(f"{SYSTEMD_DIR}/{unit}.d")
-        if not any(unit_dir.iterdir()):
-            unit_dir.rmdir()
+        ctx.paths.remove_file(dropin_path(unit))
+        ctx.paths.remove_empty_directory(f"{SYSTEMD_DIR}/{unit}.d")
 
 
 def apply(ctx: HostContext, want: TritonCacheWant, plan: ItemPlan) -> ItemResult:
