@@ -27,8 +27,6 @@ import os
 import stat
 from collections.abc import Iterator
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
 
 class UnsafePathError(OSError):
     """A symlink or a non-directory where a directory was expected; nothing was written through it."""
@@ -46,28 +44,38 @@ def _parts(absolute: str) -> list[str]:
     return parts
 
 
-def _is_link(name: str, dir_fd: int) -> bool:
+def _open_entry_dir(parent_fd: int, name: str, shown: str) -> int:
+    """Open directory `name` of `parent_fd`; a symlink there is UnsafePathError.
+
+    The entry is opened once, O_PATH | O_NOFOLLOW, and judged on that descriptor; the readable
+    descriptor is then opened as "." relative to it, so both are the same directory even if the
+    name is swapped in between.
+    """
+    entry = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
     try:
-        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
-    except OSError:
-        return False
+        mode = os.fstat(entry).st_mode
+        if stat.S_ISLNK(mode):
+            raise UnsafePathError(shown, "a symlink")
+        if not stat.S_ISDIR(mode):
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), shown)
+        return os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=entry)
+    finally:
+        os.close(entry)
 
 
 def _open_child_dir(parent_fd: int, name: str, shown: str, create_mode: int | None = None) -> int:
     try:
-        try:
-            return os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
-        except FileNotFoundError:
-            if create_mode is None:
-                raise
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(name, create_mode, dir_fd=parent_fd)
-            # Whatever is there now (another link swapped in) is judged like the first time.
-            return os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
-    except OSError as exc:
-        if exc.errno in (errno.ENOTDIR, errno.ELOOP) and _is_link(name, parent_fd):
-            raise UnsafePathError(shown, "a symlink") from None
-        raise OSError(exc.errno, exc.strerror, shown) from None
+        return _open_entry_dir(parent_fd, name, shown)
+    except FileNotFoundError:
+        if create_mode is None:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), shown) from None
+    try:
+        os.mkdir(name, create_mode, dir_fd=parent_fd)
+    except FileExistsError:  # made by someone else meanwhile: judged like any other
+        return _open_entry_dir(parent_fd, name, shown)
+    fd = _open_entry_dir(parent_fd, name, shown)
+    os.fchmod(fd, create_mode)  # exactly the mode asked for, whatever the umask
+    return fd
 
 
 @contextlib.contextmanager
