@@ -211,15 +211,17 @@ def _file_problem(info: os.stat_result, real: str, agent_uid: int) -> str | None
 def open_trusted(path: str | Path, *, agent_uid: int | None = None) -> tuple[int, str]:
     """(read-only descriptor, real path) of a regular file only root or the agent could have changed.
 
-    Raises OSError (cannot open, not a regular file) or UntrustedError. The caller closes the fd.
+    Raises OSError (cannot open; a directory, FIFO or device) or UntrustedError. The caller closes the fd.
     """
     uid = os.geteuid() if agent_uid is None else agent_uid
     # O_NONBLOCK: a FIFO put in the file's place must not hang the open; it is refused below.
     fd, real = _open_walked(path, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK, uid)
     try:
         info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), real)
         if not stat.S_ISREG(info.st_mode):
-            raise UntrustedError(f"{real} is not a regular file")
+            raise OSError(errno.EINVAL, "not a regular file", real)
         problem = _file_problem(info, real, uid)
         if problem is not None:
             raise UntrustedError(problem)
