@@ -114,8 +114,9 @@ def load_text(text: str, file: str) -> LoadedYaml:
     size = len(text.encode("utf-8", "surrogatepass"))
     if size > MAX_YAML_BYTES:
         raise ConfigError([ConfigProblem(file, None, "", too_large(size))])
-    loader = _BoundedLoader(text)
+    loader: _BoundedLoader | None = None
     try:
+        loader = _BoundedLoader(text)  # the reader refuses control characters right here
         root = loader.get_single_node()
         data = None if root is None else loader.construct_document(root)
     except _Refused as exc:
@@ -132,7 +133,8 @@ def load_text(text: str, file: str) -> LoadedYaml:
         # ValueError: an integer past Python's digit limit; OverflowError: a date out of range.
         raise ConfigError([ConfigProblem(file, None, "", f"invalid YAML: {exc}")]) from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     lines: dict[PathKey, int] = {}
     duplicates: list[tuple[PathKey, int]] = []
     if root is not None:
