@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import yaml
-from yaml.events import AliasEvent, CollectionStartEvent, NodeEvent
+from yaml.events import AliasEvent, CollectionEndEvent, CollectionStartEvent, NodeEvent
 
 from agent.config_errors import ConfigError, ConfigProblem
 
@@ -57,14 +57,10 @@ class _BoundedLoader(yaml.SafeLoader):
 
     def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
         event = self.peek_event()  # type: ignore[no-untyped-call]
-        line = event.start_mark.line + 1
-        if isinstance(event, AliasEvent):
-            raise _Refused(line, f"alias *{event.anchor} not allowed: gpu-agent files use no anchors or aliases")
-        if isinstance(event, NodeEvent) and event.anchor is not None:
-            raise _Refused(line, f"anchor &{event.anchor} not allowed: gpu-agent files use no anchors or aliases")
+        refused = _refusal(event, self.depth)
+        if refused is not None:
+            raise refused
         if isinstance(event, CollectionStartEvent):
-            if self.depth >= MAX_DEPTH:
-                raise _Refused(line, f"nested more than {MAX_DEPTH} levels deep")
             self.depth += 1
             try:
                 node: yaml.Node | None = super().compose_node(parent, index)
@@ -73,6 +69,47 @@ class _BoundedLoader(yaml.SafeLoader):
             return node
         scalar: yaml.Node | None = super().compose_node(parent, index)
         return scalar
+
+
+_CLoader: type[Any] | None = getattr(yaml, "CSafeLoader", None)
+
+
+def _refusal(event: yaml.Event, depth: int) -> _Refused | None:
+    line = event.start_mark.line + 1 if event.start_mark is not None else 0
+    if isinstance(event, AliasEvent):
+        return _Refused(line, f"alias *{event.anchor} not allowed: gpu-agent files use no anchors or aliases")
+    if isinstance(event, NodeEvent) and event.anchor is not None:
+        return _Refused(line, f"anchor &{event.anchor} not allowed: gpu-agent files use no anchors or aliases")
+    if isinstance(event, CollectionStartEvent) and depth >= MAX_DEPTH:
+        return _Refused(line, f"nested more than {MAX_DEPTH} levels deep")
+    return None
+
+
+def _prescan(text: str) -> None:
+    """The same limits on libyaml's event stream, when PyYAML has it: C scans a deep flow
+    collection in milliseconds where PyYAML's scanner takes most of a second. Anything else
+    libyaml objects to is left to the Python loader, whose messages the tests and users know."""
+    if _CLoader is None:
+        return
+    loader = _CLoader(text)
+    depth = 0
+    try:
+        while loader.check_event():
+            event = loader.get_event()
+            refused = _refusal(event, depth)
+            if refused is not None:
+                raise refused
+            if isinstance(event, CollectionStartEvent):
+                depth += 1
+            elif isinstance(event, CollectionEndEvent):
+                depth -= 1
+    except yaml.MarkedYAMLError as exc:
+        if exc.problem and "nesting depth" in exc.problem and exc.problem_mark is not None:
+            raise _Refused(exc.problem_mark.line + 1, f"nested more than {MAX_DEPTH} levels deep") from None
+    except yaml.YAMLError:
+        return
+    finally:
+        loader.dispose()
 
 
 def format_path(path: PathKey) -> str:
@@ -116,6 +153,7 @@ def load_text(text: str, file: str) -> LoadedYaml:
         raise ConfigError([ConfigProblem(file, None, "", too_large(size))])
     loader: _BoundedLoader | None = None
     try:
+        _prescan(text)
         loader = _BoundedLoader(text)  # the reader refuses control characters right here
         root = loader.get_single_node()
         data = None if root is None else loader.construct_document(root)
