@@ -95,8 +95,10 @@ def listen_address(value: str) -> tuple[int, str]:
     """HOST:PORT or [IPV6]:PORT -> (address family, host) as the metrics server binds it; ValueError
     when the host is malformed, unknown, or not an address of this machine."""
     host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not port.isdigit() or len(port) > 5 or not 0 < int(port) < 65536:
         raise ValueError("must be HOST:PORT with a port in 1-65535")
+    if not host.isascii() or any(c.isspace() or not c.isprintable() for c in host):
+        raise ValueError(f"HOST must be an IP address or a host name, not {host!r}")
     if host.startswith("[") != host.endswith("]") or (":" in host and not host.startswith("[")):
         raise ValueError(f"an IPv6 address goes in brackets, as [::1]:{port}")
     bare = host.removeprefix("[").removesuffix("]") or "0.0.0.0"  # noqa: S104  # nosec B104  # as metrics does
@@ -106,7 +108,7 @@ def listen_address(value: str) -> tuple[int, str]:
     try:
         with socket.socket(family, socket.SOCK_STREAM) as probe:
             probe.bind((bare, 0))
-    except (OSError, UnicodeError) as exc:
+    except (OSError, UnicodeError, TypeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ValueError(f"cannot listen on {bare}: {reason}") from None
     return family, bare
@@ -502,10 +504,10 @@ def read_config_text(path: str | Path) -> str:
     return safe_yaml.decode(raw, file)
 
 
-def load_config(path: str | Path) -> AgentConfig:
-    """The config in `path`; refused (ConfigError naming the file) when someone other than root could
-    change it, since it decides what the agent does as root. The trust check runs on the descriptor
-    that is then read (agent.trust.read_trusted), and the text goes through the bounded YAML loader."""
+def read_trusted_text(path: str | Path) -> str:
+    """The text of a file that steers the agent (agent.yaml, a rules file): refused (ConfigError naming
+    the file) when someone other than root could change it or put another in its place. The trust
+    check runs on the descriptor that is then read (agent.trust.read_trusted), never on the path."""
     file = str(path)
     try:
         raw = read_trusted(path, limit_bytes=safe_yaml.MAX_YAML_BYTES)
@@ -515,7 +517,13 @@ def load_config(path: str | Path) -> AgentConfig:
         raise ConfigError([ConfigProblem(file, None, "", safe_yaml.too_large(exc.size_bytes))]) from None
     except OSError as exc:
         raise ConfigError([ConfigProblem(file, None, "", f"cannot read: {exc.strerror or exc}")]) from None
-    data, lines = parse_yaml(safe_yaml.decode(raw, file), file)
+    return safe_yaml.decode(raw, file)
+
+
+def load_config(path: str | Path) -> AgentConfig:
+    """The config in `path`, read through `read_trusted_text` and the bounded YAML loader."""
+    file = str(path)
+    data, lines = parse_yaml(read_trusted_text(path), file)
     if data is not None and not isinstance(data, dict):
         raise ConfigError([ConfigProblem(file, 1, "", "must be a YAML mapping")])
     return validate_model(AgentConfig, data, lines, file)

@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 _SWAP_LOOP = """
@@ -28,6 +28,23 @@ while True:
     if libc.renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE) != 0:
         sys.exit(f"renameat2 failed: errno {ctypes.get_errno()}")
 """
+
+
+def attempts(attempt: Callable[[], str], wanted: set[str], rounds: int, limit_seconds: float = 20.0) -> dict[str, int]:
+    """Call `attempt` (which names its outcome) at least `rounds` times and until every outcome in
+    `wanted` was seen or the time limit passed: on a loaded machine the swapper can sit descheduled
+    through a whole burst of fast attempts, and a fixed count would see one side of the race only.
+    Returns how often each outcome came."""
+    counts: dict[str, int] = {}
+    deadline = time.monotonic() + limit_seconds
+    done = 0
+    while done < rounds or (not wanted <= counts.keys() and time.monotonic() < deadline):
+        outcome = attempt()
+        counts[outcome] = counts.get(outcome, 0) + 1
+        done += 1
+        if done % 50 == 0:
+            time.sleep(0.001)  # let the swapper run even when it shares a core with us
+    return counts
 
 
 def _identity(path: Path) -> tuple[int, int]:

@@ -155,7 +155,11 @@ UNKNOWN_GROUP = "gpu-agent-no-such-group"
         ("metrics: {listen: '192.0.2.1:9481'}\n", "agent.yaml:1 metrics.listen: cannot listen on 192.0.2.1: "),
         ("metrics: {listen: '::1:9481'}\n", "agent.yaml:1 metrics.listen: an IPv6 address goes in brackets"),
         ("metrics: {listen: '[::1:9481'}\n", "agent.yaml:1 metrics.listen: an IPv6 address goes in brackets"),
-        ("metrics: {listen: 'no such host:9481'}\n", "agent.yaml:1 metrics.listen: cannot listen on no such host: "),
+        ("metrics: {listen: 'no such host:9481'}\n", "agent.yaml:1 metrics.listen: HOST must be an IP address or a"),
+        (
+            "metrics: {listen: 'no-such-host.invalid:9481'}\n",
+            "agent.yaml:1 metrics.listen: cannot listen on no-such-host",
+        ),
         ("metrics: {listen: '127.0.0.1:0'}\n", "agent.yaml:1 metrics.listen: must be HOST:PORT with a port in 1-65535"),
         (f"api: {{group: {UNKNOWN_GROUP}}}\n", f"agent.yaml:1 api.group: unknown group '{UNKNOWN_GROUP}'"),
         ("api: {socket: /tmp}\n", "agent.yaml:1 api.socket: /tmp is a directory; name the socket file"),

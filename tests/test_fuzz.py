@@ -219,6 +219,13 @@ def test_the_valid_documents_are_valid() -> None:
         assert len(load_rules([write_rules(Path(directory), yaml.safe_dump(VALID_RULES))])) == 3
 
 
+@FUZZ
+@given(st.text(max_size=80) | st.from_regex(r"\[?[0-9a-fA-F:.%a-z]{0,40}\]?:[0-9]{1,6}", fullmatch=True))
+def test_any_listen_address_is_accepted_or_a_clear_error(listen: str) -> None:
+    found = config_error(f"metrics: {{listen: {json.dumps(listen)}}}\n")
+    assert all(p.startswith(f"{FILE}:1 metrics.listen: ") for p in found), found
+
+
 # -- hostile documents: bombs that reach the loader's limits -------------------------------------
 
 

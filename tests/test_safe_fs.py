@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from hosttree import NOBODY_ID, ScriptedHostContext, make_host_tree, unprivileged_identity
-from race import fingerprint, swapping
+from race import attempts, fingerprint, swapping
 
 from agent.host import safe_fs
 from agent.host.paths import HostPaths
@@ -29,17 +30,19 @@ def victim_file(tmp_path: Path) -> Path:
     return victim
 
 
-def race(run: object, rounds: int = ROUNDS) -> tuple[int, int]:
-    """Call run() `rounds` times; (succeeded, refused because of a link)."""
-    assert callable(run)
-    done = refused = 0
-    for _ in range(rounds):
+def race(run: Callable[[], None], rounds: int = ROUNDS) -> tuple[int, int]:
+    """Call run() at least `rounds` times, until both a success and a refusal came: (succeeded,
+    refused because a link was met)."""
+
+    def attempt() -> str:
         try:
             run()
-            done += 1
         except safe_fs.UnsafePathError:
-            refused += 1
-    return done, refused
+            return "refused"
+        return "done"
+
+    counts = attempts(attempt, {"done", "refused"}, rounds)
+    return counts.get("done", 0), counts.get("refused", 0)
 
 
 # -- plain behaviour ------------------------------------------------------------------------------
@@ -176,13 +179,17 @@ def test_race_against_the_triton_cache_item(tmp_path: Path) -> None:
     nobody = unprivileged_identity()
     want = TritonCacheWant("/var/cache/svc/triton", nobody.user, nobody.group, 0o755, ("sglang.service",))
     before = fingerprint(victim)
-    outcomes: set[Outcome] = set()
+
+    def attempt() -> str:
+        return triton_cache.apply(ctx, want, triton_cache.plan(ctx, want)).outcome.value
+
     with swapping(svc / "triton", svc / "swap"):
-        for _ in range(300):
-            result = triton_cache.apply(ctx, want, triton_cache.plan(ctx, want))
-            outcomes.add(result.outcome)
+        outcomes = attempts(attempt, {Outcome.FAILED.value}, 300)
     assert fingerprint(victim) == before
-    assert Outcome.APPLIED in outcomes or Outcome.UNCHANGED in outcomes, outcomes
+    # ... while the real directory, wherever the swaps left it, was given to the service user.
+    (real,) = [entry for entry in (svc / "triton", svc / "swap") if not entry.is_symlink()]
+    assert (real.stat().st_uid, stat.S_IMODE(real.stat().st_mode)) == (NOBODY_ID, 0o755), outcomes
+    assert (tmp_path / "host/etc/systemd/system/sglang.service.d/gpu-agent-triton.conf").exists()
 
 
 def test_the_harness_catches_a_write_that_follows_links(tmp_path: Path) -> None:

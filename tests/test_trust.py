@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from daemon_harness import running_agent, write_agent_config
 from hosttree import NOBODY_ID, run_unprivileged
-from race import swapping
+from race import attempts, swapping
 
 from agent import api
 from agent.backend.sim import SimulatedBackend
@@ -256,16 +256,16 @@ def test_a_link_swapped_between_roots_file_and_a_users_file_never_loads_the_user
     owned_by_nobody(theirs)
     link, spare = link_pair(theirs, config, users)
     with swapping(link, spare):
-        outcomes = {_load_outcome(link) for _ in range(400)}
-    assert outcomes == {"refused"}, outcomes
+        outcomes = attempts(lambda: _load_outcome(link), {"enforce", "observe"}, 400, limit_seconds=2)
+    assert outcomes.keys() == {"refused"}, outcomes
     # In a root-owned directory, swapped as fast as possible: a load either refuses the user's
     # file or reads root's; checking one file and reading the other would show up as "observe".
     ours = tmp_path / "ours"
     ours.mkdir()
     link, spare = link_pair(ours, config, users)
     with swapping(link, spare):
-        outcomes = {_load_outcome(link) for _ in range(400)}
-    assert outcomes == {"refused", "enforce"}, outcomes
+        outcomes = attempts(lambda: _load_outcome(link), {"refused", "enforce"}, 400)
+    assert outcomes.keys() == {"refused", "enforce"}, outcomes
 
 
 def _load_outcome(path: Path) -> str:
@@ -292,20 +292,22 @@ def test_a_hook_swapped_for_a_users_program_never_runs(tmp_path: Path) -> None:
     link, spare = hooks / "hook", hooks / "spare"
     link.symlink_to(hooks / "root.sh")
     spare.symlink_to(hooks / "user.sh")
-    ran = refused = 0
+
+    def attempt() -> str:
+        try:
+            result = run_trusted([str(link), "--reason"], 10)
+        except UntrustedError as exc:
+            assert f"{hooks / 'user.sh'} is owned by uid {NOBODY_ID}" in str(exc)
+            return "refused"
+        assert result.returncode == 0 and result.argv == (str(link), "--reason"), result
+        return "ran"
+
     with swapping(link, spare):
-        for _ in range(60):
-            try:
-                result = run_trusted([str(link), "--reason"], 10)
-            except UntrustedError as exc:
-                assert f"{hooks / 'user.sh'} is owned by uid {NOBODY_ID}" in str(exc)
-                refused += 1
-                continue
-            assert result.returncode == 0 and result.argv == (str(link), "--reason"), result
-            ran += 1
+        outcomes = attempts(attempt, {"ran", "refused"}, 60)
+    ran = outcomes.get("ran", 0)
+    assert ran and outcomes.get("refused"), outcomes
     assert not (marks / "user").exists()
     assert (marks / "root").read_text().splitlines() == ["root --reason"] * ran
-    assert ran and refused, (ran, refused)
     assert executable_problem(str(hooks / "user.sh")) is not None
     assert executable_problem(str(hooks / "root.sh")) is None
     assert executable_problem("root.sh") == "hook program must be an absolute path, not 'root.sh'"

@@ -97,6 +97,13 @@ def _name_of_group(gid: int) -> str:
         return str(gid)
 
 
+def _link_target(path: os.PathLike[str]) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:  # replaced since it was seen as a link
+        return "(changed while being read)"
+
+
 def _observe(ctx: HostContext, want: TritonCacheWant) -> _Observed:
     # Names resolve through this process's user database: it is the one that will chown.
     try:
@@ -124,7 +131,7 @@ def _observe(ctx: HostContext, want: TritonCacheWant) -> _Observed:
         # chown/chmod through a link would land wherever it points: name the target instead.
         raise _Unusable(
             f"{want.path} is a symlink",
-            f"{want.path} is a symlink to {os.readlink(target)}; set triton_cache.path to the real directory",
+            f"{want.path} is a symlink to {_link_target(target)}; set triton_cache.path to the real directory",
         )
     elif not stat.S_ISDIR(st.st_mode):
         raise _Unusable(f"{want.path} is not a directory", f"{want.path} exists and is not a directory")
