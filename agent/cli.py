@@ -78,23 +78,25 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_check_config(args: argparse.Namespace) -> int:
     from agent.config import load_config
     from agent.rules.config import load_rules
+    from agent.rules.sources import describe, resolve_rules
 
     path, _ = _config_path(args)
     if path is None:
         raise CliError(f"no config: {DEFAULT_CONFIG_PATH} does not exist (give --config PATH)")
     config = load_config(path)
-    rules_dir = Path(args.rules or config.remediation.rules_dir)
-    if rules_dir.exists() or args.rules:
-        rules = load_rules([rules_dir], allow_reboot=config.remediation.allow_reboot)
-        _check_hooks(rules)
-        rules_note = f"{len(rules)} rules from {rules_dir}"
-    else:
-        rules_note = f"no rules directory {rules_dir}"
+    resolved = resolve_rules(Path(d) for d in (args.rules or config.remediation.rules_dirs))
+    rules = load_rules(resolved.paths, allow_reboot=config.remediation.allow_reboot)
+    _check_hooks(rules)
     _print(
         f"{path}: ok ({config.mode.value} mode, {config.backend} backend, {len(config.policy.gpus)} GPU profiles, "
-        f"{len(config.services)} services); {rules_note}"
+        f"{len(config.services)} services); {len(rules)} rules from {len(resolved.files)} files:"
     )
-    return EXIT_OK
+    for line in describe(resolved):
+        _print(line)
+    warnings = resolved.warnings()
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    return EXIT_ERROR if warnings and args.strict else EXIT_OK
 
 
 def _check_hooks(rules: Sequence[Rule]) -> None:
@@ -438,9 +440,18 @@ def build_parser() -> argparse.ArgumentParser:
         "check-config",
         parents=[common],
         help="validate the config; errors name file, line, field",
-        description="Validates agent.yaml and every rules file. Exit codes: 0 valid, 1 invalid.",
+        description="Validates agent.yaml and every rules file, and lists which rules files count. "
+        "Exit codes: 0 valid, 1 invalid (or, with --strict, warnings).",
     )
-    p.add_argument("--rules", metavar="DIR", help="rules directory (default: remediation.rules_dir from the config)")
+    p.add_argument(
+        "--rules",
+        metavar="DIR",
+        action="append",
+        help="rules directory, repeatable, lowest priority first (default: remediation.rules_dirs from the config)",
+    )
+    p.add_argument(
+        "--strict", action="store_true", help="exit 1 on warnings too: a missing rules dir, no rules, unread files"
+    )
     p.set_defaults(func=cmd_check_config)
 
     xid = sub.add_parser("xid", help="the Xid catalog and the kernel-log parser")

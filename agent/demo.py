@@ -38,7 +38,7 @@ interval_seconds: 1
 policy_interval_seconds: 5
 metrics: {{listen: "127.0.0.1:{metrics_port}"}}
 api: {{socket: {socket}}}
-remediation: {{rules_dir: {rules_dir}}}
+remediation: {{rules_dirs: [{rules_dir}]}}
 policy:
   node:
     transparent_hugepages: {{enabled: never, defrag: never}}
@@ -89,11 +89,11 @@ def build_demo_host(root: Path) -> None:
 
 
 def default_rules_dir() -> Path:
-    """The shipped default rules: next to the package in a checkout, /etc/gpu-agent/rules.d when installed."""
-    for candidate in (Path(__file__).resolve().parent.parent / "rules", Path("/etc/gpu-agent/rules.d")):
+    """The shipped default rules: next to the package in a checkout, /usr/share/gpu-agent/rules.d when installed."""
+    for candidate in (Path(__file__).resolve().parent.parent / "rules", Path("/usr/share/gpu-agent/rules.d")):
         if candidate.is_dir() and any(candidate.glob("*.yaml")):
             return candidate
-    raise FileNotFoundError("default rules not found (rules/ in the checkout or /etc/gpu-agent/rules.d)")
+    raise FileNotFoundError("default rules not found (rules/ in the checkout or /usr/share/gpu-agent/rules.d)")
 
 
 def write_demo_config(directory: Path) -> Path:

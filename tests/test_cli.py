@@ -289,3 +289,34 @@ def test_check_config_validates_rules_with_file_and_line(tmp_path: Path) -> None
     assert ok.returncode == 0 and "1 rules from" in ok.stdout
     shipped = gpu_agent("check-config", "--config", str(config), "--rules", str(Path(__file__).parent.parent / "rules"))
     assert shipped.returncode == 0, shipped.stderr
+
+
+def test_check_config_shows_where_each_rule_came_from(tmp_path: Path) -> None:
+    shipped, admin = tmp_path / "shipped", tmp_path / "admin"
+    for directory in (shipped, admin):
+        directory.mkdir(mode=0o755)
+    good = "rules:\n  - name: {}\n    match: {{gpu_lost: }}\n    actions: [recommend_reboot]\n"
+    (shipped / "10-a.yaml").write_text(good.format("a"))
+    (shipped / "20-b.yaml").write_text(good.format("b"))
+    (admin / "10-a.yaml").write_text(good.format("site-a"))
+    (admin / "20-b.yaml").write_text("")
+    for file in (*shipped.iterdir(), *admin.iterdir()):
+        file.chmod(0o644)
+    config = tmp_path / "agent.yaml"
+    config.write_text(f"remediation: {{rules_dirs: [{shipped}, {admin}]}}\n")
+    result = gpu_agent("check-config", "--config", str(config), "--strict")
+    assert result.returncode == 0, result.stderr
+    assert "1 rules from 1 files:" in result.stdout
+    assert f"  {admin / '10-a.yaml'} (overrides {shipped / '10-a.yaml'})" in result.stdout
+    assert f"  {admin / '20-b.yaml'}: masked (disables {shipped / '20-b.yaml'})" in result.stdout
+
+
+def test_check_config_warns_of_a_missing_rules_dir_and_fails_under_strict(tmp_path: Path) -> None:
+    config = tmp_path / "agent.yaml"
+    config.write_text(f"remediation: {{rules_dir: {tmp_path / 'rules.dd'}}}\n")
+    loose = gpu_agent("check-config", "--config", str(config))
+    assert loose.returncode == 0
+    assert f"warning: {tmp_path / 'rules.dd'}: no such directory" in loose.stderr
+    assert "warning: no rules files: remediation has nothing to do" in loose.stderr
+    strict = gpu_agent("check-config", "--config", str(config), "--strict")
+    assert strict.returncode == 1 and "Traceback" not in strict.stderr

@@ -560,7 +560,7 @@ def test_shipped_config_observes_through_nvml() -> None:
     assert config.mode is Mode.OBSERVE
     assert config.backend == "nvml"
     assert config.metrics.listen == "0.0.0.0:9481"
-    assert config.remediation.rules_dir == "/etc/gpu-agent/rules.d"
+    assert config.remediation.rules_dirs == ["/usr/share/gpu-agent/rules.d", "/etc/gpu-agent/rules.d"]
     assert config.remediation.allow_reboot is False
 
 
