@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -320,3 +321,70 @@ def test_check_config_warns_of_a_missing_rules_dir_and_fails_under_strict(tmp_pa
     assert "warning: no rules files: remediation has nothing to do" in loose.stderr
     strict = gpu_agent("check-config", "--config", str(config), "--strict")
     assert strict.returncode == 1 and "Traceback" not in strict.stderr
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Live processes whose command line names `text` (the demo's directory)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline and standin.running(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_signal_stops_the_demo_and_everything_it_started(tmp_path: Path, signum: signal.Signals) -> None:
+    import re
+    import time
+
+    directory = tmp_path / "demo"
+    env = {k: v for k, v in os.environ.items() if k != "GPU_AGENT_CONFIG"}
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "agent.cli", "demo", "--dir", str(directory)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert demo.stdout is not None
+        for line in demo.stdout:  # the agent and the stand-in server both run once step 1 prints
+            if line.startswith("== 1."):
+                break
+        else:
+            pytest.fail(f"the demo ended before step 1: {demo.stderr.read() if demo.stderr else ''}")
+        config = (directory / "agent.yaml").read_text()
+        ports = [int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", config)]
+        assert len(ports) == 2 and not any(_port_free(p) for p in ports)
+        assert len(_processes_mentioning(str(directory))) >= 2  # the agent and the stand-in server
+        demo.send_signal(signum)
+        out, err = demo.communicate(timeout=60)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    assert demo.returncode == 128 + signum, out + err
+    assert f"stopping ({signum.name})" in out
+    assert "Traceback" not in err
+    deadline = time.monotonic() + 5
+    while _processes_mentioning(str(directory)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _processes_mentioning(str(directory)) == []
+    assert all(_port_free(p) for p in ports), ports
