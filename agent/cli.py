@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import sys
 from collections.abc import Sequence
@@ -72,7 +73,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     configure_logging(args.log_level, args.log_format)
     path, _ = _config_path(args)
-    return Daemon(load(args), path).run()
+    config = load(args)
+    try:
+        return Daemon(config, path).run()
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        raise CliError(
+            f"metrics.listen {config.metrics.listen} is already in use (another gpu-agent run? `gpu-agent status` "
+            "says): stop that one, or give this one another metrics.listen"
+        ) from None
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
@@ -155,7 +165,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
     config = load(args)
     if not config.writable_items() & {"fan_curve", "locked_clocks", "power_limit"}:
-        _print("observe mode: gpu-agent changed nothing, so there is nothing to restore")
+        note = "observe mode: gpu-agent changed nothing, so there is nothing to restore"
+        _print(textview.dumps({"results": [], "note": note}) if args.json else note)
         return EXIT_OK
     engine = make_engine(config)
     try:
@@ -265,6 +276,7 @@ def cmd_xid_parse(args: argparse.Namespace) -> int:
         for found in parser.feed(line.rstrip("\n")):
             gpu, identity = match_bus_id(found.pci_bus_id, identities)
             record = {
+                "schema": textview.JSON_SCHEMA_VERSION,
                 "xid": found.xid,
                 "pci_bus_id": found.pci_bus_id,
                 "gpu": gpu,
@@ -347,7 +359,16 @@ def cmd_ack(args: argparse.Namespace) -> int:
     config = load(args)
     with _open_store(config) as store:
         count = store.ack(args.selector)
-    _print(f"{args.selector}: {count} rule/target pair(s) re-armed" if count else f"{args.selector}: nothing to re-arm")
+    if count:
+        _print(f"{args.selector}: {count} rule/target pair(s) re-armed")
+    elif args.selector == "all":
+        _print("all: nothing to re-arm (no rule's attempts ran out)")
+    else:
+        # Most often a typo: exit 1, so a script that re-arms a rule learns it did not.
+        raise CliError(
+            f"{args.selector}: nothing to re-arm: no rule whose attempts ran out matches "
+            "(a rule name, gpu:INDEX, gpu:UUID, service:NAME or all; `gpu-agent events` lists the rules)"
+        )
     return EXIT_OK
 
 
@@ -432,7 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
         "ack",
         parents=[common],
         help="re-arm rules whose attempts ran out (circuit open)",
-        description="SELECTOR: a rule name, gpu:INDEX, gpu:UUID, service:NAME, or all.",
+        description="SELECTOR: a rule name, gpu:INDEX, gpu:UUID, service:NAME, or all. "
+        "Exit codes: 0 re-armed (or `all` with nothing to re-arm), 1 nothing matched (a typo?).",
     )
     p.add_argument("selector")
     p.set_defaults(func=cmd_ack)

@@ -388,3 +388,68 @@ def test_a_signal_stops_the_demo_and_everything_it_started(tmp_path: Path, signu
         time.sleep(0.1)
     assert _processes_mentioning(str(directory)) == []
     assert all(_port_free(p) for p in ports), ports
+
+
+def test_a_second_run_on_a_busy_metrics_port_says_what_to_do(tmp_path: Path) -> None:
+    import socket
+
+    config = write_config(tmp_path, mode="observe")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config.write_text(
+            config.read_text()
+            + f'metrics: {{listen: "127.0.0.1:{port}"}}\napi: {{socket: {tmp_path / "agent.sock"}}}\n'
+        )
+        result = gpu_agent("run", "--config", str(config), "--log-format", "json")
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"gpu-agent: metrics.listen 127.0.0.1:{port} is already in use"), result.stderr
+    assert "another metrics.listen" in last
+
+
+def test_restore_json_in_observe_mode_is_json(tmp_path: Path) -> None:
+    result = gpu_agent("restore", "--json", "--config", str(write_config(tmp_path, mode="observe")))
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document["schema"] == 1 and document["results"] == []
+    assert "observe mode" in document["note"]
+
+
+def test_xid_parse_lines_carry_the_schema() -> None:
+    line = "[ 1234.5] NVRM: Xid (PCI:0000:5d:00): 79, pid=4242, name=python3, GPU has fallen off the bus.\n"
+    result = gpu_agent("xid", "parse", stdin=line)
+    assert result.returncode == 0, result.stderr
+    [record] = [json.loads(text) for text in result.stdout.splitlines()]
+    assert record["schema"] == 1 and record["xid"] == 79
+
+
+def test_ack_of_nothing_is_an_error_but_ack_all_is_not(tmp_path: Path) -> None:
+    config = write_config(tmp_path)
+    typo = gpu_agent("ack", "xid-restart-servce", "--config", str(config))
+    assert typo.returncode == 1
+    assert typo.stderr.startswith("gpu-agent: xid-restart-servce: nothing to re-arm") and "Traceback" not in typo.stderr
+    everything = gpu_agent("ack", "all", "--config", str(config))
+    assert everything.returncode == 0, everything.stderr
+    assert "nothing to re-arm" in everything.stdout
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan", "--json"],
+        ["apply", "--json", "--dry-run"],
+        ["restore", "--json"],
+        ["status", "--json", "--direct"],
+        ["events", "--json"],
+        ["xid", "explain", "79", "--json"],
+    ],
+)
+def test_every_json_flag_prints_json(tmp_path: Path, argv: list[str]) -> None:
+    args = [*argv, "--config", str(write_config(tmp_path, mode="observe"))] if argv[0] != "xid" else argv
+    result = gpu_agent(*args)
+    assert result.returncode in (0, 2), result.stderr
+    assert json.loads(result.stdout)["schema"] == 1
+    assert "Traceback" not in result.stderr
