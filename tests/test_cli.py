@@ -453,3 +453,22 @@ def test_every_json_flag_prints_json(tmp_path: Path, argv: list[str]) -> None:
     assert result.returncode in (0, 2), result.stderr
     assert json.loads(result.stdout)["schema"] == 1
     assert "Traceback" not in result.stderr
+
+
+def test_the_checkout_wrapper_runs_the_venv_cli_or_says_how_to_set_it_up(tmp_path: Path) -> None:
+    repo = Path(__file__).resolve().parent.parent
+    copy = tmp_path / "checkout"
+    (copy / "scripts").mkdir(parents=True)
+    wrapper = copy / "scripts" / "gpu-agent"
+    wrapper.write_bytes((repo / "scripts" / "gpu-agent").read_bytes())
+    wrapper.chmod(0o755)
+    missing = subprocess.run([wrapper, "--version"], capture_output=True, text=True, cwd=tmp_path)
+    assert missing.returncode == 1
+    assert missing.stderr == f"gpu-agent: {copy}/.venv is not set up yet: run {copy}/scripts/setup first\n"
+    # A .venv whose gpu-agent is this interpreter running the CLI, called from another directory.
+    (copy / ".venv/bin").mkdir(parents=True)
+    (copy / ".venv/bin/gpu-agent").write_text(f'#!/bin/sh\nexec {sys.executable} -m agent.cli "$@"\n')
+    (copy / ".venv/bin/gpu-agent").chmod(0o755)
+    found = subprocess.run([wrapper, "--version"], capture_output=True, text=True, cwd="/")
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.startswith("gpu-agent ")
