@@ -20,9 +20,7 @@ from pathlib import Path
 from agent.config_errors import ConfigError, ConfigProblem
 from agent.rules.config import _unsafe_permissions
 
-SHIPPED_RULES_DIR = "/usr/share/gpu-agent/rules.d"
-ADMIN_RULES_DIR = "/etc/gpu-agent/rules.d"
-DEFAULT_RULES_DIRS = (SHIPPED_RULES_DIR, ADMIN_RULES_DIR)
+# The directories themselves: remediation.rules_dirs, default agent.defaults.DEFAULT_RULES_DIRS.
 RULES_SUFFIXES = (".yaml", ".yml")
 
 
