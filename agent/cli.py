@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import sys
 from collections.abc import Sequence
@@ -72,29 +73,40 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     configure_logging(args.log_level, args.log_format)
     path, _ = _config_path(args)
-    return Daemon(load(args), path).run()
+    config = load(args)
+    try:
+        return Daemon(config, path).run()
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        raise CliError(
+            f"metrics.listen {config.metrics.listen} is already in use (another gpu-agent run? `gpu-agent status` "
+            "says): stop that one, or give this one another metrics.listen"
+        ) from None
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     from agent.config import load_config
     from agent.rules.config import load_rules
+    from agent.rules.sources import describe, resolve_rules
 
     path, _ = _config_path(args)
     if path is None:
         raise CliError(f"no config: {DEFAULT_CONFIG_PATH} does not exist (give --config PATH)")
     config = load_config(path)
-    rules_dir = Path(args.rules or config.remediation.rules_dir)
-    if rules_dir.exists() or args.rules:
-        rules = load_rules([rules_dir], allow_reboot=config.remediation.allow_reboot)
-        _check_hooks(rules)
-        rules_note = f"{len(rules)} rules from {rules_dir}"
-    else:
-        rules_note = f"no rules directory {rules_dir}"
+    resolved = resolve_rules(Path(d) for d in (args.rules or config.remediation.rules_dirs))
+    rules = load_rules(resolved.paths, allow_reboot=config.remediation.allow_reboot)
+    _check_hooks(rules)
     _print(
         f"{path}: ok ({config.mode.value} mode, {config.backend} backend, {len(config.policy.gpus)} GPU profiles, "
-        f"{len(config.services)} services); {rules_note}"
+        f"{len(config.services)} services); {len(rules)} rules from {len(resolved.files)} files:"
     )
-    return EXIT_OK
+    for line in describe(resolved):
+        _print(line)
+    warnings = resolved.warnings()
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    return EXIT_ERROR if warnings and args.strict else EXIT_OK
 
 
 def _check_hooks(rules: Sequence[Rule]) -> None:
@@ -154,7 +166,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
     config = load(args)
     if not config.writable_items() & RESTORABLE_NAMES:
-        _print("observe mode: gpu-agent changed nothing, so there is nothing to restore")
+        note = "observe mode: gpu-agent changed nothing, so there is nothing to restore"
+        _print(textview.dumps({"results": [], "note": note}) if args.json else note)
         return EXIT_OK
     engine = make_engine(config)
     try:
@@ -255,6 +268,7 @@ def cmd_xid_parse(args: argparse.Namespace) -> int:
         for found in parser.feed(line.rstrip("\n")):
             gpu, identity = match_bus_id(found.pci_bus_id, identities)
             record = {
+                "schema": textview.JSON_SCHEMA_VERSION,
                 "xid": found.xid,
                 "pci_bus_id": found.pci_bus_id,
                 "gpu": gpu,
@@ -337,7 +351,16 @@ def cmd_ack(args: argparse.Namespace) -> int:
     config = load(args)
     with _open_store(config) as store:
         count = store.ack(args.selector)
-    _print(f"{args.selector}: {count} rule/target pair(s) re-armed" if count else f"{args.selector}: nothing to re-arm")
+    if count:
+        _print(f"{args.selector}: {count} rule/target pair(s) re-armed")
+    elif args.selector == "all":
+        _print("all: nothing to re-arm (no rule's attempts ran out)")
+    else:
+        # Most often a typo: exit 1, so a script that re-arms a rule learns it did not.
+        raise CliError(
+            f"{args.selector}: nothing to re-arm: no rule whose attempts ran out matches "
+            "(a rule name, gpu:INDEX, gpu:UUID, service:NAME or all; `gpu-agent events` lists the rules)"
+        )
     return EXIT_OK
 
 
@@ -422,7 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
         "ack",
         parents=[common],
         help="re-arm rules whose attempts ran out (circuit open)",
-        description="SELECTOR: a rule name, gpu:INDEX, gpu:UUID, service:NAME, or all.",
+        description="SELECTOR: a rule name, gpu:INDEX, gpu:UUID, service:NAME, or all. "
+        "Exit codes: 0 re-armed (or `all` with nothing to re-arm), 1 nothing matched (a typo?).",
     )
     p.add_argument("selector")
     p.set_defaults(func=cmd_ack)
@@ -430,9 +454,18 @@ def build_parser() -> argparse.ArgumentParser:
         "check-config",
         parents=[common],
         help="validate the config; errors name file, line, field",
-        description="Validates agent.yaml and every rules file. Exit codes: 0 valid, 1 invalid.",
+        description="Validates agent.yaml and every rules file, and lists which rules files count. "
+        "Exit codes: 0 valid, 1 invalid (or, with --strict, warnings).",
     )
-    p.add_argument("--rules", metavar="DIR", help="rules directory (default: remediation.rules_dir from the config)")
+    p.add_argument(
+        "--rules",
+        metavar="DIR",
+        action="append",
+        help="rules directory, repeatable, lowest priority first (default: remediation.rules_dirs from the config)",
+    )
+    p.add_argument(
+        "--strict", action="store_true", help="exit 1 on warnings too: a missing rules dir, no rules, unread files"
+    )
     p.set_defaults(func=cmd_check_config)
 
     xid = sub.add_parser("xid", help="the Xid catalog and the kernel-log parser")

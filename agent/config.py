@@ -24,7 +24,7 @@ from agent import safe_yaml
 from agent.backend.base import GPU_RESET_ITEM
 from agent.config_errors import ConfigError as ConfigError
 from agent.config_errors import ConfigProblem as ConfigProblem
-from agent.defaults import DEFAULT_METRICS_PORT, DEFAULT_RULES_DIR, DEFAULT_SOCKET_PATH
+from agent.defaults import DEFAULT_METRICS_PORT, DEFAULT_RULES_DIR, DEFAULT_RULES_DIRS, DEFAULT_SOCKET_PATH
 from agent.policy.names import ITEM_NAMES, SETTABLE_GPU_ITEM_NAMES
 from agent.policy.names import ItemName as ItemName
 from agent.trust import TooLargeError, UntrustedError, read_trusted
@@ -349,7 +349,8 @@ class ServiceConfig(StrictModel):
 
 
 class RemediationConfig(StrictModel):
-    rules_dir: str = DEFAULT_RULES_DIR
+    # Lowest priority first; a same-named file in a later one replaces or masks (agent/rules/sources.py).
+    rules_dirs: list[str] = Field(default_factory=lambda: list(DEFAULT_RULES_DIRS), min_length=1)
     allow_reboot: bool = False  # a rule may only use the `reboot` action when the operator allows it
     alertmanager_url: str | None = None  # e.g. http://127.0.0.1:9093; the default for alertmanager actions
     reboot_command: list[str] = Field(default_factory=lambda: ["/usr/bin/systemctl", "reboot"], min_length=1)
@@ -363,6 +364,21 @@ class RemediationConfig(StrictModel):
     @classmethod
     def _absolute_program(cls, argv: list[str]) -> list[str]:
         return absolute_argv(argv)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rules_dir_alias(cls, data: Any) -> Any:
+        """`rules_dir: X`, the name before rules_dirs, is `rules_dirs: [X]`. Its old default, which
+        agent.yaml files from earlier packages still spell out, means the default list: the shipped
+        rules moved to /usr/share and must not vanish on upgrade."""
+        if not isinstance(data, dict) or "rules_dir" not in data:
+            return data
+        data = dict(data)
+        if "rules_dirs" in data:
+            raise ValueError("give rules_dirs or rules_dir (its old name), not both")
+        old = data.pop("rules_dir")
+        data["rules_dirs"] = list(DEFAULT_RULES_DIRS) if old == DEFAULT_RULES_DIR else [old]
+        return data
 
 
 class AgentConfig(StrictModel):

@@ -1,6 +1,8 @@
 """Default paths and ports, importable without the config models (the CLI's fast paths use them)."""
 
 DEFAULT_CONFIG_PATH = "/etc/gpu-agent/agent.yaml"
-DEFAULT_RULES_DIR = "/etc/gpu-agent/rules.d"
+DEFAULT_RULES_DIR = "/etc/gpu-agent/rules.d"  # the admin's rules; before rules_dirs, the only one
+# Lowest priority first: the packages' rules, then the admin's (agent/rules/sources.py).
+DEFAULT_RULES_DIRS = ("/usr/share/gpu-agent/rules.d", DEFAULT_RULES_DIR)
 DEFAULT_SOCKET_PATH = "/run/gpu-agent/agent.sock"
 DEFAULT_METRICS_PORT = 9481  # unused by node_exporter (9100), dcgm-exporter (9400), nvidia_gpu_exporter (9835)

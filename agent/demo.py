@@ -27,6 +27,9 @@ from typing import Any
 
 from agent import api, standin
 
+SERVICE_PID_FILE = "sglang.pid"  # the stand-in inference server's, in the demo directory
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
 DEMO_CONFIG = """\
 # gpu-agent demo: a simulated node (4x H200 SXM, 2x RTX PRO 6000) and a fake host tree.
 mode: enforce
@@ -38,7 +41,7 @@ interval_seconds: 1
 policy_interval_seconds: 5
 metrics: {{listen: "127.0.0.1:{metrics_port}"}}
 api: {{socket: {socket}}}
-remediation: {{rules_dir: {rules_dir}}}
+remediation: {{rules_dirs: [{rules_dir}]}}
 policy:
   node:
     transparent_hugepages: {{enabled: never, defrag: never}}
@@ -89,11 +92,11 @@ def build_demo_host(root: Path) -> None:
 
 
 def default_rules_dir() -> Path:
-    """The shipped default rules: next to the package in a checkout, /etc/gpu-agent/rules.d when installed."""
-    for candidate in (Path(__file__).resolve().parent.parent / "rules", Path("/etc/gpu-agent/rules.d")):
+    """The shipped default rules: next to the package in a checkout, /usr/share/gpu-agent/rules.d when installed."""
+    for candidate in (Path(__file__).resolve().parent.parent / "rules", Path("/usr/share/gpu-agent/rules.d")):
         if candidate.is_dir() and any(candidate.glob("*.yaml")):
             return candidate
-    raise FileNotFoundError("default rules not found (rules/ in the checkout or /etc/gpu-agent/rules.d)")
+    raise FileNotFoundError("default rules not found (rules/ in the checkout or /usr/share/gpu-agent/rules.d)")
 
 
 def write_demo_config(directory: Path) -> Path:
@@ -107,7 +110,7 @@ def write_demo_config(directory: Path) -> Path:
         shutil.copyfile(rule_file, target)
         os.chmod(target, 0o644)  # the loader refuses rules others can write
     service_port = standin.free_port()
-    pid_file = directory / "sglang.pid"
+    pid_file = directory / SERVICE_PID_FILE
     server = [sys.executable, "-m", "agent.standin", "--port", str(service_port), "--pid-file", str(pid_file)]
     start = [*server, "--daemon", "--sim-state-dir", str(state_dir), "--sim-profile", "mixed", "--gpus", "0,1,2,3"]
     stop = [sys.executable, "-m", "agent.standin", "--stop", "--pid-file", str(pid_file)]
@@ -182,8 +185,19 @@ class Demo:
                 self.agent.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 self.agent.kill()
-        stop = json.loads(self.config.read_text().split("stop_command: ", 1)[1].splitlines()[0])
-        subprocess.run(stop, timeout=30, check=False, capture_output=True)
+                self.agent.wait()
+
+
+class Stopped(Exception):
+    """SIGINT, SIGTERM or SIGHUP asked the demo to stop."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, _frame: object) -> None:
+    raise Stopped(signum)
 
 
 def _gpu(status: dict[str, Any], index: int) -> dict[str, Any]:
@@ -215,65 +229,85 @@ def say(text: str) -> None:
 
 
 def run_demo(directory: Path | None = None, keep_running: bool = True) -> int:
+    """The scenario; whatever stops it (the end, an error, SIGINT, SIGTERM, SIGHUP) stops the agent
+    and the stand-in server too: `timeout` or `kill` must not leave them holding their ports."""
     directory = directory or Path(tempfile.mkdtemp(prefix="gpu-agent-demo-"))
     directory.mkdir(parents=True, exist_ok=True)
-    demo = Demo(directory)
-    config = demo.config
-    say(f"gpu-agent demo: a simulated node (4x H200 SXM, 2x RTX PRO 6000) under {directory}")
-    say("nothing outside that directory is read or changed\n")
-    say("== 0. before the agent starts: gpu-agent plan")
-    say(_plan_summary(demo))
+    previous = {signum: signal.signal(signum, _raise_stopped) for signum in STOP_SIGNALS}
+    demo: Demo | None = None
+    scenario_done = False
     try:
-        demo.start_agent()
-        demo.wait("the first loop", lambda s: bool(s.get("gpus")))
-        say("\n== 1. the daemon enforces the policy on its first loop")
-        demo.wait("power limits", lambda s: _gpu(s, 0)["power_limit_watts"] == 600.0, 30)
-        say("   GPU 0-3 power limit 700 W -> 600 W, clocks locked at 1980 MHz; GPU 4-5 450 W, fans on the curve")
-        say("   THP off, nouveau blacklisted (reboot pending), Triton cache dir and drop-in written")
-
-        say("\n== 2. someone sets GPU 0 to 650 W behind the agent's back")
-        say("   " + demo.cli("inject", "drift", "--gpu", "0", "--power-limit-watts", "650"))
-        demo.wait("drift corrected", lambda s: bool(_power_drift(s)), 60)
-        say("   " + _power_drift(demo.status())[-1]["message"])
-
-        say("\n== 3. GPU 4 overheats: 92 C, thermal slowdown")
-        # The reasons first: a loop seeing 92 C without them would read the simulator's own hw slowdown.
-        say("   " + demo.cli("inject", "throttle", "--gpu", "4", "--reason", "sw_thermal_slowdown"))
-        say("   " + demo.cli("inject", "temperature", "--gpu", "4", "--celsius", "92"))
-        demo.wait("throttling seen", lambda s: _gpu(s, 4)["health"]["state"] != "healthy", 30)
-        say("   " + _thermal_events(demo.status())[-1]["message"])
-        health = _gpu(demo.status(), 4)["health"]
-        say(f"   GPU 4 is {health['state']}: {health['reason']} (suggested: {health['suggested_action']})")
-        say("   (rule clock-slowdown-held alerts if it lasts 60 s; cooling it down now)")
-        demo.cli("inject", "throttle", "--gpu", "4", "--clear")
-        demo.cli("inject", "temperature", "--gpu", "4", "--clear")
-
-        say("\n== 4. an app-level Xid 13 on GPU 1 (NVML event and kernel log)")
-        say("   " + demo.cli("inject", "xid", "13", "--gpu", "1", "--pid", "4242", "--process", "python3"))
-        demo.wait("the service restart", lambda s: _remediated(s, "xid-restart-service"), 90)
-        say("   rule xid-restart-service restarted sglang (stop, start, health check): success")
-        say(f"   GPU 1 Xids counted: {[x for x in demo.status()['xids'] if x['gpu'] == 1]}")
-
-        port = config.read_text().split('listen: "127.0.0.1:', 1)[1].split('"', 1)[0]
-        say("\nscenario done. Look around:")
-        say(f"   gpu-agent status --config {config}")
-        say(f"   gpu-agent events --config {config}")
-        say(f"   gpu-agent inject --help   (then e.g. gpu-agent inject lost --gpu 2 --config {config})")
-        say(f"   curl -s http://127.0.0.1:{port}/metrics | grep gpu_agent_")
-        say(f"   agent log: {demo.log_path}")
+        say(f"gpu-agent demo: a simulated node (4x H200 SXM, 2x RTX PRO 6000) under {directory}")
+        say("nothing outside that directory is read or changed\n")
+        demo = Demo(directory)
+        _play(demo)
+        scenario_done = True
         if keep_running:
             say("\nthe agent keeps running; Ctrl-C stops it (fans go back to automatic)")
             assert demo.agent is not None
-            try:
-                demo.agent.wait()
-            except KeyboardInterrupt:
-                say("\nstopping")
+            demo.agent.wait()
         return 0
+    except Stopped as stopped:
+        say(f"\nstopping ({stopped})")
+        return 0 if scenario_done else 128 + stopped.signum
     except (RuntimeError, FileNotFoundError) as exc:
         say(f"\ndemo failed: {exc}")
         return 1
     finally:
-        demo.stop()
+        # A second signal must not cut the clean-up short.
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+        if demo is not None:
+            demo.stop()
+        standin.stop_server(directory / SERVICE_PID_FILE)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _play(demo: Demo) -> None:
+    config = demo.config
+    say("== 0. before the agent starts: gpu-agent plan")
+    say(_plan_summary(demo))
+    demo.start_agent()
+    demo.wait("the first loop", lambda s: bool(s.get("gpus")))
+    say("\n== 1. the daemon enforces the policy on its first loop")
+    demo.wait("power limits", lambda s: _gpu(s, 0)["power_limit_watts"] == 600.0, 30)
+    say("   GPU 0-3 power limit 700 W -> 600 W, clocks locked at 1980 MHz; GPU 4-5 450 W, fans on the curve")
+    say("   THP off, nouveau blacklisted (reboot pending), Triton cache dir and drop-in written")
+
+    say("\n== 2. someone sets GPU 0 to 650 W behind the agent's back")
+    say("   " + demo.cli("inject", "drift", "--gpu", "0", "--power-limit-watts", "650"))
+    demo.wait("drift corrected", lambda s: bool(_power_drift(s)), 60)
+    say("   " + _power_drift(demo.status())[-1]["message"])
+
+    say("\n== 3. GPU 4 overheats: 92 C, thermal slowdown")
+    # The reasons first: a loop seeing 92 C without them would read the simulator's own hw slowdown.
+    say("   " + demo.cli("inject", "throttle", "--gpu", "4", "--reason", "sw_thermal_slowdown"))
+    say("   " + demo.cli("inject", "temperature", "--gpu", "4", "--celsius", "92"))
+    demo.wait("throttling seen", lambda s: _gpu(s, 4)["health"]["state"] != "healthy", 30)
+    say("   " + _thermal_events(demo.status())[-1]["message"])
+    health = _gpu(demo.status(), 4)["health"]
+    say(f"   GPU 4 is {health['state']}: {health['reason']} (suggested: {health['suggested_action']})")
+    say("   (rule clock-slowdown-held alerts if it lasts 60 s; cooling it down now)")
+    demo.cli("inject", "throttle", "--gpu", "4", "--clear")
+    demo.cli("inject", "temperature", "--gpu", "4", "--clear")
+
+    say("\n== 4. an app-level Xid 13 on GPU 1 (NVML event and kernel log)")
+    say("   " + demo.cli("inject", "xid", "13", "--gpu", "1", "--pid", "4242", "--process", "python3"))
+    demo.wait("the service restart", lambda s: _remediated(s, "xid-restart-service"), 90)
+    say("   rule xid-restart-service restarted sglang (stop, start, health check): success")
+    counted = [f"Xid {x['xid']} x{x['count']}" for x in demo.status()["xids"] if x["gpu"] == 1]
+    say(f"   GPU 1 Xids counted: {', '.join(counted) or 'none'}")
+
+    port = config.read_text().split('listen: "127.0.0.1:', 1)[1].split('"', 1)[0]
+    wrapper = Path(__file__).resolve().parent.parent / "scripts" / "gpu-agent"
+    cli = "scripts/gpu-agent" if wrapper.exists() else "gpu-agent"
+    say("\nscenario done. Look around (in another terminal, from the checkout):")
+    say(f"   {cli} status --config {config}")
+    say(f"   {cli} events --config {config}")
+    say(f"   {cli} inject --help   (then e.g. {cli} inject lost --gpu 2 --config {config})")
+    say(f"   curl -s http://127.0.0.1:{port}/metrics | grep gpu_agent_")
+    say(f"   agent log: {demo.log_path}")
 
 
 def _plan_summary(demo: Demo) -> str:

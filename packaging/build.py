@@ -37,6 +37,8 @@ PACKAGING = REPO / "packaging"
 NAME = "gpu-agent"
 NFPM_VERSION = "2.48.0"
 DEFAULT_MAINTAINER = "gpu-agent maintainers <gpu-agent@example.org>"
+# The URL tag and Homepage field; GPU_AGENT_HOMEPAGE gives the real one when the project has it.
+DEFAULT_HOMEPAGE = "https://gpu-agent.example.org/"
 # manylinux tags every target's glibc satisfies (Ubuntu 22.04 has 2.35, Debian 12 2.36, EL10 2.39).
 PLATFORMS = (
     "manylinux_2_28_x86_64",
@@ -124,6 +126,38 @@ def project_version() -> str:
 
 def normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def source_date_epoch() -> int:
+    """SOURCE_DATE_EPOCH when set, else the last commit's time, so two builds of one commit give
+    the same bytes by default; outside a git checkout, the newest changelog entry's date."""
+    given = os.environ.get("SOURCE_DATE_EPOCH")
+    if given:
+        return int(given)
+    proc = subprocess.run(
+        ["git", "-C", str(REPO), "log", "-1", "--format=%ct"], capture_output=True, text=True, check=False
+    )
+    if proc.returncode == 0 and proc.stdout.strip().isdigit():
+        return int(proc.stdout.strip())
+    return int(_as_datetime(changelog_entries()[0]["date"]).timestamp())
+
+
+def completion_scripts() -> dict[str, str]:
+    """bash and zsh completion written from the checkout's CLI parser (agent/completion.py)."""
+    scripts = {}
+    for shell, name in (("bash", "gpu-agent.bash"), ("zsh", "_gpu-agent")):
+        proc = subprocess.run(
+            [sys.executable, "-m", "agent.completion", shell],
+            capture_output=True,
+            text=True,
+            check=False,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+        if proc.returncode != 0:
+            raise BuildError(f"agent.completion {shell} failed:\n{proc.stderr[-2000:]}")
+        scripts[name] = proc.stdout
+    return scripts
 
 
 def run(argv: Sequence[str | Path]) -> None:
@@ -404,10 +438,10 @@ def stage_target(
     changelog = debian_changelog(entries, target, full_version).encode()
     (stage / "changelog.Debian.gz").write_bytes(gzip.compress(changelog, compresslevel=9, mtime=0))
     (stage / "changelog.yaml").write_text(rpm_changelog(entries, full_version), encoding="utf-8")
-    epoch = os.environ.get("SOURCE_DATE_EPOCH")
-    mtime = (
-        dt.datetime.fromtimestamp(int(epoch), dt.timezone.utc) if epoch else _as_datetime(entries[0]["date"])
-    ).strftime("%Y-%m-%dT%H:%M:%SZ")
+    (stage / "completion").mkdir()
+    for name, text in completion_scripts().items():
+        (stage / "completion" / name).write_text(text, encoding="utf-8")
+    mtime = dt.datetime.fromtimestamp(source_date_epoch(), dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     values = {
         "REPO": str(REPO),
         "STAGE": str(stage),
@@ -417,6 +451,7 @@ def stage_target(
         "PY": target.python,
         "PY_NEXT": target.python_next,
         "MAINTAINER": os.environ.get("GPU_AGENT_MAINTAINER", DEFAULT_MAINTAINER),
+        "HOMEPAGE": os.environ.get("GPU_AGENT_HOMEPAGE", DEFAULT_HOMEPAGE),
         "MTIME": mtime,
         "LICENSE": rpm_license(wheels),
         "RPM_CHANGELOG": str(stage / "changelog.yaml") if target.packager == "rpm" else "",
@@ -430,6 +465,8 @@ def render_recipe(values: dict[str, str]) -> str:
 
 def build(targets: Sequence[Target], out: Path, work: Path, release_number: int) -> list[Path]:
     version = project_version()
+    # The project wheel's zip timestamps (setuptools' bdist_wheel) and nfpm's file times follow it.
+    os.environ["SOURCE_DATE_EPOCH"] = str(source_date_epoch())
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     nfpm = ensure_nfpm(work)

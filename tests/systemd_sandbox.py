@@ -29,7 +29,7 @@ Differences from the bare recipe, to keep the host out of reach:
 The network namespace is the host's: a service in the sandbox listening on 127.0.0.1 is reachable
 from the test. The cgroup tree is the host's too, which is why the host must not run systemd itself
 and why only one sandbox runs at a time on a host (a lock in the cache directory; a second one
-waits). Needs root, debootstrap, unshare, nsenter and chroot (`missing_requirements()`).
+says so and waits, up to GPU_AGENT_SANDBOX_LOCK_TIMEOUT seconds, default 1800). Needs root, debootstrap, unshare, nsenter and chroot (`missing_requirements()`).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -53,6 +54,7 @@ BASE_PACKAGES = ("systemd", "systemd-sysv", "dbus", "python3")
 DEFAULT_CACHE_DIR = "/var/tmp/gpu-agent-sandbox"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 READY_MARKER = ".gpu-agent-sandbox-ready"
+DEFAULT_LOCK_TIMEOUT_SECONDS = 1800.0  # a whole e2e run of another checkout holds the lock this long at most
 TOOLS = ("debootstrap", "unshare", "nsenter", "chroot", "mount")
 _ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 
@@ -90,7 +92,7 @@ def cached_rootfs(extra_packages: Sequence[str] = (), cache: Path | None = None,
         return rootfs
     base.mkdir(parents=True, exist_ok=True)
     with open(base / ".lock", "a+b") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        lock_or_wait(lock, "the root file system build")
         if (rootfs / READY_MARKER).exists():
             return rootfs
         partial = rootfs.with_name(rootfs.name + ".partial")
@@ -105,6 +107,34 @@ def cached_rootfs(extra_packages: Sequence[str] = (), cache: Path | None = None,
         shutil.rmtree(rootfs, ignore_errors=True)
         partial.rename(rootfs)
     return rootfs
+
+
+def lock_or_wait(lock: BinaryIO, what: str, timeout_seconds: float | None = None) -> None:
+    """flock `lock`, saying on stderr who waits for what instead of hanging silently; SandboxError
+    after the timeout (GPU_AGENT_SANDBOX_LOCK_TIMEOUT, default DEFAULT_LOCK_TIMEOUT_SECONDS)."""
+    if timeout_seconds is None:
+        timeout_seconds = float(os.environ.get("GPU_AGENT_SANDBOX_LOCK_TIMEOUT") or DEFAULT_LOCK_TIMEOUT_SECONDS)
+    deadline = time.monotonic() + timeout_seconds
+    told = False
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise SandboxError(
+                    f"gave up after {timeout_seconds:.0f} s waiting for {lock.name}: another test run holds {what} "
+                    "(wait for it to finish, or raise GPU_AGENT_SANDBOX_LOCK_TIMEOUT)"
+                ) from None
+            if not told:
+                print(
+                    f"systemd_sandbox: waiting up to {timeout_seconds:.0f} s for {lock.name}, held by another "
+                    f"test run ({what})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                told = True
+            time.sleep(1.0)
 
 
 def _children(pid: int) -> list[int]:
@@ -192,7 +222,12 @@ exec chroot {root} /lib/systemd/systemd --system --unit=multi-user.target
     def boot(self) -> None:
         lower = cached_rootfs(self.extra_packages)
         self._host_lock = open(lower.parent / ".running.lock", "a+b")  # noqa: SIM115 (held until close)
-        fcntl.flock(self._host_lock, fcntl.LOCK_EX)
+        try:
+            lock_or_wait(self._host_lock, "the one systemd sandbox a host may run")
+        except SandboxError:
+            self._host_lock.close()
+            self._host_lock = None
+            raise
         for name in ("root", "upper", "work"):
             (self.directory / name).mkdir(parents=True, exist_ok=True)
         log = open(self.directory / "boot.log", "wb")  # noqa: SIM115 (the child keeps writing to it)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -289,3 +290,185 @@ def test_check_config_validates_rules_with_file_and_line(tmp_path: Path) -> None
     assert ok.returncode == 0 and "1 rules from" in ok.stdout
     shipped = gpu_agent("check-config", "--config", str(config), "--rules", str(Path(__file__).parent.parent / "rules"))
     assert shipped.returncode == 0, shipped.stderr
+
+
+def test_check_config_shows_where_each_rule_came_from(tmp_path: Path) -> None:
+    shipped, admin = tmp_path / "shipped", tmp_path / "admin"
+    for directory in (shipped, admin):
+        directory.mkdir(mode=0o755)
+    good = "rules:\n  - name: {}\n    match: {{gpu_lost: }}\n    actions: [recommend_reboot]\n"
+    (shipped / "10-a.yaml").write_text(good.format("a"))
+    (shipped / "20-b.yaml").write_text(good.format("b"))
+    (admin / "10-a.yaml").write_text(good.format("site-a"))
+    (admin / "20-b.yaml").write_text("")
+    for file in (*shipped.iterdir(), *admin.iterdir()):
+        file.chmod(0o644)
+    config = tmp_path / "agent.yaml"
+    config.write_text(f"remediation: {{rules_dirs: [{shipped}, {admin}]}}\n")
+    result = gpu_agent("check-config", "--config", str(config), "--strict")
+    assert result.returncode == 0, result.stderr
+    assert "1 rules from 1 files:" in result.stdout
+    assert f"  {admin / '10-a.yaml'} (overrides {shipped / '10-a.yaml'})" in result.stdout
+    assert f"  {admin / '20-b.yaml'}: masked (disables {shipped / '20-b.yaml'})" in result.stdout
+
+
+def test_check_config_warns_of_a_missing_rules_dir_and_fails_under_strict(tmp_path: Path) -> None:
+    config = tmp_path / "agent.yaml"
+    config.write_text(f"remediation: {{rules_dir: {tmp_path / 'rules.dd'}}}\n")
+    loose = gpu_agent("check-config", "--config", str(config))
+    assert loose.returncode == 0
+    assert f"warning: {tmp_path / 'rules.dd'}: no such directory" in loose.stderr
+    assert "warning: no rules files: remediation has nothing to do" in loose.stderr
+    strict = gpu_agent("check-config", "--config", str(config), "--strict")
+    assert strict.returncode == 1 and "Traceback" not in strict.stderr
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Live processes whose command line names `text` (the demo's directory)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline and standin.running(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_signal_stops_the_demo_and_everything_it_started(tmp_path: Path, signum: signal.Signals) -> None:
+    import re
+    import time
+
+    directory = tmp_path / "demo"
+    env = {k: v for k, v in os.environ.items() if k != "GPU_AGENT_CONFIG"}
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "agent.cli", "demo", "--dir", str(directory)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert demo.stdout is not None
+        for line in demo.stdout:  # the agent and the stand-in server both run once step 1 prints
+            if line.startswith("== 1."):
+                break
+        else:
+            pytest.fail(f"the demo ended before step 1: {demo.stderr.read() if demo.stderr else ''}")
+        config = (directory / "agent.yaml").read_text()
+        ports = [int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", config)]
+        assert len(ports) == 2 and not any(_port_free(p) for p in ports)
+        assert len(_processes_mentioning(str(directory))) >= 2  # the agent and the stand-in server
+        demo.send_signal(signum)
+        out, err = demo.communicate(timeout=60)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    assert demo.returncode == 128 + signum, out + err
+    assert f"stopping ({signum.name})" in out
+    assert "Traceback" not in err
+    deadline = time.monotonic() + 5
+    while _processes_mentioning(str(directory)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _processes_mentioning(str(directory)) == []
+    assert all(_port_free(p) for p in ports), ports
+
+
+def test_a_second_run_on_a_busy_metrics_port_says_what_to_do(tmp_path: Path) -> None:
+    import socket
+
+    config = write_config(tmp_path, mode="observe")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config.write_text(
+            config.read_text()
+            + f'metrics: {{listen: "127.0.0.1:{port}"}}\napi: {{socket: {tmp_path / "agent.sock"}}}\n'
+        )
+        result = gpu_agent("run", "--config", str(config), "--log-format", "json")
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"gpu-agent: metrics.listen 127.0.0.1:{port} is already in use"), result.stderr
+    assert "another metrics.listen" in last
+
+
+def test_restore_json_in_observe_mode_is_json(tmp_path: Path) -> None:
+    result = gpu_agent("restore", "--json", "--config", str(write_config(tmp_path, mode="observe")))
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document["schema"] == 1 and document["results"] == []
+    assert "observe mode" in document["note"]
+
+
+def test_xid_parse_lines_carry_the_schema() -> None:
+    line = "[ 1234.5] NVRM: Xid (PCI:0000:5d:00): 79, pid=4242, name=python3, GPU has fallen off the bus.\n"
+    result = gpu_agent("xid", "parse", stdin=line)
+    assert result.returncode == 0, result.stderr
+    [record] = [json.loads(text) for text in result.stdout.splitlines()]
+    assert record["schema"] == 1 and record["xid"] == 79
+
+
+def test_ack_of_nothing_is_an_error_but_ack_all_is_not(tmp_path: Path) -> None:
+    config = write_config(tmp_path)
+    typo = gpu_agent("ack", "xid-restart-servce", "--config", str(config))
+    assert typo.returncode == 1
+    assert typo.stderr.startswith("gpu-agent: xid-restart-servce: nothing to re-arm") and "Traceback" not in typo.stderr
+    everything = gpu_agent("ack", "all", "--config", str(config))
+    assert everything.returncode == 0, everything.stderr
+    assert "nothing to re-arm" in everything.stdout
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan", "--json"],
+        ["apply", "--json", "--dry-run"],
+        ["restore", "--json"],
+        ["status", "--json", "--direct"],
+        ["events", "--json"],
+        ["xid", "explain", "79", "--json"],
+    ],
+)
+def test_every_json_flag_prints_json(tmp_path: Path, argv: list[str]) -> None:
+    args = [*argv, "--config", str(write_config(tmp_path, mode="observe"))] if argv[0] != "xid" else argv
+    result = gpu_agent(*args)
+    assert result.returncode in (0, 2), result.stderr
+    assert json.loads(result.stdout)["schema"] == 1
+    assert "Traceback" not in result.stderr
+
+
+def test_the_checkout_wrapper_runs_the_venv_cli_or_says_how_to_set_it_up(tmp_path: Path) -> None:
+    repo = Path(__file__).resolve().parent.parent
+    copy = tmp_path / "checkout"
+    (copy / "scripts").mkdir(parents=True)
+    wrapper = copy / "scripts" / "gpu-agent"
+    wrapper.write_bytes((repo / "scripts" / "gpu-agent").read_bytes())
+    wrapper.chmod(0o755)
+    missing = subprocess.run([wrapper, "--version"], capture_output=True, text=True, cwd=tmp_path)
+    assert missing.returncode == 1
+    assert missing.stderr == f"gpu-agent: {copy}/.venv is not set up yet: run {copy}/scripts/setup first\n"
+    # A .venv whose gpu-agent is this interpreter running the CLI, called from another directory.
+    (copy / ".venv/bin").mkdir(parents=True)
+    (copy / ".venv/bin/gpu-agent").write_text(f'#!/bin/sh\nexec {sys.executable} -m agent.cli "$@"\n')
+    (copy / ".venv/bin/gpu-agent").chmod(0o755)
+    found = subprocess.run([wrapper, "--version"], capture_output=True, text=True, cwd="/")
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.startswith("gpu-agent ")

@@ -1,7 +1,9 @@
 """The Debian 12 package installed with apt in a real systemd (tests/systemd_sandbox.py): the
 hardened unit starts, notifies, answers `gpu-agent status`, logs structured journal entries, is
 restarted by its watchdog, restarts a stand-in sglang.service by rule, upgrades keeping its
-configuration, and leaves nothing behind when purged.
+configuration, keeps the running daemon when an upgrade finds a config it rejects, leaves nothing
+behind when purged, and upgrades the previous package layout (rules as conffiles in /etc)
+without a prompt, keeping an admin's changed rule as an override.
 
 The sandbox is a Debian 12 (bookworm) root file system, so the cp311 package is the one under
 test. Its dependencies (python3-venv, python3-systemd) come from Debian's archive through the
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -20,7 +24,7 @@ import pytest
 from helpers import wait_until
 from hosttree import make_host_tree
 from systemd_sandbox import SystemdSandbox, missing_requirements
-from test_packaging import VERSION, build_packages
+from test_packaging import REPO, RULES, VERSION, build_packages
 
 from agent.standin import free_port
 
@@ -122,6 +126,13 @@ def test_install_enables_and_starts_the_shipped_config(sandbox: SystemdSandbox) 
     assert re.fullmatch(r"/opt/gpu-agent/env-0\.1\.0-1~bookworm\.\w+", venv), venv
     version = sandbox.run(["gpu-agent", "--version"]).stdout
     assert version.strip() == f"gpu-agent {VERSION}"
+    # The shipped rules live under /usr/share; /etc/gpu-agent/rules.d is the admin's, empty.
+    shipped_rules = sorted(p.name for p in sandbox.path("/usr/share/gpu-agent/rules.d").iterdir())
+    assert shipped_rules == RULES
+    assert list(sandbox.path("/etc/gpu-agent/rules.d").iterdir()) == []
+    checked = sandbox.run(["gpu-agent", "check-config", "--strict"]).stdout
+    assert all(f"  /usr/share/gpu-agent/rules.d/{name}" in checked for name in RULES), checked
+    assert sandbox.path("/usr/share/bash-completion/completions/gpu-agent").is_file()
 
 
 @pytest.fixture(scope="module")
@@ -251,17 +262,45 @@ def test_unhealthy_service_restarted_by_rule(simulated: SystemdSandbox) -> None:
     )
 
 
+def test_upgrade_with_a_config_it_rejects_keeps_the_running_daemon(simulated: SystemdSandbox) -> None:
+    """The daemon runs on a config it loaded earlier; the config on disk is now one the new
+    version rejects: apt completes, the old environment and the daemon stay, and the package
+    output and the journal say why and what to do."""
+    good = simulated.path("/etc/gpu-agent/agent.yaml").read_text()
+    wait_for("gpu-agent active", lambda: active(simulated))
+    old_pid = main_pid(simulated)
+    old_env = simulated.run(["readlink", "/opt/gpu-agent/venv"]).stdout.strip()
+    simulated.write_file("/etc/gpu-agent/agent.yaml", good.replace("interval_seconds: 1", "interval_seconds: -1"))
+    upgrade = build_packages(release=2, targets=("debian12",))["debian12"]
+    simulated.copy_in(upgrade, DEB)
+    proc = simulated.run([*APT_ENV, "apt-get", "install", "-y", "-q", DEB], check=False, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert "interval_seconds" in output and "gpu-agent keeps running the previous version" in output, output[-3000:]
+    status = simulated.run(["dpkg-query", "-W", "-f", "${Status} ${Version}", "gpu-agent"]).stdout
+    assert status == f"install ok installed {VERSION}-2~bookworm"
+    assert simulated.run(["readlink", "/opt/gpu-agent/venv"]).stdout.strip() == old_env
+    assert active(simulated) and main_pid(simulated) == old_pid
+    logged = simulated.run(["journalctl", "--no-pager", "-t", "gpu-agent", "-p", "err", "-o", "cat"]).stdout
+    assert "the new version rejects /etc/gpu-agent/agent.yaml" in logged
+    # Fixed, the way the message says: the new environment takes over.
+    simulated.write_file("/etc/gpu-agent/agent.yaml", good)
+    simulated.run(["/opt/gpu-agent/lib/install-env", "build"], timeout=300)
+    simulated.systemctl("restart", UNIT)
+    assert f"{VERSION}-2~bookworm" in simulated.run(["readlink", "/opt/gpu-agent/venv"]).stdout
+
+
 def test_upgrade_keeps_config_then_remove_and_purge_leave_nothing(simulated: SystemdSandbox) -> None:
     config = simulated.path("/etc/gpu-agent/agent.yaml").read_text()
-    upgrade = build_packages(release=2, targets=("debian12",))["debian12"]
+    upgrade = build_packages(release=3, targets=("debian12",))["debian12"]
     old_pid = main_pid(simulated)
     old_env = simulated.run(["readlink", "/opt/gpu-agent/venv"]).stdout.strip()
     apt_install(simulated, upgrade)
-    assert simulated.run(["dpkg-query", "-W", "-f", "${Version}", "gpu-agent"]).stdout == f"{VERSION}-2~bookworm"
+    assert simulated.run(["dpkg-query", "-W", "-f", "${Version}", "gpu-agent"]).stdout == f"{VERSION}-3~bookworm"
     # The changed conffile is kept (the shipped one did not change between the releases).
     assert simulated.path("/etc/gpu-agent/agent.yaml").read_text() == config
     new_env = simulated.run(["readlink", "/opt/gpu-agent/venv"]).stdout.strip()
-    assert new_env != old_env and f"{VERSION}-2~bookworm" in new_env
+    assert new_env != old_env and f"{VERSION}-3~bookworm" in new_env
     assert sorted(p.name for p in simulated.path("/opt/gpu-agent").glob("env-*")) == [Path(new_env).name]
     wait_for("the daemon restarted", lambda: active(simulated) and main_pid(simulated) not in (0, old_pid))
     # It runs from the new environment (its compiled modules are mapped from there).
@@ -285,3 +324,35 @@ def test_upgrade_keeps_config_then_remove_and_purge_leave_nothing(simulated: Sys
     assert simulated.run(["dpkg-query", "-W", "gpu-agent"], check=False).returncode != 0
     # The inference service is not the package's: it keeps running.
     assert active(simulated, "sglang.service")
+
+
+def test_upgrade_from_the_rules_as_conffiles_layout(
+    sandbox: SystemdSandbox, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The package of the commit before the rules moved (the first commit whose rules were
+    conffiles, rebuilt from git), an admin's edit of one rule, then this package: apt never
+    prompts, the unchanged old copies leave /etc, the changed one stays as the override."""
+    base = "b8c3c15"  # the last commit whose packages installed the rules in /etc/gpu-agent/rules.d
+    source = tmp_path_factory.mktemp("old-source")
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", base], capture_output=True, check=False)
+    if archive.returncode != 0:
+        pytest.skip(f"commit {base} is not in this checkout's history")
+    subprocess.run(["tar", "-x", "-C", str(source)], input=archive.stdout, check=True)
+    out = tmp_path_factory.mktemp("old-packages")
+    argv = [sys.executable, str(source / "packaging/build.py"), "--target", "debian12", "--out", str(out)]
+    built = subprocess.run([*argv, "--work", str(out / "work")], capture_output=True, text=True, timeout=900)
+    assert built.returncode == 0, built.stderr[-3000:]
+    apt_install(sandbox, next(out.glob("*.deb")))
+    thermal = sandbox.path("/etc/gpu-agent/rules.d/20-thermal.yaml")
+    assert thermal.is_file()  # the old layout
+    changed = thermal.read_text() + "# tuned on this node\n"
+    sandbox.write_file("/etc/gpu-agent/rules.d/20-thermal.yaml", changed)
+    # stdin closed: a conffile prompt would fail the install, as it stopped `apt-get install -y`.
+    sandbox.copy_in(build_packages(release=4, targets=("debian12",))["debian12"], DEB)
+    proc = sandbox.run([*APT_ENV, "apt-get", "install", "-y", "-q", DEB], check=False, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "kept /etc/gpu-agent/rules.d/20-thermal.yaml (changed here)" in proc.stdout + proc.stderr
+    assert sorted(p.name for p in sandbox.path("/etc/gpu-agent/rules.d").iterdir()) == ["20-thermal.yaml"]
+    assert thermal.read_text() == changed
+    checked = sandbox.run(["gpu-agent", "check-config"]).stdout
+    assert "/etc/gpu-agent/rules.d/20-thermal.yaml (overrides /usr/share/gpu-agent/rules.d/20-thermal.yaml)" in checked

@@ -46,7 +46,9 @@ def build_packages(release: int = 1, targets: tuple[str, ...] | None = None) -> 
     argv = [sys.executable, str(REPO / "packaging" / "build.py"), "--out", str(out), "--release", str(release)]
     for name in names:
         argv += ["--target", name]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    # Reproducible by default: the build takes the last commit's time, not one given by hand.
+    env = {k: v for k, v in os.environ.items() if k != "SOURCE_DATE_EPOCH"}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return {name: out / TARGETS[name].filename(VERSION, release) for name in names}
 
@@ -88,18 +90,35 @@ def expected_files(target: str) -> set[str]:
         "/usr/share/doc/gpu-agent/README.md",
         "/usr/share/gpu-agent/grafana/gpu-agent-dashboard.json",
         "/usr/share/gpu-agent/prometheus/gpu-agent-alerts.yaml",
+        "/opt/gpu-agent/lib/legacy-rules.sha256",
+        "/usr/share/bash-completion/completions/gpu-agent",
     }
-    files |= {f"/etc/gpu-agent/rules.d/{name}" for name in RULES}
+    files |= {f"/usr/share/gpu-agent/rules.d/{name}" for name in RULES}
     files |= {f"/opt/gpu-agent/wheels/{name}" for name in wheel_names(target)}
     if t.packager == "deb":
         files |= {
             "/usr/share/doc/gpu-agent/copyright",
             "/usr/share/doc/gpu-agent/changelog.Debian.gz",
             "/usr/share/lintian/overrides/gpu-agent",
+            "/usr/share/zsh/vendor-completions/_gpu-agent",
         }
     else:
-        files |= {"/usr/share/licenses/gpu-agent/copyright", "/usr/share/licenses/gpu-agent/Apache-2.0"}
+        files |= {
+            "/usr/share/licenses/gpu-agent/copyright",
+            "/usr/share/licenses/gpu-agent/Apache-2.0",
+            "/usr/share/zsh/site-functions/_gpu-agent",
+        }
     return files
+
+
+def test_two_builds_give_the_same_bytes(packages: dict[str, Path], tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "SOURCE_DATE_EPOCH"}
+    argv = [sys.executable, str(REPO / "packaging" / "build.py"), "--out", str(tmp_path)]
+    proc = subprocess.run([*argv, "--target", "debian12", "--target", "el10"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    for target in ("debian12", "el10"):
+        again = tmp_path / packages[target].name
+        assert again.read_bytes() == packages[target].read_bytes(), target
 
 
 # -- .deb ----------------------------------------------------------------------------------------
@@ -141,12 +160,13 @@ def test_deb_control(packages: dict[str, Path], target: str) -> None:
         f"python3 (>= {t.python}~)",
         f"python3 (<< {t.python_next})",
         "python3-venv",
-        "python3-systemd",
         "libudev1",
-        "systemd",
         "init-system-helpers (>= 1.54~)",
         "procps",
     ]
+    # Without systemd (containers, gVisor) the package configures and the agent runs by hand.
+    assert [d.strip() for d in control["Recommends"].split(",")] == ["systemd", "python3-systemd"]
+    assert control["Homepage"] == build.DEFAULT_HOMEPAGE
     # The agent runs (and says "no driver") without NVIDIA's packages: never a dependency.
     assert "nvidia" not in fields.lower().split("description:")[0]
 
@@ -155,7 +175,8 @@ def test_deb_control(packages: dict[str, Path], target: str) -> None:
 def test_deb_conffiles_and_scripts(packages: dict[str, Path], tmp_path: Path) -> None:
     run("dpkg-deb", "--control", packages["debian12"], tmp_path)
     conffiles = (tmp_path / "conffiles").read_text().split()
-    assert conffiles == ["/etc/gpu-agent/agent.yaml", *(f"/etc/gpu-agent/rules.d/{n}" for n in RULES)]
+    # Only agent.yaml: an upgrade replaces the shipped rules (/usr/share) and never prompts.
+    assert conffiles == ["/etc/gpu-agent/agent.yaml"]
     for script in ("postinst", "prerm", "postrm"):
         assert (tmp_path / script).read_bytes() == (REPO / "packaging" / "deb" / script).read_bytes()
         assert os.access(tmp_path / script, os.X_OK)
@@ -172,7 +193,8 @@ def test_deb_ships_the_repository_files(packages: dict[str, Path], tmp_path: Pat
         "opt/gpu-agent/lib/install-env": "packaging/install-env",
         "usr/share/gpu-agent/grafana/gpu-agent-dashboard.json": "packaging/grafana/gpu-agent-dashboard.json",
         "usr/share/gpu-agent/prometheus/gpu-agent-alerts.yaml": "packaging/prometheus/gpu-agent-alerts.yaml",
-        **{f"etc/gpu-agent/rules.d/{n}": f"rules/{n}" for n in RULES},
+        "opt/gpu-agent/lib/legacy-rules.sha256": "packaging/legacy-rules.sha256",
+        **{f"usr/share/gpu-agent/rules.d/{n}": f"rules/{n}" for n in RULES},
     }
     for installed, source in same.items():
         assert (tmp_path / installed).read_bytes() == (REPO / source).read_bytes(), installed
@@ -232,21 +254,19 @@ def test_rpm_metadata_and_requires(packages: dict[str, Path]) -> None:
     assert license_tag.startswith("Apache-2.0 AND ")
     assert "LGPL-2.1-or-later" in license_tag and "(MIT OR Apache-2.0)" in license_tag
     requires = {line.strip() for line in rpm_query(rpm, "--requires").splitlines()}
-    assert {
-        "python3",
-        "python(abi) = 3.12",
-        "python3-systemd",
-        "libudev.so.1()(64bit)",
-        "systemd",
-        "util-linux",
-    } <= requires
+    assert {"python3", "python(abi) = 3.12", "libudev.so.1()(64bit)", "util-linux"} <= requires
+    assert not {"systemd", "python3-systemd"} & requires
     assert not any("nvidia" in r.lower() for r in requires)
+    assert set(rpm_query(rpm, "--recommends").split()) == {"systemd", "python3-systemd"}
+    post_requires = rpm_query(rpm, "--queryformat", "[%{REQUIREFLAGS:deptype} %{REQUIRENAME}\n]").splitlines()
+    assert {"post python3", "post coreutils", "post grep", "post util-linux"} <= set(post_requires)
+    assert rpm_query(rpm, "--queryformat", "%{URL}") == build.DEFAULT_HOMEPAGE
     flags: dict[str, str] = {}
     for line in rpm_query(rpm, "--queryformat", "[%{FILEFLAGS:fflags} %{FILENAMES}\n]").splitlines():
         flag, path = line.split(" ", 1)
         flags[path] = flag
     config = sorted(path for path, flag in flags.items() if "c" in flag)
-    assert config == ["/etc/gpu-agent/agent.yaml", *(f"/etc/gpu-agent/rules.d/{n}" for n in RULES)]
+    assert config == ["/etc/gpu-agent/agent.yaml"]
     assert all("n" in flags[path] for path in config), "config files must be %config(noreplace)"
     assert "l" in flags["/usr/share/licenses/gpu-agent/Apache-2.0"]
     assert "d" in flags["/usr/share/man/man8/gpu-agent.8.gz"]
@@ -265,9 +285,23 @@ def test_rpm_contents_and_scriptlets(packages: dict[str, Path]) -> None:
     assert set(files) == expected_files("el10")
     assert files["/usr/bin/gpu-agent"] == "-rwxr-xr-x"
     dirs = {line.split(" ", 2)[2] for line in listing.splitlines() if line.startswith("d")}
-    assert {"/opt/gpu-agent", "/opt/gpu-agent/wheels", "/etc/gpu-agent", "/etc/gpu-agent/rules.d"} <= dirs
+    assert {
+        "/opt/gpu-agent",
+        "/opt/gpu-agent/wheels",
+        "/etc/gpu-agent",
+        "/etc/gpu-agent/rules.d",
+        "/usr/share/gpu-agent/rules.d",
+        "/usr/share/doc/gpu-agent",
+        "/usr/share/licenses/gpu-agent",
+    } <= dirs
     scripts = rpm_query(rpm, "--scripts")
-    for name, source in (("postinstall", "post"), ("preuninstall", "preun"), ("postuninstall", "postun")):
+    scriptlets = (
+        ("postinstall", "post"),
+        ("preuninstall", "preun"),
+        ("postuninstall", "postun"),
+        ("posttrans", "posttrans"),
+    )
+    for name, source in scriptlets:
         body = re.search(rf"^{name} scriptlet \(using /bin/sh\):\n(.*?)(?=^\w+ scriptlet|\Z)", scripts, re.M | re.S)
         assert body, f"no {name} scriptlet"
         assert body.group(1).strip() == (REPO / "packaging" / "rpm" / source).read_text().strip()
@@ -344,7 +378,13 @@ def extracted(packages: dict[str, Path], tmp_path: Path) -> Path:
 
 
 def install_env(root: Path, action: str, python: str = "/usr/bin/python3") -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "GPU_AGENT_PREFIX": str(root / "opt/gpu-agent"), "GPU_AGENT_PYTHON": python}
+    env = {
+        **os.environ,
+        "GPU_AGENT_PREFIX": str(root / "opt/gpu-agent"),
+        "GPU_AGENT_PYTHON": python,
+        "GPU_AGENT_CONFIG": str(root / "etc/gpu-agent/agent.yaml"),
+        "GPU_AGENT_RULES_DIR": str(root / "etc/gpu-agent/rules.d"),
+    }
     return subprocess.run(
         [root / "opt/gpu-agent/lib/install-env", action], capture_output=True, text=True, env=env, timeout=300
     )
@@ -369,11 +409,12 @@ def test_bundled_wheels_run_on_the_target_python(packages: dict[str, Path], tmp_
     # All from the bundled wheels, none from the interpreter's own site-packages.
     assert all(f.startswith(f"{venv}/lib/python{TARGETS[target].python}/site-packages/") for f in files), files
     config = tmp_path / "agent.yaml"
-    rules = tmp_path / "etc/gpu-agent/rules.d"
-    config.write_text((tmp_path / "etc/gpu-agent/agent.yaml").read_text().replace("/etc/gpu-agent/rules.d", str(rules)))
-    assert "observe mode, nvml backend" in run(
-        venv / "bin/python", "-I", "-m", "agent.cli", "check-config", "--config", config
-    )
+    text = (tmp_path / "etc/gpu-agent/agent.yaml").read_text()
+    for rules in ("/usr/share/gpu-agent/rules.d", "/etc/gpu-agent/rules.d"):
+        text = text.replace(rules, f"{tmp_path}{rules}")
+    config.write_text(text)
+    checked = run(venv / "bin/python", "-I", "-m", "agent.cli", "check-config", "--config", config, "--strict")
+    assert f"observe mode, nvml backend, 0 GPU profiles, 0 services); 12 rules from {len(RULES)} files" in checked
 
 
 def envs(root: Path) -> list[str]:
@@ -425,6 +466,40 @@ def test_install_env_refuses_wheels_for_another_python(extracted: Path) -> None:
     assert envs(extracted) == []
 
 
+@needs("dpkg-deb")
+def test_install_env_keeps_the_current_environment_when_the_new_version_rejects_the_config(extracted: Path) -> None:
+    assert install_env(extracted, "build").returncode == 0
+    link = extracted / "opt/gpu-agent/venv"
+    current = os.readlink(link)
+    config = extracted / "etc/gpu-agent/agent.yaml"
+    config.write_text(config.read_text().replace("mode: observe", "mode: obsrve", 1))
+    upgrade = install_env(extracted, "build")
+    assert upgrade.returncode == 3
+    assert f"{config}:14 mode: must be" in upgrade.stderr
+    assert "the current environment stays" in upgrade.stderr
+    assert os.readlink(link) == current and envs(extracted) == [Path(current).name]
+    # A first install has nothing to keep: the new environment, but still exit 3 (do not start it).
+    assert install_env(extracted, "remove").returncode == 0
+    first = install_env(extracted, "build")
+    assert first.returncode == 3 and link.is_symlink()
+
+
+def test_install_env_migrate_rules_drops_unchanged_old_defaults_and_keeps_changed_ones(tmp_path: Path) -> None:
+    prefix, admin = tmp_path / "opt/gpu-agent", tmp_path / "etc/gpu-agent/rules.d"
+    (prefix / "lib").mkdir(parents=True)
+    shutil.copy(REPO / "packaging/install-env", prefix / "lib/install-env")
+    shutil.copy(REPO / "packaging/legacy-rules.sha256", prefix / "lib/legacy-rules.sha256")
+    admin.mkdir(parents=True)
+    for name in RULES:
+        shutil.copy(REPO / "rules" / name, admin / name)
+    (admin / "20-thermal.yaml").write_text((REPO / "rules/20-thermal.yaml").read_text() + "# tuned here\n")
+    (admin / "60-site.yaml").write_text("rules: []\n")
+    proc = install_env(tmp_path, "migrate-rules")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in admin.iterdir()) == ["20-thermal.yaml", "60-site.yaml"]
+    assert f"kept {admin / '20-thermal.yaml'} (changed here)" in proc.stderr
+
+
 def test_wrapper_points_at_install_env_when_the_environment_is_missing(tmp_path: Path) -> None:
     if Path("/opt/gpu-agent").exists():
         pytest.skip("gpu-agent is installed on this machine")
@@ -439,21 +514,25 @@ SCRIPT_CASES = {
     # (script, arguments, systemd running): the commands it runs, in order
     ("rpm/post", "1", True): [
         "install-env build",
-        "systemctl --no-reload enable gpu-agent.service",
+        "restorecon -R /opt/gpu-agent",
+        "systemctl --no-reload preset gpu-agent.service",
         "systemctl daemon-reload",
+        "systemctl --quiet is-enabled gpu-agent.service",
         "systemctl start gpu-agent.service",
         "install-env prune",
     ],
     ("rpm/post", "2", True): [
         "install-env build",
+        "restorecon -R /opt/gpu-agent",
         "systemctl daemon-reload",
         "systemctl try-restart gpu-agent.service",
         "install-env prune",
     ],
-    # In a chroot or an image build (no systemd running): enable, but start nothing.
+    # In a chroot or an image build (no systemd running): the preset decides, nothing starts.
     ("rpm/post", "1", False): [
         "install-env build",
-        "systemctl --no-reload enable gpu-agent.service",
+        "restorecon -R /opt/gpu-agent",
+        "systemctl --no-reload preset gpu-agent.service",
         "install-env prune",
     ],
     ("rpm/preun", "0", True): ["systemctl --no-reload disable --now gpu-agent.service", "install-env remove"],
@@ -462,6 +541,7 @@ SCRIPT_CASES = {
     ("rpm/postun", "1", True): ["systemctl daemon-reload"],
     ("deb/postinst", "configure", True): [
         "install-env build",
+        "install-env migrate-rules",
         "deb-systemd-helper --quiet was-enabled gpu-agent.service",
         "deb-systemd-helper enable gpu-agent.service",
         "systemctl --system daemon-reload",
@@ -470,6 +550,7 @@ SCRIPT_CASES = {
     ],
     ("deb/postinst", "configure 0.1.0-1~bookworm", True): [
         "install-env build",
+        "install-env migrate-rules",
         "deb-systemd-helper --quiet was-enabled gpu-agent.service",
         "deb-systemd-helper enable gpu-agent.service",
         "systemctl --system daemon-reload",
@@ -478,6 +559,7 @@ SCRIPT_CASES = {
     ],
     ("deb/postinst", "configure", False): [
         "install-env build",
+        "install-env migrate-rules",
         "deb-systemd-helper --quiet was-enabled gpu-agent.service",
         "deb-systemd-helper enable gpu-agent.service",
         "install-env prune",
@@ -489,15 +571,17 @@ SCRIPT_CASES = {
 }
 
 
-@pytest.mark.parametrize(("script", "arguments", "systemd"), list(SCRIPT_CASES))
-def test_maintainer_script_runs(tmp_path: Path, script: str, arguments: str, systemd: bool) -> None:
-    """The script's commands, recorded by stand-ins on PATH. RPM's scriptlets never run in the
-    other tests (no EL10 root here), so this is where their logic is checked."""
+def run_script(
+    tmp_path: Path, script: str, arguments: str, systemd: bool, build_status: int = 0
+) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """Run a maintainer script with stand-ins on PATH recording the commands it runs;
+    build_status: what the stand-in `install-env build` exits with (3: config rejected)."""
     calls = tmp_path / "calls"
     stubs = tmp_path / "bin"
     stubs.mkdir()
-    for name in ("systemctl", "deb-systemd-helper", "deb-systemd-invoke", "install-env"):
-        (stubs / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\n')
+    for name in ("systemctl", "deb-systemd-helper", "deb-systemd-invoke", "install-env", "restorecon", "logger"):
+        status = f'[ "$1" = build ] && exit {build_status}\n' if name == "install-env" else ""
+        (stubs / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\n{status}exit 0\n')
         (stubs / name).chmod(0o755)
     run_dir = tmp_path / "run-systemd-system"
     if systemd:
@@ -505,16 +589,74 @@ def test_maintainer_script_runs(tmp_path: Path, script: str, arguments: str, sys
     text = (REPO / "packaging" / script).read_text()
     text = text.replace("/opt/gpu-agent/lib/install-env", str(stubs / "install-env"))
     text = text.replace("/run/systemd/system", str(run_dir))
-    # Nothing of the real machine may be reached (the purge case is tested separately).
-    assert "/etc/" not in text.replace("/etc/gpu-agent /var/lib/gpu-agent", "")
+    # Nothing of the real machine may be reached (the purge case is tested separately; the
+    # config's path is only named in a message).
+    assert "/etc/" not in text.replace("/etc/gpu-agent /var/lib/gpu-agent", "").replace(
+        "/etc/gpu-agent/agent.yaml (", ""
+    )
     assert "/run/" not in text.replace(str(run_dir), "")
     script_file = tmp_path / "script"
     script_file.write_text(text)
     env = {"PATH": f"{stubs}:/usr/bin:/bin", "LANG": "C.UTF-8"}
     proc = subprocess.run(["sh", "-e", str(script_file), *arguments.split()], capture_output=True, text=True, env=env)
+    return proc, calls.read_text().splitlines() if calls.exists() else []
+
+
+@pytest.mark.parametrize(("script", "arguments", "systemd"), list(SCRIPT_CASES))
+def test_maintainer_script_runs(tmp_path: Path, script: str, arguments: str, systemd: bool) -> None:
+    """The script's commands, recorded by stand-ins on PATH. RPM's scriptlets never run in the
+    other tests (no EL10 root here), so this is where their logic is checked."""
+    proc, recorded = run_script(tmp_path, script, arguments, systemd)
     assert proc.returncode == 0, proc.stderr
-    recorded = calls.read_text().splitlines() if calls.exists() else []
     assert recorded == SCRIPT_CASES[(script, arguments, systemd)]
+
+
+REJECTED_CASES = {
+    # An upgrade whose new version rejects the config: no restart, no prune (the old environment
+    # keeps running), no rules migration, a message in the package output and the journal; the
+    # package still configures (exit 0), so apt and dnf carry on.
+    ("deb/postinst", "configure 0.1.0-1~bookworm"): [
+        "install-env build",
+        "deb-systemd-helper --quiet was-enabled gpu-agent.service",
+        "deb-systemd-helper enable gpu-agent.service",
+        "systemctl --system daemon-reload",
+        "logger",
+    ],
+    ("rpm/post", "2"): ["install-env build", "restorecon -R /opt/gpu-agent", "systemctl daemon-reload", "logger"],
+}
+
+
+@pytest.mark.parametrize(("script", "arguments"), list(REJECTED_CASES))
+def test_a_rejected_config_keeps_the_old_daemon_and_says_so(tmp_path: Path, script: str, arguments: str) -> None:
+    proc, recorded = run_script(tmp_path, script, arguments, systemd=True, build_status=3)
+    assert proc.returncode == 0, proc.stderr
+    assert [c if not c.startswith("logger ") else "logger" for c in recorded] == REJECTED_CASES[(script, arguments)]
+    message = (
+        "the new version rejects /etc/gpu-agent/agent.yaml (see above); gpu-agent keeps running the previous version"
+    )
+    assert message in proc.stderr
+    assert f"logger -t gpu-agent -p daemon.err gpu-agent: {message}" in recorded[-1]
+
+
+@pytest.mark.parametrize("script", ["deb/postinst", "rpm/post"])
+def test_a_failed_environment_build_fails_the_script(tmp_path: Path, script: str) -> None:
+    proc, recorded = run_script(tmp_path, script, "configure" if script.startswith("deb") else "1", True, 1)
+    assert proc.returncode == 1
+    assert recorded == ["install-env build"]
+
+
+def test_posttrans_puts_back_the_rules_an_admin_changed(tmp_path: Path) -> None:
+    rules = tmp_path / "rules.d"
+    rules.mkdir()
+    (rules / "20-thermal.yaml.rpmsave").write_text("changed\n")
+    (rules / "99-own.yaml.rpmsave").write_text("never shipped\n")
+    text = (REPO / "packaging" / "rpm" / "posttrans").read_text()
+    text = text.replace("/etc/gpu-agent/rules.d", str(rules))
+    text = text.replace("/opt/gpu-agent/lib/legacy-rules.sha256", str(REPO / "packaging" / "legacy-rules.sha256"))
+    proc = subprocess.run(["sh", "-c", text], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in rules.iterdir()) == ["20-thermal.yaml", "99-own.yaml.rpmsave"]
+    assert f"kept {rules / '20-thermal.yaml'}" in proc.stderr
 
 
 def test_deb_purge_removes_config_and_state(tmp_path: Path) -> None:
@@ -560,7 +702,7 @@ def test_shipped_config_observes_through_nvml() -> None:
     assert config.mode is Mode.OBSERVE
     assert config.backend == "nvml"
     assert config.metrics.listen == "0.0.0.0:9481"
-    assert config.remediation.rules_dir == "/etc/gpu-agent/rules.d"
+    assert config.remediation.rules_dirs == ["/usr/share/gpu-agent/rules.d", "/etc/gpu-agent/rules.d"]
     assert config.remediation.allow_reboot is False
 
 

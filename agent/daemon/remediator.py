@@ -21,6 +21,7 @@ from agent.rules.actions import ActionContext, AlertTracker
 from agent.rules.config import Rule, load_rules
 from agent.rules.engine import evaluate, gpus_by_service
 from agent.rules.model import ActionOutcome, Decision, Outcome
+from agent.rules.sources import resolve_rules
 from agent.state import CollectorStatus, NodeSnapshot, RemediationCount
 from agent.store import Store, StoreError
 
@@ -180,11 +181,12 @@ class Remediator:
 
 
 def load_rules_dir(config: AgentConfig) -> list[Rule]:
-    """Rules from rules_dir; a missing directory means no rules (logged), an invalid file is a ConfigError."""
-    rules_dir = Path(config.remediation.rules_dir)
-    if not rules_dir.is_dir():
-        log.warning("no rules directory: remediation has nothing to do", rules_dir=str(rules_dir))
-        return []
-    rules = load_rules([rules_dir], allow_reboot=config.remediation.allow_reboot)
-    log.info("rules loaded", rules_dir=str(rules_dir), count=len(rules))
+    """Rules from rules_dirs (agent/rules/sources.py: shipped defaults, admin overrides and masks);
+    missing dirs are logged, an invalid file is a ConfigError."""
+    resolved = resolve_rules(Path(d) for d in config.remediation.rules_dirs)
+    for warning in resolved.warnings():
+        log.warning("rules not as expected", problem=warning)
+    rules = load_rules(resolved.paths, allow_reboot=config.remediation.allow_reboot)
+    masked = [str(m.mask) for m in resolved.masked]
+    log.info("rules loaded", files=[str(p) for p in resolved.paths], masked=masked, count=len(rules))
     return rules
