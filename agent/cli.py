@@ -196,6 +196,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         except api.ApiError as exc:
             raise CliError(f"daemon at {socket_path}: {exc}") from None
     if document is None or document.get("starting"):
+        from agent.logs import configure_cli_logging
+
+        configure_cli_logging()  # a direct read imports what logs; its lines must not reach stdout
         config = load(args)
         if args.direct:
             note = "direct read (--direct)"
@@ -495,6 +498,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command not in ("run", "status"):  # run configures its own; status stays lean (no store)
+        from agent.logs import configure_cli_logging
+
+        configure_cli_logging()
     try:
         code: int = args.func(args)
     except ConfigError as exc:

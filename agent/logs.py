@@ -109,6 +109,17 @@ class _StdlibToStructlog(logging.Handler):
         structlog.get_logger("gpu-agent").log(record.levelno, record.getMessage(), **fields)
 
 
+def configure_cli_logging() -> None:
+    """One-shot commands (`events --json`, `plan`, ...): stdout is the answer, so the agent's own log
+    lines go to stderr, and only warnings and worse (not "state database migrated")."""
+    structlog.configure(
+        processors=[structlog.processors.add_log_level, structlog.dev.ConsoleRenderer(colors=False)],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+
+
 def configure_logging(level: str = "info", output: str = "auto") -> str:
     """output: auto | journal | json | console. Returns the one chosen."""
     if output == "auto":
