@@ -153,7 +153,8 @@ def history_text(events: Sequence[StoredEvent], remediations: Sequence[StoredRem
     lines: list[tuple[float, str]] = []
     for stored in events:
         e = stored.event
-        where = "" if e.gpu is None else f"GPU {e.gpu} "
+        # Watchers already start their messages with the GPU ("GPU 0 (0000:3B:00.0): Xid 79 ..."); say it once.
+        where = "" if e.gpu is None or e.message.startswith(f"GPU {e.gpu}") else f"GPU {e.gpu} "
         lines.append(
             (e.timestamp_seconds, f"{_when(e.timestamp_seconds)}  event  [{e.severity.value}] {where}{e.message}")
         )
