@@ -490,9 +490,11 @@ def test_install_env_migrate_rules_drops_unchanged_old_defaults_and_keeps_change
     shutil.copy(REPO / "packaging/install-env", prefix / "lib/install-env")
     shutil.copy(REPO / "packaging/legacy-rules.sha256", prefix / "lib/legacy-rules.sha256")
     admin.mkdir(parents=True)
-    for name in RULES:
-        shutil.copy(REPO / "rules" / name, admin / name)
-    (admin / "20-thermal.yaml").write_text((REPO / "rules/20-thermal.yaml").read_text() + "# tuned here\n")
+    # What the earlier package installed as conffiles (rules/ at b8c3c15), not today's defaults.
+    legacy = Path(__file__).parent / "fixtures/legacy-rules"
+    for old in legacy.glob("*.yaml"):
+        shutil.copy(old, admin / old.name)
+    (admin / "20-thermal.yaml").write_text((legacy / "20-thermal.yaml").read_text() + "# tuned here\n")
     (admin / "60-site.yaml").write_text("rules: []\n")
     proc = install_env(tmp_path, "migrate-rules")
     assert proc.returncode == 0, proc.stderr

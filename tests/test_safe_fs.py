@@ -17,6 +17,7 @@ from agent.host import safe_fs
 from agent.host.paths import HostPaths
 from agent.policy import thp, triton_cache
 from agent.policy.base import Outcome
+from agent.policy.item import enforce
 from agent.policy.triton_cache import TritonCacheWant
 
 ROUNDS = 2000
@@ -181,7 +182,7 @@ def test_race_against_the_triton_cache_item(tmp_path: Path) -> None:
     before = fingerprint(victim)
 
     def attempt() -> str:
-        return triton_cache.apply(ctx, want, triton_cache.plan(ctx, want)).outcome.value
+        return enforce(triton_cache.ITEM, ctx, want, triton_cache.ITEM.plan(ctx, want)).outcome.value
 
     with swapping(svc / "triton", svc / "swap"):
         outcomes = attempts(attempt, {Outcome.FAILED.value}, 300)

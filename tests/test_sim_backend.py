@@ -514,7 +514,7 @@ def test_lost_gpu(tmp_path: Path) -> None:
     b = make(tmp_path, "h200x2")
     b.set_lost(1)
     calls = list(every_per_gpu_reading(b, 1))
-    library = {"init", "shutdown", "driver_version", "device_count", "wait_events"}
+    library = {"init", "shutdown", "driver_version", "cuda_driver_version", "device_count", "wait_events"}
     assert len(calls) == len(PROTOCOL_METHODS - library - set(SETTER_ITEMS))  # every per-GPU reading
     for call in calls:
         err = gpu_error(GpuErrorKind.GPU_LOST, call)
