@@ -231,21 +231,17 @@ def detect_kind(names: Iterable[str]) -> ServerKind:
 
 
 def _select_lines(text: str, wanted: frozenset[str]) -> str:
-    """The lines of the wanted families only: the parser's cost is per line."""
+    """The lines of the wanted families only: the parser's cost is per line, and a real page is
+    mostly families we do not read (per-stage latencies, process metrics)."""
+    # str.startswith with a tuple runs in C: a cheap first cut, confirmed on the exact name below.
+    prefixes = tuple(prefix + name for name in wanted for prefix in ("", "# HELP ", "# TYPE "))
     kept: list[str] = []
     for line in text.splitlines():
-        if line.startswith("#"):
-            parts = line.split(maxsplit=3)
-            if (
-                len(parts) >= 3
-                and parts[1] in ("TYPE", "HELP")
-                and (parts[2] in wanted or _base_name(parts[2]) in wanted)
-            ):
-                kept.append(line)
-        elif line:
-            name = _metric_name(line)
-            if name in wanted or _base_name(name) in wanted:
-                kept.append(line)
+        if not line.startswith(prefixes):
+            continue
+        name = line.split(maxsplit=3)[2] if line.startswith("#") else _metric_name(line)
+        if name in wanted or _base_name(name) in wanted:
+            kept.append(line)
     return "\n".join(kept) + "\n"
 
 

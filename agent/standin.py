@@ -160,8 +160,11 @@ class Traffic:
     GPU first lengthens every request and, once the server saturates, makes requests wait.
     """
 
-    def __init__(self, flavor: str, request_rate: float, max_running: int, legacy_names: bool = False) -> None:
+    def __init__(
+        self, flavor: str, request_rate: float, max_running: int, legacy_names: bool = False, dp_ranks: int = 1
+    ) -> None:
         self.flavor = flavor
+        self.dp_ranks = dp_ranks  # sglang's scheduler families come once per data-parallel rank
         self.request_rate = request_rate
         self.max_running = max_running
         self.legacy_names = legacy_names
@@ -243,20 +246,27 @@ class Traffic:
 
     def _sglang_lines(self) -> list[str]:
         request = f'model_name="{MODEL_NAME}"'
-        scheduler = f'engine_type="unified",model_name="{MODEL_NAME}",pp_rank="0",tp_rank="0"'
+        ranks = [
+            f'dp_rank="{r}",engine_type="unified",model_name="{MODEL_NAME}",pp_rank="0",tp_rank="0"'
+            for r in range(self.dp_ranks)
+        ]
         out: list[str] = []
 
         def family(name: str, kind: str, text: str, body: list[str]) -> None:
             out.extend([f"# HELP {name} {text}", f"# TYPE {name} {kind}", *body])
 
-        def gauge(name: str, text: str, value: float) -> None:
-            family(name, "gauge", text, [f"{name}{{{scheduler}}} {_number(value)}"])
+        def gauge(name: str, text: str, value: float, split: bool = False) -> None:
+            # each data-parallel rank reports its own share of the load (`split`); ratios are alike
+            share = value / len(ranks) if split else value
+            family(name, "gauge", text, [f"{name}{{{labels}}} {_number(share)}" for labels in ranks])
 
-        gauge("sglang:num_running_reqs", "The number of running requests.", round(self.running))
-        gauge("sglang:num_used_tokens", "The number of used tokens.", round(self.running) * KV_TOKENS_PER_REQUEST)
+        running = round(self.running)
+        gauge("sglang:num_running_reqs", "The number of running requests.", running, split=True)
+        gauge("sglang:num_used_tokens", "The number of used tokens.", running * KV_TOKENS_PER_REQUEST, split=True)
         gauge("sglang:token_usage", "The token usage.", self.kv_cache_usage_ratio())
-        gauge("sglang:gen_throughput", "The generation throughput (token/s).", self.generation_tokens_per_second)
-        gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.", round(self.waiting))
+        throughput = self.generation_tokens_per_second
+        gauge("sglang:gen_throughput", "The generation throughput (token/s).", throughput, split=True)
+        gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.", round(self.waiting), split=True)
         gauge("sglang:num_grammar_queue_reqs", "The number of requests in the grammar waiting queue.", 0)
         gauge("sglang:cache_hit_rate", "The prefix cache hit rate.", 0.42)
         gauge("sglang:max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.", KV_CAPACITY_TOKENS)
@@ -282,8 +292,9 @@ class Traffic:
         for name, text, histogram in histograms:
             family(name, "histogram", text, histogram.lines(name, request))
         stages: list[str] = []
-        for stage, histogram in self.stages.items():
-            stages += histogram.lines("sglang:per_stage_req_latency_seconds", f'{scheduler},stage="{stage}"')
+        for labels in ranks:
+            for stage, histogram in self.stages.items():
+                stages += histogram.lines("sglang:per_stage_req_latency_seconds", f'{labels},stage="{stage}"')
         family("sglang:per_stage_req_latency_seconds", "histogram", "The latency of each stage of requests.", stages)
         return out
 
@@ -551,6 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metric-names", choices=("current", "legacy"), default="current")
     parser.add_argument("--request-rate", type=float, default=8.0, help="simulated requests per second")
     parser.add_argument("--max-running", type=int, default=32, help="requests served at once; the rest wait")
+    parser.add_argument("--dp-ranks", type=int, default=1, help="sglang: scheduler families per data-parallel rank")
     args = parser.parse_args(argv)
     if args.stop:
         if args.pid_file is None:
@@ -566,7 +578,13 @@ def main(argv: list[str] | None = None) -> int:
     behaviour = Behaviour(args.control_file, args.ready_after_seconds)
     stop = threading.Event()
     exit_status = [0]
-    traffic = Traffic(args.flavor, args.request_rate, args.max_running, legacy_names=args.metric_names == "legacy")
+    traffic = Traffic(
+        args.flavor,
+        args.request_rate,
+        args.max_running,
+        legacy_names=args.metric_names == "legacy",
+        dp_ranks=args.dp_ranks,
+    )
     server = ThreadingHTTPServer((args.host, args.port), make_handler(behaviour, stop, traffic))
     server.daemon_threads = True
 
