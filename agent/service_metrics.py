@@ -478,7 +478,8 @@ class LatencyWindow:
     def figures(self) -> ServiceFigures | None:
         last = self._last
         if last is None:
-            return None
+            # Never read: only the error says why (a server without metrics enabled, a hang).
+            return ServiceFigures(self.service, "", 0.0, 0.0, error=self._error) if self._error else None
         latency: dict[str, LatencyFigures] = {}
         covered = 0.0
         for kind, series in self._histograms.items():

@@ -1,0 +1,160 @@
+"""The daemon's side of inference awareness: scraping each service's server off the loop thread,
+and turning SLO breaches into `service_latency_regression` events with their cause.
+
+`ServiceScraper` runs one thread per service with a metrics URL (a hanging or huge page delays
+nobody else, and never the loop): every interval it scrapes with a deadline and a size cap and
+feeds the service's `LatencyWindow`. `figures()` is what the loop publishes.
+
+`LatencyRegressionWatch` keeps the GPU samples and Xid events of the last window, and per loop
+asks `SloWatch` whether a service misses its SLO, naming the cause from what its GPUs did.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+
+import structlog
+
+from agent.backend.base import GpuIdentity
+from agent.config import AgentConfig, ServiceConfig
+from agent.events import Event, EventKind
+from agent.latency_cause import CauseFinding, SloWatch, attribute_cause
+from agent.policy.engine import match_profile
+from agent.service_metrics import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_WINDOW_SECONDS,
+    LatencyWindow,
+    ScrapeError,
+    ServiceFigures,
+    scrape,
+)
+from agent.state import GpuSample
+
+log = structlog.get_logger("gpu-agent")
+
+
+class ServiceScraper:
+    """Scrapes every service that has a metrics URL, each on its own thread."""
+
+    def __init__(
+        self,
+        services: Sequence[ServiceConfig],
+        interval_seconds: float,
+        window_seconds: float = DEFAULT_WINDOW_SECONDS,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+    ) -> None:
+        self.interval_seconds = interval_seconds
+        self.max_bytes = max_bytes
+        self._services = {s.name: s for s in services if s.effective_metrics_url is not None}
+        self._windows = {name: LatencyWindow(name, window_seconds) for name in self._services}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._loop, args=(name,), name=f"scrape-{name}", daemon=True)
+            for name in self._services
+        ]
+
+    def scrape_once(self, name: str) -> None:
+        service = self._services[name]
+        url = service.effective_metrics_url
+        assert url is not None  # only services with one are kept
+        # The deadline fits inside the interval, so scrapes never pile up behind a slow server.
+        timeout_seconds = min(service.probe_timeout_seconds, self.interval_seconds)
+        try:
+            reading = scrape(url, service.kind, timeout_seconds, self.max_bytes)
+        except ScrapeError as exc:
+            with self._lock:
+                self._windows[name].add_error(str(exc))
+            log.debug("service metrics scrape failed", service=name, url=url, error=str(exc))
+            return
+        with self._lock:
+            self._windows[name].add(reading)
+
+    def _loop(self, name: str) -> None:
+        while not self._stop.is_set():
+            try:
+                self.scrape_once(name)
+            except Exception:  # a parser bug must not end this service's scraping for good
+                log.exception("service metrics scrape crashed", service=name)
+            self._stop.wait(self.interval_seconds)
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join(self._services[thread.name.removeprefix("scrape-")].probe_timeout_seconds + 1.0)
+
+    def figures(self) -> dict[str, ServiceFigures]:
+        with self._lock:
+            found = {name: window.figures() for name, window in self._windows.items()}
+        return {name: figures for name, figures in found.items() if figures is not None}
+
+
+def expected_clocks_mhz(config: AgentConfig, samples: Sequence[GpuSample]) -> dict[int, int]:
+    """Per GPU, the graphics clock its policy profile locks it to (the top of the range)."""
+    expected: dict[int, int] = {}
+    for sample in samples:
+        identity = GpuIdentity(sample.index, sample.uuid, sample.name, sample.pci_bus_id, "", "", 0)
+        number = match_profile(config.policy.gpus, identity)
+        locked = None if number is None else config.policy.gpus[number].locked_clocks
+        if locked is not None and locked.gpu_mhz is not None:
+            expected[sample.index] = locked.gpu_mhz[1]
+    return expected
+
+
+class LatencyRegressionWatch:
+    """GPU samples and Xid events over the window, and the SLO verdicts drawn from them."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        window_seconds: float = DEFAULT_WINDOW_SECONDS,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.window_seconds = window_seconds
+        self.clock = clock
+        self._samples: deque[GpuSample] = deque()
+        self._xids: deque[Event] = deque()
+        self._slo = SloWatch()
+
+    def observe(self, samples: Sequence[GpuSample], events: Sequence[Event]) -> None:
+        """Call once per loop with the loop's samples and new events."""
+        self._samples.extend(samples)
+        self._xids.extend(e for e in events if e.kind is EventKind.XID)
+        oldest = self.clock() - self.window_seconds
+        while self._samples and self._samples[0].timestamp_seconds < oldest:
+            self._samples.popleft()
+        while self._xids and self._xids[0].timestamp_seconds < oldest:
+            self._xids.popleft()
+
+    def evaluate(self, figures: Mapping[str, ServiceFigures]) -> list[Event]:
+        """Events for services that started missing their SLO (or whose cause changed) this loop."""
+        now = self.clock()
+        window_start = now - self.window_seconds
+        samples = list(self._samples)
+        xids = list(self._xids)
+        events: list[Event] = []
+        for service in self.config.services:
+            found = figures.get(service.name)
+            gpus = None if service.gpus == "all" else list(service.gpus)
+
+            def attribute(found: ServiceFigures | None = found, gpus: list[int] | None = gpus) -> CauseFinding:
+                return attribute_cause(
+                    samples,
+                    gpus=gpus,
+                    xid_events=xids,
+                    waiting_history=found.waiting_history if found is not None else (),
+                    expected_clock_mhz=expected_clocks_mhz(self.config, samples),
+                    window_start_seconds=window_start,
+                )
+
+            events += self._slo.update(service.name, service.slo, found, attribute, now)
+        return events
