@@ -17,7 +17,8 @@ so a start command that leaves a daemon behind holding stdout does not stall the
 Health
 ------
 `HealthProber` GETs each service's `health_url` (200-299 = healthy, anything else, a refused
-connection or no answer within `probe_timeout_seconds` = a failed probe). After
+connection or no answer within `probe_timeout_seconds` = a failed probe); with `probe: generate`
+it sends the server's cheapest real request instead (`agent.generate_probe`). After
 `unhealthy_after_probes` consecutive failures the service is declared unhealthy; one success
 declares it healthy again. SERVICE_UNHEALTHY and SERVICE_HEALTHY events are emitted on those
 transitions only (collect them with `take_events()`), so a service that stays down is one fault,
@@ -47,6 +48,7 @@ from typing import Protocol
 
 from agent.config import AgentConfig, ServiceConfig
 from agent.events import Event, EventKind, Severity, SuggestedAction
+from agent.generate_probe import generate_probe
 from agent.policy.base import HostContext
 from agent.state import ServiceStatus
 
@@ -347,7 +349,10 @@ class HealthProber:
         service = self._tracked[name].service
         if service.health_url is not None:
             started = time.monotonic()
-            ok, detail = http_probe(service.health_url, service.probe_timeout_seconds)
+            if service.probe == "generate" and service.origin is not None:
+                ok, detail = generate_probe(service.origin, service.kind, service.probe_timeout_seconds)
+            else:
+                ok, detail = http_probe(service.health_url, service.probe_timeout_seconds)
             latency: float | None = time.monotonic() - started
         else:
             latency = None

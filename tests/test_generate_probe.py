@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from agent.config import ServiceConfig
 from agent.generate_probe import generate_probe
+from agent.services import HealthProber
 from agent.standin import MODEL_NAME, StandinServer, free_port
 
 
@@ -54,3 +56,13 @@ def test_nothing_listening_fails_the_probe() -> None:
     ok, detail = generate_probe(f"http://127.0.0.1:{free_port()}", "sglang", 1.0)
     assert not ok
     assert "refused" in detail
+
+
+def test_the_prober_uses_the_generate_probe_when_configured(tmp_path: Path) -> None:
+    with StandinServer(tmp_path, extra_args=("--flavor", "vllm")) as server:
+        service = ServiceConfig.model_validate(
+            {"name": "vllm", "health_url": server.health_url, "probe": "generate", "probe_timeout_seconds": 2}
+        )
+        result = HealthProber([service]).probe_once("vllm")
+    assert result.ok
+    assert result.detail.startswith(f"1-token completion on {MODEL_NAME}")
