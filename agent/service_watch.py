@@ -7,6 +7,9 @@ feeds the service's `LatencyWindow`. `figures()` is what the loop publishes.
 
 `LatencyRegressionWatch` keeps the GPU samples and Xid events of the last window, and per loop
 asks `SloWatch` whether a service misses its SLO, naming the cause from what its GPUs did.
+
+`GpuAttributor` maps NVML's compute processes to services on a thread of its own (every 30 s).
+`InferenceMonitor` bundles the three behind the few calls the daemon makes.
 """
 
 from __future__ import annotations
@@ -18,9 +21,12 @@ from collections.abc import Callable, Mapping, Sequence
 
 import structlog
 
-from agent.backend.base import GpuIdentity
+from agent.backend.base import GpuBackend, GpuIdentity, GpuProcess
+from agent.backend.errors import GpuError
 from agent.config import AgentConfig, ServiceConfig
 from agent.events import Event, EventKind
+from agent.gpu_attribution import GpuAttribution, attribute_gpu_processes, command_service_pids
+from agent.host.paths import HostPaths
 from agent.latency_cause import CauseFinding, SloWatch, attribute_cause
 from agent.policy.engine import match_profile
 from agent.service_metrics import (
@@ -34,6 +40,9 @@ from agent.service_metrics import (
 from agent.state import GpuSample
 
 log = structlog.get_logger("gpu-agent")
+
+#: How often GPU processes are mapped to services: processes come and go with restarts, not loops.
+ATTRIBUTION_INTERVAL_SECONDS = 30.0
 
 
 class ServiceScraper:
@@ -158,3 +167,103 @@ class LatencyRegressionWatch:
 
             events += self._slo.update(service.name, service.slo, found, attribute, now)
         return events
+
+
+class GpuAttributor:
+    """Maps the GPUs' compute processes to services every `interval_seconds` on its own thread: an
+    NVML process query that hangs, or a long walk of the process table, never holds the loop."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        get_backend: Callable[[], GpuBackend | None],
+        interval_seconds: float = ATTRIBUTION_INTERVAL_SECONDS,
+    ) -> None:
+        self.config = config
+        self.get_backend = get_backend
+        self.interval_seconds = interval_seconds
+        self.paths = HostPaths.at(config.host_root)
+        self._latest: GpuAttribution | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="gpu-attribution", daemon=True)
+
+    def attribute_once(self) -> GpuAttribution | None:
+        backend = self.get_backend()
+        if backend is None:
+            return None
+        processes: dict[int, list[GpuProcess]] = {}
+        uuids: dict[int, str] = {}
+        for gpu in range(backend.device_count()):
+            try:
+                uuids[gpu] = backend.identity(gpu).uuid
+                processes[gpu] = backend.compute_processes(gpu)
+            except GpuError:
+                continue  # a lost or failing GPU: the collectors report it
+        needs_tree = any(s.manager == "command" for s in self.config.services)
+        command_pids = command_service_pids(self.config.services) if needs_tree else {}
+        found = attribute_gpu_processes(processes, uuids, self.config.services, self.paths, command_pids)
+        with self._lock:
+            self._latest = found
+        return found
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.attribute_once()
+            except GpuError as exc:
+                log.debug("GPU process attribution failed", error=str(exc))
+            except Exception:  # a bug here must not end attribution for good
+                log.exception("GPU process attribution crashed")
+            self._stop.wait(self.interval_seconds)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(1.0)  # a hung NVML call is left behind in its daemon thread
+
+    def latest(self) -> GpuAttribution | None:
+        with self._lock:
+            return self._latest
+
+
+class InferenceMonitor:
+    """Everything inference-aware the daemon runs, behind four calls:
+
+    - `start()` / `stop()`: the scrape and attribution threads;
+    - `on_loop(samples, events)` once per loop: the window's GPU history, and the
+      `service_latency_regression` events to add to the loop's events;
+    - `figures()` and `attribution()` for the snapshot (metrics, status).
+    """
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        get_backend: Callable[[], GpuBackend | None],
+        interval_seconds: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.scraper = ServiceScraper(config.services, interval_seconds)
+        self.watch = LatencyRegressionWatch(config, clock=clock)
+        self.attributor = GpuAttributor(config, get_backend)
+
+    def start(self) -> None:
+        self.scraper.start()
+        self.attributor.start()
+
+    def stop(self) -> None:
+        self.scraper.stop()
+        self.attributor.stop()
+
+    def on_loop(self, samples: Sequence[GpuSample], events: Sequence[Event]) -> list[Event]:
+        self.watch.observe(samples, events)
+        return self.watch.evaluate(self.scraper.figures())
+
+    def figures(self) -> dict[str, ServiceFigures]:
+        return self.scraper.figures()
+
+    def attribution(self) -> GpuAttribution | None:
+        return self.attributor.latest()

@@ -6,11 +6,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from agent.backend import open_backend
+from agent.collect import sample_all
 from agent.config import AgentConfig, ServiceConfig
 from agent.events import Event, EventKind, Severity
 from agent.service_metrics import LatencyFigures, ServiceFigures
-from agent.service_watch import LatencyRegressionWatch, ServiceScraper, expected_clocks_mhz
-from agent.standin import StandinServer
+from agent.service_watch import InferenceMonitor, LatencyRegressionWatch, ServiceScraper, expected_clocks_mhz
+from agent.standin import StandinServer, free_port
 from agent.state import GpuSample
 
 
@@ -96,3 +98,62 @@ def test_expected_clocks_come_from_the_matching_policy_profile() -> None:
         {"policy": {"gpus": [{"match": {"index": 1}, "locked_clocks": {"gpu_mhz": [1500, 1755]}}]}}
     )
     assert expected_clocks_mhz(config, [sample(0, 0.0), sample(1, 0.0)]) == {1: 1755}
+
+
+def standin_config(tmp_path: Path, port: int, state_dir: Path) -> AgentConfig:
+    return AgentConfig.model_validate(
+        {
+            "backend": "simulated",
+            "simulated": {"profile": "h200x2"},
+            "state_dir": str(state_dir),
+            "host_root": str(tmp_path / "root"),
+            "services": [
+                {
+                    "name": "sglang",
+                    "manager": "command",
+                    "start_command": ["/bin/true"],
+                    "stop_command": ["/bin/true"],
+                    "health_url": f"http://127.0.0.1:{port}/health",
+                    "gpus": [0],
+                    "probe_timeout_seconds": 1,
+                    "slo": {"e2e_p95_seconds": 1.5, "min_requests": 5},
+                }
+            ],
+        }
+    )
+
+
+def test_the_monitor_names_a_thermal_slowdown_behind_a_real_servers_latency(tmp_path: Path) -> None:
+    state_dir = tmp_path / "sim"
+    port = free_port()
+    args = ("--flavor", "sglang", "--sim-state-dir", str(state_dir), "--sim-profile", "h200x2", "--gpus", "0")
+    config = standin_config(tmp_path, port, state_dir)
+    backend = open_backend(config)
+    with StandinServer(tmp_path, port=port, extra_args=args):
+        monitor = InferenceMonitor(config, lambda: backend, interval_seconds=0.3)
+        monitor.start()
+        try:
+            events: list[Event] = []
+            injected_at = time.monotonic() + 2.0
+            deadline = time.monotonic() + 20
+            while not events and time.monotonic() < deadline:
+                if injected_at is not None and time.monotonic() >= injected_at:
+                    backend.set_temperature(0, 92)  # type: ignore[attr-defined]
+                    injected_at = None
+                events = monitor.on_loop(sample_all(backend), [])
+                assert not events or injected_at is None, "a regression before the slowdown"
+                time.sleep(0.3)
+            attribution = monitor.attributor.attribute_once()
+        finally:
+            monitor.stop()
+    (event,) = events
+    assert event.kind is EventKind.SERVICE_LATENCY_REGRESSION
+    assert (event.gpu, event.data["cause"]) == (0, "thermal_slowdown")
+    assert "service sglang: e2e p95" in event.message
+    assert "likely cause: GPU 0 thermal slowdown" in event.message
+    # the stand-in registered itself on simulated GPU 0: its memory is the service's
+    assert attribution is not None
+    assert set(attribution.memory_bytes) == {"sglang"}
+    assert set(attribution.memory_bytes["sglang"]) == {0}
+    assert attribution.memory_bytes["sglang"][0] > 0
+    assert attribution.unattributed == ()
