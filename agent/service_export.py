@@ -18,6 +18,7 @@ A figure the server did not give (no traffic in the window, a family it lacks) i
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import asdict
 from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -85,32 +86,12 @@ def service_metric_families(
             stray[process.gpu] = stray.get(process.gpu, 0) + (process.used_memory_bytes or 0)
         for gpu, used in sorted(stray.items()):
             unattributed.add_metric([str(gpu), names.get(gpu, "")], used)
-    return [latency, *gauges.values(), memory, unattributed]
-
-
-def _seconds(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f} s"
-
-
-def _count(value: float | None) -> str:
-    return "-" if value is None else f"{value:g}"
-
-
-def status_line(service: str, figures: ServiceFigures) -> str:
-    """`sglang: p95 e2e 0.72 s, TTFT 0.15 s; running 9 / waiting 0; 320 tokens/s`."""
-    if not figures.latency and figures.error:
-        return f"{service}: metrics unavailable ({figures.error})"
-    rate = figures.generation_tokens_per_second
-    tokens = "-" if rate is None else f"{rate:.0f}"
-    line = (
-        f"{service}: p95 e2e {_seconds(figures.quantile('e2e', 0.95))}, TTFT {_seconds(figures.quantile('ttft', 0.95))}"
-        f"; running {_count(figures.running)} / waiting {_count(figures.waiting)}; {tokens} tokens/s"
-    )
-    return f"{line} (last scrape: {figures.error})" if figures.error else line
+    # Empty families are not exposed, as in the rest of the exporter.
+    return [family for family in (latency, *gauges.values(), memory, unattributed) if family.samples]
 
 
 def status_document(figures: ServiceFigures) -> dict[str, Any]:
-    """One service's figures for `status --json` (added under each service)."""
+    """One service's figures for `status --json` (the `metrics` of each service)."""
     latency = sorted(figures.latency.items())
     return {
         "kind": figures.kind or None,
@@ -125,10 +106,40 @@ def status_document(figures: ServiceFigures) -> dict[str, Any]:
     }
 
 
-def unattributed_lines(attribution: GpuAttribution | None) -> Iterable[str]:
-    """`GPU 3: pid 4242 python (jupyter.service) 1.0 GiB, in no configured service`."""
-    for process in () if attribution is None else attribution.unattributed:
-        name = process.command or "?"
-        unit = f" ({process.unit})" if process.unit else ""
-        used = "" if process.used_memory_bytes is None else f" {process.used_memory_bytes / 2**30:.1f} GiB"
-        yield f"GPU {process.gpu}: pid {process.pid} {name}{unit}{used}, in no configured service"
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} s"
+
+
+def _count(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
+
+
+def status_line(document: Mapping[str, Any]) -> str:
+    """A `status_document` as one line: `p95 e2e 0.72 s, TTFT 0.15 s; running 9 / waiting 0; 320 tokens/s`."""
+    latency = document["latency_seconds"]
+    error = document["metrics_error"]
+    if not latency and error:
+        return f"metrics unavailable ({error})"
+    rate = document["generation_tokens_per_second"]
+    e2e = latency.get("e2e", {}).get("0.95")
+    ttft = latency.get("ttft", {}).get("0.95")
+    line = (
+        f"p95 e2e {_seconds(e2e)}, TTFT {_seconds(ttft)}; running {_count(document['requests_running'])}"
+        f" / waiting {_count(document['requests_waiting'])}; {'-' if rate is None else f'{rate:.0f}'} tokens/s"
+    )
+    return f"{line} (last scrape: {error})" if error else line
+
+
+def unattributed_document(attribution: GpuAttribution | None) -> list[dict[str, Any]]:
+    """GPU processes of no configured service, for `status --json`."""
+    return [asdict(process) for process in (() if attribution is None else attribution.unattributed)]
+
+
+def unattributed_lines(processes: Iterable[Mapping[str, Any]]) -> Iterable[str]:
+    """From `unattributed_document`: `GPU 3: pid 4242 python (jupyter.service) 1.0 GiB, in no configured service`."""
+    for process in processes:
+        name = process["command"] or "?"
+        unit = f" ({process['unit']})" if process["unit"] else ""
+        used = process["used_memory_bytes"]
+        size = "" if used is None else f" {used / 2**30:.1f} GiB"
+        yield f"GPU {process['gpu']}: pid {process['pid']} {name}{unit}{size}, in no configured service"

@@ -11,7 +11,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from agent.gpu_attribution import GpuAttribution, GpuProcessInfo
-from agent.service_export import service_metric_families, status_document, status_line, unattributed_lines
+from agent.service_export import (
+    service_metric_families,
+    status_document,
+    status_line,
+    unattributed_document,
+    unattributed_lines,
+)
 from agent.service_metrics import LatencyFigures, ServiceFigures
 
 GIB = 2**30
@@ -92,16 +98,19 @@ def test_the_exposition_passes_promtool() -> None:
 
 
 def test_status_line_and_document() -> None:
-    assert status_line("sglang", figures()) == (
-        "sglang: p95 e2e 0.72 s, TTFT 0.15 s; running 9 / waiting 0; 320 tokens/s"
-    )
-    assert status_line("vllm", figures(latency={}, error="HTTP 404")) == "vllm: metrics unavailable (HTTP 404)"
-    stale = status_line("sglang", figures(error="timed out after 2 s"))
-    assert stale.endswith("(last scrape: timed out after 2 s)")
     document = status_document(figures())
     assert document["latency_seconds"]["e2e"] == {"0.5": 0.55, "0.95": 0.72, "0.99": 0.79}
     assert document["requests_in_window"] == {"e2e": 120, "ttft": 120}
     assert document["metrics_error"] is None
-    assert list(unattributed_lines(ATTRIBUTION)) == [
+    assert status_line(document) == "p95 e2e 0.72 s, TTFT 0.15 s; running 9 / waiting 0; 320 tokens/s"
+    never_read = status_document(figures(latency={}, error="HTTP 404"))
+    assert status_line(never_read) == "metrics unavailable (HTTP 404)"
+    stale = status_line(status_document(figures(error="timed out after 2 s")))
+    assert stale.endswith("(last scrape: timed out after 2 s)")
+    assert list(unattributed_lines(unattributed_document(ATTRIBUTION))) == [
         "GPU 3: pid 4242 python (jupyter.service) 1.0 GiB, in no configured service"
     ]
+
+
+def test_families_without_samples_are_not_exposed() -> None:
+    assert service_metric_families({}) == []
