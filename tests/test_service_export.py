@@ -11,14 +11,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from agent.gpu_attribution import GpuAttribution, GpuProcessInfo
-from agent.service_export import (
-    service_metric_families,
-    status_document,
-    status_line,
-    unattributed_document,
-    unattributed_lines,
-)
+from agent.service_export import service_metric_families, status_document, unattributed_document
 from agent.service_metrics import LatencyFigures, ServiceFigures
+from agent.service_text import status_line, unattributed_lines
 
 GIB = 2**30
 
