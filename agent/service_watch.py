@@ -43,6 +43,7 @@ log = structlog.get_logger("gpu-agent")
 
 #: How often GPU processes are mapped to services: processes come and go with restarts, not loops.
 ATTRIBUTION_INTERVAL_SECONDS = 30.0
+ATTRIBUTION_RETRY_SECONDS = 1.0
 
 
 class ServiceScraper:
@@ -209,13 +210,15 @@ class GpuAttributor:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            found = None
             try:
-                self.attribute_once()
+                found = self.attribute_once()
             except GpuError as exc:
                 log.debug("GPU process attribution failed", error=str(exc))
             except Exception:  # a bug here must not end attribution for good
                 log.exception("GPU process attribution crashed")
-            self._stop.wait(self.interval_seconds)
+            # No backend yet (the daemon opens it on its first loop) or a failure: try again soon.
+            self._stop.wait(self.interval_seconds if found is not None else ATTRIBUTION_RETRY_SECONDS)
 
     def start(self) -> None:
         self._thread.start()
