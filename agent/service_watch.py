@@ -60,6 +60,8 @@ class ServiceScraper:
         self.max_bytes = max_bytes
         self._services = {s.name: s for s in services if s.effective_metrics_url is not None}
         self._windows = {name: LatencyWindow(name, window_seconds) for name in self._services}
+        # A kind detected once is kept: detection reads every line of the page, every scrape otherwise.
+        self._kinds: dict[str, str | None] = {name: s.kind for name, s in self._services.items()}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads = [
@@ -74,12 +76,14 @@ class ServiceScraper:
         # The deadline fits inside the interval, so scrapes never pile up behind a slow server.
         timeout_seconds = min(service.probe_timeout_seconds, self.interval_seconds)
         try:
-            reading = scrape(url, service.kind, timeout_seconds, self.max_bytes)
+            reading = scrape(url, self._kinds[name], timeout_seconds, self.max_bytes)
         except ScrapeError as exc:
             with self._lock:
                 self._windows[name].add_error(str(exc))
             log.debug("service metrics scrape failed", service=name, url=url, error=str(exc))
             return
+        if reading.kind != "generic":
+            self._kinds[name] = reading.kind
         with self._lock:
             self._windows[name].add(reading)
 
