@@ -46,6 +46,7 @@ from agent.rules.actions import ActionContext, AlertTracker, execute
 from agent.rules.config import Rule, load_rules
 from agent.rules.engine import evaluate, gpus_by_service
 from agent.rules.model import ActionOutcome, Decision, Outcome
+from agent.service_watch import InferenceMonitor
 from agent.services import HealthProber, ProberThread, build_managers
 from agent.state import CollectorStatus, GpuSample, NodeSnapshot, RemediationCount
 from agent.store import Store, StoreError
@@ -158,6 +159,7 @@ class Daemon:
         self.prober = HealthProber(config.services, build_managers(config, self.host))
         self.prober.on_event = self.wake.set
         self.prober_thread: ProberThread | None = None
+        self.inference = InferenceMonitor(config, lambda: self.backend, config.interval_seconds, clock=clock)
         self.actions: queue.SimpleQueue[Decision | None] = queue.SimpleQueue()
         self.inflight: list[tuple[Decision, float]] = []  # queued or running: counted as attempts
         self.inflight_lock = threading.Lock()
@@ -473,6 +475,7 @@ class Daemon:
         else:
             samples = self._unavailable_samples(now)
         events.extend(self._take_queued_events())
+        events.extend(self.inference.on_loop(samples, events))
         self._note_events(events)
         snapshot = self.build_snapshot(now, samples, time.monotonic() - started)
         self.remediate(snapshot, events, now)
@@ -546,6 +549,8 @@ class Daemon:
             collectors=tuple(collectors.values()),
             recent_events=tuple(self.recent_events),
             collect_duration_seconds=duration_seconds,
+            service_figures=self.inference.figures(),
+            gpu_attribution=self.inference.attribution(),
         )
 
     def _remediation_counts(self) -> tuple[RemediationCount, ...]:
@@ -732,6 +737,9 @@ class Daemon:
             self.prober.on_event = self.wake.set
             self.prober_thread = ProberThread(self.prober)
             self.prober_thread.start()
+            self.inference.stop()
+            self.inference = InferenceMonitor(new, lambda: self.backend, new.interval_seconds, clock=self.clock)
+            self.inference.start()
         self.status_note = ""
         if self.backend is not None and hasattr(self.backend, "write_guard"):
             self.backend.write_guard = WriteGuard(new.writable_items())
@@ -800,6 +808,8 @@ class Daemon:
         self.prober_thread = ProberThread(self.prober)
         self.prober_thread.start()
         self._closers.append(lambda: self.prober_thread.stop() if self.prober_thread else None)
+        self.inference.start()
+        self._closers.append(lambda: self.inference.stop())
         worker = threading.Thread(target=self._action_worker, name="actions", daemon=True)
         worker.start()
 

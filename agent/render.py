@@ -11,6 +11,7 @@ from agent.clock_events import decode
 from agent.events import Event
 from agent.policy.base import ItemPlan, ItemResult
 from agent.policy.engine import ApplyReport, NodePlan
+from agent.service_export import status_document, unattributed_document
 from agent.state import GpuSample, NodeSnapshot
 from agent.store import StoredEvent, StoredRemediation
 from agent.textview import table
@@ -87,7 +88,13 @@ def snapshot_document(snapshot: NodeSnapshot, source: str, note: str = "", mode:
             "items": policy_items,
         },
         "xids": [asdict(x) for x in snapshot.xids],
-        "services": [asdict(s) for s in snapshot.services],
+        "services": [
+            {**asdict(s), "metrics": status_document(snapshot.service_figures[s.name])}
+            if s.name in snapshot.service_figures
+            else asdict(s)
+            for s in snapshot.services
+        ],
+        "unattributed_gpu_processes": unattributed_document(snapshot.gpu_attribution),
         "remediations": [asdict(r) for r in snapshot.remediations],
         "recent_events": [event_json(e) for e in snapshot.recent_events[-20:]],
         "collectors": [asdict(c) for c in snapshot.collectors],

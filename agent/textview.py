@@ -7,6 +7,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from agent.service_text import status_line, unattributed_lines
+
 JSON_SCHEMA_VERSION = 1
 
 
@@ -81,6 +83,10 @@ def status_text(document: dict[str, Any]) -> str:
             + ("up" if s["up"] else "not probed yet" if s["up"] is None else f"DOWN ({s['detail']})")
             for s in document["services"]
         )
+        lines.extend(f"  {s['name']}: {status_line(s['metrics'])}" for s in document["services"] if s.get("metrics"))
+    if document.get("unattributed_gpu_processes"):
+        lines.append("")
+        lines.extend(unattributed_lines(document["unattributed_gpu_processes"]))
     if document["remediations"]:
         lines.append("")
         lines.append(
