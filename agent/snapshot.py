@@ -2,7 +2,8 @@
 samples and plans. The daemon builds every loop's snapshot here and `gpu-agent status --direct`
 builds its one-off snapshot here, with the same watchers, so both give the same verdict for the
 same node. What only a running daemon knows (stale GPUs, services, remediations, collectors,
-recent events) comes in as `DaemonParts`.
+recent events) comes in as `DaemonParts`. The inference servers' figures and the GPU processes per
+service come from the daemon's monitor, or from one read for `status --direct`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from agent.backend.base import GpuIdentity
 from agent.backend.errors import GpuError
 from agent.config import AgentConfig
 from agent.events import Event, Health, HealthState
+from agent.gpu_attribution import GpuAttribution
 from agent.policy.base import ItemPlan
+from agent.service_metrics import ServiceFigures
 from agent.state import CollectorStatus, GpuSample, NodeSnapshot, RemediationCount, ServiceStatus
 from agent.watch.devices import DeviceWatcher
 from agent.watch.gpu_lost import GpuLostWatcher
@@ -91,6 +94,8 @@ def build_snapshot(
     driver_version: str | None,
     policy: tuple[ItemPlan, ...],
     daemon: DaemonParts | None = None,
+    service_figures: Mapping[str, ServiceFigures] | None = None,
+    gpu_attribution: GpuAttribution | None = None,
 ) -> NodeSnapshot:
     """The snapshot of `samples` once `watchers` have observed them."""
     parts = daemon or DaemonParts()
@@ -113,4 +118,6 @@ def build_snapshot(
         collectors=parts.collectors,
         recent_events=parts.recent_events,
         collect_duration_seconds=parts.collect_duration_seconds,
+        service_figures=dict(service_figures or {}),
+        gpu_attribution=gpu_attribution,
     )
