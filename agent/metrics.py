@@ -264,7 +264,9 @@ class SnapshotCollector(Collector):
             self._remediations(out, snapshot)
             self._collectors(out, snapshot)
             uuids = self._uuids(snapshot)
-            inference = service_metric_families(snapshot.service_figures, snapshot.gpu_attribution, uuids)
+            inference = service_metric_families(
+                snapshot.service_figures, snapshot.gpu_attribution, uuids, snapshot.service_slo_seconds
+            )
             return itertools.chain(out, inference)
         return iter(out)
 

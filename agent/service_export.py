@@ -8,6 +8,7 @@ JSON of `gpu-agent status` (its text lines: `agent.service_text`). Pure function
     gpu_agent_service_kv_cache_usage_ratio{service}
     gpu_agent_service_generation_tokens_per_second{service}
     gpu_agent_service_metrics_up{service}          1 when the last scrape of its /metrics worked
+    gpu_agent_service_latency_slo_seconds{service,kind="e2e|ttft"}   the p95 objective (services[].slo)
     gpu_agent_service_gpu_memory_bytes{service,gpu,uuid}
     gpu_agent_gpu_unattributed_memory_bytes{gpu,uuid}   GPU memory of processes no service owns
 
@@ -31,6 +32,7 @@ def service_metric_families(
     figures: Mapping[str, ServiceFigures],
     attribution: GpuAttribution | None = None,
     uuids: Mapping[int, str] | None = None,
+    slo_seconds: Mapping[str, Mapping[str, float]] | None = None,
 ) -> list[Metric]:
     # A summary's quantiles, as client-side summaries give them over a sliding window; without
     # _count/_sum, which for a server's requests are its own histograms' to give.
@@ -66,6 +68,15 @@ def service_metric_families(
         for name, value in values.items():
             if value is not None:
                 gauges[name].add_metric([service], value)
+    # Next to the p95 it bounds, so a dashboard draws both and an alert compares them.
+    slo = GaugeMetricFamily(
+        "gpu_agent_service_latency_slo_seconds",
+        "The service's p95 latency objective (services[].slo in agent.yaml).",
+        labels=["service", "kind"],
+    )
+    for service, objectives in sorted((slo_seconds or {}).items()):
+        for objective, seconds in sorted(objectives.items()):
+            slo.add_metric([service, objective], seconds)
     memory = GaugeMetricFamily(
         "gpu_agent_service_gpu_memory_bytes",
         "GPU memory held by the service's processes (NVML running processes).",
@@ -87,7 +98,7 @@ def service_metric_families(
         for gpu, used in sorted(stray.items()):
             unattributed.add_metric([str(gpu), names.get(gpu, "")], used)
     # Empty families are not exposed, as in the rest of the exporter.
-    return [family for family in (latency, *gauges.values(), memory, unattributed) if family.samples]
+    return [family for family in (latency, *gauges.values(), slo, memory, unattributed) if family.samples]
 
 
 def status_document(figures: ServiceFigures) -> dict[str, Any]:

@@ -85,6 +85,18 @@ def item_modes(config: AgentConfig, plans: Iterable[ItemPlan]) -> dict[str, str]
     return {p.item: config.item_mode(p.item).value for p in plans if p.item != "gpu"}
 
 
+def service_slo_seconds(config: AgentConfig) -> dict[str, dict[str, float]]:
+    """Each service's p95 objectives by latency kind, as exported next to the p95 itself."""
+    found: dict[str, dict[str, float]] = {}
+    for service in config.services:
+        slo = service.slo
+        if slo is None:
+            continue
+        kinds = {"e2e": slo.e2e_p95_seconds, "ttft": slo.ttft_p95_seconds}
+        found[service.name] = {kind: seconds for kind, seconds in kinds.items() if seconds is not None}
+    return found
+
+
 def build_snapshot(
     config: AgentConfig,
     now: float,
@@ -120,4 +132,5 @@ def build_snapshot(
         collect_duration_seconds=parts.collect_duration_seconds,
         service_figures=dict(service_figures or {}),
         gpu_attribution=gpu_attribution,
+        service_slo_seconds=service_slo_seconds(config),
     )

@@ -121,3 +121,5 @@ class NodeSnapshot:
     collect_duration_seconds: float = 0.0
     service_figures: dict[str, ServiceFigures] = field(default_factory=dict)  # the servers' own view
     gpu_attribution: GpuAttribution | None = None  # GPU processes per service; None until mapped
+    # service -> latency kind ("e2e", "ttft") -> its p95 objective (`services[].slo`), for dashboards
+    service_slo_seconds: dict[str, dict[str, float]] = field(default_factory=dict)

@@ -17,11 +17,9 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
-from snapshots import TIMESTAMP_SECONDS, VERSION, node_gpus, node_snapshot
+from snapshots import VERSION, inference_fields, node_gpus, node_snapshot
 
-from agent.gpu_attribution import GpuAttribution, GpuProcessInfo
 from agent.metrics import SnapshotCollector
-from agent.service_metrics import LatencyFigures, ServiceFigures
 from agent.state import NodeSnapshot
 
 GOLDEN = Path(__file__).parent / "fixtures" / "metrics-golden.txt"
@@ -33,33 +31,11 @@ def golden_snapshot() -> NodeSnapshot:
     without a GPU, ECC, remaps, PCIe trained down, throttling, GPU and node policy items, services,
     remediations, collectors) plus the two readings that node does not have, so that every family
     the exporter knows is in the file: a pending page retirement and a recovery action newer than
-    this agent. The sglang server exports its figures (a quantile it could not give is absent), the
-    embeddings server's last scrape failed; GPU processes map to sglang, one to no service."""
+    this agent; and the inference servers' figures, the SLO and the GPU processes per service."""
     gpu0, gpu1, gpu2, gpu3 = node_gpus()
-    sglang = ServiceFigures(
-        "sglang",
-        "sglang",
-        TIMESTAMP_SECONDS,
-        300.0,
-        latency={
-            "e2e": LatencyFigures(120, 0.6, {0.5: 0.55, 0.95: 0.72, 0.99: 0.79}),
-            "ttft": LatencyFigures(120, 0.11, {0.5: 0.1, 0.95: 0.15, 0.99: None}),
-        },
-        running=9,
-        waiting=2,
-        kv_cache_usage_ratio=0.41,
-        generation_tokens_per_second=320.5,
-    )
-    embeddings = ServiceFigures("embeddings", "", 0.0, 0.0, error="timed out after 2 s")
-    attribution = GpuAttribution(
-        memory_bytes={"sglang": {0: 70 * 2**30, 1: 70 * 2**30}},
-        pids={"sglang": (4100, 4101)},
-        unattributed=(GpuProcessInfo(4242, 1, gpu1.uuid, 2**30, "jupyter.service", "python"),),
-    )
     return node_snapshot(
         gpus=(replace(gpu0, retired_pages_pending=False), gpu1, replace(gpu2, recovery_action=9), gpu3),
-        service_figures={"sglang": sglang, "embeddings": embeddings},
-        gpu_attribution=attribution,
+        **inference_fields(),
     )
 
 
@@ -98,6 +74,7 @@ def test_golden_file_holds_every_kind_of_series() -> None:
         'gpu_agent_service_metrics_up{service="embeddings"} 0.0',
         'gpu_agent_service_gpu_memory_bytes{gpu="0",service="sglang",',
         'gpu_agent_gpu_unattributed_memory_bytes{gpu="1",',
+        'gpu_agent_service_latency_slo_seconds{kind="e2e",service="sglang"} 1.5',
     ):
         assert expected in golden, expected
 
