@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from dataclasses import replace
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
+from snapshots import inference_fields, node_snapshot
 
 from agent.gpu_attribution import GpuAttribution, GpuProcessInfo
+from agent.render import snapshot_document
 from agent.service_export import service_metric_families, status_document, unattributed_document
 from agent.service_metrics import LatencyFigures, ServiceFigures
 from agent.service_text import status_line, unattributed_lines
+from agent.textview import status_text
 
 GIB = 2**30
 
@@ -109,3 +113,24 @@ def test_status_line_and_document() -> None:
 
 def test_families_without_samples_are_not_exposed() -> None:
     assert service_metric_families({}) == []
+
+
+def test_status_shows_each_services_figures_under_its_probe_line() -> None:
+    """The whole path a status read takes: snapshot -> status JSON -> text. A service only scraped
+    (a one-off read probes nothing) is listed as not probed, with its figures."""
+    snapshot = node_snapshot(**inference_fields())
+    text = status_text(snapshot_document(snapshot, source="daemon"))
+    assert (
+        "service sglang (sglang.service): up\n"
+        "  sglang: p95 e2e 0.72 s, TTFT 0.15 s; running 9 / waiting 2; 320 tokens/s\n"
+        "service embeddings (embeddings.service): DOWN (HTTP 503)\n"
+        "  embeddings: metrics unavailable (timed out after 2 s)\n"
+        "service vllm (vllm.service): not probed yet\n"
+        "GPU 1: pid 4242 python (jupyter.service) 1.0 GiB, in no configured service\n"
+    ) in text
+    direct = snapshot_document(replace(snapshot, services=()), source="direct")
+    assert [(s["name"], s["up"], "metrics" in s) for s in direct["services"]] == [
+        ("sglang", None, True),
+        ("embeddings", None, True),
+    ]
+    assert "service sglang: not probed yet\n  sglang: p95 e2e 0.72 s" in status_text(direct)
