@@ -233,6 +233,7 @@ def direct_status(config: AgentConfig, note: str) -> dict[str, object]:
 
     from agent import render
     from agent.collect import sample_all
+    from agent.service_watch import read_once
     from agent.snapshot import NodeWatchers, build_snapshot
 
     engine = make_engine(config)
@@ -241,11 +242,21 @@ def direct_status(config: AgentConfig, note: str) -> dict[str, object]:
         samples = sample_all(engine.backend)
         driver = engine.backend.driver_version()
         plan = engine.plan()
+        figures, attribution = read_once(config, engine.backend)
     finally:
         engine.backend.shutdown()
     watchers = NodeWatchers()
     watchers.observe(samples, now)
-    snapshot = build_snapshot(config, now, samples, watchers, driver_version=driver, policy=plan.items)
+    snapshot = build_snapshot(
+        config,
+        now,
+        samples,
+        watchers,
+        driver_version=driver,
+        policy=plan.items,
+        service_figures=figures,
+        gpu_attribution=attribution,
+    )
     return render.snapshot_document(snapshot, source="direct", note=note, mode=config.mode.value)
 
 

@@ -297,6 +297,21 @@ class PolicyConfig(StrictModel):
     modes: dict[ItemName, Mode] = Field(default_factory=dict)  # per-item override of the top-level mode
 
 
+class ServiceSlo(StrictModel):
+    """Latency objectives on the server's own histograms (p95 over the sliding window)."""
+
+    e2e_p95_seconds: float | None = Field(default=None, gt=0)
+    ttft_p95_seconds: float | None = Field(default=None, gt=0)
+    # Fewer requests than this in the window: no verdict (a p95 of three requests is noise).
+    min_requests: int = Field(default=20, ge=1)
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> ServiceSlo:
+        if self.e2e_p95_seconds is None and self.ttft_p95_seconds is None:
+            raise ValueError("needs e2e_p95_seconds and/or ttft_p95_seconds")
+        return self
+
+
 class ServiceConfig(StrictModel):
     name: str = Field(min_length=1)
     unit: str | None = None  # systemd unit, e.g. sglang.service
@@ -319,20 +334,59 @@ class ServiceConfig(StrictModel):
     # The CUDA version the service's image was built for: a driver that supports less is drift of
     # the `driver` item (and an alert) before the service crashes on start.
     cuda_version: CudaVersion | None = None
+    # The server's own Prometheus page; default: the health URL's origin + /metrics; false: not scraped.
+    metrics_url: str | Literal[False] | None = None
+    kind: Literal["sglang", "vllm", "generic"] | None = None  # None: detected from the /metrics families
+    slo: ServiceSlo | None = None  # off unless set
+    # health: GET health_url; generate: the server's cheapest real request (sglang /health_generate,
+    # vLLM a 1-token completion), which a wedged engine behind a live HTTP server fails.
+    probe: Literal["health", "generate"] = "health"
 
     @property
     def unit_name(self) -> str:
         return self.unit or f"{self.name}.service"
+
+    @property
+    def effective_metrics_url(self) -> str | None:
+        """Where the agent reads the server's metrics; None when nowhere."""
+        if self.metrics_url is False:
+            return None
+        if self.metrics_url is not None:
+            return self.metrics_url
+        origin = _origin(self.health_url)
+        return None if origin is None else origin + "/metrics"
+
+    @property
+    def origin(self) -> str | None:
+        """`http://host:port` of the health URL (what the generate probe talks to)."""
+        return _origin(self.health_url)
 
     @field_validator("health_url")
     @classmethod
     def _http_url(cls, value: str | None) -> str | None:
         return None if value is None else http_url(value)
 
+    @field_validator("metrics_url")
+    @classmethod
+    def _metrics_url(cls, value: str | Literal[False] | None) -> str | Literal[False] | None:
+        if isinstance(value, str) and not re.match(r"https?://[^/\s]+", value):
+            raise ValueError("must be an http:// or https:// URL, or false")
+        return value
+
     @field_validator("start_command", "stop_command", "status_command")
     @classmethod
     def _absolute_program(cls, argv: list[str] | None) -> list[str] | None:
         return None if argv is None else absolute_argv(argv)
+
+    @model_validator(mode="after")
+    def _metrics_needed(self) -> ServiceConfig:
+        if self.probe == "generate" and self.health_url is None:
+            raise ValueError("probe 'generate' needs health_url (the server's address)")
+        if self.probe == "generate" and self.kind == "generic":
+            raise ValueError("probe 'generate' needs kind sglang or vllm (or none, to detect it)")
+        if self.slo is not None and self.effective_metrics_url is None:
+            raise ValueError("slo needs the server's metrics: set metrics_url or health_url")
+        return self
 
     @model_validator(mode="after")
     def _commands_match_manager(self) -> ServiceConfig:
@@ -346,6 +400,11 @@ class ServiceConfig(StrictModel):
             if given:
                 raise ValueError(f"{', '.join(given)}: only for manager 'command'")
         return self
+
+
+def _origin(url: str | None) -> str | None:
+    match = re.match(r"(https?://[^/\s?#]+)", url or "")
+    return match.group(1) if match else None
 
 
 class RemediationConfig(StrictModel):

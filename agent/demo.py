@@ -5,8 +5,10 @@ with nouveau loaded, an Ubuntu /etc/os-release, /etc/modprobe.d, /etc/systemd/sy
 simulated node's state (4x H200 SXM + 2x RTX PRO 6000), a stand-in inference server managed by
 the `command` adapter, the shipped default rules, and a config in enforce mode. Nothing outside
 that directory is read or changed. The scenario: the policy is enforced at start; a setting
-drifts behind the agent's back and is put back; GPU 4 overheats and throttles; an app-level Xid
-on GPU 1 gets the inference service restarted by the default rule.
+drifts behind the agent's back and is put back; GPU 4 overheats and throttles; GPU 2, one of the
+inference service's, overheats and the service's own p95 latency misses its SLO, which the agent
+blames on GPU 2's thermal slowdown; an app-level Xid on GPU 1 gets the inference service restarted
+by the default rule.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ services:
     stop_command: {stop}
     probe_interval_seconds: 1
     ready_timeout_seconds: 30
+    slo: {{e2e_p95_seconds: 1.5}}
 """
 
 
@@ -111,7 +114,10 @@ def write_demo_config(directory: Path) -> Path:
         os.chmod(target, 0o644)  # the loader refuses rules others can write
     service_port = standin.free_port()
     pid_file = directory / SERVICE_PID_FILE
-    server = [sys.executable, "-m", "agent.standin", "--port", str(service_port), "--pid-file", str(pid_file)]
+    server = [
+        *(sys.executable, "-m", "agent.standin", "--flavor", "sglang"),
+        *("--port", str(service_port), "--pid-file", str(pid_file)),
+    ]
     start = [*server, "--daemon", "--sim-state-dir", str(state_dir), "--sim-profile", "mixed", "--gpus", "0,1,2,3"]
     stop = [sys.executable, "-m", "agent.standin", "--stop", "--pid-file", str(pid_file)]
     config = directory / "agent.yaml"
@@ -220,6 +226,10 @@ def _thermal_events(status: dict[str, Any]) -> list[dict[str, Any]]:
     return [e for e in _events(status, "throttle_started") if e["gpu"] == 4 and "thermal" in e["data"]["reason"]]
 
 
+def _latency_regressions(status: dict[str, Any], gpu: int) -> list[dict[str, Any]]:
+    return [e for e in _events(status, "service_latency_regression") if e["gpu"] == gpu]
+
+
 def _remediated(status: dict[str, Any], rule: str) -> bool:
     return any(r["rule"] == rule and r["outcome"] == "success" for r in status["remediations"])
 
@@ -273,7 +283,8 @@ def _play(demo: Demo) -> None:
     say("\n== 1. the daemon enforces the policy on its first loop")
     demo.wait("power limits", lambda s: _gpu(s, 0)["power_limit_watts"] == 600.0, 30)
     say("   GPU 0-3 power limit 700 W -> 600 W, clocks locked at 1980 MHz; GPU 4-5 450 W, fans on the curve")
-    say("   THP off, nouveau blacklisted (reboot pending), Triton cache dir and drop-in written")
+    say("   THP off, nouveau blacklisted (reboot pending), Triton cache dir made (sglang gets TRITON_CACHE_DIR")
+    say("   in its start command's environment: a command service has no unit for a drop-in)")
 
     say("\n== 2. someone sets GPU 0 to 650 W behind the agent's back")
     say("   " + demo.cli("inject", "drift", "--gpu", "0", "--power-limit-watts", "650"))
@@ -292,7 +303,16 @@ def _play(demo: Demo) -> None:
     demo.cli("inject", "throttle", "--gpu", "4", "--clear")
     demo.cli("inject", "temperature", "--gpu", "4", "--clear")
 
-    say("\n== 4. an app-level Xid 13 on GPU 1 (NVML event and kernel log)")
+    # Before the Xid: an Xid in the latency window would be named as the cause instead.
+    say("\n== 4. GPU 2, one of sglang's GPUs, overheats: 92 C, its clock halves")
+    say("   " + demo.cli("inject", "temperature", "--gpu", "2", "--celsius", "92"))
+    say("   sglang serves slower; the agent reads its p95 from the server's /metrics (SLO: e2e p95 1.5 s)")
+    demo.wait("the latency regression", lambda s: bool(_latency_regressions(s, gpu=2)), 120)
+    say("   " + _latency_regressions(demo.status(), gpu=2)[-1]["message"])
+    say("   (rule service-latency-regression-alert alerts with that cause; never a restart)")
+    demo.cli("inject", "temperature", "--gpu", "2", "--clear")
+
+    say("\n== 5. an app-level Xid 13 on GPU 1 (NVML event and kernel log)")
     say("   " + demo.cli("inject", "xid", "13", "--gpu", "1", "--pid", "4242", "--process", "python3"))
     demo.wait("the service restart", lambda s: _remediated(s, "xid-restart-service"), 90)
     say("   rule xid-restart-service restarted sglang (stop, start, health check): success")

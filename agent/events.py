@@ -36,6 +36,7 @@ class EventKind(str, Enum):
     RECOVERY_ACTION = "recovery_action"  # Xid 154: the driver says what recovery the GPU needs
     SERVICE_UNHEALTHY = "service_unhealthy"
     SERVICE_HEALTHY = "service_healthy"
+    SERVICE_LATENCY_REGRESSION = "service_latency_regression"  # a service's own p95 misses its SLO
     POLICY_DRIFT = "policy_drift"
 
 

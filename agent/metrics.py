@@ -13,6 +13,7 @@ as 0. Readings of a stale GPU (a call hung, see `gpu_agent_gpu_stale`) are the l
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
 import threading
@@ -32,6 +33,7 @@ from agent.backend.base import RecoveryAction
 from agent.clock_events import CLOCK_EVENT_REASONS
 from agent.events import HealthState
 from agent.policy.base import PlanStatus
+from agent.service_export import service_metric_families
 from agent.state import GpuSample, NodeSnapshot
 from agent.watch import xid_catalog
 
@@ -262,6 +264,11 @@ class SnapshotCollector(Collector):
             self._services(out, snapshot)
             self._remediations(out, snapshot)
             self._collectors(out, snapshot)
+            uuids = self._uuids(snapshot)
+            inference = service_metric_families(
+                snapshot.service_figures, snapshot.gpu_attribution, uuids, snapshot.service_slo_seconds
+            )
+            return itertools.chain(out, inference)
         return iter(out)
 
     @staticmethod

@@ -11,7 +11,8 @@ from agent.clock_events import decode
 from agent.events import event_json as event_json  # `render.event_json`: the CLI's events --json
 from agent.policy.base import ItemPlan, ItemResult
 from agent.policy.engine import ApplyReport, NodePlan
-from agent.state import GpuSample, NodeSnapshot
+from agent.service_export import status_document, unattributed_document
+from agent.state import GpuSample, NodeSnapshot, ServiceStatus
 from agent.store import StoredEvent, StoredRemediation
 from agent.textview import table
 
@@ -74,10 +75,30 @@ def snapshot_document(snapshot: NodeSnapshot, source: str, note: str = "", mode:
             "items": policy_items,
         },
         "xids": [asdict(x) for x in snapshot.xids],
-        "services": [asdict(s) for s in snapshot.services],
+        **services_json(snapshot),
         "remediations": [asdict(r) for r in snapshot.remediations],
         "recent_events": [event_json(e) for e in snapshot.recent_events[-20:]],
         "collectors": [asdict(c) for c in snapshot.collectors],
+    }
+
+
+def services_json(snapshot: NodeSnapshot) -> dict[str, Any]:
+    """`services` (each with its server's `metrics` when scraped) and `unattributed_gpu_processes`.
+
+    A one-off read probes no service: a service whose server answered its scrape is listed as not
+    probed, with its metrics."""
+    listed = [*snapshot.services]
+    listed += [
+        ServiceStatus(name, "", None) for name in snapshot.service_figures if name not in {s.name for s in listed}
+    ]
+    return {
+        "services": [
+            {**asdict(s), "metrics": status_document(snapshot.service_figures[s.name])}
+            if s.name in snapshot.service_figures
+            else asdict(s)
+            for s in listed
+        ],
+        "unattributed_gpu_processes": unattributed_document(snapshot.gpu_attribution),
     }
 
 

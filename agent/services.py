@@ -17,7 +17,8 @@ so a start command that leaves a daemon behind holding stdout does not stall the
 Health
 ------
 `HealthProber` GETs each service's `health_url` (200-299 = healthy, anything else, a refused
-connection or no answer within `probe_timeout_seconds` = a failed probe). After
+connection or no answer within `probe_timeout_seconds` = a failed probe); with `probe: generate`
+it sends the server's cheapest real request instead (`agent.generate_probe`). After
 `unhealthy_after_probes` consecutive failures the service is declared unhealthy; one success
 declares it healthy again. SERVICE_UNHEALTHY and SERVICE_HEALTHY events are emitted on those
 transitions only (collect them with `take_events()`), so a service that stays down is one fault,
@@ -48,6 +49,7 @@ import structlog
 
 from agent.config import AgentConfig, ServiceConfig
 from agent.events import Event, EventKind, Severity, SuggestedAction
+from agent.generate_probe import generate_probe
 from agent.policy.base import HostContext
 from agent.state import ServiceStatus
 
@@ -184,19 +186,30 @@ class SystemdManager:
 
 
 class CommandManager:
-    """Services started and stopped by their configured commands."""
+    """Services started and stopped by their configured commands.
+
+    `start_environments`: per service name, variables added to MINIMAL_ENV for its start command
+    (TRITON_CACHE_DIR for the services `policy.node.triton_cache` lists: a systemd drop-in cannot
+    reach a process the agent starts itself).
+    """
+
+    def __init__(self, start_environments: Mapping[str, Mapping[str, str]] | None = None) -> None:
+        self.start_environments = {name: dict(env) for name, env in (start_environments or {}).items()}
 
     @staticmethod
-    def _run(service: ServiceConfig, argv: list[str] | None, what: str) -> ProcessResult:
+    def _run(
+        service: ServiceConfig, argv: list[str] | None, what: str, env: Mapping[str, str] | None = None
+    ) -> ProcessResult:
         if argv is None:
             raise ServiceError(f"service {service.name} has no {what} (manager: {service.manager})")
         try:
-            return run_process(argv, service.command_timeout_seconds)
+            return run_process(argv, service.command_timeout_seconds, env=env)
         except OSError as exc:
             raise ServiceError(f"{service.name}: cannot run {argv[0]}: {exc.strerror or exc}") from exc
 
     def start(self, service: ServiceConfig) -> None:
-        _checked(self._run(service, service.start_command, "start_command"), f"{service.name} start_command")
+        env = {**MINIMAL_ENV, **self.start_environments.get(service.name, {})}
+        _checked(self._run(service, service.start_command, "start_command", env), f"{service.name} start_command")
 
     def stop(self, service: ServiceConfig) -> None:
         _checked(self._run(service, service.stop_command, "stop_command"), f"{service.name} stop_command")
@@ -211,6 +224,20 @@ class CommandManager:
         return self._run(service, service.status_command, "status_command").returncode == 0
 
 
+def triton_environments(config: AgentConfig, host: HostContext) -> dict[str, dict[str, str]]:
+    """TRITON_CACHE_DIR for each `manager: command` service `policy.node.triton_cache` lists (by
+    name or unit), pointing at the cache directory as the host sees it."""
+    cache = config.policy.node.triton_cache
+    if cache is None:
+        return {}
+    listed = set(cache.services)
+    return {
+        service.name: {"TRITON_CACHE_DIR": str(host.paths.path(cache.path))}
+        for service in config.services
+        if service.manager == "command" and (service.name in listed or service.unit_name in listed)
+    }
+
+
 def build_managers(
     config: AgentConfig, host: HostContext, systemctl_argv: Sequence[str] | None = None
 ) -> dict[str, ServiceManager]:
@@ -221,7 +248,7 @@ def build_managers(
     (an action on such a service is refused for want of a manager).
     """
     managers: dict[str, ServiceManager] = {}
-    commands = CommandManager()
+    commands = CommandManager(triton_environments(config, host))
     systemd = SystemdManager(systemctl_argv) if systemctl_argv is not None else None
     if systemd is None and host.is_real_root:
         systemd = SystemdManager()
@@ -323,7 +350,10 @@ class HealthProber:
         service = self._tracked[name].service
         if service.health_url is not None:
             started = time.monotonic()
-            ok, detail = http_probe(service.health_url, service.probe_timeout_seconds)
+            if service.probe == "generate" and service.origin is not None:
+                ok, detail = generate_probe(service.origin, service.kind, service.probe_timeout_seconds)
+            else:
+                ok, detail = http_probe(service.health_url, service.probe_timeout_seconds)
             latency: float | None = time.monotonic() - started
         else:
             latency = None

@@ -2,7 +2,8 @@
 samples and plans. The daemon builds every loop's snapshot here and `gpu-agent status --direct`
 builds its one-off snapshot here, with the same watchers, so both give the same verdict for the
 same node. What only a running daemon knows (stale GPUs, services, remediations, collectors,
-recent events) comes in as `DaemonParts`.
+recent events) comes in as `DaemonParts`. The inference servers' figures and the GPU processes per
+service come from the daemon's monitor, or from one read for `status --direct`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from agent.backend.base import GpuIdentity
 from agent.backend.errors import GpuError
 from agent.config import AgentConfig
 from agent.events import Event, Health, HealthState
+from agent.gpu_attribution import GpuAttribution
 from agent.policy.base import ItemPlan
+from agent.service_metrics import ServiceFigures
 from agent.state import CollectorStatus, GpuSample, NodeSnapshot, RemediationCount, ServiceStatus
 from agent.watch.devices import DeviceWatcher
 from agent.watch.gpu_lost import GpuLostWatcher
@@ -82,6 +85,18 @@ def item_modes(config: AgentConfig, plans: Iterable[ItemPlan]) -> dict[str, str]
     return {p.item: config.item_mode(p.item).value for p in plans if p.item != "gpu"}
 
 
+def service_slo_seconds(config: AgentConfig) -> dict[str, dict[str, float]]:
+    """Each service's p95 objectives by latency kind, as exported next to the p95 itself."""
+    found: dict[str, dict[str, float]] = {}
+    for service in config.services:
+        slo = service.slo
+        if slo is None:
+            continue
+        kinds = {"e2e": slo.e2e_p95_seconds, "ttft": slo.ttft_p95_seconds}
+        found[service.name] = {kind: seconds for kind, seconds in kinds.items() if seconds is not None}
+    return found
+
+
 def build_snapshot(
     config: AgentConfig,
     now: float,
@@ -91,6 +106,8 @@ def build_snapshot(
     driver_version: str | None,
     policy: tuple[ItemPlan, ...],
     daemon: DaemonParts | None = None,
+    service_figures: Mapping[str, ServiceFigures] | None = None,
+    gpu_attribution: GpuAttribution | None = None,
 ) -> NodeSnapshot:
     """The snapshot of `samples` once `watchers` have observed them."""
     parts = daemon or DaemonParts()
@@ -113,4 +130,7 @@ def build_snapshot(
         collectors=parts.collectors,
         recent_events=parts.recent_events,
         collect_duration_seconds=parts.collect_duration_seconds,
+        service_figures=dict(service_figures or {}),
+        gpu_attribution=gpu_attribution,
+        service_slo_seconds=service_slo_seconds(config),
     )

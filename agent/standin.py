@@ -10,7 +10,8 @@ told to misbehave.
 file); `--stop` sends SIGTERM to the pid in the pid file and waits until it is gone. Together they
 are the start and stop commands of a service with `manager: command`.
 
-`GET /health` (and `/health_generate`, `/v1/models`) answers 200 with body `OK` while healthy. The
+`GET /health` (and `/health_generate`) answers 200 with body `OK` while healthy, `GET /v1/models` the
+served model as vLLM and sglang list it, `POST /v1/completions` a one-choice completion. The
 control file, re-read on every request and every 0.1 s, holds one word:
 
     ok      healthy (also when the file is missing or empty)
@@ -25,6 +26,15 @@ With `--sim-state-dir`, the process registers its pid as a compute process on `-
 simulated backend whose state lives there (as a real server holds its GPUs) and removes it on exit,
 so stopping the service frees the GPU the way it does on a real node.
 
+`GET /metrics` exports the families of the server it stands in for (`--flavor sglang|vllm`; with
+`--metric-names legacy`, vLLM's names from before 0.11: `time_per_output_token_seconds`,
+`gpu_cache_usage_perc`): histograms with the servers' own bucket boundaries, counters, gauges and
+the process families a Python server carries. Traffic is simulated at `--request-rate` requests
+per second with at most `--max-running` in flight (the rest wait in a queue, as a saturated server
+does). Latency follows the simulated GPUs it runs on (`--sim-state-dir`): a GPU whose clock drops
+(a thermal slowdown halves it, a power cap trims it) makes every token slower by the same ratio,
+the slowest of its GPUs setting the pace as in tensor parallelism.
+
 Only the standard library is used (plus the repository's simulated backend when asked for), so it
 also runs under a bare `python3`, e.g. inside the systemd sandbox.
 """
@@ -33,7 +43,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import math
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -47,7 +60,8 @@ from types import FrameType, TracebackType
 
 MODES = ("ok", "503", "hang", "exit")
 CRASH_EXIT_STATUS = 3
-HEALTH_PATHS = ("/health", "/health_generate", "/v1/models")
+TRAFFIC_TICK_SECONDS = 0.25
+HEALTH_PATHS = ("/health", "/health_generate", "/v1/models", "/metrics")
 
 
 class Behaviour:
@@ -81,28 +95,356 @@ class Behaviour:
         return handler
 
 
-def make_handler(behaviour: Behaviour, stop: threading.Event) -> type[BaseHTTPRequestHandler]:
+# -- the server's own metrics -----------------------------------------------------------------------
+
+FLAVORS = ("sglang", "vllm")
+MODEL_NAME = "standin/Llama-3.1-8B-Instruct"
+# Bucket boundaries as the servers define them (sglang srt/metrics/collector.py, vLLM v1/metrics/loggers.py).
+Bounds = tuple[float, ...]
+SGLANG_TTFT_BOUNDS: Bounds = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
+SGLANG_E2E_BOUNDS: Bounds = (*SGLANG_TTFT_BOUNDS, 600, 1200, 1800, 2400)
+_SGLANG_ITL_LOW: Bounds = (0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.06, 0.08, 0.1)
+SGLANG_ITL_BOUNDS: Bounds = (*_SGLANG_ITL_LOW, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8)
+_VLLM_TTFT_LOW: Bounds = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10)
+VLLM_TTFT_BOUNDS: Bounds = (*_VLLM_TTFT_LOW, 20, 40, 80, 160, 640, 2560)
+_VLLM_ITL_LOW: Bounds = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 7.5, 10)
+VLLM_ITL_BOUNDS: Bounds = (*_VLLM_ITL_LOW, 20, 40, 80)
+_VLLM_REQUEST_LOW: Bounds = (0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120)
+VLLM_REQUEST_BOUNDS: Bounds = (*_VLLM_REQUEST_LOW, 240, 480, 960, 1920, 7680)
+TOKEN_BOUNDS: Bounds = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+SGLANG_STAGES = ("tokenize", "wait_queue", "prefill_forward", "decode_forward", "detokenize", "response")
+# A healthy request: prompt processed in 0.1 s, then 40 tokens at 12 ms each (0.5-0.7 s end to end,
+# p95 under 0.8 s); a GPU at half its clock doubles that, past a 1.5 s p95 objective.
+BASE_TTFT_SECONDS = 0.1
+BASE_ITL_SECONDS = 0.012
+OUTPUT_TOKENS = 40
+PROMPT_TOKENS = 512
+KV_TOKENS_PER_REQUEST = PROMPT_TOKENS + OUTPUT_TOKENS
+KV_CAPACITY_TOKENS = 400_000
+
+
+def _number(value: float) -> str:
+    if value == math.inf:
+        return "+Inf"
+    return repr(float(value))
+
+
+class _Histogram:
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = (*bounds, math.inf)
+        self.buckets = [0] * len(self.bounds)
+        self.total = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.buckets[next(i for i, bound in enumerate(self.bounds) if value <= bound)] += 1
+        self.total += value
+        self.count += 1
+
+    def lines(self, name: str, labels: str) -> list[str]:
+        out: list[str] = []
+        cumulative = 0
+        for bound, count in zip(self.bounds, self.buckets):
+            cumulative += count
+            out.append(f'{name}_bucket{{le="{_number(bound)}",{labels}}} {_number(cumulative)}')
+        out.append(f"{name}_sum{{{labels}}} {_number(self.total)}")
+        out.append(f"{name}_count{{{labels}}} {_number(self.count)}")
+        return out
+
+
+class Traffic:
+    """Simulated requests through a server whose speed the GPUs set; renders its /metrics page.
+
+    Every `tick(seconds, slowdown)` admits `request_rate * seconds` requests into a queue; at most
+    `max_running` are served at once, each taking the healthy time times `slowdown`, so a slower
+    GPU first lengthens every request and, once the server saturates, makes requests wait.
+    """
+
+    def __init__(
+        self, flavor: str, request_rate: float, max_running: int, legacy_names: bool = False, dp_ranks: int = 1
+    ) -> None:
+        self.flavor = flavor
+        self.dp_ranks = dp_ranks  # sglang's scheduler families come once per data-parallel rank
+        self.request_rate = request_rate
+        self.max_running = max_running
+        self.legacy_names = legacy_names
+        self.random = random.Random(13)  # noqa: S311  # nosec B311 (simulated latencies, not security)
+        self.lock = threading.Lock()
+        self.arrived = 0.0
+        self.waiting = 0.0
+        self.running = 0.0
+        self.served_fraction = 0.0
+        self.slowdown = 1.0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.requests = 0
+        self.started = time.time()
+        self.generation_tokens_per_second = 0.0
+        if flavor == "sglang":
+            ttft, itl, e2e, queue = SGLANG_TTFT_BOUNDS, SGLANG_ITL_BOUNDS, SGLANG_E2E_BOUNDS, SGLANG_E2E_BOUNDS
+        else:
+            ttft, itl, e2e, queue = VLLM_TTFT_BOUNDS, VLLM_ITL_BOUNDS, VLLM_REQUEST_BOUNDS, VLLM_REQUEST_BOUNDS
+        self.ttft = _Histogram(ttft)
+        self.itl = _Histogram(itl)
+        self.e2e = _Histogram(e2e)
+        self.queue_time = _Histogram(queue)
+        self.decode_time = _Histogram(queue)
+        self.prompt_hist = _Histogram(TOKEN_BOUNDS)
+        self.generation_hist = _Histogram(TOKEN_BOUNDS)
+        self.stages = {stage: _Histogram(SGLANG_E2E_BOUNDS) for stage in SGLANG_STAGES}
+
+    @staticmethod
+    def healthy_e2e_seconds() -> float:
+        return BASE_TTFT_SECONDS + BASE_ITL_SECONDS * (OUTPUT_TOKENS - 1)
+
+    def tick(self, seconds: float, slowdown: float) -> None:
+        with self.lock:
+            self.slowdown = slowdown
+            service_seconds = self.healthy_e2e_seconds() * slowdown
+            capacity_per_second = self.max_running / service_seconds
+            self.waiting += self.request_rate * seconds
+            serve = min(self.waiting, capacity_per_second * seconds)
+            self.waiting -= serve
+            self.running = min(float(self.max_running), self.request_rate * service_seconds)
+            queue_delay = self.waiting / capacity_per_second
+            self.served_fraction += serve
+            served = int(self.served_fraction)
+            self.served_fraction -= served
+            for _ in range(served):
+                self._complete(slowdown, queue_delay)
+            self.generation_tokens_per_second = serve * OUTPUT_TOKENS / seconds if seconds > 0 else 0.0
+
+    def _complete(self, slowdown: float, queue_delay: float) -> None:
+        jitter = self.random.uniform(0.85, 1.25)
+        ttft = queue_delay + BASE_TTFT_SECONDS * slowdown * jitter
+        itl_mean = BASE_ITL_SECONDS * slowdown * self.random.uniform(0.9, 1.15)
+        # The ITL histogram sees each gap; observing a handful per request keeps its shape at a fraction of the cost.
+        for _ in range(4):
+            self.itl.observe(itl_mean * self.random.uniform(0.8, 1.3))
+        decode = itl_mean * (OUTPUT_TOKENS - 1)
+        self.ttft.observe(ttft)
+        self.e2e.observe(ttft + decode)
+        self.queue_time.observe(queue_delay)
+        self.decode_time.observe(decode)
+        self.prompt_hist.observe(PROMPT_TOKENS)
+        self.generation_hist.observe(OUTPUT_TOKENS)
+        share = (BASE_TTFT_SECONDS * slowdown * jitter) / 3
+        for stage, value in zip(SGLANG_STAGES, (0.002, queue_delay, share * 2, decode, share / 4, 0.001)):
+            self.stages[stage].observe(value)
+        self.prompt_tokens += PROMPT_TOKENS
+        self.generation_tokens += OUTPUT_TOKENS
+        self.requests += 1
+
+    def kv_cache_usage_ratio(self) -> float:
+        return min(1.0, self.running * KV_TOKENS_PER_REQUEST / KV_CAPACITY_TOKENS)
+
+    def render(self) -> str:
+        with self.lock:
+            lines = self._sglang_lines() if self.flavor == "sglang" else self._vllm_lines()
+            lines += self._process_lines()
+        return "\n".join(lines) + "\n"
+
+    def _sglang_lines(self) -> list[str]:
+        request = f'model_name="{MODEL_NAME}"'
+        ranks = [
+            f'dp_rank="{r}",engine_type="unified",model_name="{MODEL_NAME}",pp_rank="0",tp_rank="0"'
+            for r in range(self.dp_ranks)
+        ]
+        out: list[str] = []
+
+        def family(name: str, kind: str, text: str, body: list[str]) -> None:
+            out.extend([f"# HELP {name} {text}", f"# TYPE {name} {kind}", *body])
+
+        def gauge(name: str, text: str, value: float, split: bool = False) -> None:
+            # each data-parallel rank reports its own share of the load (`split`); ratios are alike
+            share = value / len(ranks) if split else value
+            family(name, "gauge", text, [f"{name}{{{labels}}} {_number(share)}" for labels in ranks])
+
+        running = round(self.running)
+        gauge("sglang:num_running_reqs", "The number of running requests.", running, split=True)
+        gauge("sglang:num_used_tokens", "The number of used tokens.", running * KV_TOKENS_PER_REQUEST, split=True)
+        gauge("sglang:token_usage", "The token usage.", self.kv_cache_usage_ratio())
+        throughput = self.generation_tokens_per_second
+        gauge("sglang:gen_throughput", "The generation throughput (token/s).", throughput, split=True)
+        gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.", round(self.waiting), split=True)
+        gauge("sglang:num_grammar_queue_reqs", "The number of requests in the grammar waiting queue.", 0)
+        gauge("sglang:cache_hit_rate", "The prefix cache hit rate.", 0.42)
+        gauge("sglang:max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.", KV_CAPACITY_TOKENS)
+        gauge("sglang:utilization", "The utilization.", min(1.0, self.running / self.max_running))
+        counters = (
+            ("sglang:prompt_tokens", "Number of prefill tokens processed.", self.prompt_tokens),
+            ("sglang:generation_tokens", "Number of generation tokens processed.", self.generation_tokens),
+            ("sglang:cached_tokens", "Number of cached prompt tokens.", self.prompt_tokens * 0.42),
+            ("sglang:num_requests", "Number of requests processed.", self.requests),
+            ("sglang:num_aborted_requests", "Number of requests aborted.", 0),
+        )
+        for name, text, value in counters:
+            family(f"{name}_total", "counter", text, [f"{name}_total{{{request}}} {_number(value)}"])
+            family(f"{name}_created", "gauge", text, [f"{name}_created{{{request}}} {_number(self.started)}"])
+        histograms = (
+            ("sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.", self.ttft),
+            ("sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", self.itl),
+            ("sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds", self.e2e),
+            ("sglang:queue_time_seconds", "Histogram of queueing time in seconds.", self.queue_time),
+            ("sglang:prompt_tokens_histogram", "Histogram of prompt token length.", self.prompt_hist),
+            ("sglang:generation_tokens_histogram", "Histogram of generation token length.", self.generation_hist),
+        )
+        for name, text, histogram in histograms:
+            family(name, "histogram", text, histogram.lines(name, request))
+        stages: list[str] = []
+        for labels in ranks:
+            for stage, histogram in self.stages.items():
+                stages += histogram.lines("sglang:per_stage_req_latency_seconds", f'{labels},stage="{stage}"')
+        family("sglang:per_stage_req_latency_seconds", "histogram", "The latency of each stage of requests.", stages)
+        return out
+
+    def _vllm_lines(self) -> list[str]:
+        labels = f'engine="0",model_name="{MODEL_NAME}"'
+        out: list[str] = []
+
+        def family(name: str, kind: str, text: str, body: list[str]) -> None:
+            out.extend([f"# HELP {name} {text}", f"# TYPE {name} {kind}", *body])
+
+        def gauge(name: str, text: str, value: float) -> None:
+            family(name, "gauge", text, [f"{name}{{{labels}}} {_number(value)}"])
+
+        gauge("vllm:num_requests_running", "Number of requests in model execution batches.", round(self.running))
+        gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", round(self.waiting))
+        usage = "vllm:gpu_cache_usage_perc" if self.legacy_names else "vllm:kv_cache_usage_perc"
+        gauge(usage, "KV-cache usage. 1 means 100 percent usage.", self.kv_cache_usage_ratio())
+        counters = (
+            (
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                self.prompt_tokens,
+            ),
+            (
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                self.prompt_tokens * 0.42,
+            ),
+            ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", 0),
+            ("vllm:prompt_tokens", "Number of prefill tokens processed.", self.prompt_tokens),
+            ("vllm:generation_tokens", "Number of generation tokens processed.", self.generation_tokens),
+        )
+        for name, text, value in counters:
+            family(f"{name}_total", "counter", text, [f"{name}_total{{{labels}}} {_number(value)}"])
+            family(f"{name}_created", "gauge", text, [f"{name}_created{{{labels}}} {_number(self.started)}"])
+        success = [
+            f'vllm:request_success_total{{{labels},finished_reason="{reason}"}} {_number(value)}'
+            for reason, value in (("stop", self.requests), ("length", 0), ("abort", 0))
+        ]
+        family("vllm:request_success_total", "counter", "Count of successfully processed requests.", success)
+        itl = "vllm:time_per_output_token_seconds" if self.legacy_names else "vllm:inter_token_latency_seconds"
+        histograms = (
+            ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", self.ttft),
+            (itl, "Histogram of inter-token latency in seconds.", self.itl),
+            ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", self.e2e),
+            (
+                "vllm:request_queue_time_seconds",
+                "Time spent in WAITING phase for request.",
+                self.queue_time,
+            ),
+            (
+                "vllm:request_decode_time_seconds",
+                "Time spent in DECODE phase for request.",
+                self.decode_time,
+            ),
+            ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", self.prompt_hist),
+            ("vllm:request_generation_tokens", "Number of generation tokens processed.", self.generation_hist),
+        )
+        for name, text, histogram in histograms:
+            family(name, "histogram", text, histogram.lines(name, labels))
+        return out
+
+    def _process_lines(self) -> list[str]:
+        uptime = time.time() - self.started
+        return [
+            "# HELP python_info Python platform information",
+            "# TYPE python_info gauge",
+            'python_info{implementation="CPython",major="3",minor="12",patchlevel="3",version="3.12.3"} 1.0',
+            "# HELP process_cpu_seconds_total Total user and system CPU time spent in seconds.",
+            "# TYPE process_cpu_seconds_total counter",
+            f"process_cpu_seconds_total {_number(time.process_time())}",
+            "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.",
+            "# TYPE process_start_time_seconds gauge",
+            f"process_start_time_seconds {_number(self.started)}",
+            "# HELP process_uptime_seconds Seconds since the server started.",
+            "# TYPE process_uptime_seconds gauge",
+            f"process_uptime_seconds {_number(uptime)}",
+        ]
+
+
+def run_traffic(traffic: Traffic, slowdown: Callable[[], float], stop: threading.Event, tick_seconds: float) -> None:
+    """Advance the simulated traffic every tick at the pace the GPUs allow now."""
+    last = time.monotonic()
+    while not stop.wait(tick_seconds):
+        now = time.monotonic()
+        traffic.tick(now - last, slowdown())
+        last = now
+
+
+def make_handler(
+    behaviour: Behaviour, stop: threading.Event, traffic: Traffic | None = None
+) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
         def do_GET(self) -> None:
-            if self.path.split("?")[0] not in HEALTH_PATHS:
+            path = self.path.split("?")[0]
+            # vLLM has no /health_generate: a generate probe finds it out by this 404.
+            vllm = traffic is not None and traffic.flavor == "vllm"
+            unknown = path not in HEALTH_PATHS or (path == "/metrics" and traffic is None)
+            if unknown or (vllm and path == "/health_generate"):
                 self._answer(404, b"not found")
                 return
+            if self._serving():
+                self._answer_ok(path)
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            request = self.rfile.read(length) if length else b""
+            if self.path.split("?")[0] != "/v1/completions":
+                self._answer(404, b"not found")
+                return
+            if not self._serving():
+                return
+            try:
+                model = json.loads(request or b"{}").get("model")
+            except (ValueError, AttributeError):
+                model = None
+            if model != MODEL_NAME:
+                self._answer(404, json.dumps({"error": f"model {model!r} does not exist"}).encode(), "application/json")
+                return
+            choice = {"index": 0, "text": " pong", "finish_reason": "length"}
+            body = {"object": "text_completion", "model": MODEL_NAME, "choices": [choice]}
+            self._answer(200, json.dumps(body).encode(), "application/json")
+
+        def _serving(self) -> bool:
+            """Wait out a hang; answer 503 when told to; True when the request should be served."""
             mode = behaviour.mode()
             while mode == "hang" and not stop.is_set():
                 stop.wait(0.05)
                 mode = behaviour.mode()
             if mode == "hang":
-                return
-            if mode == "ok":
-                self._answer(200, b"OK")
-            else:
+                return False
+            if mode != "ok":
                 self._answer(503, b"Service Unavailable")
+                return False
+            return True
 
-        def _answer(self, status: int, body: bytes) -> None:
+        def _answer_ok(self, path: str) -> None:
+            if path == "/metrics" and traffic is not None:
+                self._answer(200, traffic.render().encode(), "text/plain; version=0.0.4; charset=utf-8")
+            elif path == "/v1/models":
+                model = {"id": MODEL_NAME, "object": "model", "owned_by": "standin"}
+                self._answer(200, json.dumps({"object": "list", "data": [model]}).encode(), "application/json")
+            else:
+                self._answer(200, b"OK")
+
+        def _answer(self, status: int, body: bytes, content_type: str = "text/plain") -> None:
             self.send_response(status)
-            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -134,6 +476,21 @@ class SimGpus:
     def detach(self) -> None:
         for gpu in self.gpus:
             self.backend.set_processes(gpu, [p for p in self._pids(gpu) if p != os.getpid()])
+
+    def slowdown(self) -> float:
+        """How much slower than its best the slowest of our GPUs runs now: its maximum graphics clock
+        over its current one (2.0 under a thermal slowdown that halves the clock)."""
+        from agent.backend.base import ClockDomain
+
+        factor = 1.0
+        for gpu in self.gpus:
+            try:
+                current = self.backend.clock_mhz(gpu, ClockDomain.GRAPHICS)
+                best = self.backend.max_clock_mhz(gpu, ClockDomain.GRAPHICS)
+            except Exception:  # noqa: S112  # nosec B112 (a lost or failing GPU is skipped; the agent reports it)
+                continue
+            factor = max(factor, best / max(current, 1))
+        return factor
 
 
 def running(pid: int) -> bool:
@@ -201,6 +558,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sim-state-dir")
     parser.add_argument("--sim-profile", default="h200")
     parser.add_argument("--gpus", default="0", help="comma-separated simulated GPU indices")
+    parser.add_argument("--flavor", choices=FLAVORS, default="sglang", help="whose /metrics families to export")
+    parser.add_argument("--metric-names", choices=("current", "legacy"), default="current")
+    parser.add_argument("--request-rate", type=float, default=8.0, help="simulated requests per second")
+    parser.add_argument("--max-running", type=int, default=32, help="requests served at once; the rest wait")
+    parser.add_argument("--dp-ranks", type=int, default=1, help="sglang: scheduler families per data-parallel rank")
     args = parser.parse_args(argv)
     if args.stop:
         if args.pid_file is None:
@@ -216,7 +578,14 @@ def main(argv: list[str] | None = None) -> int:
     behaviour = Behaviour(args.control_file, args.ready_after_seconds)
     stop = threading.Event()
     exit_status = [0]
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(behaviour, stop))
+    traffic = Traffic(
+        args.flavor,
+        args.request_rate,
+        args.max_running,
+        legacy_names=args.metric_names == "legacy",
+        dp_ranks=args.dp_ranks,
+    )
+    server = ThreadingHTTPServer((args.host, args.port), make_handler(behaviour, stop, traffic))
     server.daemon_threads = True
 
     def shut_down(status: int) -> None:
@@ -243,6 +612,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if sim is not None:
         sim.attach()
+    pace = sim.slowdown if sim is not None else (lambda: 1.0)
+    threading.Thread(target=run_traffic, args=(traffic, pace, stop, TRAFFIC_TICK_SECONDS), daemon=True).start()
     if args.pid_file is not None:
         args.pid_file.write_text(f"{os.getpid()}\n", encoding="utf-8")
     threading.Thread(target=watch_for_exit, daemon=True).start()

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from agent.events import Event, Health
+from agent.gpu_attribution import GpuAttribution
 from agent.policy.base import ItemPlan
+from agent.service_metrics import ServiceFigures
 
 
 @dataclass(frozen=True)
@@ -117,3 +119,7 @@ class NodeSnapshot:
     collectors: tuple[CollectorStatus, ...] = ()
     recent_events: tuple[Event, ...] = ()
     collect_duration_seconds: float = 0.0
+    service_figures: dict[str, ServiceFigures] = field(default_factory=dict)  # the servers' own view
+    gpu_attribution: GpuAttribution | None = None  # GPU processes per service; None until mapped
+    # service -> latency kind ("e2e", "ttft") -> its p95 objective (`services[].slo`), for dashboards
+    service_slo_seconds: dict[str, dict[str, float]] = field(default_factory=dict)

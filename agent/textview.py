@@ -7,6 +7,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from agent.service_text import status_line, unattributed_lines
+
 JSON_SCHEMA_VERSION = 1
 
 
@@ -75,13 +77,10 @@ def status_text(document: dict[str, Any]) -> str:
     if document["xids"]:
         lines.append("")
         lines.append("Xids: " + ", ".join(f"GPU {x['gpu']} Xid {x['xid']} x{x['count']}" for x in document["xids"]))
-    if document["services"]:
+    services = service_lines(document)
+    if services:
         lines.append("")
-        lines.extend(
-            f"service {s['name']} ({s['unit']}): "
-            + ("up" if s["up"] else "not probed yet" if s["up"] is None else f"DOWN ({s['detail']})")
-            for s in document["services"]
-        )
+        lines.extend(services)
     if document["remediations"]:
         lines.append("")
         lines.append(
@@ -107,6 +106,20 @@ def _readiness_lines(items: Sequence[dict[str, Any]]) -> list[str]:
             branch = f", {facts['branch']} branch" if facts.get("branch") else ""
             cuda = f", CUDA {facts['cuda_version']}" if facts.get("cuda_version") else ""
             lines.append(f"driver: {facts['version']}{branch}{cuda}")
+    return lines
+
+
+def service_lines(document: dict[str, Any]) -> list[str]:
+    """Each service's probe verdict and, under it, its server's figures; then the GPU processes
+    that belong to no configured service."""
+    lines: list[str] = []
+    for s in document["services"]:
+        unit = f" ({s['unit']})" if s["unit"] else ""
+        verdict = "up" if s["up"] else "not probed yet" if s["up"] is None else f"DOWN ({s['detail']})"
+        lines.append(f"service {s['name']}{unit}: {verdict}")
+        if s.get("metrics"):
+            lines.append(f"  {s['name']}: {status_line(s['metrics'])}")
+    lines.extend(unattributed_lines(document.get("unattributed_gpu_processes") or ()))
     return lines
 
 

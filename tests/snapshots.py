@@ -12,6 +12,7 @@ Numbers follow what the boards answer: the H200 ones tests/fixtures/nvml-h200.js
     GPU 3  H200  fell off the bus (Xid 79): only identity, up=False -> unhealthy
 
 `snapshot_from_backend()` builds one from any backend (the simulated one, typically).
+`inference_fields()` adds what the inference servers say and which service holds which GPU memory.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from typing import Any
 from agent.backend.base import GpuBackend
 from agent.collect import sample_all
 from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
+from agent.gpu_attribution import GpuAttribution, GpuProcessInfo
 from agent.policy.base import ItemPlan, PlanStatus
+from agent.service_metrics import LatencyFigures, ServiceFigures
 from agent.state import (
     CollectorStatus,
     GpuSample,
@@ -330,3 +333,35 @@ def snapshot_from_backend(backend: GpuBackend, *, version: str = VERSION, **fiel
     }
     values.update(fields)
     return NodeSnapshot(**values)
+
+
+def inference_fields(timestamp_seconds: float = TIMESTAMP_SECONDS) -> dict[str, Any]:
+    """Snapshot fields for the inference servers of `node_snapshot()`'s services: sglang's server
+    exports its figures (within its 1.5 s SLO; a quantile it could not give is absent), the
+    embeddings server's last scrape failed; GPU 0 and 1 hold sglang's processes, GPU 1 also one
+    process of no configured service."""
+    sglang = ServiceFigures(
+        "sglang",
+        "sglang",
+        timestamp_seconds,
+        300.0,
+        latency={
+            "e2e": LatencyFigures(120, 0.6, {0.5: 0.55, 0.95: 0.72, 0.99: 0.79}),
+            "ttft": LatencyFigures(120, 0.11, {0.5: 0.1, 0.95: 0.15, 0.99: None}),
+        },
+        running=9,
+        waiting=2,
+        kv_cache_usage_ratio=0.41,
+        generation_tokens_per_second=320.5,
+    )
+    embeddings = ServiceFigures("embeddings", "", 0.0, 0.0, error="timed out after 2 s")
+    attribution = GpuAttribution(
+        memory_bytes={"sglang": {0: 70 * 2**30, 1: 70 * 2**30}},
+        pids={"sglang": (4100, 4101)},
+        unattributed=(GpuProcessInfo(4242, 1, gpu_uuid(1), 2**30, "jupyter.service", "python"),),
+    )
+    return {
+        "service_figures": {"sglang": sglang, "embeddings": embeddings},
+        "gpu_attribution": attribution,
+        "service_slo_seconds": {"sglang": {"e2e": 1.5, "ttft": 0.5}},
+    }

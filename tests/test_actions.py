@@ -417,6 +417,31 @@ def test_reset_refused_with_mig_enabled(tmp_path: Path) -> None:
         CommandManager().stop(node.config.services[0])
 
 
+def test_reset_refusal_says_whose_the_remaining_processes_are(node: Node) -> None:
+    """A process of a configured service on another GPU (the reset stops only GPU 0's services) is
+    named with its service; a stray one in some other unit with that unit."""
+    node.backend.set_recovery_action(0, RecoveryAction.GPU_RESET)
+    node.start_service()
+    embeddings = ServiceConfig(name="embeddings", unit="embeddings.service", gpus=[1])
+    node.ctx.config = node.config.model_copy(update={"services": [*node.config.services, embeddings]})
+    node.backend.set_processes(0, [5151, 4242])
+    for pid, comm, unit in ((5151, "python3", "embeddings.service"), (4242, "jupyter", "jupyter.service")):
+        proc_dir = node.ctx.host.paths.path(f"/proc/{pid}")
+        proc_dir.mkdir(parents=True)
+        (proc_dir / "comm").write_text(f"{comm}\n")
+        (proc_dir / "cgroup").write_text(f"0::/system.slice/{unit}\n")
+    node.ctx.drain_timeout_seconds = 0.2
+
+    outcome = execute(decision(ActionKind.RESET_GPU), node.ctx)
+
+    assert outcome.outcome is Outcome.REFUSED
+    assert outcome.detail.split("; ")[1].startswith(
+        "processes 5151 (python3, service embeddings), 4242 (jupyter, jupyter.service, in no configured service)"
+        " still on GPU 0 after "
+    )
+    assert node.backend.recovery_action(0) == RecoveryAction.GPU_RESET  # not reset
+
+
 def test_reset_refused_when_processes_remain_and_services_come_back(node: Node) -> None:
     node.backend.set_recovery_action(0, RecoveryAction.GPU_RESET)
     first = node.start_service()
@@ -432,7 +457,7 @@ def test_reset_refused_when_processes_remain_and_services_come_back(node: Node) 
     assert outcome.outcome is Outcome.REFUSED
     steps = outcome.detail.split("; ")
     assert steps[0] == "stopped sglang"
-    assert steps[1].startswith("processes 4242 (jupyter) still on GPU 0 after ")
+    assert steps[1].startswith("processes 4242 (jupyter, in no configured service) still on GPU 0 after ")
     assert steps[2] == "started sglang"
     assert node.backend.recovery_action(0) == RecoveryAction.GPU_RESET  # not reset
     second = node.service_pid()

@@ -29,7 +29,7 @@ import pytest
 import yaml
 from helpers import wait_until
 from prometheus_client import CollectorRegistry, generate_latest
-from snapshots import node_snapshot, snapshot_from_backend
+from snapshots import inference_fields, node_snapshot, snapshot_from_backend
 
 from agent.backend.base import RecoveryAction
 from agent.backend.errors import GpuErrorKind
@@ -99,7 +99,7 @@ def substitute(expr: str) -> str:
 def exported_metric_names() -> set[str]:
     """Sample names the collector exports for the fully featured test snapshot."""
     registry = CollectorRegistry(auto_describe=False)
-    snapshot = node_snapshot()
+    snapshot = node_snapshot(**inference_fields())
     registry.register(SnapshotCollector(lambda: snapshot))
     text = generate_latest(registry).decode()
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
@@ -154,6 +154,13 @@ def test_dashboard_covers_what_the_brief_asks_for() -> None:
         "gpu_agent_service_up",
         "gpu_agent_remediations_total",
         "gpu_agent_collector_success",
+        "gpu_agent_service_request_latency_seconds",
+        "gpu_agent_service_latency_slo_seconds",
+        "gpu_agent_service_requests_running",
+        "gpu_agent_service_requests_waiting",
+        "gpu_agent_service_kv_cache_usage_ratio",
+        "gpu_agent_service_generation_tokens_per_second",
+        "gpu_agent_service_gpu_memory_bytes",
     ):
         assert name in exprs
 
@@ -189,6 +196,8 @@ def test_alert_rules_are_complete() -> None:
         "GpuAgentCollectorFailing",
         "GpuAgentRemediationFailing",
         "GpuStale",
+        "InferenceLatencyAboveSlo",
+        "InferenceMetricsUnreadable",
     } <= set(names)
 
 
@@ -275,6 +284,9 @@ class StandInLoop:
         self.clock_event_seconds: dict[tuple[int, str], float] = {}
         self.xids: dict[tuple[int, int], XidCount] = {}
         self.snapshot: NodeSnapshot | None = None
+        # sglang's server within its SLO (the inference alerts stay quiet), its GPU memory, a stray process
+        self.inference = inference_fields(self.started_seconds)
+        self.inference["service_figures"] = {"sglang": self.inference["service_figures"]["sglang"]}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stand-in-loop", daemon=True)
@@ -335,6 +347,7 @@ class StandInLoop:
                 CollectorStatus("kmsg", False, 0.0, last_error="open /dev/kmsg: permission denied"),
             ),
             collect_duration_seconds=duration,
+            **self.inference,
         )
 
 

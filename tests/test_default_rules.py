@@ -17,9 +17,13 @@ from snapshots import gpu_uuid, h200_sample
 
 from agent.config import ConfigError
 from agent.events import Event, EventKind, Severity, SuggestedAction
+from agent.latency_cause import CauseFinding, SloBreach, regression_event
+from agent.rules.actions.alertmanager import alert_for
 from agent.rules.config import Rule, load_rules
 from agent.rules.engine import EXHAUSTED_STEP, evaluate
 from agent.rules.model import ActionKind, ActionOutcome, Decision, Outcome, Target
+from agent.rules.params import AlertmanagerParams
+from agent.service_metrics import ServiceFigures
 from agent.state import NodeSnapshot, ServiceStatus
 from agent.store import Store
 from agent.watch import xid_catalog
@@ -194,6 +198,36 @@ def test_held_slowdowns(node: Node, active: dict[tuple[int, str], float], expect
 def test_service_probe_failures(node: Node, failures: int, expected: list[tuple[str, str]]) -> None:
     status = ServiceStatus("sglang", "sglang.service", up=False, consecutive_failures=failures)
     assert actions(node.run(T0, snap=snapshot(services=(status,)))) == expected
+
+
+def latency_regression(finding: CauseFinding, at: float = T0) -> Event:
+    """The event the daemon makes of a breached SLO (agent.latency_cause), not a hand-built copy."""
+    figures = ServiceFigures("sglang", "sglang", at, 300.0, running=9, waiting=0)
+    return regression_event("sglang", [SloBreach("e2e_p95", 2.1, 1.5, 120)], finding, figures, at)
+
+
+@pytest.mark.parametrize(
+    ("finding", "target_gpu"),
+    [
+        (CauseFinding("thermal_slowdown", 4, gpu_uuid(4), "GPU 4 thermal slowdown for 42 s at 91 C"), 4),
+        (CauseFinding("queueing", None, None, "queueing: waiting requests grew from 0 to 40 on clean GPUs"), None),
+    ],
+)
+def test_a_latency_regression_alerts_with_its_cause_and_never_restarts(
+    node: Node, finding: CauseFinding, target_gpu: int | None
+) -> None:
+    decisions = node.run(T0, [latency_regression(finding)])
+    assert actions(decisions) == [("service-latency-regression-alert", "alertmanager")]
+    assert decisions[0].target.gpu == target_gpu
+    assert decisions[0].action is not None
+    params = decisions[0].action.options
+    assert isinstance(params, AlertmanagerParams)
+    alert = alert_for(decisions[0], "node-1", params)
+    assert alert.annotations["summary"] == f"service sglang: e2e p95 2.10 s > 1.5 s; likely cause: {finding.summary}"
+    assert (alert.labels["service"], alert.labels["severity"]) == ("sglang", "warning")
+    # Still breached later: never a restart, whatever the ladder reaches.
+    later = [latency_regression(finding, T0 + k * 1000) for k in range(1, 12)]
+    assert {a for _, a in actions([d for e in later for d in node.run(e.timestamp_seconds, [e])])} <= {"alertmanager"}
 
 
 # NVIDIA's catalog action for a code -> the action the default rules start with.

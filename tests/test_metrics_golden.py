@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
-from snapshots import VERSION, node_gpus, node_snapshot
+from snapshots import VERSION, inference_fields, node_gpus, node_snapshot
 
 from agent.metrics import SnapshotCollector
 from agent.state import NodeSnapshot
@@ -31,10 +31,11 @@ def golden_snapshot() -> NodeSnapshot:
     without a GPU, ECC, remaps, PCIe trained down, throttling, GPU and node policy items, services,
     remediations, collectors) plus the two readings that node does not have, so that every family
     the exporter knows is in the file: a pending page retirement and a recovery action newer than
-    this agent."""
+    this agent; and the inference servers' figures, the SLO and the GPU processes per service."""
     gpu0, gpu1, gpu2, gpu3 = node_gpus()
     return node_snapshot(
-        gpus=(replace(gpu0, retired_pages_pending=False), gpu1, replace(gpu2, recovery_action=9), gpu3)
+        gpus=(replace(gpu0, retired_pages_pending=False), gpu1, replace(gpu2, recovery_action=9), gpu3),
+        **inference_fields(),
     )
 
 
@@ -69,6 +70,11 @@ def test_golden_file_holds_every_kind_of_series() -> None:
         'gpu_agent_remediations_total{action="reset_gpu",outcome="failed",rule="xid-reset-gpu"} 1.0',
         'gpu_agent_collector_success{collector="kmsg"} 0.0',
         'gpu_agent_service_up{service="embeddings",unit="embeddings.service"} 0.0',
+        'gpu_agent_service_request_latency_seconds{kind="e2e",quantile="0.95",service="sglang"} 0.72',
+        'gpu_agent_service_metrics_up{service="embeddings"} 0.0',
+        'gpu_agent_service_gpu_memory_bytes{gpu="0",service="sglang",',
+        'gpu_agent_gpu_unattributed_memory_bytes{gpu="1",',
+        'gpu_agent_service_latency_slo_seconds{kind="e2e",service="sglang"} 1.5',
     ):
         assert expected in golden, expected
 

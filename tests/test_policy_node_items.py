@@ -249,6 +249,32 @@ def test_triton_desired_resolves_service_names_to_units() -> None:
     )
 
 
+def test_triton_command_services_get_no_dropin_for_a_unit_that_does_not_exist(tmp_path: Path) -> None:
+    """A `manager: command` service is started by the agent, which passes TRITON_CACHE_DIR itself:
+    no drop-in for the unit name it would have, and the plan says how it gets it."""
+    command = ServiceConfig(name="sglang", manager="command", start_command=["/bin/true"], stop_command=["/bin/true"])
+    user, group = me()
+    config = AgentConfig(services=[command, ServiceConfig(name="vllm")])
+    node = NodePolicy(
+        triton_cache=TritonCache(path="/var/cache/triton", owner=user, group=group, services=["sglang", "vllm"])
+    )
+    want = triton_cache.ITEM.desired(node, config)
+    assert want == TritonCacheWant("/var/cache/triton", user, group, 0o755, ("vllm.service",), ("sglang",))
+    ctx = ScriptedHostContext(make_host_tree(tmp_path))
+    # An earlier agent wrote one for the unit the command service does not have: it goes.
+    ctx.paths.write_file_atomic(DROPIN, triton_cache.dropin_content("/var/cache/triton"))
+    done = triton_cache.ITEM.plan(ctx, want)
+    assert f"remove {DROPIN}" in done.plan.changes
+    assert done.plan.desired == (
+        f"/var/cache/triton {user}:{group} 0755; TRITON_CACHE_DIR for vllm.service"
+        "; TRITON_CACHE_DIR in the start command's environment of sglang"
+    )
+    assert enforce(triton_cache.ITEM, ctx, want, done).outcome is Outcome.APPLIED
+    assert not ctx.paths.path(DROPIN).exists()
+    assert ctx.paths.path("/etc/systemd/system/vllm.service.d/gpu-agent-triton.conf").exists()
+    assert triton_cache.ITEM.plan(ctx, want).plan.status is PlanStatus.IN_SYNC
+
+
 def test_triton_dropin_content_quotes_for_systemd() -> None:
     assert triton_cache.dropin_content("/var/cache/triton").endswith(
         "[Service]\nEnvironment=TRITON_CACHE_DIR=/var/cache/triton\n"

@@ -38,6 +38,7 @@ from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
 from agent.rules.actions import ActionContext, AlertTracker
 from agent.rules.config import Rule
+from agent.service_watch import InferenceMonitor
 from agent.services import HealthProber, ProberThread, build_managers
 from agent.snapshot import DaemonParts, NodeWatchers, build_snapshot
 from agent.state import CollectorStatus, GpuSample, NodeSnapshot
@@ -82,6 +83,7 @@ class Daemon:
         )
         self.prober = self._new_prober(config)
         self.prober_thread: ProberThread | None = None
+        self.inference = self._new_inference(config)
         self.udev = UdevWakeup(self.collector.rescan.set, self.host.paths)
         self.kmsg = KmsgSource(self.host.paths, self._on_kernel_xid, start_monotonic_seconds=time.monotonic())
         self._closers: list[Callable[[], None]] = []
@@ -96,6 +98,7 @@ class Daemon:
             self.loop_hook()
         samples, events = self._collect(now)
         events += self.intake.take(self.prober.take_events())
+        events += self.inference.on_loop(samples, events)
         self.intake.note(events)
         snapshot = self._snapshot(now, samples, time.monotonic() - started)
         self.remediator.remediate(snapshot, events, now)
@@ -125,6 +128,8 @@ class Daemon:
             driver_version=self.session.driver_version(),
             policy=self.policy.plans,
             daemon=self._daemon_parts(duration_seconds),
+            service_figures=self.inference.figures(),
+            gpu_attribution=self.inference.attribution(),
         )
 
     def _daemon_parts(self, duration_seconds: float) -> DaemonParts:
@@ -194,6 +199,10 @@ class Daemon:
         prober.on_event = self.wake.set
         return prober
 
+    def _new_inference(self, config: AgentConfig) -> InferenceMonitor:
+        # The backend of the moment: the session reopens it after a driver reload.
+        return InferenceMonitor(config, lambda: self.session.backend, config.interval_seconds, clock=self.clock)
+
     # -- reload --------------------------------------------------------------------------------
 
     def reload(self) -> bool:
@@ -210,6 +219,7 @@ class Daemon:
         self.policy.reconfigure(new)
         if new.services != old_services:
             self._restart_prober(new)
+            self._restart_inference(new)
         self.publisher.status_note = ""
         log.info("config reloaded", path=str(self.config_path), mode=new.mode.value)
         return True
@@ -239,6 +249,11 @@ class Daemon:
         self.prober_thread = ProberThread(self.prober)
         self.prober_thread.start()
 
+    def _restart_inference(self, config: AgentConfig) -> None:
+        self.inference.stop()
+        self.inference = self._new_inference(config)
+        self.inference.start()
+
     # -- lifecycle -----------------------------------------------------------------------------
 
     def install_signal_handlers(self) -> None:
@@ -267,6 +282,8 @@ class Daemon:
         self.prober_thread = ProberThread(self.prober)
         self.prober_thread.start()
         self._closers.append(lambda: self.prober_thread.stop() if self.prober_thread else None)
+        self.inference.start()
+        self._closers.append(lambda: self.inference.stop())
         if self.udev.start():
             self._closers.append(self.udev.stop)
         else:

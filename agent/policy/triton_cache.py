@@ -3,10 +3,12 @@
 Triton compiles GPU kernels on first use and caches them under `TRITON_CACHE_DIR` (default
 `~/.triton/cache`). A shared directory that survives restarts turns a cold start's minutes of
 compilation into seconds; a wrong owner or mode makes every compile fail at startup. The
-directory reaches each inference service as a systemd drop-in
+directory reaches each systemd inference service as a drop-in
 `/etc/systemd/system/<unit>.d/gpu-agent-triton.conf` setting the environment variable. A service
 sees a new environment only when restarted: apply reloads systemd but never restarts a service
-(the operator or a remediation rule chooses when).
+(the operator or a remediation rule chooses when). A `manager: command` service has no unit to
+carry a drop-in: the agent puts the variable in its start command's environment instead
+(agent.services.triton_environments), and this item only names it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class TritonCacheWant:
     group: str
     mode_bits: int
     units: tuple[str, ...]  # systemd units that get TRITON_CACHE_DIR, resolved from `services:`
+    commands: tuple[str, ...] = ()  # `manager: command` services: the agent's start command passes it
 
     @property
     def summary(self) -> str:
@@ -252,7 +255,10 @@ def _changes(want: TritonCacheWant, seen: _Observed) -> list[TritonChange]:
 
 
 def _desired_text(want: TritonCacheWant) -> str:
-    return want.summary + (f"; TRITON_CACHE_DIR for {', '.join(want.units)}" if want.units else "")
+    text = want.summary + (f"; TRITON_CACHE_DIR for {', '.join(want.units)}" if want.units else "")
+    if want.commands:
+        text += f"; TRITON_CACHE_DIR in the start command's environment of {', '.join(want.commands)}"
+    return text
 
 
 def _refuse_chown(path: str, owner: str, group: str, found: str) -> None:
@@ -324,8 +330,22 @@ class TritonCacheItem(NodeItem[TritonCacheWant, TritonChange]):
         cache = node.triton_cache
         if cache is None:
             return None
-        units = tuple(dict.fromkeys(config.service_unit(name) for name in cache.services))
-        return TritonCacheWant(cache.path, cache.owner, cache.group, cache.mode_bits, units)
+        units: list[str] = []
+        commands: list[str] = []
+        for name in cache.services:
+            service = next((s for s in config.services if name in (s.name, s.unit_name)), None)
+            if service is not None and service.manager == "command":
+                commands.append(service.name)  # no unit exists for a drop-in to reach
+            else:
+                units.append(config.service_unit(name))
+        return TritonCacheWant(
+            cache.path,
+            cache.owner,
+            cache.group,
+            cache.mode_bits,
+            tuple(dict.fromkeys(units)),
+            tuple(dict.fromkeys(commands)),
+        )
 
     def plan(self, host: HostContext, want: TritonCacheWant) -> Planned[TritonChange]:
         try:

@@ -3,7 +3,8 @@
 Refused for Xid 79 / a lost GPU (a reset cannot bring it back: reboot territory), for MIG enabled
 or pending (a reset destroys the instances or changes the mode), for a GPU whose index now names
 another uuid. Otherwise: stop the services using the GPU; wait (bounded) until NVML lists no
-compute process on it, else start the services again and refuse; reset; re-apply the node policy
+compute process on it, else start the services again and refuse, naming each process left and
+the configured service it belongs to, if any; reset; re-apply the node policy
 (a reset returns settings to defaults); start the services; wait until healthy. The outcome's
 detail lists every step.
 """
@@ -14,9 +15,11 @@ from collections.abc import Sequence
 
 import structlog
 
+from agent.backend.base import GpuProcess
 from agent.backend.errors import GpuError, GpuErrorKind, WriteRefused
 from agent.config import ServiceConfig
 from agent.events import EventKind
+from agent.gpu_attribution import attribute_gpu_processes, command_of_pid, command_service_pids
 from agent.policy.base import Outcome as ItemOutcome
 from agent.rules.actions.base import Result, failed, gpu_of, refused, uuid_of, xid_of
 from agent.rules.actions.context import ActionContext
@@ -60,26 +63,34 @@ def _reset_refusal(decision: Decision, gpu: int, ctx: ActionContext) -> str | No
     return None
 
 
-def _process_names(pids: Sequence[int], ctx: ActionContext) -> str:
+def _describe_processes(gpu: int, processes: Sequence[GpuProcess], ctx: ActionContext) -> str:
+    """Each process with its command and whose it is: a configured service's (one the reset did not
+    stop: it runs on another GPU by config) or no configured service's (a notebook, a tool)."""
+    services = ctx.config.services
+    command_pids = command_service_pids(services) if any(s.manager == "command" for s in services) else {}
+    found = attribute_gpu_processes({gpu: processes}, {}, services, ctx.host.paths, command_pids)
+    owners = {pid: name for name, pids in found.pids.items() for pid in pids}
+    strays = {info.pid: info for info in found.unattributed}
     named = []
-    for pid in pids:
-        try:
-            comm = ctx.host.paths.read_text(f"/proc/{pid}/comm").strip()
-        except OSError:
-            comm = ""
-        named.append(f"{pid} ({comm})" if comm else str(pid))
+    for process in processes:
+        comm = command_of_pid(process.pid, ctx.host.paths) or "?"
+        if process.pid in owners:
+            named.append(f"{process.pid} ({comm}, service {owners[process.pid]})")
+        else:
+            unit = strays[process.pid].unit
+            named.append(f"{process.pid} ({comm}{f', {unit}' if unit else ''}, in no configured service)")
     return ", ".join(named)
 
 
-def _wait_idle(gpu: int, ctx: ActionContext) -> tuple[list[int], float]:
-    """Poll NVML's process list until it is empty or the drain timeout passes: (remaining pids, waited)."""
+def _wait_idle(gpu: int, ctx: ActionContext) -> tuple[list[GpuProcess], float]:
+    """Poll NVML's process list until it is empty or the drain timeout passes: (remaining, waited)."""
     began = ctx.clock()
     deadline = began + ctx.drain_timeout_seconds
     while True:
-        pids = [p.pid for p in ctx.backend.compute_processes(gpu)]
+        processes = ctx.backend.compute_processes(gpu)
         now = ctx.clock()
-        if not pids or now >= deadline:
-            return pids, now - began
+        if not processes or now >= deadline:
+            return processes, now - began
         ctx.sleep(min(ctx.drain_poll_seconds, deadline - now))
 
 
@@ -131,7 +142,7 @@ def _reset_idle_gpu(gpu: int, ctx: ActionContext, steps: list[str]) -> Outcome:
         steps.append(f"cannot list the processes on GPU {gpu}: {exc}")
         return Outcome.FAILED
     if remaining:
-        steps.append(f"processes {_process_names(remaining, ctx)} still on GPU {gpu} after {waited:.1f} s")
+        steps.append(f"processes {_describe_processes(gpu, remaining, ctx)} still on GPU {gpu} after {waited:.1f} s")
         return Outcome.REFUSED
     steps.append(f"GPU {gpu} idle after {waited:.1f} s")
 

@@ -1,0 +1,320 @@
+"""Why a service is slow: an SLO breach on the server's own latency, and the most likely cause
+among what the agent saw on that service's GPUs over the same window.
+
+`check_slo` compares the window's p95s with `services[].slo`; `attribute_cause` is a pure function
+of the GPU samples, the Xid events and the server's queue over the window, and names one cause:
+
+| cause | evidence (any of the service's GPUs, inside the window) |
+|---|---|
+| `xid` | an Xid event on the GPU |
+| `thermal_slowdown` | hw_slowdown / hw_thermal_slowdown / sw_thermal_slowdown active |
+| `power_cap` | sw_power_cap / hw_power_brake_slowdown active |
+| `clocks_below_expected` | busy, no slowdown reason, under 90 % of the expected (locked) clock in half the samples |
+| `memory_near_full` | memory used >= 98 % of total |
+| `queueing` | the GPUs were clean and the server's waiting queue grew over the window |
+| `unknown` | none of the above: the GPUs look clean and nothing queued |
+
+A server preallocates ~90 % of memory for its KV cache, so only the last percents count as full.
+The order is the priority when several hold: an Xid is a fault, thermal and power reasons explain
+a clock drop better than the drop itself, and a queue that grows on clean GPUs is load.
+`regression_event` wraps the verdict into a `service_latency_regression` event whose `data` holds
+the evidence; `SloWatch` emits it once per breach (again when the cause changes), never per loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.clock_events import decode
+from agent.config import ServiceSlo
+from agent.events import Event, EventKind, Severity, SuggestedAction
+from agent.service_metrics import ServiceFigures
+from agent.state import GpuSample
+
+THERMAL_REASONS = frozenset({"hw_slowdown", "hw_thermal_slowdown", "sw_thermal_slowdown"})
+POWER_REASONS = frozenset({"sw_power_cap", "hw_power_brake_slowdown"})
+CLOCK_BELOW_EXPECTED_RATIO = 0.9
+MEMORY_NEAR_FULL_RATIO = 0.98
+CAUSES = (
+    "xid",
+    "thermal_slowdown",
+    "power_cap",
+    "clocks_below_expected",
+    "memory_near_full",
+    "queueing",
+    "unknown",
+)
+
+
+@dataclass(frozen=True)
+class SloBreach:
+    """One objective missed over the window: `e2e_p95` or `ttft_p95`."""
+
+    objective: str
+    observed_seconds: float
+    limit_seconds: float
+    requests: float
+
+
+@dataclass(frozen=True)
+class CauseFinding:
+    cause: str  # one of CAUSES
+    gpu: int | None  # the GPU the evidence points at (None for queueing / unknown)
+    uuid: str | None
+    summary: str  # "GPU 4 thermal slowdown for 42 s at 91 C"
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+def check_slo(slo: ServiceSlo | None, figures: ServiceFigures | None) -> list[SloBreach]:
+    """The objectives the window misses; none without an SLO, without figures or with fewer
+    requests in the window than `slo.min_requests` (a p95 of three requests is noise)."""
+    if slo is None or figures is None:
+        return []
+    breaches: list[SloBreach] = []
+    for objective, kind, limit in (
+        ("e2e_p95", "e2e", slo.e2e_p95_seconds),
+        ("ttft_p95", "ttft", slo.ttft_p95_seconds),
+    ):
+        latency = figures.latency.get(kind)
+        if limit is None or latency is None or latency.requests < slo.min_requests:
+            continue
+        observed = latency.quantiles.get(0.95)
+        if observed is not None and observed > limit:
+            breaches.append(SloBreach(objective, observed, limit, latency.requests))
+    return breaches
+
+
+@dataclass
+class _GpuWindow:
+    """One GPU's samples over the window, reduced to the figures the causes need."""
+
+    gpu: int
+    uuid: str
+    reason_seconds: dict[str, float] = field(default_factory=dict)
+    max_temperature_celsius: int | None = None
+    slowdown_temperature_celsius: int | None = None
+    max_power_watts: float | None = None
+    power_limit_watts: float | None = None
+    busy_clocks_mhz: list[int] = field(default_factory=list)
+    max_memory_ratio: float | None = None
+    samples: int = 0
+
+    def seconds(self, reasons: frozenset[str]) -> float:
+        return sum(s for r, s in self.reason_seconds.items() if r in reasons)
+
+
+def _gpu_windows(samples: Iterable[GpuSample], gpus: set[int] | None) -> dict[int, _GpuWindow]:
+    by_gpu: dict[int, list[GpuSample]] = {}
+    for sample in samples:
+        if sample.up and (gpus is None or sample.index in gpus):
+            by_gpu.setdefault(sample.index, []).append(sample)
+    windows: dict[int, _GpuWindow] = {}
+    for index, series in by_gpu.items():
+        series.sort(key=lambda s: s.timestamp_seconds)
+        window = _GpuWindow(index, series[-1].uuid)
+        spans = [b.timestamp_seconds - a.timestamp_seconds for a, b in itertools.pairwise(series)]
+        typical = sorted(spans)[len(spans) // 2] if spans else 0.0
+        for position, sample in enumerate(series):
+            window.samples += 1
+            # A sample stands for the time until the next one (the last: a typical interval).
+            span = spans[position] if position < len(spans) else typical
+            reasons = decode(sample.clock_event_reasons or 0)
+            for reason in reasons:
+                window.reason_seconds[reason] = window.reason_seconds.get(reason, 0.0) + span
+            if sample.temperature_celsius is not None:
+                window.max_temperature_celsius = max(window.max_temperature_celsius or 0, sample.temperature_celsius)
+            window.slowdown_temperature_celsius = (
+                sample.slowdown_temperature_celsius or window.slowdown_temperature_celsius
+            )
+            if sample.power_usage_watts is not None:
+                window.max_power_watts = max(window.max_power_watts or 0.0, sample.power_usage_watts)
+            window.power_limit_watts = sample.power_limit_watts or window.power_limit_watts
+            busy = "gpu_idle" not in reasons and (sample.gpu_utilization_percent or 0) > 0
+            clock = sample.graphics_clock_mhz
+            if busy and clock is not None and not set(reasons) & (THERMAL_REASONS | POWER_REASONS):
+                window.busy_clocks_mhz.append(clock)
+            if sample.memory_used_bytes is not None and sample.memory_total_bytes:
+                ratio = sample.memory_used_bytes / sample.memory_total_bytes
+                window.max_memory_ratio = max(window.max_memory_ratio or 0.0, ratio)
+        windows[index] = window
+    return windows
+
+
+def _rounded(reason_seconds: Mapping[str, float]) -> dict[str, float]:
+    return {reason: round(seconds, 1) for reason, seconds in sorted(reason_seconds.items())}
+
+
+def _queue_grew(history: Sequence[tuple[float, float]]) -> tuple[bool, float, float]:
+    """(grew, first, peak) of the server's waiting queue over the window."""
+    if not history:
+        return False, 0.0, 0.0
+    first = history[0][1]
+    peak = max(v for _, v in history)
+    return peak > first and peak > 0, first, peak
+
+
+def attribute_cause(
+    samples: Iterable[GpuSample],
+    *,
+    gpus: Iterable[int] | None,
+    xid_events: Iterable[Event] = (),
+    waiting_history: Sequence[tuple[float, float]] = (),
+    expected_clock_mhz: Mapping[int, int] | None = None,
+    window_start_seconds: float | None = None,
+) -> CauseFinding:
+    """The most likely cause of a latency regression, from the window's GPU samples (several per
+    GPU, oldest first or not), the Xid events seen, and the server's (timestamp, waiting) queue.
+
+    `gpus`: the service's GPUs (None: every GPU sampled); `expected_clock_mhz`: the clock each GPU
+    should run at when busy (the locked clock of its policy profile); `window_start_seconds`: Xid
+    events before it are ignored.
+    """
+    wanted = None if gpus is None else set(gpus)
+    windows = _gpu_windows(samples, wanted)
+    grew, first_waiting, peak_waiting = _queue_grew(waiting_history)
+    queue = {"waiting_first": first_waiting, "waiting_peak": peak_waiting}
+    base: dict[str, Any] = {
+        "gpus": sorted(windows),
+        "queue": queue,
+        "temperatures_celsius": {str(g): w.max_temperature_celsius for g, w in sorted(windows.items())},
+        "clock_event_seconds": {str(g): _rounded(w.reason_seconds) for g, w in sorted(windows.items())},
+    }
+
+    xids = [
+        e
+        for e in xid_events
+        if e.kind is EventKind.XID
+        and (wanted is None or e.gpu in wanted)
+        and (window_start_seconds is None or e.timestamp_seconds >= window_start_seconds)
+    ]
+    if xids:
+        latest = max(xids, key=lambda e: e.timestamp_seconds)
+        codes = sorted({int(e.data.get("xid", 0)) for e in xids if e.data.get("xid") is not None})
+        evidence = {**base, "xids": codes, "xid_gpu": latest.gpu, "xid_message": latest.message}
+        where = f"GPU {latest.gpu}" if latest.gpu is not None else "a GPU"
+        summary = f"{where}: Xid {', '.join(map(str, codes))} in the window"
+        return CauseFinding("xid", latest.gpu, latest.uuid, summary, evidence)
+
+    thermal = max(windows.values(), key=lambda w: w.seconds(THERMAL_REASONS), default=None)
+    if thermal is not None and thermal.seconds(THERMAL_REASONS) > 0:
+        seconds = thermal.seconds(THERMAL_REASONS)
+        evidence = {
+            **base,
+            "temperature_celsius": thermal.max_temperature_celsius,
+            "slowdown_temperature_celsius": thermal.slowdown_temperature_celsius,
+            "reasons": _rounded({r: s for r, s in thermal.reason_seconds.items() if r in THERMAL_REASONS}),
+        }
+        summary = f"GPU {thermal.gpu} thermal slowdown for {seconds:.0f} s at {thermal.max_temperature_celsius} C"
+        return CauseFinding("thermal_slowdown", thermal.gpu, thermal.uuid, summary, evidence)
+
+    power = max(windows.values(), key=lambda w: w.seconds(POWER_REASONS), default=None)
+    if power is not None and power.seconds(POWER_REASONS) > 0:
+        seconds = power.seconds(POWER_REASONS)
+        evidence = {
+            **base,
+            "power_usage_watts": power.max_power_watts,
+            "power_limit_watts": power.power_limit_watts,
+            "reasons": _rounded({r: s for r, s in power.reason_seconds.items() if r in POWER_REASONS}),
+        }
+        summary = f"GPU {power.gpu} held at its power cap ({power.power_limit_watts:g} W) for {seconds:.0f} s"
+        return CauseFinding("power_cap", power.gpu, power.uuid, summary, evidence)
+
+    for window in sorted(windows.values(), key=lambda w: w.gpu):
+        expected = (expected_clock_mhz or {}).get(window.gpu)
+        clocks = window.busy_clocks_mhz
+        if expected is None or not clocks:
+            continue
+        low = [c for c in clocks if c < expected * CLOCK_BELOW_EXPECTED_RATIO]
+        if len(low) * 2 >= len(clocks):
+            evidence = {
+                **base,
+                "expected_clock_mhz": expected,
+                "lowest_clock_mhz": min(low),
+                "busy_samples": len(clocks),
+            }
+            summary = f"GPU {window.gpu} ran at {min(low)} MHz, below the expected {expected} MHz, with no reason given"
+            return CauseFinding("clocks_below_expected", window.gpu, window.uuid, summary, evidence)
+
+    full = max(windows.values(), key=lambda w: w.max_memory_ratio or 0.0, default=None)
+    if full is not None and (full.max_memory_ratio or 0.0) >= MEMORY_NEAR_FULL_RATIO:
+        ratio = full.max_memory_ratio or 0.0
+        evidence = {**base, "memory_used_ratio": round(ratio, 4)}
+        summary = f"GPU {full.gpu} memory {ratio:.1%} full"
+        return CauseFinding("memory_near_full", full.gpu, full.uuid, summary, evidence)
+
+    if grew:
+        summary = f"queueing: waiting requests grew from {first_waiting:g} to {peak_waiting:g} on clean GPUs"
+        return CauseFinding("queueing", None, None, summary, base)
+    return CauseFinding("unknown", None, None, "no GPU cause seen and nothing queued", base)
+
+
+def regression_event(
+    service: str, breaches: Sequence[SloBreach], finding: CauseFinding, figures: ServiceFigures, now: float
+) -> Event:
+    """The `service_latency_regression` event for a breach, its cause and evidence in `data`."""
+    missed = "; ".join(
+        f"{b.objective.replace('_', ' ')} {b.observed_seconds:.2f} s > {b.limit_seconds:g} s" for b in breaches
+    )
+    thermal = finding.cause == "thermal_slowdown"
+    return Event(
+        kind=EventKind.SERVICE_LATENCY_REGRESSION,
+        severity=Severity.WARNING,
+        gpu=finding.gpu,
+        uuid=finding.uuid,
+        message=f"service {service}: {missed}; likely cause: {finding.summary}",
+        timestamp_seconds=now,
+        source="metrics",
+        key=f"service_latency_regression:{service}:{finding.cause}",
+        data={
+            "service": service,
+            "cause": finding.cause,
+            "summary": finding.summary,
+            "breaches": [
+                {
+                    "objective": b.objective,
+                    "observed_seconds": round(b.observed_seconds, 4),
+                    "limit_seconds": b.limit_seconds,
+                    "requests": b.requests,
+                }
+                for b in breaches
+            ],
+            "window_seconds": round(figures.window_seconds, 1),
+            "running": figures.running,
+            "waiting": figures.waiting,
+            "kv_cache_usage_ratio": figures.kv_cache_usage_ratio,
+            "evidence": finding.evidence,
+            # A thermal cause is what the fan curve is for: point the operator at it.
+            **({"see_policy": "fan_curve"} if thermal else {}),
+        },
+        suggested_action=SuggestedAction.CHECK_MECHANICALS if thermal else SuggestedAction.ALERT,
+    )
+
+
+class SloWatch:
+    """Per service: one event when the SLO starts being missed, another only if the cause changes;
+    nothing while the breach lasts or after it ends (a later breach is a new one)."""
+
+    def __init__(self) -> None:
+        self._breached: dict[str, str] = {}  # service -> cause of the breach in progress
+
+    def update(
+        self,
+        service: str,
+        slo: ServiceSlo | None,
+        figures: ServiceFigures | None,
+        attribute: Callable[[], CauseFinding],
+        now: float,
+    ) -> list[Event]:
+        """`attribute` names the cause; it is only called while the SLO is missed."""
+        breaches = check_slo(slo, figures)
+        if not breaches or figures is None:
+            self._breached.pop(service, None)
+            return []
+        finding = attribute()
+        if self._breached.get(service) == finding.cause:
+            return []
+        self._breached[service] = finding.cause
+        return [regression_event(service, breaches, finding, figures, now)]

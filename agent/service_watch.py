@@ -1,0 +1,295 @@
+"""The daemon's side of inference awareness: scraping each service's server off the loop thread,
+and turning SLO breaches into `service_latency_regression` events with their cause.
+
+`ServiceScraper` runs one thread per service with a metrics URL (a hanging or huge page delays
+nobody else, and never the loop): every interval it scrapes with a deadline and a size cap and
+feeds the service's `LatencyWindow`. `figures()` is what the loop publishes.
+
+`LatencyRegressionWatch` keeps the GPU samples and Xid events of the last window, and per loop
+asks `SloWatch` whether a service misses its SLO, naming the cause from what its GPUs did.
+
+`GpuAttributor` maps NVML's compute processes to services on a thread of its own (every 30 s).
+`InferenceMonitor` bundles the three behind the few calls the daemon makes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+
+import structlog
+
+from agent.backend.base import GpuBackend, GpuIdentity, GpuProcess
+from agent.backend.errors import GpuError
+from agent.config import AgentConfig, ServiceConfig
+from agent.events import Event, EventKind
+from agent.gpu_attribution import GpuAttribution, attribute_gpu_processes, command_service_pids
+from agent.host.paths import HostPaths
+from agent.latency_cause import CauseFinding, SloWatch, attribute_cause
+from agent.policy.engine import match_profile
+from agent.service_metrics import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_WINDOW_SECONDS,
+    LatencyWindow,
+    ScrapeError,
+    ServiceFigures,
+    scrape,
+)
+from agent.state import GpuSample
+
+log = structlog.get_logger("gpu-agent")
+
+#: How often GPU processes are mapped to services: processes come and go with restarts, not loops.
+ATTRIBUTION_INTERVAL_SECONDS = 30.0
+ATTRIBUTION_RETRY_SECONDS = 1.0
+
+
+class ServiceScraper:
+    """Scrapes every service that has a metrics URL, each on its own thread."""
+
+    def __init__(
+        self,
+        services: Sequence[ServiceConfig],
+        interval_seconds: float,
+        window_seconds: float = DEFAULT_WINDOW_SECONDS,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+    ) -> None:
+        self.interval_seconds = interval_seconds
+        self.max_bytes = max_bytes
+        self._services = {s.name: s for s in services if s.effective_metrics_url is not None}
+        self._windows = {name: LatencyWindow(name, window_seconds) for name in self._services}
+        # A kind detected once is kept: detection reads every line of the page, every scrape otherwise.
+        self._kinds: dict[str, str | None] = {name: s.kind for name, s in self._services.items()}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._loop, args=(name,), name=f"scrape-{name}", daemon=True)
+            for name in self._services
+        ]
+
+    def scrape_once(self, name: str) -> None:
+        service = self._services[name]
+        url = service.effective_metrics_url
+        assert url is not None  # only services with one are kept
+        # The deadline fits inside the interval, so scrapes never pile up behind a slow server.
+        timeout_seconds = min(service.probe_timeout_seconds, self.interval_seconds)
+        try:
+            reading = scrape(url, self._kinds[name], timeout_seconds, self.max_bytes)
+        except ScrapeError as exc:
+            with self._lock:
+                self._windows[name].add_error(str(exc))
+            log.debug("service metrics scrape failed", service=name, url=url, error=str(exc))
+            return
+        if reading.kind != "generic":
+            self._kinds[name] = reading.kind
+        with self._lock:
+            self._windows[name].add(reading)
+
+    def _loop(self, name: str) -> None:
+        while not self._stop.is_set():
+            try:
+                self.scrape_once(name)
+            except Exception:  # a parser bug must not end this service's scraping for good
+                log.exception("service metrics scrape crashed", service=name)
+            self._stop.wait(self.interval_seconds)
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join(self._services[thread.name.removeprefix("scrape-")].probe_timeout_seconds + 1.0)
+
+    def figures(self) -> dict[str, ServiceFigures]:
+        with self._lock:
+            found = {name: window.figures() for name, window in self._windows.items()}
+        return {name: figures for name, figures in found.items() if figures is not None}
+
+
+def expected_clocks_mhz(config: AgentConfig, samples: Sequence[GpuSample]) -> dict[int, int]:
+    """Per GPU, the graphics clock its policy profile locks it to (the top of the range)."""
+    expected: dict[int, int] = {}
+    for sample in samples:
+        identity = GpuIdentity(sample.index, sample.uuid, sample.name, sample.pci_bus_id, "", "", 0)
+        number = match_profile(config.policy.gpus, identity)
+        locked = None if number is None else config.policy.gpus[number].locked_clocks
+        if locked is not None and locked.gpu_mhz is not None:
+            expected[sample.index] = locked.gpu_mhz[1]
+    return expected
+
+
+class LatencyRegressionWatch:
+    """GPU samples and Xid events over the window, and the SLO verdicts drawn from them."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        window_seconds: float = DEFAULT_WINDOW_SECONDS,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.window_seconds = window_seconds
+        self.clock = clock
+        self._samples: deque[GpuSample] = deque()
+        self._xids: deque[Event] = deque()
+        self._slo = SloWatch()
+
+    def observe(self, samples: Sequence[GpuSample], events: Sequence[Event]) -> None:
+        """Call once per loop with the loop's samples and new events."""
+        self._samples.extend(samples)
+        self._xids.extend(e for e in events if e.kind is EventKind.XID)
+        oldest = self.clock() - self.window_seconds
+        while self._samples and self._samples[0].timestamp_seconds < oldest:
+            self._samples.popleft()
+        while self._xids and self._xids[0].timestamp_seconds < oldest:
+            self._xids.popleft()
+
+    def evaluate(self, figures: Mapping[str, ServiceFigures]) -> list[Event]:
+        """Events for services that started missing their SLO (or whose cause changed) this loop."""
+        now = self.clock()
+        window_start = now - self.window_seconds
+        samples = list(self._samples)
+        xids = list(self._xids)
+        events: list[Event] = []
+        for service in self.config.services:
+            found = figures.get(service.name)
+            gpus = None if service.gpus == "all" else list(service.gpus)
+
+            def attribute(found: ServiceFigures | None = found, gpus: list[int] | None = gpus) -> CauseFinding:
+                return attribute_cause(
+                    samples,
+                    gpus=gpus,
+                    xid_events=xids,
+                    waiting_history=found.waiting_history if found is not None else (),
+                    expected_clock_mhz=expected_clocks_mhz(self.config, samples),
+                    window_start_seconds=window_start,
+                )
+
+            events += self._slo.update(service.name, service.slo, found, attribute, now)
+        return events
+
+
+class GpuAttributor:
+    """Maps the GPUs' compute processes to services every `interval_seconds` on its own thread: an
+    NVML process query that hangs, or a long walk of the process table, never holds the loop."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        get_backend: Callable[[], GpuBackend | None],
+        interval_seconds: float = ATTRIBUTION_INTERVAL_SECONDS,
+    ) -> None:
+        self.config = config
+        self.get_backend = get_backend
+        self.interval_seconds = interval_seconds
+        self.paths = HostPaths.at(config.host_root)
+        self._latest: GpuAttribution | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="gpu-attribution", daemon=True)
+
+    def attribute_once(self) -> GpuAttribution | None:
+        backend = self.get_backend()
+        if backend is None:
+            return None
+        processes: dict[int, list[GpuProcess]] = {}
+        uuids: dict[int, str] = {}
+        for gpu in range(backend.device_count()):
+            try:
+                uuids[gpu] = backend.identity(gpu).uuid
+                processes[gpu] = backend.compute_processes(gpu)
+            except GpuError:
+                continue  # a lost or failing GPU: the collectors report it
+        needs_tree = any(s.manager == "command" for s in self.config.services)
+        command_pids = command_service_pids(self.config.services) if needs_tree else {}
+        found = attribute_gpu_processes(processes, uuids, self.config.services, self.paths, command_pids)
+        with self._lock:
+            self._latest = found
+        return found
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            found = None
+            try:
+                found = self.attribute_once()
+            except GpuError as exc:
+                log.debug("GPU process attribution failed", error=str(exc))
+            except Exception:  # a bug here must not end attribution for good
+                log.exception("GPU process attribution crashed")
+            # No backend yet (the daemon opens it on its first loop) or a failure: try again soon.
+            self._stop.wait(self.interval_seconds if found is not None else ATTRIBUTION_RETRY_SECONDS)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(1.0)  # a hung NVML call is left behind in its daemon thread
+
+    def latest(self) -> GpuAttribution | None:
+        with self._lock:
+            return self._latest
+
+
+class InferenceMonitor:
+    """Everything inference-aware the daemon runs, behind four calls:
+
+    - `start()` / `stop()`: the scrape and attribution threads;
+    - `on_loop(samples, events)` once per loop: the window's GPU history, and the
+      `service_latency_regression` events to add to the loop's events;
+    - `figures()` and `attribution()` for the snapshot (metrics, status).
+    """
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        get_backend: Callable[[], GpuBackend | None],
+        interval_seconds: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.scraper = ServiceScraper(config.services, interval_seconds)
+        self.watch = LatencyRegressionWatch(config, clock=clock)
+        self.attributor = GpuAttributor(config, get_backend)
+
+    def start(self) -> None:
+        self.scraper.start()
+        self.attributor.start()
+
+    def stop(self) -> None:
+        self.scraper.stop()
+        self.attributor.stop()
+
+    def on_loop(self, samples: Sequence[GpuSample], events: Sequence[Event]) -> list[Event]:
+        self.watch.observe(samples, events)
+        return self.watch.evaluate(self.scraper.figures())
+
+    def figures(self) -> dict[str, ServiceFigures]:
+        return self.scraper.figures()
+
+    def attribution(self) -> GpuAttribution | None:
+        return self.attributor.latest()
+
+
+#: A one-off read (`status --direct`) waits at most this long for one server's /metrics.
+ONE_OFF_SCRAPE_SECONDS = 2.0
+
+
+def read_once(config: AgentConfig, backend: GpuBackend) -> tuple[dict[str, ServiceFigures], GpuAttribution | None]:
+    """What `status --direct` can know without a daemon: one scrape per service (its gauges; latency
+    quantiles need two scrapes a window apart) and one mapping of GPU processes to services."""
+    scraper = ServiceScraper(config.services, ONE_OFF_SCRAPE_SECONDS)
+    for service in config.services:
+        if service.effective_metrics_url is not None:
+            scraper.scrape_once(service.name)
+    try:
+        attribution = GpuAttributor(config, lambda: backend).attribute_once()
+    except GpuError as exc:
+        log.debug("GPU process attribution failed", error=str(exc))
+        attribution = None
+    return scraper.figures(), attribution
