@@ -252,3 +252,19 @@ def test_signature_changes_when_a_kernel_is_installed(tmp_path: Path) -> None:
     before = boot_signature(paths)
     os.utime(tmp_path / "boot", (1, 1))
     assert boot_signature(paths) != before
+
+
+def test_a_host_without_kernels_or_module_trees_does_not_manage_its_kernel(tmp_path: Path) -> None:
+    """As on the H200 VM: an empty /boot, no /lib/modules, the driver loaded from the image."""
+    (tmp_path / "boot").mkdir()
+    write(
+        tmp_path,
+        "/proc/driver/nvidia/version",
+        b"NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  R\n",
+    )
+    verdict = check_next_boot(HostPaths.at(tmp_path))
+    assert verdict.ready and not verdict.managed_here
+    assert verdict.summary().startswith("no kernel in /boot and no /lib/modules")
+    (tmp_path / "lib/modules").mkdir(parents=True)  # kernels are managed here, but none is installed
+    verdict = check_next_boot(HostPaths.at(tmp_path))
+    assert verdict.problems == ("no installed kernel found in /boot",) and verdict.managed_here

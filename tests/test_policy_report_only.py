@@ -130,8 +130,15 @@ def test_services_cuda_version_alone_plans_the_driver_item() -> None:
 
 def test_nvswitch_needs_the_fabric_manager_at_the_driver_version(tmp_path: Path, backend: SimulatedBackend) -> None:
     root = tmp_path / "root"
-    write(root, "/proc/devices", "Character devices:\n195 nvidia\n236 nvidia-nvswitch\n")
+    # The driver registers the nvidia-nvswitch char device on every host (seen on a 1-GPU H200 VM):
+    # only an NVSwitch PCI device (vendor 0x10de, class 0x0680xx) makes this an NVSwitch system.
+    write(root, "/proc/devices", "Character devices:\n195 nvidia\n239 nvidia-nvswitch\n")
+    write(root, "/sys/bus/pci/devices/0000:3b:00.0/vendor", "0x10de\n")
+    write(root, "/sys/bus/pci/devices/0000:3b:00.0/class", "0x030200\n")  # the GPU
     ctx = host_with(tmp_path, backend)
+    assert driver.ITEM.plan(ctx, driver_want()).plan.status is PlanStatus.IN_SYNC
+    write(root, "/sys/bus/pci/devices/0000:05:00.0/vendor", "0x10de\n")
+    write(root, "/sys/bus/pci/devices/0000:05:00.0/class", "0x068000\n")  # an NVSwitch
     missing = driver.ITEM.plan(ctx, driver_want())
     assert missing.plan.changes[0].startswith("install nvidia-fabricmanager 580.159.04 (NVSwitch system)")
     dpkg(root, **{"nvidia-fabricmanager-580": "580.95.05-1"})
@@ -288,3 +295,13 @@ def test_nouveau_reads_the_next_boots_initramfs(
     if expected is PlanStatus.DRIFT:
         assert done.plan.changes == (f"run: update-initramfs -u -k {NEW}",)
         assert f"the initramfs of {NEW} (the next boot) still loads nouveau" in done.plan.detail
+
+
+def test_next_boot_does_not_apply_where_the_kernel_comes_from_outside(
+    tmp_path: Path, backend: SimulatedBackend
+) -> None:
+    (tmp_path / "root/boot").mkdir(parents=True)
+    ctx = host_with(tmp_path, backend)
+    plan = next_boot.ITEM.plan(ctx, "ready").plan
+    assert plan.status is PlanStatus.NOT_APPLICABLE
+    assert next_boot_problem(ctx) is None  # and a reboot is not refused for it

@@ -52,6 +52,8 @@ _MODPROBE_PREFIXES = ("etc/modprobe.d/", "usr/lib/modprobe.d/", "lib/modprobe.d/
 _MODULE_VERSION = re.compile(rb"(?:^|\x00)version=([0-9][0-9.]*)\x00")
 _PROC_VERSION = re.compile(r"Kernel Module(?:\s+for\s+\S+)?\s+(\d+\.\d+(?:\.\d+)?)")
 
+NOT_MANAGED = "no kernel in /boot and no /lib/modules: the kernel is not managed on this host (VM or container)"
+
 #: Runs a host tool (argv) and returns its stdout, or None when it is absent or fails.
 ToolRunner = Callable[[list[str]], str | None]
 
@@ -109,8 +111,15 @@ class BootReadiness:
     def ready(self) -> bool:
         return not self.problems
 
+    @property
+    def managed_here(self) -> bool:
+        """False where this host does not install its own kernels (a VM or container)."""
+        return NOT_MANAGED not in self.notes
+
     def summary(self) -> str:
         """One line for `status`: `6.8.0-50-generic — nvidia 580.159.04 module missing`."""
+        if not self.managed_here:
+            return NOT_MANAGED
         kernel = self.kernel.release if self.kernel else "unknown kernel"
         if self.problems:
             return f"{kernel} — " + "; ".join(self.problems)
@@ -506,6 +515,10 @@ def check_next_boot(
     problems: list[str] = []
     notes: list[str] = []
     if kernel is None:
+        if not any(paths.exists(tree) for tree in ("/lib/modules", "/usr/lib/modules")):
+            # A VM or container whose kernel comes from outside (seen on a single-GPU H200 VM: empty
+            # /boot, no module tree, the driver built into the image): nothing here decides the next boot.
+            return BootReadiness(None, current, driver, None, None, None, (), (NOT_MANAGED,))
         return BootReadiness(None, current, driver, None, None, None, ("no installed kernel found in /boot",))
     module = find_nvidia_module(paths, kernel.release)
     secure_boot = secure_boot_enabled(paths, run)

@@ -46,12 +46,28 @@ def _desired_text(policy: DriverPolicy) -> str:
     return " ".join(parts)
 
 
+NVIDIA_PCI_VENDOR = "0x10de"
+#: NVSwitch chips are PCI bridges of class "other" (0x0680). The driver registers its
+#: `nvidia-nvswitch` character device (/proc/devices) even where there is no switch, as on a
+#: single-GPU H200 VM, so only the PCI devices themselves tell.
+NVSWITCH_PCI_CLASS = "0x0680"
+
+
 def _nvswitch_present(ctx: HostContext) -> bool:
+    devices = ctx.paths.path("/sys/bus/pci/devices")
     try:
-        devices = ctx.paths.read_text("/proc/devices")
+        entries = sorted(devices.iterdir())
     except OSError:
         return False
-    return any(line.split()[-1:] == ["nvidia-nvswitch"] for line in devices.splitlines())
+    for entry in entries:
+        try:
+            vendor = (entry / "vendor").read_text().strip()
+            pci_class = (entry / "class").read_text().strip()
+        except OSError:
+            continue
+        if vendor == NVIDIA_PCI_VENDOR and pci_class.startswith(NVSWITCH_PCI_CLASS):
+            return True
+    return False
 
 
 class DriverItem(NodeItem[DriverWant, OperatorTask]):

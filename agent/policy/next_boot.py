@@ -16,7 +16,7 @@ from typing import Final, Literal
 
 from agent.backend.errors import GpuError
 from agent.config import AgentConfig, NodePolicy
-from agent.host.boot import BootReadiness, boot_signature, check_next_boot, host_tool_runner
+from agent.host.boot import NOT_MANAGED, BootReadiness, boot_signature, check_next_boot, host_tool_runner
 from agent.policy.base import HostContext, ItemPlan, PlanStatus
 from agent.policy.item import NodeItem, Planned, planned
 from agent.policy.report_only import OperatorTask, refuse
@@ -74,6 +74,8 @@ class NextBootItem(NodeItem[Ready, OperatorTask]):
 
     def plan(self, ctx: HostContext, want: Ready) -> Planned[OperatorTask]:
         verdict = readiness(ctx)
+        if not verdict.managed_here:
+            return planned(ItemPlan(self.name, None, PlanStatus.NOT_APPLICABLE, want, "no local kernel", NOT_MANAGED))
         kernel = verdict.kernel.release if verdict.kernel else "?"
         notes = "; ".join(verdict.notes)
         facts = (("kernel", kernel), ("reason", "; ".join(verdict.problems)), ("summary", verdict.summary()))
