@@ -7,23 +7,27 @@ taken from the YAML node the field came from, so an operator can jump straight t
 from __future__ import annotations
 
 import difflib
+import grp
 import itertools
+import os
 import re
+import socket
 from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
+from urllib.parse import urlsplit
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from agent import safe_yaml
 from agent.backend.base import GPU_RESET_ITEM
 from agent.config_errors import ConfigError as ConfigError
 from agent.config_errors import ConfigProblem as ConfigProblem
 from agent.defaults import DEFAULT_METRICS_PORT, DEFAULT_RULES_DIR, DEFAULT_SOCKET_PATH
 from agent.policy.names import GPU_ITEM_NAMES, ITEM_NAMES
 from agent.policy.names import ItemName as ItemName
-from agent.trust import file_problem
+from agent.trust import TooLargeError, UntrustedError, read_trusted
 
 
 class Mode(str, Enum):
@@ -39,7 +43,68 @@ PositiveMhz = Annotated[int, Field(gt=0)]
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: `.inf` as a power limit or `.nan` as an interval is a typo, never a setting.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+# -- checks shared by several fields: what `run` needs, checked by check-config too ----------------
+
+UNIX_SOCKET_PATH_MAX_BYTES = 107  # sun_path is 108 bytes with the terminating NUL
+
+
+def no_line_breaks(value: str) -> str:
+    """CR, LF and NUL end a header line or an argv string early, or smuggle a second one in."""
+    for character, name in (("\r", "CR"), ("\n", "LF"), ("\x00", "NUL")):
+        if character in value:
+            raise ValueError(f"must not contain {name} ({value!r})")
+    return value
+
+
+def http_url(value: str) -> str:
+    """An http:// or https:// URL with a host: no file://, no bare host:port, no control characters."""
+    if any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        raise ValueError(f"must be an http:// or https:// URL without spaces or control characters ({value!r})")
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018  # raises ValueError for a port that is not a number in 0-65535
+    except ValueError as exc:
+        raise ValueError(f"must be an http:// or https:// URL: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"must be an http:// or https:// URL, not {value!r}")
+    return value
+
+
+def absolute_argv(argv: list[str]) -> list[str]:
+    """argv as run without a shell: an absolute program (no PATH lookup: which binary runs must not
+    depend on the environment the agent inherited) and no line breaks or NUL in any string."""
+    if not argv[0].startswith("/"):
+        raise ValueError(f"the program must be an absolute path, not {argv[0]!r}")
+    for arg in argv:
+        no_line_breaks(arg)
+    return argv
+
+
+def listen_address(value: str) -> tuple[int, str]:
+    """HOST:PORT or [IPV6]:PORT -> (address family, host) as the metrics server binds it; ValueError
+    when the host is malformed, unknown, or not an address of this machine."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or len(port) > 5 or not 0 < int(port) < 65536:
+        raise ValueError("must be HOST:PORT with a port in 1-65535")
+    if not host.isascii() or any(c.isspace() or not c.isprintable() for c in host):
+        raise ValueError(f"HOST must be an IP address or a host name, not {host!r}")
+    if host.startswith("[") != host.endswith("]") or (":" in host and not host.startswith("[")):
+        raise ValueError(f"an IPv6 address goes in brackets, as [::1]:{port}")
+    bare = host.removeprefix("[").removesuffix("]") or "0.0.0.0"  # noqa: S104  # nosec B104  # as metrics does
+    family = socket.AF_INET6 if ":" in bare else socket.AF_INET
+    # Bind port 0 of that address: refused here when `run` could not listen there (not an address of
+    # this host, a name that does not resolve), without taking the port a running agent holds.
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((bare, 0))
+    except (OSError, UnicodeError, TypeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ValueError(f"cannot listen on {bare}: {reason}") from None
+    return family, bare
 
 
 class SimulatedConfig(StrictModel):
@@ -61,15 +126,36 @@ class MetricsConfig(StrictModel):
     @field_validator("listen")
     @classmethod
     def _host_port(cls, value: str) -> str:
-        __host, sep, port = value.rpartition(":")
-        if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError("must be HOST:PORT with a port in 1-65535")
+        listen_address(value)
         return value
 
 
 class ApiConfig(StrictModel):
     socket: str = DEFAULT_SOCKET_PATH
     group: str | None = None  # a group allowed to read the socket; root-only when unset
+
+    @field_validator("socket")
+    @classmethod
+    def _socket_path(cls, value: str) -> str:
+        no_line_breaks(value)
+        if not value.startswith("/"):
+            raise ValueError("must be an absolute path")
+        if len(value.encode("utf-8", "surrogateescape")) > UNIX_SOCKET_PATH_MAX_BYTES:
+            raise ValueError(f"is longer than the {UNIX_SOCKET_PATH_MAX_BYTES} bytes a Unix socket path may have")
+        if os.path.isdir(value):
+            raise ValueError(f"{value} is a directory; name the socket file, e.g. {value.rstrip('/')}/agent.sock")
+        return value
+
+    @field_validator("group")
+    @classmethod
+    def _known_group(cls, value: str | None) -> str | None:
+        # Resolved now, as `run` resolves it when it creates the socket.
+        if value is not None:
+            try:
+                grp.getgrnam(value)
+            except KeyError:
+                raise ValueError(f"unknown group {value!r}: no such group on this host") from None
+        return value
 
 
 class GpuMatch(StrictModel):
@@ -130,7 +216,7 @@ class FanCurve(StrictModel):
 
 class GpuProfile(StrictModel):
     match: GpuMatch
-    power_limit_watts: float | None = Field(default=None, gt=0)
+    power_limit_watts: float | None = Field(default=None, gt=0, le=10000)
     locked_clocks: LockedClocks | None = None
     fan_curve: FanCurve | None = None
     persistence: EnabledState | None = None
@@ -197,13 +283,14 @@ class ServiceConfig(StrictModel):
     start_command: list[str] | None = Field(default=None, min_length=1)
     stop_command: list[str] | None = Field(default=None, min_length=1)
     status_command: list[str] | None = Field(default=None, min_length=1)  # exit 0 = running; only for `command`
-    command_timeout_seconds: float = Field(default=90.0, gt=0, le=3600)
-    probe_interval_seconds: float = Field(default=5.0, gt=0, le=3600)
-    probe_timeout_seconds: float = Field(default=2.0, gt=0, le=300)
+    # Lower bounds: a probe every 1e-300 s burns a core; tests and fast local services use 0.05 s.
+    command_timeout_seconds: float = Field(default=90.0, ge=0.01, le=3600)
+    probe_interval_seconds: float = Field(default=5.0, ge=0.01, le=3600)
+    probe_timeout_seconds: float = Field(default=2.0, ge=0.01, le=300)
     unhealthy_after_probes: int = Field(default=3, ge=1, le=100)
     # How long a (re)started service may take to answer its health URL: loading model weights
     # takes minutes on a large model.
-    ready_timeout_seconds: float = Field(default=600.0, gt=0, le=7200)
+    ready_timeout_seconds: float = Field(default=600.0, ge=0.01, le=7200)
 
     @property
     def unit_name(self) -> str:
@@ -212,17 +299,12 @@ class ServiceConfig(StrictModel):
     @field_validator("health_url")
     @classmethod
     def _http_url(cls, value: str | None) -> str | None:
-        if value is not None and not re.match(r"https?://[^/\s]+", value):
-            raise ValueError("must be an http:// or https:// URL")
-        return value
+        return None if value is None else http_url(value)
 
     @field_validator("start_command", "stop_command", "status_command")
     @classmethod
     def _absolute_program(cls, argv: list[str] | None) -> list[str] | None:
-        # No PATH lookup: which binary runs must not depend on the environment the agent inherited.
-        if argv is not None and not argv[0].startswith("/"):
-            raise ValueError(f"the program must be an absolute path, not {argv[0]!r}")
-        return argv
+        return None if argv is None else absolute_argv(argv)
 
     @model_validator(mode="after")
     def _commands_match_manager(self) -> ServiceConfig:
@@ -242,7 +324,17 @@ class RemediationConfig(StrictModel):
     rules_dir: str = DEFAULT_RULES_DIR
     allow_reboot: bool = False  # a rule may only use the `reboot` action when the operator allows it
     alertmanager_url: str | None = None  # e.g. http://127.0.0.1:9093; the default for alertmanager actions
-    reboot_command: list[str] = Field(default_factory=lambda: ["systemctl", "reboot"], min_length=1)
+    reboot_command: list[str] = Field(default_factory=lambda: ["/usr/bin/systemctl", "reboot"], min_length=1)
+
+    @field_validator("alertmanager_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        return None if value is None else http_url(value)
+
+    @field_validator("reboot_command")
+    @classmethod
+    def _absolute_program(cls, argv: list[str]) -> list[str]:
+        return absolute_argv(argv)
 
 
 class AgentConfig(StrictModel):
@@ -251,9 +343,10 @@ class AgentConfig(StrictModel):
     simulated: SimulatedConfig = SimulatedConfig()
     host_root: str = "/"
     state_dir: str = "/var/lib/gpu-agent"
-    interval_seconds: float = Field(default=5.0, gt=0, le=3600)
+    # At least 0.1 s: the loop samples every GPU each time (1e-300 s would burn a core).
+    interval_seconds: float = Field(default=5.0, ge=0.1, le=3600)
     # every item is re-planned (and drift put back in enforce mode) this often; the fan curve every loop
-    policy_interval_seconds: float = Field(default=60.0, gt=0, le=86400)
+    policy_interval_seconds: float = Field(default=60.0, ge=1, le=86400)
     metrics: MetricsConfig = MetricsConfig()
     api: ApiConfig = ApiConfig()
     policy: PolicyConfig = PolicyConfig()
@@ -294,36 +387,9 @@ class AgentConfig(StrictModel):
 # -- loading with file:line errors ---------------------------------------------------------
 
 
-PathKey = tuple[str | int, ...]
+PathKey = safe_yaml.PathKey
+format_path = safe_yaml.format_path
 ModelT = TypeVar("ModelT", bound=BaseModel)
-
-
-def _node_lines(
-    node: yaml.Node, path: PathKey, lines: dict[PathKey, int], duplicates: list[tuple[PathKey, int]]
-) -> None:
-    lines.setdefault(path, node.start_mark.line + 1)
-    if isinstance(node, yaml.MappingNode):
-        seen: set[str] = set()
-        for key_node, value_node in node.value:
-            key = str(key_node.value)
-            child: PathKey = (*path, key)
-            if key in seen:
-                duplicates.append((child, key_node.start_mark.line + 1))
-            seen.add(key)
-            lines[child] = key_node.start_mark.line + 1
-            _node_lines(value_node, child, lines, duplicates)
-    elif isinstance(node, yaml.SequenceNode):
-        for index, item in enumerate(node.value):
-            element: PathKey = (*path, index)
-            lines[element] = item.start_mark.line + 1
-            _node_lines(item, element, lines, duplicates)
-
-
-def format_path(path: PathKey) -> str:
-    out = ""
-    for part in path:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
-    return out
 
 
 def _data_path(data: Any, loc: tuple[str | int, ...]) -> PathKey:
@@ -392,25 +458,10 @@ def _inner_model(annotation: Any) -> type[BaseModel] | None:
 
 
 def parse_yaml(text: str, file: str) -> tuple[Any, dict[PathKey, int]]:
-    """YAML text -> (data, line of every key and item). Duplicate keys are errors, not last-wins."""
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        line = mark.line + 1 if mark else None
-        raise ConfigError([ConfigProblem(file, line, "", f"invalid YAML: {exc.problem or exc}")]) from None
-    except yaml.reader.ReaderError as exc:  # a character YAML does not allow (NUL, most control characters)
-        line = text.count("\n", 0, exc.position) + 1
-        character = f"#x{exc.character:04x}" if isinstance(exc.character, int) else repr(exc.character)
-        raise ConfigError([ConfigProblem(file, line, "", f"invalid YAML: character {character} not allowed")]) from None
-    lines: dict[PathKey, int] = {}
-    duplicates: list[tuple[PathKey, int]] = []
-    if root is not None:
-        _node_lines(root, (), lines, duplicates)
-    if duplicates:
-        raise ConfigError([ConfigProblem(file, line, format_path(p), "duplicate key") for p, line in duplicates])
-    return data, lines
+    """YAML text -> (data, line of every key and item), through the bounded loader (agent.safe_yaml):
+    duplicate keys, aliases, deep nesting and oversized text are ConfigErrors with file and line."""
+    loaded = safe_yaml.load_text(text, file)
+    return loaded.data, loaded.lines
 
 
 def validate_model(model: type[ModelT], data: Any, lines: dict[PathKey, int], file: str) -> ModelT:
@@ -440,29 +491,40 @@ def validate_model(model: type[ModelT], data: Any, lines: dict[PathKey, int], fi
 
 
 def read_config_text(path: str | Path) -> str:
-    """A config file's text; ConfigError naming the file (and the line of a byte that is not UTF-8)."""
+    """A config file's text; ConfigError naming the file (its size when over the limit, the line of a
+    byte that is not UTF-8). No trust check: `load_config` reads through `read_trusted`."""
     file = str(path)
     try:
-        raw = Path(path).read_bytes()
+        with open(path, "rb") as stream:
+            size = os.fstat(stream.fileno()).st_size
+            if size > safe_yaml.MAX_YAML_BYTES:
+                raise ConfigError([ConfigProblem(file, None, "", safe_yaml.too_large(size))])
+            raw = stream.read(safe_yaml.MAX_YAML_BYTES + 1)
     except OSError as exc:
         raise ConfigError([ConfigProblem(file, None, "", f"cannot read: {exc.strerror or exc}")]) from None
+    return safe_yaml.decode(raw, file)
+
+
+def read_trusted_text(path: str | Path) -> str:
+    """The text of a file that steers the agent (agent.yaml, a rules file): refused (ConfigError naming
+    the file) when someone other than root could change it or put another in its place. The trust
+    check runs on the descriptor that is then read (agent.trust.read_trusted), never on the path."""
+    file = str(path)
     try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw.count(b"\n", 0, exc.start) + 1
-        message = f"not UTF-8 text: byte {raw[exc.start]:#04x} at offset {exc.start}"
-        raise ConfigError([ConfigProblem(file, line, "", message)]) from None
+        raw = read_trusted(path, limit_bytes=safe_yaml.MAX_YAML_BYTES)
+    except UntrustedError as exc:
+        raise ConfigError([ConfigProblem(file, None, "", f"refused: {exc}")]) from None
+    except TooLargeError as exc:
+        raise ConfigError([ConfigProblem(file, None, "", safe_yaml.too_large(exc.size_bytes))]) from None
+    except OSError as exc:
+        raise ConfigError([ConfigProblem(file, None, "", f"cannot read: {exc.strerror or exc}")]) from None
+    return safe_yaml.decode(raw, file)
 
 
 def load_config(path: str | Path) -> AgentConfig:
-    """The config in `path`; refused (ConfigError naming the file) when someone other than root could
-    change it, since it decides what the agent does as root (see agent.trust)."""
+    """The config in `path`, read through `read_trusted_text` and the bounded YAML loader."""
     file = str(path)
-    text = read_config_text(path)
-    untrusted = file_problem(path)
-    if untrusted is not None:
-        raise ConfigError([ConfigProblem(file, None, "", f"refused: {untrusted}")])
-    data, lines = parse_yaml(text, file)
+    data, lines = parse_yaml(read_trusted_text(path), file)
     if data is not None and not isinstance(data, dict):
         raise ConfigError([ConfigProblem(file, 1, "", "must be a YAML mapping")])
     return validate_model(AgentConfig, data, lines, file)

@@ -1,50 +1,349 @@
-"""Which files the agent may trust: it runs as root, and its config decides what it writes to the GPUs
-and the host, which commands it runs (service managers, the reboot command) and where it sends alerts.
+"""Which files the agent may trust, checked so that the check cannot be raced.
 
-A file is refused when someone other than root could change it: writable by its group or by others
-(always), owned by another user (when the agent runs as root; a developer running it unprivileged
-may use their own files), or inside a directory such a person could write to, since they could put
-another file in its place. A world-writable directory with the sticky bit (/tmp) only lets others add
-their own files, not replace ours, so it is allowed, as it is for hooks (agent.rules.actions).
+The agent runs as root, and its config decides what it writes to the GPUs and the host, which
+commands it runs and where it sends alerts; rules files and hooks decide what it runs on a fault.
+A file is refused when someone other than root (or the agent's own user, when it runs
+unprivileged) could change it or put another file in its place:
+
+- the file itself is owned by another user, or writable by its group or by others;
+- any directory on the way to it, from `/` down, is owned by another user or writable by its
+  group or others — including the directory that holds each symlink followed on the way, and the
+  directories of the link's target;
+- sticky directories (mode +t, like /tmp) are the one exception: others may add their own entries
+  there but cannot rename or delete ours, so they are passed when the entry we go through (the
+  next directory, the symlink or the file) is owned by root or the agent's user. An entry owned
+  by someone else in a sticky directory is refused: its owner can replace it.
+
+The check is not a `stat` followed by an `open`: the path is resolved here one component at a
+time from a descriptor of `/` (`openat` with O_NOFOLLOW, symlinks read and followed by hand, at
+most 40), every directory is checked on the descriptor that the next step opens from, and the
+file is checked (`fstat`) on the descriptor that is then read or executed. A link swapped after
+the check changes nothing: what was checked is what is read or run.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import os
 import stat
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from agent.services import ProcessResult
+
+MAX_SYMLINKS = 40  # as the kernel's own limit for one path lookup
+DEFAULT_LIMIT_BYTES = 1024 * 1024
+_WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
 
 
-def _owner_problem(info: os.stat_result, as_root: bool) -> str | None:
-    if as_root and info.st_uid != 0:
-        return f"owned by uid {info.st_uid}, not root"
-    return None
+class UntrustedError(Exception):
+    """A file or directory others could change; str() says which and why, for the operator."""
 
 
-def file_problem(path: str | Path, running_as_root: bool | None = None) -> str | None:
-    """Why `path` must not be trusted, naming it (None: trusted). A missing file is not a trust problem."""
-    as_root = os.geteuid() == 0 if running_as_root is None else running_as_root
+class TooLargeError(Exception):
+    def __init__(self, path: str, size_bytes: int, limit_bytes: int) -> None:
+        super().__init__(f"{path} is {size_bytes} bytes, more than the {limit_bytes} bytes gpu-agent reads")
+        self.size_bytes = size_bytes
+
+
+def _trusted_owner(uid: int, agent_uid: int) -> bool:
+    return uid in (0, agent_uid)
+
+
+def _not_root(uid: int, agent_uid: int) -> str:
+    return f"owned by uid {uid}, not root" + ("" if agent_uid == 0 else f" or uid {agent_uid}")
+
+
+def _join(parts: list[str]) -> str:
+    return "/" + "/".join(parts)
+
+
+class _Walk:
+    """One resolution of `given`, holding the descriptor of the directory reached so far."""
+
+    def __init__(self, given: str, agent_uid: int) -> None:
+        self.given = given
+        self.agent_uid = agent_uid
+        self.links = 0
+        self.dir_fd = -1
+        self.dir_info: os.stat_result | None = None
+        self.real: list[str] = []
+        self._enter(os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC), [])
+
+    def close(self) -> None:
+        if self.dir_fd >= 0:
+            os.close(self.dir_fd)
+            self.dir_fd = -1
+
+    def _enter(self, fd: int, real: list[str]) -> None:
+        """Make `fd` (a directory) the current one, after checking it."""
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISDIR(info.st_mode):
+                raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), _join(real))
+            where = _join(real)
+            if info.st_mode & _WRITABLE_BY_OTHERS and not info.st_mode & stat.S_ISVTX:
+                raise UntrustedError(
+                    f"directory {where} of {self.given} is writable by group or others"
+                    f" (mode {stat.S_IMODE(info.st_mode):04o}): anyone who can write there can replace the file"
+                )
+            if not _trusted_owner(info.st_uid, self.agent_uid):
+                raise UntrustedError(f"directory {where} of {self.given} is {_not_root(info.st_uid, self.agent_uid)}")
+        except BaseException:
+            os.close(fd)
+            raise
+        self.close()
+        self.dir_fd, self.dir_info, self.real = fd, info, real
+
+    def check_entry(self, info: os.stat_result, name: str) -> None:
+        """In a sticky directory, the owner of an entry may rename or delete it: it must be ours."""
+        assert self.dir_info is not None  # nosec B101  # set by __init__
+        shared = self.dir_info.st_mode & stat.S_ISVTX and self.dir_info.st_mode & _WRITABLE_BY_OTHERS
+        if shared and not _trusted_owner(info.st_uid, self.agent_uid):
+            raise UntrustedError(
+                f"{_join([*self.real, name])} on the way to {self.given} is"
+                f" {_not_root(info.st_uid, self.agent_uid)} in the shared directory {_join(self.real)}"
+            )
+
+    def follow(self, fd: int, name: str, pending: list[str]) -> None:
+        """`fd` is a symlink (O_PATH): put its target's components in front of the rest."""
+        try:
+            self.check_entry(os.fstat(fd), name)
+            target = os.readlink("", dir_fd=fd)
+        finally:
+            os.close(fd)
+        self.links += 1
+        if self.links > MAX_SYMLINKS:
+            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), self.given)
+        pending[:0] = _components(target)
+        if target.startswith("/"):
+            self._enter(os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC), [])
+
+    def up(self) -> None:
+        self._enter(os.open("..", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self.dir_fd), self.real[:-1])
+
+    def down(self, fd: int, name: str) -> None:
+        try:
+            self.check_entry(os.fstat(fd), name)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._enter(fd, [*self.real, name])
+
+
+def _components(path: str) -> list[str]:
+    return [part for part in path.split("/") if part not in ("", ".")]
+
+
+def _open_walked(path: str | Path, flags: int, agent_uid: int | None) -> tuple[int, str]:
+    """(descriptor opened with `flags`, real path) of `path`, every directory on the way checked.
+
+    Raises OSError when the path cannot be opened, UntrustedError when a directory (or an entry
+    of a sticky directory) on the way could be changed by someone else. The file itself is not
+    judged here: the caller does, on the descriptor.
+    """
+    given = os.path.abspath(path)
+    walk = _Walk(given, os.geteuid() if agent_uid is None else agent_uid)
     try:
-        real = Path(path).resolve(strict=True)
-        info = real.stat()
-    except OSError:
-        return None
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        pending = _components(given)
+        if not pending:
+            raise OSError(errno.EISDIR, os.strerror(errno.EISDIR), given)
+        while pending:
+            name = pending.pop(0)
+            if name == "..":
+                walk.up()
+                continue
+            if pending:
+                try:
+                    fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=walk.dir_fd)
+                except OSError as exc:
+                    raise OSError(exc.errno, exc.strerror, _join([*walk.real, name])) from None
+                if stat.S_ISLNK(os.fstat(fd).st_mode):
+                    walk.follow(fd, name, pending)
+                else:
+                    walk.down(fd, name)
+                continue
+            try:
+                fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=walk.dir_fd)
+            except OSError as exc:
+                # ELOOP (ENOTDIR with O_DIRECTORY): the last component may be a symlink; follow it
+                # by hand, checking where it sits.
+                link = -1
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    link = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=walk.dir_fd)
+                    if stat.S_ISLNK(os.fstat(link).st_mode):
+                        walk.follow(link, name, pending)
+                        continue
+                    os.close(link)
+                if exc.errno != errno.ELOOP:
+                    raise OSError(exc.errno, exc.strerror, _join([*walk.real, name])) from None
+                # swapped back between the two opens: look again, within the link budget
+                walk.links += 1
+                if walk.links > MAX_SYMLINKS:
+                    raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), given) from None
+                pending.insert(0, name)
+                continue
+            try:
+                walk.check_entry(os.fstat(fd), name)
+            except BaseException:
+                os.close(fd)
+                raise
+            return fd, _join([*walk.real, name])
+        raise OSError(errno.EISDIR, os.strerror(errno.EISDIR), given)  # the path ended in `..`
+    finally:
+        walk.close()
+
+
+def _file_problem(info: os.stat_result, real: str, agent_uid: int) -> str | None:
+    if info.st_mode & _WRITABLE_BY_OTHERS:
         return (
             f"{real} is writable by group or others (mode {stat.S_IMODE(info.st_mode):04o}):"
             f" whoever can change it controls what gpu-agent does as root; run `chmod go-w {real}`"
         )
-    owner = _owner_problem(info, as_root)
-    if owner is not None:
-        return f"{real} is {owner}: run `chown root: {real}`"
-    for directory in real.parents:
-        dir_info = directory.stat()
-        if dir_info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not dir_info.st_mode & stat.S_ISVTX:
-            return (
-                f"directory {directory} of {real} is writable by group or others"
-                f" (mode {stat.S_IMODE(dir_info.st_mode):04o}): anyone who can write there can replace the file"
-            )
-        owner = _owner_problem(dir_info, as_root)
-        if owner is not None:
-            return f"directory {directory} of {real} is {owner}"
+    if not _trusted_owner(info.st_uid, agent_uid):
+        return f"{real} is {_not_root(info.st_uid, agent_uid)}: run `chown root: {real}`"
     return None
+
+
+def open_trusted(path: str | Path, *, agent_uid: int | None = None) -> tuple[int, str]:
+    """(read-only descriptor, real path) of a regular file only root or the agent could have changed.
+
+    Raises OSError (cannot open; a directory, FIFO or device) or UntrustedError. The caller closes the fd.
+    """
+    uid = os.geteuid() if agent_uid is None else agent_uid
+    # O_NONBLOCK: a FIFO put in the file's place must not hang the open; it is refused below.
+    fd, real = _open_walked(path, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK, uid)
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), real)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", real)
+        problem = _file_problem(info, real, uid)
+        if problem is not None:
+            raise UntrustedError(problem)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, real
+
+
+def read_trusted(path: str | Path, *, limit_bytes: int = DEFAULT_LIMIT_BYTES, agent_uid: int | None = None) -> bytes:
+    """The content of a config or rules file, read from the descriptor that passed the trust check.
+
+    Raises OSError, UntrustedError, or TooLargeError (naming the size) for a file over
+    `limit_bytes`: checked before reading, so a 50 MB file costs one fstat.
+    """
+    fd, real = open_trusted(path, agent_uid=agent_uid)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit_bytes:
+            raise TooLargeError(real, size, limit_bytes)
+        chunks: list[bytes] = []
+        total = 0
+        while chunk := os.read(fd, min(65536, limit_bytes + 1 - total)):
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > limit_bytes:  # grew after the fstat
+                raise TooLargeError(real, total, limit_bytes)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def file_problem(path: str | Path, agent_uid: int | None = None) -> str | None:
+    """Why `path` must not be trusted, naming it (None: trusted). A missing file is not a trust problem.
+
+    For messages (check-config) only: code that then reads the file uses `read_trusted`, which
+    checks the descriptor it reads.
+    """
+    try:
+        fd, _real = open_trusted(path, agent_uid=agent_uid)
+    except UntrustedError as exc:
+        return str(exc)
+    except OSError:
+        return None
+    os.close(fd)
+    return None
+
+
+def directory_problem(path: str | Path, agent_uid: int | None = None) -> str | None:
+    """Why directory `path` (a rules.d) must not be trusted: it, or a directory above it, could be
+    changed by someone else, who could then add a file to it. None: trusted, or missing."""
+    try:
+        fd, _real = _open_walked(path, os.O_RDONLY | os.O_DIRECTORY, agent_uid)
+    except UntrustedError as exc:
+        return str(exc)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+    finally:
+        os.close(fd)
+    uid = os.geteuid() if agent_uid is None else agent_uid
+    if info.st_mode & _WRITABLE_BY_OTHERS:
+        return f"{path} is writable by group or others (mode {stat.S_IMODE(info.st_mode):04o})"
+    if not _trusted_owner(info.st_uid, uid):
+        return f"{path} is {_not_root(info.st_uid, uid)}"
+    return None
+
+
+def open_trusted_executable(path: str | Path, *, agent_uid: int | None = None) -> int:
+    """A descriptor of the program at `path` (a hook), checked as `open_trusted` checks files and
+    executable by someone. Run it through that descriptor (`run_trusted`), never through the path
+    again: the path could point elsewhere by then. The caller closes the fd."""
+    if not str(path).startswith("/"):
+        raise UntrustedError(f"hook program must be an absolute path, not {str(path)!r}")
+    fd, real = open_trusted(path, agent_uid=agent_uid)
+    if not os.fstat(fd).st_mode & (stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH):
+        os.close(fd)
+        raise OSError(errno.EACCES, f"{real} is not executable", real)
+    return fd
+
+
+def executable_problem(path: str, agent_uid: int | None = None) -> str | None:
+    """Why the program at `path` must not run (None: it may), for check-config."""
+    try:
+        fd = open_trusted_executable(path, agent_uid=agent_uid)
+    except UntrustedError as exc:
+        return str(exc)
+    except OSError as exc:
+        return f"hook {path}: {exc.strerror or exc}"
+    os.close(fd)
+    return None
+
+
+def run_trusted(
+    argv: Sequence[str],
+    timeout_seconds: float,
+    *,
+    stdin: bytes = b"",
+    env: Mapping[str, str] | None = None,
+    agent_uid: int | None = None,
+) -> ProcessResult:
+    """Run a hook: check argv[0] and execute exactly the file that was checked.
+
+    The child executes `/proc/<agent pid>/fd/N`, the magic link to the descriptor checked here,
+    which the agent holds open until the child has exited; a symlink or file swapped in after the
+    check is never run. A script's interpreter gets that path as its script name and opens the
+    same file. The result names argv as given. Raises UntrustedError (refuse the action), or
+    OSError (it cannot run). How the hook runner (agent.rules.actions) calls it:
+
+        try:
+            result = run_trusted(argv, timeout, stdin=stdin, env=hook_env(decision))
+        except UntrustedError as exc:
+            return _refused(str(exc))
+        except OSError as exc:
+            return _failed(f"cannot run hook {argv[0]}: {exc.strerror or exc}")
+    """
+    from agent.services import run_process
+
+    fd = open_trusted_executable(argv[0], agent_uid=agent_uid)
+    try:
+        result = run_process([f"/proc/{os.getpid()}/fd/{fd}", *argv[1:]], timeout_seconds, stdin=stdin, env=env)
+    finally:
+        os.close(fd)
+    return dataclasses.replace(result, argv=tuple(argv))

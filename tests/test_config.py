@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -139,3 +141,115 @@ def test_empty_file_is_all_defaults(tmp_path: Path) -> None:
     path = tmp_path / "agent.yaml"
     path.write_text("# nothing yet\n")
     assert load_config(path) == AgentConfig()
+
+
+# -- what `run` needs, checked by check-config as well -----------------------------------------------
+
+UNKNOWN_GROUP = "gpu-agent-no-such-group"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("metrics: {listen: '999.1.1.1:9481'}\n", "agent.yaml:1 metrics.listen: cannot listen on 999.1.1.1: "),
+        ("metrics: {listen: '192.0.2.1:9481'}\n", "agent.yaml:1 metrics.listen: cannot listen on 192.0.2.1: "),
+        ("metrics: {listen: '::1:9481'}\n", "agent.yaml:1 metrics.listen: an IPv6 address goes in brackets"),
+        ("metrics: {listen: '[::1:9481'}\n", "agent.yaml:1 metrics.listen: an IPv6 address goes in brackets"),
+        ("metrics: {listen: 'no such host:9481'}\n", "agent.yaml:1 metrics.listen: HOST must be an IP address or a"),
+        (
+            "metrics: {listen: 'no-such-host.invalid:9481'}\n",
+            "agent.yaml:1 metrics.listen: cannot listen on no-such-host",
+        ),
+        ("metrics: {listen: '127.0.0.1:0'}\n", "agent.yaml:1 metrics.listen: must be HOST:PORT with a port in 1-65535"),
+        (f"api: {{group: {UNKNOWN_GROUP}}}\n", f"agent.yaml:1 api.group: unknown group '{UNKNOWN_GROUP}'"),
+        ("api: {socket: /tmp}\n", "agent.yaml:1 api.socket: /tmp is a directory; name the socket file"),
+        ("api: {socket: run/agent.sock}\n", "agent.yaml:1 api.socket: must be an absolute path"),
+        ("api: {socket: /" + "s" * 120 + "}\n", "agent.yaml:1 api.socket: is longer than the 107 bytes"),
+        (
+            "remediation: {alertmanager_url: 'file:///etc/shadow'}\n",
+            "agent.yaml:1 remediation.alertmanager_url: must be an http:// or https:// URL, not 'file:///etc/shadow'",
+        ),
+        (
+            'remediation: {alertmanager_url: "http://am:9093/\\r\\nX-Evil: 1"}\n',
+            "agent.yaml:1 remediation.alertmanager_url: must be an http:// or https:// URL without spaces",
+        ),
+        (
+            "remediation: {alertmanager_url: 'http://am:99999'}\n",
+            "agent.yaml:1 remediation.alertmanager_url: must be an http:// or https:// URL: Port out of range",
+        ),
+        (
+            "services:\n  - {name: a, health_url: 'ftp://127.0.0.1/health'}\n",
+            "agent.yaml:2 services[0].health_url: must be an http:// or https:// URL",
+        ),
+        (
+            "remediation: {reboot_command: [systemctl, reboot]}\n",
+            "agent.yaml:1 remediation.reboot_command: the program must be an absolute path, not 'systemctl'",
+        ),
+        (
+            'remediation: {reboot_command: [/usr/bin/systemctl, "reboot\\0"]}\n',
+            "agent.yaml:1 remediation.reboot_command: must not contain NUL",
+        ),
+        (
+            'services:\n  - {name: a, manager: command, start_command: [/bin/start, "a\\nb"], stop_command: [/bin/stop]}\n',
+            "agent.yaml:2 services[0].start_command: must not contain LF",
+        ),
+        ("interval_seconds: 1e-300\n", "agent.yaml:1 interval_seconds: must be >= 0.1"),
+        ("interval_seconds: 86401\n", "agent.yaml:1 interval_seconds: must be <= 3600"),
+        ("interval_seconds: .nan\n", "agent.yaml:1 interval_seconds: must be a finite number"),
+        ("policy_interval_seconds: 0.001\n", "agent.yaml:1 policy_interval_seconds: must be >= 1"),
+        (
+            "services:\n  - {name: a, probe_interval_seconds: 1e-300}\n",
+            "agent.yaml:2 services[0].probe_interval_seconds: must be >= 0.01",
+        ),
+        (
+            "policy:\n  gpus:\n    - match: {index: 0}\n      power_limit_watts: .inf\n",
+            "agent.yaml:4 policy.gpus[0].power_limit_watts: must be a finite number",
+        ),
+        (
+            "policy:\n  gpus:\n    - match: {index: 0}\n      power_limit_watts: 1e308\n",
+            "agent.yaml:4 policy.gpus[0].power_limit_watts: must be <= 10000",
+        ),
+    ],
+)
+def test_what_run_would_reject_is_rejected_here(text: str, expected: str) -> None:
+    found = problems(text)
+    assert any(p.startswith(expected) for p in found), found
+
+
+def test_what_run_accepts_is_accepted() -> None:
+    config = config_from_text(
+        "metrics: {listen: '127.0.0.1:9481'}\n"
+        "api: {socket: /run/gpu-agent/agent.sock, group: root}\n"
+        "interval_seconds: 0.1\n"
+        "remediation: {alertmanager_url: 'https://user:pw@am.example:9093/prefix', "
+        "reboot_command: [/usr/bin/systemctl, reboot, --when=+1min]}\n"
+        "services:\n  - {name: a, health_url: 'http://[::1]:30000/health', probe_interval_seconds: 0.05}\n"
+    )
+    assert config.interval_seconds == 0.1 and config.api.group == "root"
+    assert config_from_text("metrics: {listen: ':9481'}\n").metrics.listen == ":9481"  # every IPv4 address
+    assert AgentConfig().remediation.reboot_command == ["/usr/bin/systemctl", "reboot"]
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("metrics: {listen: '10.255.255.254:9481'}", "metrics.listen: cannot listen on 10.255.255.254: "),
+        (f"api: {{group: {UNKNOWN_GROUP}}}", f"api.group: unknown group '{UNKNOWN_GROUP}'"),
+        ("api: {socket: /tmp}", "api.socket: /tmp is a directory"),
+        ("remediation: {alertmanager_url: 'file:///x'}", "remediation.alertmanager_url: must be an http"),
+        ("remediation: {reboot_command: [reboot]}", "remediation.reboot_command: the program must be an absolute"),
+        ("interval_seconds: 1e-300", "interval_seconds: must be >= 0.1"),
+    ],
+)
+def test_check_config_rejects_what_run_would_crash_on(tmp_path: Path, line: str, expected: str) -> None:
+    path = tmp_path / "agent.yaml"
+    path.write_text(f"mode: observe\n{line}\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "agent.cli", "check-config", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1, result.stdout
+    assert result.stderr.startswith(f"{path}:2 {expected}"), result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr

@@ -12,7 +12,9 @@ import json
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +24,21 @@ from daemon_harness import write_agent_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent import api
+from agent import api, safe_yaml
 from agent.config import AgentConfig, ConfigError, config_from_text, load_config
 from agent.daemon import Daemon
 from agent.notify import SdNotifier
 from agent.rules.config import Rule, load_rules
 
 FILE = "/etc/gpu-agent/agent.yaml"
-FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# A deadline per example: a parser bomb shows up as time (the 391-byte alias bomb took minutes
+# before running out of memory), so no example may take long. Generous for a loaded CI machine.
+FUZZ = settings(
+    max_examples=150,
+    deadline=timedelta(seconds=3),
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+BOMBS = settings(FUZZ, max_examples=60)
 
 VALID_CONFIG: dict[str, Any] = {
     "mode": "enforce",
@@ -208,6 +217,113 @@ def test_the_valid_documents_are_valid() -> None:
     assert config_from_text(yaml.safe_dump(VALID_CONFIG), FILE).mode.value == "enforce"
     with tempfile.TemporaryDirectory() as directory:
         assert len(load_rules([write_rules(Path(directory), yaml.safe_dump(VALID_RULES))])) == 3
+
+
+@FUZZ
+@given(st.text(max_size=80) | st.from_regex(r"\[?[0-9a-fA-F:.%a-z]{0,40}\]?:[0-9]{1,6}", fullmatch=True))
+def test_any_listen_address_is_accepted_or_a_clear_error(listen: str) -> None:
+    found = config_error(f"metrics: {{listen: {json.dumps(listen)}}}\n")
+    assert all(p.startswith(f"{FILE}:1 metrics.listen: ") for p in found), found
+
+
+# -- hostile documents: bombs that reach the loader's limits -------------------------------------
+
+
+@st.composite
+def alias_bombs(draw: st.DrawFn) -> tuple[str, int]:
+    """(text, line of the first anchor): billion-laughs shapes of any depth and fan-out, block or flow."""
+    levels = draw(st.integers(min_value=1, max_value=12))
+    fanout = draw(st.integers(min_value=1, max_value=16))
+    names = draw(st.lists(st.from_regex(r"[a-z][a-z0-9]{0,6}", fullmatch=True), min_size=levels, max_size=levels))
+    prefix = draw(st.sampled_from(["", "mode: observe\n", "# a comment\n\n", "policy:\n  gpus: []\n"]))
+    lines = [f"l0: &{names[0]} [lol, lol]"]
+    for level in range(1, levels):
+        refs = [f"*{names[level - 1]}"] * fanout
+        if draw(st.booleans()):
+            lines.append(f"l{level}: &{names[level]} [{', '.join(refs)}]")
+        else:
+            lines.append(f"l{level}: &{names[level]}\n" + "".join(f"  - {ref}\n" for ref in refs).rstrip("\n"))
+    return prefix + "\n".join(lines) + "\n", prefix.count("\n") + 1
+
+
+@st.composite
+def nested_documents(draw: st.DrawFn) -> tuple[str, int]:
+    """(text, nesting depth): brackets, braces and indented blocks, up to thousands of levels."""
+    depth = draw(st.integers(min_value=1, max_value=3000) | st.integers(min_value=60, max_value=70))
+    style = draw(st.sampled_from(["lists", "maps", "mixed", "block"]))
+    if style == "block":  # indentation grows with depth: 400 levels is 160 KB, within the size limit
+        depth = min(depth, 400)
+        text = "".join("  " * n + f"k{n}:\n" for n in range(depth)) + "  " * depth + "leaf\n"
+        return text, depth
+    pattern = draw(st.integers(min_value=0, max_value=2**16 - 1)) if style == "mixed" else 0
+    kinds = [
+        "[" if style == "lists" or (style == "mixed" and pattern >> (level % 16) & 1) else "{a: "
+        for level in range(depth)
+    ]
+    closers = "".join("]" if opener == "[" else "}" for opener in reversed(kinds))
+    return "".join(kinds) + "1" + closers + "\n", depth
+
+
+def large_documents(min_bytes: int, max_bytes: int) -> st.SearchStrategy[str]:
+    chunks = st.sampled_from(["# padding\n", "services: []\n", "mode: observe\n", "x: " + "y" * 200 + "\n"])
+    return st.tuples(chunks, st.integers(min_value=min_bytes, max_value=max_bytes)).map(
+        lambda chunk_size: chunk_size[0] * (chunk_size[1] // len(chunk_size[0]) + 1)
+    )
+
+
+def config_error(text: str) -> list[str]:
+    started = time.monotonic()
+    try:
+        config_from_text(text, FILE)
+    except ConfigError as exc:
+        assert time.monotonic() - started < 2.0
+        assert all(p.file == FILE and p.message for p in exc.problems)
+        return [str(p) for p in exc.problems]
+    return []
+
+
+@BOMBS
+@given(alias_bombs())
+def test_alias_bombs_are_refused_at_the_first_anchor(bomb: tuple[str, int]) -> None:
+    text, line = bomb
+    found = config_error(text)
+    assert len(found) == 1 and found[0].startswith(f"{FILE}:{line}: invalid YAML: anchor &"), found
+
+
+@BOMBS
+@given(nested_documents())
+def test_nesting_past_the_limit_is_refused_and_within_it_parses(document: tuple[str, int]) -> None:
+    text, depth = document
+    found = config_error(text)
+    nested_error = [p for p in found if f"nested more than {safe_yaml.MAX_DEPTH} levels deep" in p]
+    # The top-level mapping or list counts as a level, a scalar leaf does not.
+    assert bool(nested_error) == (depth > safe_yaml.MAX_DEPTH), (depth, found)
+
+
+@BOMBS
+@given(large_documents(safe_yaml.MAX_YAML_BYTES + 1, 8 * safe_yaml.MAX_YAML_BYTES) | large_documents(1, 60_000))
+def test_oversized_documents_are_refused_by_size_alone(text: str) -> None:
+    found = config_error(text)
+    size = len(text.encode())
+    if size > safe_yaml.MAX_YAML_BYTES:
+        assert found == [
+            f"{FILE}: file is {size} bytes, more than the {safe_yaml.MAX_YAML_BYTES} bytes gpu-agent reads"
+        ]
+    else:
+        assert not any("more than the" in p for p in found), found
+
+
+@BOMBS
+@given(st.one_of(alias_bombs().map(lambda b: b[0]), nested_documents().map(lambda d: d[0])))
+def test_rules_files_meet_the_same_limits(text: str) -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        path = write_rules(Path(directory), text)
+        started = time.monotonic()
+        try:
+            load_rules([path])
+        except ConfigError as exc:
+            assert all(p.file == str(path) and p.message for p in exc.problems)
+        assert time.monotonic() - started < 2.0
 
 
 # -- rules.d --------------------------------------------------------------------------------------

@@ -24,13 +24,21 @@ import pytest
 from daemon_harness import running_agent, write_agent_config
 from helpers import wait_until
 from hosttree import NOBODY_ID, run_unprivileged
+from race import attempts, swapping
 
 from agent import api
 from agent.backend.sim import SimulatedBackend
 from agent.config import ConfigError, load_config
 from agent.daemon import Daemon
 from agent.notify import SdNotifier
-from agent.trust import file_problem
+from agent.trust import (
+    UntrustedError,
+    directory_problem,
+    executable_problem,
+    file_problem,
+    read_trusted,
+    run_trusted,
+)
 
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="ownership checks apply when the agent runs as root")
 
@@ -60,7 +68,7 @@ def test_a_config_others_can_write_is_refused(tmp_path: Path, mode: int) -> None
     assert f"{config} is writable by group or others (mode {mode:04o})" in message
     assert f"chmod go-w {config}" in message
     # Always, whoever the agent runs as.
-    assert file_problem(config, running_as_root=False) is not None
+    assert file_problem(config, agent_uid=NOBODY_ID) is not None
 
 
 @as_root
@@ -69,7 +77,7 @@ def test_a_config_not_owned_by_root_is_refused_when_running_as_root(tmp_path: Pa
     os.chown(config, NOBODY_ID, NOBODY_ID)
     assert f"{config} is owned by uid {NOBODY_ID}, not root" in refusal(config)
     # An unprivileged agent (a developer's) may use its own files.
-    assert file_problem(config, running_as_root=False) is None
+    assert file_problem(config, agent_uid=NOBODY_ID) is None
 
 
 def test_a_config_in_a_directory_others_can_write_is_refused(tmp_path: Path) -> None:
@@ -173,6 +181,145 @@ def test_check_config_refuses_untrusted_rules_and_hooks(tmp_path: Path) -> None:
         os.chown(rule_file, NOBODY_ID, NOBODY_ID)
         refused = gpu_agent("check-config", "--config", str(config))
         assert f"{rule_file}: refused: owned by uid {NOBODY_ID}, not root" in refused.stderr
+
+
+# -- checks that cannot be raced ----------------------------------------------------------------
+
+
+def owned_by_nobody(path: Path, mode: int = 0o755) -> Path:
+    os.chown(path, NOBODY_ID, NOBODY_ID)
+    path.chmod(mode)
+    return path
+
+
+@as_root
+def test_a_root_owned_rules_dir_under_a_user_owned_parent_is_refused(tmp_path: Path) -> None:
+    parent = tmp_path / "home"
+    rules = parent / "rules.d"
+    rules.mkdir(parents=True)
+    (rules / "10-x.yaml").write_text("rules: []\n")
+    owned_by_nobody(parent)
+    expected = f"directory {parent} of {rules} is owned by uid {NOBODY_ID}, not root"
+    assert directory_problem(rules) == expected
+    with pytest.raises(UntrustedError, match=f"directory {parent} of {rules}/10-x.yaml is owned by uid {NOBODY_ID}"):
+        read_trusted(rules / "10-x.yaml")
+    os.chown(parent, 0, 0)
+    assert directory_problem(rules) is None
+    assert read_trusted(rules / "10-x.yaml") == b"rules: []\n"
+
+
+def test_the_directory_holding_a_symlink_is_checked(tmp_path: Path) -> None:
+    config, _ = write_agent_config(tmp_path)
+    links = tmp_path / "links"
+    links.mkdir()
+    (links / "agent.yaml").symlink_to(config)
+    assert load_config(links / "agent.yaml").backend == "simulated"
+    links.chmod(0o777)  # anyone could repoint the link
+    assert f"directory {links} of {links / 'agent.yaml'} is writable by group or others" in refusal(
+        links / "agent.yaml"
+    )
+    links.chmod(0o1777)  # sticky: only the link's owner (root) may replace it
+    assert load_config(links / "agent.yaml").backend == "simulated"
+
+
+@as_root
+def test_in_a_sticky_directory_only_our_own_entries_are_passed(tmp_path: Path) -> None:
+    config, _ = write_agent_config(tmp_path)
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o1777)
+    shared.chmod(0o1777)
+    (shared / "agent.yaml").symlink_to(config)
+    assert load_config(shared / "agent.yaml").backend == "simulated"
+    os.chown(shared / "agent.yaml", NOBODY_ID, NOBODY_ID, follow_symlinks=False)  # nobody's link: nobody may swap it
+    message = refusal(shared / "agent.yaml")
+    assert f"{shared / 'agent.yaml'} on the way to {shared / 'agent.yaml'} is owned by uid {NOBODY_ID}" in message
+
+
+def link_pair(directory: Path, trusted: Path, users: Path) -> tuple[Path, Path]:
+    link, spare = directory / "agent.yaml", directory / "spare.yaml"
+    link.symlink_to(trusted)
+    spare.symlink_to(users)
+    return link, spare
+
+
+@as_root
+def test_a_link_swapped_between_roots_file_and_a_users_file_never_loads_the_users(tmp_path: Path) -> None:
+    """The race from the review: the user owns the directory the config link sits in and swaps the
+    link between root's config and their own, while the agent loads it again and again."""
+    config, _ = write_agent_config(tmp_path)
+    users = tmp_path / "users.yaml"
+    users.write_text(config.read_text().replace("mode: enforce", "mode: observe"))
+    owned_by_nobody(users, 0o644)
+    # In the user's own directory: never trusted, whatever the link points at when looked at.
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    owned_by_nobody(theirs)
+    link, spare = link_pair(theirs, config, users)
+    with swapping(link, spare):
+        outcomes = attempts(lambda: _load_outcome(link), {"enforce", "observe"}, 400, limit_seconds=2)
+    assert outcomes.keys() == {"refused"}, outcomes
+    # In a root-owned directory, swapped as fast as possible: a load either refuses the user's
+    # file or reads root's; checking one file and reading the other would show up as "observe".
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    link, spare = link_pair(ours, config, users)
+    with swapping(link, spare):
+        outcomes = attempts(lambda: _load_outcome(link), {"refused", "enforce"}, 400)
+    assert outcomes.keys() == {"refused", "enforce"}, outcomes
+
+
+def _load_outcome(path: Path) -> str:
+    try:
+        return load_config(path).mode.value
+    except ConfigError as exc:
+        assert all(p.message.startswith("refused: ") for p in exc.problems), exc.problems
+        return "refused"
+
+
+@as_root
+def test_a_hook_swapped_for_a_users_program_never_runs(tmp_path: Path) -> None:
+    """run_trusted executes the descriptor it checked: a link repointed after the check cannot
+    change what runs."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    for who in ("root", "user"):
+        script = hooks / f"{who}.sh"
+        script.write_text(f'#!/bin/sh\necho "{who} $1" >> {marks}/{who}\n')
+        script.chmod(0o755)
+    owned_by_nobody(hooks / "user.sh")
+    link, spare = hooks / "hook", hooks / "spare"
+    link.symlink_to(hooks / "root.sh")
+    spare.symlink_to(hooks / "user.sh")
+
+    def attempt() -> str:
+        try:
+            result = run_trusted([str(link), "--reason"], 10)
+        except UntrustedError as exc:
+            assert f"{hooks / 'user.sh'} is owned by uid {NOBODY_ID}" in str(exc)
+            return "refused"
+        assert result.returncode == 0 and result.argv == (str(link), "--reason"), result
+        return "ran"
+
+    with swapping(link, spare):
+        outcomes = attempts(attempt, {"ran", "refused"}, 60)
+    ran = outcomes.get("ran", 0)
+    assert ran and outcomes.get("refused"), outcomes
+    assert not (marks / "user").exists()
+    assert (marks / "root").read_text().splitlines() == ["root --reason"] * ran
+    assert executable_problem(str(hooks / "user.sh")) is not None
+    assert executable_problem(str(hooks / "root.sh")) is None
+    assert executable_problem("root.sh") == "hook program must be an absolute path, not 'root.sh'"
+
+
+def test_a_fifo_or_a_directory_is_not_a_config(tmp_path: Path) -> None:
+    fifo = tmp_path / "agent.yaml"
+    os.mkfifo(fifo, 0o644)
+    with pytest.raises(ConfigError, match="cannot read: not a regular file"):  # and no hang waiting for a writer
+        load_config(fifo)
+    with pytest.raises(ConfigError, match="cannot read: Is a directory"):
+        load_config(tmp_path)
 
 
 # -- the status socket ----------------------------------------------------------------------------

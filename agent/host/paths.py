@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.host import safe_fs
+
 
 @dataclass(frozen=True)
 class HostPaths:
@@ -33,26 +35,27 @@ class HostPaths:
         return self.path(absolute).exists()
 
     def write_sysfs(self, absolute: str, value: str) -> None:
-        """Write a kernel attribute: one write, no truncation games (sysfs files are not regular)."""
-        with open(self.path(absolute), "w", encoding="utf-8") as f:
-            f.write(value)
+        """Write a kernel attribute: one write, no truncation games (sysfs files are not regular),
+        through no symlink (agent.host.safe_fs)."""
+        safe_fs.write_existing(self.root, absolute, value.encode("utf-8"))
 
     def write_file_atomic(self, absolute: str, content: str, mode: int = 0o644) -> None:
-        """Replace a config file atomically: temp file in the same dir, fsync, rename."""
-        target = self.path(absolute)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.gpu-agent.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(content)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, mode)
-            os.replace(tmp, target)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        """Replace a config file atomically (temp file in the same dir, fsync, rename), through no symlink."""
+        safe_fs.write_file_atomic(self.root, absolute, content.encode("utf-8"), mode)
+
+    def ensure_directory(self, absolute: str, uid: int, gid: int, mode: int) -> None:
+        """The directory exists with this owner and mode; changed on its descriptor, through no symlink."""
+        safe_fs.ensure_directory(self.root, absolute, uid, gid, mode)
+
+    def lstat(self, absolute: str) -> os.stat_result:
+        """The entry itself (a link shows as a link); UnsafePathError when a parent is a link."""
+        return safe_fs.lstat(self.root, absolute)
+
+    def remove_file(self, absolute: str) -> None:
+        safe_fs.remove_file(self.root, absolute)
+
+    def remove_empty_directory(self, absolute: str) -> bool:
+        return safe_fs.remove_empty_directory(self.root, absolute)
 
     def os_release(self) -> dict[str, str]:
         """Parsed /etc/os-release ({} when absent)."""

@@ -18,10 +18,10 @@ import stat
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Final
 
 from agent.config import AgentConfig, NodePolicy
+from agent.host import safe_fs
 from agent.policy.base import HostContext, ItemPlan, PlanStatus
 from agent.policy.item import ChangeFailed, NodeItem, Planned, planned
 
@@ -92,6 +92,13 @@ def _name_of_group(gid: int) -> str:
         return str(gid)
 
 
+def _link_target(path: os.PathLike[str]) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:  # replaced since it was seen as a link
+        return "(changed while being read)"
+
+
 def _observe(ctx: HostContext, want: TritonCacheWant) -> _Observed:
     # Names resolve through this process's user database: it is the one that will chown.
     try:
@@ -105,7 +112,7 @@ def _observe(ctx: HostContext, want: TritonCacheWant) -> _Observed:
 
     target = ctx.paths.path(want.path)
     try:
-        st = os.lstat(target)
+        st = ctx.paths.lstat(want.path)
     except FileNotFoundError:
         st = None
     except OSError as exc:
@@ -119,7 +126,7 @@ def _observe(ctx: HostContext, want: TritonCacheWant) -> _Observed:
         # chown/chmod through a link would land wherever it points: name the target instead.
         raise _Unusable(
             f"{want.path} is a symlink",
-            f"{want.path} is a symlink to {os.readlink(target)}; set triton_cache.path to the real directory",
+            f"{want.path} is a symlink to {_link_target(target)}; set triton_cache.path to the real directory",
         )
     elif not stat.S_ISDIR(st.st_mode):
         raise _Unusable(f"{want.path} is not a directory", f"{want.path} exists and is not a directory")
@@ -253,23 +260,25 @@ def _refuse_chown(path: str, owner: str, group: str, found: str) -> None:
         raise ChangeFailed(f"cannot give {path} to {owner}:{group}: gpu-agent is not running as root (now: {found})")
 
 
-def _set_owner(target: Path, uid: int, gid: int) -> None:
-    st = os.lstat(target)
-    if (st.st_uid, st.st_gid) != (uid, gid):
-        os.chown(target, uid, gid, follow_symlinks=False)
+# Owner and mode change on the directory's own descriptor, reached without following any link
+# (agent.host.safe_fs): a service user who owns a parent cannot redirect them elsewhere.
+def _set_owner(ctx: HostContext, path: str, uid: int, gid: int) -> None:
+    with safe_fs.open_directory(ctx.paths.root, path) as fd:
+        st = os.fstat(fd)
+        if (st.st_uid, st.st_gid) != (uid, gid):
+            os.fchown(fd, uid, gid)
 
 
-def _set_mode(target: Path, mode_bits: int) -> None:
+def _set_mode(ctx: HostContext, path: str, mode_bits: int) -> None:
     # After chown, which may clear the setgid bit.
-    if stat.S_IMODE(os.lstat(target).st_mode) != mode_bits:
-        os.chmod(target, mode_bits)
+    with safe_fs.open_directory(ctx.paths.root, path) as fd:
+        if stat.S_IMODE(os.fstat(fd).st_mode) != mode_bits:
+            os.fchmod(fd, mode_bits)
 
 
 def _remove_dropin(ctx: HostContext, unit: str) -> None:
-    ctx.paths.path(dropin_path(unit)).unlink(missing_ok=True)
-    unit_dir = ctx.paths.path(f"{SYSTEMD_DIR}/{unit}.d")
-    if not any(unit_dir.iterdir()):
-        unit_dir.rmdir()
+    ctx.paths.remove_file(dropin_path(unit))
+    ctx.paths.remove_empty_directory(f"{SYSTEMD_DIR}/{unit}.d")
 
 
 def _reload(ctx: HostContext) -> str:
@@ -291,15 +300,13 @@ def _make(ctx: HostContext, change: TritonChange) -> str | None:
     if isinstance(change, CreateDirectory):
         if change.chown:
             _refuse_chown(change.path, change.owner, change.group, f"{change.path} missing")
-        target = ctx.paths.path(change.path)
-        target.mkdir(parents=True)
-        _set_owner(target, change.uid, change.gid)
-        _set_mode(target, change.mode_bits)
+        # Created 0700, then chowned and chmodded on its own descriptor.
+        ctx.paths.ensure_directory(change.path, change.uid, change.gid, change.mode_bits)
     elif isinstance(change, ChownDirectory):
         _refuse_chown(change.path, change.owner, change.group, change.found)
-        _set_owner(ctx.paths.path(change.path), change.uid, change.gid)
+        _set_owner(ctx, change.path, change.uid, change.gid)
     elif isinstance(change, ChmodDirectory):
-        _set_mode(ctx.paths.path(change.path), change.mode_bits)
+        _set_mode(ctx, change.path, change.mode_bits)
     elif isinstance(change, WriteDropin):
         ctx.paths.write_file_atomic(dropin_path(change.unit), dropin_content(change.cache_path))
     elif isinstance(change, RemoveDropin):
