@@ -99,8 +99,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 def _check_hooks(rules: Sequence[Rule]) -> None:
     """The hooks the rules would run, checked now rather than refused at 3 a.m. when a fault needs them."""
-    from agent.rules.actions import hook_path_problem
     from agent.rules.model import ActionKind
+    from agent.trust import executable_problem
 
     problems: list[ConfigProblem] = []
     for rule in rules:
@@ -109,7 +109,7 @@ def _check_hooks(rules: Sequence[Rule]) -> None:
             for position, step in enumerate(getattr(rule, ladder)):
                 if step.kind is not ActionKind.RUN_HOOK:
                     continue
-                problem = hook_path_problem(str(step.spec().params["argv"][0]))
+                problem = executable_problem(str(step.spec().params["argv"][0]))
                 if problem is not None:
                     where = f"rule {rule.name}: {ladder}[{position}].run_hook.argv[0]"
                     problems.append(ConfigProblem(file, int(line) if line.isdigit() else None, where, problem))
