@@ -196,14 +196,17 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _socket_path(args: argparse.Namespace) -> str:
-    import yaml
+    from agent import safe_yaml
+    from agent.trust import TooLargeError, UntrustedError, read_trusted
 
     path, _ = _config_path(args)
     if path is None:
         return DEFAULT_SOCKET_PATH
+    # The same trust check and bounded loader as the daemon's: a config that would be refused
+    # (or a parser bomb) must neither point status at another socket nor take the command down.
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        data = safe_yaml.load_bytes(read_trusted(path, limit_bytes=safe_yaml.MAX_YAML_BYTES), str(path)).data
+    except (OSError, UntrustedError, TooLargeError, ConfigError):
         return DEFAULT_SOCKET_PATH  # the direct read then reports the config problem properly
     api = data.get("api") if isinstance(data, dict) else None
     socket = api.get("socket") if isinstance(api, dict) else None
