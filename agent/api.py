@@ -38,6 +38,8 @@ def handle_request(line: bytes, handlers: Mapping[str, Handler]) -> dict[str, An
         request = json.loads(line)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         return {"ok": False, "error": f"invalid JSON: {exc}"}
+    except RecursionError:  # 64 KB of `[`: json recurses once per level; the line's size bounds the rest
+        return {"ok": False, "error": "invalid JSON: nested too deep"}
     if not isinstance(request, dict):
         return {"ok": False, "error": "request must be a JSON object"}
     method = request.get("method")

@@ -111,8 +111,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 def _check_hooks(rules: Sequence[Rule]) -> None:
     """The hooks the rules would run, checked now rather than refused at 3 a.m. when a fault needs them."""
-    from agent.rules.actions import hook_path_problem
     from agent.rules.model import ActionKind
+    from agent.trust import executable_problem
 
     problems: list[ConfigProblem] = []
     for rule in rules:
@@ -121,7 +121,7 @@ def _check_hooks(rules: Sequence[Rule]) -> None:
             for position, step in enumerate(getattr(rule, ladder)):
                 if step.kind is not ActionKind.RUN_HOOK:
                     continue
-                problem = hook_path_problem(str(step.spec().params["argv"][0]))
+                problem = executable_problem(str(step.spec().params["argv"][0]))
                 if problem is not None:
                     where = f"rule {rule.name}: {ladder}[{position}].run_hook.argv[0]"
                     problems.append(ConfigProblem(file, int(line) if line.isdigit() else None, where, problem))
@@ -212,14 +212,17 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _socket_path(args: argparse.Namespace) -> str:
-    import yaml
+    from agent import safe_yaml
+    from agent.trust import TooLargeError, UntrustedError, read_trusted
 
     path, _ = _config_path(args)
     if path is None:
         return DEFAULT_SOCKET_PATH
+    # The same trust check and bounded loader as the daemon's: a config that would be refused
+    # (or a parser bomb) must neither point status at another socket nor take the command down.
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        data = safe_yaml.load_bytes(read_trusted(path, limit_bytes=safe_yaml.MAX_YAML_BYTES), str(path)).data
+    except (OSError, UntrustedError, TooLargeError, ConfigError):
         return DEFAULT_SOCKET_PATH  # the direct read then reports the config problem properly
     api = data.get("api") if isinstance(data, dict) else None
     socket = api.get("socket") if isinstance(api, dict) else None

@@ -593,21 +593,6 @@ def validate_model(model: type[ModelT], data: Any, lines: dict[PathKey, int], fi
         raise ConfigError(problems) from None
 
 
-def read_config_text(path: str | Path) -> str:
-    """A config file's text; ConfigError naming the file (its size when over the limit, the line of a
-    byte that is not UTF-8). No trust check: `load_config` reads through `read_trusted`."""
-    file = str(path)
-    try:
-        with open(path, "rb") as stream:
-            size = os.fstat(stream.fileno()).st_size
-            if size > safe_yaml.MAX_YAML_BYTES:
-                raise ConfigError([ConfigProblem(file, None, "", safe_yaml.too_large(size))])
-            raw = stream.read(safe_yaml.MAX_YAML_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError([ConfigProblem(file, None, "", f"cannot read: {exc.strerror or exc}")]) from None
-    return safe_yaml.decode(raw, file)
-
-
 def read_trusted_text(path: str | Path) -> str:
     """The text of a file that steers the agent (agent.yaml, a rules file): refused (ConfigError naming
     the file) when someone other than root could change it or put another in its place. The trust

@@ -101,15 +101,22 @@ def run_process(
     stdin: bytes = b"",
     env: Mapping[str, str] | None = None,
     output_limit_bytes: int = OUTPUT_LIMIT_BYTES,
+    executable: str | None = None,
+    pass_fds: Sequence[int] = (),
 ) -> ProcessResult:
     """Run argv (never through a shell) in a new process group; on timeout kill the whole group.
 
-    Raises OSError when the program cannot be executed at all.
+    `executable`: the file to execute instead of argv[0], which the program still gets as its name
+    (and the result still reports); `pass_fds`: descriptors the child keeps (agent.trust.run_trusted
+    executes the descriptor it checked, `/proc/self/fd/N`). Raises OSError when the program cannot
+    be executed at all.
     """
     started = time.monotonic()
     with tempfile.TemporaryFile() as output:
         proc = subprocess.Popen(
             list(argv),
+            executable=executable,
+            pass_fds=tuple(pass_fds),
             stdin=subprocess.PIPE,
             stdout=output,
             stderr=subprocess.STDOUT,

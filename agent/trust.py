@@ -23,7 +23,6 @@ the check changes nothing: what was checked is what is read or run.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import os
 import stat
@@ -326,24 +325,18 @@ def run_trusted(
 ) -> ProcessResult:
     """Run a hook: check argv[0] and execute exactly the file that was checked.
 
-    The child executes `/proc/<agent pid>/fd/N`, the magic link to the descriptor checked here,
-    which the agent holds open until the child has exited; a symlink or file swapped in after the
-    check is never run. A script's interpreter gets that path as its script name and opens the
-    same file. The result names argv as given. Raises UntrustedError (refuse the action), or
-    OSError (it cannot run). How the hook runner (agent.rules.actions) calls it:
-
-        try:
-            result = run_trusted(argv, timeout, stdin=stdin, env=hook_env(decision))
-        except UntrustedError as exc:
-            return _refused(str(exc))
-        except OSError as exc:
-            return _failed(f"cannot run hook {argv[0]}: {exc.strerror or exc}")
+    The child keeps the descriptor checked here and executes `/proc/self/fd/N`, the magic link to
+    it; a symlink or file swapped in after the check is never run. The program still gets argv[0]
+    as given as its name, and the result names argv as given; a script's interpreter gets the
+    /proc path as its script name and opens the same file. Raises UntrustedError (refuse the
+    action), or OSError (it cannot run). The hook runner (agent.rules.actions.hooks) calls it.
     """
     from agent.services import run_process
 
     fd = open_trusted_executable(argv[0], agent_uid=agent_uid)
     try:
-        result = run_process([f"/proc/{os.getpid()}/fd/{fd}", *argv[1:]], timeout_seconds, stdin=stdin, env=env)
+        return run_process(
+            argv, timeout_seconds, stdin=stdin, env=env, executable=f"/proc/self/fd/{fd}", pass_fds=(fd,)
+        )
     finally:
         os.close(fd)
-    return dataclasses.replace(result, argv=tuple(argv))

@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 import structlog
-from hosttree import ScriptedHostContext, make_host_tree
+from hosttree import NOBODY_ID, ScriptedHostContext, make_host_tree
 from pydantic import ValidationError
+from race import attempts, swapping
 
 from agent import standin
 from agent.backend.base import RecoveryAction
@@ -33,7 +34,6 @@ from agent.rules.actions import (
     ActionError,
     AlertTracker,
     execute,
-    hook_path_problem,
     post_json,
     redacted_url,
 )
@@ -608,23 +608,71 @@ def test_group_or_world_writable_hook_is_refused(tmp_path: Path, mode: int) -> N
     hook = write_hook(tmp_path, f"#!/bin/sh\ntouch {marker}\n", mode=mode)
     outcome = execute(decision(ActionKind.RUN_HOOK, {"argv": [str(hook)]}), node.ctx)
     assert outcome.outcome is Outcome.REFUSED
-    assert outcome.detail == f"hook {hook} is group or world writable (mode {mode:04o})"
+    assert outcome.detail.startswith(f"{hook} is writable by group or others (mode {mode:04o})")
     assert not marker.exists()
 
 
 def test_hook_in_a_writable_directory_or_not_root_owned_is_refused(tmp_path: Path) -> None:
-    hook = write_hook(tmp_path, "#!/bin/sh\n")
+    node = make_node(tmp_path)
+    marker = tmp_path / "ran"
+    hook = write_hook(tmp_path, f"#!/bin/sh\ntouch {marker}\n")
+
+    def run(argv0: Path) -> tuple[Outcome, str]:
+        outcome = execute(decision(ActionKind.RUN_HOOK, {"argv": [str(argv0)]}), node.ctx)
+        return outcome.outcome, outcome.detail
+
     hook.parent.chmod(0o777)
-    assert hook_path_problem(str(hook)) == f"directory {hook.parent} of hook {hook} is group or world writable"
+    assert run(hook) == (
+        Outcome.REFUSED,
+        f"directory {hook.parent} of {hook} is writable by group or others (mode 0777):"
+        " anyone who can write there can replace the file",
+    )
+    assert not marker.exists()
     hook.parent.chmod(0o755)
-    assert hook_path_problem(str(hook)) is None
-    assert hook_path_problem("hook.sh") == "hook program must be an absolute path, not 'hook.sh'"
-    assert "No such file" in (hook_path_problem(str(tmp_path / "missing")) or "")
+    assert run(hook)[0] is Outcome.SUCCESS and marker.exists()
+    outcome, detail = run(tmp_path / "missing")
+    assert outcome is Outcome.FAILED and "No such file" in detail, detail  # cannot run, not untrusted
     if os.geteuid() == 0:
+        marker.unlink()
         os.chown(hook, 65534, 65534)
-        assert hook_path_problem(str(hook)) == f"hook {hook} is not owned by root (uid 65534)"
-        # Only enforced when the agent runs as root: a non-root agent runs its own user's hooks.
-        assert hook_path_problem(str(hook), running_as_root=False) is None
+        assert run(hook) == (Outcome.REFUSED, f"{hook} is owned by uid 65534, not root: run `chown root: {hook}`")
+        assert not marker.exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="ownership checks apply when the agent runs as root")
+def test_a_hook_link_swapped_to_a_users_script_never_runs_it(tmp_path: Path) -> None:
+    """The race from the review, through the action: the hook's link is swapped between root's
+    script and a user's as fast as possible while the rule's hook runs again and again. Each run
+    either refuses the user's script or runs root's; a check of one file and an exec of the other
+    would leave a mark in the user's file."""
+    node = make_node(tmp_path)
+    marks, hooks = tmp_path / "marks", tmp_path / "hooks"
+    marks.mkdir()
+    hooks.mkdir(mode=0o755)
+    for who in ("root", "user"):
+        script = hooks / f"{who}.sh"
+        script.write_text(f'#!/bin/sh\necho "{who} $1" >> {marks}/{who}\n')
+        script.chmod(0o755)
+    os.chown(hooks / "user.sh", NOBODY_ID, NOBODY_ID)
+    link, spare = hooks / "hook", hooks / "spare"
+    link.symlink_to(hooks / "root.sh")
+    spare.symlink_to(hooks / "user.sh")
+    run_it = decision(ActionKind.RUN_HOOK, {"argv": [str(link), "xid"]})
+
+    def attempt() -> str:
+        done = execute(run_it, node.ctx)
+        if done.outcome is Outcome.REFUSED:
+            assert f"{hooks / 'user.sh'}" in done.detail and f"uid {NOBODY_ID}" in done.detail, done.detail
+            return "refused"
+        # The operator sees the hook as configured, never the /proc path it was run through.
+        assert (done.outcome, done.detail) == (Outcome.SUCCESS, f"hook {link} exit 0"), done
+        return "ran"
+
+    with swapping(link, spare):
+        outcomes = attempts(attempt, {"ran", "refused"}, 150)
+    assert outcomes.get("ran") and outcomes.get("refused"), outcomes
+    assert not (marks / "user").exists(), (marks / "user").read_text()
+    assert (marks / "root").read_text().splitlines() == ["root xid"] * outcomes["ran"]
 
 
 # -- webhook ---------------------------------------------------------------------------------------

@@ -509,14 +509,17 @@ def test_shorthands(tmp_path: Path) -> None:
 
 def test_writable_by_others_is_refused(tmp_path: Path) -> None:
     path = write(tmp_path, "10-a.yaml", GOOD, mode=0o666)
-    assert problems([tmp_path]) == [f"{path}: refused: writable by group or others (mode 0666)"]
+    assert problems([tmp_path]) == [
+        f"{path}: refused: {path} is writable by group or others (mode 0666): whoever can change it controls"
+        f" what gpu-agent does as root; run `chmod go-w {path}`"
+    ]
 
 
 def test_a_rules_dir_others_may_write_is_refused(tmp_path: Path) -> None:
     write(tmp_path / "rules.d", "10-a.yaml", GOOD)
     (tmp_path / "rules.d").chmod(0o777)
     assert problems([tmp_path / "rules.d"]) == [
-        f"{tmp_path / 'rules.d'}: refused: writable by group or others (mode 0777)"
+        f"{tmp_path / 'rules.d'}: refused: {tmp_path / 'rules.d'} is writable by group or others (mode 0777)"
     ]
 
 

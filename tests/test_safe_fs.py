@@ -15,10 +15,10 @@ from race import attempts, fingerprint, swapping
 
 from agent.host import safe_fs
 from agent.host.paths import HostPaths
-from agent.policy import thp, triton_cache
+from agent.policy import thp
 from agent.policy.base import Outcome
-from agent.policy.item import enforce
-from agent.policy.triton_cache import TritonCacheWant
+from agent.policy.item import enforce, plan_item
+from agent.policy.triton_cache import TritonCacheItem, TritonCacheWant
 
 ROUNDS = 2000
 
@@ -182,7 +182,8 @@ def test_race_against_the_triton_cache_item(tmp_path: Path) -> None:
     before = fingerprint(victim)
 
     def attempt() -> str:
-        return enforce(triton_cache.ITEM, ctx, want, triton_cache.ITEM.plan(ctx, want)).outcome.value
+        item = TritonCacheItem()
+        return enforce(item, ctx, want, plan_item(item, ctx, want)).outcome.value
 
     with swapping(svc / "triton", svc / "swap"):
         outcomes = attempts(attempt, {Outcome.FAILED.value}, 300)

@@ -160,27 +160,29 @@ def test_check_config_refuses_untrusted_rules_and_hooks(tmp_path: Path) -> None:
     rule_file.chmod(0o664)
     refused = gpu_agent("check-config", "--config", str(config))
     assert refused.returncode == 1
-    assert f"{rule_file}: refused: writable by group or others (mode 0664)" in refused.stderr
+    assert f"{rule_file}: refused: {rule_file} is writable by group or others (mode 0664)" in refused.stderr
     rule_file.chmod(0o644)
 
     rule_file.parent.chmod(0o777)
     refused = gpu_agent("check-config", "--config", str(config))
-    assert f"{rule_file.parent}: refused: writable by group or others (mode 0777)" in refused.stderr
+    assert (
+        f"{rule_file.parent}: refused: {rule_file.parent} is writable by group or others (mode 0777)" in refused.stderr
+    )
     rule_file.parent.chmod(0o755)
 
     hook.chmod(0o775)
     refused = gpu_agent("check-config", "--config", str(config))
     assert refused.returncode == 1
     assert f"{rule_file}:2 rule drain-on-xid: actions[0].run_hook.argv[0]:" in refused.stderr
-    assert f"hook {hook} is group or world writable (mode 0775)" in refused.stderr
+    assert f"{hook} is writable by group or others (mode 0775)" in refused.stderr
     hook.chmod(0o755)
     if os.geteuid() == 0:
         os.chown(hook, NOBODY_ID, NOBODY_ID)
         refused = gpu_agent("check-config", "--config", str(config))
-        assert f"hook {hook} is not owned by root (uid {NOBODY_ID})" in refused.stderr
+        assert f"{hook} is owned by uid {NOBODY_ID}, not root: run `chown root: {hook}`" in refused.stderr
         os.chown(rule_file, NOBODY_ID, NOBODY_ID)
         refused = gpu_agent("check-config", "--config", str(config))
-        assert f"{rule_file}: refused: owned by uid {NOBODY_ID}, not root" in refused.stderr
+        assert f"{rule_file}: refused: {rule_file} is owned by uid {NOBODY_ID}, not root" in refused.stderr
 
 
 # -- checks that cannot be raced ----------------------------------------------------------------

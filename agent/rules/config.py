@@ -64,9 +64,7 @@ What each condition reads (see agent/rules/engine.py for targets and storm prote
 
 from __future__ import annotations
 
-import os
 import re
-import stat
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -82,7 +80,7 @@ from agent.config import (
     StrictModel,
     format_path,
     parse_yaml,
-    read_config_text,
+    read_trusted_text,
     validate_model,
 )
 from agent.events import EventKind, Severity, SuggestedAction
@@ -98,6 +96,7 @@ from agent.rules.params import (
     RunHookParams,
     WebhookParams,
 )
+from agent.trust import directory_problem
 from agent.watch import xid_catalog
 
 RULE_NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]*$"
@@ -376,17 +375,6 @@ class RulesFile(StrictModel):
 # -- loading ---------------------------------------------------------------------------------
 
 
-def _unsafe_permissions(path: Path) -> str | None:
-    """Rules can run hooks as root: a file or directory anyone but root (or the agent's own user) may
-    change is refused. A sticky directory (/tmp) still lets others add files, so it is refused too."""
-    info = path.stat()
-    if info.st_uid not in (0, os.geteuid()):
-        return f"owned by uid {info.st_uid}, not root"
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"writable by group or others (mode {stat.S_IMODE(info.st_mode):04o})"
-    return None
-
-
 def rule_files(paths: Iterable[Path]) -> list[Path]:
     """Each directory expanded to its `*.yaml` files in name order; files are taken as given."""
     files: list[Path] = []
@@ -400,14 +388,9 @@ def rule_files(paths: Iterable[Path]) -> list[Path]:
 
 def _load_file(file: Path, allow_reboot: bool) -> list[Rule]:
     where = str(file)
-    try:
-        unsafe = _unsafe_permissions(file)
-    except OSError as exc:
-        raise ConfigError([ConfigProblem(where, None, "", f"cannot read: {exc.strerror or exc}")]) from None
-    if unsafe:
-        raise ConfigError([ConfigProblem(where, None, "", f"refused: {unsafe}")])
-    text = read_config_text(file)
-    data, lines = parse_yaml(text, where)
+    # Rules can run hooks as root: the trust check (the file and every directory from /) runs on
+    # the descriptor that is then read, so a link swapped after the check changes nothing.
+    data, lines = parse_yaml(read_trusted_text(file), where)
     if data is not None and not isinstance(data, dict):
         raise ConfigError([ConfigProblem(where, 1, "", "must be a YAML mapping with a `rules` list")])
     parsed = validate_model(RulesFile, data, lines, where)
@@ -437,8 +420,10 @@ def load_rules(paths: Iterable[Path], allow_reboot: bool = False) -> list[Rule]:
     missing = [ConfigProblem(str(p), None, "", "no such file or directory") for p in given if not p.exists()]
     if missing:
         raise ConfigError(missing)
-    # Whoever may add a file to the directory may add a rule (and a hook): the directory counts too.
-    unsafe = [(p, _unsafe_permissions(p)) for p in given if p.is_dir()]
+    # Whoever may add a file to the directory may add a rule (and a hook): the directory counts too,
+    # and so does every directory above it (whoever owns a parent can swap the whole rules dir).
+    # A sticky rules dir (/tmp-like) is refused: others could still add their own files to it.
+    unsafe = [(p, directory_problem(p)) for p in given if p.is_dir()]
     refused = [ConfigProblem(str(p), None, "", f"refused: {why}") for p, why in unsafe if why]
     if refused:
         raise ConfigError(refused)

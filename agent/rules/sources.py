@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent.config_errors import ConfigError, ConfigProblem
-from agent.rules.config import _unsafe_permissions
+from agent.trust import directory_problem
 
 # The directories themselves: remediation.rules_dirs, default agent.defaults.DEFAULT_RULES_DIRS.
 RULES_SUFFIXES = (".yaml", ".yml")
@@ -75,7 +75,9 @@ def resolve_rules(dirs: Iterable[Path]) -> ResolvedRules:
     """The rules files `dirs` (lowest priority first) give; raises ConfigError for a directory
     others may write (whoever may add a file may add a rule, and a hook run as root)."""
     given = list(dirs)
-    refused = [(d, _unsafe_permissions(d)) for d in given if d.is_dir()]
+    # The whole path from /, not only the directory: a root-owned rules.d under a user's directory
+    # can be swapped by that user.
+    refused = [(d, directory_problem(d)) for d in given if d.is_dir()]
     problems = [ConfigProblem(str(d), None, "", f"refused: {why}") for d, why in refused if why]
     if problems:
         raise ConfigError(problems)

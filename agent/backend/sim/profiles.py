@@ -1,15 +1,22 @@
 """Simulated GPU profiles: a GPU model (one board) and a node profile (the boards of one machine).
 
 Both are pydantic models validated from JSON; an invalid file is a `ProfileError` (a ValueError)
-naming the file and the field. Built-in models live in `agent/backend/profiles/models/NAME.json`,
-built-in node profiles in `agent/backend/profiles/nodes/NAME.json`. Units are NVML's:
+naming the file and the field. A profile file is a path the config names, so it is read bounded:
+at most `MAX_PROFILE_BYTES`, refused unparsed when nested deeper than `MAX_PROFILE_DEPTH` (a
+file of brackets must be an error, not a RecursionError or a MemoryError). Built-in models live in
+`agent/backend/profiles/models/NAME.json`, built-in node profiles in
+`agent/backend/profiles/nodes/NAME.json`. Units are NVML's:
 milliwatts, millijoules, MHz, Celsius, bytes.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
+import os
+import re
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
@@ -44,6 +51,11 @@ HGX_PCI_BUS_IDS = (
     "00000000:BA:00.0",
     "00000000:DB:00.0",
 )
+
+#: The limits of agent.safe_yaml, for the same reason: built-in profiles are a few KB, 7 levels deep.
+MAX_PROFILE_BYTES = 1024 * 1024
+MAX_PROFILE_DEPTH = 64
+_JSON_SPECIAL = re.compile(r'[\[\]{}"\\]')
 
 Count = Annotated[StrictInt, Field(ge=0)]
 Positive = Annotated[StrictInt, Field(ge=1)]
@@ -291,9 +303,64 @@ def list_profiles() -> list[str]:
     return _builtin_names("nodes")
 
 
+def _read_bounded(path: Path) -> bytes:
+    # O_NONBLOCK: a FIFO in the file's place must not hang the read; it is refused below.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        if info.st_size > MAX_PROFILE_BYTES:
+            raise ProfileError(
+                f"cannot read simulated GPU profile {path}: file is {info.st_size} bytes, "
+                f"more than the {MAX_PROFILE_BYTES} bytes gpu-agent reads"
+            )
+        chunks: list[bytes] = []
+        total = 0
+        while chunk := os.read(fd, min(65536, MAX_PROFILE_BYTES + 1 - total)):
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > MAX_PROFILE_BYTES:  # grew after the fstat
+                raise ProfileError(f"cannot read simulated GPU profile {path}: grew past {MAX_PROFILE_BYTES} bytes")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _too_deep(text: str) -> bool:
+    """Whether JSON `text` nests more than MAX_PROFILE_DEPTH arrays/objects, brackets inside
+    strings not counted: looked at before json.loads, which recurses once per level."""
+    depth = 0
+    in_string = False
+    escaped_at = -1  # the position a backslash in a string escapes
+    for match in _JSON_SPECIAL.finditer(text):
+        position, char = match.start(), match.group()
+        if position == escaped_at:
+            continue
+        if in_string:
+            if char == "\\":
+                escaped_at = position + 1
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            if depth > MAX_PROFILE_DEPTH:
+                return True
+        elif char in "]}":
+            depth -= 1
+    return False
+
+
 def _read_json(path: Path) -> object:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        text = _read_bounded(path).decode("utf-8")
+        if _too_deep(text):
+            raise ProfileError(
+                f"cannot read simulated GPU profile {path}: nested more than {MAX_PROFILE_DEPTH} levels deep"
+            )
+        return json.loads(text)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ProfileError(f"cannot read simulated GPU profile {path}: {exc}") from exc
 

@@ -36,7 +36,7 @@ from agent.rules.actions.alertmanager import Alert, AlertTracker, alert_for, pos
 from agent.rules.actions.base import ActionError, event_payload
 from agent.rules.actions.context import ActionContext
 from agent.rules.actions.dispatch import execute
-from agent.rules.actions.hooks import hook_env, hook_path_problem
+from agent.rules.actions.hooks import hook_env
 from agent.rules.actions.http_client import RequestTimedOut, post_json, redacted_url
 
 __all__ = [
@@ -49,7 +49,6 @@ __all__ = [
     "event_payload",
     "execute",
     "hook_env",
-    "hook_path_problem",
     "post_alert",
     "post_json",
     "redacted_url",
