@@ -143,7 +143,7 @@ class FaultInjection(abc.ABC):
         if count < 0:
             raise ValueError("NVLink error counters only grow")
         with self._gpu_mutation(gpu) as state:
-            state.nvlinks[self._nvlink(gpu, link)].errors[counter] += count
+            state.nvlink_errors[counter][self._nvlink(gpu, link)] += count
 
     # -- conditions ---------------------------------------------------------------------------
 
@@ -193,7 +193,9 @@ class FaultInjection(abc.ABC):
 
     def set_nvlink_up(self, gpu: int, link: int, up: bool) -> None:
         with self._gpu_mutation(gpu) as state:
-            state.nvlinks[self._nvlink(gpu, link)].up = up
+            self._nvlink(gpu, link)
+            down = set(state.nvlinks_down) - {link} if up else set(state.nvlinks_down) | {link}
+            state.nvlinks_down = sorted(down)
 
     def set_fabric_state(self, gpu: int, state: FabricState, status: int = 0) -> None:
         """The GPU's NVSwitch fabric registration: state and the nvmlReturn_t it ended with (0: success)."""

@@ -189,7 +189,7 @@ class Readings:
             return None
         figures: GpmLoad = gpm.load if self.busy else gpm.idle
         throughput = min(1.0, self.graphics_mhz() / self.model.max_clocks_mhz.graphics) if self.busy else 1.0
-        nvlink = throughput if self.nvlink_links and any(link.up for link in self.state.nvlinks) else 0.0
+        nvlink = throughput if len(self.state.nvlinks_down) < self.nvlink_links else 0.0
         return GpmActivity(
             sm_active_ratio=figures.sm_active_ratio,
             sm_occupancy_ratio=figures.sm_occupancy_ratio,

@@ -58,20 +58,6 @@ class GpmCounters(_State):
     nvlink_rx_bytes: int = 0
 
 
-class NvLinkState(_State):
-    """One NVLink link: up or down, and its error counters (CRC flit/data, replay, recovery)."""
-
-    up: bool = True
-    errors: dict[str, int] = Field(default_factory=lambda: dict.fromkeys(NVLINK_COUNTERS, 0))
-
-    @field_validator("errors")
-    @classmethod
-    def _known_counters(cls, errors: dict[str, int]) -> dict[str, int]:
-        if set(errors) != set(NVLINK_COUNTERS):
-            raise ValueError("NVLink counters differ")
-        return errors
-
-
 def _check_calls(calls: dict[str, object]) -> None:
     if not set(calls) <= PROTOCOL_METHODS:
         raise ValueError("not a map of protocol methods")
@@ -108,7 +94,9 @@ class GpuState(_State):
     pcie_fatal_errors: int = 0
     pcie_generation: int | None = None  # None: trained at the board's maximum
     pcie_width: int | None = None
-    nvlinks: list[NvLinkState] = Field(default_factory=list)
+    # Per link, in link order; kept as plain lists (not a model per link): an HGX node has 144 links.
+    nvlink_errors: dict[str, list[int]]
+    nvlinks_down: list[int] = Field(default_factory=list)
     fabric_state: int = 3  # nvmlGpuFabricState_t: registered with the fabric manager (COMPLETED)
     fabric_status: int = 0  # nvmlReturn_t of the registration: NVML_SUCCESS
     processes: list[int] = Field(default_factory=list)
@@ -136,6 +124,13 @@ class GpuState(_State):
             raise ValueError("reason counters differ")
         return counters
 
+    @field_validator("nvlink_errors")
+    @classmethod
+    def _every_nvlink_counter(cls, counters: dict[str, list[int]]) -> dict[str, list[int]]:
+        if set(counters) != set(NVLINK_COUNTERS):
+            raise ValueError("NVLink counters differ")
+        return counters
+
     @field_validator("fail_calls", "hang_calls")
     @classmethod
     def _protocol_calls(cls, calls: dict[str, object]) -> dict[str, object]:
@@ -154,13 +149,15 @@ class GpuState(_State):
             mig_current=model.mig_default,
             mig_pending=model.mig_default,
             energy_mj=model.energy_at_boot_mj,
-            nvlinks=[NvLinkState() for _ in range(nvlink_links)],
+            nvlink_errors={c: [0] * nvlink_links for c in NVLINK_COUNTERS},
         )
 
     def fits(self, model: GpuModel, nvlink_links: int) -> bool:
         """Whether this state can belong to a GPU of `model` (the shapes the model fixes)."""
         fans = model.fan_count
-        return len(self.fan_manual) == len(self.fan_speed_percent) == fans and len(self.nvlinks) == nvlink_links
+        links = {len(counts) for counts in self.nvlink_errors.values()}
+        in_range = all(0 <= link < nvlink_links for link in self.nvlinks_down)
+        return len(self.fan_manual) == len(self.fan_speed_percent) == fans and links == {nvlink_links} and in_range
 
     def restore_defaults(self, model: GpuModel) -> None:
         """Settings back to boot defaults, as after a GPU reset (ECC and MIG pending modes apply)."""

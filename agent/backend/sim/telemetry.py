@@ -139,16 +139,17 @@ def telemetry(gpu: int, readings: Readings, fabric_node: str | None) -> GpuTelem
     used = readings.used_by_processes_bytes()
     nvlinks = None
     if readings.nvlink_links:
+        errors = state.nvlink_errors
         nvlinks = tuple(
             NvLinkCounters(
-                link=i,
-                up=link.up,
-                crc_flit_errors=link.errors["crc_flit"],
-                crc_data_errors=link.errors["crc_data"],
-                replay_errors=link.errors["replay"],
-                recovery_errors=link.errors["recovery"],
+                link=link,
+                up=link not in state.nvlinks_down,
+                crc_flit_errors=errors["crc_flit"][link],
+                crc_data_errors=errors["crc_data"][link],
+                replay_errors=errors["replay"][link],
+                recovery_errors=errors["recovery"][link],
             )
-            for i, link in enumerate(state.nvlinks)
+            for link in range(readings.nvlink_links)
         )
     fields = FieldValues(
         total_energy_mj=state.energy_mj,
