@@ -46,6 +46,8 @@ class GpuCollector:
         self.rescan = threading.Event()  # udev saw an NVIDIA device come or go: enumerate again
         self.last_slow_seconds = float("-inf")
         self._statuses: dict[str, CollectorStatus] = {}
+        # Readers each GPU (by UUID: a replaced board asks again) answered NOT_SUPPORTED: not asked again.
+        self._unsupported: dict[str, set[str]] = {}
 
     def collect(self, backend: GpuBackend, now: float) -> list[GpuSample]:
         slow = due(now, self.last_slow_seconds, self.timing.slow_every_seconds)
@@ -133,7 +135,8 @@ class GpuCollector:
     def _start_reads(self, backend: GpuBackend, slow: bool) -> dict[int, Future[GpuSample] | StaleGpu]:
         pending: dict[int, Future[GpuSample] | StaleGpu] = {}
         for gpu, identity in sorted(self.identities.items()):
-            work = partial(sample_identified, backend, identity, slow=slow, clock=self.clock)
+            unsupported = self._unsupported.setdefault(identity.uuid, set())
+            work = partial(sample_identified, backend, identity, slow=slow, clock=self.clock, unsupported=unsupported)
             try:
                 pending[gpu] = self.runner.submit(f"gpu{gpu}", work)
             except StaleGpu as exc:  # its lane is still busy with a call that hung earlier

@@ -151,6 +151,7 @@ Not reproduced: PCIe links training down at idle (the link reads at its maximum 
 `set_pcie_link` says otherwise) and per-memory-clock graphics clock lists.
 """
 
+from agent.backend.base import FabricInfo, FabricState, GpmActivity
 from agent.backend.sim.backend import SimulatedBackend
 from agent.backend.sim.faults import EVENT_DOUBLE_BIT_ECC, EVENT_SINGLE_BIT_ECC, EVENT_XID
 from agent.backend.sim.physics import (
@@ -161,7 +162,6 @@ from agent.backend.sim.physics import (
     REASON_SW_POWER_CAP,
     REASON_SW_THERMAL,
     REASON_SYNC_BOOST,
-    GpmActivity,
 )
 from agent.backend.sim.profiles import (
     DEFAULT_DRIVER_VERSION,
@@ -176,8 +176,6 @@ from agent.backend.sim.profiles import (
 )
 from agent.backend.sim.state import PROTOCOL_METHODS, STATE_FILE_NAME
 from agent.backend.sim.telemetry import (
-    FabricInfo,
-    FabricState,
     FieldValues,
     GpmSample,
     GpuTelemetry,
