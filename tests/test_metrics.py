@@ -132,8 +132,8 @@ def test_clock_events_every_known_reason_and_seconds(full: Samples) -> None:
     )
     assert value(full, "gpu_agent_gpu_clock_event_seconds_total", reason="hw_thermal_slowdown", **gpu(1)) == 42.5
     assert value(full, "gpu_agent_gpu_clock_event_seconds_total", reason="sw_power_cap", **gpu(0)) == 3.0
-    assert value(full, "gpu_agent_gpu_violation_seconds_total", limit="thermal", **gpu(1)) == 42.5
-    assert value(full, "gpu_agent_gpu_violation_seconds_total", limit="power", **gpu(0)) == 3.0
+    assert value(full, "gpu_agent_gpu_violation_seconds_total", reason="thermal", **gpu(1)) == 42.5
+    assert value(full, "gpu_agent_gpu_violation_seconds_total", reason="power", **gpu(0)) == 3.0
 
 
 def test_xids_per_gpu_and_unattributed(full: Samples) -> None:
