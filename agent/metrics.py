@@ -32,7 +32,7 @@ from agent.backend.base import RecoveryAction
 from agent.clock_events import CLOCK_EVENT_REASONS
 from agent.events import HealthState
 from agent.policy.base import PlanStatus
-from agent.state import GpuSample, NodeSnapshot
+from agent.state import GpuSample, NodeSnapshot, XidCount
 from agent.watch import xid_catalog
 
 log = structlog.get_logger("gpu-agent")
@@ -383,6 +383,22 @@ def _telemetry(out: _Families, sample: GpuSample) -> None:
         )
 
 
+def _last_xid(out: _Families, snap: NodeSnapshot) -> None:
+    """The code of each GPU's most recent Xid: what dcgm-exporter's DCGM_FI_DEV_XID_ERRORS holds
+    (PromQL cannot turn the `xid` label of gpu_agent_xid_errors_total into a value)."""
+    latest: dict[int, XidCount] = {}
+    for xid in snap.xids:
+        if xid.gpu is not None and (xid.gpu not in latest or xid.last_seen_seconds > latest[xid.gpu].last_seen_seconds):
+            latest[xid.gpu] = xid
+    for gpu, xid in sorted(latest.items()):
+        out.gauge(
+            "gpu_agent_gpu_xid_last_code",
+            "The code of the most recent Xid error reported for the GPU.",
+            {"gpu": str(gpu), "uuid": xid.uuid},
+            xid.xid,
+        )
+
+
 class SnapshotCollector(Collector):
     """Renders the latest snapshot; before the first one only build info and `gpu_agent_up 0`."""
 
@@ -405,6 +421,7 @@ class SnapshotCollector(Collector):
             self._gpus(out, snapshot)
             for sample in snapshot.gpus:
                 _telemetry(out, sample)
+            _last_xid(out, snapshot)
             self._clock_event_seconds(out, snapshot)
             self._xids(out, snapshot)
             self._policy(out, snapshot)

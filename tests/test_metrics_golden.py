@@ -17,58 +17,10 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
-from snapshots import VERSION, node_gpus, node_snapshot
+from snapshots import VERSION, node_snapshot, telemetry_gpus
 
-from agent.backend.base import GpuProcess, NvLinkErrors
 from agent.metrics import SnapshotCollector
 from agent.state import NodeSnapshot
-
-#: Issue 14's readings of the H200 under a bf16 matmul (tests/fixtures/nvml-h200-gpm-fields.json, "loaded").
-H200_LOADED_TELEMETRY = {
-    "activity_supported": True,
-    "sm_active_ratio": 0.9646,
-    "sm_occupancy_ratio": 0.1426,
-    "tensor_active_ratio": 0.9364,
-    "dram_active_ratio": 0.1747,
-    "pcie_tx_bytes_per_second": 4.6875 * 2**20,
-    "pcie_rx_bytes_per_second": 13.6875 * 2**20,
-    "nvlink_tx_bytes_per_second": 0.0,
-    "nvlink_rx_bytes_per_second": 0.0,
-    "energy_joules": 7529.155,
-    "power_instant_watts": 736.671,
-    "memory_temperature_celsius": 49,
-    "memory_max_temperature_celsius": 95,
-    "memory_used_bytes": 1_194_131_456,
-    "memory_free_bytes": 148_915_748_864,
-    "memory_reserved_bytes": 644_939_776,
-    "pcie_correctable_errors": 0,
-    "pcie_fatal_errors": 0,
-    "violation_reason_ns": {
-        "sw_power_cap": 6_539_027_136,
-        "sync_boost": 0,
-        "sw_thermal": 0,
-        "hw_thermal": 0,
-        "hw_power_brake": 0,
-    },
-    "mig_enabled": False,
-    "mig_pending": False,
-    "max_graphics_clock_mhz": 1980,
-    "max_sm_clock_mhz": 1980,
-    "max_memory_clock_mhz": 3201,
-    "applications_graphics_clock_mhz": 1980,
-    "applications_memory_clock_mhz": 3201,
-    "processes": (GpuProcess(pid=4242, used_memory_bytes=1_194_131_456),),
-}
-#: An HGX GPU with two NVLink links, one down with errors, whose fabric registration has not finished.
-HGX_NVLINK_TELEMETRY = {
-    "nvlink_errors": (
-        NvLinkErrors(0, {"crc_flit": 0, "crc_data": 0, "replay": 0, "recovery": 0}),
-        NvLinkErrors(1, {"crc_flit": 12, "crc_data": 3, "replay": 1, "recovery": 2}),
-    ),
-    "nvlink_up": (True, False),
-    "fabric_state": 2,  # IN_PROGRESS
-    "fabric_status": 0,
-}
 
 GOLDEN = Path(__file__).parent / "fixtures" / "metrics-golden.txt"
 PROMTOOL = shutil.which("promtool")
@@ -81,14 +33,9 @@ def golden_snapshot() -> NodeSnapshot:
     the exporter knows is in the file: a pending page retirement and a recovery action newer than
     this agent; and issue 14's telemetry: GPM activity, field values, memory v2, modes, clocks and a
     process on GPU 0, NVLink and an unfinished fabric registration on GPU 1, no GPM on the RTX."""
-    gpu0, gpu1, gpu2, gpu3 = node_gpus()
+    gpu0, gpu1, gpu2, gpu3 = telemetry_gpus()
     return node_snapshot(
-        gpus=(
-            replace(gpu0, retired_pages_pending=False, **H200_LOADED_TELEMETRY),  # type: ignore[arg-type]
-            replace(gpu1, **HGX_NVLINK_TELEMETRY),  # type: ignore[arg-type]
-            replace(gpu2, recovery_action=9, activity_supported=False),
-            gpu3,
-        )
+        gpus=(replace(gpu0, retired_pages_pending=False), gpu1, replace(gpu2, recovery_action=9), gpu3)
     )
 
 
