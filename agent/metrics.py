@@ -378,7 +378,7 @@ def _telemetry(out: _Families, sample: GpuSample) -> None:
         out.gauge(
             "gpu_agent_gpu_process_memory_bytes",
             "Device memory used by each compute process.",
-            {**ids, "pid": str(process.pid)},
+            {**ids, "pid": str(process.pid), "name": process.name or ""},
             process.used_memory_bytes,
         )
 

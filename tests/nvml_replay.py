@@ -319,6 +319,12 @@ class Replay:
 
     # -- library-level calls -------------------------------------------------------------------
 
+    def _process_name(self, call: Call) -> Any:
+        """nvmlSystemGetProcessName: as answered ("nvmlSystemGetProcessName:PID"), else NOT_FOUND (gone)."""
+        (pid,) = call.args
+        answer = self._answers.get((0, _key("nvmlSystemGetProcessName", (pid,))), "ERR:NVML_ERROR_NOT_FOUND")
+        return _convert("nvmlSystemGetProcessName", answer)
+
     def _gpm_sample_alloc(self, call: Call) -> Any:
         buffer = ctypes.create_string_buffer(8)
         self._gpm_buffers.append(buffer)
@@ -388,6 +394,7 @@ _LIBRARY_CALLS: dict[str, Callable[[Replay, Call], Any]] = {
     "nvmlEventSetWait_v2": Replay._event_set_wait,
     "nvmlEventSetWait": Replay._event_set_wait,
     "nvmlEventSetFree": lambda replay, call: None,
+    "nvmlSystemGetProcessName": Replay._process_name,
     "nvmlGpmSampleAlloc": Replay._gpm_sample_alloc,
     "nvmlGpmSampleFree": Replay._gpm_sample_free,
     "nvmlGpmMetricsGet": Replay._gpm_metrics_get,

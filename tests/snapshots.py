@@ -345,7 +345,7 @@ H200_LOADED_TELEMETRY = {
     "max_memory_clock_mhz": 3201,
     "applications_graphics_clock_mhz": 1980,
     "applications_memory_clock_mhz": 3201,
-    "processes": (GpuProcess(pid=4242, used_memory_bytes=1_194_131_456),),
+    "processes": (GpuProcess(pid=4242, used_memory_bytes=1_194_131_456, name="python3"),),
 }
 #: An HGX GPU with two NVLink links, one down with errors, whose fabric registration has not finished.
 HGX_NVLINK_TELEMETRY = {

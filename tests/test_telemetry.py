@@ -252,6 +252,16 @@ def test_nvml_fabric_registration_in_progress(replay: Replay, backend: NvmlBacke
     assert (fabric.state, fabric.status, fabric.clique_id) == (FabricState.IN_PROGRESS, 0, 1)
 
 
+def test_nvml_processes_carry_their_names(replay: Replay, backend: NvmlBackend) -> None:
+    replay.answer(
+        "nvmlDeviceGetComputeRunningProcesses",
+        [{"pid": 4242, "usedGpuMemory": 2**30, "gpuInstanceId": 0xFFFFFFFF, "computeInstanceId": 0xFFFFFFFF}],
+    )
+    replay.answer("nvmlSystemGetProcessName", b"/usr/bin/python3", 4242, gpu=0)
+    (process,) = backend.compute_processes(0)
+    assert (process.pid, process.used_memory_bytes, process.name) == (4242, 2**30, "/usr/bin/python3")
+
+
 def test_nvml_observe_mode_reads_telemetry_without_a_setter(replay: Replay, backend: NvmlBackend) -> None:
     sample_gpu(backend, 0)
     sample_gpu(backend, 0)

@@ -138,6 +138,7 @@ class PcieLink:
 class GpuProcess:
     pid: int
     used_memory_bytes: int | None
+    name: str | None = None  # nvmlSystemGetProcessName (nvidia-smi's "Process name"); None: unknown
 
 
 @dataclass(frozen=True)

@@ -567,16 +567,25 @@ class NvmlBackend:
         return int(field.value.uiVal)
 
     def compute_processes(self, gpu: int) -> list[GpuProcess]:
-        """nvidia-smi --query-compute-apps=pid,used_memory (used memory None where NVML cannot tell)"""
+        """nvidia-smi --query-compute-apps=pid,process_name,used_memory (used memory None where NVML cannot
+        tell; the name None where the process is gone or hidden from this one)"""
         names = ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2")
         processes = self._call_first(gpu, names, self._handle(gpu))
         return [
             GpuProcess(
                 pid=int(process.pid),
                 used_memory_bytes=None if process.usedGpuMemory is None else int(process.usedGpuMemory),
+                name=self._process_name(int(process.pid)),
             )
             for process in processes
         ]
+
+    def _process_name(self, pid: int) -> str | None:
+        try:
+            name = self._call(None, "nvmlSystemGetProcessName", pid)
+        except GpuError:
+            return None
+        return name.decode(errors="replace") if isinstance(name, bytes) else str(name)
 
     def applications_clock_mhz(self, gpu: int, domain: ClockDomain) -> int:
         """nvidia-smi --query-gpu=clocks.applications.graphics,clocks.applications.memory"""
