@@ -114,9 +114,9 @@ def _memory(g: dict[str, Any]) -> str:
     used, total = g.get("memory_used_bytes"), g.get("memory_total_bytes")
     if used is None or total is None:
         return "memory -"
-    text = f"memory {used // _MIB}/{total // _MIB} MiB"
+    text = f"memory {round(used / _MIB)}/{round(total / _MIB)} MiB"
     reserved = g.get("memory_reserved_bytes")
-    return text + (f" ({reserved // _MIB} MiB reserved)" if reserved is not None else "")
+    return text + (f" ({round(reserved / _MIB)} MiB reserved)" if reserved is not None else "")
 
 
 def _telemetry_line(g: dict[str, Any]) -> str:

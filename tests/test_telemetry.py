@@ -350,3 +350,20 @@ def test_snapshot_watchers_judge_the_fabric_and_nvlink_of_a_simulated_hgx(tmp_pa
     assert snapshot.health[2].state is HealthState.UNHEALTHY
     assert snapshot.health[5].state is HealthState.DEGRADED
     assert snapshot.health[0].state is HealthState.HEALTHY
+
+
+# -- status ----------------------------------------------------------------------------------------
+
+
+def test_status_shows_memory_as_nvidia_smi_and_an_activity_line_per_gpu() -> None:
+    from snapshots import node_snapshot, telemetry_gpus
+
+    from agent.render import snapshot_document
+    from agent.textview import status_text
+
+    text = status_text(snapshot_document(node_snapshot(gpus=telemetry_gpus()), "daemon"))
+    lines = {line.split(":")[0]: line for line in text.splitlines() if line.startswith("GPU ")}
+    # the H200 under a bf16 matmul: nvidia-smi showed 1139 MiB used of 143771 MiB
+    assert lines["GPU 0"] == "GPU 0: memory 1139/143771 MiB (615 MiB reserved); SM 96% tensor 94% DRAM 17%; HBM 49 C"
+    assert "activity: not supported" in lines["GPU 2"]
+    assert "GPU 3" not in lines  # lost: no readings
