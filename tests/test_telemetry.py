@@ -164,7 +164,7 @@ def backend(replay: Replay) -> Iterator[NvmlBackend]:
     nvml.shutdown()
 
 
-def test_nvml_gpm_differences_against_the_previous_sample_and_frees_it(
+def test_nvml_gpm_differences_against_the_previous_sample_in_two_buffers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     replay = install_replay(monkeypatch, supplement={**h200_telemetry("loaded"), **H200_PROBED})
@@ -181,8 +181,10 @@ def test_nvml_gpm_differences_against_the_previous_sample_and_frees_it(
     assert activity.pcie_tx_bytes_per_second == pytest.approx(metrics["PCIE_TX"][0] * MIB)
     assert activity.pcie_rx_bytes_per_second == pytest.approx(metrics["PCIE_RX"][0] * MIB)
     assert replay.count("nvmlGpmQueryDeviceSupport") == 1  # asked once per GPU
-    assert replay.count("nvmlGpmSampleGet") == 2
-    assert replay.gpm_samples_live == 1  # only the sample the next loop differences against
+    assert nvml.gpm_activity(0) is not None
+    assert replay.count("nvmlGpmSampleGet") == 3
+    assert replay.count("nvmlGpmSampleAlloc") == 2  # two buffers take turns: no allocation per loop
+    assert replay.gpm_samples_live == 2
     nvml.shutdown()
     assert replay.gpm_samples_live == 0
 

@@ -228,6 +228,7 @@ class NvmlBackend:
         self._event_lock = threading.Lock()
         self._gpm_supported: dict[int, bool] = {}
         self._gpm_samples: dict[int, Any] = {}  # the previous loop's GPM sample per GPU
+        self._gpm_spare: dict[int, Any] = {}  # the other buffer, sampled into next
         self._unsupported_fields: dict[int, set[int]] = {}  # field ids a GPU answered NOT_SUPPORTED
         self._nvlink_counts: dict[int, int] = {}
 
@@ -595,14 +596,15 @@ class NvmlBackend:
 
     def gpm_activity(self, gpu: int) -> GpmActivity | None:
         """nvmlGpmSampleGet now, nvmlGpmMetricsGet against the previous call's sample (None on the
-        first call); the older sample is freed. NOT_SUPPORTED where nvmlGpmQueryDeviceSupport says so.
+        first call). Two sample buffers per GPU take turns, so a loop allocates nothing. NOT_SUPPORTED
+        where nvmlGpmQueryDeviceSupport says so.
 
         No nvidia-smi equivalent (dcgmi dmon -e 1002,1003,1004,1005,1009,1010).
         """
         handle = self._handle(gpu)
         if not self._gpm_device_supported(gpu, handle):
             raise GpuError(GpuErrorKind.NOT_SUPPORTED, "GPM is not supported on this GPU", gpu=gpu, call="gpm")
-        sample = self._call(gpu, "nvmlGpmSampleAlloc")
+        sample = self._gpm_spare.pop(gpu, None) or self._call(gpu, "nvmlGpmSampleAlloc")
         try:
             self._call(gpu, "nvmlGpmSampleGet", handle, sample)
         except GpuError:
@@ -612,10 +614,8 @@ class NvmlBackend:
         self._gpm_samples[gpu] = sample
         if previous is None:
             return None
-        try:
-            return self._gpm_metrics(gpu, previous, sample)
-        finally:
-            self._free_gpm_sample(previous)
+        self._gpm_spare[gpu] = previous  # the buffer the next call samples into
+        return self._gpm_metrics(gpu, previous, sample)
 
     def _gpm_device_supported(self, gpu: int, handle: Any) -> bool:
         supported = self._gpm_supported.get(gpu)
@@ -648,7 +648,8 @@ class NvmlBackend:
             self._call(None, "nvmlGpmSampleFree", sample)
 
     def _free_gpm_samples(self) -> None:
-        samples, self._gpm_samples = list(self._gpm_samples.values()), {}
+        samples = [*self._gpm_samples.values(), *self._gpm_spare.values()]
+        self._gpm_samples, self._gpm_spare = {}, {}
         for sample in samples:
             self._free_gpm_sample(sample)
 
