@@ -79,6 +79,7 @@ class GpuCollector:
         """GPUs known from before the backend went away stay in the snapshot, down, rather than vanish
         from metrics (an alert on gpu_up == 0 must still fire)."""
         kind = error.kind.value if error is not None else GpuErrorKind.UNKNOWN.value
+        self._unsupported.clear()  # the driver that comes back may be another one: ask everything again
         return [
             GpuSample(gpu, i.uuid, i.name, i.pci_bus_id, up=False, timestamp_seconds=now, read_errors={"backend": kind})
             for gpu, i in sorted(self.identities.items())
