@@ -104,3 +104,20 @@ def test_a_row_says_whether_it_agrees() -> None:
     assert Row("x", "C", 49.0, 50.0, "r", "±2", True).cells()[-1] == "ok"
     assert Row("x", "C", 49.0, None, "r", "±2", None).cells()[-1] == "-"
     assert Path(__file__).exists()
+
+
+def test_the_script_needs_only_nvidia_ml_py() -> None:
+    """The GPU host's image has nvidia-ml-py and PyTorch but not the agent's other dependencies."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, bench.h200_telemetry_compare; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & "
+        "{'pydantic', 'structlog', 'pyudev', 'yaml', 'prometheus_client', 'psutil'}))"
+    )
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=root, check=True, timeout=60
+    )
+    assert done.stdout.strip() == "[]"
