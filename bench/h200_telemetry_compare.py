@@ -498,7 +498,10 @@ def read_phase(backend: NvmlBackend, gpu: int, interval: float, smi: str | None)
 
     identity = backend.identity(gpu)
     handle = pynvml.nvmlDeviceGetHandleByIndex(gpu)
-    own = OwnGpm(pynvml, handle) if pynvml.nvmlGpmQueryDeviceSupport(handle).isSupportedDevice else None
+    try:
+        own = OwnGpm(pynvml, handle) if pynvml.nvmlGpmQueryDeviceSupport(handle).isSupportedDevice else None
+    except pynvml.NVMLError:  # a driver before GPM
+        own = None
     unsupported: set[str] = set()
     try:
         # the same two moments for the agent and the own GPM sample
