@@ -243,6 +243,9 @@ def test_nvml_memory_falls_back_to_v1_on_an_old_driver(replay: Replay, backend: 
     replay.answer("nvmlDeviceGetMemoryInfo", "ERR:NVML_ERROR_FUNCTION_NOT_FOUND", pynvml.nvmlMemory_v2)
     memory = backend.memory_info(0)
     assert memory.reserved_bytes is None and memory.used_bytes == 644939776  # v1 counts reserved as used
+    backend.memory_info(0)
+    versions = [call.args for call in replay.log if call.name == "nvmlDeviceGetMemoryInfo"]
+    assert versions == [(pynvml.nvmlMemory_v2,), (), ()]  # v2 asked once, then v1 straight away
 
 
 def test_nvml_fabric_registration_in_progress(replay: Replay, backend: NvmlBackend) -> None:

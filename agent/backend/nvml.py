@@ -231,6 +231,7 @@ class NvmlBackend:
         self._gpm_spare: dict[int, Any] = {}  # the other buffer, sampled into next
         self._unsupported_fields: dict[int, set[int]] = {}  # field ids a GPU answered NOT_SUPPORTED
         self._nvlink_counts: dict[int, int] = {}
+        self._memory_v1_only: set[int] = set()  # GPUs whose driver has no nvmlDeviceGetMemoryInfo_v2
 
     # -- the one way NVML is called ------------------------------------------------------------
 
@@ -275,6 +276,7 @@ class NvmlBackend:
         self._gpm_supported.clear()
         self._unsupported_fields.clear()
         self._nvlink_counts.clear()
+        self._memory_v1_only.clear()
         self._handles.clear()
         self._unlocked_ranges.clear()
         self._event_set = None
@@ -366,19 +368,22 @@ class NvmlBackend:
         nvmlDeviceGetMemoryInfo_v2, whose `used` leaves out the driver's reserved memory as nvidia-smi
         does (an idle H200: v2 used 0, v1 used 615 MiB); v1 where the driver predates v2.
         """
-        try:
-            memory = self._device(gpu, "nvmlDeviceGetMemoryInfo", pynvml.nvmlMemory_v2)
-        except GpuError as exc:
-            if exc.kind is not GpuErrorKind.NOT_SUPPORTED:
-                raise
-            memory = self._device(gpu, "nvmlDeviceGetMemoryInfo")
-            return MemoryInfo(total_bytes=int(memory.total), used_bytes=int(memory.used), free_bytes=int(memory.free))
-        return MemoryInfo(
-            total_bytes=int(memory.total),
-            used_bytes=int(memory.used),
-            free_bytes=int(memory.free),
-            reserved_bytes=int(memory.reserved),
-        )
+        if gpu not in self._memory_v1_only:
+            try:
+                memory = self._device(gpu, "nvmlDeviceGetMemoryInfo", pynvml.nvmlMemory_v2)
+            except GpuError as exc:
+                if exc.kind is not GpuErrorKind.NOT_SUPPORTED:
+                    raise
+                self._memory_v1_only.add(gpu)  # an older driver: ask v1 straight away from now on
+            else:
+                return MemoryInfo(
+                    total_bytes=int(memory.total),
+                    used_bytes=int(memory.used),
+                    free_bytes=int(memory.free),
+                    reserved_bytes=int(memory.reserved),
+                )
+        memory = self._device(gpu, "nvmlDeviceGetMemoryInfo")
+        return MemoryInfo(total_bytes=int(memory.total), used_bytes=int(memory.used), free_bytes=int(memory.free))
 
     def performance_state(self, gpu: int) -> int:
         """nvidia-smi --query-gpu=pstate (0 for P0)"""
