@@ -1,7 +1,9 @@
 """Reads GPU samples through the backend, one field at a time, so one failing call costs one field.
 
 NOT_SUPPORTED leaves the field None silently (a fan-less board); any other failure is recorded
-in `read_errors`; GPU_LOST stops reading that GPU and marks it down.
+in `read_errors`; GPU_LOST stops reading that GPU and marks it down. The telemetry readers of
+issue 14 (GPM, field values, NVLink, fabric, ...) remember a NOT_SUPPORTED answer per GPU in the
+caller's `unsupported` set and are not asked again: an older GPU costs one call, never a loop of them.
 
 Two tiers: the fast tier is read every loop; the slow tier (counters and link state, 0.2-1.3 ms
 per call on an H200) every few loops, and `SLOW_TIER_FIELDS` names what it fills, so a fast-tier
@@ -38,11 +40,17 @@ class _Reader:
     name: str
     read: Callable[[GpuBackend, int], Any]
     fields: tuple[tuple[str, str], ...] = ()  # (sample field, attribute of the reading)
+    remember_unsupported: bool = False  # a NOT_SUPPORTED answer stands for this GPU from then on
+    when_unsupported: tuple[tuple[str, Any], ...] = ()  # sample values while NOT_SUPPORTED
+    when_answered: tuple[tuple[str, Any], ...] = ()  # sample values whenever the call answers
 
     def values(self, reading: Any) -> dict[str, Any]:
+        answered = dict(self.when_answered)
+        if reading is None and self.fields:  # e.g. the first GPM sample: nothing to difference yet
+            return answered
         if not self.fields:
-            return {self.name: reading}
-        return {field: getattr(reading, attribute) for field, attribute in self.fields}
+            return {**answered, self.name: reading}
+        return {**answered, **{field: getattr(reading, attribute) for field, attribute in self.fields}}
 
     def field_names(self) -> tuple[str, ...]:
         return tuple(field for field, _ in self.fields) or (self.name,)
@@ -75,12 +83,44 @@ FAST_READERS: tuple[_Reader, ...] = (
     _Reader(
         "memory",
         lambda b, gpu: b.memory_info(gpu),
-        (("memory_used_bytes", "used_bytes"), ("memory_total_bytes", "total_bytes")),
+        (
+            ("memory_used_bytes", "used_bytes"),
+            ("memory_total_bytes", "total_bytes"),
+            ("memory_free_bytes", "free_bytes"),
+            ("memory_reserved_bytes", "reserved_bytes"),
+        ),
     ),
     _Reader("performance_state", lambda b, gpu: b.performance_state(gpu)),
     _Reader("fan_speeds_percent", _fans),
     _Reader("persistence_enabled", lambda b, gpu: b.persistence_enabled(gpu)),
     _Reader("ecc", lambda b, gpu: b.ecc_mode(gpu), (("ecc_enabled", "current"), ("ecc_pending", "pending"))),
+    _Reader(
+        "gpm_activity",
+        lambda b, gpu: b.gpm_activity(gpu),
+        (
+            ("sm_active_ratio", "sm_active_ratio"),
+            ("sm_occupancy_ratio", "sm_occupancy_ratio"),
+            ("tensor_active_ratio", "tensor_active_ratio"),
+            ("dram_active_ratio", "dram_active_ratio"),
+            ("pcie_tx_bytes_per_second", "pcie_tx_bytes_per_second"),
+            ("pcie_rx_bytes_per_second", "pcie_rx_bytes_per_second"),
+            ("nvlink_tx_bytes_per_second", "nvlink_tx_bytes_per_second"),
+            ("nvlink_rx_bytes_per_second", "nvlink_rx_bytes_per_second"),
+        ),
+        remember_unsupported=True,
+        when_unsupported=(("activity_supported", False),),
+        when_answered=(("activity_supported", True),),
+    ),
+    _Reader(
+        "fast_fields",
+        lambda b, gpu: b.fast_fields(gpu),
+        (
+            ("energy_joules", "energy_joules"),
+            ("power_instant_watts", "power_instant_watts"),
+            ("memory_temperature_celsius", "memory_temperature_celsius"),
+        ),
+        remember_unsupported=True,
+    ),
 )
 
 SLOW_READERS: tuple[_Reader, ...] = (
@@ -121,6 +161,51 @@ SLOW_READERS: tuple[_Reader, ...] = (
     _Reader("power_violation_ns", lambda b, gpu: b.violation_time_ns(gpu, ViolationPolicy.POWER)),
     _Reader("thermal_violation_ns", lambda b, gpu: b.violation_time_ns(gpu, ViolationPolicy.THERMAL)),
     _Reader("recovery_action", lambda b, gpu: b.recovery_action(gpu)),
+    _Reader(
+        "slow_fields",
+        lambda b, gpu: b.slow_fields(gpu),
+        (
+            ("pcie_correctable_errors", "pcie_correctable_errors"),
+            ("pcie_fatal_errors", "pcie_fatal_errors"),
+            ("violation_reason_ns", "violation_ns"),
+            ("nvlink_errors", "nvlink_errors"),
+        ),
+        remember_unsupported=True,
+    ),
+    _Reader("nvlink_up", lambda b, gpu: b.nvlink_states(gpu), remember_unsupported=True),
+    _Reader(
+        "fabric",
+        lambda b, gpu: b.fabric_info(gpu),
+        (("fabric_state", "state"), ("fabric_status", "status")),
+        remember_unsupported=True,
+    ),
+    _Reader(
+        "memory_max_temperature_celsius",
+        lambda b, gpu: b.temperature_threshold_celsius(gpu, TemperatureThreshold.MEM_MAX),
+        remember_unsupported=True,
+    ),
+    _Reader(
+        "mig",
+        lambda b, gpu: b.mig_mode(gpu),
+        (("mig_enabled", "current"), ("mig_pending", "pending")),
+        remember_unsupported=True,
+    ),
+    _Reader(
+        "max_graphics_clock_mhz", lambda b, gpu: b.max_clock_mhz(gpu, ClockDomain.GRAPHICS), remember_unsupported=True
+    ),
+    _Reader("max_sm_clock_mhz", lambda b, gpu: b.max_clock_mhz(gpu, ClockDomain.SM), remember_unsupported=True),
+    _Reader("max_memory_clock_mhz", lambda b, gpu: b.max_clock_mhz(gpu, ClockDomain.MEMORY), remember_unsupported=True),
+    _Reader(
+        "applications_graphics_clock_mhz",
+        lambda b, gpu: b.applications_clock_mhz(gpu, ClockDomain.GRAPHICS),
+        remember_unsupported=True,
+    ),
+    _Reader(
+        "applications_memory_clock_mhz",
+        lambda b, gpu: b.applications_clock_mhz(gpu, ClockDomain.MEMORY),
+        remember_unsupported=True,
+    ),
+    _Reader("processes", lambda b, gpu: tuple(b.compute_processes(gpu)), remember_unsupported=True),
 )
 
 #: The GpuSample fields only the slow tier reads.
@@ -128,27 +213,46 @@ SLOW_TIER_FIELDS: tuple[str, ...] = tuple(field for reader in SLOW_READERS for f
 
 
 def sample_gpu(
-    backend: GpuBackend, gpu: int, *, slow: bool = True, clock: Callable[[], float] = time.time
+    backend: GpuBackend,
+    gpu: int,
+    *,
+    slow: bool = True,
+    clock: Callable[[], float] = time.time,
+    unsupported: set[str] | None = None,
 ) -> GpuSample:
     """All fast readings, and the slow tier too when `slow`."""
     try:
         identity = backend.identity(gpu)
     except GpuError as exc:
         return GpuSample(gpu, "", "", "", up=False, timestamp_seconds=clock(), read_errors={"identity": exc.kind.value})
-    return sample_identified(backend, identity, slow=slow, clock=clock)
+    return sample_identified(backend, identity, slow=slow, clock=clock, unsupported=unsupported)
 
 
 def sample_identified(
-    backend: GpuBackend, identity: GpuIdentity, *, slow: bool = True, clock: Callable[[], float] = time.time
+    backend: GpuBackend,
+    identity: GpuIdentity,
+    *,
+    slow: bool = True,
+    clock: Callable[[], float] = time.time,
+    unsupported: set[str] | None = None,
 ) -> GpuSample:
+    """`unsupported`: the readers this GPU answered NOT_SUPPORTED before (kept by the caller per
+    GPU, and added to here); a one-off read passes none and asks everything once."""
     values: dict[str, Any] = {}
     errors: dict[str, str] = {}
     up = True
+    known_unsupported = unsupported if unsupported is not None else set()
     for reader in FAST_READERS + SLOW_READERS if slow else FAST_READERS:
+        if reader.name in known_unsupported:
+            values.update(reader.when_unsupported)
+            continue
         try:
             reading = reader.read(backend, identity.index)
         except GpuError as exc:
             if exc.kind is GpuErrorKind.NOT_SUPPORTED:
+                values.update(reader.when_unsupported)
+                if reader.remember_unsupported:
+                    known_unsupported.add(reader.name)
                 continue
             errors[reader.name] = exc.kind.value
             if exc.kind in _LOST_KINDS:

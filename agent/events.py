@@ -33,6 +33,11 @@ class EventKind(str, Enum):
     GPU_REMOVED = "gpu_removed"
     PCIE_DEGRADED = "pcie_degraded"
     PCIE_RESTORED = "pcie_restored"
+    NVLINK_ERRORS = "nvlink_errors"  # an NVLink error counter grew
+    NVLINK_DOWN = "nvlink_down"
+    NVLINK_UP = "nvlink_up"
+    FABRIC_UNREGISTERED = "fabric_unregistered"  # NVSwitch fabric registration not completed: no CUDA
+    FABRIC_REGISTERED = "fabric_registered"
     RECOVERY_ACTION = "recovery_action"  # Xid 154: the driver says what recovery the GPU needs
     SERVICE_UNHEALTHY = "service_unhealthy"
     SERVICE_HEALTHY = "service_healthy"
@@ -45,6 +50,8 @@ CLEARS: dict[EventKind, frozenset[EventKind]] = {
     EventKind.SERVICE_HEALTHY: frozenset({EventKind.SERVICE_UNHEALTHY}),
     EventKind.THROTTLE_ENDED: frozenset({EventKind.THROTTLE_STARTED}),
     EventKind.PCIE_RESTORED: frozenset({EventKind.PCIE_DEGRADED}),
+    EventKind.NVLINK_UP: frozenset({EventKind.NVLINK_DOWN}),
+    EventKind.FABRIC_REGISTERED: frozenset({EventKind.FABRIC_UNREGISTERED}),
     EventKind.GPU_RECOVERED: frozenset({EventKind.GPU_LOST, EventKind.GPU_RESET_REQUIRED}),
 }
 

@@ -22,9 +22,11 @@ from agent.policy.base import ItemPlan
 from agent.service_metrics import ServiceFigures
 from agent.state import CollectorStatus, GpuSample, NodeSnapshot, RemediationCount, ServiceStatus
 from agent.watch.devices import DeviceWatcher
+from agent.watch.fabric import FabricWatcher
 from agent.watch.gpu_lost import GpuLostWatcher
 from agent.watch.health import HealthBook, PollWatcher
 from agent.watch.memory import MemoryWatcher
+from agent.watch.nvlink import NvLinkWatcher
 from agent.watch.pcie import PcieWatcher
 from agent.watch.throttle import ThrottleWatcher
 from agent.watch.xid import XidWatcher
@@ -40,7 +42,14 @@ class NodeWatchers:
         self.throttle = ThrottleWatcher()
         self.devices = DeviceWatcher()
         self.xid = XidWatcher(identities, clock=clock)
-        polled: list[PollWatcher] = [self.throttle, MemoryWatcher(), GpuLostWatcher(), PcieWatcher()]
+        polled: list[PollWatcher] = [
+            self.throttle,
+            MemoryWatcher(),
+            GpuLostWatcher(),
+            PcieWatcher(),
+            NvLinkWatcher(),
+            FabricWatcher(),
+        ]
         self.polled: tuple[PollWatcher, ...] = (*polled, self.devices)
         self.book = HealthBook([*polled, self.xid, self.devices])
 

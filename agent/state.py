@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from agent.backend.base import GpuProcess, NvLinkErrors
 from agent.events import Event, Health
 from agent.gpu_attribution import GpuAttribution
 from agent.policy.base import ItemPlan
@@ -37,6 +39,23 @@ class GpuSample:
     persistence_enabled: bool | None = None
     ecc_enabled: bool | None = None
     ecc_pending: bool | None = None
+    memory_free_bytes: int | None = None
+    memory_reserved_bytes: int | None = None  # the driver's; not in memory_used_bytes (nvidia-smi's "Used")
+    # GPM activity since the previous loop (None: first loop, or no GPM); activity_supported False
+    # once the GPU answered NOT_SUPPORTED (status: "activity: not supported")
+    activity_supported: bool | None = None
+    sm_active_ratio: float | None = None
+    sm_occupancy_ratio: float | None = None
+    tensor_active_ratio: float | None = None
+    dram_active_ratio: float | None = None
+    pcie_tx_bytes_per_second: float | None = None
+    pcie_rx_bytes_per_second: float | None = None
+    nvlink_tx_bytes_per_second: float | None = None
+    nvlink_rx_bytes_per_second: float | None = None
+    # the fast field-value batch
+    energy_joules: float | None = None  # since the driver loaded
+    power_instant_watts: float | None = None
+    memory_temperature_celsius: int | None = None  # HBM
     # slow tier: counters and link state, read every few loops (0.2-1.3 ms per call on an H200)
     ecc_corrected_volatile: int | None = None
     ecc_uncorrected_volatile: int | None = None
@@ -57,6 +76,23 @@ class GpuSample:
     power_violation_ns: int | None = None
     thermal_violation_ns: int | None = None
     recovery_action: int | None = None  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (R550+); None where unsupported
+    # slow tier, issue 14: the slow field-value batch, NVLink, fabric, modes, clocks, processes
+    pcie_correctable_errors: int | None = None
+    pcie_fatal_errors: int | None = None
+    violation_reason_ns: Mapping[str, int] | None = None  # VIOLATION_REASONS label -> ns held back
+    nvlink_errors: tuple[NvLinkErrors, ...] | None = None  # None: no NVLink
+    nvlink_up: tuple[bool, ...] | None = None  # per link
+    fabric_state: int | None = None  # FabricState; None: no NVSwitch fabric
+    fabric_status: int | None = None  # nvmlReturn_t of the fabric registration
+    memory_max_temperature_celsius: int | None = None
+    mig_enabled: bool | None = None
+    mig_pending: bool | None = None
+    max_graphics_clock_mhz: int | None = None
+    max_sm_clock_mhz: int | None = None
+    max_memory_clock_mhz: int | None = None
+    applications_graphics_clock_mhz: int | None = None
+    applications_memory_clock_mhz: int | None = None
+    processes: tuple[GpuProcess, ...] | None = None  # compute processes with their GPU memory
     read_errors: dict[str, str] = field(default_factory=dict)
 
 

@@ -64,6 +64,7 @@ def status_text(document: dict[str, Any]) -> str:
             ["GPU", "NAME", "HEALTH", "TEMP", "POWER", "SM/MEM CLOCK", "UTIL", "FANS", "CLOCK EVENTS", "REASON"], rows
         )
     )
+    lines.extend(_telemetry_line(g) for g in document["gpus"] if g["up"])
     items = document["policy"]["items"]
     off = [i for i in items if i["status"] not in ("in_sync", "not_applicable")]
     lines.append("")
@@ -121,6 +122,34 @@ def service_lines(document: dict[str, Any]) -> list[str]:
             lines.append(f"  {s['name']}: {status_line(s['metrics'])}")
     lines.extend(unattributed_lines(document.get("unattributed_gpu_processes") or ()))
     return lines
+
+
+_MIB = 1 << 20
+
+
+def _activity(g: dict[str, Any]) -> str:
+    """ "SM 96% tensor 94% DRAM 17%" from the GPM ratios, as the issue's H200 measured them."""
+    if g.get("activity_supported") is False:
+        return "activity: not supported"
+    if g.get("sm_active_ratio") is None:
+        return "activity: - (needs two samples)"
+    parts = [("SM", "sm_active_ratio"), ("tensor", "tensor_active_ratio"), ("DRAM", "dram_active_ratio")]
+    return " ".join(f"{label} {round(g[key] * 100)}%" for label, key in parts if g.get(key) is not None)
+
+
+def _memory(g: dict[str, Any]) -> str:
+    """Used/total as nvidia-smi prints it (MiB; used without the driver's reserved memory)."""
+    used, total = g.get("memory_used_bytes"), g.get("memory_total_bytes")
+    if used is None or total is None:
+        return "memory -"
+    text = f"memory {round(used / _MIB)}/{round(total / _MIB)} MiB"
+    reserved = g.get("memory_reserved_bytes")
+    return text + (f" ({round(reserved / _MIB)} MiB reserved)" if reserved is not None else "")
+
+
+def _telemetry_line(g: dict[str, Any]) -> str:
+    hbm = g.get("memory_temperature_celsius")
+    return f"GPU {g['index']}: {_memory(g)}; {_activity(g)}" + (f"; HBM {hbm} C" if hbm is not None else "")
 
 
 def _duration(seconds: float) -> str:

@@ -12,6 +12,11 @@ order, so a drift in machine speed hits all of them alike):
 - nvidia-smi: `nvidia-smi --query-gpu=<the same fields> --format=csv` as a process, which is what
   nvidia-smi-based exporters run per scrape (nvml backend only; skipped when it is absent).
 
+Issue 14's telemetry is in both: the GPM sample differenced against the previous one, the field-value
+batch of each tier, memory info v2, NVLink state, fabric, MIG, max/application clocks and processes.
+Calls a GPU answers NOT_SUPPORTED are left out of the raw loop, as the agent remembers them per GPU
+and stops asking.
+
 The BoundedRunner hand-off (a queue put, a worker thread, a Future) is also timed on its own: a
 no-op through a lane against the same no-op called directly.
 
@@ -85,6 +90,12 @@ SMI_FIELD_ALIASES = {"clocks_event_reasons.active": "clocks_throttle_reasons.act
 QUOTED = re.compile(r'"([A-Za-z0-9_.]+)"')
 # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION, as agent.backend.nvml reads it.
 FIELD_RECOVERY_ACTION = 230
+# The field-value batches of agent.backend.nvml: fast (energy, instant power, HBM temperature) and slow
+# (PCIe correctable/fatal, clock-event reason durations; NVLink counters join it on GPUs with NVLink).
+FAST_FIELD_IDS = [83, 186, 82]
+SLOW_FIELD_IDS = [173, 180, 74, 76, 269, 270, 271]
+# nvmlGpmMetricId_t of the agent's activity readings.
+GPM_METRIC_IDS = (2, 3, 5, 10, 20, 21, 61, 60)
 
 
 # -- the raw getters ----------------------------------------------------------------------------
@@ -108,9 +119,24 @@ def sim_raw_calls(backend: GpuBackend, gpu: int) -> tuple[list[Call], list[Call]
         *[(backend.fan_speed_percent, (gpu, fan)) for fan in range(fans)],
         (backend.persistence_enabled, (gpu,)),
         (backend.ecc_mode, (gpu,)),
+        *_answering([(backend.gpm_activity, (gpu,)), (backend.fast_fields, (gpu,))], (GpuError,)),
     ]
     slow: list[Call] = [
         *[(backend.ecc_errors, (gpu, e, c)) for c in (EccCounter.VOLATILE, EccCounter.AGGREGATE) for e in EccErrorType],
+        *_answering(
+            [
+                (backend.slow_fields, (gpu,)),
+                (backend.nvlink_states, (gpu,)),
+                (backend.fabric_info, (gpu,)),
+                (backend.temperature_threshold_celsius, (gpu, TemperatureThreshold.MEM_MAX)),
+                (backend.mig_mode, (gpu,)),
+                *[(backend.max_clock_mhz, (gpu, domain)) for domain in ClockDomain],
+                (backend.applications_clock_mhz, (gpu, ClockDomain.GRAPHICS)),
+                (backend.applications_clock_mhz, (gpu, ClockDomain.MEMORY)),
+                (backend.compute_processes, (gpu,)),
+            ],
+            (GpuError,),
+        ),
         (backend.remapped_rows, (gpu,)),
         (backend.retired_pages_pending, (gpu,)),
         (backend.pcie_link, (gpu,)),
@@ -122,6 +148,46 @@ def sim_raw_calls(backend: GpuBackend, gpu: int) -> tuple[list[Call], list[Call]
         (backend.recovery_action, (gpu,)),
     ]
     return fast, slow
+
+
+def _answering(calls: list[Call], errors: tuple[type[BaseException], ...]) -> list[Call]:
+    """The calls that answer now: the agent stops asking what a GPU answered NOT_SUPPORTED."""
+    kept = []
+    for function, args in calls:
+        try:
+            function(*args)
+        except errors:
+            continue
+        kept.append((function, args))
+    return kept
+
+
+class RawGpm:
+    """The bare GPM calls of one loop: a sample into the buffer not holding the previous one, and
+    nvmlGpmMetricsGet over the two (what the backend does, minus allocating a sample per loop)."""
+
+    def __init__(self, pynvml: Any, handle: Any) -> None:
+        self.pynvml = pynvml
+        self.handle = handle
+        self.samples = [pynvml.nvmlGpmSampleAlloc(), pynvml.nvmlGpmSampleAlloc()]
+        self.turn = 0
+        self.taken = 0
+
+    def __call__(self) -> None:
+        pynvml = self.pynvml
+        current = self.samples[self.turn]
+        pynvml.nvmlGpmSampleGet(self.handle, current)
+        self.taken += 1
+        if self.taken > 1:
+            request = pynvml.c_nvmlGpmMetricsGet_t()
+            request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+            request.numMetrics = len(GPM_METRIC_IDS)
+            request.sample1 = self.samples[1 - self.turn]
+            request.sample2 = current
+            for position, metric in enumerate(GPM_METRIC_IDS):
+                request.metrics[position].metricId = metric
+            pynvml.nvmlGpmMetricsGet(request)
+        self.turn = 1 - self.turn
 
 
 def _quiet(function: Callable[..., Any], *args: Any) -> Any:
@@ -169,13 +235,20 @@ def nvml_raw_calls(gpu: int, chosen: dict[str, str]) -> tuple[list[Call], list[C
         (pynvml.nvmlDeviceGetClockInfo, (handle, int(ClockDomain.MEMORY))),
         (reasons, (handle,)),
         (pynvml.nvmlDeviceGetUtilizationRates, (handle,)),
-        (pynvml.nvmlDeviceGetMemoryInfo, (handle,)),
+        (pynvml.nvmlDeviceGetMemoryInfo, (handle, pynvml.nvmlMemory_v2)),
         (pynvml.nvmlDeviceGetPerformanceState, (handle,)),
         (pynvml.nvmlDeviceGetNumFans, (handle,)),
         *[(pynvml.nvmlDeviceGetFanSpeed_v2, (handle, fan)) for fan in range(fans)],
         (pynvml.nvmlDeviceGetPersistenceMode, (handle,)),
         (pynvml.nvmlDeviceGetEccMode, (handle,)),
+        (pynvml.nvmlDeviceGetFieldValues, (handle, FAST_FIELD_IDS)),
     ]
+    try:
+        gpm_supported = bool(pynvml.nvmlGpmQueryDeviceSupport(handle).isSupportedDevice)
+    except pynvml.NVMLError:
+        gpm_supported = False
+    if gpm_supported:
+        fast.append((RawGpm(pynvml, handle), ()))
     slow: list[Call] = [
         *[
             (pynvml.nvmlDeviceGetTotalEccErrors, (handle, int(e), int(c)))
@@ -194,6 +267,19 @@ def nvml_raw_calls(gpu: int, chosen: dict[str, str]) -> tuple[list[Call], list[C
         (pynvml.nvmlDeviceGetViolationStatus, (handle, int(ViolationPolicy.POWER))),
         (pynvml.nvmlDeviceGetViolationStatus, (handle, int(ViolationPolicy.THERMAL))),
         (pynvml.nvmlDeviceGetFieldValues, (handle, [FIELD_RECOVERY_ACTION])),
+        (pynvml.nvmlDeviceGetFieldValues, (handle, SLOW_FIELD_IDS)),
+        *_answering(
+            [
+                (pynvml.nvmlDeviceGetNvLinkState, (handle, 0)),
+                (pynvml.nvmlDeviceGetTemperatureThreshold, (handle, int(TemperatureThreshold.MEM_MAX))),
+                (pynvml.nvmlDeviceGetMigMode, (handle,)),
+                *[(pynvml.nvmlDeviceGetMaxClockInfo, (handle, int(domain))) for domain in ClockDomain],
+                (pynvml.nvmlDeviceGetApplicationsClock, (handle, int(ClockDomain.GRAPHICS))),
+                (pynvml.nvmlDeviceGetApplicationsClock, (handle, int(ClockDomain.MEMORY))),
+                (pynvml.nvmlDeviceGetComputeRunningProcesses, (handle,)),
+            ],
+            (pynvml.NVMLError,),
+        ),
     ]
     return fast, slow
 
@@ -377,13 +463,17 @@ def measure(args: argparse.Namespace, report: Report, backend: GpuBackend) -> No
     raw_full = raw_fast + raw_slow
     runner = BoundedRunner(timeout_seconds=2.0)
 
+    # What the collector remembers per GPU: readers answered NOT_SUPPORTED are not asked again.
+    unsupported: dict[int, set[str]] = {identity.index: set() for identity in identities}
+
     def agent_poll(slow: bool) -> None:
         for identity in identities:
-            sample_identified(backend, identity, slow=slow)
+            sample_identified(backend, identity, slow=slow, unsupported=unsupported[identity.index])
 
     def agent_poll_lanes(slow: bool) -> None:
         for identity in identities:
-            runner.run(f"gpu{identity.index}", partial(sample_identified, backend, identity, slow=slow))
+            read = partial(sample_identified, backend, identity, slow=slow, unsupported=unsupported[identity.index])
+            runner.run(f"gpu{identity.index}", read)
 
     report.parameters.update(
         gpus=count,

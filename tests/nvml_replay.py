@@ -39,6 +39,8 @@ import pynvml
 import pytest
 
 FIXTURE_H200 = Path(__file__).parent / "fixtures" / "nvml-h200.json"
+#: Issue 14's telemetry answers of the same H200, idle and under a bf16 matmul load.
+FIXTURE_H200_TELEMETRY = Path(__file__).parent / "fixtures" / "nvml-h200-gpm-fields.json"
 
 # Helpers in pynvml that are not NVML calls (NVMLError.__str__ needs nvmlErrorString).
 _KEEP_REAL = frozenset(
@@ -74,6 +76,62 @@ H200_PROBED: dict[str, Any] = {
     "nvmlDeviceGetMinMaxFanSpeed": "ERR:NVML_ERROR_INVALID_ARGUMENT",
 }
 
+#: The recording's names for the GPM metrics and field values, by NVML id.
+_GPM_METRIC_IDS = {
+    "SM_ACTIVITY": 2,
+    "SM_OCCUPANCY": 3,
+    "TENSOR_ACTIVE": 5,
+    "DRAM_BW_UTIL": 10,
+    "PCIE_TX": 20,
+    "PCIE_RX": 21,
+    "NVLINK_RX": 60,
+    "NVLINK_TX": 61,
+}
+_FIELD_IDS = {
+    "TOTAL_ENERGY": 83,
+    "MEMORY_TEMP": 82,
+    "POWER_INSTANT": 186,
+    "PCIE_COUNT_CORRECTABLE": 173,
+    "PCIE_COUNT_FATAL": 180,
+    "CLOCKS_EVENT_REASON_SW_POWER_CAP": 74,
+    "PCIE_REPLAY": 94,
+    "REMAP_COR": 142,
+}
+#: Telemetry answers the recording lacks, NOT read on the H200: the reason durations other than the
+#: SW power cap (0: nothing held the clocks), the memory applications clock (its maximum, as the
+#: graphics one answered) and the fabric query of a GPU without NVSwitches (the probe passed the wrong
+#: arguments). The lead's device run (bench/h200_telemetry_compare.py) replaces them with answers.
+H200_TELEMETRY_ASSUMED: dict[str, Any] = {
+    "nvmlDeviceGetFieldValues:76": 0,
+    "nvmlDeviceGetFieldValues:269": 0,
+    "nvmlDeviceGetFieldValues:270": 0,
+    "nvmlDeviceGetFieldValues:271": 0,
+    "nvmlDeviceGetApplicationsClock:2": 3201,
+    "nvmlDeviceGetGpuFabricInfoV": "ERR:NVML_ERROR_NOT_SUPPORTED",
+}
+
+
+def h200_telemetry(moment: str = "idle") -> dict[str, Any]:
+    """The recorded telemetry answers ("idle" or "loaded") as replay answers, with the assumed rest."""
+    recorded = json.loads(FIXTURE_H200_TELEMETRY.read_text())[moment]
+    answers: dict[str, Any] = dict(H200_TELEMETRY_ASSUMED)
+    answers["nvmlGpmQueryDeviceSupport"] = {"isSupportedDevice": recorded["gpm_supported"]["value"]}
+    for name, (value, status) in recorded["gpm_metrics"]["value"].items():
+        if name in _GPM_METRIC_IDS:
+            answers[f"nvmlGpmMetricsGet:{_GPM_METRIC_IDS[name]}"] = value if status == 0 else f"ERR:{status}"
+    for name, field in recorded["field_values"]["value"].items():
+        if name in _FIELD_IDS:
+            answers[f"nvmlDeviceGetFieldValues:{_FIELD_IDS[name]}"] = (
+                field["ull"] if field["ret"] == 0 else "ERR:NVML_ERROR_NOT_SUPPORTED"
+            )
+    answers[f"nvmlDeviceGetMemoryInfo:{pynvml.nvmlMemory_v2}"] = recorded["memory_info_v2"]["value"]
+    answers["nvmlDeviceGetMigMode"] = recorded["mig_mode"]["value"]
+    answers["nvmlDeviceGetMaxClockInfo:1"] = recorded["max_clocks_sm"]["value"]
+    answers["nvmlDeviceGetApplicationsClock:1"] = recorded["app_clocks_sm"]["value"]
+    answers["nvmlDeviceGetTemperatureThreshold:2"] = recorded["temp_threshold_mem_max"]["value"]
+    return answers
+
+
 # Versioned or renamed calls, answered from the name the recording used.
 _RECORDED_AS = {
     "nvmlDeviceGetTemperatureV": "nvmlDeviceGetTemperature",
@@ -89,6 +147,7 @@ _STRUCTS: dict[str, type[ctypes.Structure]] = {
     "nvmlDeviceGetUtilizationRates": pynvml.c_nvmlUtilization_t,
     "nvmlDeviceGetViolationStatus": pynvml.c_nvmlViolationTime_t,
 }
+_STRUCTS["nvmlGpmQueryDeviceSupport"] = pynvml.c_nvmlGpmSupport_t
 _TUPLES = frozenset({"nvmlDeviceGetRemappedRows", "nvmlDeviceGetMinMaxClockOfPState"})
 _PROCESS_LISTS = frozenset({"nvmlDeviceGetComputeRunningProcesses"})
 _SETTER = re.compile(r"^nvmlDevice(Set|Reset|Clear)")
@@ -128,6 +187,10 @@ class Replay:
         self._events: deque[tuple[int, int, int]] = deque()
         self._failures: dict[tuple[str, int | None], int] = {}
         self._answers: dict[tuple[int, str], Any] = {}
+        self._gpm_buffers: list[ctypes.Array[ctypes.c_char]] = []
+        self._gpm_gpu_by_address: dict[int, int | None] = {}  # sample -> the GPU it was taken on
+        #: GPM samples allocated and not yet freed.
+        self.gpm_samples_live = 0
         #: A quiet event wait sleeps its timeout (the driver's behaviour) instead of answering at once.
         self.waits_block = False
 
@@ -189,6 +252,11 @@ class Replay:
             raise ReplayMissing(f"{name}{args} has no answer in the replay")
         if name == "nvmlDeviceGetFieldValues":
             return self._field_values(gpu, call.args[0])
+        if name == "nvmlGpmSampleGet":
+            self._gpm_gpu_by_address[ctypes.cast(args[1], ctypes.c_void_p).value or 0] = gpu
+            return args[1]
+        if name.startswith("nvmlDeviceGetGpuFabricInfo"):
+            return self._fabric_info(gpu, args[1])
         recorded = _RECORDED_AS.get(name, name)
         return _convert(recorded, self._device_answer(name, gpu, call.args))
 
@@ -229,12 +297,58 @@ class Replay:
             value.fieldId = field_id
             if isinstance(answer, str) and answer.startswith("ERR:"):
                 value.nvmlReturn = getattr(pynvml, answer.removeprefix("ERR:"))
+            elif answer > 0xFFFFFFFF:  # a counter past 32 bits (reason durations in ns)
+                value.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+                value.value.ullVal = answer
             else:
                 value.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
                 value.value.uiVal = answer
         return values
 
+    def _fabric_info(self, gpu: int, reference: Any) -> int:
+        """nvmlDeviceGetGpuFabricInfo(V): fills the struct passed by reference (recorded as its fields)."""
+        answer = self._device_answer("nvmlDeviceGetGpuFabricInfoV", gpu, ())
+        if isinstance(answer, str):
+            _convert("nvmlDeviceGetGpuFabricInfoV", answer)  # raises the recorded error
+        struct = reference._obj
+        for field, value in answer.items():
+            if field == "clusterUuid":
+                value = (ctypes.c_uint8 * 16)(*bytes.fromhex(value))
+            setattr(struct, field, value)
+        return int(pynvml.NVML_SUCCESS)
+
     # -- library-level calls -------------------------------------------------------------------
+
+    def _process_name(self, call: Call) -> Any:
+        """nvmlSystemGetProcessName: as answered ("nvmlSystemGetProcessName:PID"), else NOT_FOUND (gone)."""
+        (pid,) = call.args
+        answer = self._answers.get((0, _key("nvmlSystemGetProcessName", (pid,))), "ERR:NVML_ERROR_NOT_FOUND")
+        return _convert("nvmlSystemGetProcessName", answer)
+
+    def _gpm_sample_alloc(self, call: Call) -> Any:
+        buffer = ctypes.create_string_buffer(8)
+        self._gpm_buffers.append(buffer)
+        self.gpm_samples_live += 1
+        return ctypes.cast(buffer, pynvml.c_nvmlGpmSample_t)
+
+    def _gpm_sample_free(self, call: Call) -> None:
+        self.gpm_samples_live -= 1
+
+    def _gpm_metrics_get(self, call: Call) -> Any:
+        """nvmlGpmMetricsGet: each metric as recorded ("nvmlGpmMetricsGet:ID", per-metric errors)."""
+        (request,) = call.args
+        gpu = self._gpm_gpu_by_address.get(ctypes.cast(request.sample2, ctypes.c_void_p).value or 0)
+        if gpu is None or self._gpm_gpu_by_address.get(ctypes.cast(request.sample1, ctypes.c_void_p).value or 0) != gpu:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        for position in range(request.numMetrics):
+            metric = request.metrics[position]
+            answer = self._device_answer("nvmlGpmMetricsGet", gpu, (metric.metricId,), bare=False)
+            if isinstance(answer, str) and answer.startswith("ERR:"):
+                metric.nvmlReturn = int(answer.removeprefix("ERR:"))
+            else:
+                metric.nvmlReturn = pynvml.NVML_SUCCESS
+                metric.value = float(answer)
+        return request
 
     def _device_count(self, call: Call) -> int:
         return int(self.fixture["device_count"])
@@ -280,6 +394,10 @@ _LIBRARY_CALLS: dict[str, Callable[[Replay, Call], Any]] = {
     "nvmlEventSetWait_v2": Replay._event_set_wait,
     "nvmlEventSetWait": Replay._event_set_wait,
     "nvmlEventSetFree": lambda replay, call: None,
+    "nvmlSystemGetProcessName": Replay._process_name,
+    "nvmlGpmSampleAlloc": Replay._gpm_sample_alloc,
+    "nvmlGpmSampleFree": Replay._gpm_sample_free,
+    "nvmlGpmMetricsGet": Replay._gpm_metrics_get,
 }
 
 
@@ -292,7 +410,8 @@ def _convert(name: str, value: Any) -> Any:
     if isinstance(value, str) and value.startswith("ERR:"):
         raise pynvml.NVMLError(getattr(pynvml, value.removeprefix("ERR:")))
     if name in _STRUCTS:
-        struct = _STRUCTS[name]()
+        # nvmlDeviceGetMemoryInfo(handle, version=nvmlMemory_v2) answers the v2 struct (with "reserved").
+        struct = pynvml.c_nvmlMemory_v2_t() if "reserved" in value else _STRUCTS[name]()
         for field, field_value in value.items():
             setattr(struct, field, field_value.encode() if isinstance(field_value, str) else field_value)
         return struct
@@ -306,12 +425,17 @@ def _convert(name: str, value: Any) -> Any:
 
 
 def install_replay(
-    monkeypatch: pytest.MonkeyPatch, fixture_path: Path = FIXTURE_H200, supplement: Mapping[str, Any] = H200_PROBED
+    monkeypatch: pytest.MonkeyPatch,
+    fixture_path: Path = FIXTURE_H200,
+    supplement: Mapping[str, Any] | None = None,
 ) -> Replay:
     """Replace every NVML call on the real pynvml module with the replay of `fixture_path`.
 
-    `supplement` answers (on every device) what the recording lacks; pass {} for another board.
+    `supplement` answers (on every device) what the recording lacks; pass {} for another board. By
+    default: H200_PROBED and the idle telemetry answers (`h200_telemetry`).
     """
+    if supplement is None:
+        supplement = {**h200_telemetry("idle"), **H200_PROBED}
     replay = Replay(json.loads(fixture_path.read_text()), supplement)
     for name, value in vars(pynvml).items():
         if name.startswith("nvml") and name not in _KEEP_REAL and inspect.isfunction(value):

@@ -21,7 +21,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from agent.backend.base import GpuBackend
+from agent.backend.base import GpuBackend, GpuProcess, NvLinkErrors
 from agent.collect import sample_all
 from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
 from agent.gpu_attribution import GpuAttribution, GpuProcessInfo
@@ -365,3 +365,63 @@ def inference_fields(timestamp_seconds: float = TIMESTAMP_SECONDS) -> dict[str, 
         "gpu_attribution": attribution,
         "service_slo_seconds": {"sglang": {"e2e": 1.5, "ttft": 0.5}},
     }
+
+
+#: Issue 14's readings of the H200 under a bf16 matmul (tests/fixtures/nvml-h200-gpm-fields.json, "loaded").
+H200_LOADED_TELEMETRY = {
+    "activity_supported": True,
+    "sm_active_ratio": 0.9646,
+    "sm_occupancy_ratio": 0.1426,
+    "tensor_active_ratio": 0.9364,
+    "dram_active_ratio": 0.1747,
+    "pcie_tx_bytes_per_second": 4.6875 * 2**20,
+    "pcie_rx_bytes_per_second": 13.6875 * 2**20,
+    "nvlink_tx_bytes_per_second": 0.0,
+    "nvlink_rx_bytes_per_second": 0.0,
+    "energy_joules": 7529.155,
+    "power_instant_watts": 736.671,
+    "memory_temperature_celsius": 49,
+    "memory_max_temperature_celsius": 95,
+    "memory_used_bytes": 1_194_131_456,
+    "memory_free_bytes": 148_915_748_864,
+    "memory_reserved_bytes": 644_939_776,
+    "pcie_correctable_errors": 0,
+    "pcie_fatal_errors": 0,
+    "violation_reason_ns": {
+        "sw_power_cap": 6_539_027_136,
+        "sync_boost": 0,
+        "sw_thermal": 0,
+        "hw_thermal": 0,
+        "hw_power_brake": 0,
+    },
+    "mig_enabled": False,
+    "mig_pending": False,
+    "max_graphics_clock_mhz": 1980,
+    "max_sm_clock_mhz": 1980,
+    "max_memory_clock_mhz": 3201,
+    "applications_graphics_clock_mhz": 1980,
+    "applications_memory_clock_mhz": 3201,
+    "processes": (GpuProcess(pid=4242, used_memory_bytes=1_194_131_456, name="python3"),),
+}
+#: An HGX GPU with two NVLink links, one down with errors, whose fabric registration has not finished.
+HGX_NVLINK_TELEMETRY = {
+    "nvlink_errors": (
+        NvLinkErrors(0, {"crc_flit": 0, "crc_data": 0, "replay": 0, "recovery": 0}),
+        NvLinkErrors(1, {"crc_flit": 12, "crc_data": 3, "replay": 1, "recovery": 2}),
+    ),
+    "nvlink_up": (True, False),
+    "fabric_state": 2,  # IN_PROGRESS
+    "fabric_status": 0,
+}
+
+
+def telemetry_gpus() -> tuple[GpuSample, ...]:
+    """`node_gpus()` with issue 14's telemetry: GPU 0 under a bf16 matmul as the H200 answered, GPU 1
+    with NVLink (a link down, errors) and an unfinished fabric registration, no GPM on the RTX."""
+    gpu0, gpu1, gpu2, gpu3 = node_gpus()
+    return (
+        replace(gpu0, **H200_LOADED_TELEMETRY),
+        replace(gpu1, **HGX_NVLINK_TELEMETRY),
+        replace(gpu2, activity_supported=False),
+        gpu3,
+    )

@@ -158,6 +158,13 @@ FIRST_ACTIONS = [
     (event(EventKind.ROW_REMAP_PENDING), [("row-remap-pending-alert", "alertmanager")]),
     (event(EventKind.THROTTLE_STARTED, reason="hw_thermal_slowdown"), []),  # the held state decides, not the edge
     (event(EventKind.PCIE_DEGRADED), []),
+    (event(EventKind.NVLINK_ERRORS, suggested=SuggestedAction.ALERT), [("nvlink-alert", "alertmanager")]),
+    (event(EventKind.NVLINK_DOWN, suggested=SuggestedAction.RESET_GPU), [("nvlink-alert", "alertmanager")]),
+    (event(EventKind.NVLINK_UP), []),
+    (
+        event(EventKind.FABRIC_UNREGISTERED, suggested=SuggestedAction.RESTART_SERVICE),
+        [("fabric-unregistered-alert", "alertmanager")],
+    ),
 ]
 
 

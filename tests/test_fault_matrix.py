@@ -115,6 +115,15 @@ LOOP_CALLS = (
     "temperature_threshold_celsius",
     "violation_time_ns",
     "recovery_action",
+    "gpm_activity",
+    "fast_fields",
+    "slow_fields",
+    "nvlink_states",
+    "fabric_info",
+    "max_clock_mhz",
+    "applications_clock_mhz",
+    "mig_mode",
+    "compute_processes",
     # policy plans
     "power_limit_constraints_watts",
     "locked_clocks_mhz",
@@ -145,7 +154,7 @@ RESTORE_CALLS = (
 )
 ACTION_CALLS = ("identity", "mig_mode", "compute_processes", "reset_gpu")
 #: Protocol calls no part of the agent makes (nothing to inject).
-NEVER_CALLED = frozenset({"max_clock_mhz"})
+NEVER_CALLED: frozenset[str] = frozenset()
 
 #: Cells whose fault the loop cannot see, and why that is right.
 UNSEEN_IN_LOOP = {
@@ -154,6 +163,13 @@ UNSEEN_IN_LOOP = {
     ("wait_events", HANG): "a hung wait looks quiet",
     ("wait_events", GpuErrorKind.TIMEOUT.value): "NVML reports a quiet wait as a timeout",
     ("wait_events", GpuErrorKind.GPU_LOST.value): "the poll decides lost-ness",
+    # The RTX PRO 6000 has no GPM, NVLink or NVSwitch fabric: the first NOT_SUPPORTED answer is
+    # remembered and the call never made again, so a fault injected later has nothing to fail.
+    **{
+        (method, kind): "not supported on this board: never called after the first answer"
+        for method in ("gpm_activity", "nvlink_states", "fabric_info")
+        for kind in KINDS
+    },
 }
 
 POLICY = {

@@ -132,8 +132,8 @@ def test_clock_events_every_known_reason_and_seconds(full: Samples) -> None:
     )
     assert value(full, "gpu_agent_gpu_clock_event_seconds_total", reason="hw_thermal_slowdown", **gpu(1)) == 42.5
     assert value(full, "gpu_agent_gpu_clock_event_seconds_total", reason="sw_power_cap", **gpu(0)) == 3.0
-    assert value(full, "gpu_agent_gpu_violation_seconds_total", limit="thermal", **gpu(1)) == 42.5
-    assert value(full, "gpu_agent_gpu_violation_seconds_total", limit="power", **gpu(0)) == 3.0
+    assert value(full, "gpu_agent_gpu_violation_seconds_total", reason="thermal", **gpu(1)) == 42.5
+    assert value(full, "gpu_agent_gpu_violation_seconds_total", reason="power", **gpu(0)) == 3.0
 
 
 def test_xids_per_gpu_and_unattributed(full: Samples) -> None:
@@ -164,6 +164,7 @@ def test_gpu_state_health_stale_and_lost(full: Samples) -> None:
         "gpu_agent_gpu_read_error",
         "gpu_agent_xid_errors_total",
         "gpu_agent_xid_last_seen_timestamp_seconds",
+        "gpu_agent_gpu_xid_last_code",
         "gpu_agent_policy_in_sync",
         "gpu_agent_policy_status",
     }

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
-from snapshots import VERSION, inference_fields, node_gpus, node_snapshot
+from snapshots import VERSION, inference_fields, node_snapshot, telemetry_gpus
 
 from agent.metrics import SnapshotCollector
 from agent.state import NodeSnapshot
@@ -31,8 +31,10 @@ def golden_snapshot() -> NodeSnapshot:
     without a GPU, ECC, remaps, PCIe trained down, throttling, GPU and node policy items, services,
     remediations, collectors) plus the two readings that node does not have, so that every family
     the exporter knows is in the file: a pending page retirement and a recovery action newer than
-    this agent; and the inference servers' figures, the SLO and the GPU processes per service."""
-    gpu0, gpu1, gpu2, gpu3 = node_gpus()
+    this agent; the inference servers' figures, the SLO and the GPU processes per service; and issue
+    14's telemetry: GPM activity, field values, memory v2, modes, clocks and a process on GPU 0,
+    NVLink and an unfinished fabric registration on GPU 1, no GPM on the RTX."""
+    gpu0, gpu1, gpu2, gpu3 = telemetry_gpus()
     return node_snapshot(
         gpus=(replace(gpu0, retired_pages_pending=False), gpu1, replace(gpu2, recovery_action=9), gpu3),
         **inference_fields(),

@@ -99,9 +99,9 @@ GETTERS: list[tuple[str, Callable[[NvmlBackend], Any], Any]] = [
     ("clock_event_reasons: GpuIdle", lambda b: b.clock_event_reasons(0), 0x1),
     ("utilization", lambda b: b.utilization(0), Utilization(gpu_percent=0, memory_percent=0)),
     (
-        "memory_info: bytes",
+        "memory_info: v2, bytes, used without the driver's reserved memory (nvidia-smi: 0 MiB used)",
         lambda b: b.memory_info(0),
-        MemoryInfo(total_bytes=150754820096, used_bytes=644939776, free_bytes=150109880320),
+        MemoryInfo(total_bytes=150754820096, used_bytes=0, free_bytes=150109880320, reserved_bytes=644939776),
     ),
     ("performance_state: P0", lambda b: b.performance_state(0), 0),
     ("shutdown temp", lambda b: b.temperature_threshold_celsius(0, TemperatureThreshold.SHUTDOWN), 95),

@@ -16,6 +16,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 BUILD_OUT = REPO / "build" / "test-packages"
@@ -92,6 +93,7 @@ def expected_files(target: str) -> set[str]:
         "/usr/share/gpu-agent/prometheus/gpu-agent-alerts.yaml",
         "/opt/gpu-agent/lib/legacy-rules.sha256",
         "/usr/share/bash-completion/completions/gpu-agent",
+        "/usr/share/gpu-agent/prometheus/gpu-agent-dcgm-compat.yaml",
     }
     files |= {f"/usr/share/gpu-agent/rules.d/{name}" for name in RULES}
     files |= {f"/opt/gpu-agent/wheels/{name}" for name in wheel_names(target)}
@@ -194,6 +196,7 @@ def test_deb_ships_the_repository_files(packages: dict[str, Path], tmp_path: Pat
         "usr/share/gpu-agent/grafana/gpu-agent-dashboard.json": "packaging/grafana/gpu-agent-dashboard.json",
         "usr/share/gpu-agent/prometheus/gpu-agent-alerts.yaml": "packaging/prometheus/gpu-agent-alerts.yaml",
         "opt/gpu-agent/lib/legacy-rules.sha256": "packaging/legacy-rules.sha256",
+        "usr/share/gpu-agent/prometheus/gpu-agent-dcgm-compat.yaml": "packaging/prometheus/gpu-agent-dcgm-compat.yaml",
         **{f"usr/share/gpu-agent/rules.d/{n}": f"rules/{n}" for n in RULES},
     }
     for installed, source in same.items():
@@ -414,7 +417,10 @@ def test_bundled_wheels_run_on_the_target_python(packages: dict[str, Path], tmp_
         text = text.replace(rules, f"{tmp_path}{rules}")
     config.write_text(text)
     checked = run(venv / "bin/python", "-I", "-m", "agent.cli", "check-config", "--config", config, "--strict")
-    assert f"observe mode, nvml backend, 0 GPU profiles, 0 services); 12 rules from {len(RULES)} files" in checked
+    shipped = sum(len(yaml.safe_load((REPO / "rules" / name).read_text())["rules"]) for name in RULES)
+    assert (
+        f"observe mode, nvml backend, 0 GPU profiles, 0 services); {shipped} rules from {len(RULES)} files" in checked
+    )
 
 
 def envs(root: Path) -> list[str]:

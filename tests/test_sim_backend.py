@@ -119,7 +119,8 @@ def test_h200_readings_match_the_fixture(tmp_path: Path) -> None:
     gpu_error(GpuErrorKind.NOT_SUPPORTED, lambda: b.retired_pages_pending(0))
     assert b.remapped_rows(0) == RemappedRows(0, 0, False, False)
     memory = FIXTURE["nvmlDeviceGetMemoryInfo"]
-    assert b.memory_info(0) == MemoryInfo(memory["total"], memory["used"], memory["free"])
+    # v2, as nvidia-smi shows it: the driver's reserved memory (v1's "used" at idle) is not used
+    assert b.memory_info(0) == MemoryInfo(memory["total"], 0, memory["free"], reserved_bytes=memory["used"])
     assert b.utilization(0) == Utilization(0, 0)
     assert b.performance_state(0) == FIXTURE["nvmlDeviceGetPerformanceState"]
     assert b.mig_mode(0) == EnabledPending(False, False)
@@ -328,8 +329,9 @@ def test_load_power_cap_and_thermal_slowdown(tmp_path: Path) -> None:
     assert [p.pid for p in processes] == [100, 101]
     assert all(isinstance(p, GpuProcess) and p.used_memory_bytes for p in processes)
     info = b.memory_info(0)
-    assert info.used_bytes == 644939776 + sum(p.used_memory_bytes or 0 for p in processes)
-    assert info.free_bytes == info.total_bytes - info.used_bytes > 0
+    assert info.used_bytes == sum(p.used_memory_bytes or 0 for p in processes)  # v2: reserved not counted
+    assert info.reserved_bytes == 644939776
+    assert info.free_bytes == info.total_bytes - info.used_bytes - info.reserved_bytes > 0
 
     b.set_power_limit_watts(0, 300)
     assert b.power_usage_watts(0) == 300.0
@@ -508,6 +510,12 @@ def every_per_gpu_reading(b: SimulatedBackend, gpu: int) -> Iterator[Callable[[]
     yield lambda: b.mig_mode(gpu)
     yield lambda: b.compute_processes(gpu)
     yield lambda: b.recovery_action(gpu)
+    yield lambda: b.applications_clock_mhz(gpu, ClockDomain.GRAPHICS)
+    yield lambda: b.gpm_activity(gpu)
+    yield lambda: b.fast_fields(gpu)
+    yield lambda: b.slow_fields(gpu)
+    yield lambda: b.nvlink_states(gpu)
+    yield lambda: b.fabric_info(gpu)
 
 
 def test_lost_gpu(tmp_path: Path) -> None:
@@ -978,9 +986,9 @@ def test_memory_info_v2_excludes_reserved_memory(tmp_path: Path) -> None:
     telemetry = b.telemetry(0)
     assert telemetry.memory.used_bytes == sum(p.used_memory_bytes or 0 for p in telemetry.processes) > 0
     assert [p.pid for p in telemetry.processes] == [100, 101]
-    v1 = b.memory_info(0)
-    assert v1.used_bytes == telemetry.memory.used_bytes + telemetry.memory.reserved_bytes  # v1 counts reserved
-    assert telemetry.memory.free_bytes == v1.free_bytes
+    info = b.memory_info(0)  # the protocol reads v2, as nvidia-smi shows it
+    assert (info.used_bytes, info.reserved_bytes) == (telemetry.memory.used_bytes, telemetry.memory.reserved_bytes)
+    assert telemetry.memory.free_bytes == info.free_bytes
 
 
 def test_telemetry_answers_like_every_per_gpu_call(tmp_path: Path) -> None:

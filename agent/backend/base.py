@@ -9,7 +9,7 @@ hardware. The daemon replaces `write_guard` when a reload changes the mode.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum, IntEnum
 from typing import Final, Literal, Protocol, runtime_checkable
@@ -94,9 +94,14 @@ class GpuIdentity:
 
 @dataclass(frozen=True)
 class MemoryInfo:
+    """nvidia-smi's Total/Reserved/Used/Free: `used` excludes the driver's reserved memory
+    (nvmlDeviceGetMemoryInfo_v2); `reserved_bytes` is None where only the v1 call answers (then
+    `used` includes the reserved memory, as v1 counts it)."""
+
     total_bytes: int
     used_bytes: int
     free_bytes: int
+    reserved_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,74 @@ class PcieLink:
 class GpuProcess:
     pid: int
     used_memory_bytes: int | None
+    name: str | None = None  # nvmlSystemGetProcessName (nvidia-smi's "Process name"); None: unknown
+
+
+@dataclass(frozen=True)
+class GpmActivity:
+    """GPM activity over the interval between two samples (nvmlGpmMetricsGet), in base units:
+    ratios 0..1 (NVML's percent / 100) and bytes per second (NVML's MiB/s x 2^20)."""
+
+    sm_active_ratio: float
+    sm_occupancy_ratio: float
+    tensor_active_ratio: float
+    dram_active_ratio: float
+    pcie_tx_bytes_per_second: float
+    pcie_rx_bytes_per_second: float
+    nvlink_tx_bytes_per_second: float
+    nvlink_rx_bytes_per_second: float
+
+
+@dataclass(frozen=True)
+class FastFields:
+    """The fast tier's nvmlDeviceGetFieldValues batch; a field that answered NOT_SUPPORTED is None."""
+
+    energy_joules: float | None  # NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION (mJ since the driver loaded)
+    power_instant_watts: float | None  # NVML_FI_DEV_POWER_INSTANT (mW)
+    memory_temperature_celsius: int | None  # NVML_FI_DEV_MEMORY_TEMP (HBM; None on GDDR boards)
+
+
+#: Clock-event reasons with a duration field (NVML_FI_DEV_CLOCKS_EVENT_REASON_*), by label.
+VIOLATION_REASONS: tuple[str, ...] = ("sw_power_cap", "sync_boost", "sw_thermal", "hw_thermal", "hw_power_brake")
+#: NVLink error counters kept per link (NVML_FI_DEV_NVLINK_<COUNTER>_ERROR_COUNT_L<n>), by label.
+NVLINK_ERROR_COUNTERS: tuple[str, ...] = ("crc_flit", "crc_data", "replay", "recovery")
+
+
+@dataclass(frozen=True)
+class NvLinkErrors:
+    """One link's error counters, keyed by NVLINK_ERROR_COUNTERS."""
+
+    link: int
+    counts: Mapping[str, int]
+
+
+@dataclass(frozen=True)
+class SlowFields:
+    """The slow tier's nvmlDeviceGetFieldValues batch; a field that answered NOT_SUPPORTED is None."""
+
+    pcie_correctable_errors: int | None  # NVML_FI_DEV_PCIE_COUNT_CORRECTABLE_ERRORS
+    pcie_fatal_errors: int | None  # NVML_FI_DEV_PCIE_COUNT_FATAL_ERROR
+    violation_ns: Mapping[str, int]  # reason (VIOLATION_REASONS) -> ns held back; unsupported reasons left out
+    nvlink_errors: tuple[NvLinkErrors, ...] | None  # None: the GPU has no NVLink (NOT_SUPPORTED)
+
+
+class FabricState(IntEnum):
+    """nvmlGpuFabricState_t."""
+
+    NOT_SUPPORTED = 0
+    NOT_STARTED = 1
+    IN_PROGRESS = 2
+    COMPLETED = 3
+
+
+@dataclass(frozen=True)
+class FabricInfo:
+    """nvmlDeviceGetGpuFabricInfo(V): CUDA runs only once the state is COMPLETED with status 0 (success)."""
+
+    state: FabricState
+    status: int  # nvmlReturn_t of the registration
+    clique_id: int
+    cluster_uuid: str
 
 
 @dataclass(frozen=True)
@@ -226,6 +299,27 @@ class GpuBackend(Protocol):
         a `RecoveryAction` value; NOT_SUPPORTED on drivers before R550."""
 
     def compute_processes(self, gpu: int) -> list[GpuProcess]: ...
+    def applications_clock_mhz(self, gpu: int, domain: ClockDomain) -> int:
+        """nvidia-smi --query-gpu=clocks.applications.graphics,clocks.applications.memory"""
+
+    # -- profiling-grade telemetry (issue 14) ---------------------------------------------------
+    def gpm_activity(self, gpu: int) -> GpmActivity | None:
+        """Takes a GPM sample and returns the activity since the previous call's sample for this GPU
+        (None on the first call): one sample per loop, no sleeping. NOT_SUPPORTED without GPM
+        (nvmlGpmQueryDeviceSupport; before Hopper)."""
+
+    def fast_fields(self, gpu: int) -> FastFields:
+        """Energy, instant power and HBM temperature in one nvmlDeviceGetFieldValues call."""
+
+    def slow_fields(self, gpu: int) -> SlowFields:
+        """PCIe error counts, violation time per reason and NVLink per-link error counters in one
+        nvmlDeviceGetFieldValues call."""
+
+    def nvlink_states(self, gpu: int) -> tuple[bool, ...]:
+        """Up (True) or down per NVLink link (nvmlDeviceGetNvLinkState); NOT_SUPPORTED without NVLink."""
+
+    def fabric_info(self, gpu: int) -> FabricInfo:
+        """NVSwitch fabric registration (nvmlDeviceGetGpuFabricInfoV); NOT_SUPPORTED without a fabric."""
 
     # -- events -----------------------------------------------------------------------------
     def wait_events(self, timeout_seconds: float) -> list[GpuEvent]:

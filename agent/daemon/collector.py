@@ -44,6 +44,8 @@ class GpuCollector:
         self.rescan = threading.Event()  # udev saw an NVIDIA device come or go: enumerate again
         self.last_slow_seconds = float("-inf")
         self._statuses: dict[str, CollectorStatus] = {}
+        # Readers each GPU (by UUID: a replaced board asks again) answered NOT_SUPPORTED: not asked again.
+        self._unsupported: dict[str, set[str]] = {}
 
     def collect(self, backend: GpuBackend, now: float) -> list[GpuSample]:
         slow = due(now, self.last_slow_seconds, self.timing.slow_every_seconds)
@@ -75,6 +77,7 @@ class GpuCollector:
         """GPUs known from before the backend went away stay in the snapshot, down, rather than vanish
         from metrics (an alert on gpu_up == 0 must still fire)."""
         kind = error.kind.value if error is not None else GpuErrorKind.UNKNOWN.value
+        self._unsupported.clear()  # the driver that comes back may be another one: ask everything again
         return [
             GpuSample(gpu, i.uuid, i.name, i.pci_bus_id, up=False, timestamp_seconds=now, read_errors={"backend": kind})
             for gpu, i in sorted(self.identities.items())
@@ -131,7 +134,8 @@ class GpuCollector:
     def _start_reads(self, backend: GpuBackend, slow: bool) -> dict[int, Future[GpuSample] | StaleGpu]:
         pending: dict[int, Future[GpuSample] | StaleGpu] = {}
         for gpu, identity in sorted(self.identities.items()):
-            work = partial(sample_identified, backend, identity, slow=slow, clock=self.clock)
+            unsupported = self._unsupported.setdefault(identity.uuid, set())
+            work = partial(sample_identified, backend, identity, slow=slow, clock=self.clock, unsupported=unsupported)
             try:
                 pending[gpu] = self.runner.submit(f"gpu{gpu}", work)
             except StaleGpu as exc:  # its lane is still busy with a call that hung earlier

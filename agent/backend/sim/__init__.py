@@ -116,8 +116,11 @@ extra readings, `total_energy_joules` and `telemetry`. Injection needs neither i
 writable item; a nonsensical injection (a GPU index the profile lacks, retired pages on a board
 that remaps rows) is a ValueError.
 
-Profiling-grade telemetry (issue 14), `telemetry(gpu) -> GpuTelemetry`, ready for the backend
-methods to come (they do not exist in the protocol yet):
+Profiling-grade telemetry (issue 14), `telemetry(gpu) -> GpuTelemetry`: the protocol's
+`gpm_activity`, `fast_fields`, `slow_fields`, `nvlink_states`, `fabric_info`,
+`applications_clock_mhz` and `memory_info` (v2) are thin wrappers over it, each under its own call
+name so `fail_call`/`hang_call` can target it; `gpm_activity` differences against the previous
+call's sample, so activity appears once simulated time has passed (`advance`):
 
     gpm                GpmSample (cumulative counters) or None where GPM is unsupported;
                        `gpm_activity(earlier, later)` differences two samples like
@@ -151,6 +154,7 @@ Not reproduced: PCIe links training down at idle (the link reads at its maximum 
 `set_pcie_link` says otherwise) and per-memory-clock graphics clock lists.
 """
 
+from agent.backend.base import FabricInfo, FabricState, GpmActivity
 from agent.backend.sim.backend import SimulatedBackend
 from agent.backend.sim.faults import EVENT_DOUBLE_BIT_ECC, EVENT_SINGLE_BIT_ECC, EVENT_XID
 from agent.backend.sim.physics import (
@@ -161,7 +165,6 @@ from agent.backend.sim.physics import (
     REASON_SW_POWER_CAP,
     REASON_SW_THERMAL,
     REASON_SYNC_BOOST,
-    GpmActivity,
 )
 from agent.backend.sim.profiles import (
     DEFAULT_DRIVER_VERSION,
@@ -176,8 +179,6 @@ from agent.backend.sim.profiles import (
 )
 from agent.backend.sim.state import PROTOCOL_METHODS, STATE_FILE_NAME
 from agent.backend.sim.telemetry import (
-    FabricInfo,
-    FabricState,
     FieldValues,
     GpmSample,
     GpuTelemetry,

@@ -19,12 +19,17 @@ from agent.backend.base import (
     EccCounter,
     EccErrorType,
     EnabledPending,
+    FabricInfo,
+    FastFields,
+    GpmActivity,
     GpuEvent,
     GpuIdentity,
     GpuProcess,
     MemoryInfo,
+    NvLinkErrors,
     PcieLink,
     RemappedRows,
+    SlowFields,
     TemperatureThreshold,
     Utilization,
     ViolationPolicy,
@@ -35,7 +40,7 @@ from agent.backend.sim.faults import FaultInjection
 from agent.backend.sim.physics import Readings
 from agent.backend.sim.profiles import load_profile
 from agent.backend.sim.state import MachineState, StateFile
-from agent.backend.sim.telemetry import GpuTelemetry, telemetry
+from agent.backend.sim.telemetry import GpmSample, GpuTelemetry, gpm_activity, telemetry
 
 #: How often wait_events looks for injections made by another process.
 _POLL_SECONDS = 0.1
@@ -67,6 +72,7 @@ class SimulatedBackend(FaultInjection):
         self._cond = threading.Condition(threading.RLock())
         self._init_count = 0
         self._file = StateFile(self.profile, self.state_dir)
+        self._gpm_previous: dict[int, GpmSample] = {}
         with self._cond:
             self._file.refresh()
 
@@ -234,12 +240,14 @@ class SimulatedBackend(FaultInjection):
             return Utilization(dev.model.load_utilization_gpu_percent, dev.model.load_utilization_memory_percent)
 
     def memory_info(self, gpu: int) -> MemoryInfo:
-        with self._read(gpu, "memory_info") as dev:
-            total = dev.model.memory_total_bytes
-            used = dev.model.memory_used_idle_bytes
-            if dev.busy:
-                used += dev.process_memory_bytes() * len(dev.state.processes)
-            return MemoryInfo(total_bytes=total, used_bytes=used, free_bytes=total - used)
+        """nvmlDeviceGetMemoryInfo_v2: used without the driver's reserved memory, as nvidia-smi shows."""
+        memory = self._telemetry(gpu, "memory_info").memory
+        return MemoryInfo(
+            total_bytes=memory.total_bytes,
+            used_bytes=memory.used_bytes,
+            free_bytes=memory.free_bytes,
+            reserved_bytes=memory.reserved_bytes,
+        )
 
     def performance_state(self, gpu: int) -> int:
         with self._read(gpu, "performance_state") as dev:
@@ -405,9 +413,70 @@ class SimulatedBackend(FaultInjection):
 
     def telemetry(self, gpu: int) -> GpuTelemetry:
         """The profiling-grade readings (GPM sample, field values, memory v2, MIG, clocks, processes)
-        that issue 14's backend methods will expose; the same checks as every per-GPU call."""
-        with self._read(gpu, "telemetry") as dev:
+        behind the protocol's telemetry methods; the same checks as every per-GPU call."""
+        return self._telemetry(gpu, "telemetry")
+
+    def _telemetry(self, gpu: int, call: str) -> GpuTelemetry:
+        """telemetry() under the protocol method's own call name, so fault injection can target it."""
+        with self._read(gpu, call) as dev:
             return telemetry(gpu, dev, self.profile.name if self.profile.nvswitch_fabric else None)
+
+    def applications_clock_mhz(self, gpu: int, domain: ClockDomain) -> int:
+        return self._telemetry(gpu, "applications_clock_mhz").applications_clocks_mhz[ClockDomain(domain)]
+
+    def gpm_activity(self, gpu: int) -> GpmActivity | None:
+        """Differences this call's GPM sample against the previous call's, as nvmlGpmMetricsGet does;
+        None on the first call and while no simulated time passed (see `advance`)."""
+        sample = self._telemetry(gpu, "gpm_activity").gpm
+        if sample is None:
+            raise _error(GpuErrorKind.NOT_SUPPORTED, "GPM is not supported on this GPU", gpu, "gpm_activity")
+        with self._cond:
+            previous = self._gpm_previous.get(gpu)
+            self._gpm_previous[gpu] = sample
+        return None if previous is None else gpm_activity(previous, sample)
+
+    def fast_fields(self, gpu: int) -> FastFields:
+        fields = self._telemetry(gpu, "fast_fields").fields
+        return FastFields(
+            energy_joules=fields.total_energy_mj / 1000,
+            power_instant_watts=fields.power_instant_mw / 1000,
+            memory_temperature_celsius=fields.memory_temperature_c,
+        )
+
+    def slow_fields(self, gpu: int) -> SlowFields:
+        fields = self._telemetry(gpu, "slow_fields").fields
+        nvlinks = None
+        if fields.nvlinks is not None:
+            nvlinks = tuple(
+                NvLinkErrors(
+                    link.link,
+                    {
+                        "crc_flit": link.crc_flit_errors,
+                        "crc_data": link.crc_data_errors,
+                        "replay": link.replay_errors,
+                        "recovery": link.recovery_errors,
+                    },
+                )
+                for link in fields.nvlinks
+            )
+        return SlowFields(
+            pcie_correctable_errors=fields.pcie_correctable_errors,
+            pcie_fatal_errors=fields.pcie_fatal_errors,
+            violation_ns=dict(fields.reason_duration_ns),
+            nvlink_errors=nvlinks,
+        )
+
+    def nvlink_states(self, gpu: int) -> tuple[bool, ...]:
+        links = self._telemetry(gpu, "nvlink_states").fields.nvlinks
+        if links is None:
+            raise _error(GpuErrorKind.NOT_SUPPORTED, "this GPU has no NVLink", gpu, "nvlink_states")
+        return tuple(link.up for link in links)
+
+    def fabric_info(self, gpu: int) -> FabricInfo:
+        fabric = self._telemetry(gpu, "fabric_info").fabric
+        if fabric is None:
+            raise _error(GpuErrorKind.NOT_SUPPORTED, "no NVSwitch fabric on this node", gpu, "fabric_info")
+        return fabric
 
     # -- events ---------------------------------------------------------------------------
 

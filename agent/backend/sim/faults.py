@@ -14,12 +14,11 @@ import abc
 import contextlib
 from collections.abc import Iterator
 
-from agent.backend.base import GpuEvent, GpuEventKind, RecoveryAction
+from agent.backend.base import FabricState, GpuEvent, GpuEventKind, RecoveryAction
 from agent.backend.errors import GpuErrorKind
 from agent.backend.sim.physics import Readings, advance
 from agent.backend.sim.profiles import NodeProfile
 from agent.backend.sim.state import NVLINK_COUNTERS, PROTOCOL_METHODS, GpuState, MachineState
-from agent.backend.sim.telemetry import FabricState
 
 # nvmlEventType* bits
 EVENT_SINGLE_BIT_ECC = 0x1

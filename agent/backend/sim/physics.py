@@ -13,9 +13,8 @@ counters by the activity rates.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
-from agent.backend.base import ClockDomain, TemperatureThreshold, ViolationPolicy
+from agent.backend.base import ClockDomain, GpmActivity, TemperatureThreshold, ViolationPolicy
 from agent.backend.sim.profiles import GpmLoad, GpuModel
 from agent.backend.sim.state import GpuState
 
@@ -52,21 +51,6 @@ REASON_FIELD_BITS = {
     "hw_thermal": REASON_HW_THERMAL,
     "hw_power_brake": REASON_HW_POWER_BRAKE,
 }
-
-
-@dataclass(frozen=True)
-class GpmActivity:
-    """GPM activity right now: ratios 0..1 and bytes per second (what nvmlGpmMetricsGet reports
-    over an interval, in base units: NVML's percent / 100 and MiB/s x 2^20)."""
-
-    sm_active_ratio: float
-    sm_occupancy_ratio: float
-    tensor_active_ratio: float
-    dram_active_ratio: float
-    pcie_tx_bytes_per_second: float
-    pcie_rx_bytes_per_second: float
-    nvlink_tx_bytes_per_second: float
-    nvlink_rx_bytes_per_second: float
 
 
 class Readings:

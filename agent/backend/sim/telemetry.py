@@ -11,10 +11,17 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import IntEnum
 
-from agent.backend.base import ClockDomain, EnabledPending, GpuProcess, TemperatureThreshold
-from agent.backend.sim.physics import GpmActivity, Readings
+from agent.backend.base import (
+    ClockDomain,
+    EnabledPending,
+    FabricInfo,
+    FabricState,
+    GpmActivity,
+    GpuProcess,
+    TemperatureThreshold,
+)
+from agent.backend.sim.physics import Readings
 from agent.backend.sim.state import GpmCounters
 
 
@@ -94,25 +101,6 @@ class MemoryInfoV2:
     reserved_bytes: int
     used_bytes: int
     free_bytes: int
-
-
-class FabricState(IntEnum):
-    """nvmlGpuFabricState_t."""
-
-    NOT_SUPPORTED = 0
-    NOT_STARTED = 1
-    IN_PROGRESS = 2
-    COMPLETED = 3
-
-
-@dataclass(frozen=True)
-class FabricInfo:
-    """nvmlDeviceGetGpuFabricInfo: CUDA runs only once the state is COMPLETED with status 0 (success)."""
-
-    state: FabricState
-    status: int  # nvmlReturn_t of the registration
-    clique_id: int
-    cluster_uuid: str
 
 
 @dataclass(frozen=True)
