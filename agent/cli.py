@@ -337,7 +337,13 @@ def cmd_ack(args: argparse.Namespace) -> int:
     config = load(args)
     with _open_store(config) as store:
         count = store.ack(args.selector)
-    _print(f"{args.selector}: {count} rule/target pair(s) re-armed" if count else f"{args.selector}: nothing to re-arm")
+        gone = store.acknowledge_gone(args.selector)
+    if count or not gone:
+        _print(
+            f"{args.selector}: {count} rule/target pair(s) re-armed" if count else f"{args.selector}: nothing to re-arm"
+        )
+    for uuid in gone:
+        _print(f"{uuid}: missing GPU acknowledged gone; no longer expected (until it answers again)")
     return EXIT_OK
 
 
@@ -421,8 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "ack",
         parents=[common],
-        help="re-arm rules whose attempts ran out (circuit open)",
-        description="SELECTOR: a rule name, gpu:INDEX, gpu:UUID, service:NAME, or all.",
+        help="re-arm rules whose attempts ran out (circuit open); forget a missing GPU",
+        description="SELECTOR: a rule name, gpu:INDEX, gpu:UUID, service:NAME, or all. A GPU selector (or all) "
+        "also acknowledges a missing GPU as gone: it leaves status and /metrics until it answers again.",
     )
     p.add_argument("selector")
     p.set_defaults(func=cmd_ack)
