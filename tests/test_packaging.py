@@ -88,6 +88,7 @@ def expected_files(target: str) -> set[str]:
         "/usr/share/doc/gpu-agent/README.md",
         "/usr/share/gpu-agent/grafana/gpu-agent-dashboard.json",
         "/usr/share/gpu-agent/prometheus/gpu-agent-alerts.yaml",
+        "/usr/share/gpu-agent/prometheus/gpu-agent-recording.yaml",
     }
     files |= {f"/etc/gpu-agent/rules.d/{name}" for name in RULES}
     files |= {f"/opt/gpu-agent/wheels/{name}" for name in wheel_names(target)}
@@ -172,6 +173,7 @@ def test_deb_ships_the_repository_files(packages: dict[str, Path], tmp_path: Pat
         "opt/gpu-agent/lib/install-env": "packaging/install-env",
         "usr/share/gpu-agent/grafana/gpu-agent-dashboard.json": "packaging/grafana/gpu-agent-dashboard.json",
         "usr/share/gpu-agent/prometheus/gpu-agent-alerts.yaml": "packaging/prometheus/gpu-agent-alerts.yaml",
+        "usr/share/gpu-agent/prometheus/gpu-agent-recording.yaml": "packaging/prometheus/gpu-agent-recording.yaml",
         **{f"etc/gpu-agent/rules.d/{n}": f"rules/{n}" for n in RULES},
     }
     for installed, source in same.items():
