@@ -22,6 +22,7 @@ from agent.memory import (
 )
 from agent.state import GpuSample, NodeSnapshot, XidCount
 from agent.store import DB_NAME, MIGRATIONS, RETENTION_SECONDS, InventoryGpu, Store
+from agent.watch.gpu_lost import GpuLostWatcher
 from agent.watch.kernel_log import KernelXid
 from agent.watch.xid import XidWatcher
 
@@ -81,6 +82,9 @@ def test_a_gpu_that_leaves_stays_as_lost_until_acknowledged_and_is_expected_agai
         missing = samples[-1]
         assert (missing.uuid, missing.up, missing.index) == (UUIDS[1], False, 2)
         assert missing.read_errors == {MISSING_READ_ERROR: GpuErrorKind.GPU_LOST.value}
+        lost_watcher = GpuLostWatcher()  # judged like any lost GPU: an event, unhealthy
+        assert [e.kind for e in lost_watcher.observe(samples, clock())] == [EventKind.GPU_LOST]
+        assert lost_watcher.health(2).state is HealthState.UNHEALTHY
         snapshot = NodeSnapshot(clock(), clock(), "v", "simulated", None, tuple(samples))
         assert expected_gpu_count(snapshot) == 3
         # "ack all" names every GPU but forgets only the missing one
@@ -204,3 +208,18 @@ def test_without_a_store_samples_pass_through(tmp_path: Path) -> None:
     memory.load(seeded, watcher)
     samples = [sample(0)]
     assert memory.remember(samples, 0.0) == samples and seeded == {}
+
+
+def test_faults_counted_before_the_store_opened_add_to_the_stored_counts(tmp_path: Path) -> None:
+    clock = FakeClock()
+    with Store.open(tmp_path) as store:
+        memory, watcher, _ = started(store, clock)
+        watcher.ingest_kernel(kernel_xid(48, 1))
+        memory.save(watcher, clock())
+        clock.advance(30)
+        late = NodeMemory(lambda: store, BOOT, clock)
+        restarted = xid_watcher(clock)
+        restarted.ingest_kernel(kernel_xid(48, 1))  # seen while the store could not be opened yet
+        late.load({}, restarted)
+        [count] = restarted.counts()
+        assert (count.count, count.last_seen_seconds) == (2, clock())

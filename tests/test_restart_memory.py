@@ -100,6 +100,8 @@ def memory_view(agent: RunningAgent) -> dict[str, Any]:
         "xid_last_seen": series(metrics, "gpu_agent_xid_last_seen_timestamp_seconds"),
         "expected": series(metrics, "gpu_agent_gpus_expected"),
         "reboot_flag": json.loads(flag.read_text())["rule"] if flag.exists() else None,
+        # a fault still present after the restart is the same stored fault: not acted on again
+        "remediations": sorted((r["rule"], r["action"], r["outcome"], r["count"]) for r in status["remediations"]),
     }
 
 

@@ -371,16 +371,27 @@ class XidWatcher:
     def restore(self, counts: list[XidCount], marks: list[XidMark]) -> None:
         """Counters and the health window as an earlier run of the agent on this boot left them.
 
-        Called before the first sighting; a mark whose action this agent no longer knows is dropped."""
+        Faults counted since this run started (the store opened late) add to the stored counts; a
+        mark seen since is newer than the stored one. A mark whose action this agent no longer knows
+        is dropped."""
         with self._lock:
             for count in counts:
-                self._counts[(count.gpu, count.xid)] = _Count(count.uuid, count.count, count.last_seen_seconds)
+                key = (count.gpu, count.xid)
+                current = self._counts.get(key)
+                if current is None:
+                    self._counts[key] = _Count(count.uuid, count.count, count.last_seen_seconds)
+                else:
+                    current.count += count.count
+                    current.uuid = current.uuid or count.uuid
+                    current.last_seen_seconds = max(current.last_seen_seconds, count.last_seen_seconds)
             for stored in marks:
                 try:
                     action = SuggestedAction(stored.action)
                 except ValueError:
                     continue
-                self._marks[(stored.gpu, stored.xid)] = _Mark(stored.xid, action, stored.reason, stored.seen_seconds)
+                self._marks.setdefault(
+                    (stored.gpu, stored.xid), _Mark(stored.xid, action, stored.reason, stored.seen_seconds)
+                )
 
     def clear(self, gpu: int) -> None:
         """Forget a GPU's Xid health and open faults (after a successful reset); counters stay."""
