@@ -368,17 +368,21 @@ def cmd_ack(args: argparse.Namespace) -> int:
     config = load(args)
     with _open_store(config) as store:
         count = store.ack(args.selector)
+        gone = store.acknowledge_gone(args.selector)
     if count:
         _print(f"{args.selector}: {count} rule/target pair(s) re-armed")
-    elif args.selector == "all":
-        _print("all: nothing to re-arm (no rule's attempts ran out)")
-    else:
-        # Most often a typo: exit 1, so a script that re-arms a rule learns it did not.
-        raise CliError(
-            f"{args.selector}: nothing to re-arm: no rule whose attempts ran out matches "
-            "(a rule name, gpu:INDEX, gpu:UUID, service:NAME or all; `gpu-agent events` lists the rules)"
-        )
-    return EXIT_OK
+    for uuid in gone:
+        _print(f"{uuid}: missing GPU acknowledged gone; no longer expected (until it answers again)")
+    if count or gone:
+        return EXIT_OK
+    if args.selector == "all":
+        _print("all: nothing to re-arm (no rule's attempts ran out, no GPU missing)")
+        return EXIT_OK
+    # Most often a typo: exit 1, so a script that re-arms a rule learns it did not.
+    raise CliError(
+        f"{args.selector}: nothing to re-arm: no rule whose attempts ran out and no missing GPU matches "
+        "(a rule name, gpu:INDEX, gpu:UUID, service:NAME or all; `gpu-agent events` lists the rules)"
+    )
 
 
 def cmd_inject(args: argparse.Namespace) -> int:
@@ -461,9 +465,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "ack",
         parents=[common],
-        help="re-arm rules whose attempts ran out (circuit open)",
-        description="SELECTOR: a rule name, gpu:INDEX, gpu:UUID, service:NAME, or all. "
-        "Exit codes: 0 re-armed (or `all` with nothing to re-arm), 1 nothing matched (a typo?).",
+        help="re-arm rules whose attempts ran out (circuit open); forget a missing GPU",
+        description="SELECTOR: a rule name, gpu:INDEX, gpu:UUID, service:NAME, or all. A GPU selector (or all) "
+        "also acknowledges a missing GPU as gone: it leaves status and /metrics until it answers again. "
+        "Exit codes: 0 re-armed or acknowledged (or `all` with nothing to do), 1 nothing matched (a typo?).",
     )
     p.add_argument("selector")
     p.set_defaults(func=cmd_ack)

@@ -32,6 +32,7 @@ from agent import __version__
 from agent.backend.base import RecoveryAction
 from agent.clock_events import CLOCK_EVENT_REASONS
 from agent.events import HealthState
+from agent.memory import expected_gpu_count
 from agent.policy.base import PlanStatus
 from agent.service_export import service_metric_families
 from agent.state import GpuSample, NodeSnapshot, XidCount
@@ -457,6 +458,12 @@ class SnapshotCollector(Collector):
             "When the snapshot served was taken; an old one means the loop is stuck.",
             {},
             snap.timestamp_seconds,
+        )
+        out.gauge(
+            "gpu_agent_gpus_expected",
+            "GPUs this node should have: every GPU seen since boot, less those acknowledged gone (gpu-agent ack).",
+            {},
+            expected_gpu_count(snap),
         )
         out.gauge(
             "gpu_agent_collect_duration_seconds",

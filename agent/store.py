@@ -21,8 +21,15 @@ One connection, shared by the threads of the process behind a lock; other proces
 writer. A database that is not a database, fails its integrity check or was written by a newer
 schema is kept aside as `gpu-agent.db.corrupt-<unix time>` (or `.newer-<unix time>`) and a new
 one is created: losing history is better than not starting. Rows older than `RETENTION_SECONDS`
-are pruned on open; lifetime totals per (rule, action, outcome) are kept apart and never pruned,
-because they feed a Prometheus counter that must not go down.
+are pruned on open and by `prune` while the daemon runs (agent/memory.py calls it hourly); lifetime
+totals per (rule, action, outcome) are kept apart and never pruned, because they feed a Prometheus
+counter that must not go down.
+
+Node memory (schema 2), all of it per boot (`/proc/sys/kernel/random/boot_id`): a restart of the
+agent is not a reboot and must not forget, a reboot starts afresh (`start_boot` drops the rows of
+every other boot). The GPU inventory (`InventoryGpu`: every GPU seen on this boot, until
+acknowledged with `gpu-agent ack gpu:UUID`), the Xid counters and last-seen times (`XidCount`) and
+the Xid health window (`XidMark`). agent/memory.py reads and writes them for the daemon.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ import structlog
 
 from agent.events import Event, event_from_json, event_json
 from agent.rules.model import ActionOutcome, Outcome, Target
-from agent.state import RemediationCount
+from agent.state import RemediationCount, XidCount
 
 log = structlog.get_logger("gpu-agent")
 
@@ -120,6 +127,41 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             PRIMARY KEY (rule, action, outcome)
         )""",
     ),
+    (
+        # present: the GPU answered at the daemon's last look. acked: an operator said this missing GPU
+        # is gone for good (`gpu-agent ack gpu:UUID`); it is not expected until it answers again.
+        """CREATE TABLE gpu_inventory (
+            boot_id TEXT NOT NULL,
+            uuid TEXT NOT NULL,
+            pci_bus_id TEXT NOT NULL,
+            model TEXT NOT NULL,
+            gpu INTEGER NOT NULL,
+            first_seen REAL NOT NULL,
+            last_seen REAL NOT NULL,
+            present INTEGER NOT NULL,
+            acked INTEGER NOT NULL,
+            PRIMARY KEY (boot_id, uuid)
+        )""",
+        # gpu: the NVML index, -1 for an Xid whose GPU could not be named (kernel line, unknown bus id).
+        """CREATE TABLE xid_counts (
+            boot_id TEXT NOT NULL,
+            gpu INTEGER NOT NULL,
+            xid INTEGER NOT NULL,
+            uuid TEXT NOT NULL,
+            count INTEGER NOT NULL,
+            last_seen REAL NOT NULL,
+            PRIMARY KEY (boot_id, gpu, xid)
+        )""",
+        """CREATE TABLE xid_marks (
+            boot_id TEXT NOT NULL,
+            gpu INTEGER NOT NULL,
+            xid INTEGER NOT NULL,
+            action TEXT NOT NULL,
+            reason TEXT NOT NULL,
+            seen REAL NOT NULL,
+            PRIMARY KEY (boot_id, gpu, xid)
+        )""",
+    ),
 )
 
 
@@ -164,6 +206,34 @@ class Circuit:
     service: str | None
     opened_seconds: float
     reason: str
+
+
+@dataclass(frozen=True)
+class InventoryGpu:
+    """A GPU seen on this boot."""
+
+    uuid: str
+    pci_bus_id: str
+    model: str
+    index: int  # its NVML index when last seen
+    first_seen_seconds: float
+    last_seen_seconds: float  # when it last answered
+    present: bool = True  # answering at the daemon's last look
+    acked: bool = False  # acknowledged gone: not expected any more
+
+
+@dataclass(frozen=True)
+class XidMark:
+    """What one (GPU, Xid) contributes to that GPU's health while inside the health window."""
+
+    gpu: int
+    xid: int
+    action: str  # SuggestedAction value
+    reason: str
+    seen_seconds: float
+
+
+_UNKNOWN_GPU = -1  # xid_counts.gpu for an Xid no GPU could be named for
 
 
 #: The events table's columns after `key`, in INSERT and SELECT order, as `event_json` names them
@@ -292,11 +362,18 @@ class Store:
                 raise StoreError(f"{self.path}: {exc}") from exc
 
     def _prune(self, before_seconds: float) -> None:
+        self.prune(before_seconds)
+
+    def prune(self, before_seconds: float) -> int:
+        """Delete events and remediations older than `before_seconds` (the history a long-running
+        daemon would otherwise grow without end); how many rows went. Node memory is per boot and
+        bounded by the GPUs and Xid codes: `start_boot` retires it."""
         with self._transaction() as db:
             events = db.execute("DELETE FROM events WHERE ts < ?", (before_seconds,)).rowcount
             remediations = db.execute("DELETE FROM remediations WHERE ts < ?", (before_seconds,)).rowcount
         if events or remediations:
             log.info("pruned rows older than the retention", events=events, remediations=remediations)
+        return int(events + remediations)
 
     # -- events -------------------------------------------------------------------------------
 
@@ -419,6 +496,90 @@ class Store:
         rows = self._query("SELECT rule, action, outcome, count FROM remediation_totals ORDER BY rule, action, outcome")
         return [RemediationCount(rule, action, outcome, count) for rule, action, outcome, count in rows]
 
+    # -- node memory (per boot) ----------------------------------------------------------------
+
+    def start_boot(self, boot_id: str) -> None:
+        """This boot's memory is the only one: what earlier boots remembered is dropped (a reboot
+        resets GPUs, their Xid counters and health)."""
+        with self._transaction() as db:
+            gone = sum(
+                db.execute(f"DELETE FROM {table} WHERE boot_id != ?", (boot_id,)).rowcount  # noqa: S608  # nosec B608
+                for table in ("gpu_inventory", "xid_counts", "xid_marks")
+            )
+        if gone:
+            log.info("new boot: node memory of earlier boots dropped", boot_id=boot_id, rows=gone)
+
+    def inventory(self, boot_id: str) -> list[InventoryGpu]:
+        """Every GPU seen on this boot, acknowledged ones included, by index then UUID."""
+        rows = self._query(
+            "SELECT uuid, pci_bus_id, model, gpu, first_seen, last_seen, present, acked FROM gpu_inventory"
+            " WHERE boot_id = ? ORDER BY gpu, uuid",
+            (boot_id,),
+        )
+        return [
+            InventoryGpu(uuid, bus, model, index, first, last, present=bool(present), acked=bool(acked))
+            for uuid, bus, model, index, first, last, present, acked in rows
+        ]
+
+    def remember_gpus(self, boot_id: str, gpus: list[InventoryGpu]) -> None:
+        """Add GPUs, or update them as written (first_seen stays the first one stored)."""
+        with self._transaction() as db:
+            for gpu in gpus:
+                db.execute(
+                    "INSERT INTO gpu_inventory (boot_id, uuid, pci_bus_id, model, gpu, first_seen, last_seen, present,"
+                    " acked) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (boot_id, uuid) DO UPDATE SET"
+                    " pci_bus_id = excluded.pci_bus_id, model = excluded.model, gpu = excluded.gpu,"
+                    " last_seen = excluded.last_seen, present = excluded.present, acked = excluded.acked",
+                    (
+                        boot_id,
+                        gpu.uuid,
+                        gpu.pci_bus_id,
+                        gpu.model,
+                        gpu.index,
+                        gpu.first_seen_seconds,
+                        gpu.last_seen_seconds,
+                        int(gpu.present),
+                        int(gpu.acked),
+                    ),
+                )
+
+    def xid_counts(self, boot_id: str) -> list[XidCount]:
+        rows = self._query(
+            "SELECT gpu, uuid, xid, count, last_seen FROM xid_counts WHERE boot_id = ? ORDER BY gpu, xid", (boot_id,)
+        )
+        return [
+            XidCount(None if gpu == _UNKNOWN_GPU else gpu, uuid, xid, count, seen)
+            for gpu, uuid, xid, count, seen in rows
+        ]
+
+    def save_xid_counts(self, boot_id: str, counts: list[XidCount]) -> None:
+        """Store these counters as they are now (a counter only grows: the rows are replaced)."""
+        with self._transaction() as db:
+            db.executemany(
+                "INSERT INTO xid_counts (boot_id, gpu, xid, uuid, count, last_seen) VALUES (?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT (boot_id, gpu, xid) DO UPDATE SET uuid = excluded.uuid, count = excluded.count,"
+                " last_seen = excluded.last_seen",
+                [
+                    (boot_id, _UNKNOWN_GPU if c.gpu is None else c.gpu, c.xid, c.uuid, c.count, c.last_seen_seconds)
+                    for c in counts
+                ],
+            )
+
+    def xid_marks(self, boot_id: str) -> list[XidMark]:
+        rows = self._query(
+            "SELECT gpu, xid, action, reason, seen FROM xid_marks WHERE boot_id = ? ORDER BY gpu, xid", (boot_id,)
+        )
+        return [XidMark(*row) for row in rows]
+
+    def replace_xid_marks(self, boot_id: str, marks: list[XidMark]) -> None:
+        """The health window as it is now: marks that aged out or were cleared (GPU reset) go."""
+        with self._transaction() as db:
+            db.execute("DELETE FROM xid_marks WHERE boot_id = ?", (boot_id,))
+            db.executemany(
+                "INSERT INTO xid_marks (boot_id, gpu, xid, action, reason, seen) VALUES (?, ?, ?, ?, ?, ?)",
+                [(boot_id, m.gpu, m.xid, m.action, m.reason, m.seen_seconds) for m in marks],
+            )
+
     # -- AttemptHistory -----------------------------------------------------------------------
 
     def attempts(self, rule: str, target_key: str, since_seconds: float) -> list[float]:
@@ -466,7 +627,8 @@ class Store:
 
         `selector`: "all"; a rule name; "gpu:<index>", "gpu:<uuid>" or a bare "GPU-..." uuid (every
         rule's state for that GPU, services targeted through it included); "service:<name>".
-        Returns how many (rule, target) pairs it re-armed.
+        Returns how many (rule, target) pairs it re-armed. (`gpu-agent ack` also calls
+        `acknowledge_gone` with the same selector.)
         """
         # `where` is one of _selector's fixed clauses; every value in it is a bound parameter (nosec B608 below).
         where, args = _selector(selector)
@@ -487,6 +649,33 @@ class Store:
         log.info("acknowledged", selector=selector, rearmed=len(pairs))
         return len(pairs)
 
+    def acknowledge_gone(self, selector: str) -> list[str]:
+        """Acknowledge missing GPUs as gone: they leave the inventory's expected GPUs (and `status`,
+        `/metrics`) until they answer again. Only a GPU missing at the daemon's last look qualifies:
+        one that answers is there, whatever the operator says. `selector` as for `ack`: "all",
+        "gpu:<uuid>", a bare "GPU-..." uuid or "gpu:<index>"; any other names no GPU. Returns the
+        UUIDs acknowledged."""
+        condition = _inventory_selector(selector)
+        if condition is None:
+            return []
+        # `where` is one of _inventory_selector's fixed clauses; its values are bound parameters.
+        where, args = condition
+        with self._transaction() as db:
+            uuids = [
+                row[0]
+                for row in db.execute(
+                    f"SELECT DISTINCT uuid FROM gpu_inventory WHERE acked = 0 AND present = 0 AND ({where})",  # noqa: S608  # nosec B608
+                    args,
+                ).fetchall()
+            ]
+            db.execute(
+                f"UPDATE gpu_inventory SET acked = 1 WHERE acked = 0 AND present = 0 AND ({where})",  # noqa: S608  # nosec B608
+                args,
+            )
+        if uuids:
+            log.info("missing GPUs acknowledged gone", selector=selector, uuids=uuids)
+        return sorted(uuids)
+
 
 def _selector(selector: str) -> tuple[str, tuple[Any, ...]]:
     """SQL condition (over rule, target_key, gpu, uuid, service columns) for an ack selector."""
@@ -502,6 +691,21 @@ def _selector(selector: str) -> tuple[str, tuple[Any, ...]]:
     if sep and kind == "service" and value:
         return "service = ?", (value,)
     return "rule = ?", (selector,)
+
+
+def _inventory_selector(selector: str) -> tuple[str, tuple[Any, ...]] | None:
+    """SQL condition over gpu_inventory for the selectors that name GPUs ("all", "gpu:UUID",
+    "GPU-...", "gpu:INDEX"); None for a rule or service selector."""
+    if selector == ALL:
+        return "1 = 1", ()
+    if selector.startswith("GPU-"):
+        selector = f"gpu:{selector}"
+    kind, sep, value = selector.partition(":")
+    if not (sep and kind == "gpu" and value):
+        return None
+    if value.isdigit():
+        return "gpu = ?", (int(value),)
+    return "uuid = ?", (value,)
 
 
 # -- opening helpers ---------------------------------------------------------------------------

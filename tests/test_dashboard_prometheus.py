@@ -391,7 +391,7 @@ class Prometheus:
         self.url = f"http://127.0.0.1:{self.port}"
         config = {
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(ALERTS)],
+            "rule_files": [str(ALERTS), str(ROOT / "packaging/prometheus/gpu-agent-recording.yaml")],
             "scrape_configs": [
                 {"job_name": "gpu-agent", "static_configs": [{"targets": [f"127.0.0.1:{target_port}"]}]}
             ],

@@ -257,8 +257,9 @@ def test_no_threshold_and_no_reasons_mean_no_events(tmp_path: Path) -> None:
 def test_uncorrected_ecc_baseline_event_and_reset(tmp_path: Path) -> None:
     node, watcher = Node(tmp_path), MemoryWatcher()
     node.sim.add_ecc_errors(0, uncorrected=2)
-    assert node.observe(watcher) == []  # errors from before the agent looked: the baseline
-    assert watcher.health(0) == HEALTHY
+    assert node.observe(watcher) == []  # errors from before the agent looked: the baseline, no event,
+    # but the GPU has had them since its last reset (an agent restart must not make it look clean)
+    assert watcher.health(0).state is HealthState.UNHEALTHY
     node.sim.add_ecc_errors(0, uncorrected=1)
     assert node.observe(watcher, slow=False) == []  # counters are slow-tier readings
     event = one_event(node, watcher, EventKind.ECC_UNCORRECTED, Severity.CRITICAL, SuggestedAction.RESET_GPU)
@@ -751,7 +752,8 @@ def test_another_board_in_a_slot_starts_from_nothing(tmp_path: Path) -> None:
     (sample,) = node.samples()
     swapped = dataclasses.replace(sample, uuid="GPU-another-board")
     assert watcher.observe([swapped], node.now) == []
-    assert watcher.health(0) == HEALTHY
+    # no event, but its own volatile count (errors since its last reset) judges its health
+    assert watcher.health(0).state is HealthState.UNHEALTHY
     node.sim.add_ecc_errors(0, uncorrected=1)
     (event,) = watcher.observe([dataclasses.replace(node.samples()[0], uuid="GPU-another-board")], node.now)
     assert event.data["new_errors"] == 1

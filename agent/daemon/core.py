@@ -33,6 +33,7 @@ from agent.daemon.timing import LoopTiming
 from agent.daemon.watchdog import Watchdog
 from agent.events import Event
 from agent.host.paths import HostPaths
+from agent.memory import NodeMemory, read_boot_id
 from agent.notify import SdNotifier
 from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
@@ -75,6 +76,8 @@ class Daemon:
         self.watchers = NodeWatchers(lambda: self.collector.identities, clock)
         self.policy = PolicyLoop(config, self.host, self.runner, self.session.note_fault)
         self.remediator = Remediator(config, self._action_context, self.watchers.xid.clear, clock)
+        # Shares the remediator's store: the memory is there as soon as the store is (start_services).
+        self.memory = NodeMemory(lambda: self.remediator.store, read_boot_id(self.host.paths), clock)
         self.publisher = Publisher(notifier or SdNotifier.from_environment())
         self.watchdog = Watchdog(
             self.publisher.notifier,
@@ -101,6 +104,7 @@ class Daemon:
         events += self.inference.on_loop(samples, events)
         self.intake.note(events)
         snapshot = self._snapshot(now, samples, time.monotonic() - started)
+        self.memory.save(self.watchers.xid, now)
         self.remediator.remediate(snapshot, events, now)
         self.publisher.publish(snapshot)
         self.watchdog.beat()
@@ -108,11 +112,12 @@ class Daemon:
 
     def _collect(self, now: float) -> tuple[list[GpuSample], list[Event]]:
         """This loop's samples, and the events the watchers and the policy loop made of them."""
+        self.memory.load(self.collector.identities, self.watchers.xid)
         wait_seconds = self.timing.step_wait(self.config.interval_seconds)
         backend = self.session.begin_loop(self.config, wait_seconds)
         if backend is None:
-            return self.collector.unavailable(now, self.session.error), []
-        samples = self.collector.collect(backend, now)
+            return self.memory.remember(self.collector.unavailable(now, self.session.error), now), []
+        samples = self.memory.remember(self.collector.collect(backend, now), now)
         events = self.watchers.observe(samples, now)
         events += self.policy.step(backend, now, wait_seconds, self.collector.identities)
         if self.session.end_loop():
@@ -167,6 +172,7 @@ class Daemon:
             recent_events=self.intake.recent,
             health=self.watchers.health(snapshot.health, self.collector.stale, self.session.error),
         )
+        self.memory.save(self.watchers.xid, self.clock())
         self.remediator.remediate(snapshot, events, self.clock())
         self.publisher.set(snapshot)
 

@@ -2,7 +2,9 @@
 
 Counters (ECC volatile and aggregate) are compared with their previous reading: the first reading
 is a baseline, never an event, and a counter that went down was cleared (the volatile ones by a GPU
-reset or reboot) and becomes the new baseline. Flags (remap pending/failed, retired pages pending,
+reset or reboot) and becomes the new baseline. A first volatile uncorrected count above zero is no
+event but keeps the GPU unhealthy: those errors happened since its last reset (an agent restart
+must not make it look clean). Flags (remap pending/failed, retired pages pending,
 recovery action) are conditions: reported when they appear, including on the first reading, and
 forgotten when they clear.
 
@@ -97,6 +99,11 @@ _FLAGS: tuple[tuple[str, EventKind, Severity, str, SuggestedAction], ...] = (
 )
 
 
+_UNCORRECTED_HEALTH = Health(
+    HealthState.UNHEALTHY, "uncorrected ECC errors since the last GPU reset", SuggestedAction.RESET_GPU
+)
+
+
 @dataclass
 class _GpuState:
     counters: dict[str, int] = field(default_factory=dict)
@@ -120,6 +127,10 @@ class MemoryWatcher:
         for sample, state in self._gpus.answering(samples):
             if self._was_reset(state, sample):
                 state.uncorrected = None
+            elif self._first_volatile_uncorrected(state, sample):
+                # A baseline, not an event, but not a clean GPU: the volatile counter says these errors
+                # happened since the last reset (before an agent restart, say), and the GPU still needs one.
+                state.uncorrected = _UNCORRECTED_HEALTH
             uncorrected = self._growth(state, sample, _UNCORRECTED_FIELDS)
             corrected = self._growth(state, sample, _CORRECTED_FIELDS)
             if uncorrected:
@@ -160,6 +171,11 @@ class MemoryWatcher:
         return value is not None and previous is not None and value < previous
 
     @staticmethod
+    def _first_volatile_uncorrected(state: _GpuState, sample: GpuSample) -> bool:
+        value = sample.ecc_uncorrected_volatile
+        return bool(value) and "ecc_uncorrected_volatile" not in state.counters
+
+    @staticmethod
     def _growth(state: _GpuState, sample: GpuSample, fields: tuple[str, str]) -> int:
         """New errors since the previous reading. Volatile and aggregate count the same errors, so the
         larger delta is the number of new ones, whichever counters this board supports."""
@@ -184,9 +200,7 @@ class MemoryWatcher:
         return {name: getattr(sample, name) for name in (*_UNCORRECTED_FIELDS, *_CORRECTED_FIELDS)}
 
     def _uncorrected(self, state: _GpuState, sample: GpuSample, new: int, now_seconds: float) -> Event:
-        state.uncorrected = Health(
-            HealthState.UNHEALTHY, "uncorrected ECC errors since the last GPU reset", SuggestedAction.RESET_GPU
-        )
+        state.uncorrected = _UNCORRECTED_HEALTH
         return sample_event(
             sample,
             EventKind.ECC_UNCORRECTED,

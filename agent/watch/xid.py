@@ -11,6 +11,9 @@ Health follows the catalog's default action for each Xid seen within ``health_wi
 reboot or reset_gpu -> UNHEALTHY, restart_service or alert -> DEGRADED, none -> HEALTHY. An Xid 154
 ("GPU recovery action changed") counts with the recovery action it names, and the latest one
 replaces earlier ones: the driver is stating the GPU's current need, not adding a fault.
+
+Counters, last-seen times and the health window outlive an agent restart: the daemon saves
+``counts()`` and ``marks()`` in the store and hands them back to ``restore`` at start (agent/memory.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 from agent.backend.base import GpuEvent, GpuEventKind, GpuIdentity
 from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
 from agent.state import XidCount
+from agent.store import XidMark
 from agent.watch import xid_catalog
 from agent.watch.kernel_log import RECOVERY_ACTION_XID, KernelXid, normalise_pci_bus_id
 
@@ -355,6 +359,39 @@ class XidWatcher:
             if worst is None or worst.action is SuggestedAction.NONE:
                 return Health.healthy()
             return Health(_ACTION_HEALTH[worst.action], worst.reason, worst.action)
+
+    def marks(self) -> list[XidMark]:
+        """The health window: what each (GPU, Xid) seen within it says, for the store."""
+        with self._lock:
+            return [
+                XidMark(gpu, xid, mark.action.value, mark.reason, mark.seen_seconds)
+                for (gpu, xid), mark in sorted(self._marks.items())
+            ]
+
+    def restore(self, counts: list[XidCount], marks: list[XidMark]) -> None:
+        """Counters and the health window as an earlier run of the agent on this boot left them.
+
+        Faults counted since this run started (the store opened late) add to the stored counts; a
+        mark seen since is newer than the stored one. A mark whose action this agent no longer knows
+        is dropped."""
+        with self._lock:
+            for count in counts:
+                key = (count.gpu, count.xid)
+                current = self._counts.get(key)
+                if current is None:
+                    self._counts[key] = _Count(count.uuid, count.count, count.last_seen_seconds)
+                else:
+                    current.count += count.count
+                    current.uuid = current.uuid or count.uuid
+                    current.last_seen_seconds = max(current.last_seen_seconds, count.last_seen_seconds)
+            for stored in marks:
+                try:
+                    action = SuggestedAction(stored.action)
+                except ValueError:
+                    continue
+                self._marks.setdefault(
+                    (stored.gpu, stored.xid), _Mark(stored.xid, action, stored.reason, stored.seen_seconds)
+                )
 
     def clear(self, gpu: int) -> None:
         """Forget a GPU's Xid health and open faults (after a successful reset); counters stay."""

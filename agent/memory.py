@@ -1,0 +1,193 @@
+"""The node's memory across agent restarts: which GPUs this boot had, and what the Xid watcher counted.
+
+A restart of the agent is not a reboot: a GPU that fell off the bus is still gone, its Xids still
+happened. So the daemon keeps, per boot (`/proc/sys/kernel/random/boot_id` under host_root), the
+GPU inventory and the Xid counters and health window in the store (agent/store.py), and reads
+them back when it starts. A reboot starts a new, empty memory.
+
+Every loop, `remember` refreshes the inventory with the GPUs that answer and adds a sample for
+each remembered GPU that is missing (not enumerated at all), `up=False` and read as lost: it stays
+in `status` and `/metrics` (gpu_agent_gpu_up 0, health unhealthy) until it answers again or an
+operator acknowledges it gone (`gpu-agent ack gpu:UUID`); then it is dropped from the samples.
+
+`expected_gpu_count(snapshot)` is the number of GPUs the node should have: the snapshot's GPUs,
+remembered missing ones included, acknowledged ones not. The publisher exports it as
+`gpu_agent_gpus_expected`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import structlog
+
+from agent.backend.base import GpuIdentity
+from agent.backend.errors import GpuErrorKind
+from agent.host.paths import HostPaths
+from agent.state import GpuSample, NodeSnapshot, XidCount
+from agent.store import RETENTION_SECONDS, InventoryGpu, Store, StoreError, XidMark
+from agent.watch.xid import XidWatcher
+
+log = structlog.get_logger("gpu-agent")
+
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+UNKNOWN_BOOT = "unknown"  # no boot id readable: one memory for every boot (a reboot is not seen)
+LAST_SEEN_EVERY_SECONDS = 60.0  # how stale an answering GPU's stored last_seen may get
+PRUNE_EVERY_SECONDS = 3600.0
+MISSING_READ_ERROR = "inventory"  # read_errors key of a remembered GPU that was not enumerated
+
+
+def read_boot_id(paths: HostPaths) -> str:
+    try:
+        return paths.read_text(BOOT_ID_PATH).strip() or UNKNOWN_BOOT
+    except OSError:
+        return UNKNOWN_BOOT
+
+
+def expected_gpu_count(snapshot: NodeSnapshot) -> int:
+    """GPUs this node should have: every GPU in the snapshot, a remembered missing one included
+    (the daemon's snapshot carries those; an acknowledged one is left out of it)."""
+    return len({sample.uuid or f"index:{sample.index}" for sample in snapshot.gpus})
+
+
+def _missing_sample(gpu: InventoryGpu, index: int, now: float) -> GpuSample:
+    return GpuSample(
+        index,
+        gpu.uuid,
+        gpu.model,
+        gpu.pci_bus_id,
+        up=False,
+        timestamp_seconds=now,
+        read_errors={MISSING_READ_ERROR: GpuErrorKind.GPU_LOST.value},
+    )
+
+
+class NodeMemory:
+    """Reads and writes the node memory for the daemon. `store` returns the open store, or None
+    while there is none (not opened yet, or unusable): then nothing is remembered and the samples
+    pass through unchanged."""
+
+    def __init__(self, store: Callable[[], Store | None], boot_id: str, clock: Callable[[], float] = time.time) -> None:
+        self._store = store
+        self.boot_id = boot_id
+        self._clock = clock
+        self._loaded = False
+        self._inventory: dict[str, InventoryGpu] = {}
+        self._saved_counts: list[XidCount] = []
+        self._saved_marks: list[XidMark] = []
+        self._last_prune_seconds = float("-inf")
+
+    def load(self, identities: dict[int, GpuIdentity], xid: XidWatcher) -> None:
+        """Once, before the first collection with a store: the remembered GPUs seed the collector's
+        identities (a GPU NVML still counts but cannot identify keeps its name), and the Xid
+        watcher gets its counters and health window back."""
+        store = self._store()
+        if store is None or self._loaded:
+            return
+        try:
+            store.start_boot(self.boot_id)
+            inventory = store.inventory(self.boot_id)
+            counts = store.xid_counts(self.boot_id)
+            marks = store.xid_marks(self.boot_id)
+        except StoreError as exc:
+            log.error("node memory unreadable: starting without it", error=str(exc))
+            return
+        self._loaded = True
+        self._inventory = {gpu.uuid: gpu for gpu in inventory}
+        for gpu in inventory:
+            if not gpu.acked and gpu.index not in identities:
+                identities[gpu.index] = GpuIdentity(gpu.index, gpu.uuid, gpu.model, gpu.pci_bus_id, "", "", -1)
+        xid.restore(counts, marks)
+        self._saved_counts, self._saved_marks = counts, marks
+        log.info(
+            "node memory loaded",
+            boot_id=self.boot_id,
+            gpus=len(inventory),
+            missing=sum(1 for gpu in inventory if not gpu.present and not gpu.acked),
+            xid_counters=len(counts),
+        )
+
+    def remember(self, samples: Sequence[GpuSample], now: float) -> list[GpuSample]:
+        """This loop's samples, with the inventory refreshed from them: remembered missing GPUs
+        added, acknowledged ones that still do not answer left out."""
+        store = self._store()
+        if store is None or not self._loaded:
+            return list(samples)
+        try:
+            stored = {gpu.uuid: gpu for gpu in store.inventory(self.boot_id)}  # `gpu-agent ack` writes it too
+        except StoreError as exc:
+            log.error("node memory unreadable", error=str(exc))
+            stored = self._inventory
+        changed: list[InventoryGpu] = []
+        kept: list[GpuSample] = []
+        for sample in samples:
+            known = stored.get(sample.uuid) if sample.uuid else None
+            if known is not None and known.acked and not sample.up:
+                continue  # acknowledged gone: NVML may still count it, the operator does not
+            if sample.uuid:
+                update = self._update(known, sample, now)
+                if update is not None:
+                    changed.append(update)
+            kept.append(sample)
+        seen = {sample.uuid for sample in samples}
+        used = {sample.index for sample in kept}
+        for gpu in stored.values():
+            if gpu.uuid in seen or gpu.acked:
+                continue
+            # Its old index, unless another GPU answers there now (NVML renumbers): then a free one.
+            index = gpu.index if gpu.index not in used else max(used, default=-1) + 1
+            used.add(index)
+            kept.append(_missing_sample(gpu, index, now))
+            if gpu.present:
+                changed.append(replace(gpu, present=False))
+        if changed:
+            try:
+                store.remember_gpus(self.boot_id, changed)
+            except StoreError as exc:
+                log.error("could not update the GPU inventory", error=str(exc))
+            else:
+                stored.update((gpu.uuid, gpu) for gpu in changed)
+        self._inventory = stored
+        return sorted(kept, key=lambda sample: sample.index)
+
+    @staticmethod
+    def _update(known: InventoryGpu | None, sample: GpuSample, now: float) -> InventoryGpu | None:
+        """The inventory row for a sampled GPU if it needs writing; None if the stored one will do."""
+        if known is None:
+            return InventoryGpu(sample.uuid, sample.pci_bus_id, sample.name, sample.index, now, now, present=sample.up)
+        fresh = replace(
+            known,
+            pci_bus_id=sample.pci_bus_id or known.pci_bus_id,
+            model=sample.name or known.model,
+            index=sample.index,
+            present=sample.up,
+            acked=known.acked and not sample.up,  # answering again: expected again
+            last_seen_seconds=now if sample.up else known.last_seen_seconds,
+        )
+        if replace(fresh, last_seen_seconds=known.last_seen_seconds) != known:
+            return fresh
+        if sample.up and now - known.last_seen_seconds >= LAST_SEEN_EVERY_SECONDS:
+            return fresh
+        return None
+
+    def save(self, xid: XidWatcher, now: float) -> None:
+        """The Xid counters and health window, when they changed; the history pruned now and then."""
+        store = self._store()
+        if store is None or not self._loaded:
+            return
+        counts = xid.counts()
+        marks = xid.marks()
+        try:
+            if counts != self._saved_counts:
+                store.save_xid_counts(self.boot_id, counts)
+                self._saved_counts = counts
+            if marks != self._saved_marks:
+                store.replace_xid_marks(self.boot_id, marks)
+                self._saved_marks = marks
+            if now - self._last_prune_seconds >= PRUNE_EVERY_SECONDS:
+                self._last_prune_seconds = now
+                store.prune(now - RETENTION_SECONDS)
+        except StoreError as exc:
+            log.error("could not save the node memory", error=str(exc))
