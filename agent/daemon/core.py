@@ -20,6 +20,7 @@ from types import FrameType
 
 import structlog
 
+from agent.attempt_clock import AttemptClock, boottime_seconds, read_boot_id
 from agent.backend.base import GpuEvent
 from agent.bounded import BoundedRunner
 from agent.config import AgentConfig, ConfigError, load_config
@@ -57,6 +58,7 @@ class Daemon:
         notifier: SdNotifier | None = None,
         timing: LoopTiming | None = None,
         clock: Callable[[], float] = time.time,
+        boottime: Callable[[], float] = boottime_seconds,
     ) -> None:
         self.config = config
         self.config_path = config_path
@@ -73,7 +75,14 @@ class Daemon:
         self.collector = GpuCollector(self.runner, self.timing, clock, self.session.note_fault)
         self.watchers = NodeWatchers(lambda: self.collector.identities, clock)
         self.policy = PolicyLoop(config, self.host, self.runner, self.session.note_fault)
-        self.remediator = Remediator(config, self._action_context, self.watchers.xid.clear, clock)
+        self.remediator = Remediator(
+            config,
+            self._action_context,
+            self.watchers.xid.clear,
+            clock,
+            AttemptClock(read_boot_id(self.host.paths), boottime),
+            lambda current: build_managers(current, self.host),
+        )
         self.publisher = Publisher(notifier or SdNotifier.from_environment())
         self.watchdog = Watchdog(
             self.publisher.notifier,
