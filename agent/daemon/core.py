@@ -20,11 +20,13 @@ from types import FrameType
 
 import structlog
 
+from agent import known_good
 from agent.attempt_clock import AttemptClock, boottime_seconds, read_boot_id
 from agent.backend.base import GpuEvent
 from agent.bounded import BoundedRunner
 from agent.config import AgentConfig, ConfigError, load_config
 from agent.daemon.collector import GpuCollector
+from agent.daemon.drift import FAN_CURVE
 from agent.daemon.intake import EventIntake
 from agent.daemon.policy_loop import PolicyLoop
 from agent.daemon.publisher import Publisher, status_line
@@ -37,6 +39,7 @@ from agent.host.paths import HostPaths
 from agent.notify import SdNotifier
 from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
+from agent.policy.registry import RESTORABLE_NAMES
 from agent.rules.actions import ActionContext, AlertTracker
 from agent.rules.config import Rule
 from agent.services import HealthProber, ProberThread, build_managers
@@ -212,9 +215,14 @@ class Daemon:
             return False
         new, rules = loaded
         old_services = self.config.services
+        # While the running config's write guard still allows it: fans it drove and `new` does not go
+        # back to automatic, or nothing would ever follow their curve again.
+        self.policy.hand_back_fans(new)
+        old_items = self.config.writable_items()
         self.config = new
         # Before anything else runs under the new config: in observe mode no setter may reach the GPU.
         self.session.set_writable(new.writable_items())
+        self._record_known_good(old_items)
         self.remediator.reconfigure(new, rules)
         self.policy.reconfigure(new)
         if new.services != old_services:
@@ -240,6 +248,14 @@ class Daemon:
             log.error("config reload: backend and host_root changes need a restart; keeping the running config")
             return None
         return new, rules
+
+    def _record_known_good(self, changed_before: frozenset[str] = frozenset()) -> None:
+        """For `gpu-agent restore` without a valid config: this backend and the items the agent may
+        have changed and not handed back (fans are handed back on a reload that stops driving them)."""
+        items = (changed_before | self.config.writable_items()) & RESTORABLE_NAMES
+        if FAN_CURVE not in self.config.writable_items():
+            items -= {FAN_CURVE}
+        known_good.record(self.config, items)
 
     def _restart_prober(self, config: AgentConfig) -> None:
         if self.prober_thread is not None:
@@ -269,6 +285,7 @@ class Daemon:
     def start_services(self) -> None:
         stale_after = self.timing.stall_seconds(self.config.interval_seconds)
         self._closers.extend(self.publisher.serve(self.config, stale_after))
+        self._record_known_good()
         self.kmsg.start()
         self._closers.append(self.kmsg.stop)
         self.remediator.start()
