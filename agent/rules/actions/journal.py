@@ -1,14 +1,17 @@
 """The steps actions journal as they complete, named so recovery can read back what was left undone.
 
-A step is "<verb> <name>": `stopped sglang`, `restarting sglang`, `started sglang`, `reset GPU 0`.
-A service with a `stopped`/`restarting` step and no later `started`/`restarted` one may be down:
-at start, recovery starts it again (agent.daemon.action_worker).
+A step is "<verb> <name>": `stopping sglang`, `stopped sglang`, `restarting sglang`, `started
+sglang`, `reset GPU 0`. Taking a service down is journaled before it is asked (`stopping`,
+`restarting`): an agent killed while the stop command runs has still said so. A service with such a
+step and no later `started`/`restarted` one may be down: at start, recovery starts it again
+(agent.daemon.action_worker).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+STOPPING = "stopping"
 STOPPED = "stopped"
 RESTARTING = "restarting"
 STARTED = "started"
@@ -16,7 +19,7 @@ RESTARTED = "restarted"
 GPU_RESET = "reset GPU"
 POLICY_APPLIED = "policy re-applied"
 
-_DOWN = (STOPPED, RESTARTING)
+_DOWN = (STOPPING, STOPPED, RESTARTING)
 _UP = (STARTED, RESTARTED)
 
 

@@ -20,7 +20,7 @@ from agent.events import EventKind
 from agent.policy.base import Outcome as ItemOutcome
 from agent.rules.actions.base import Result, failed, gpu_of, refused, uuid_of, xid_of
 from agent.rules.actions.context import ActionContext
-from agent.rules.actions.journal import GPU_RESET, POLICY_APPLIED, STOPPED, step
+from agent.rules.actions.journal import GPU_RESET, POLICY_APPLIED, STOPPED, STOPPING, step
 from agent.rules.actions.service_actions import managers_for, ready_timeout, services_for_gpu, start_again
 from agent.rules.model import Decision, Outcome
 from agent.rules.params import ResetGpuParams
@@ -103,6 +103,7 @@ def reset_gpu(decision: Decision, params: ResetGpuParams, ctx: ActionContext) ->
         if ctx.prober is not None:
             budget = ctx.drain_timeout_seconds + 2 * service.command_timeout_seconds + ready_timeout(service, None)
             ctx.prober.expect_down(service.name, budget)
+        ctx.journal(step(STOPPING, service.name))
         try:
             managers[service.name].stop(service)
         except ServiceError as exc:
