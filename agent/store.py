@@ -455,8 +455,8 @@ class Store:
     # killed mid-action leaves a "running" row that counts as an attempt and says what to roll back.
 
     def begin_remediation(self, decision: Decision, reading: ClockReading) -> int:
-        """Journal `decision`'s action as started (outcome running, counted) and mark its event handled,
-        in one transaction: an event is handled exactly when its action is on record. The row id."""
+        """Journal `decision`'s action as started (outcome running; counted when a ladder step) and mark its
+        event handled, in one transaction: an event is handled exactly when its action is on record. The row id."""
         action = decision.action.kind.value if decision.action is not None else "none"
         params = _without_secrets(decision.action.params) if decision.action is not None else {}
         target = decision.target
@@ -464,7 +464,7 @@ class Store:
             cursor = db.execute(
                 "INSERT INTO remediations (ts, finished, rule, action, params, target_key, gpu, uuid, service,"
                 " event_key, attempt, step, outcome, reason, detail, dry_run, counted, boot_id, boottime)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, '', 0, 1, ?, ?)",
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, '', 0, ?, ?, ?)",
                 (
                     reading.wall_seconds,
                     reading.wall_seconds,
@@ -480,6 +480,7 @@ class Store:
                     decision.step,
                     Outcome.RUNNING.value,
                     decision.reason,
+                    int(decision.step >= 0),  # a ladder step: an attempt; the on_exhausted step (-1) is not
                     reading.boot_id,
                     reading.boottime_seconds,
                 ),
