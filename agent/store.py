@@ -6,14 +6,22 @@ It is what makes storm protection survive a restart: `Store` implements the engi
 `max_attempts`, and an event already handled is never handled again (`record_event` says no).
 
 What counts as an attempt (`attempts`, `last_attempt`): a recorded ladder decision (step >= 0)
-whose outcome is SUCCESS, FAILED, REFUSED or DRY_RUN. REFUSED counts because the agent did try
-(observe mode, a process holding the GPU): the ladder must still move on to its alerting steps,
+whose outcome is SUCCESS, FAILED, REFUSED, DRY_RUN, RUNNING or INTERRUPTED (an action counts from
+the moment it started). REFUSED counts because the agent did try (observe mode, a process holding
+the GPU): the ladder must still move on to its alerting steps,
 and a refusal repeated on every fault is itself a storm. DRY_RUN counts so a dry run shows what
 escalation and circuits would do. SUPPRESSED never counts.
 
-`record_outcome` also stores the decision's event and marks it handled (so a fault the engine
-synthesized from the snapshot is one fault), and opens the rule's circuit for the target when the
-decision has step -1 (the engine's "attempts exhausted" decision). `ack` closes circuits and
+The remediation journal: an action that runs is written down before it starts
+(`begin_remediation`: outcome RUNNING, counted, its event marked handled, in one transaction), each of
+its steps as it completes (`journal_step`), and its end (`finish_remediation`); a row still RUNNING at
+start is what an earlier run left half-done (`running_remediations`, closed by `close_interrupted`).
+Each attempt keeps the boot id and CLOCK_BOOTTIME beside the wall time (agent.attempt_clock).
+
+`record_outcome` (decisions that run nothing: suppressed, dry runs) also stores the decision's event
+and marks it handled (so a fault the engine synthesized from the snapshot is one fault), and opens
+the rule's circuit for the target when the decision has step -1 (the engine's "attempts exhausted"
+decision). `ack` closes circuits and
 retires attempts from the counters; their rows stay in the history.
 
 One connection, shared by the threads of the process behind a lock; other processes (the CLI's
