@@ -519,11 +519,14 @@ class Store:
         """A journaled action ended: its outcome, detail and end time replace "running"."""
         self._close_journal_entry(row_id, outcome.outcome, outcome.detail, outcome.finished_seconds)
 
-    def close_interrupted(self, row_id: int, detail: str, finished_seconds: float) -> None:
-        """A journaled action an earlier run left unfinished, rolled back or finished by recovery."""
-        self._close_journal_entry(row_id, Outcome.INTERRUPTED, detail, finished_seconds)
+    def close_interrupted(self, row_id: int, detail: str, finished_seconds: float, started: bool = True) -> None:
+        """A journaled action an earlier run left unfinished, rolled back or finished by recovery; or one
+        still queued when the agent stopped (`started` False: it never ran, so it is no attempt)."""
+        self._close_journal_entry(row_id, Outcome.INTERRUPTED, detail, finished_seconds, counted=started)
 
-    def _close_journal_entry(self, row_id: int, outcome: Outcome, detail: str, finished_seconds: float) -> None:
+    def _close_journal_entry(
+        self, row_id: int, outcome: Outcome, detail: str, finished_seconds: float, counted: bool = True
+    ) -> None:
         with self._transaction() as db:
             row = db.execute(
                 "SELECT rule, action FROM remediations WHERE id = ? AND outcome = ?", (row_id, Outcome.RUNNING.value)
@@ -531,8 +534,8 @@ class Store:
             if row is None:
                 return  # closed already (recovery and a late worker must not both count it)
             db.execute(
-                "UPDATE remediations SET outcome = ?, detail = ?, finished = ? WHERE id = ?",
-                (outcome.value, detail, finished_seconds, row_id),
+                "UPDATE remediations SET outcome = ?, detail = ?, finished = ?, counted = counted AND ? WHERE id = ?",
+                (outcome.value, detail, finished_seconds, int(counted), row_id),
             )
             db.execute(
                 "INSERT INTO remediation_totals (rule, action, outcome, count) VALUES (?, ?, ?, 1)"

@@ -124,6 +124,7 @@ def test_a_queued_action_not_yet_started_at_stop_is_closed_not_run(tmp_path: Pat
     assert not ran.is_set()
     (row,) = store.remediations()
     assert row.outcome is Outcome.INTERRUPTED and "not started" in row.detail
+    assert not row.counted, "an action that never ran is no attempt"
 
 
 # -- the attempt clock ------------------------------------------------------------------------------

@@ -116,7 +116,7 @@ class ActionWorker:
             if isinstance(job, _Recovery):
                 self._recover(job.entries)
             elif self.cancel.is_set():
-                self._close(job.row_id, "not started: the agent was stopping")
+                self._close(job.row_id, "not started: the agent was stopping", started=False)
             else:
                 self._run_job(job)
 
@@ -171,12 +171,12 @@ class ActionWorker:
         except StoreError as exc:  # the action goes on: stopping half-way would be worse than an unjournaled step
             log.error("could not journal an action step", error=str(exc), step=step)
 
-    def _close(self, row_id: int, detail: str) -> None:
+    def _close(self, row_id: int, detail: str, started: bool = True) -> None:
         store = self.store()
         if store is None:
             return
         try:
-            store.close_interrupted(row_id, detail, self.clock())
+            store.close_interrupted(row_id, detail, self.clock(), started)
         except StoreError as exc:
             log.error("could not close an interrupted action", error=str(exc))
 
