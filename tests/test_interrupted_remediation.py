@@ -227,3 +227,29 @@ def test_kill_9_while_a_reset_drains_is_rolled_back_by_the_next_start(tmp_path: 
         assert "last step: stopped sglang" in str(reset["detail"])
     finally:
         service.stop()
+
+
+def test_sigterm_mid_restart_lets_the_restart_finish_within_the_stop_bound(tmp_path: Path) -> None:
+    service = Service(tmp_path, stop_sleep_seconds=3)
+    service.start()
+    rules = write_rules(tmp_path, RESTART_RULE)
+    try:
+        with running_agent(tmp_path, rules_dir=rules, policy=POLICY + service.config()) as agent:
+            agent.notifications.wait_for("READY", "1")
+            wait_until(lambda: service_up(agent), 20, "the service up")
+            os.kill(service.pid(), signal.SIGUSR1)
+            wait_until(lambda: "stopped" in service.calls(), 20, "the restart under way")
+            asked = time.monotonic()
+            agent.signal(signal.SIGTERM)  # while the stop command lingers
+            assert agent.process.wait(timeout=30) == 0
+            assert time.monotonic() - asked < 25
+        assert service.calls() == ["stop", "stopped", "start"], service.calls()
+        assert service.running()
+        (restart,) = [r for r in remediations(tmp_path) if r["rule"] == "restart-unhealthy"]
+        assert restart["outcome"] == "success", restart
+        with running_agent(tmp_path, rules_dir=rules, policy=POLICY + service.config()) as agent:
+            agent.notifications.wait_for("READY", "1")
+            wait_until(lambda: service_up(agent), 20, "the restarted service healthy")
+        assert service.calls() == ["stop", "stopped", "start"], "nothing left to roll back, nothing restarted twice"
+    finally:
+        service.stop()
