@@ -212,7 +212,12 @@ def test_kill_9_while_a_reset_drains_is_rolled_back_by_the_next_start(tmp_path: 
             wait_until(lambda: service_up(agent), 20, "the service up")
             inject_xid_48(agent)
             wait_until(lambda: "stopped" in service.calls(), 20, "the reset's services stopped")
-            time.sleep(1.0)  # now waiting for GPU 0 to drain
+
+            def journaled_stopped() -> bool:
+                rows = [r for r in remediations(tmp_path) if r["rule"] == "reset-on-xid-48"]
+                return bool(rows) and "stopped sglang" in str(rows[0]["detail"])
+
+            wait_until(journaled_stopped, 20, "the stop journaled")  # now waiting for GPU 0 to drain
             agent.process.kill()
             agent.process.wait(timeout=10)
         assert not service.running(), "nothing ran in the killed agent: the service is still stopped"
