@@ -146,8 +146,11 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
     config = load(args)
     engine = make_engine(config)
+    handed_back: list[str] = []
     try:
         report = engine.apply(dry_run=args.dry_run)
+        if not args.dry_run:
+            handed_back = _hand_back_fans_without_daemon(config, engine)
     finally:
         engine.backend.shutdown()
     if args.json:
@@ -157,18 +160,59 @@ def cmd_apply(args: argparse.Namespace) -> int:
         skipped = [r for r in report.results if r.outcome.value == "skipped" and r.plan.status.value == "drift"]
         if skipped and not args.dry_run:
             _print(f"\n{len(skipped)} drifting item(s) left unchanged: observe mode (set `mode: enforce` to apply)")
+    if handed_back:
+        print(
+            f"note: no gpu-agent daemon answers on {config.api.socket} to follow the fan curve, so the fans"
+            f" went back to automatic control ({'; '.join(handed_back)})",
+            file=sys.stderr,
+        )
     return report.exit_code
 
 
+def _hand_back_fans_without_daemon(config: AgentConfig, engine: PolicyEngine) -> list[str]:
+    """A one-shot apply sets fans to the curve's speed of this moment; only a daemon re-evaluates the
+    curve as the GPU heats up. Without one answering on the socket (it runs this same config), fans
+    go back to automatic control instead of staying at a fixed speed. What was done, per GPU."""
+    from agent import api
+    from agent.policy import fan_curve
+
+    if "fan_curve" not in config.writable_items():
+        return []
+    try:
+        api.call(config.api.socket, "ping", timeout_seconds=2.0)
+    except (OSError, ValueError, api.ApiError):
+        pass  # nobody answers: nothing follows the curve
+    else:
+        return []
+    done: list[str] = []
+    for gpu, ctx in sorted(engine.state.contexts.items()):
+        result = fan_curve.restore(ctx)
+        if result.outcome.value in ("applied", "failed"):
+            done.append(f"GPU {gpu}: {result.detail}")
+    return done
+
+
 def cmd_restore(args: argparse.Namespace) -> int:
-    from agent import render
+    """What ExecStopPost runs after every stop: hands back what the agent may have changed. A config
+    that no longer validates does not stop it: it then restores fans and locked clocks on every GPU
+    through the backend the daemon last ran with (agent.known_good), or NVML."""
+    from agent import known_good, render
     from agent.policy.registry import RESTORABLE_NAMES
 
-    config = load(args)
-    if not config.writable_items() & RESTORABLE_NAMES:
-        note = "observe mode: gpu-agent changed nothing, so there is nothing to restore"
-        _print(textview.dumps({"results": [], "note": note}) if args.json else note)
-        return EXIT_OK
+    try:
+        config = load(args)
+    except (ConfigError, RecursionError, MemoryError, UnicodeDecodeError) as exc:
+        config, source = known_good.fallback_config(_config_path(args)[0])
+        reason = "; ".join(str(p) for p in exc.problems) if isinstance(exc, ConfigError) else type(exc).__name__
+        print(f"note: the config is not valid ({reason[:300]}); restoring with {source}", file=sys.stderr)
+    else:
+        # The daemon may have changed items this config no longer lets it change (kill -9, then an edit).
+        items = (config.writable_items() & RESTORABLE_NAMES) | known_good.recorded_items(config.state_dir)
+        if not items:
+            note = "observe mode: gpu-agent changed nothing, so there is nothing to restore"
+            _print(textview.dumps({"results": [], "note": note}) if args.json else note)
+            return EXIT_OK
+        config = known_good.restore_config(config, items)
     engine = make_engine(config)
     try:
         results = engine.restore()

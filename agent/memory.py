@@ -25,6 +25,7 @@ import structlog
 
 from agent.backend.base import GpuIdentity
 from agent.backend.errors import GpuErrorKind
+from agent.host.paths import BOOT_ID_PATH as BOOT_ID_PATH
 from agent.host.paths import HostPaths
 from agent.state import GpuSample, NodeSnapshot, XidCount
 from agent.store import RETENTION_SECONDS, InventoryGpu, Store, StoreError, XidMark
@@ -32,7 +33,6 @@ from agent.watch.xid import XidWatcher
 
 log = structlog.get_logger("gpu-agent")
 
-BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 UNKNOWN_BOOT = "unknown"  # no boot id readable: one memory for every boot (a reboot is not seen)
 LAST_SEEN_EVERY_SECONDS = 60.0  # how stale an answering GPU's stored last_seen may get
 PRUNE_EVERY_SECONDS = 3600.0
@@ -40,10 +40,8 @@ MISSING_READ_ERROR = "inventory"  # read_errors key of a remembered GPU that was
 
 
 def read_boot_id(paths: HostPaths) -> str:
-    try:
-        return paths.read_text(BOOT_ID_PATH).strip() or UNKNOWN_BOOT
-    except OSError:
-        return UNKNOWN_BOOT
+    """The boot this memory belongs to; UNKNOWN_BOOT where no boot id can be read."""
+    return paths.boot_id() or UNKNOWN_BOOT
 
 
 def expected_gpu_count(snapshot: NodeSnapshot) -> int:

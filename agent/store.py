@@ -6,14 +6,22 @@ It is what makes storm protection survive a restart: `Store` implements the engi
 `max_attempts`, and an event already handled is never handled again (`record_event` says no).
 
 What counts as an attempt (`attempts`, `last_attempt`): a recorded ladder decision (step >= 0)
-whose outcome is SUCCESS, FAILED, REFUSED or DRY_RUN. REFUSED counts because the agent did try
-(observe mode, a process holding the GPU): the ladder must still move on to its alerting steps,
+whose outcome is SUCCESS, FAILED, REFUSED, DRY_RUN, RUNNING or INTERRUPTED (an action counts from
+the moment it started). REFUSED counts because the agent did try (observe mode, a process holding
+the GPU): the ladder must still move on to its alerting steps,
 and a refusal repeated on every fault is itself a storm. DRY_RUN counts so a dry run shows what
 escalation and circuits would do. SUPPRESSED never counts.
 
-`record_outcome` also stores the decision's event and marks it handled (so a fault the engine
-synthesized from the snapshot is one fault), and opens the rule's circuit for the target when the
-decision has step -1 (the engine's "attempts exhausted" decision). `ack` closes circuits and
+The remediation journal: an action that runs is written down before it starts
+(`begin_remediation`: outcome RUNNING, counted, its event marked handled, in one transaction), each of
+its steps as it completes (`journal_step`), and its end (`finish_remediation`); a row still RUNNING at
+start is what an earlier run left half-done (`running_remediations`, closed by `close_interrupted`).
+Each attempt keeps the boot id and CLOCK_BOOTTIME beside the wall time (agent.attempt_clock).
+
+`record_outcome` (decisions that run nothing: suppressed, dry runs) also stores the decision's event
+and marks it handled (so a fault the engine synthesized from the snapshot is one fault), and opens
+the rule's circuit for the target when the decision has step -1 (the engine's "attempts exhausted"
+decision). `ack` closes circuits and
 retires attempts from the counters; their rows stay in the history.
 
 One connection, shared by the threads of the process behind a lock; other processes (the CLI's
@@ -49,8 +57,9 @@ from typing import Any
 
 import structlog
 
+from agent.attempt_clock import ClockReading
 from agent.events import Event, event_from_json, event_json
-from agent.rules.model import ActionOutcome, Outcome, Target
+from agent.rules.model import ActionOutcome, Decision, Outcome, Target
 from agent.state import RemediationCount, XidCount
 
 log = structlog.get_logger("gpu-agent")
@@ -59,7 +68,9 @@ DB_NAME = "gpu-agent.db"
 RETENTION_SECONDS = 30 * 24 * 3600.0
 BUSY_TIMEOUT_SECONDS = 5.0
 EXHAUSTED_STEP = -1  # agent.rules.engine.EXHAUSTED_STEP (not imported: the store must not need the rules)
-COUNTED_OUTCOMES = frozenset({Outcome.SUCCESS, Outcome.FAILED, Outcome.REFUSED, Outcome.DRY_RUN})
+COUNTED_OUTCOMES = frozenset(
+    {Outcome.SUCCESS, Outcome.FAILED, Outcome.REFUSED, Outcome.DRY_RUN, Outcome.RUNNING, Outcome.INTERRUPTED}
+)
 ALL = "all"
 
 #: Schema migrations: MIGRATIONS[n] takes a database from user_version n to n + 1. Append only.
@@ -162,6 +173,15 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             PRIMARY KEY (boot_id, gpu, xid)
         )""",
     ),
+    # The remediation journal: a row is written (outcome "running") before an action starts, its
+    # steps are appended as they complete, and the clock readings let cooldowns survive restarts
+    # and wall-clock steps (agent.attempt_clock).
+    (
+        "ALTER TABLE remediations ADD COLUMN steps TEXT NOT NULL DEFAULT '[]'",
+        "ALTER TABLE remediations ADD COLUMN boot_id TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE remediations ADD COLUMN boottime REAL",
+        "CREATE INDEX remediations_running ON remediations (outcome) WHERE outcome = 'running'",
+    ),
 )
 
 
@@ -195,6 +215,21 @@ class StoredRemediation:
     dry_run: bool
     counted: bool  # an attempt for storm protection
     acked: bool  # retired from the counters by `gpu-agent ack`
+    steps: tuple[str, ...] = ()  # the journal: the steps of the action as they completed
+
+
+@dataclass(frozen=True)
+class JournalEntry:
+    """A journaled action that has not finished (outcome "running"): what recovery needs."""
+
+    row_id: int
+    started_seconds: float
+    rule: str
+    action: str
+    target_key: str
+    gpu: int | None
+    service: str | None
+    steps: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -411,8 +446,9 @@ class Store:
 
     # -- remediations -------------------------------------------------------------------------
 
-    def record_outcome(self, outcome: ActionOutcome) -> None:
-        """Record what came of a decision (see the module docstring for what it counts and opens)."""
+    def record_outcome(self, outcome: ActionOutcome, reading: ClockReading | None = None) -> None:
+        """Record what came of a decision (see the module docstring for what it counts and opens).
+        `reading`: the clock when it was decided (without one, only the wall time relates it to later)."""
         decision = outcome.decision
         action = decision.action.kind.value if decision.action is not None else "none"
         params = _without_secrets(decision.action.params) if decision.action is not None else {}
@@ -422,8 +458,8 @@ class Store:
         with self._transaction() as db:
             db.execute(
                 "INSERT INTO remediations (ts, finished, rule, action, params, target_key, gpu, uuid, service,"
-                " event_key, attempt, step, outcome, reason, detail, dry_run, counted)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " event_key, attempt, step, outcome, reason, detail, dry_run, counted, boot_id, boottime)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     outcome.started_seconds,
                     outcome.finished_seconds,
@@ -442,6 +478,8 @@ class Store:
                     outcome.detail,
                     int(decision.dry_run),
                     int(counted),
+                    reading.boot_id if reading is not None else "",
+                    reading.boottime_seconds if reading is not None else None,
                 ),
             )
             db.execute(
@@ -462,7 +500,7 @@ class Store:
         """The newest `limit` remediations started at or after `since_seconds`, oldest first."""
         rows = self._query(
             "SELECT ts, finished, rule, action, params, target_key, gpu, uuid, service, event_key, attempt, step,"
-            " outcome, reason, detail, dry_run, counted, acked"
+            " outcome, reason, detail, dry_run, counted, acked, steps"
             " FROM remediations WHERE ts >= ? ORDER BY ts DESC, id DESC LIMIT ?",
             (since_seconds, limit),
         )
@@ -486,6 +524,7 @@ class Store:
                 dry_run=bool(row[15]),
                 counted=bool(row[16]),
                 acked=bool(row[17]),
+                steps=tuple(json.loads(row[18])),
             )
             for row in rows
         ]
@@ -579,6 +618,113 @@ class Store:
                 "INSERT INTO xid_marks (boot_id, gpu, xid, action, reason, seen) VALUES (?, ?, ?, ?, ?, ?)",
                 [(boot_id, m.gpu, m.xid, m.action, m.reason, m.seen_seconds) for m in marks],
             )
+
+    # -- the remediation journal ----------------------------------------------------------------
+    # An action is written down before it starts and each of its steps as it completes, so an agent
+    # killed mid-action leaves a "running" row that counts as an attempt and says what to roll back.
+
+    def begin_remediation(self, decision: Decision, reading: ClockReading) -> int:
+        """Journal `decision`'s action as started (outcome running; counted when a ladder step) and mark its
+        event handled, in one transaction: an event is handled exactly when its action is on record. The row id."""
+        action = decision.action.kind.value if decision.action is not None else "none"
+        params = _without_secrets(decision.action.params) if decision.action is not None else {}
+        target = decision.target
+        with self._transaction() as db:
+            cursor = db.execute(
+                "INSERT INTO remediations (ts, finished, rule, action, params, target_key, gpu, uuid, service,"
+                " event_key, attempt, step, outcome, reason, detail, dry_run, counted, boot_id, boottime)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, '', 0, ?, ?, ?)",
+                (
+                    reading.wall_seconds,
+                    reading.wall_seconds,
+                    decision.rule,
+                    action,
+                    _dumps(params),
+                    target.key,
+                    target.gpu,
+                    target.uuid,
+                    target.service,
+                    decision.event.key,
+                    decision.attempt,
+                    decision.step,
+                    Outcome.RUNNING.value,
+                    decision.reason,
+                    int(decision.step >= 0),  # a ladder step: an attempt; the on_exhausted step (-1) is not
+                    reading.boot_id,
+                    reading.boottime_seconds,
+                ),
+            )
+            db.execute(
+                "INSERT INTO events (key, kind, severity, gpu, uuid, message, source, suggested_action, data, ts,"
+                " handled) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1)"
+                " ON CONFLICT (key) DO UPDATE SET handled = 1",
+                _event_row(decision.event),
+            )
+            row_id = cursor.lastrowid
+        if row_id is None:  # pragma: no cover - sqlite always sets it after an INSERT
+            raise StoreError(f"{self.path}: no row id for the journaled action")
+        return row_id
+
+    def journal_step(self, row_id: int, step: str) -> None:
+        """Append a completed step to a journaled action (its detail shows the steps so far)."""
+        with self._transaction() as db:
+            row = db.execute("SELECT steps FROM remediations WHERE id = ?", (row_id,)).fetchone()
+            if row is None:
+                return
+            steps = [*json.loads(row[0]), step]
+            db.execute(
+                "UPDATE remediations SET steps = ?, detail = ? WHERE id = ?", (_dumps(steps), "; ".join(steps), row_id)
+            )
+
+    def finish_remediation(self, row_id: int, outcome: ActionOutcome) -> None:
+        """A journaled action ended: its outcome, detail and end time replace "running"."""
+        self._close_journal_entry(row_id, outcome.outcome, outcome.detail, outcome.finished_seconds)
+
+    def close_interrupted(self, row_id: int, detail: str, finished_seconds: float, started: bool = True) -> None:
+        """A journaled action an earlier run left unfinished, rolled back or finished by recovery; or one
+        still queued when the agent stopped (`started` False: it never ran, so it is no attempt)."""
+        self._close_journal_entry(row_id, Outcome.INTERRUPTED, detail, finished_seconds, counted=started)
+
+    def _close_journal_entry(
+        self, row_id: int, outcome: Outcome, detail: str, finished_seconds: float, counted: bool = True
+    ) -> None:
+        with self._transaction() as db:
+            row = db.execute(
+                "SELECT rule, action FROM remediations WHERE id = ? AND outcome = ?", (row_id, Outcome.RUNNING.value)
+            ).fetchone()
+            if row is None:
+                return  # closed already (recovery and a late worker must not both count it)
+            db.execute(
+                "UPDATE remediations SET outcome = ?, detail = ?, finished = ?, counted = counted AND ? WHERE id = ?",
+                (outcome.value, detail, finished_seconds, int(counted), row_id),
+            )
+            db.execute(
+                "INSERT INTO remediation_totals (rule, action, outcome, count) VALUES (?, ?, ?, 1)"
+                " ON CONFLICT (rule, action, outcome) DO UPDATE SET count = count + 1",
+                (row[0], row[1], outcome.value),
+            )
+
+    def running_remediations(self) -> list[JournalEntry]:
+        """Journaled actions not finished: at start, what an earlier run left half-done."""
+        rows = self._query(
+            "SELECT id, ts, rule, action, target_key, gpu, service, steps FROM remediations"
+            " WHERE outcome = ? ORDER BY id",
+            (Outcome.RUNNING.value,),
+        )
+        return [
+            JournalEntry(row_id, started, rule, action, target_key, gpu, service, tuple(json.loads(steps)))
+            for row_id, started, rule, action, target_key, gpu, service, steps in rows
+        ]
+
+    def attempt_readings(self, rule: str, target_key: str) -> list[ClockReading]:
+        """The clock readings of `rule`'s counted, unacknowledged attempts on the target (started ones
+        included), for agent.attempt_clock to measure cooldowns and windows with."""
+        rows = self._query(
+            "SELECT ts, boot_id, boottime FROM remediations WHERE rule = ? AND target_key = ? AND counted = 1"
+            " AND acked = 0 ORDER BY ts",
+            (rule, target_key),
+        )
+        return [ClockReading(wall, boot_id, boottime) for wall, boot_id, boottime in rows]
 
     # -- AttemptHistory -----------------------------------------------------------------------
 

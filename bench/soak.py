@@ -2,19 +2,22 @@
 
 The daemon runs in process (`Daemon.loop_once`) on a fake wall clock that moves one interval (5 s) per
 loop, with its event store, the shipped rules, the action worker and the kernel-log reader running for
-real, in enforce mode, so every remediation path (service restarts that find no service, GPU resets,
-reboot recommendations, alerts that find no Alertmanager) runs again and again. Each loop draws faults
-from a seeded random stream: Xids through NVML and the kernel log, ECC events, GPUs that fall off the bus
-and come back, resets required, thermal slowdowns, PCIe links that train down, an operator's policy drift,
-NVML calls that fail or hang, and short driver outages.
+real, in enforce mode, so every remediation path (service restarts of a `manager: command` service,
+GPU resets, hooks, reboot recommendations, alerts that find no Alertmanager) runs again and again, and
+the daemon itself is stopped and started again every `restart_every_loops` (its memory is the store).
+Each loop draws faults from a seeded random stream: Xids through NVML and the kernel log, ECC events,
+GPUs that fall off the bus and come back, resets required, thermal slowdowns, PCIe links that train
+down, an operator's policy drift, NVML calls that fail or hang, and short driver outages.
 
 Reported (and, for the short CI version in tests/test_soak_short.py, asserted):
 - exceptions: anything raised out of the loop or in any thread (must be none);
 - memory: Python heap (tracemalloc) and RSS sampled along the run; the slope over the second half
   (after warm-up) in KiB per simulated hour, which a leak makes grow with the run;
 - events lost: every event the watchers produced (as keyed for the store) that is not in the store;
-- remediation limits: the most counted attempts of any (rule, target) within one rule window
-  against its max_attempts, and the shortest gap between two attempts against its cooldown.
+- remediation limits, judged from what really ran, not from the store the agent writes: the soak's
+  hook rule (`soak-hook`, cooldown 300 s, max 3 per hour) logs every run with the simulated time and
+  the GPU; the most runs on one GPU within one window against max_attempts, and the shortest gap
+  between two runs against the cooldown. The service's start/stop commands log every restart.
 
 Usage: python3 -m bench.soak [--hours 2] [--seed 1] [--profile h200x8] [--out FILE.json]
 """
@@ -54,6 +57,12 @@ from agent.watch.fake_kernel_log import append_kmsg, xid_line
 from agent.watch.nvml_events import NvmlEventSource
 
 INTERVAL_SECONDS = 5.0
+HOOK_RULE = "soak-hook"
+HOOK_COOLDOWN_SECONDS = 300.0
+HOOK_MAX_ATTEMPTS = 3
+HOOK_WINDOW_SECONDS = 3600.0
+#: A hook runs on the worker a loop or two after its decision; gaps are measured between runs.
+HOOK_LATENESS_SECONDS = 3 * INTERVAL_SECONDS
 XIDS = (13, 31, 43, 45, 48, 63, 64, 74, 79, 92, 94, 95, 119, 154)
 FAULT_CALLS = ("temperature_celsius", "power_usage_watts", "memory_info", "ecc_errors", "pcie_link", "identity")
 FAULT_KINDS = (
@@ -91,6 +100,9 @@ class SoakResult:
     attempts_over_limit: list[str] = field(default_factory=list)
     max_attempts_in_window: dict[str, tuple[int, int]] = field(default_factory=dict)  # rule -> (seen, limit)
     cooldown_violations: list[str] = field(default_factory=list)
+    hook_runs: int = 0
+    service_restarts: int = 0
+    daemon_restarts: int = 0
     heap_kib: list[tuple[float, float]] = field(default_factory=list)  # (simulated hours, KiB)
     rss_kib: list[tuple[float, float]] = field(default_factory=list)
     loop_seconds: list[float] = field(default_factory=list)
@@ -125,6 +137,9 @@ class SoakResult:
                 k: {"seen": s, "limit": lim} for k, (s, lim) in self.max_attempts_in_window.items()
             },
             "attempts_over_limit": self.attempts_over_limit,
+            "hook_runs": self.hook_runs,
+            "service_restarts": self.service_restarts,
+            "daemon_restarts": self.daemon_restarts,
             "cooldown_violations": self.cooldown_violations,
             "heap_kib_start": self.heap_kib[0][1] if self.heap_kib else None,
             "heap_kib_end": self.heap_kib[-1][1] if self.heap_kib else None,
@@ -164,7 +179,29 @@ def _thread_exceptions(into: list[str]) -> Iterator[None]:
         threading.excepthook = previous
 
 
-def _node(directory: Path, profile: str) -> tuple[AgentConfig, Path]:
+@dataclass(frozen=True)
+class _Node:
+    config: AgentConfig
+    rules_dir: Path
+    clock_file: Path  # the simulated time, for the hook and the service commands to log
+    hook_log: Path
+    service_log: Path
+
+
+def _write_clock(path: Path, now: float) -> None:
+    """Atomically: a hook reading it mid-write must not see an empty file."""
+    temporary = path.with_name(path.name + ".new")
+    temporary.write_text(f"{now}")
+    temporary.replace(path)
+
+
+def _script(path: Path, text: str) -> Path:
+    path.write_text("#!/bin/sh\n" + text)
+    path.chmod(0o755)
+    return path
+
+
+def _node(directory: Path, profile: str) -> _Node:
     host = directory / "host"
     build_demo_host(host)
     rules_dir = directory / "rules.d"
@@ -172,6 +209,23 @@ def _node(directory: Path, profile: str) -> tuple[AgentConfig, Path]:
     for source in sorted(default_rules_dir().glob("*.yaml")):
         shutil.copy(source, rules_dir / source.name)
         (rules_dir / source.name).chmod(0o644)
+    bin_dir = directory / "bin"
+    bin_dir.mkdir(mode=0o755)
+    clock_file, hook_log, service_log = directory / "clock", directory / "hook.log", directory / "service.log"
+    hook = _script(bin_dir / "hook.sh", f'echo "$(cat {clock_file}) $GPU_AGENT_GPU_UUID" >> {hook_log}\n')
+    service = _script(bin_dir / "service.sh", f'echo "$1 $(cat {clock_file})" >> {service_log}\n')
+    codes = ", ".join(str(code) for code in XIDS if code != 79)
+    (rules_dir / "00-soak.yaml").write_text(
+        f"""rules:
+  - name: {HOOK_RULE}
+    match: {{xid: {{codes: [{codes}]}}}}
+    actions: [{{run_hook: {{argv: [{hook}], timeout_seconds: 10}}}}]
+    cooldown_seconds: {HOOK_COOLDOWN_SECONDS:g}
+    max_attempts: {HOOK_MAX_ATTEMPTS}
+    window_seconds: {HOOK_WINDOW_SECONDS:g}
+"""
+    )
+    (rules_dir / "00-soak.yaml").chmod(0o644)
     config = AgentConfig.model_validate(
         {
             "mode": "enforce",
@@ -184,9 +238,19 @@ def _node(directory: Path, profile: str) -> tuple[AgentConfig, Path]:
             "api": {"socket": str(directory / "agent.sock")},
             "remediation": {"rules_dir": str(rules_dir)},
             "policy": POLICY,
+            "services": [
+                {
+                    "name": "inference",
+                    "manager": "command",
+                    "gpus": [0, 1],
+                    "start_command": [str(service), "start"],
+                    "stop_command": [str(service), "stop"],
+                    "command_timeout_seconds": 10,
+                }
+            ],
         }
     )
-    return config, rules_dir
+    return _Node(config, rules_dir, clock_file, hook_log, service_log)
 
 
 class Faults:
@@ -262,6 +326,28 @@ class Faults:
         self.clear_at = []
 
 
+def _check_hook_log(hook_log: Path, result: SoakResult) -> None:
+    """The caps, from the hook's own log of its runs (simulated time, GPU uuid): never from the store."""
+    runs: dict[str, list[float]] = defaultdict(list)
+    lines = hook_log.read_text().splitlines() if hook_log.exists() else []
+    for line in lines:
+        at, _, uuid = line.partition(" ")
+        runs[uuid].append(float(at))
+    result.hook_runs = len(lines)
+    for uuid, times in runs.items():
+        times.sort()
+        most = max(sum(1 for t in times if start <= t < start + HOOK_WINDOW_SECONDS) for start in times)
+        seen, _ = result.max_attempts_in_window.get(f"{HOOK_RULE} (hook log)", (0, HOOK_MAX_ATTEMPTS))
+        result.max_attempts_in_window[f"{HOOK_RULE} (hook log)"] = (max(seen, most), HOOK_MAX_ATTEMPTS)
+        if most > HOOK_MAX_ATTEMPTS:
+            result.attempts_over_limit.append(f"{HOOK_RULE} hook ran {most} times on {uuid} in one window")
+        gaps = [b - a for a, b in itertools.pairwise(times)]
+        if gaps and min(gaps) < HOOK_COOLDOWN_SECONDS - HOOK_LATENESS_SECONDS:
+            result.cooldown_violations.append(
+                f"{HOOK_RULE} hook on {uuid}: runs {min(gaps):.0f} s apart < {HOOK_COOLDOWN_SECONDS:g} s"
+            )
+
+
 def _check_limits(store: Store, rules: Sequence[Rule], result: SoakResult) -> None:
     by_name = {rule.name: rule for rule in rules}
     attempts: dict[tuple[str, str], list[float]] = defaultdict(list)
@@ -289,23 +375,26 @@ def run_soak(
     seed: int = 1,
     samples: int = 20,
     progress: Callable[[str], None] | None = None,
+    restart_every_loops: int = 240,
 ) -> SoakResult:
     """The soak in `directory` (scratch: config, state, host tree); see the module docstring."""
     result = SoakResult()
     rng = random.Random(seed)
-    config, rules_dir = _node(directory, profile)
+    node = _node(directory, profile)
+    config = node.config
     clock = FakeClock()
+    _write_clock(node.clock_file, clock.now)
     produced: dict[str, Event] = {}
     # Faster event-wait retries, so a driver outage of a few simulated seconds is also a short real one.
     event_source = partial(NvmlEventSource, timeout_seconds=0.05, backoff_seconds=0.05)
     loops = int(simulated_seconds / INTERVAL_SECONDS)
     sample_every = max(1, loops // samples)
     process = psutil.Process()
-    tracemalloc.start()
-    started = time.monotonic()
-    with _thread_exceptions(result.exceptions), mock.patch("agent.daemon.session.NvmlEventSource", event_source):
-        timing = LoopTiming(call_timeout_seconds=0.2, slow_every_seconds=30.0)
-        daemon = Daemon(config, None, notifier=SdNotifier(None, None), timing=timing, clock=clock)
+    timing = LoopTiming(call_timeout_seconds=0.2, slow_every_seconds=30.0)
+
+    def start_daemon() -> Daemon:
+        # boottime follows the simulated clock: elapsed time for cooldowns is simulated time
+        daemon = Daemon(config, None, notifier=SdNotifier(None, None), timing=timing, clock=clock, boottime=clock)
         keyed = daemon.remediator.episodes.keyed
 
         def record(event: Event) -> Event:
@@ -314,19 +403,42 @@ def run_soak(
             return out
 
         daemon.remediator.episodes.keyed = record  # type: ignore[method-assign]
+        daemon.remediator.rules = load_rules([node.rules_dir])
+        store = Store.open(config.state_dir, now_seconds=clock.now)
+        daemon.remediator.store = store
+        daemon.kmsg.start()
+        daemon.remediator.worker.recover(store)  # what the previous daemon left running
+        daemon.remediator.worker.start()
+        daemon.remediator.alert_delivery.start()
+        return daemon
+
+    def stop_daemon(daemon: Daemon) -> None:
+        daemon.remediator.worker.stop(timeout_seconds=60)
+        daemon.remediator.alert_delivery.stop()
+        daemon.kmsg.stop()
+        daemon.shutdown()
+        if daemon.remediator.store is not None:
+            daemon.remediator.store.close()
+            daemon.remediator.store = None
+
+    tracemalloc.start()
+    started = time.monotonic()
+    with _thread_exceptions(result.exceptions), mock.patch("agent.daemon.session.NvmlEventSource", event_source):
+        daemon = start_daemon()
         try:
-            daemon.remediator.rules = load_rules([rules_dir])
-            daemon.remediator.store = Store.open(config.state_dir, now_seconds=clock.now)
-            daemon.kmsg.start()
-            daemon.remediator.worker.start()
             daemon.loop_once()
             gpus = SimulatedBackend(profile, config.state_dir, writable_items=config.writable_items())
             gpus.init()
             result.gpus = len(gpus.profile.models)
             faults = Faults(gpus, HostPaths.at(config.host_root), rng, result)
             for loop in range(loops):
+                if loop and loop % restart_every_loops == 0:
+                    stop_daemon(daemon)
+                    daemon = start_daemon()
+                    result.daemon_restarts += 1
                 faults.step(loop)
                 clock.now += INTERVAL_SECONDS
+                _write_clock(node.clock_file, clock.now)
                 loop_started = time.monotonic()
                 try:
                     daemon.loop_once()
@@ -347,6 +459,7 @@ def run_soak(
             for _ in range(3):
                 time.sleep(0.3)
                 clock.now += INTERVAL_SECONDS
+                _write_clock(node.clock_file, clock.now)
                 daemon.loop_once()
             daemon.remediator.worker.stop(timeout_seconds=60)
             store = daemon.remediator.store
@@ -356,10 +469,11 @@ def run_soak(
             result.events_stored = len(stored)
             result.events_lost = sorted(set(produced) - stored)
             _check_limits(store, daemon.remediator.rules, result)
+            _check_hook_log(node.hook_log, result)
+            service_calls = node.service_log.read_text().split() if node.service_log.exists() else []
+            result.service_restarts = service_calls.count("stop")
         finally:
-            daemon.shutdown()
-            if daemon.remediator.store is not None:
-                daemon.remediator.store.close()
+            stop_daemon(daemon)
             tracemalloc.stop()
     result.simulated_seconds = result.loops * INTERVAL_SECONDS
     result.wall_seconds = time.monotonic() - started

@@ -192,7 +192,14 @@ def test_restore_returns_defaults(tmp_path: Path) -> None:
     config = write_config(tmp_path, profile="mixed")
     assert gpu_agent("apply", "--config", str(config)).returncode == 0
     backend = sim(tmp_path, "mixed")
-    assert backend.fan_manual(4, 0) and backend.power_limit_watts(0) == 600.0
+    assert backend.power_limit_watts(0) == 600.0
+    # fans at a fixed speed, as a daemon killed while it drove them leaves them
+    writer = SimulatedBackend("mixed", tmp_path / "state", writable_items=("fan_curve",))
+    writer.init()
+    writer.set_fan_speed_percent(4, 0, 60)
+    writer.set_fan_speed_percent(5, 1, 60)
+    backend.reload()
+    assert backend.fan_manual(4, 0) and backend.fan_manual(5, 1)
     restored = gpu_agent("restore", "--config", str(config))
     assert restored.returncode == 0, restored.stdout + restored.stderr
     backend.reload()

@@ -179,3 +179,91 @@ def test_a_killed_agent_is_cleaned_up_by_exec_stop_post(tmp_path: Path, signum: 
         # a second run (a restart that failed again) is harmless
         again = running.restore()
         assert again.returncode == 0 and "back to automatic" not in again.stdout
+
+
+# -- whatever stops driving the fans hands them back ------------------------------------------------
+
+RELOADS = {
+    "enforce-to-observe": lambda text: text.replace("mode: enforce", "mode: observe"),
+    "fan_curve-observe": lambda text: text.replace("policy:\n", "policy:\n  modes: {fan_curve: observe}\n"),
+    "curve-removed": lambda text: text.replace("      fan_curve: [[30, 30], [50, 65], [75, 100]]\n", ""),
+}
+
+
+@pytest.mark.parametrize("change", sorted(RELOADS))
+def test_a_reload_that_stops_driving_the_fans_hands_them_back(tmp_path: Path, change: str) -> None:
+    with agent(tmp_path) as running:
+        backend = wait_enforced(running)
+        edited = RELOADS[change](running.config.read_text())
+        assert edited != running.config.read_text()
+        running.config.write_text(edited)
+        running.process.send_signal(signal.SIGHUP)
+        wait_until(lambda: "config reloaded" in running.log(), 10, "the reload")
+        wait_until(lambda: fan_modes(backend) == [False] * 4, 10, "fans automatic after the reload", poll_seconds=0.05)
+        # and they stay automatic: the reloaded daemon does not take them again (the loop runs every 0.2 s)
+        running.notifications.poll(1.0)
+        assert fan_modes(backend) == [False] * 4
+        running.process.send_signal(signal.SIGTERM)
+        assert running.process.wait(timeout=15) == 0
+        assert fan_modes(backend) == [False] * 4
+
+
+INVALID_CONFIGS = {
+    "bad-value": lambda text: text.replace("mode: enforce", "mode: enforce-please"),
+    "unparseable": lambda text: text + "\n  - [unclosed\n",
+}
+
+
+@pytest.mark.parametrize("damage", sorted(INVALID_CONFIGS))
+def test_restore_after_kill_works_with_an_invalid_config_on_disk(tmp_path: Path, damage: str) -> None:
+    with agent(tmp_path) as running:
+        backend = wait_enforced(running)
+        running.process.kill()
+        running.process.wait(timeout=15)
+        assert all(fan_modes(backend))
+        running.config.write_text(INVALID_CONFIGS[damage](running.config.read_text()))
+        restored = running.restore()
+        assert restored.returncode == 0, restored.stdout + restored.stderr
+        assert "config is not valid" in restored.stderr and "known-good.json" in restored.stderr
+        backend.reload()
+        assert fan_modes(backend) == [False] * 4
+        assert all(backend.locked_clocks_mhz(gpu, ClockDomain.GRAPHICS) is None for gpu in (0, 1))
+
+
+def test_restore_hands_back_fans_a_killed_daemon_drove_even_after_an_edit_to_observe(tmp_path: Path) -> None:
+    with agent(tmp_path) as running:
+        backend = wait_enforced(running)
+        running.process.kill()
+        running.process.wait(timeout=15)
+        running.config.write_text(running.config.read_text().replace("mode: enforce", "mode: observe"))
+        restored = running.restore()
+        assert restored.returncode == 0, restored.stdout + restored.stderr
+        assert fan_modes(backend) == [False] * 4
+
+
+def apply_once(config: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "agent.cli", "apply", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_a_one_shot_apply_without_a_daemon_hands_the_fans_back(tmp_path: Path) -> None:
+    config, _ = write_agent_config(tmp_path, profile=PROFILE, policy=POLICY)
+    applied = apply_once(config)
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    assert "no gpu-agent daemon answers" in applied.stderr
+    backend = gpus(tmp_path / "state")
+    assert fan_modes(backend) == [False] * 4, "nothing follows the curve: fans must not stay at a fixed speed"
+    assert backend.power_limit_watts(0) == 500.0  # the rest of the policy was applied
+
+
+def test_a_one_shot_apply_beside_a_running_daemon_leaves_the_fans_to_it(tmp_path: Path) -> None:
+    with agent(tmp_path) as running:
+        backend = wait_enforced(running)
+        applied = apply_once(running.config)
+        assert applied.returncode == 0, applied.stdout + applied.stderr
+        assert "no gpu-agent daemon answers" not in applied.stderr
+        assert all(fan_modes(backend))

@@ -1,105 +1,236 @@
 """The action worker: decided actions run one after another in their own thread (a GPU reset can
-take a minute; the loop must not wait for it), and until one has finished it counts as an attempt."""
+take a minute; the loop must not wait for it), journaled in the store from before they start.
+
+`submit` writes the journal row (outcome "running", counted as an attempt, its event handled) on
+the caller's thread and only then queues the action: an action the agent never recorded never
+runs, and one it recorded counts against the caps even if the agent dies a moment later. The
+handler journals each step as it completes (ctx.journal). `stop` gives a running action a bounded
+time (below systemd's stop timeout) and then notes in the journal where it was; `recover`, the
+worker's first job at start, rolls back what an earlier run left half-done (a service a reset
+stopped, or a restart cut short, is started again) and closes those rows as "interrupted".
+"""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from queue import SimpleQueue
 from typing import Any
 
 import structlog
 
+from agent.attempt_clock import AttemptClock, ClockReading, effective_wall_seconds
+from agent.config import AgentConfig
 from agent.rules.actions import ActionContext, execute
+from agent.rules.actions.journal import services_left_down
 from agent.rules.model import ActionOutcome, Decision, Outcome
-from agent.store import Store
+from agent.services import ServiceError, ServiceManager
+from agent.store import JournalEntry, Store, StoreError
 
 log = structlog.get_logger("gpu-agent")
+
+#: How long `stop` waits for a running action: well below systemd's stop timeout (TimeoutStopSec,
+#: 90 s by default) so the journal note is written before systemd would kill the agent.
+STOP_TIMEOUT_SECONDS = 20.0
+
+
+@dataclass(frozen=True)
+class _Job:
+    decision: Decision
+    row_id: int
+
+
+@dataclass(frozen=True)
+class _Recovery:
+    entries: list[JournalEntry]
 
 
 class ActionWorker:
     def __init__(
         self,
         context: Callable[[], ActionContext | None],
-        record: Callable[[ActionOutcome], None],
+        store: Callable[[], Store | None],
         on_reset: Callable[[int], None],
         clock: Callable[[], float],
+        attempt_clock: AttemptClock,
+        managers: Callable[[], tuple[AgentConfig, Mapping[str, ServiceManager]]] | None = None,
     ) -> None:
         self.context = context  # None while the GPU backend is unavailable
-        self.record = record
+        self.store = store
         self.on_reset = on_reset  # a GPU reset succeeded: its Xid history starts afresh
         self.clock = clock
-        self.queue: SimpleQueue[Decision | None] = SimpleQueue()
-        self._inflight: list[tuple[Decision, float]] = []  # queued or running: counted as attempts
+        self.attempt_clock = attempt_clock
+        self.managers = managers  # for recovery: the services and their managers, no GPU backend needed
+        self.queue: SimpleQueue[_Job | _Recovery | None] = SimpleQueue()
+        self.cancel = threading.Event()
+        self._current: _Job | None = None
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
     def submit(self, decision: Decision, now: float) -> None:
-        with self._lock:
-            self._inflight.append((decision, now))
-        self.queue.put(decision)
+        """Journal the action as started, then queue it. StoreError when it cannot be journaled:
+        then it does not run, and its event stays unhandled for a later loop."""
+        store = self.store()
+        if store is None:
+            raise StoreError("no event store: an action is never run unrecorded")
+        row_id = store.begin_remediation(decision, self.attempt_clock.reading(now))
+        self.queue.put(_Job(decision, row_id))
 
-    def history(self, store: Store) -> InflightHistory:
-        with self._lock:
-            return InflightHistory(store, list(self._inflight))
+    def history(self, store: Store, now: float) -> ClockHistory:
+        return ClockHistory(store, self.attempt_clock.reading(now))
+
+    def recover(self, store: Store) -> None:
+        """Queue the roll-back of what an earlier run left running (the worker's first job)."""
+        entries = store.running_remediations()
+        if entries:
+            self.queue.put(_Recovery(entries))
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.run, name="actions", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout_seconds: float = 5.0) -> None:
-        """An action still running (a reset) past the timeout is left to finish in its daemon thread."""
+    def stop(self, timeout_seconds: float = STOP_TIMEOUT_SECONDS) -> None:
+        """Ask the running action to give up where it safely can, wait `timeout_seconds` for it, then
+        journal where it was: its row stays "running", so the next start rolls it back."""
+        self.cancel.set()
         self.queue.put(None)
-        if self._thread is not None:
-            self._thread.join(timeout_seconds)
+        if self._thread is None:
+            return
+        self._thread.join(timeout_seconds)
+        with self._lock:
+            current = self._current if self._thread.is_alive() else None
+        if current is None:
+            return
+        note = f"agent stopped after waiting {timeout_seconds:g} s for the action; the next start rolls it back"
+        log.error("action still running at stop", rule=current.decision.rule, **target_fields(current.decision))
+        store = self.store()
+        if store is not None:
+            try:
+                store.journal_step(current.row_id, note)
+            except StoreError as exc:
+                log.error("could not journal the interrupted action", error=str(exc))
 
     def run(self) -> None:
-        while (decision := self.queue.get()) is not None:
-            started = self.clock()
-            context = self.context()
-            if context is None:
-                outcome = ActionOutcome(decision, Outcome.FAILED, "GPU backend unavailable", started, self.clock())
+        while (job := self.queue.get()) is not None:
+            if isinstance(job, _Recovery):
+                self._recover(job.entries)
+            elif self.cancel.is_set():
+                self._close(job.row_id, "not started: the agent was stopping", started=False)
             else:
-                outcome = execute(decision, context)
-            self.record(outcome)
-            with self._lock:
-                self._inflight = [(d, t) for d, t in self._inflight if d is not decision]
-            log.info(
-                "action finished",
-                rule=decision.rule,
-                action=decision.action.kind.value if decision.action else None,
-                outcome=outcome.outcome.value,
-                detail=outcome.detail,
-                seconds=round(outcome.finished_seconds - outcome.started_seconds, 3),
-                **target_fields(decision),
+                self._run_job(job)
+
+    def _run_job(self, job: _Job) -> None:
+        decision = job.decision
+        with self._lock:
+            self._current = job
+        started = self.clock()
+        context = self.context()
+        if context is None:
+            outcome = ActionOutcome(decision, Outcome.FAILED, "GPU backend unavailable", started, self.clock())
+        else:
+            context.journal = lambda step: self._journal(job.row_id, step)
+            context.cancel = self.cancel
+            outcome = execute(decision, context)
+        if self.cancel.is_set() and outcome.outcome is not Outcome.SUCCESS:
+            outcome = ActionOutcome(
+                decision,
+                Outcome.INTERRUPTED,
+                f"agent stopping: {outcome.detail}",
+                outcome.started_seconds,
+                outcome.finished_seconds,
             )
-            action = decision.action
-            reset_done = action is not None and action.kind.value == "reset_gpu" and outcome.outcome is Outcome.SUCCESS
-            if reset_done and decision.target.gpu is not None:
-                self.on_reset(decision.target.gpu)
+        store = self.store()
+        if store is not None:
+            try:
+                store.finish_remediation(job.row_id, outcome)
+            except StoreError as exc:
+                log.error("could not record a remediation", error=str(exc), rule=decision.rule)
+        with self._lock:
+            self._current = None
+        log.info(
+            "action finished",
+            rule=decision.rule,
+            action=decision.action.kind.value if decision.action else None,
+            outcome=outcome.outcome.value,
+            detail=outcome.detail,
+            seconds=round(outcome.finished_seconds - outcome.started_seconds, 3),
+            **target_fields(decision),
+        )
+        action = decision.action
+        reset_done = action is not None and action.kind.value == "reset_gpu" and outcome.outcome is Outcome.SUCCESS
+        if reset_done and decision.target.gpu is not None:
+            self.on_reset(decision.target.gpu)
+
+    def _journal(self, row_id: int, step: str) -> None:
+        store = self.store()
+        if store is None:
+            return
+        try:
+            store.journal_step(row_id, step)
+        except StoreError as exc:  # the action goes on: stopping half-way would be worse than an unjournaled step
+            log.error("could not journal an action step", error=str(exc), step=step)
+
+    def _close(self, row_id: int, detail: str, started: bool = True) -> None:
+        store = self.store()
+        if store is None:
+            return
+        try:
+            store.close_interrupted(row_id, detail, self.clock(), started)
+        except StoreError as exc:
+            log.error("could not close an interrupted action", error=str(exc))
+
+    def _recover(self, entries: list[JournalEntry]) -> None:
+        """Start again every service an interrupted action left down; close its row as interrupted."""
+        config, managers = self.managers() if self.managers is not None else (None, {})
+        services = {s.name: s for s in config.services} if config is not None else {}
+        for entry in entries:
+            rolled_back: list[str] = []
+            for name in services_left_down(entry.steps):
+                service, manager = services.get(name), managers.get(name)
+                if service is None or manager is None:
+                    rolled_back.append(f"{name} left as it is (no longer configured or no manager)")
+                    continue
+                try:
+                    if manager.is_active(service) is True:
+                        rolled_back.append(f"{name} already running")
+                        continue
+                    manager.start(service)
+                except ServiceError as exc:
+                    rolled_back.append(f"start {name} failed: {exc}")
+                    continue
+                rolled_back.append(f"started {name} again")
+            where = entry.steps[-1] if entry.steps else "before its first step"
+            detail = f"interrupted (last step: {where}); rolled back: {', '.join(rolled_back) or 'nothing to undo'}"
+            log.warning(
+                "interrupted action recovered",
+                rule=entry.rule,
+                action=entry.action,
+                target=entry.target_key,
+                detail=detail,
+            )
+            self._close(entry.row_id, detail)
 
 
-class InflightHistory:
-    """The store's attempt history plus actions queued or running, so the next loop's evaluation
-    counts an action from the moment it is decided, not only once it has finished."""
+class ClockHistory:
+    """The store's attempt history measured with agent.attempt_clock: each attempt's time is placed on
+    the current wall clock by the time really elapsed since it (boottime within a boot; a wall clock
+    stepped back counts as nothing elapsed), so the engine's `now - last` is right across restarts
+    and clock steps. Actions journaled as running are in the store already: they count at once."""
 
-    def __init__(self, store: Store, inflight: list[tuple[Decision, float]]) -> None:
+    def __init__(self, store: Store, now: ClockReading) -> None:
         self._store = store
-        self._inflight = inflight
+        self._now = now
 
-    def _mine(self, rule: str, target_key: str) -> list[float]:
-        return [t for d, t in self._inflight if d.rule == rule and d.target.key == target_key]
+    def _times(self, rule: str, target_key: str) -> list[float]:
+        return sorted(effective_wall_seconds(r, self._now) for r in self._store.attempt_readings(rule, target_key))
 
     def attempts(self, rule: str, target_key: str, since_seconds: float) -> list[float]:
-        extra = [t for t in self._mine(rule, target_key) if t >= since_seconds]
-        return sorted(self._store.attempts(rule, target_key, since_seconds) + extra)
+        return [t for t in self._times(rule, target_key) if t >= since_seconds]
 
     def last_attempt(self, rule: str, target_key: str) -> float | None:
-        times = self._mine(rule, target_key)
-        stored = self._store.last_attempt(rule, target_key)
-        if stored is not None:
-            times.append(stored)
-        return max(times) if times else None
+        times = self._times(rule, target_key)
+        return times[-1] if times else None
 
     def circuit_open(self, rule: str, target_key: str) -> bool:
         return self._store.circuit_open(rule, target_key)

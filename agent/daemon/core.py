@@ -20,10 +20,13 @@ from types import FrameType
 
 import structlog
 
+from agent import known_good
+from agent.attempt_clock import AttemptClock, boottime_seconds
 from agent.backend.base import GpuEvent
 from agent.bounded import BoundedRunner
 from agent.config import AgentConfig, ConfigError, load_config
 from agent.daemon.collector import GpuCollector
+from agent.daemon.drift import FAN_CURVE
 from agent.daemon.intake import EventIntake
 from agent.daemon.policy_loop import PolicyLoop
 from agent.daemon.publisher import Publisher, status_line
@@ -37,6 +40,7 @@ from agent.memory import NodeMemory, read_boot_id
 from agent.notify import SdNotifier
 from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
+from agent.policy.registry import RESTORABLE_NAMES
 from agent.rules.actions import ActionContext, AlertTracker
 from agent.rules.config import Rule
 from agent.service_watch import InferenceMonitor
@@ -59,6 +63,7 @@ class Daemon:
         notifier: SdNotifier | None = None,
         timing: LoopTiming | None = None,
         clock: Callable[[], float] = time.time,
+        boottime: Callable[[], float] = boottime_seconds,
     ) -> None:
         self.config = config
         self.config_path = config_path
@@ -75,7 +80,14 @@ class Daemon:
         self.collector = GpuCollector(self.runner, self.timing, clock, self.session.note_fault)
         self.watchers = NodeWatchers(lambda: self.collector.identities, clock)
         self.policy = PolicyLoop(config, self.host, self.runner, self.session.note_fault)
-        self.remediator = Remediator(config, self._action_context, self.watchers.xid.clear, clock)
+        self.remediator = Remediator(
+            config,
+            self._action_context,
+            self.watchers.xid.clear,
+            clock,
+            AttemptClock(self.host.paths.boot_id(), boottime),
+            lambda current: build_managers(current, self.host),
+        )
         # Shares the remediator's store: the memory is there as soon as the store is (start_services).
         self.memory = NodeMemory(lambda: self.remediator.store, read_boot_id(self.host.paths), clock)
         self.publisher = Publisher(notifier or SdNotifier.from_environment())
@@ -218,9 +230,14 @@ class Daemon:
             return False
         new, rules = loaded
         old_services = self.config.services
+        # While the running config's write guard still allows it: fans it drove and `new` does not go
+        # back to automatic, or nothing would ever follow their curve again.
+        self.policy.hand_back_fans(new)
+        old_items = self.config.writable_items()
         self.config = new
         # Before anything else runs under the new config: in observe mode no setter may reach the GPU.
         self.session.set_writable(new.writable_items())
+        self._record_known_good(old_items)
         self.remediator.reconfigure(new, rules)
         self.policy.reconfigure(new)
         if new.services != old_services:
@@ -247,6 +264,14 @@ class Daemon:
             log.error("config reload: backend and host_root changes need a restart; keeping the running config")
             return None
         return new, rules
+
+    def _record_known_good(self, changed_before: frozenset[str] = frozenset()) -> None:
+        """For `gpu-agent restore` without a valid config: this backend and the items the agent may
+        have changed and not handed back (fans are handed back on a reload that stops driving them)."""
+        items = (changed_before | self.config.writable_items()) & RESTORABLE_NAMES
+        if FAN_CURVE not in self.config.writable_items():
+            items -= {FAN_CURVE}
+        known_good.record(self.config, items)
 
     def _restart_prober(self, config: AgentConfig) -> None:
         if self.prober_thread is not None:
@@ -281,6 +306,7 @@ class Daemon:
     def start_services(self) -> None:
         stale_after = self.timing.stall_seconds(self.config.interval_seconds)
         self._closers.extend(self.publisher.serve(self.config, stale_after))
+        self._record_known_good()
         self.kmsg.start()
         self._closers.append(self.kmsg.stop)
         self.remediator.start()

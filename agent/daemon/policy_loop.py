@@ -4,7 +4,7 @@ enforce mode drift is applied. The step runs in its own lane and the loop waits 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from concurrent.futures import Future
 from dataclasses import replace
 from functools import partial
@@ -22,7 +22,7 @@ from agent.events import Event
 from agent.policy import fan_curve
 from agent.policy.base import HostContext, ItemPlan, PlanStatus
 from agent.policy.base import Outcome as ItemOutcome
-from agent.policy.engine import PolicyEngine
+from agent.policy.engine import PolicyEngine, match_profile
 from agent.state import CollectorStatus
 
 log = structlog.get_logger("gpu-agent")
@@ -100,11 +100,34 @@ class PolicyLoop:
             self.plans = _merge_plans(self.plans, plans)
         return self.drift.fixed(fixed, identities, now)
 
-    def restore_fans(self) -> None:
-        """Fans the agent set to manual go back to automatic (every exit path)."""
+    def fan_gpus(self, config: AgentConfig) -> set[int]:
+        """The GPUs whose fans `config` drives from a curve (the fan curve enforced, the GPU's profile has one)."""
+        if self.engine is None or FAN_CURVE not in config.writable_items():
+            return set()
+        identities = self.engine.state.identities
+        profiles = {gpu: match_profile(config.policy.gpus, identity) for gpu, identity in identities.items()}
+        return {
+            gpu
+            for gpu, number in profiles.items()
+            if number is not None and config.policy.gpus[number].fan_curve is not None
+        }
+
+    def hand_back_fans(self, new: AgentConfig) -> None:
+        """A reload: the GPUs whose fans the running config drove and `new` does not (observe mode,
+        `modes.fan_curve: observe`, the curve removed) get automatic control back. Runs before the
+        write guard takes the new config, which may no longer allow fan writes."""
+        released = self.fan_gpus(self.config) - self.fan_gpus(new)
+        if released:
+            self.restore_fans(released)
+
+    def restore_fans(self, gpus: Collection[int] | None = None) -> None:
+        """Fans the agent set to manual go back to automatic: on every exit path (all GPUs, when the
+        config lets the agent drive fans), and for `gpus` when a reload stops owning them."""
         if self.engine is None or FAN_CURVE not in self.config.writable_items():
             return
         for gpu, ctx in sorted(self.engine.state.contexts.items()):
+            if gpus is not None and gpu not in gpus:
+                continue
             try:
                 result = self.runner.run(f"gpu{gpu}", partial(fan_curve.restore, ctx), timeout_seconds=5.0)
             except (StaleGpu, GpuError) as exc:

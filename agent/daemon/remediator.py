@@ -1,19 +1,21 @@
 """The remediator: new events into the event store, the rules evaluated against the snapshot (a
-pure function), the decided actions queued for the action worker, and Alertmanager alerts kept
-fresh. A store that cannot be opened or written (state dir full, read-only) turns remediation off
-until it works again; the events meanwhile wait, bounded, and none is lost or handled twice."""
+pure function), the decided actions journaled and queued for the action worker, and Alertmanager
+alerts kept fresh by the alert delivery thread (never on the loop). A store that cannot be opened
+or written (state dir full, read-only) turns remediation off until it works again; the events
+meanwhile wait, bounded, and none is lost or handled twice."""
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import structlog
 
+from agent.attempt_clock import AttemptClock, ClockReading
 from agent.config import AgentConfig
 from agent.daemon.action_worker import ActionWorker, target_fields
+from agent.daemon.alert_delivery import AlertDelivery
 from agent.daemon.timing import due
 from agent.episodes import Episodes
 from agent.events import Event
@@ -22,6 +24,7 @@ from agent.rules.config import Rule, load_rules
 from agent.rules.engine import evaluate, gpus_by_service
 from agent.rules.model import ActionOutcome, Decision, Outcome
 from agent.rules.sources import resolve_rules
+from agent.services import ServiceManager
 from agent.state import CollectorStatus, NodeSnapshot, RemediationCount
 from agent.store import Store, StoreError
 
@@ -39,13 +42,24 @@ class Remediator:
         context: Callable[[AlertTracker], ActionContext | None],
         on_reset: Callable[[int], None],
         clock: Callable[[], float],
+        attempt_clock: AttemptClock | None = None,
+        managers: Callable[[AgentConfig], Mapping[str, ServiceManager]] | None = None,
     ) -> None:
         self.config = config
         self.store: Store | None = None
         self.rules: list[Rule] = []
         self.episodes = Episodes(config.state_dir)
         self.alerts = AlertTracker()
-        self.worker = ActionWorker(lambda: context(self.alerts), self._record, on_reset, clock)
+        self.alert_delivery = AlertDelivery(self.alerts)
+        self.attempt_clock = attempt_clock or AttemptClock("")
+        self.worker = ActionWorker(
+            lambda: context(self.alerts),
+            lambda: self.store,
+            on_reset,
+            clock,
+            self.attempt_clock,
+            (lambda: (self.config, managers(self.config))) if managers is not None else None,
+        )
         self.status: CollectorStatus | None = None
         self._store_failed_monotonic: float | None = None  # when opening the store last failed
         self._unstored: list[Event] = []  # keyed events the store could not take yet
@@ -64,10 +78,14 @@ class Remediator:
             )
             self.status = CollectorStatus("remediation", False, 0.0, str(exc))
             self._store_failed_monotonic = time.monotonic()
+        if self.store is not None:
+            self._recover(self.store)
         self.worker.start()
+        self.alert_delivery.start()
 
     def stop(self) -> None:
         self.worker.stop()
+        self.alert_delivery.stop()
         if self.store is not None:
             self.store.close()
 
@@ -109,7 +127,7 @@ class Remediator:
 
     def _evaluate(self, store: Store, snapshot: NodeSnapshot, keyed_events: list[Event], now: float) -> None:
         new = [keyed for keyed in keyed_events if store.record_event(keyed)]
-        history = self.worker.history(store)
+        history = self.worker.history(store, now)
         services = gpus_by_service(self.config.services)
         for decision in evaluate(snapshot, new, self.rules, history, now, services):
             self._act(decision, now)
@@ -119,7 +137,7 @@ class Remediator:
     def _act(self, decision: Decision, now: float) -> None:
         if decision.action is None or decision.dry_run:
             outcome = Outcome.SUPPRESSED if decision.action is None else Outcome.DRY_RUN
-            self._record(ActionOutcome(decision, outcome, decision.reason, now, now))
+            self._record(ActionOutcome(decision, outcome, decision.reason, now, now), self.attempt_clock.reading(now))
             log.info(
                 f"action {outcome.value}",
                 rule=decision.rule,
@@ -128,6 +146,7 @@ class Remediator:
                 **target_fields(decision),
             )
             return
+        self.worker.submit(decision, now)  # journaled first: a StoreError leaves the event unhandled
         log.info(
             "action started",
             rule=decision.rule,
@@ -136,16 +155,20 @@ class Remediator:
             reason=decision.reason,
             **target_fields(decision),
         )
-        self.worker.submit(decision, now)
 
     def _refresh_alerts(self, events: Sequence[Event], now: float) -> None:
-        for event in events:
-            with contextlib.suppress(Exception):
-                self.alerts.resolve_cleared(event)
+        """Queued for the alert delivery thread: nothing outbound runs on the loop."""
+        self.alert_delivery.resolve_cleared(list(events))
         if due(now, self._last_alert_refresh_seconds, ALERT_REFRESH_SECONDS):
             self._last_alert_refresh_seconds = now
-            for error in self.alerts.refresh():
-                log.warning("could not refresh an alert", error=error)
+            if self.alerts.active():
+                self.alert_delivery.refresh()
+
+    def _recover(self, store: Store) -> None:
+        try:
+            self.worker.recover(store)
+        except StoreError as exc:
+            log.error("cannot read the remediation journal: interrupted actions are not rolled back", error=str(exc))
 
     def _reopen_store(self) -> Store | None:
         """A store that could not be opened (state dir full, read-only) is tried again now and then."""
@@ -160,6 +183,7 @@ class Remediator:
             self.status = CollectorStatus("remediation", False, 0.0, str(exc))
             return None
         log.info("event store open again: remediation resumes", path=str(self.store.path))
+        self._recover(self.store)
         self._store_failed_monotonic = None
         return self.store
 
@@ -171,11 +195,11 @@ class Remediator:
             log.error("event store unusable for long: oldest unstored events dropped", dropped=dropped)
         self._unstored = keyed_events[-MAX_UNSTORED_EVENTS:]
 
-    def _record(self, outcome: ActionOutcome) -> None:
+    def _record(self, outcome: ActionOutcome, reading: ClockReading) -> None:
         if self.store is None:
             return
         try:
-            self.store.record_outcome(outcome)
+            self.store.record_outcome(outcome, reading)
         except StoreError as exc:
             log.error("could not record a remediation", error=str(exc), rule=outcome.decision.rule)
 

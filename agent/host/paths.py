@@ -13,6 +13,8 @@ from pathlib import Path
 
 from agent.host import safe_fs
 
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+
 
 @dataclass(frozen=True)
 class HostPaths:
@@ -56,6 +58,14 @@ class HostPaths:
 
     def remove_empty_directory(self, absolute: str) -> bool:
         return safe_fs.remove_empty_directory(self.root, absolute)
+
+    def boot_id(self) -> str:
+        """This boot's id (`/proc/sys/kernel/random/boot_id`); "" when it cannot be read. What tells a
+        restart of the agent (same id) from a reboot (a new one)."""
+        try:
+            return self.read_text(BOOT_ID_PATH).strip()
+        except (OSError, UnicodeDecodeError):
+            return ""
 
     def os_release(self) -> dict[str, str]:
         """Parsed /etc/os-release ({} when absent)."""

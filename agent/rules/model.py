@@ -23,6 +23,8 @@ class Outcome(str, Enum):
     REFUSED = "refused"  # a safety check said no (Xid 79, MIG on, processes remain, observe mode, ...)
     DRY_RUN = "dry_run"
     SUPPRESSED = "suppressed"  # cooldown, attempts exhausted, circuit open
+    RUNNING = "running"  # journaled before the action starts; replaced by how it went once it ends
+    INTERRUPTED = "interrupted"  # the agent stopped or died mid-action; what was rolled back is in the detail
 
 
 @dataclass(frozen=True)

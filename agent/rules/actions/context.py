@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -33,3 +34,9 @@ class ActionContext:
     #: How long a GPU reset waits for the GPU's processes to exit after the services stopped.
     drain_timeout_seconds: float = 30.0
     drain_poll_seconds: float = 0.5
+    #: Each step of an action as it completes (agent.rules.actions.journal names them), written to the
+    #: remediation journal so an interrupted action can be rolled back by the next run.
+    journal: Callable[[str], None] = lambda _step: None
+    #: Set when the agent stops: a long action gives up where it safely can (a GPU reset still waiting
+    #: for the GPU to drain starts the services again instead of resetting).
+    cancel: threading.Event = field(default_factory=threading.Event)

@@ -25,13 +25,6 @@ REBOOT_FLAG_NAME = "reboot-recommended"
 REBOOT_ALERTNAME = "GpuAgentRebootRecommended"
 
 
-def _boot_id(ctx: ActionContext) -> str | None:
-    try:
-        return ctx.host.paths.read_text("/proc/sys/kernel/random/boot_id").strip() or None
-    except OSError:
-        return None
-
-
 def next_boot_problem(host: HostContext) -> str | None:
     """Why the kernel that boots next would not bring the GPUs back (`6.8.0-50-generic — nvidia
     580.159.04 module missing`), or None when it is ready."""
@@ -60,7 +53,7 @@ def recommend_reboot(decision: Decision, params: RecommendRebootParams, ctx: Act
         "time_seconds": now,
         "time": iso(now),
         # So a reader can tell a flag written before the last boot (and so already acted on).
-        "boot_id": _boot_id(ctx),
+        "boot_id": ctx.host.paths.boot_id() or None,
         # A reboot now would not bring the GPUs back: fix this first.
         "next_boot_not_ready": not_ready,
     }

@@ -23,6 +23,7 @@ from agent.gpu_attribution import attribute_gpu_processes, command_of_pid, comma
 from agent.policy.base import Outcome as ItemOutcome
 from agent.rules.actions.base import Result, failed, gpu_of, refused, uuid_of, xid_of
 from agent.rules.actions.context import ActionContext
+from agent.rules.actions.journal import GPU_RESET, POLICY_APPLIED, STOPPED, STOPPING, step
 from agent.rules.actions.service_actions import managers_for, ready_timeout, services_for_gpu, start_again
 from agent.rules.model import Decision, Outcome
 from agent.rules.params import ResetGpuParams
@@ -89,7 +90,7 @@ def _wait_idle(gpu: int, ctx: ActionContext) -> tuple[list[GpuProcess], float]:
     while True:
         processes = ctx.backend.compute_processes(gpu)
         now = ctx.clock()
-        if not processes or now >= deadline:
+        if not processes or now >= deadline or ctx.cancel.is_set():  # cancel: the agent is stopping
             return processes, now - began
         ctx.sleep(min(ctx.drain_poll_seconds, deadline - now))
 
@@ -111,6 +112,7 @@ def reset_gpu(decision: Decision, params: ResetGpuParams, ctx: ActionContext) ->
         if ctx.prober is not None:
             budget = ctx.drain_timeout_seconds + 2 * service.command_timeout_seconds + ready_timeout(service, None)
             ctx.prober.expect_down(service.name, budget)
+        ctx.journal(step(STOPPING, service.name))
         try:
             managers[service.name].stop(service)
         except ServiceError as exc:
@@ -120,7 +122,8 @@ def reset_gpu(decision: Decision, params: ResetGpuParams, ctx: ActionContext) ->
             start_again(stopped, managers, ctx, steps)
             return failed("; ".join(steps))
         stopped.append(service)
-        steps.append(f"stopped {service.name}")
+        steps.append(step(STOPPED, service.name))
+        ctx.journal(step(STOPPED, service.name))
 
     try:
         outcome = _reset_idle_gpu(gpu, ctx, steps)
@@ -141,6 +144,9 @@ def _reset_idle_gpu(gpu: int, ctx: ActionContext, steps: list[str]) -> Outcome:
     except GpuError as exc:
         steps.append(f"cannot list the processes on GPU {gpu}: {exc}")
         return Outcome.FAILED
+    if remaining and ctx.cancel.is_set():
+        steps.append(f"agent stopping: reset of GPU {gpu} abandoned while it drained ({waited:.1f} s)")
+        return Outcome.INTERRUPTED
     if remaining:
         steps.append(f"processes {_describe_processes(gpu, remaining, ctx)} still on GPU {gpu} after {waited:.1f} s")
         return Outcome.REFUSED
@@ -152,7 +158,8 @@ def _reset_idle_gpu(gpu: int, ctx: ActionContext, steps: list[str]) -> Outcome:
         steps.append(f"reset of GPU {gpu} failed: {exc}")
         # IN_USE: something grabbed the GPU between our check and the reset; a safety refusal.
         return Outcome.REFUSED if isinstance(exc, GpuError) and exc.kind is GpuErrorKind.IN_USE else Outcome.FAILED
-    steps.append(f"reset GPU {gpu}")
+    steps.append(step(GPU_RESET, str(gpu)))
+    ctx.journal(step(GPU_RESET, str(gpu)))
 
     try:
         report = ctx.policy.apply()
@@ -167,5 +174,6 @@ def _reset_idle_gpu(gpu: int, ctx: ActionContext, steps: list[str]) -> Outcome:
         steps.append(f"policy re-applied with {len(failures)} failure(s): {listed}")
         return Outcome.FAILED
     applied = sum(1 for r in report.results if r.outcome is ItemOutcome.APPLIED)
-    steps.append(f"policy re-applied ({applied} item(s) set)")
+    steps.append(f"{POLICY_APPLIED} ({applied} item(s) set)")
+    ctx.journal(POLICY_APPLIED)
     return Outcome.SUCCESS

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from agent.config import AgentConfig, ServiceConfig
 from agent.rules.actions.base import ActionError, Result, failed, gpu_of, refused
 from agent.rules.actions.context import ActionContext
+from agent.rules.actions.journal import RESTARTED, RESTARTING, STARTED, step
 from agent.rules.model import Decision, Outcome
 from agent.rules.params import RestartServiceParams
 from agent.services import ServiceError, ServiceManager
@@ -70,7 +71,8 @@ def start_again(
             if ctx.prober is not None:
                 ctx.prober.expect_down(service.name, 0)  # its outage is real now: let the probes count
             continue
-        steps.append(f"started {service.name}")
+        steps.append(step(STARTED, service.name))
+        ctx.journal(step(STARTED, service.name))
         healthy, what = verify_healthy(service, None, ctx)
         ok = ok and healthy
         steps.append(what)
@@ -91,6 +93,7 @@ def restart_service(decision: Decision, params: RestartServiceParams, ctx: Actio
         if ctx.prober is not None:
             budget = service.command_timeout_seconds + ready_timeout(service, params.ready_timeout_seconds)
             ctx.prober.expect_down(service.name, budget)
+        ctx.journal(step(RESTARTING, service.name))  # before: a restart cut short may leave it stopped
         try:
             managers[service.name].restart(service)
         except ServiceError as exc:
@@ -99,6 +102,7 @@ def restart_service(decision: Decision, params: RestartServiceParams, ctx: Actio
             if ctx.prober is not None:
                 ctx.prober.expect_down(service.name, 0)
             continue
+        ctx.journal(step(RESTARTED, service.name))
         healthy, what = verify_healthy(service, params.ready_timeout_seconds, ctx)
         ok = ok and healthy
         steps.append(f"restarted {service.name}; {what}")
