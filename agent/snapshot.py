@@ -16,8 +16,17 @@ from agent.backend.base import GpuIdentity
 from agent.backend.errors import GpuError
 from agent.config import AgentConfig
 from agent.events import Event, Health, HealthState
+from agent.host.paths import HostPaths
 from agent.policy.base import ItemPlan
-from agent.state import CollectorStatus, GpuSample, NodeSnapshot, RemediationCount, ServiceStatus
+from agent.state import (
+    CollectorStatus,
+    GpuSample,
+    NodeSnapshot,
+    RecentRemediation,
+    RemediationCount,
+    ServiceStatus,
+)
+from agent.verdict import reboot_recommended
 from agent.watch.devices import DeviceWatcher
 from agent.watch.gpu_lost import GpuLostWatcher
 from agent.watch.health import HealthBook, PollWatcher
@@ -37,7 +46,8 @@ class NodeWatchers:
         self.throttle = ThrottleWatcher()
         self.devices = DeviceWatcher()
         self.xid = XidWatcher(identities, clock=clock)
-        polled: list[PollWatcher] = [self.throttle, MemoryWatcher(), GpuLostWatcher(), PcieWatcher()]
+        self.pcie = PcieWatcher()
+        polled: list[PollWatcher] = [self.throttle, MemoryWatcher(), GpuLostWatcher(), self.pcie]
         self.polled: tuple[PollWatcher, ...] = (*polled, self.devices)
         self.book = HealthBook([*polled, self.xid, self.devices])
 
@@ -74,6 +84,7 @@ class DaemonParts:
     remediations: tuple[RemediationCount, ...] = ()
     collectors: tuple[CollectorStatus, ...] = ()
     recent_events: tuple[Event, ...] = ()
+    recent_remediations: tuple[RecentRemediation, ...] = ()
     collect_duration_seconds: float = 0.0
 
 
@@ -113,4 +124,10 @@ def build_snapshot(
         collectors=parts.collectors,
         recent_events=parts.recent_events,
         collect_duration_seconds=parts.collect_duration_seconds,
+        backend_error="" if parts.backend_error is None else str(parts.backend_error),
+        pcie_degraded=frozenset(
+            s.index for s in samples if watchers.pcie.health(s.index).state is not HealthState.HEALTHY
+        ),
+        reboot_recommended=reboot_recommended(config.state_dir, HostPaths.at(config.host_root)),
+        recent_remediations=parts.recent_remediations,
     )

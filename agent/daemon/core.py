@@ -99,7 +99,7 @@ class Daemon:
         self.intake.note(events)
         snapshot = self._snapshot(now, samples, time.monotonic() - started)
         self.remediator.remediate(snapshot, events, now)
-        self.publisher.publish(snapshot)
+        snapshot = self.publisher.publish(snapshot)
         self.watchdog.beat()
         return snapshot
 
@@ -143,6 +143,7 @@ class Daemon:
             remediations=self.remediator.counts(),
             collectors=collectors,
             recent_events=self.intake.recent,
+            recent_remediations=self.remediator.recent(),
             collect_duration_seconds=duration_seconds,
         )
 
