@@ -143,12 +143,7 @@ def status_text(
     if recent_remediations:
         lines += ["", "remediations:"]
         lines.extend(
-            _clip(
-                f"  {ago(r['started_seconds'], now):>8}  {r['rule']}: {r['action']} {r['target']} -> {r['outcome']}"
-                + (f" ({r['detail']})" if r["detail"] else ""),
-                width,
-            )
-            for r in recent_remediations[-5:]
+            _clip(f"  {ago(r['started_seconds'], now):>8}  {_remediation(r)}", width) for r in recent_remediations[-5:]
         )
     recent = document["recent_events"][-5:]
     if recent:
@@ -168,6 +163,13 @@ def status_text(
     else:
         lines.append(paint("all healthy", "healthy"))
     return "\n".join(lines)
+
+
+def _remediation(r: dict[str, Any]) -> str:
+    """A decision in a line; a dry run (observe mode) is what the agent would have done."""
+    if r["outcome"] == "dry_run" and r["detail"]:
+        return str(r["detail"])
+    return f"{r['rule']}: {r['action']} {r['target']} -> {r['outcome']}" + (f" ({r['detail']})" if r["detail"] else "")
 
 
 def _or_dash(value: object) -> str:
