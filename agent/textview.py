@@ -63,7 +63,7 @@ def status_exit_code(document: dict[str, Any]) -> int:
 
 
 def ago(seconds: float | None, now: float) -> str:
-    """ "3m ago": when something happened, relative to now."""
+    """When something happened, relative to now, as "3m ago"."""
     if seconds is None:
         return "-"
     elapsed = max(0, int(now - seconds))

@@ -204,7 +204,7 @@ class Remediator:
 
 
 def _would(decision: Decision) -> str:
-    """ "observe mode: would restart service sglang (rule service-unhealthy)"."""
+    """What the agent would have done, as "observe mode: would restart service sglang (rule ...)"."""
     target = decision.target
     what = target.service or (f"GPU {target.gpu}" if target.gpu is not None else "the node")
     kind = decision.action.kind.value if decision.action is not None else "act"
