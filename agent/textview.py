@@ -39,7 +39,7 @@ EXIT_HEALTHY = 0
 EXIT_COULD_NOT_TELL = 1
 EXIT_ATTENTION = 2
 
-_NAME_COLUMNS = 20
+_NAME_COLUMNS = 16  # "NVIDIA RTX PRO 6~": the reason column needs the room more
 _ATTENTION_LINES = 8
 _MIN_REASON_COLUMNS = 12
 _COLOURS = {"healthy": "32", "degraded": "33", "unhealthy": "31", "LOST": "31", "problem": "1;31", "reboot": "1;33"}
