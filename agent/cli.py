@@ -251,8 +251,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         else:
             note = f"direct read: the daemon on {config.api.socket} is still starting"
         document = direct_status(config, note)
-    _print(textview.dumps(document) if args.json else textview.status_text(document))
-    return EXIT_OK
+    if args.json:
+        _print(textview.dumps(document))
+    else:
+        colour = textview.use_colour(sys.stdout)
+        _print(textview.status_text(document, width=textview.screen_width(), colour=colour))
+    return textview.status_exit_code(document)
 
 
 def _socket_path(args: argparse.Namespace) -> str:
@@ -281,10 +285,17 @@ def direct_status(config: AgentConfig, note: str) -> dict[str, object]:
     from agent import render
     from agent.collect import sample_all
     from agent.service_watch import read_once
-    from agent.snapshot import NodeWatchers, build_snapshot
+    from agent.snapshot import DaemonParts, NodeWatchers, build_snapshot
 
-    engine = make_engine(config)
     now = time.time()
+    try:
+        engine = make_engine(config)
+    except GpuError as exc:
+        # No driver (or NVML unusable): that is the node's state, shown as its problem, not an error of `status`.
+        snapshot = build_snapshot(
+            config, now, [], NodeWatchers(), driver_version=None, policy=(), daemon=DaemonParts(backend_error=exc)
+        )
+        return render.snapshot_document(snapshot, source="direct", note=note, mode=config.mode.value)
     try:
         samples = sample_all(engine.backend)
         driver = engine.backend.driver_version()

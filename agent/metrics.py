@@ -5,6 +5,12 @@ A scrape never touches the GPU backend: `SnapshotCollector.collect()` renders wh
 stale a GPU but never a scrape. `serve_metrics()` serves `/metrics` and `/healthz` from its own
 registry on a daemon thread.
 
+The daemon's verdicts are exported as such (agent/verdict.py), and the alert rules and the dashboard
+are built on them, not on raw readings: `gpu_agent_gpu_health{state}` and `_health_info{reason}`,
+`gpu_agent_gpu_pcie_degraded`, `gpu_agent_gpu_throttled{reason}`, `gpu_agent_policy_drift`,
+`gpu_agent_reboot_recommended`, `gpu_agent_backend_up`, `gpu_agent_node_problem{cause}`. They are
+present with zero values on a clean node, and counters start at 0, so a first event is an increase.
+
 Conventions: base units (watts, hertz, bytes, seconds, ratios 0-1); every per-GPU series carries
 `gpu` (NVML index) and `uuid`; node-level policy items carry `gpu=""`; a reading that is None
 (not supported, or the read failed: see `gpu_agent_gpu_read_error`) is omitted, never exported
@@ -34,8 +40,10 @@ from agent.clock_events import CLOCK_EVENT_REASONS
 from agent.events import HealthState
 from agent.memory import expected_gpu_count
 from agent.policy.base import PlanStatus
+from agent.rules.model import Outcome
 from agent.service_export import service_metric_families
 from agent.state import GpuSample, NodeSnapshot, XidCount
+from agent.verdict import THROTTLE_PROBLEM_REASONS, NodeProblem, is_drift, node_problem
 from agent.watch import xid_catalog
 
 log = structlog.get_logger("gpu-agent")
@@ -448,6 +456,27 @@ class SnapshotCollector(Collector):
             1,
         )
         out.gauge(
+            "gpu_agent_backend_up",
+            "1 when the GPU backend (NVML and the driver) can be read, 0 when it cannot.",
+            {},
+            float(not snap.backend_error),
+        )
+        problem = node_problem(snap)
+        for cause in NodeProblem:
+            out.gauge(
+                "gpu_agent_node_problem",
+                "1 for the cause that keeps the node's GPUs from being judged (no driver, no GPUs, fewer GPUs "
+                "than expected), 0 for the others.",
+                {"cause": cause.value},
+                float(problem is not None and problem.cause is cause),
+            )
+        out.gauge(
+            "gpu_agent_reboot_recommended",
+            "1 while state_dir/reboot-recommended asks for a reboot on this boot (reason label), else a 0 series.",
+            {"reason": snap.reboot_recommended or ""},
+            float(snap.reboot_recommended is not None),
+        )
+        out.gauge(
             "gpu_agent_start_time_seconds",
             "When the agent started, in seconds since the epoch.",
             {},
@@ -508,6 +537,34 @@ class SnapshotCollector(Collector):
                         {**ids, "state": state.value},
                         float(health.state is state),
                     )
+                out.gauge(
+                    "gpu_agent_gpu_health_info",
+                    "The agent's health verdict of the GPU with its reason; always 1.",
+                    {**ids, "state": health.state.value, "reason": health.reason},
+                    1,
+                )
+            out.gauge(
+                "gpu_agent_gpu_pcie_degraded",
+                "1 when the agent judges the PCIe link degraded (narrower than its maximum, or a lower "
+                "generation while busy; an idle GPU's downshift is not degradation).",
+                ids,
+                float(sample.index in snap.pcie_degraded),
+            )
+            slowed = {reason for (gpu, reason) in snap.throttle_active_since if gpu == sample.index}
+            for reason in THROTTLE_PROBLEM_REASONS:
+                out.gauge(
+                    "gpu_agent_gpu_throttled",
+                    "1 while a slowdown the agent counts as a problem holds the clocks down (not idle, not the "
+                    "configured power cap).",
+                    {**ids, "reason": reason},
+                    float(reason in slowed),
+                )
+            out.counter(
+                "gpu_agent_gpu_xid_errors",
+                "Xid errors reported for the GPU, all codes (starts at 0, so a first Xid is an increase).",
+                ids,
+                sum(xid.count for xid in snap.xids if xid.gpu == sample.index),
+            )
             for family in _GPU_FAMILIES:
                 for extra, read in family.series:
                     out.add(family.name, family.documentation, {**ids, **dict(extra)}, read(sample), family.counter)
@@ -581,6 +638,7 @@ class SnapshotCollector(Collector):
 
     def _policy(self, out: _Families, snap: NodeSnapshot) -> None:
         uuids = self._uuids(snap)
+        answering = frozenset(sample.index for sample in snap.gpus if sample.up)
         for plan in snap.policy:
             labels = {
                 "item": plan.item,
@@ -593,6 +651,14 @@ class SnapshotCollector(Collector):
                 labels,
                 float(plan.in_sync),
             )
+            if plan.item != "gpu":  # an unreadable GPU is reported as lost, not as a policy item
+                out.gauge(
+                    "gpu_agent_policy_drift",
+                    "1 when a policy item is off its desired value on a device that answers (not a pending "
+                    "reboot, not a lost GPU), else 0.",
+                    labels,
+                    float(is_drift(plan, answering)),
+                )
             for status in PlanStatus:
                 out.gauge(
                     "gpu_agent_policy_status",
@@ -655,12 +721,26 @@ class SnapshotCollector(Collector):
 
     @staticmethod
     def _remediations(out: _Families, snap: NodeSnapshot) -> None:
-        for count in snap.remediations:
+        # Every outcome of a (rule, action) the agent has decided on starts at 0, so the first
+        # failure after a success is an increase; the node total exists from the start.
+        counts = {(c.rule, c.action, c.outcome): c.count for c in snap.remediations}
+        outcomes = [o.value for o in Outcome]
+        outcomes += sorted({c.outcome for c in snap.remediations} - set(outcomes))
+        for rule, action in sorted({(c.rule, c.action) for c in snap.remediations}):
+            for outcome in outcomes:
+                out.counter(
+                    "gpu_agent_remediations",
+                    "Remediation decisions of rules, by outcome (dry_run: observe mode or a dry-run rule, what the "
+                    "agent would have done; refused: a safety check said no).",
+                    {"rule": rule, "action": action, "outcome": outcome},
+                    counts.get((rule, action, outcome), 0),
+                )
+        for outcome in outcomes:
             out.counter(
-                "gpu_agent_remediations",
-                "Remediation actions taken by rules, by outcome.",
-                {"rule": count.rule, "action": count.action, "outcome": count.outcome},
-                count.count,
+                "gpu_agent_remediation_outcomes",
+                "Remediation decisions of all rules, by outcome.",
+                {"outcome": outcome},
+                sum(c.count for c in snap.remediations if c.outcome == outcome),
             )
 
     @staticmethod
@@ -788,7 +868,8 @@ class MetricsServer:
         self._thread.start()
 
     def _health(self) -> tuple[int, dict[str, object]]:
-        """200 while snapshots keep coming; 503 before the first one or once the last is too old."""
+        """200 while snapshots keep coming; 503 before the first one, once the last is too old, or while
+        the node has a problem (no driver, no or missing GPUs)."""
         snapshot = self._get_snapshot()
         if snapshot is None:
             return 503, {"status": "starting", "detail": "no snapshot yet"}
@@ -797,6 +878,11 @@ class MetricsServer:
         if self._stale_after_seconds is not None and age_seconds > self._stale_after_seconds:
             body["status"] = "stale"
             body["detail"] = f"last snapshot is {age_seconds:.0f} s old (limit {self._stale_after_seconds:g} s)"
+            return 503, body
+        problem = node_problem(snapshot)
+        if problem is not None:
+            # No driver or missing GPUs: the agent runs, but the node is not one to send work to.
+            body.update(status="problem", cause=problem.cause.value, detail=problem.detail)
             return 503, body
         return 200, body
 

@@ -15,6 +15,7 @@ from agent.service_export import status_document, unattributed_document
 from agent.state import GpuSample, NodeSnapshot, ServiceStatus
 from agent.store import StoredEvent, StoredRemediation
 from agent.textview import table
+from agent.verdict import attention, drifted, node_problem, throttled_reasons
 
 
 def _gpu(gpu: int | None) -> str:
@@ -59,9 +60,22 @@ def snapshot_document(snapshot: NodeSnapshot, source: str, note: str = "", mode:
             else None
         )
         entry["throttling"] = sorted(reason for (gpu, reason) in snapshot.throttle_active_since if gpu == sample.index)
+        entry["throttled"] = throttled_reasons(snapshot, sample.index)
+        entry["pcie_degraded"] = sample.index in snapshot.pcie_degraded
         gpus.append(entry)
     policy_items = [plan_item_json(p, snapshot.item_modes.get(p.item, mode)) for p in snapshot.policy]
+    problem = node_problem(snapshot)
+    needs = attention(snapshot, mode)
     return {
+        # the daemon's verdict: the same one STATUS=, /healthz and /metrics carry (agent/verdict.py)
+        "verdict": {
+            "exit_code": 2 if needs else 0,
+            "attention": needs,
+            "problem": None if problem is None else {"cause": problem.cause.value, "detail": problem.detail},
+            "reboot_recommended": snapshot.reboot_recommended,
+            "expected_gpus": snapshot.expected_gpus,
+            "drift": [{"item": p.item, "gpu": p.gpu} for p in drifted(snapshot)],
+        },
         "source": source,
         "note": note,
         "version": snapshot.version,
@@ -77,6 +91,7 @@ def snapshot_document(snapshot: NodeSnapshot, source: str, note: str = "", mode:
         "xids": [asdict(x) for x in snapshot.xids],
         **services_json(snapshot),
         "remediations": [asdict(r) for r in snapshot.remediations],
+        "recent_remediations": [asdict(r) for r in snapshot.recent_remediations],
         "recent_events": [event_json(e) for e in snapshot.recent_events[-20:]],
         "collectors": [asdict(c) for c in snapshot.collectors],
     }

@@ -18,9 +18,18 @@ from agent.backend.errors import GpuError
 from agent.config import AgentConfig
 from agent.events import Event, Health, HealthState
 from agent.gpu_attribution import GpuAttribution
+from agent.host.paths import HostPaths
 from agent.policy.base import ItemPlan
 from agent.service_metrics import ServiceFigures
-from agent.state import CollectorStatus, GpuSample, NodeSnapshot, RemediationCount, ServiceStatus
+from agent.state import (
+    CollectorStatus,
+    GpuSample,
+    NodeSnapshot,
+    RecentRemediation,
+    RemediationCount,
+    ServiceStatus,
+)
+from agent.verdict import reboot_recommended
 from agent.watch.devices import DeviceWatcher
 from agent.watch.fabric import FabricWatcher
 from agent.watch.gpu_lost import GpuLostWatcher
@@ -42,11 +51,12 @@ class NodeWatchers:
         self.throttle = ThrottleWatcher()
         self.devices = DeviceWatcher()
         self.xid = XidWatcher(identities, clock=clock)
+        self.pcie = PcieWatcher()
         polled: list[PollWatcher] = [
             self.throttle,
             MemoryWatcher(),
             GpuLostWatcher(),
-            PcieWatcher(),
+            self.pcie,
             NvLinkWatcher(),
             FabricWatcher(),
         ]
@@ -86,6 +96,7 @@ class DaemonParts:
     remediations: tuple[RemediationCount, ...] = ()
     collectors: tuple[CollectorStatus, ...] = ()
     recent_events: tuple[Event, ...] = ()
+    recent_remediations: tuple[RecentRemediation, ...] = ()
     collect_duration_seconds: float = 0.0
 
 
@@ -142,4 +153,10 @@ def build_snapshot(
         service_figures=dict(service_figures or {}),
         gpu_attribution=gpu_attribution,
         service_slo_seconds=service_slo_seconds(config),
+        backend_error="" if parts.backend_error is None else str(parts.backend_error),
+        pcie_degraded=frozenset(
+            s.index for s in samples if watchers.pcie.health(s.index).state is not HealthState.HEALTHY
+        ),
+        reboot_recommended=reboot_recommended(config.state_dir, HostPaths.at(config.host_root)),
+        recent_remediations=parts.recent_remediations,
     )

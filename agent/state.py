@@ -134,6 +134,18 @@ class RemediationCount:
 
 
 @dataclass(frozen=True)
+class RecentRemediation:
+    """One decision of the remediator, for the status screen ("3m ago: would restart sglang")."""
+
+    started_seconds: float
+    rule: str
+    action: str
+    target: str  # "service:sglang", "gpu:GPU-...", "node"
+    outcome: str
+    detail: str
+
+
+@dataclass(frozen=True)
 class NodeSnapshot:
     """Everything the daemon knows after one loop. Metrics, the status API and rules read only this."""
 
@@ -159,3 +171,9 @@ class NodeSnapshot:
     gpu_attribution: GpuAttribution | None = None  # GPU processes per service; None until mapped
     # service -> latency kind ("e2e", "ttft") -> its p95 objective (`services[].slo`), for dashboards
     service_slo_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
+    # the daemon's verdicts beyond per-GPU health (see agent/verdict.py)
+    backend_error: str = ""  # why the GPU backend cannot be read; "" while it can
+    pcie_degraded: frozenset[int] = frozenset()  # GPUs whose link the PCIe watcher judges degraded
+    reboot_recommended: str | None = None  # the reason in state_dir/reboot-recommended, for this boot
+    expected_gpus: int | None = None  # how many GPUs this node should show (set by the publisher)
+    recent_remediations: tuple[RecentRemediation, ...] = ()

@@ -4,8 +4,11 @@ daemon imports only this, the socket client and the config file's `api.socket`, 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import time
 from collections.abc import Sequence
-from typing import Any
+from typing import IO, Any
 
 from agent.service_text import status_line, unattributed_lines
 
@@ -33,66 +36,130 @@ def _fmt(value: object, unit: str = "", digits: int = 0) -> str:
     return f"{value}{unit}"
 
 
-def status_text(document: dict[str, Any]) -> str:
-    """The human view of a status document (daemon or direct)."""
-    lines = [
-        f"gpu-agent {document['version']} ({document['source']}"
-        + (f": {document['note']}" if document.get("note") else "")
-        + f"); backend {document['backend']}, driver {document['driver_version'] or '-'}"
-        + (f", up {_duration(document['uptime_seconds'])}" if document["source"] == "daemon" else ""),
-        "",
-    ]
-    rows = []
-    for g in document["gpus"]:
-        health = g.get("health") or {}
-        rows.append(
-            [
-                str(g["index"]),
-                g["name"] or "?",
-                ("STALE " if g.get("stale") else "") + (health.get("state") or ("up" if g["up"] else "DOWN")),
-                _fmt(g["temperature_celsius"], " C"),
-                f"{_fmt(g['power_usage_watts'], '', 0)}/{_fmt(g['power_limit_watts'], ' W', 0)}",
-                f"{_fmt(g['sm_clock_mhz'])}/{_fmt(g['memory_clock_mhz'])} MHz",
-                _fmt(g["gpu_utilization_percent"], "%"),
-                "/".join(f"{f}%" for f in g["fan_speeds_percent"]) if g["fan_speeds_percent"] else "-",
-                ", ".join(g["clock_event_reasons_active"] or []) or "-",
-                health.get("reason") or ", ".join(f"{k}: {v}" for k, v in g["read_errors"].items()),
-            ]
-        )
-    lines.append(
-        table(
-            ["GPU", "NAME", "HEALTH", "TEMP", "POWER", "SM/MEM CLOCK", "UTIL", "FANS", "CLOCK EVENTS", "REASON"], rows
-        )
+STATUS_WIDTH_COLUMNS = 100  # the status screen fits this; wider only when the terminal is
+EXIT_HEALTHY = 0
+EXIT_COULD_NOT_TELL = 1
+EXIT_ATTENTION = 2
+
+_NAME_COLUMNS = 16  # "NVIDIA RTX PRO 6~": the reason column needs the room more
+_ATTENTION_LINES = 8
+_MIN_REASON_COLUMNS = 12
+_COLOURS = {"healthy": "32", "degraded": "33", "unhealthy": "31", "LOST": "31", "problem": "1;31", "reboot": "1;33"}
+
+
+def use_colour(stream: IO[str]) -> bool:
+    """Colour only on a terminal, and never with NO_COLOR set (https://no-color.org)."""
+    return stream.isatty() and not os.environ.get("NO_COLOR")
+
+
+def screen_width() -> int:
+    return max(STATUS_WIDTH_COLUMNS, shutil.get_terminal_size((STATUS_WIDTH_COLUMNS, 24)).columns)
+
+
+def status_exit_code(document: dict[str, Any]) -> int:
+    """Like `plan`: 0 all healthy, 2 attention needed, 1 could not tell (no verdict in the answer)."""
+    verdict = document.get("verdict")
+    if not isinstance(verdict, dict) or verdict.get("exit_code") not in (EXIT_HEALTHY, EXIT_ATTENTION):
+        return EXIT_COULD_NOT_TELL
+    return int(verdict["exit_code"])
+
+
+def ago(seconds: float | None, now: float) -> str:
+    """When something happened, relative to now, as "3m ago"."""
+    if seconds is None:
+        return "-"
+    elapsed = max(0, int(now - seconds))
+    if elapsed < 60:
+        return f"{elapsed}s ago"
+    if elapsed < 3600:
+        return f"{elapsed // 60}m ago"
+    if elapsed < 86400:
+        return f"{elapsed // 3600}h{elapsed % 3600 // 60:02d}m ago"
+    return f"{elapsed // 86400}d ago"
+
+
+def _gib(used: int | None, total: int | None) -> str:
+    if used is None or total is None:
+        return "-"
+    return f"{used / 2**30:.0f}/{total / 2**30:.0f}G"
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(0, width - 1)] + "~"
+
+
+class _Paint:
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+
+    def __call__(self, text: str, key: str) -> str:
+        code = _COLOURS.get(key)
+        return f"\033[{code}m{text}\033[0m" if self.enabled and code else text
+
+
+def status_text(
+    document: dict[str, Any], *, now: float | None = None, width: int | None = None, colour: bool = False
+) -> str:
+    """The operator's one screen of a status document (daemon or direct): the verdict first, then the
+    GPUs, policy, Xids, services, remediations and events with how long ago they happened."""
+    now = time.time() if now is None else now
+    width = STATUS_WIDTH_COLUMNS if width is None else width
+    paint = _Paint(colour)
+    verdict = document.get("verdict") or {}
+    header = (
+        f"gpu-agent {document['version']} ({document['source']}); backend {document['backend']}, "
+        f"driver {document['driver_version'] or '-'}"
+        + (f", up {_duration(document['uptime_seconds'])}" if document["source"] == "daemon" else "")
     )
-    lines.extend(_telemetry_line(g) for g in document["gpus"] if g["up"])
-    items = document["policy"]["items"]
-    off = [i for i in items if i["status"] not in ("in_sync", "not_applicable")]
+    lines = [_clip(header, width)]
+    if document.get("note"):
+        lines.append(_clip(document["note"], width))
+    problem = verdict.get("problem")
+    if problem:
+        lines.append(paint(_clip(f"PROBLEM: {problem['detail']}", width), "problem"))
+    if verdict.get("reboot_recommended"):
+        lines.append(paint(_clip(f"REBOOT RECOMMENDED: {verdict['reboot_recommended']}", width), "reboot"))
     lines.append("")
-    lines.append(f"policy: {len(items) - len(off)}/{len(items)} items in sync")
-    lines.extend(
-        f"  {i['item']}{'' if i['gpu'] is None else ' GPU ' + str(i['gpu'])}: {i['status']} "
-        f"(want {i['desired']}, have {i['actual']}){' - ' + i['detail'] if i['detail'] else ''}"
-        for i in off
-    )
-    lines.extend(_readiness_lines(items))
+    lines.extend(_gpu_table(document, width, paint))
+    lines.extend(_clip(_telemetry_line(g), width) for g in document["gpus"] if g["up"])
+    lines.extend(_policy_lines(document, width))
+    lines.extend(_clip(line, width) for line in _readiness_lines(document["policy"]["items"]))
     if document["xids"]:
-        lines.append("")
-        lines.append("Xids: " + ", ".join(f"GPU {x['gpu']} Xid {x['xid']} x{x['count']}" for x in document["xids"]))
+        lines += ["", "Xids:"]
+        lines.extend(
+            _clip(
+                f"  GPU {_or_dash(x['gpu'])} Xid {x['xid']} x{x['count']}, last {ago(x['last_seen_seconds'], now)}",
+                width,
+            )
+            for x in document["xids"]
+        )
     services = service_lines(document)
     if services:
         lines.append("")
-        lines.extend(services)
-    if document["remediations"]:
-        lines.append("")
-        lines.append(
-            "remediations: "
-            + ", ".join(f"{r['rule']}/{r['action']} {r['outcome']} x{r['count']}" for r in document["remediations"])
+        lines.extend(_clip(line, width) for line in services)
+    recent_remediations = document.get("recent_remediations") or []
+    if recent_remediations:
+        lines += ["", "remediations:"]
+        lines.extend(
+            _clip(f"  {ago(r['started_seconds'], now):>8}  {_remediation(r)}", width) for r in recent_remediations[-5:]
         )
     recent = document["recent_events"][-5:]
     if recent:
-        lines.append("")
-        lines.append("recent events:")
-        lines.extend(f"  [{e['severity']}] {e['message']}" for e in recent)
+        lines += ["", "recent events:"]
+        lines.extend(
+            _clip(f"  {ago(e['timestamp_seconds'], now):>8}  [{e['severity']}] {e['message']}", width) for e in recent
+        )
+    attention = verdict.get("attention")
+    lines.append("")
+    if attention is None:
+        lines.append("verdict: unknown (the daemon sent no verdict)")
+    elif attention:
+        lines.append(paint(f"ATTENTION NEEDED ({len(attention)}):", "problem"))
+        lines.extend(_clip(f"  - {line}", width) for line in attention[:_ATTENTION_LINES])
+        if len(attention) > _ATTENTION_LINES:
+            lines.append(f"  ... and {len(attention) - _ATTENTION_LINES} more (status --json lists all)")
+    else:
+        lines.append(paint("all healthy", "healthy"))
     return "\n".join(lines)
 
 
@@ -150,6 +217,76 @@ def _memory(g: dict[str, Any]) -> str:
 def _telemetry_line(g: dict[str, Any]) -> str:
     hbm = g.get("memory_temperature_celsius")
     return f"GPU {g['index']}: {_memory(g)}; {_activity(g)}" + (f"; HBM {hbm} C" if hbm is not None else "")
+
+
+def _remediation(r: dict[str, Any]) -> str:
+    """A decision in a line; a dry run (observe mode) is what the agent would have done."""
+    if r["outcome"] == "dry_run" and r["detail"]:
+        return str(r["detail"])
+    return f"{r['rule']}: {r['action']} {r['target']} -> {r['outcome']}" + (f" ({r['detail']})" if r["detail"] else "")
+
+
+def _or_dash(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def _gpu_table(document: dict[str, Any], width: int, paint: _Paint) -> list[str]:
+    if not document["gpus"]:
+        return ["no GPUs"]
+    headers = ["GPU", "NAME", "HEALTH", "TEMP", "POWER", "MEMORY", "UTIL", "SM MHZ", "REASON"]
+    rows: list[list[str]] = []
+    states: list[str] = []
+    for g in document["gpus"]:
+        health = g.get("health") or {}
+        state = health.get("state") or "unknown"
+        if not g["up"]:
+            state = "LOST"
+        states.append(state)
+        reason = health.get("reason") or ", ".join(f"{k}: {v}" for k, v in g["read_errors"].items())
+        throttled = g.get("throttled") or []
+        if throttled and ", ".join(throttled) not in reason:
+            reason = f"{reason}; throttled: {', '.join(throttled)}" if reason else f"throttled: {', '.join(throttled)}"
+        rows.append(
+            [
+                str(g["index"]),
+                _clip(g["name"] or "?", _NAME_COLUMNS),
+                ("STALE " if g.get("stale") else "") + state,
+                _fmt(g["temperature_celsius"], " C"),
+                f"{_fmt(g['power_usage_watts'], '', 0)}/{_fmt(g['power_limit_watts'], ' W', 0)}",
+                _gib(g["memory_used_bytes"], g["memory_total_bytes"]),
+                _fmt(g["gpu_utilization_percent"], "%"),
+                _fmt(g["sm_clock_mhz"]),
+                reason or "-",
+            ]
+        )
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(cell)) for w, cell in zip(widths, row)]
+    # Every column but the last keeps its width; the reason gets what is left of the screen.
+    fixed = sum(widths[:-1]) + 2 * (len(widths) - 1)
+    widths[-1] = max(_MIN_REASON_COLUMNS, min(widths[-1], width - fixed))
+    health_column = headers.index("HEALTH")
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    for row, state in zip(rows, states):
+        cells = [_clip(cell, w).ljust(w) for cell, w in zip(row, widths)]
+        cells[health_column] = paint(cells[health_column], state)
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def _policy_lines(document: dict[str, Any], width: int) -> list[str]:
+    items = document["policy"]["items"]
+    off = [i for i in items if i["status"] not in ("in_sync", "not_applicable")]
+    lines = ["", f"policy: {len(items) - len(off)}/{len(items)} items in sync"]
+    lines.extend(
+        _clip(
+            f"  {i['item']}{'' if i['gpu'] is None else ' GPU ' + str(i['gpu'])} ({i['mode']}): {i['status']} "
+            f"(want {i['desired']}, have {i['actual']}){' - ' + i['detail'] if i['detail'] else ''}",
+            width,
+        )
+        for i in off
+    )
+    return lines
 
 
 def _duration(seconds: float) -> str:

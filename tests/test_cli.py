@@ -211,9 +211,11 @@ def test_restore_returns_defaults(tmp_path: Path) -> None:
 def test_status_direct_read(tmp_path: Path) -> None:
     config = write_config(tmp_path, profile="mixed")
     result = gpu_agent("status", "--json", "--config", str(config))
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 2, result.stderr  # power_limit drifted in enforce mode: attention needed
     doc = json.loads(result.stdout)
     assert doc["source"] == "direct" and "no daemon" in doc["note"]
+    assert doc["verdict"]["problem"] is None
+    assert any(line.startswith("policy drift: power_limit on GPU 0") for line in doc["verdict"]["attention"])
     gpus = doc["gpus"]
     assert len(gpus) == 6
     h200 = gpus[0]
@@ -231,11 +233,12 @@ def test_status_without_a_driver_says_so_in_one_line(tmp_path: Path) -> None:
     config = tmp_path / "agent.yaml"
     config.write_text("backend: nvml\n")
     result = gpu_agent("status", "--config", str(config))
-    assert result.returncode == 1
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("gpu-agent: NVIDIA driver")
-    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert result.returncode == 2  # the driver unreadable: attention needed, never "all healthy"
+    problems = [line for line in result.stdout.splitlines() if line.startswith("PROBLEM: ")]
+    assert len(problems) == 1, result.stdout
+    assert problems[0].startswith("PROBLEM: GPU driver unreadable: NVIDIA driver")
+    assert "all healthy" not in result.stdout
+    assert "Traceback" not in result.stderr and result.stderr == ""
 
 
 @pytest.mark.parametrize(

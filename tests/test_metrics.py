@@ -154,13 +154,18 @@ def test_gpu_state_health_stale_and_lost(full: Samples) -> None:
             for s in series(full, "gpu_agent_gpu_health", gpu=str(index))
         }
         assert one_hot == {s: float(s == state) for s in ("healthy", "degraded", "unhealthy")}
-    # the lost GPU keeps identity, up and stale, and nothing else
+    # the lost GPU keeps identity, up, stale and the verdicts, and no reading
     lost = {name for (name, labels) in full if ("gpu", "3") in labels}
     assert lost == {
         "gpu_agent_gpu_info",
         "gpu_agent_gpu_up",
         "gpu_agent_gpu_stale",
         "gpu_agent_gpu_health",
+        "gpu_agent_gpu_health_info",
+        "gpu_agent_gpu_pcie_degraded",
+        "gpu_agent_gpu_throttled",
+        "gpu_agent_gpu_xid_errors_total",
+        "gpu_agent_policy_drift",
         "gpu_agent_gpu_read_error",
         "gpu_agent_xid_errors_total",
         "gpu_agent_xid_last_seen_timestamp_seconds",
@@ -243,7 +248,15 @@ def test_none_readings_are_omitted_not_zero() -> None:
     bare = GpuSample(0, gpu_uuid(0), "NVIDIA H200", "00000000:18:00.0", up=True, timestamp_seconds=TIMESTAMP_SECONDS)
     samples = samples_of(render(node_snapshot(gpus=(bare,), health={}, policy=(), clock_event_seconds={}, xids=())))
     per_gpu = {name for (name, labels) in samples if ("gpu", "0") in labels}
-    assert per_gpu == {"gpu_agent_gpu_info", "gpu_agent_gpu_up", "gpu_agent_gpu_stale"}
+    # readings are omitted; the verdicts (nothing found: 0) are not
+    assert per_gpu == {
+        "gpu_agent_gpu_info",
+        "gpu_agent_gpu_up",
+        "gpu_agent_gpu_stale",
+        "gpu_agent_gpu_pcie_degraded",
+        "gpu_agent_gpu_throttled",
+        "gpu_agent_gpu_xid_errors_total",
+    }
 
 
 def test_unknown_recovery_action_gets_its_own_series() -> None:

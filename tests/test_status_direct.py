@@ -57,7 +57,7 @@ def _direct(agent: RunningAgent) -> dict[str, Any]:
         text=True,
         timeout=60,
     )
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 2, result.stderr  # a GPU not healthy: attention needed
     return dict(json.loads(result.stdout))
 
 
@@ -80,4 +80,5 @@ def test_daemon_and_direct_read_give_the_same_verdict(tmp_path: Path, fault: str
     assert daemon["source"] == "daemon" and direct["source"] == "direct"
     assert _health(direct) == _health(daemon)
     assert _health(direct)[gpu]["state"] != "healthy"
+    assert direct["verdict"]["exit_code"] == daemon["verdict"]["exit_code"] == 2
     assert direct["note"] == "direct read (--direct)"

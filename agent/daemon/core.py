@@ -118,7 +118,7 @@ class Daemon:
         snapshot = self._snapshot(now, samples, time.monotonic() - started)
         self.memory.save(self.watchers.xid, now)
         self.remediator.remediate(snapshot, events, now)
-        self.publisher.publish(snapshot)
+        snapshot = self.publisher.publish(snapshot)
         self.watchdog.beat()
         return snapshot
 
@@ -165,6 +165,7 @@ class Daemon:
             remediations=self.remediator.counts(),
             collectors=collectors,
             recent_events=self.intake.recent,
+            recent_remediations=self.remediator.recent(),
             collect_duration_seconds=duration_seconds,
         )
 

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from agent import __version__
 from agent.config import AgentConfig
 from agent.events import HealthState
+from agent.memory import expected_gpu_count
 from agent.notify import SdNotifier
-from agent.policy.base import PlanStatus
 from agent.state import NodeSnapshot
+from agent.verdict import drifted, node_problem
 
 
 class Publisher:
@@ -32,10 +34,14 @@ class Publisher:
         with self._lock:
             self._snapshot = snapshot
 
-    def publish(self, snapshot: NodeSnapshot) -> None:
-        """A loop's snapshot: to the readers and, as one line, to systemd."""
+    def publish(self, snapshot: NodeSnapshot) -> NodeSnapshot:
+        """A loop's snapshot, with the expected GPU count: to the readers and, as one line, to systemd."""
+        # Node memory (agent.memory) keeps a GPU that left the bus in the snapshot, down, until it answers
+        # or is acknowledged gone: the snapshot's GPUs are the ones this node should have.
+        snapshot = replace(snapshot, expected_gpus=expected_gpu_count(snapshot) or None)
         self.set(snapshot)
         self.notifier.status(status_line(snapshot) + self.status_note)
+        return snapshot
 
     def serve(self, config: AgentConfig, stale_after_seconds: float) -> list[Callable[[], None]]:
         """The metrics endpoint and the status API; what closes them."""
@@ -60,17 +66,22 @@ class Publisher:
 
 
 def status_line(snapshot: NodeSnapshot) -> str:
-    """One line for systemd's STATUS= (what `systemctl status gpu-agent` shows)."""
+    """One line for systemd's STATUS= (what `systemctl status gpu-agent` shows); a node problem
+    (no driver, no or missing GPUs) comes first, so it is never read as health."""
     total = len(snapshot.gpus)
     unhealthy = sum(1 for h in snapshot.health.values() if h.state is HealthState.UNHEALTHY)
     degraded = sum(1 for h in snapshot.health.values() if h.state is HealthState.DEGRADED)
-    drift = sum(1 for p in snapshot.policy if p.status in (PlanStatus.DRIFT, PlanStatus.ERROR))
-    parts = [f"{total} GPUs"]
+    drift = len(drifted(snapshot))
+    problem = node_problem(snapshot)
+    parts = [f"PROBLEM: {problem.detail}"] if problem is not None else []
+    parts.append(f"{total} GPUs")
     if unhealthy or degraded:
         parts.append(f"{unhealthy} unhealthy, {degraded} degraded")
-    else:
+    elif problem is None:
         parts.append("all healthy")
     if snapshot.stale_gpus:
         parts.append(f"{len(snapshot.stale_gpus)} stale")
-    parts.append(f"policy: {drift} item(s) off" if drift else "policy in sync")
+    parts.append(f"policy: {drift} item(s) drifted" if drift else "policy in sync")
+    if snapshot.reboot_recommended is not None:
+        parts.append(f"REBOOT RECOMMENDED: {snapshot.reboot_recommended}")
     return "; ".join(parts)

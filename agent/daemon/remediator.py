@@ -13,7 +13,7 @@ from pathlib import Path
 import structlog
 
 from agent.attempt_clock import AttemptClock, ClockReading
-from agent.config import AgentConfig
+from agent.config import AgentConfig, Mode
 from agent.daemon.action_worker import ActionWorker, target_fields
 from agent.daemon.alert_delivery import AlertDelivery
 from agent.daemon.timing import due
@@ -23,9 +23,10 @@ from agent.rules.actions import ActionContext, AlertTracker
 from agent.rules.config import Rule, load_rules
 from agent.rules.engine import evaluate, gpus_by_service
 from agent.rules.model import ActionOutcome, Decision, Outcome
+from agent.rules.params import NODE_CHANGING_ACTIONS
 from agent.rules.sources import resolve_rules
 from agent.services import ServiceManager
-from agent.state import CollectorStatus, NodeSnapshot, RemediationCount
+from agent.state import CollectorStatus, NodeSnapshot, RecentRemediation, RemediationCount
 from agent.store import Store, StoreError
 
 log = structlog.get_logger("gpu-agent")
@@ -125,6 +126,20 @@ class Remediator:
             log.error("cannot read remediation counts", error=str(exc))
             return ()
 
+    def recent(self, limit: int = 10) -> tuple[RecentRemediation, ...]:
+        """The newest decisions, for the status screen."""
+        if self.store is None:
+            return ()
+        try:
+            stored = self.store.remediations(limit=limit)
+        except StoreError as exc:
+            log.error("cannot read recent remediations", error=str(exc))
+            return ()
+        return tuple(
+            RecentRemediation(r.started_seconds, r.rule, r.action, r.target_key, r.outcome.value, r.detail or r.reason)
+            for r in stored
+        )
+
     def _evaluate(self, store: Store, snapshot: NodeSnapshot, keyed_events: list[Event], now: float) -> None:
         new = [keyed for keyed in keyed_events if store.record_event(keyed)]
         history = self.worker.history(store, now)
@@ -135,9 +150,11 @@ class Remediator:
             store.mark_handled(event.key)
 
     def _act(self, decision: Decision, now: float) -> None:
-        if decision.action is None or decision.dry_run:
+        observed = self._observe_only(decision)
+        if decision.action is None or decision.dry_run or observed:
             outcome = Outcome.SUPPRESSED if decision.action is None else Outcome.DRY_RUN
-            self._record(ActionOutcome(decision, outcome, decision.reason, now, now), self.attempt_clock.reading(now))
+            detail = _would(decision) if observed else decision.reason
+            self._record(ActionOutcome(decision, outcome, detail, now, now), self.attempt_clock.reading(now))
             log.info(
                 f"action {outcome.value}",
                 rule=decision.rule,
@@ -155,6 +172,13 @@ class Remediator:
             reason=decision.reason,
             **target_fields(decision),
         )
+
+    def _observe_only(self, decision: Decision) -> bool:
+        """In observe mode an action that changes the node is recorded as what the agent would have
+        done (a dry run), not sent to the worker to be refused: the operator sees the decision, and a
+        refusal keeps meaning a safety check said no."""
+        action = decision.action
+        return action is not None and action.kind in NODE_CHANGING_ACTIONS and self.config.mode is Mode.OBSERVE
 
     def _refresh_alerts(self, events: Sequence[Event], now: float) -> None:
         """Queued for the alert delivery thread: nothing outbound runs on the loop."""
@@ -202,6 +226,14 @@ class Remediator:
             self.store.record_outcome(outcome, reading)
         except StoreError as exc:
             log.error("could not record a remediation", error=str(exc), rule=outcome.decision.rule)
+
+
+def _would(decision: Decision) -> str:
+    """What the agent would have done, as "observe mode: would restart service sglang (rule ...)"."""
+    target = decision.target
+    what = target.service or (f"GPU {target.gpu}" if target.gpu is not None else "the node")
+    kind = decision.action.kind.value if decision.action is not None else "act"
+    return f"observe mode: would {kind.replace('_', ' ')} {what} (rule {decision.rule})"
 
 
 def load_rules_dir(config: AgentConfig) -> list[Rule]:

@@ -36,7 +36,7 @@ COUNTER_REASONS: dict[str, str] = {"power_violation_ns": "sw_power_cap"}
 #: The hardware protecting itself from heat or a failing power supply: a real problem right now.
 _CRITICAL_REASONS = frozenset({"hw_thermal_slowdown", "hw_power_brake_slowdown"})
 #: The power limiter holding clocks under a configured limit: expected, and healthy.
-_EXPECTED_REASONS = frozenset({"sw_power_cap"})
+EXPECTED_REASONS = frozenset({"sw_power_cap"})
 MARGIN_HYSTERESIS_CELSIUS = 2
 
 
@@ -99,7 +99,7 @@ class ThrottleWatcher:
         if state is None:
             return Health.healthy()
         parts: list[Health] = []
-        slowed = [r for r in state.started_seconds if r not in _EXPECTED_REASONS]
+        slowed = [r for r in state.started_seconds if r not in EXPECTED_REASONS]
         if slowed:
             parts.append(
                 Health(HealthState.DEGRADED, f"clocks slowed by {', '.join(slowed)}", SuggestedAction.CHECK_MECHANICALS)
@@ -172,12 +172,12 @@ class ThrottleWatcher:
     def _started(sample: GpuSample, reason: str, now_seconds: float) -> Event:
         if reason in _CRITICAL_REASONS:
             severity = Severity.CRITICAL
-        elif reason in _EXPECTED_REASONS:
+        elif reason in EXPECTED_REASONS:
             # Informational: the power limit the operator set is doing its job.
             severity = Severity.INFO
         else:
             severity = Severity.WARNING
-        action = SuggestedAction.NONE if reason in _EXPECTED_REASONS else SuggestedAction.CHECK_MECHANICALS
+        action = SuggestedAction.NONE if reason in EXPECTED_REASONS else SuggestedAction.CHECK_MECHANICALS
         context = []
         if sample.temperature_celsius is not None:
             context.append(f"{sample.temperature_celsius} C")

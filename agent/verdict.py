@@ -1,0 +1,118 @@
+"""The node's verdicts, derived from one NodeSnapshot in one place: what `/metrics` exports as the
+daemon's judgement, what STATUS= and `/healthz` say, and what `gpu-agent status` shows and exits
+with. The alert rules and the dashboard are built on the exported verdicts, so every view of the
+node agrees with the daemon.
+
+- A node problem (no driver, no GPU readable, fewer GPUs than expected) is the worst state, not
+  health: an empty GPU table reads "all healthy" otherwise.
+- Throttling counts only for the reasons the throttle watcher treats as a problem: idle and the
+  power cap the agent was told to hold are normal.
+- Drift is a policy item off its desired value on a GPU that answers: `reboot_required` (set,
+  waiting for the reboot) is no drift, and a lost GPU is reported as lost, not as drift.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from agent.clock_events import SLOWDOWN_REASONS
+from agent.events import HealthState
+from agent.host.paths import HostPaths
+from agent.policy.base import ItemPlan, PlanStatus
+from agent.rules.actions.reboot import REBOOT_FLAG_NAME
+from agent.state import NodeSnapshot
+from agent.watch.throttle import EXPECTED_REASONS
+
+#: Clock-event reasons that make a GPU "throttled" in the daemon's eyes.
+THROTTLE_PROBLEM_REASONS: tuple[str, ...] = tuple(sorted(SLOWDOWN_REASONS - EXPECTED_REASONS))
+#: The GPU that could not be read at all is planned as item "gpu"; it is a lost GPU, not drift.
+_UNREADABLE_GPU_ITEM = "gpu"
+
+
+class NodeProblem(str, Enum):
+    BACKEND_UNREADABLE = "backend_unreadable"  # no driver, NVML cannot be loaded or initialised
+    NO_GPUS = "no_gpus"  # the backend answers but shows no GPU
+    GPUS_MISSING = "gpus_missing"  # fewer GPUs answer than the node should have
+
+
+@dataclass(frozen=True)
+class Problem:
+    cause: NodeProblem
+    detail: str
+
+
+def node_problem(snapshot: NodeSnapshot) -> Problem | None:
+    """Why the node's GPUs cannot be trusted as a whole; None when they can be read."""
+    if snapshot.backend_error:
+        return Problem(NodeProblem.BACKEND_UNREADABLE, f"GPU driver unreadable: {snapshot.backend_error}")
+    if not snapshot.gpus:
+        return Problem(NodeProblem.NO_GPUS, "no GPUs found: is the NVIDIA driver loaded?")
+    answering = sum(1 for sample in snapshot.gpus if sample.up)
+    expected = snapshot.expected_gpus
+    if expected is not None and answering < expected:
+        return Problem(NodeProblem.GPUS_MISSING, f"{answering} of {expected} expected GPUs answer")
+    return None
+
+
+def throttled_reasons(snapshot: NodeSnapshot, gpu: int) -> list[str]:
+    """The slowdowns active on `gpu` that the daemon counts against its health."""
+    return sorted(
+        reason for (index, reason) in snapshot.throttle_active_since if index == gpu and reason not in EXPECTED_REASONS
+    )
+
+
+def is_drift(plan: ItemPlan, answering_gpus: frozenset[int]) -> bool:
+    if plan.status is not PlanStatus.DRIFT or plan.item == _UNREADABLE_GPU_ITEM:
+        return False
+    return plan.gpu is None or plan.gpu in answering_gpus
+
+
+def drifted(snapshot: NodeSnapshot) -> list[ItemPlan]:
+    answering = frozenset(sample.index for sample in snapshot.gpus if sample.up)
+    return [plan for plan in snapshot.policy if is_drift(plan, answering)]
+
+
+def attention(snapshot: NodeSnapshot, mode: str) -> list[str]:
+    """What needs an operator, one line each; empty when the node is all healthy."""
+    reasons: list[str] = []
+    problem = node_problem(snapshot)
+    if problem is not None:
+        reasons.append(problem.detail)
+    for sample in snapshot.gpus:
+        health = snapshot.health.get(sample.index)
+        if not sample.up:
+            reasons.append(f"GPU {sample.index} lost" + (f": {health.reason}" if health and health.reason else ""))
+        elif health is not None and health.state is not HealthState.HEALTHY:
+            reasons.append(f"GPU {sample.index} {health.state.value}: {health.reason}")
+    if snapshot.reboot_recommended is not None:
+        reasons.append(f"reboot recommended: {snapshot.reboot_recommended}")
+    for plan in drifted(snapshot):
+        if snapshot.item_modes.get(plan.item, mode) == "enforce":
+            where = "" if plan.gpu is None else f" on GPU {plan.gpu}"
+            reasons.append(f"policy drift: {plan.item}{where} (want {plan.desired}, have {plan.actual})")
+    return reasons
+
+
+def reboot_recommended(state_dir: str | Path, paths: HostPaths) -> str | None:
+    """The reason in `state_dir/reboot-recommended`; None without one, or when it was written before
+    the last boot (that reboot happened: the flag is spent)."""
+    try:
+        flag = json.loads((Path(state_dir) / REBOOT_FLAG_NAME).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return "reboot-recommended flag present (unreadable)"
+    if not isinstance(flag, dict):
+        return "reboot-recommended flag present (unreadable)"
+    written_boot = flag.get("boot_id")
+    if written_boot:
+        try:
+            current_boot = paths.read_text("/proc/sys/kernel/random/boot_id").strip()
+        except OSError:
+            current_boot = ""
+        if current_boot and current_boot != written_boot:
+            return None
+    return str(flag.get("reason") or "reboot recommended")

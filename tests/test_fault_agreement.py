@@ -1,0 +1,346 @@
+"""One truth: for every fault the simulator can inject (and a host without the driver, and a reboot
+recommendation), a real daemon's `status` (exit code and text), `status --json`, `/metrics` (the
+verdict series), STATUS= (sd_notify), `/healthz` and the alert rules (evaluated by promtool on the
+series scraped from that /metrics) all say the same thing about the node.
+
+The status document is the reference: from it the test predicts every other view, and the alerts on
+the verdicts that must fire (the rest of the verdict alerts must stay quiet).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from daemon_harness import RunningAgent, running_agent
+from helpers import wait_until
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parent.parent
+ALERTS = ROOT / "packaging/prometheus/gpu-agent-alerts.yaml"
+PROMTOOL = shutil.which("promtool")
+INSTANCE = {"instance": "node-1:9481", "job": "gpu-agent"}
+EVAL_MINUTES = 30  # longer than every `for:` of the rules: a verdict held that long has fired
+#: The alerts that restate a verdict; each is predicted from the status document below.
+VERDICT_ALERTS = (
+    "GpuLost",
+    "GpuUnhealthy",
+    "GpuDegraded",
+    "GpuStale",
+    "GpuNodeProblem",
+    "GpuRebootRecommended",
+    "GpuPolicyDrift",
+    "GpuPolicyDriftObserved",
+    "GpuPcieDegraded",
+    "GpuThermalSlowdown",
+    "GpuHwSlowdown",
+    "GpuPowerBrake",
+)
+
+pytestmark = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (apt-get install prometheus)")
+
+
+@dataclass(frozen=True)
+class Fault:
+    inject: tuple[str, ...]  # `gpu-agent inject ...` arguments; () for none
+    attention: bool  # what `status` must conclude: 2 (attention needed) or 0 (all healthy)
+    seen: Callable[[dict[str, Any]], bool]  # the daemon has taken the fault in
+    backend: str = "simulated"
+    profile: str = "h200x2"
+    reboot_flag: bool = False
+
+
+def gpu(document: dict[str, Any], index: int) -> dict[str, Any]:
+    return dict(next(g for g in document["gpus"] if g["index"] == index))
+
+
+def health(document: dict[str, Any], index: int) -> str:
+    return str((gpu(document, index).get("health") or {}).get("state"))
+
+
+def not_healthy(index: int) -> Callable[[dict[str, Any]], bool]:
+    return lambda d: health(d, index) != "healthy"
+
+
+FAULTS: dict[str, Fault] = {
+    "xid": Fault(("xid", "48", "--gpu", "1"), True, lambda d: bool(d["xids"]) and health(d, 1) != "healthy"),
+    "throttle thermal": Fault(
+        ("throttle", "--gpu", "1", "--reason", "hw_thermal_slowdown"), True, lambda d: bool(gpu(d, 1)["throttled"])
+    ),
+    # The power cap the agent holds: the reading says sw_power_cap, the verdict says healthy.
+    "throttle power cap": Fault(
+        ("throttle", "--gpu", "1", "--reason", "sw_power_cap"),
+        False,
+        lambda d: "sw_power_cap" in (gpu(d, 1)["clock_event_reasons_active"] or []),
+    ),
+    "temperature": Fault(("temperature", "--gpu", "1", "--celsius", "95"), True, not_healthy(1)),
+    "lost": Fault(("lost", "--gpu", "1"), True, lambda d: not gpu(d, 1)["up"]),
+    "reset-required": Fault(("reset-required", "--gpu", "1"), True, not_healthy(1)),
+    "ecc": Fault(("ecc", "--gpu", "1", "--uncorrected", "1"), True, not_healthy(1)),
+    "remap": Fault(("remap", "--gpu", "1", "--pending"), True, not_healthy(1)),
+    "pcie width": Fault(("pcie", "--gpu", "1", "--width", "8"), True, lambda d: gpu(d, 1)["pcie_degraded"]),
+    # An idle GPU (the RTX PRO idles in P8) trains its link down to save power: not degradation. (An
+    # H200 idles in P0, where a lower generation is degradation: the "pcie width" case covers that.)
+    "pcie idle downshift": Fault(
+        ("pcie", "--gpu", "4", "--generation", "1"),
+        False,
+        lambda d: gpu(d, 4)["pcie_generation"] == 1,
+        profile="mixed",
+    ),
+    # Observe mode: the drift is reported (an info alert), not an attention item.
+    "drift": Fault(
+        ("drift", "--gpu", "1", "--power-limit-watts", "650"),
+        False,
+        # (the policy loop re-plans on its own, slower tier: the reading shows the change first)
+        lambda d: (
+            gpu(d, 1)["power_limit_watts"] == 650.0 and {"item": "power_limit", "gpu": 1} in d["verdict"]["drift"]
+        ),
+    ),
+    "hang": Fault(
+        ("hang", "--gpu", "1", "--call", "temperature_celsius", "--seconds", "30"), True, lambda d: gpu(d, 1)["stale"]
+    ),
+    "fail": Fault(
+        ("fail", "--gpu", "1", "--call", "temperature_celsius", "--kind", "unknown"),
+        False,
+        lambda d: "temperature_celsius" in gpu(d, 1)["read_errors"],
+    ),
+    "processes": Fault(("processes", "--gpu", "1", "4242"), False, lambda d: bool(d["gpus"])),
+    "recovery-action": Fault(("recovery-action", "--gpu", "1", "gpu_reset"), True, not_healthy(1)),
+    "reboot": Fault(("reboot",), False, lambda d: bool(d["gpus"])),
+    "no driver": Fault((), True, lambda d: d["verdict"]["problem"] is not None, backend="nvml"),
+    "reboot recommended": Fault((), True, lambda d: d["verdict"]["reboot_recommended"] is not None, reboot_flag=True),
+}
+
+
+def cli(agent: RunningAgent, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "agent.cli", *args, "--config", str(agent.config_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def status_json(agent: RunningAgent) -> dict[str, Any]:
+    result = cli(agent, "status", "--json")
+    assert result.returncode in (0, 2), result.stderr
+    document: dict[str, Any] = json.loads(result.stdout)
+    assert document["verdict"]["exit_code"] == result.returncode
+    return document
+
+
+def metric_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    return [
+        (sample.name, dict(sample.labels), sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    ]
+
+
+def healthz(agent: RunningAgent) -> tuple[int, dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{agent.port}/healthz", timeout=5) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def last_status_line(agent: RunningAgent) -> str:
+    agent.notifications.poll(0.5)
+    lines = [fields["STATUS"] for _, fields in agent.notifications.received if "STATUS" in fields]
+    assert lines, "the daemon sent no STATUS="
+    return lines[-1]
+
+
+def verdict_view(document: dict[str, Any]) -> Any:
+    """What must not change while the views are captured."""
+    return (
+        document["verdict"],
+        [
+            (g["index"], g["up"], g["stale"], (g["health"] or {}).get("state"), g["pcie_degraded"], g["throttled"])
+            for g in document["gpus"]
+        ],
+    )
+
+
+# -- predictions from the status document ---------------------------------------------------------
+
+
+def expected_alerts(document: dict[str, Any]) -> dict[str, list[dict[str, str]]]:
+    """Per verdict alert, the label sets (beyond instance/job/severity) that must fire."""
+    fired: dict[str, list[dict[str, str]]] = {name: [] for name in VERDICT_ALERTS}
+    for g in document["gpus"]:
+        ids = {"gpu": str(g["index"]), "uuid": g["uuid"]}
+        state = (g["health"] or {}).get("state")
+        if not g["up"]:
+            fired["GpuLost"].append(ids)
+        if state == "unhealthy":
+            fired["GpuUnhealthy"].append({**ids, "state": "unhealthy"})
+        if state == "degraded":
+            fired["GpuDegraded"].append({**ids, "state": "degraded"})
+        if g["stale"]:
+            fired["GpuStale"].append(ids)
+        if g["pcie_degraded"]:
+            fired["GpuPcieDegraded"].append(ids)
+        throttled = set(g["throttled"])
+        if throttled & {"sw_thermal_slowdown", "hw_thermal_slowdown"}:
+            fired["GpuThermalSlowdown"].append(ids)
+        if "hw_slowdown" in throttled:
+            fired["GpuHwSlowdown"].append({**ids, "reason": "hw_slowdown"})
+        if "hw_power_brake_slowdown" in throttled:
+            fired["GpuPowerBrake"].append({**ids, "reason": "hw_power_brake_slowdown"})
+    verdict = document["verdict"]
+    if verdict["problem"]:
+        fired["GpuNodeProblem"].append({"cause": verdict["problem"]["cause"]})
+    if verdict["reboot_recommended"]:
+        fired["GpuRebootRecommended"].append({"reason": verdict["reboot_recommended"]})
+    modes = {i["item"]: i["mode"] for i in document["policy"]["items"]}
+    uuids = {g["index"]: g["uuid"] for g in document["gpus"]}
+    for drift in verdict["drift"]:
+        labels = {"item": drift["item"], "gpu": "" if drift["gpu"] is None else str(drift["gpu"])}
+        labels["uuid"] = "" if drift["gpu"] is None else uuids[drift["gpu"]]
+        name = "GpuPolicyDrift" if modes[drift["item"]] == "enforce" else "GpuPolicyDriftObserved"
+        fired[name].append(labels)
+    return fired
+
+
+def promtool_case(
+    samples: list[tuple[str, dict[str, str], float]], fired: dict[str, list[dict[str, str]]]
+) -> dict[str, Any]:
+    rules = {rule["alert"]: rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]}
+
+    def alert(name: str, labels: dict[str, str]) -> dict[str, Any]:
+        full = {k: v for k, v in {**INSTANCE, **labels, **rules[name]["labels"]}.items() if v != ""}
+        annotations = {
+            key: re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m: full.get(m.group(1), ""), text).strip()
+            for key, text in rules[name]["annotations"].items()
+        }
+        return {"exp_labels": full, "exp_annotations": annotations}
+
+    def series(name: str, labels: dict[str, str]) -> str:
+        inner = ",".join(f"{k}={json.dumps(v)}" for k, v in {**INSTANCE, **labels}.items())
+        return f"{name}{{{inner}}}"
+
+    return {
+        "rule_files": [str(ALERTS)],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                # the scraped values, held: the verdict as the daemon gives it now
+                "input_series": [
+                    {"series": series(name, labels), "values": f"{value:g}x{EVAL_MINUTES}"}
+                    for name, labels, value in samples
+                ],
+                "alert_rule_test": [
+                    {
+                        "eval_time": f"{EVAL_MINUTES}m",
+                        "alertname": name,
+                        "exp_alerts": [alert(name, labels) for labels in fired[name]],
+                    }
+                    for name in VERDICT_ALERTS
+                ],
+            }
+        ],
+    }
+
+
+# -- the test -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", FAULTS)
+def test_every_view_agrees_on_the_fault(tmp_path: Path, name: str) -> None:
+    fault = FAULTS[name]
+    with running_agent(tmp_path, mode="observe", backend=fault.backend, profile=fault.profile) as agent:
+        agent.notifications.wait_for("READY", "1")
+        if fault.reboot_flag:
+            (agent.state_dir / "reboot-recommended").write_text(json.dumps({"reason": "Xid 79: GPU fell off the bus"}))
+        if fault.inject:
+            injected = cli(agent, "inject", *fault.inject)
+            assert injected.returncode == 0, injected.stderr
+        wait_until(lambda: fault.seen(status_json(agent)), 30, lambda: f"the daemon never took in {name}")
+        time.sleep(1.0)  # settle: watchers that need a few loops (PCIe, throttle) have had them
+        document = status_json(agent)
+        text = cli(agent, "status")
+        metrics = metric_samples(agent.metrics())
+        status_line = last_status_line(agent)
+        health_code, health_body = healthz(agent)
+        assert verdict_view(status_json(agent)) == verdict_view(document), "the verdict moved while captured"
+
+    verdict = document["verdict"]
+    # status: the exit code, and the text says what the document says
+    assert verdict["exit_code"] == (2 if fault.attention else 0), verdict
+    assert text.returncode == verdict["exit_code"], text.stdout + text.stderr
+    assert ("all healthy" in text.stdout.splitlines()) == (not fault.attention), text.stdout
+    problem = verdict["problem"]
+    problem_lines = [line for line in text.stdout.splitlines() if line.startswith("PROBLEM: ")]
+    assert len(problem_lines) == (1 if problem else 0), text.stdout
+    if problem:  # the one line naming the cause (cut to the screen's width)
+        assert f"PROBLEM: {problem['detail']}".startswith(problem_lines[0].removesuffix("~")), text.stdout
+    reboot_lines = [line for line in text.stdout.splitlines() if line.startswith("REBOOT RECOMMENDED: ")]
+    assert bool(reboot_lines) == bool(verdict["reboot_recommended"])
+    for g in document["gpus"]:
+        row = next(line for line in text.stdout.splitlines() if line.startswith(f"{g['index']}  "))
+        shown = "LOST" if not g["up"] else (g["health"] or {}).get("state")
+        assert f" {shown} " in f"{row} ", row
+    assert all(len(line) <= 100 for line in text.stdout.splitlines()), text.stdout
+
+    # /metrics: the verdict series are the document's
+    def values(metric: str) -> dict[tuple[tuple[str, str], ...], float]:
+        return {tuple(sorted(labels.items())): value for name_, labels, value in metrics if name_ == metric}
+
+    for g in document["gpus"]:
+        ids = (("gpu", str(g["index"])), ("uuid", g["uuid"]))
+        state = (g["health"] or {}).get("state")
+        health_series = {dict(k)["state"]: v for k, v in values("gpu_agent_gpu_health").items() if set(ids) <= set(k)}
+        assert health_series == {s: float(s == state) for s in ("healthy", "degraded", "unhealthy")}
+        assert values("gpu_agent_gpu_pcie_degraded")[tuple(sorted(ids))] == float(g["pcie_degraded"])
+        throttled = {
+            dict(k)["reason"] for k, v in values("gpu_agent_gpu_throttled").items() if set(ids) <= set(k) and v
+        }
+        assert throttled == set(g["throttled"])
+        assert values("gpu_agent_gpu_up")[tuple(sorted(ids))] == float(g["up"])
+    drift = {(dict(k)["item"], dict(k)["gpu"]) for k, v in values("gpu_agent_policy_drift").items() if v}
+    assert drift == {(d["item"], "" if d["gpu"] is None else str(d["gpu"])) for d in verdict["drift"]}
+    problems = {dict(k)["cause"] for k, v in values("gpu_agent_node_problem").items() if v}
+    assert problems == ({problem["cause"]} if problem else set())
+    assert values("gpu_agent_backend_up")[()] == float(not (problem and problem["cause"] == "backend_unreadable"))
+    reboot = {dict(k)["reason"]: v for k, v in values("gpu_agent_reboot_recommended").items()}
+    assert reboot == ({verdict["reboot_recommended"]: 1.0} if verdict["reboot_recommended"] else {"": 0.0})
+
+    # STATUS= and /healthz
+    assert status_line.startswith("PROBLEM: ") == bool(problem), status_line
+    assert ("all healthy" in status_line) == (
+        not any((g["health"] or {}).get("state") != "healthy" for g in document["gpus"]) and not problem
+    ), status_line
+    assert ("REBOOT RECOMMENDED" in status_line) == bool(verdict["reboot_recommended"]), status_line
+    assert health_code == (503 if problem else 200), health_body
+    if problem:
+        assert health_body["cause"] == problem["cause"] and health_body["detail"] == problem["detail"]
+
+    # the alert rules, evaluated on the scraped series, fire exactly the verdict alerts predicted
+    fired = expected_alerts(document)
+    severities = {
+        rule["alert"]: rule["labels"]["severity"]
+        for group in yaml.safe_load(ALERTS.read_text())["groups"]
+        for rule in group["rules"]
+    }
+    paging = any(fired[name] for name in VERDICT_ALERTS if severities[name] in ("warning", "critical"))
+    assert paging == fault.attention, fired
+    case = tmp_path / "agreement.yaml"
+    case.write_text(yaml.safe_dump(promtool_case(metrics, fired), sort_keys=False))
+    assert PROMTOOL is not None
+    proc = subprocess.run([PROMTOOL, "test", "rules", str(case)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr
