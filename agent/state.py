@@ -4,12 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from agent.backend.base import GpuProcess, NvLinkErrors
 from agent.events import Event, Health
-from agent.gpu_attribution import GpuAttribution
 from agent.policy.base import ItemPlan
-from agent.service_metrics import ServiceFigures
+
+if TYPE_CHECKING:
+    # Annotations only: the snapshot types stay importable without psutil, the config models or the
+    # Prometheus parser (bench/h200_telemetry_compare.py runs where only nvidia-ml-py is installed).
+    from agent.gpu_attribution import GpuAttribution
+    from agent.service_metrics import ServiceFigures
 
 
 @dataclass(frozen=True)

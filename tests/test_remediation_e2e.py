@@ -124,7 +124,15 @@ def test_unhealthy_service_is_restarted_through_the_command_adapter(tmp_path: Pa
             agent.notifications.wait_for("READY", "1")
             wait_until(lambda: agent.status()["services"][0]["up"] is True, what="service up")
             os.kill(first_pid, signal.SIGUSR1)  # the server starts answering 503
-            wait_until(lambda: pid_file.exists() and int(pid_file.read_text()) != first_pid, what="restart")
+            # the stand-in writes its pid file in place: an empty file is a start still under way
+            wait_until(
+                lambda: (
+                    pid_file.exists()
+                    and pid_file.read_text().strip().isdigit()
+                    and int(pid_file.read_text()) != first_pid
+                ),
+                what="restart",
+            )
             wait_until(lambda: "action finished" in agent.log(), what="action finished")
             finished = [json.loads(line) for line in agent.log().splitlines() if '"action finished"' in line]
             assert finished[0]["outcome"] == "success" and finished[0]["service"] == "sglang"

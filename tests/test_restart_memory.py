@@ -92,10 +92,21 @@ def memory_view(agent: RunningAgent) -> dict[str, Any]:
     status = agent.status()
     metrics = agent.metrics()
     flag = agent.state_dir / REBOOT_FLAG_NAME
+    # A GPU whose calls hang is stale: its `up` is that of the last sample it answered, which a fresh
+    # process may not have had yet. Its verdict (degraded, readings stale) is what must survive.
+    stale = {g["uuid"] for g in status["gpus"] if g["stale"]}
     return {
-        "gpus": {g["uuid"]: (g["index"], g["up"], g["health"]["state"], g["health"]["reason"]) for g in status["gpus"]},
+        "gpus": {
+            g["uuid"]: (
+                g["index"],
+                None if g["uuid"] in stale else g["up"],
+                g["health"]["state"],
+                g["health"]["reason"],
+            )
+            for g in status["gpus"]
+        },
         "xids": sorted((x["gpu"], x["uuid"], x["xid"], x["count"], x["last_seen_seconds"]) for x in status["xids"]),
-        "gpu_up": series(metrics, "gpu_agent_gpu_up"),
+        "gpu_up": {k: v for k, v in series(metrics, "gpu_agent_gpu_up").items() if not any(u in k for u in stale)},
         "xid_total": series(metrics, "gpu_agent_xid_errors_total"),
         "xid_last_seen": series(metrics, "gpu_agent_xid_last_seen_timestamp_seconds"),
         "expected": series(metrics, "gpu_agent_gpus_expected"),
