@@ -92,6 +92,7 @@ def snapshot_document(snapshot: NodeSnapshot, source: str, note: str = "", mode:
         **services_json(snapshot),
         "remediations": [asdict(r) for r in snapshot.remediations],
         "recent_remediations": [asdict(r) for r in snapshot.recent_remediations],
+        "rules": list(snapshot.rules_sources),
         "recent_events": [event_json(e) for e in snapshot.recent_events[-20:]],
         "collectors": [asdict(c) for c in snapshot.collectors],
     }

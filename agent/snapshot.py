@@ -97,6 +97,7 @@ class DaemonParts:
     collectors: tuple[CollectorStatus, ...] = ()
     recent_events: tuple[Event, ...] = ()
     recent_remediations: tuple[RecentRemediation, ...] = ()
+    rules_sources: tuple[str, ...] = ()  # the rules files read or masked, and where from
     collect_duration_seconds: float = 0.0
 
 
@@ -159,4 +160,5 @@ def build_snapshot(
         ),
         reboot_recommended=reboot_recommended(config.state_dir, HostPaths.at(config.host_root)),
         recent_remediations=parts.recent_remediations,
+        rules_sources=parts.rules_sources,
     )

@@ -182,3 +182,4 @@ class NodeSnapshot:
     reboot_recommended: str | None = None  # the reason in state_dir/reboot-recommended, for this boot
     expected_gpus: int | None = None  # how many GPUs this node should show (set by the publisher)
     recent_remediations: tuple[RecentRemediation, ...] = ()
+    rules_sources: tuple[str, ...] = ()  # `/usr/share/.../10-xid.yaml`, `... (overrides ...)`, `...: masked (...)`

@@ -137,6 +137,7 @@ def status_text(
     if services:
         lines.append("")
         lines.extend(_clip(line, width) for line in services)
+    lines.extend(_clip(line, width) for line in _rules_lines(document.get("rules") or []))
     recent_remediations = document.get("recent_remediations") or []
     if recent_remediations:
         lines += ["", "remediations:"]
@@ -161,6 +162,15 @@ def status_text(
     else:
         lines.append(paint("all healthy", "healthy"))
     return "\n".join(lines)
+
+
+def _rules_lines(sources: list[str]) -> list[str]:
+    """How many rules files the daemon read; the admin's overrides and masks by name."""
+    if not sources:
+        return []
+    read = [s for s in sources if ": masked" not in s]
+    changed = [s for s in sources if "(overrides " in s or ": masked" in s]
+    return ["", f"rules: {len(read)} file(s) read", *(f"  {s}" for s in changed)]
 
 
 def _readiness_lines(items: Sequence[dict[str, Any]]) -> list[str]:

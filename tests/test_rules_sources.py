@@ -114,3 +114,28 @@ def test_rules_dirs_defaults_and_the_old_rules_dir_alias() -> None:
     assert legacy.remediation.rules_dirs == list(DEFAULT_RULES_DIRS)
     with pytest.raises(ValueError, match="not both"):
         AgentConfig.model_validate({"remediation": {"rules_dir": "/a", "rules_dirs": ["/b"]}})
+
+
+def test_status_shows_which_rules_came_from_where(dirs: tuple[Path, Path]) -> None:
+    """The daemon's status names the admin's overrides and masks (the remediator loads them once)."""
+    from snapshots import node_snapshot
+
+    from agent.daemon.remediator import load_rules_dir
+    from agent.render import snapshot_document
+    from agent.textview import status_text
+
+    shipped, admin = dirs
+    write(admin, "20-thermal.yaml", rule("site-thermal"))
+    (admin / "30-service.yaml").symlink_to(os.devnull)
+    loaded = load_rules_dir(AgentConfig.model_validate({"remediation": {"rules_dirs": [str(shipped), str(admin)]}}))
+    document = snapshot_document(node_snapshot(rules_sources=loaded.sources), source="daemon")
+    assert document["rules"] == [
+        f"{shipped}/10-xid.yaml",
+        f"{admin}/20-thermal.yaml (overrides {shipped}/20-thermal.yaml)",
+        f"{admin}/30-service.yaml: masked (disables {shipped}/30-service.yaml)",
+    ]
+    text = status_text(document, width=400)  # a terminal wide enough for the temporary paths
+    assert "rules: 2 file(s) read" in text
+    assert f"  {admin}/20-thermal.yaml (overrides {shipped}/20-thermal.yaml)" in text
+    assert f"  {admin}/30-service.yaml: masked (disables {shipped}/30-service.yaml)" in text
+    assert f"  {shipped}/10-xid.yaml" not in text  # shipped files as they are: counted, not listed

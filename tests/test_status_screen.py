@@ -115,10 +115,14 @@ def test_exit_codes_like_plan() -> None:
 
 
 def test_fewer_gpus_than_seen_before_is_a_problem_everywhere() -> None:
+    """Node memory (agent.memory) keeps a GPU that left the bus in the daemon's snapshot, down, until
+    it answers again or is acknowledged gone: the publisher expects every GPU the snapshot holds."""
     publisher = Publisher(SdNotifier(None, None))
     full = node_snapshot(health={}, policy=(), xids=())
+    full = replace(full, gpus=tuple(replace(g, up=True) for g in full.gpus))
     assert publisher.publish(full).expected_gpus == len(full.gpus)
-    fewer = publisher.publish(replace(full, gpus=full.gpus[:2]))
+    gone = tuple(replace(g, up=False) if g.index >= 2 else g for g in full.gpus)
+    fewer = publisher.publish(replace(full, gpus=gone))
     assert fewer.expected_gpus == len(full.gpus)
     line = status_line(fewer)
     assert line.startswith(f"PROBLEM: 2 of {len(full.gpus)} expected GPUs answer"), line

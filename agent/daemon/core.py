@@ -30,7 +30,7 @@ from agent.daemon.drift import FAN_CURVE
 from agent.daemon.intake import EventIntake
 from agent.daemon.policy_loop import PolicyLoop
 from agent.daemon.publisher import Publisher, status_line
-from agent.daemon.remediator import Remediator, load_rules_dir
+from agent.daemon.remediator import LoadedRules, Remediator, load_rules_dir
 from agent.daemon.session import BackendSession
 from agent.daemon.timing import LoopTiming
 from agent.daemon.watchdog import Watchdog
@@ -42,7 +42,6 @@ from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
 from agent.policy.registry import RESTORABLE_NAMES
 from agent.rules.actions import ActionContext, AlertTracker
-from agent.rules.config import Rule
 from agent.service_watch import InferenceMonitor
 from agent.services import HealthProber, ProberThread, build_managers
 from agent.snapshot import DaemonParts, NodeWatchers, build_snapshot
@@ -166,6 +165,7 @@ class Daemon:
             collectors=collectors,
             recent_events=self.intake.recent,
             recent_remediations=self.remediator.recent(),
+            rules_sources=self.remediator.rules_sources,
             collect_duration_seconds=duration_seconds,
         )
 
@@ -248,7 +248,7 @@ class Daemon:
         log.info("config reloaded", path=str(self.config_path), mode=new.mode.value)
         return True
 
-    def _load_new_config(self) -> tuple[AgentConfig, list[Rule]] | None:
+    def _load_new_config(self) -> tuple[AgentConfig, LoadedRules] | None:
         if self.config_path is None:
             log.warning("reload requested but the daemon runs on a built-in config; nothing to reload")
             return None

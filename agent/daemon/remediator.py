@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -24,6 +25,7 @@ from agent.rules.config import Rule, load_rules
 from agent.rules.engine import evaluate, gpus_by_service
 from agent.rules.model import ActionOutcome, Decision, Outcome
 from agent.rules.params import NODE_CHANGING_ACTIONS
+from agent.rules.sources import describe as describe_rules
 from agent.rules.sources import resolve_rules
 from agent.services import ServiceManager
 from agent.state import CollectorStatus, NodeSnapshot, RecentRemediation, RemediationCount
@@ -49,6 +51,7 @@ class Remediator:
         self.config = config
         self.store: Store | None = None
         self.rules: list[Rule] = []
+        self.rules_sources: tuple[str, ...] = ()
         self.episodes = Episodes(config.state_dir)
         self.alerts = AlertTracker()
         self.alert_delivery = AlertDelivery(self.alerts)
@@ -68,7 +71,7 @@ class Remediator:
 
     def start(self) -> None:
         """The rules, the event store and the action worker; a store that cannot open is retried later."""
-        self.rules = load_rules_dir(self.config)
+        self.reconfigure(self.config, load_rules_dir(self.config))
         try:
             self.store = Store.open(self.config.state_dir)
         except StoreError as exc:
@@ -90,9 +93,10 @@ class Remediator:
         if self.store is not None:
             self.store.close()
 
-    def reconfigure(self, config: AgentConfig, rules: list[Rule]) -> None:
+    def reconfigure(self, config: AgentConfig, loaded: LoadedRules) -> None:
         self.config = config
-        self.rules = rules
+        self.rules = loaded.rules
+        self.rules_sources = loaded.sources
 
     def remediate(self, snapshot: NodeSnapshot, events: Sequence[Event], now: float) -> None:
         """Store new events, evaluate the rules (pure), queue the actions: the loop never waits on one."""
@@ -236,7 +240,13 @@ def _would(decision: Decision) -> str:
     return f"observe mode: would {kind.replace('_', ' ')} {what} (rule {decision.rule})"
 
 
-def load_rules_dir(config: AgentConfig) -> list[Rule]:
+@dataclass(frozen=True)
+class LoadedRules:
+    rules: list[Rule]
+    sources: tuple[str, ...]  # each file read or masked and where it came from, for `status`
+
+
+def load_rules_dir(config: AgentConfig) -> LoadedRules:
     """Rules from rules_dirs (agent/rules/sources.py: shipped defaults, admin overrides and masks);
     missing dirs are logged, an invalid file is a ConfigError."""
     resolved = resolve_rules(Path(d) for d in config.remediation.rules_dirs)
@@ -245,4 +255,4 @@ def load_rules_dir(config: AgentConfig) -> list[Rule]:
     rules = load_rules(resolved.paths, allow_reboot=config.remediation.allow_reboot)
     masked = [str(m.mask) for m in resolved.masked]
     log.info("rules loaded", files=[str(p) for p in resolved.paths], masked=masked, count=len(rules))
-    return rules
+    return LoadedRules(rules, tuple(line.strip() for line in describe_rules(resolved)))
