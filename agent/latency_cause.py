@@ -105,6 +105,10 @@ class _GpuWindow:
     def seconds(self, reasons: frozenset[str]) -> float:
         return sum(s for r, s in self.reason_seconds.items() if r in reasons)
 
+    def reasons(self, reasons: frozenset[str]) -> dict[str, float]:
+        """The seconds of each of `reasons` this GPU was held by, rounded for the evidence."""
+        return _rounded({r: s for r, s in self.reason_seconds.items() if r in reasons})
+
 
 def _gpu_windows(samples: Iterable[GpuSample], gpus: set[int] | None) -> dict[int, _GpuWindow]:
     by_gpu: dict[int, list[GpuSample]] = {}
@@ -145,6 +149,14 @@ def _gpu_windows(samples: Iterable[GpuSample], gpus: set[int] | None) -> dict[in
 
 def _rounded(reason_seconds: Mapping[str, float]) -> dict[str, float]:
     return {reason: round(seconds, 1) for reason, seconds in sorted(reason_seconds.items())}
+
+
+def _most_held(windows: Mapping[int, _GpuWindow], reasons: frozenset[str]) -> tuple[_GpuWindow, float] | None:
+    """The GPU held longest by any of `reasons` and for how many seconds; None when none was."""
+    window = max(windows.values(), key=lambda w: w.seconds(reasons), default=None)
+    if window is not None and window.seconds(reasons) > 0:
+        return window, window.seconds(reasons)
+    return None
 
 
 def _queue_grew(history: Sequence[tuple[float, float]]) -> tuple[bool, float, float]:
@@ -198,26 +210,26 @@ def attribute_cause(
         summary = f"{where}: Xid {', '.join(map(str, codes))} in the window"
         return CauseFinding("xid", latest.gpu, latest.uuid, summary, evidence)
 
-    thermal = max(windows.values(), key=lambda w: w.seconds(THERMAL_REASONS), default=None)
-    if thermal is not None and thermal.seconds(THERMAL_REASONS) > 0:
-        seconds = thermal.seconds(THERMAL_REASONS)
+    held = _most_held(windows, THERMAL_REASONS)
+    if held is not None:
+        thermal, seconds = held
         evidence = {
             **base,
             "temperature_celsius": thermal.max_temperature_celsius,
             "slowdown_temperature_celsius": thermal.slowdown_temperature_celsius,
-            "reasons": _rounded({r: s for r, s in thermal.reason_seconds.items() if r in THERMAL_REASONS}),
+            "reasons": thermal.reasons(THERMAL_REASONS),
         }
         summary = f"GPU {thermal.gpu} thermal slowdown for {seconds:.0f} s at {thermal.max_temperature_celsius} C"
         return CauseFinding("thermal_slowdown", thermal.gpu, thermal.uuid, summary, evidence)
 
-    power = max(windows.values(), key=lambda w: w.seconds(POWER_REASONS), default=None)
-    if power is not None and power.seconds(POWER_REASONS) > 0:
-        seconds = power.seconds(POWER_REASONS)
+    held = _most_held(windows, POWER_REASONS)
+    if held is not None:
+        power, seconds = held
         evidence = {
             **base,
             "power_usage_watts": power.max_power_watts,
             "power_limit_watts": power.power_limit_watts,
-            "reasons": _rounded({r: s for r, s in power.reason_seconds.items() if r in POWER_REASONS}),
+            "reasons": power.reasons(POWER_REASONS),
         }
         summary = f"GPU {power.gpu} held at its power cap ({power.power_limit_watts:g} W) for {seconds:.0f} s"
         return CauseFinding("power_cap", power.gpu, power.uuid, summary, evidence)

@@ -323,6 +323,66 @@ def _without_secrets(params: dict[str, Any]) -> dict[str, Any]:
     return kept
 
 
+@dataclass(frozen=True)
+class _RemediationRow:
+    """What a remediations row records beyond its decision."""
+
+    started_seconds: float
+    finished_seconds: float
+    outcome: str
+    counted: bool
+    reading: ClockReading | None  # the clock when it was decided
+    detail: str = ""
+    dry_run: bool = False
+
+
+def _action_name(decision: Decision) -> str:
+    return decision.action.kind.value if decision.action is not None else "none"
+
+
+def _insert_remediation(db: sqlite3.Connection, decision: Decision, row: _RemediationRow) -> int | None:
+    """Insert `decision` as a remediations row; the new row's id."""
+    params = _without_secrets(decision.action.params) if decision.action is not None else {}
+    target = decision.target
+    cursor = db.execute(
+        "INSERT INTO remediations (ts, finished, rule, action, params, target_key, gpu, uuid, service,"
+        " event_key, attempt, step, outcome, reason, detail, dry_run, counted, boot_id, boottime)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            row.started_seconds,
+            row.finished_seconds,
+            decision.rule,
+            _action_name(decision),
+            _dumps(params),
+            target.key,
+            target.gpu,
+            target.uuid,
+            target.service,
+            decision.event.key,
+            decision.attempt,
+            decision.step,
+            row.outcome,
+            decision.reason,
+            row.detail,
+            int(row.dry_run),
+            int(row.counted),
+            row.reading.boot_id if row.reading is not None else "",
+            row.reading.boottime_seconds if row.reading is not None else None,
+        ),
+    )
+    return cursor.lastrowid
+
+
+def _mark_handled(db: sqlite3.Connection, event: Event) -> None:
+    """Store `event` as handled (its action is on record), inserting it when it is not stored yet."""
+    db.execute(
+        "INSERT INTO events (key, kind, severity, gpu, uuid, message, source, suggested_action, data, ts,"
+        " handled) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1)"
+        " ON CONFLICT (key) DO UPDATE SET handled = 1",
+        _event_row(event),
+    )
+
+
 def _dumps(value: Any) -> str:
     return json.dumps(value, default=_json_default, sort_keys=True)
 
@@ -450,51 +510,29 @@ class Store:
         """Record what came of a decision (see the module docstring for what it counts and opens).
         `reading`: the clock when it was decided (without one, only the wall time relates it to later)."""
         decision = outcome.decision
-        action = decision.action.kind.value if decision.action is not None else "none"
-        params = _without_secrets(decision.action.params) if decision.action is not None else {}
         counted = outcome.outcome in COUNTED_OUTCOMES and decision.action is not None and decision.step >= 0
-        target = decision.target
-        event = decision.event
         with self._transaction() as db:
-            db.execute(
-                "INSERT INTO remediations (ts, finished, rule, action, params, target_key, gpu, uuid, service,"
-                " event_key, attempt, step, outcome, reason, detail, dry_run, counted, boot_id, boottime)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
+            _insert_remediation(
+                db,
+                decision,
+                _RemediationRow(
                     outcome.started_seconds,
                     outcome.finished_seconds,
-                    decision.rule,
-                    action,
-                    _dumps(params),
-                    target.key,
-                    target.gpu,
-                    target.uuid,
-                    target.service,
-                    event.key,
-                    decision.attempt,
-                    decision.step,
                     outcome.outcome.value,
-                    decision.reason,
-                    outcome.detail,
-                    int(decision.dry_run),
-                    int(counted),
-                    reading.boot_id if reading is not None else "",
-                    reading.boottime_seconds if reading is not None else None,
+                    counted,
+                    reading,
+                    detail=outcome.detail,
+                    dry_run=decision.dry_run,
                 ),
             )
             db.execute(
                 "INSERT INTO remediation_totals (rule, action, outcome, count) VALUES (?, ?, ?, 1)"
                 " ON CONFLICT (rule, action, outcome) DO UPDATE SET count = count + 1",
-                (decision.rule, action, outcome.outcome.value),
+                (decision.rule, _action_name(decision), outcome.outcome.value),
             )
-            db.execute(
-                "INSERT INTO events (key, kind, severity, gpu, uuid, message, source, suggested_action, data, ts,"
-                " handled) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1)"
-                " ON CONFLICT (key) DO UPDATE SET handled = 1",
-                _event_row(event),
-            )
+            _mark_handled(db, decision.event)
             if decision.step == EXHAUSTED_STEP:
-                self._open_circuit(db, decision.rule, target, decision.reason, outcome.started_seconds)
+                self._open_circuit(db, decision.rule, decision.target, decision.reason, outcome.started_seconds)
 
     def remediations(self, since_seconds: float = 0.0, limit: int = 1000) -> list[StoredRemediation]:
         """The newest `limit` remediations started at or after `since_seconds`, oldest first."""
@@ -626,41 +664,11 @@ class Store:
     def begin_remediation(self, decision: Decision, reading: ClockReading) -> int:
         """Journal `decision`'s action as started (outcome running; counted when a ladder step) and mark its
         event handled, in one transaction: an event is handled exactly when its action is on record. The row id."""
-        action = decision.action.kind.value if decision.action is not None else "none"
-        params = _without_secrets(decision.action.params) if decision.action is not None else {}
-        target = decision.target
+        counted = decision.step >= 0  # a ladder step: an attempt; the on_exhausted step (-1) is not
+        row = _RemediationRow(reading.wall_seconds, reading.wall_seconds, Outcome.RUNNING.value, counted, reading)
         with self._transaction() as db:
-            cursor = db.execute(
-                "INSERT INTO remediations (ts, finished, rule, action, params, target_key, gpu, uuid, service,"
-                " event_key, attempt, step, outcome, reason, detail, dry_run, counted, boot_id, boottime)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, '', 0, ?, ?, ?)",
-                (
-                    reading.wall_seconds,
-                    reading.wall_seconds,
-                    decision.rule,
-                    action,
-                    _dumps(params),
-                    target.key,
-                    target.gpu,
-                    target.uuid,
-                    target.service,
-                    decision.event.key,
-                    decision.attempt,
-                    decision.step,
-                    Outcome.RUNNING.value,
-                    decision.reason,
-                    int(decision.step >= 0),  # a ladder step: an attempt; the on_exhausted step (-1) is not
-                    reading.boot_id,
-                    reading.boottime_seconds,
-                ),
-            )
-            db.execute(
-                "INSERT INTO events (key, kind, severity, gpu, uuid, message, source, suggested_action, data, ts,"
-                " handled) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1)"
-                " ON CONFLICT (key) DO UPDATE SET handled = 1",
-                _event_row(decision.event),
-            )
-            row_id = cursor.lastrowid
+            row_id = _insert_remediation(db, decision, row)
+            _mark_handled(db, decision.event)
         if row_id is None:  # pragma: no cover - sqlite always sets it after an INSERT
             raise StoreError(f"{self.path}: no row id for the journaled action")
         return row_id

@@ -230,6 +230,19 @@ def open_trusted(path: str | Path, *, agent_uid: int | None = None) -> tuple[int
     return fd, real
 
 
+def read_at_most(fd: int, limit_bytes: int) -> bytes:
+    """`fd` read to its end, but stopping once past `limit_bytes`: a result longer than
+    `limit_bytes` means the file is larger (it may have grown after a size check)."""
+    chunks: list[bytes] = []
+    total = 0
+    while chunk := os.read(fd, min(65536, limit_bytes + 1 - total)):
+        chunks.append(chunk)
+        total += len(chunk)
+        if total > limit_bytes:
+            break
+    return b"".join(chunks)
+
+
 def read_trusted(path: str | Path, *, limit_bytes: int = DEFAULT_LIMIT_BYTES, agent_uid: int | None = None) -> bytes:
     """The content of a config or rules file, read from the descriptor that passed the trust check.
 
@@ -241,14 +254,10 @@ def read_trusted(path: str | Path, *, limit_bytes: int = DEFAULT_LIMIT_BYTES, ag
         size = os.fstat(fd).st_size
         if size > limit_bytes:
             raise TooLargeError(real, size, limit_bytes)
-        chunks: list[bytes] = []
-        total = 0
-        while chunk := os.read(fd, min(65536, limit_bytes + 1 - total)):
-            chunks.append(chunk)
-            total += len(chunk)
-            if total > limit_bytes:  # grew after the fstat
-                raise TooLargeError(real, total, limit_bytes)
-        return b"".join(chunks)
+        data = read_at_most(fd, limit_bytes)
+        if len(data) > limit_bytes:  # grew after the fstat
+            raise TooLargeError(real, len(data), limit_bytes)
+        return data
     finally:
         os.close(fd)
 

@@ -1,8 +1,9 @@
-"""What the poll watchers share: per-board state, and the event one GPU's sample makes."""
+"""What the poll watchers share: per-board state, a base for faults that must last, and one sample's event."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 from agent.events import Event, EventKind, Severity, SuggestedAction
@@ -36,6 +37,33 @@ class BoardStates(Generic[S]):
 
     def items(self) -> Iterator[tuple[int, S]]:
         return ((gpu, state) for gpu, (_, state) in self._boards.items())
+
+
+class SustainedWatcher(ABC, Generic[S]):
+    """A poll watcher that reports a fault once it lasted `sustain_loops` passes in a row (a single
+    reading is noise), keeping a state per board."""
+
+    def __init__(self, sustain_loops: int = 3) -> None:
+        if sustain_loops < 1:
+            raise ValueError("sustain_loops must be at least 1")
+        self.sustain_loops = sustain_loops
+        self._gpus: BoardStates[S] = BoardStates(self._new_state)
+
+    def observe(self, samples: Sequence[GpuSample], now_seconds: float) -> list[Event]:
+        events: list[Event] = []
+        for sample, state in self._gpus.answering(samples):
+            event = self._board_event(sample, state, now_seconds)
+            if event is not None:
+                events.append(event)
+        return events
+
+    @abstractmethod
+    def _new_state(self) -> S:
+        """A board's state before its first reading."""
+
+    @abstractmethod
+    def _board_event(self, sample: GpuSample, state: S, now_seconds: float) -> Event | None:
+        """Judge one answering GPU's sample against its board's state: the event it makes, if any."""
 
 
 def sample_event(

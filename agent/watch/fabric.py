@@ -11,13 +11,12 @@ fabric manager service; FABRIC_REGISTERED when it completes. GPUs without a fabr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from agent.backend.base import FabricState
 from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
 from agent.state import GpuSample
-from agent.watch.boards import BoardStates, sample_event
+from agent.watch.boards import SustainedWatcher, sample_event
 
 #: The systemd unit that registers GPUs with the NVSwitch fabric.
 FABRIC_MANAGER_SERVICE = "nvidia-fabricmanager"
@@ -37,50 +36,41 @@ def _problem(state: int, status: int | None) -> str | None:
     return f"fabric registration {name}"
 
 
-class FabricWatcher:
+class FabricWatcher(SustainedWatcher[_GpuState]):
     name = "fabric"
 
-    def __init__(self, sustain_loops: int = 3) -> None:
-        if sustain_loops < 1:
-            raise ValueError("sustain_loops must be at least 1")
-        self.sustain_loops = sustain_loops
-        self._gpus = BoardStates(_GpuState)
+    def _new_state(self) -> _GpuState:
+        return _GpuState()
 
-    def observe(self, samples: Sequence[GpuSample], now_seconds: float) -> list[Event]:
-        events: list[Event] = []
-        for sample, state in self._gpus.answering(samples):
-            if sample.fabric_state is None:
-                continue
-            problem = _problem(sample.fabric_state, sample.fabric_status)
-            data = {
-                "state": sample.fabric_state,
-                "status": sample.fabric_status,
-                "service": FABRIC_MANAGER_SERVICE,
-            }
-            if problem is None:
-                state.consecutive = 0
-                if state.reported is not None:
-                    state.reported = None
-                    text = "registered with the NVSwitch fabric"
-                    events.append(
-                        sample_event(sample, EventKind.FABRIC_REGISTERED, Severity.INFO, text, now_seconds, data=data)
-                    )
-                continue
-            state.consecutive += 1
-            if state.reported is None and state.consecutive >= self.sustain_loops:
-                state.reported = problem
-                events.append(
-                    sample_event(
-                        sample,
-                        EventKind.FABRIC_UNREGISTERED,
-                        Severity.CRITICAL,
-                        f"{problem}: CUDA cannot run on this GPU; check {FABRIC_MANAGER_SERVICE}",
-                        now_seconds,
-                        data=data,
-                        suggested_action=SuggestedAction.RESTART_SERVICE,
-                    )
-                )
-        return events
+    def _board_event(self, sample: GpuSample, state: _GpuState, now_seconds: float) -> Event | None:
+        if sample.fabric_state is None:
+            return None
+        problem = _problem(sample.fabric_state, sample.fabric_status)
+        data = {
+            "state": sample.fabric_state,
+            "status": sample.fabric_status,
+            "service": FABRIC_MANAGER_SERVICE,
+        }
+        if problem is None:
+            state.consecutive = 0
+            if state.reported is None:
+                return None
+            state.reported = None
+            text = "registered with the NVSwitch fabric"
+            return sample_event(sample, EventKind.FABRIC_REGISTERED, Severity.INFO, text, now_seconds, data=data)
+        state.consecutive += 1
+        if state.reported is not None or state.consecutive < self.sustain_loops:
+            return None
+        state.reported = problem
+        return sample_event(
+            sample,
+            EventKind.FABRIC_UNREGISTERED,
+            Severity.CRITICAL,
+            f"{problem}: CUDA cannot run on this GPU; check {FABRIC_MANAGER_SERVICE}",
+            now_seconds,
+            data=data,
+            suggested_action=SuggestedAction.RESTART_SERVICE,
+        )
 
     def health(self, gpu: int) -> Health:
         state = self._gpus.get(gpu)

@@ -21,6 +21,10 @@ from agent.watch.boards import BoardStates, sample_event
 #: How long a GPU stays degraded after its last NVLink error increase.
 DEFAULT_HOLD_SECONDS = 600.0
 
+#: A link's change of state: its event kind, severity, message tail and suggested action.
+_LINK_DOWN = (EventKind.NVLINK_DOWN, Severity.WARNING, "is down", SuggestedAction.RESET_GPU)
+_LINK_UP = (EventKind.NVLINK_UP, Severity.INFO, "is up again", SuggestedAction.NONE)
+
 
 @dataclass
 class _GpuState:
@@ -87,33 +91,26 @@ class NvLinkWatcher:
             return []
         events: list[Event] = []
         for link, up in enumerate(sample.nvlink_up):
-            if not up and link not in state.down:
-                state.down.add(link)
-                events.append(
-                    sample_event(
-                        sample,
-                        EventKind.NVLINK_DOWN,
-                        Severity.WARNING,
-                        f"NVLink {link} is down",
-                        now_seconds,
-                        data={"link": link},
-                        key_detail=str(link),
-                        suggested_action=SuggestedAction.RESET_GPU,
-                    )
-                )
-            elif up and link in state.down:
+            if up and link in state.down:
                 state.down.discard(link)
-                events.append(
-                    sample_event(
-                        sample,
-                        EventKind.NVLINK_UP,
-                        Severity.INFO,
-                        f"NVLink {link} is up again",
-                        now_seconds,
-                        data={"link": link},
-                        key_detail=str(link),
-                    )
+                kind, severity, text, action = _LINK_UP
+            elif not up and link not in state.down:
+                state.down.add(link)
+                kind, severity, text, action = _LINK_DOWN
+            else:
+                continue
+            events.append(
+                sample_event(
+                    sample,
+                    kind,
+                    severity,
+                    f"NVLink {link} {text}",
+                    now_seconds,
+                    data={"link": link},
+                    key_detail=str(link),
+                    suggested_action=action,
                 )
+            )
         return events
 
     def health(self, gpu: int) -> Health:

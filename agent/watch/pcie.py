@@ -14,14 +14,13 @@ watcher's first reading is carried in both events' data.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
 from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
 from agent.state import GpuSample
-from agent.watch.boards import BoardStates, sample_event
+from agent.watch.boards import SustainedWatcher, sample_event
 
 
 class _Verdict(Enum):
@@ -68,34 +67,29 @@ def _verdict(link: _Link, sample: GpuSample) -> _Verdict:
     return _Verdict.AT_MAXIMUM
 
 
-class PcieWatcher:
+class PcieWatcher(SustainedWatcher[_GpuState]):
     name = "pcie"
 
-    def __init__(self, sustain_loops: int = 3) -> None:
-        if sustain_loops < 1:
-            raise ValueError("sustain_loops must be at least 1")
-        self.sustain_loops = sustain_loops
-        self._gpus = BoardStates(_GpuState)
+    def _new_state(self) -> _GpuState:
+        return _GpuState()
 
-    def observe(self, samples: Sequence[GpuSample], now_seconds: float) -> list[Event]:
-        events: list[Event] = []
-        for sample, state in self._gpus.answering(samples):
-            self._count_replays(state, sample.pcie_replay_count)
-            link = _link(sample)
-            if link is None:
-                continue
-            verdict = _verdict(link, sample)
-            if verdict is _Verdict.DEGRADED:
-                state.consecutive += 1
-                if state.reported is None and state.consecutive >= self.sustain_loops:
-                    state.reported = link
-                    events.append(self._event(EventKind.PCIE_DEGRADED, state, sample, link, now_seconds))
-            else:
-                state.consecutive = 0
-                if verdict is _Verdict.AT_MAXIMUM and state.reported is not None:
-                    state.reported = None
-                    events.append(self._event(EventKind.PCIE_RESTORED, state, sample, link, now_seconds))
-        return events
+    def _board_event(self, sample: GpuSample, state: _GpuState, now_seconds: float) -> Event | None:
+        self._count_replays(state, sample.pcie_replay_count)
+        link = _link(sample)
+        if link is None:
+            return None
+        verdict = _verdict(link, sample)
+        if verdict is _Verdict.DEGRADED:
+            state.consecutive += 1
+            if state.reported is None and state.consecutive >= self.sustain_loops:
+                state.reported = link
+                return self._event(EventKind.PCIE_DEGRADED, state, sample, link, now_seconds)
+            return None
+        state.consecutive = 0
+        if verdict is _Verdict.AT_MAXIMUM and state.reported is not None:
+            state.reported = None
+            return self._event(EventKind.PCIE_RESTORED, state, sample, link, now_seconds)
+        return None
 
     def health(self, gpu: int) -> Health:
         state = self._gpus.get(gpu)

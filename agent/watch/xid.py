@@ -71,6 +71,31 @@ class _Sighting:
     recovery_action: str | None
     kernel_timestamp_seconds: float | None
 
+    def event(
+        self,
+        kind: EventKind,
+        severity: Severity,
+        message: str,
+        key_detail: str,
+        now: float,
+        data: dict[str, Any],
+        action: SuggestedAction,
+    ) -> Event:
+        """An event about this sighting, keyed "<kind>:<GPU identity>:<key_detail>:<now>"."""
+        identity = self.uuid or self.pci_bus_id or "unknown"
+        return Event(
+            kind=kind,
+            severity=severity,
+            gpu=self.gpu,
+            uuid=self.uuid,
+            message=message,
+            timestamp_seconds=now,
+            source=self.source,
+            key=f"{kind.value}:{identity}:{key_detail}:{now:.3f}",
+            data=data,
+            suggested_action=action,
+        )
+
 
 @dataclass
 class _Fault:
@@ -252,18 +277,14 @@ class XidWatcher:
 
     def _new_fault(self, sighting: _Sighting, now: float) -> _Fault:
         name, resolution, severity, action = _catalog_row(sighting.xid)
-        identity = sighting.uuid or sighting.pci_bus_id or "unknown"
         verdict = "informational" if action is SuggestedAction.NONE else action.value
-        event = Event(
-            kind=EventKind.XID,
-            severity=severity,
-            gpu=sighting.gpu,
-            uuid=sighting.uuid,
-            message=f"Xid {sighting.xid} on {_where(sighting.gpu, sighting.pci_bus_id)}: {name} — {verdict}",
-            timestamp_seconds=now,
-            source=sighting.source,
-            key=f"xid:{identity}:{sighting.xid}:{now:.3f}",
-            data={
+        event = sighting.event(
+            EventKind.XID,
+            severity,
+            f"Xid {sighting.xid} on {_where(sighting.gpu, sighting.pci_bus_id)}: {name} — {verdict}",
+            str(sighting.xid),
+            now,
+            {
                 "xid": sighting.xid,
                 "pci_bus_id": sighting.pci_bus_id,
                 "pid": sighting.pid,
@@ -276,30 +297,26 @@ class XidWatcher:
                 "recovery_action": sighting.recovery_action,
                 "kernel_timestamp_seconds": sighting.kernel_timestamp_seconds,
             },
-            suggested_action=action,
+            action,
         )
         return _Fault(event=event, first_seen_seconds=now, recovery_actions=set())
 
     def _recovery_event(self, sighting: _Sighting, recovery: str, now: float) -> Event:
         action = recovery_suggested_action(recovery)
-        identity = sighting.uuid or sighting.pci_bus_id or "unknown"
-        return Event(
-            kind=EventKind.RECOVERY_ACTION,
-            severity=_RECOVERY_SEVERITY.get(action, Severity.WARNING),
-            gpu=sighting.gpu,
-            uuid=sighting.uuid,
-            message=f"{_where(sighting.gpu, sighting.pci_bus_id)}: driver recovery action is now {recovery}",
-            timestamp_seconds=now,
-            source=sighting.source,
-            key=f"recovery_action:{identity}:{recovery}:{now:.3f}",
-            data={
+        return sighting.event(
+            EventKind.RECOVERY_ACTION,
+            _RECOVERY_SEVERITY.get(action, Severity.WARNING),
+            f"{_where(sighting.gpu, sighting.pci_bus_id)}: driver recovery action is now {recovery}",
+            recovery,
+            now,
+            {
                 "xid": sighting.xid,
                 "pci_bus_id": sighting.pci_bus_id,
                 "recovery_action": recovery,
                 "text": sighting.text,
                 "sources": [sighting.source],
             },
-            suggested_action=action,
+            action,
         )
 
     def _count(self, sighting: _Sighting, now: float, new_fault: bool) -> None:

@@ -36,6 +36,7 @@ from pydantic import (
 )
 
 from agent.backend.base import ClockDomain, TemperatureThreshold
+from agent.trust import read_at_most
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 DEFAULT_DRIVER_VERSION = "580.159.04"
@@ -315,14 +316,10 @@ def _read_bounded(path: Path) -> bytes:
                 f"cannot read simulated GPU profile {path}: file is {info.st_size} bytes, "
                 f"more than the {MAX_PROFILE_BYTES} bytes gpu-agent reads"
             )
-        chunks: list[bytes] = []
-        total = 0
-        while chunk := os.read(fd, min(65536, MAX_PROFILE_BYTES + 1 - total)):
-            chunks.append(chunk)
-            total += len(chunk)
-            if total > MAX_PROFILE_BYTES:  # grew after the fstat
-                raise ProfileError(f"cannot read simulated GPU profile {path}: grew past {MAX_PROFILE_BYTES} bytes")
-        return b"".join(chunks)
+        data = read_at_most(fd, MAX_PROFILE_BYTES)
+        if len(data) > MAX_PROFILE_BYTES:  # grew after the fstat
+            raise ProfileError(f"cannot read simulated GPU profile {path}: grew past {MAX_PROFILE_BYTES} bytes")
+        return data
     finally:
         os.close(fd)
 

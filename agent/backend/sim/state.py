@@ -15,11 +15,11 @@ import contextlib
 import fcntl
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from agent.backend.base import GpuBackend, GpuEvent, RecoveryAction, ViolationPolicy
 from agent.backend.errors import GpuErrorKind
@@ -36,6 +36,8 @@ PROTOCOL_METHODS = frozenset(
 REASON_DURATION_FIELDS = ("sw_power_cap", "sync_boost", "sw_thermal", "hw_thermal", "hw_power_brake")
 #: The NVLink error counters kept per link (NVML_FI_DEV_NVLINK_*_ERROR_COUNT_L<n>).
 NVLINK_COUNTERS = ("crc_flit", "crc_data", "replay", "recovery")
+
+_Calls = TypeVar("_Calls", bound=Mapping[str, object])
 
 
 class _State(BaseModel):
@@ -58,9 +60,22 @@ class GpmCounters(_State):
     nvlink_rx_bytes: int = 0
 
 
-def _check_calls(calls: dict[str, object]) -> None:
+def _protocol_calls(calls: _Calls) -> _Calls:
     if not set(calls) <= PROTOCOL_METHODS:
         raise ValueError("not a map of protocol methods")
+    return calls
+
+
+#: Injected faults, by protocol method: the error to raise, the seconds to hang (per GPU or machine-wide).
+FailCalls = Annotated[dict[str, GpuErrorKind], AfterValidator(_protocol_calls)]
+HangCalls = Annotated[dict[str, float], AfterValidator(_protocol_calls)]
+
+#: GpuState's counter maps by field: the keys each must have exactly, and what the error calls them.
+_COUNTER_NAMES: dict[str, tuple[frozenset[str], str]] = {
+    "violation_ns": (frozenset(p.name for p in ViolationPolicy), "violation"),
+    "reason_ns": (frozenset(REASON_DURATION_FIELDS), "reason"),
+    "nvlink_errors": (frozenset(NVLINK_COUNTERS), "NVLink"),
+}
 
 
 class GpuState(_State):
@@ -107,35 +122,16 @@ class GpuState(_State):
     lost_reported: bool = False
     reset_required: bool = False
     recovery_action: int = 0  # RecoveryAction value the driver reports
-    fail_calls: dict[str, GpuErrorKind] = Field(default_factory=dict)
-    hang_calls: dict[str, float] = Field(default_factory=dict)
+    fail_calls: FailCalls = Field(default_factory=dict)
+    hang_calls: HangCalls = Field(default_factory=dict)
 
-    @field_validator("violation_ns")
+    @field_validator("violation_ns", "reason_ns", "nvlink_errors")
     @classmethod
-    def _every_policy(cls, counters: dict[str, int]) -> dict[str, int]:
-        if set(counters) != {p.name for p in ViolationPolicy}:
-            raise ValueError("violation counters differ")
+    def _every_counter(cls, counters: dict[str, object], info: ValidationInfo) -> dict[str, object]:
+        names, what = _COUNTER_NAMES[info.field_name or ""]
+        if set(counters) != names:
+            raise ValueError(f"{what} counters differ")
         return counters
-
-    @field_validator("reason_ns")
-    @classmethod
-    def _every_reason(cls, counters: dict[str, int]) -> dict[str, int]:
-        if set(counters) != set(REASON_DURATION_FIELDS):
-            raise ValueError("reason counters differ")
-        return counters
-
-    @field_validator("nvlink_errors")
-    @classmethod
-    def _every_nvlink_counter(cls, counters: dict[str, list[int]]) -> dict[str, list[int]]:
-        if set(counters) != set(NVLINK_COUNTERS):
-            raise ValueError("NVLink counters differ")
-        return counters
-
-    @field_validator("fail_calls", "hang_calls")
-    @classmethod
-    def _protocol_calls(cls, calls: dict[str, object]) -> dict[str, object]:
-        _check_calls(calls)
-        return calls
 
     @classmethod
     def boot(cls, model: GpuModel, nvlink_links: int) -> GpuState:
@@ -180,14 +176,8 @@ class MachineState(_State):
     gpus: list[GpuState]
     events: list[GpuEvent] = Field(default_factory=list)
     # fail/hang entries for every GPU and for library-level calls (gpu None)
-    fail_calls: dict[str, GpuErrorKind] = Field(default_factory=dict)
-    hang_calls: dict[str, float] = Field(default_factory=dict)
-
-    @field_validator("fail_calls", "hang_calls")
-    @classmethod
-    def _protocol_calls(cls, calls: dict[str, object]) -> dict[str, object]:
-        _check_calls(calls)
-        return calls
+    fail_calls: FailCalls = Field(default_factory=dict)
+    hang_calls: HangCalls = Field(default_factory=dict)
 
     @classmethod
     def boot(cls, profile: NodeProfile) -> MachineState:

@@ -3,7 +3,7 @@ waiting until they answer again."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from agent.config import AgentConfig, ServiceConfig
 from agent.rules.actions.base import ActionError, Result, failed, gpu_of, refused
@@ -57,19 +57,28 @@ def verify_healthy(service: ServiceConfig, override_seconds: float | None, ctx: 
     return False, f"{service.name} not healthy within {timeout:g} s ({result.detail})"
 
 
+def _managed(
+    call: Callable[[ServiceConfig], None], verb: str, service: ServiceConfig, ctx: ActionContext, steps: list[str]
+) -> bool:
+    """Run one service manager call; when it fails, say so in `steps` and return False."""
+    try:
+        call(service)
+    except ServiceError as exc:
+        steps.append(f"{verb} {service.name} failed: {exc}")
+        if ctx.prober is not None:
+            ctx.prober.expect_down(service.name, 0)  # its outage is real now: let the probes count
+        return False
+    return True
+
+
 def start_again(
     services: Sequence[ServiceConfig], managers: Mapping[str, ServiceManager], ctx: ActionContext, steps: list[str]
 ) -> bool:
     """Start the stopped services again and wait until they are healthy; False if any is not."""
     ok = True
     for service in services:
-        try:
-            managers[service.name].start(service)
-        except ServiceError as exc:
+        if not _managed(managers[service.name].start, "start", service, ctx, steps):
             ok = False
-            steps.append(f"start {service.name} failed: {exc}")
-            if ctx.prober is not None:
-                ctx.prober.expect_down(service.name, 0)  # its outage is real now: let the probes count
             continue
         steps.append(step(STARTED, service.name))
         ctx.journal(step(STARTED, service.name))
@@ -94,13 +103,8 @@ def restart_service(decision: Decision, params: RestartServiceParams, ctx: Actio
             budget = service.command_timeout_seconds + ready_timeout(service, params.ready_timeout_seconds)
             ctx.prober.expect_down(service.name, budget)
         ctx.journal(step(RESTARTING, service.name))  # before: a restart cut short may leave it stopped
-        try:
-            managers[service.name].restart(service)
-        except ServiceError as exc:
+        if not _managed(managers[service.name].restart, "restart", service, ctx, steps):
             ok = False
-            steps.append(f"restart {service.name} failed: {exc}")
-            if ctx.prober is not None:
-                ctx.prober.expect_down(service.name, 0)
             continue
         ctx.journal(step(RESTARTED, service.name))
         healthy, what = verify_healthy(service, params.ready_timeout_seconds, ctx)
