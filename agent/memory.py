@@ -1,9 +1,12 @@
-"""The node's memory across agent restarts: which GPUs this boot had, and what the Xid watcher counted.
+"""The node's memory across agent restarts: which GPUs this boot had, what the Xid and throttle
+watchers counted, and the service prober's failure streaks.
 
 A restart of the agent is not a reboot: a GPU that fell off the bus is still gone, its Xids still
 happened. So the daemon keeps, per boot (`/proc/sys/kernel/random/boot_id` under host_root), the
-GPU inventory and the Xid counters and health window in the store (agent/store.py), and reads
-them back when it starts. A reboot starts a new, empty memory.
+GPU inventory, the Xid counters and health window, the time per clock-event reason with the start
+of each slowdown active now, and each service's declared state and failure streak in the store
+(agent/store.py), and reads them back when it starts. A reboot starts a new, empty memory. Each
+part is written only when it changed since the last write.
 
 Every loop, `remember` refreshes the inventory with the GPUs that answer and adds a sample for
 each remembered GPU that is missing (not enumerated at all), `up=False` and read as lost: it stays
@@ -27,8 +30,10 @@ from agent.backend.base import GpuIdentity
 from agent.backend.errors import GpuErrorKind
 from agent.host.paths import BOOT_ID_PATH as BOOT_ID_PATH
 from agent.host.paths import HostPaths
+from agent.services import HealthProber
 from agent.state import GpuSample, NodeSnapshot, XidCount
-from agent.store import RETENTION_SECONDS, InventoryGpu, Store, StoreError, XidMark
+from agent.store import RETENTION_SECONDS, ClockEventTotal, InventoryGpu, ProbeStreak, Store, StoreError, XidMark
+from agent.watch.throttle import ThrottleWatcher
 from agent.watch.xid import XidWatcher
 
 log = structlog.get_logger("gpu-agent")
@@ -75,12 +80,21 @@ class NodeMemory:
         self._inventory: dict[str, InventoryGpu] = {}
         self._saved_counts: list[XidCount] = []
         self._saved_marks: list[XidMark] = []
+        self._saved_clock_events: list[ClockEventTotal] = []
+        self._saved_streaks: list[ProbeStreak] = []
         self._last_prune_seconds = float("-inf")
 
-    def load(self, identities: dict[int, GpuIdentity], xid: XidWatcher) -> None:
+    def load(
+        self,
+        identities: dict[int, GpuIdentity],
+        xid: XidWatcher,
+        throttle: ThrottleWatcher | None = None,
+        prober: HealthProber | None = None,
+    ) -> None:
         """Once, before the first collection with a store: the remembered GPUs seed the collector's
-        identities (a GPU NVML still counts but cannot identify keeps its name), and the Xid
-        watcher gets its counters and health window back."""
+        identities (a GPU NVML still counts but cannot identify keeps its name), the Xid watcher
+        gets its counters and health window back, the throttle watcher its totals and active
+        slowdowns, the prober its streaks."""
         store = self._store()
         if store is None or self._loaded:
             return
@@ -89,6 +103,8 @@ class NodeMemory:
             inventory = store.inventory(self.boot_id)
             counts = store.xid_counts(self.boot_id)
             marks = store.xid_marks(self.boot_id)
+            clock_events = store.clock_event_totals(self.boot_id)
+            streaks = store.probe_streaks(self.boot_id)
         except StoreError as exc:
             log.error("node memory unreadable: starting without it", error=str(exc))
             return
@@ -99,12 +115,20 @@ class NodeMemory:
                 identities[gpu.index] = GpuIdentity(gpu.index, gpu.uuid, gpu.model, gpu.pci_bus_id, "", "", -1)
         xid.restore(counts, marks)
         self._saved_counts, self._saved_marks = counts, marks
+        if throttle is not None:
+            throttle.restore(clock_events)
+            self._saved_clock_events = clock_events
+        if prober is not None:
+            prober.restore(streaks)
+            self._saved_streaks = streaks
         log.info(
             "node memory loaded",
             boot_id=self.boot_id,
             gpus=len(inventory),
             missing=sum(1 for gpu in inventory if not gpu.present and not gpu.acked),
             xid_counters=len(counts),
+            clock_event_totals=len(clock_events),
+            probe_streaks=len(streaks),
         )
 
     def remember(self, samples: Sequence[GpuSample], now: float) -> list[GpuSample]:
@@ -170,14 +194,31 @@ class NodeMemory:
             return fresh
         return None
 
-    def save(self, xid: XidWatcher, now: float) -> None:
-        """The Xid counters and health window, when they changed; the history pruned now and then."""
+    def save(
+        self,
+        xid: XidWatcher,
+        now: float,
+        throttle: ThrottleWatcher | None = None,
+        prober: HealthProber | None = None,
+    ) -> None:
+        """The Xid counters and health window, the throttle totals and the probe streaks, each when it
+        changed; the history pruned now and then."""
         store = self._store()
         if store is None or not self._loaded:
             return
         counts = xid.counts()
         marks = xid.marks()
         try:
+            if throttle is not None:
+                clock_events = throttle.totals()
+                if clock_events != self._saved_clock_events:
+                    store.replace_clock_event_totals(self.boot_id, clock_events)
+                    self._saved_clock_events = clock_events
+            if prober is not None:
+                streaks = prober.streaks()
+                if streaks != self._saved_streaks:
+                    store.replace_probe_streaks(self.boot_id, streaks)
+                    self._saved_streaks = streaks
             if counts != self._saved_counts:
                 store.save_xid_counts(self.boot_id, counts)
                 self._saved_counts = counts

@@ -23,7 +23,9 @@ it sends the server's cheapest real request instead (`agent.generate_probe`). Af
 declares it healthy again. SERVICE_UNHEALTHY and SERVICE_HEALTHY events are emitted on those
 transitions only (collect them with `take_events()`), so a service that stays down is one fault,
 not one event per probe. A service without a health URL is probed by asking its manager whether
-it runs (`systemctl is-active`, or the `status_command`).
+it runs (`systemctl is-active`, or the `status_command`). The declared states and streaks
+survive an agent restart on the same boot (`streaks`/`restore`, kept by agent/memory.py): a restart
+mid-outage neither starts the count again nor reports the outage a second time.
 
 While the agent itself restarts a service (`expect_down`, `wait_healthy`), failed probes are not
 counted: the agent must not report, and a rule must not act on, an outage it caused on purpose,
@@ -52,6 +54,7 @@ from agent.events import Event, EventKind, Severity, SuggestedAction
 from agent.generate_probe import generate_probe
 from agent.policy.base import HostContext
 from agent.state import ServiceStatus
+from agent.store import ProbeStreak
 
 log = structlog.get_logger("gpu-agent")
 
@@ -459,6 +462,24 @@ class HealthProber:
                 )
                 for t in self._tracked.values()
             ]
+
+    def streaks(self) -> list[ProbeStreak]:
+        """Each service's declared state and failure streak, for the store."""
+        with self._lock:
+            return [ProbeStreak(name, t.up, t.consecutive_failures) for name, t in self._tracked.items()]
+
+    def restore(self, streaks: list[ProbeStreak]) -> None:
+        """The streaks an earlier run of the agent on this boot left, so `unhealthy_after_probes` counts
+        on across a restart mid-outage and a service declared down stays down until a probe succeeds.
+        A service without a verdict in this run yet (only failures, or no probe) takes the stored
+        verdict, and its failures add to the stored streak; one this run has judged keeps its own."""
+        with self._lock:
+            for stored in streaks:
+                tracked = self._tracked.get(stored.service)
+                if tracked is None or tracked.up is not None:
+                    continue
+                tracked.up = stored.up
+                tracked.consecutive_failures += stored.consecutive_failures
 
     def expect_down(self, name: str, seconds: float) -> None:
         """The agent is taking the service down on purpose: do not count failed probes for a while.

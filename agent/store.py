@@ -36,8 +36,10 @@ counter that must not go down.
 Node memory (schema 2), all of it per boot (`/proc/sys/kernel/random/boot_id`): a restart of the
 agent is not a reboot and must not forget, a reboot starts afresh (`start_boot` drops the rows of
 every other boot). The GPU inventory (`InventoryGpu`: every GPU seen on this boot, until
-acknowledged with `gpu-agent ack gpu:UUID`), the Xid counters and last-seen times (`XidCount`) and
-the Xid health window (`XidMark`). agent/memory.py reads and writes them for the daemon.
+acknowledged with `gpu-agent ack gpu:UUID`), the Xid counters and last-seen times (`XidCount`),
+the Xid health window (`XidMark`) and (schema 4) the throttle watcher's time per clock-event reason
+with the start of each slowdown active now (`ClockEventTotal`) and the service prober's failure
+streaks (`ProbeStreak`). agent/memory.py reads and writes them for the daemon.
 """
 
 from __future__ import annotations
@@ -182,6 +184,28 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "ALTER TABLE remediations ADD COLUMN boottime REAL",
         "CREATE INDEX remediations_running ON remediations (outcome) WHERE outcome = 'running'",
     ),
+    # Node memory, continued: the throttle watcher's time per clock-event reason (a Prometheus
+    # counter that must not go down on a restart) and when each slowdown active now started (a
+    # "held 60 s" rule keeps its clock); the service prober's failure streaks and verdicts.
+    (
+        """CREATE TABLE clock_event_totals (
+            boot_id TEXT NOT NULL,
+            gpu INTEGER NOT NULL,
+            uuid TEXT NOT NULL,
+            reason TEXT NOT NULL,
+            seconds REAL NOT NULL,
+            active_since REAL,
+            PRIMARY KEY (boot_id, gpu, reason)
+        )""",
+        # up: the declared state, NULL before the first verdict.
+        """CREATE TABLE probe_streaks (
+            boot_id TEXT NOT NULL,
+            service TEXT NOT NULL,
+            up INTEGER,
+            consecutive_failures INTEGER NOT NULL,
+            PRIMARY KEY (boot_id, service)
+        )""",
+    ),
 )
 
 
@@ -266,6 +290,26 @@ class XidMark:
     action: str  # SuggestedAction value
     reason: str
     seen_seconds: float
+
+
+@dataclass(frozen=True)
+class ClockEventTotal:
+    """How long one clock-event reason held one board on this boot, and since when while it holds."""
+
+    gpu: int
+    uuid: str
+    reason: str
+    seconds: float
+    active_since_seconds: float | None = None  # a slowdown active at the last save: when it started
+
+
+@dataclass(frozen=True)
+class ProbeStreak:
+    """A service's declared state and its current run of failed probes."""
+
+    service: str
+    up: bool | None  # None before the first verdict
+    consecutive_failures: int
 
 
 _UNKNOWN_GPU = -1  # xid_counts.gpu for an Xid no GPU could be named for
@@ -581,7 +625,7 @@ class Store:
         with self._transaction() as db:
             gone = sum(
                 db.execute(f"DELETE FROM {table} WHERE boot_id != ?", (boot_id,)).rowcount  # noqa: S608  # nosec B608
-                for table in ("gpu_inventory", "xid_counts", "xid_marks")
+                for table in ("gpu_inventory", "xid_counts", "xid_marks", "clock_event_totals", "probe_streaks")
             )
         if gone:
             log.info("new boot: node memory of earlier boots dropped", boot_id=boot_id, rows=gone)
@@ -655,6 +699,40 @@ class Store:
             db.executemany(
                 "INSERT INTO xid_marks (boot_id, gpu, xid, action, reason, seen) VALUES (?, ?, ?, ?, ?, ?)",
                 [(boot_id, m.gpu, m.xid, m.action, m.reason, m.seen_seconds) for m in marks],
+            )
+
+    def clock_event_totals(self, boot_id: str) -> list[ClockEventTotal]:
+        rows = self._query(
+            "SELECT gpu, uuid, reason, seconds, active_since FROM clock_event_totals WHERE boot_id = ?"
+            " ORDER BY gpu, reason",
+            (boot_id,),
+        )
+        return [ClockEventTotal(*row) for row in rows]
+
+    def replace_clock_event_totals(self, boot_id: str, totals: list[ClockEventTotal]) -> None:
+        """The throttle watcher's totals as they are now (a board replaced at an index starts afresh)."""
+        with self._transaction() as db:
+            db.execute("DELETE FROM clock_event_totals WHERE boot_id = ?", (boot_id,))
+            db.executemany(
+                "INSERT INTO clock_event_totals (boot_id, gpu, uuid, reason, seconds, active_since)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                [(boot_id, t.gpu, t.uuid, t.reason, t.seconds, t.active_since_seconds) for t in totals],
+            )
+
+    def probe_streaks(self, boot_id: str) -> list[ProbeStreak]:
+        rows = self._query(
+            "SELECT service, up, consecutive_failures FROM probe_streaks WHERE boot_id = ? ORDER BY service",
+            (boot_id,),
+        )
+        return [ProbeStreak(service, None if up is None else bool(up), failures) for service, up, failures in rows]
+
+    def replace_probe_streaks(self, boot_id: str, streaks: list[ProbeStreak]) -> None:
+        """The prober's streaks as they are now (a service dropped from the configuration goes)."""
+        with self._transaction() as db:
+            db.execute("DELETE FROM probe_streaks WHERE boot_id = ?", (boot_id,))
+            db.executemany(
+                "INSERT INTO probe_streaks (boot_id, service, up, consecutive_failures) VALUES (?, ?, ?, ?)",
+                [(boot_id, s.service, None if s.up is None else int(s.up), s.consecutive_failures) for s in streaks],
             )
 
     # -- the remediation journal ----------------------------------------------------------------

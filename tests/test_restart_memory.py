@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from daemon_harness import RunningAgent, running_agent
+from daemon_harness import DEFAULT_POLICY, RunningAgent, free_port, running_agent
 from helpers import wait_until
 from hosttree import make_host_tree
 
@@ -214,3 +214,78 @@ def test_ack_forgets_a_lost_gpu_and_a_reboot_starts_fresh(tmp_path: Path) -> Non
         assert status["xids"] == []
         assert all(g["health"]["state"] == "healthy" for g in status["gpus"])
         assert series(agent.metrics(), "gpu_agent_gpus_expected") == {"": 2.0}
+
+
+HELD_SLOWDOWN_RULE = """rules:
+  - name: held-slowdown
+    match: {throttle: {reasons: [sw_thermal_slowdown], held_seconds: 0.5}}
+    actions: [recommend_reboot]
+    cooldown_seconds: 0
+    max_attempts: 100
+    window_seconds: 86400
+"""
+#: Appended to the policy block of the harness's configuration: a top-level `services:` key.
+FAILING_SERVICE = """services:
+  - name: sglang
+    health_url: {url}
+    probe_interval_seconds: 0.05
+    probe_timeout_seconds: 1
+    unhealthy_after_probes: 100
+"""
+CLOCK_EVENT_SECONDS = "gpu_agent_gpu_clock_event_seconds_total"
+
+
+def held_slowdown_view(agent: RunningAgent) -> tuple[float, list[float], int]:
+    """GPU 0's sw_thermal_slowdown seconds in /metrics, the start times of the held slowdowns the
+    rule acted on (a restarted clock would be a new fault), and the probe streak of sglang."""
+    seconds = next(
+        (
+            value
+            for labels, value in series(agent.metrics(), CLOCK_EVENT_SECONDS).items()
+            if 'gpu="0"' in labels and 'reason="sw_thermal_slowdown"' in labels
+        ),
+        0.0,
+    )
+    history = json.loads(cli(agent, "events", "--json"))
+    starts = sorted(e["data"]["active_since_seconds"] for e in history["events"] if e["key"].endswith("/held-slowdown"))
+    streak = next(s["consecutive_failures"] for s in agent.status()["services"] if s["name"] == "sglang")
+    return seconds, starts, streak
+
+
+def test_restart_keeps_clock_event_time_the_held_slowdown_and_a_probe_streak(tmp_path: Path) -> None:
+    make_host_tree(tmp_path / "host", kernel_sysfs=False)
+    write_boot_id(tmp_path / "host", BOOT_A)
+    rules = tmp_path / "rules.d"
+    rules.mkdir()
+    (rules / "50-held.yaml").write_text(HELD_SLOWDOWN_RULE)
+    config = {
+        "profile": "h200x2",
+        "rules_dir": rules,
+        "watchdog_usec": None,
+        "policy": DEFAULT_POLICY + FAILING_SERVICE.format(url=f"http://127.0.0.1:{free_port()}/health"),
+    }
+    with running_agent(tmp_path, **config) as agent:
+        agent.notifications.wait_for("READY", "1")
+        cli(agent, "inject", "throttle", "--gpu", "0", "--reason", "sw_thermal_slowdown")
+        wait_until(
+            lambda: (lambda view: view[0] >= 2.0 and len(view[1]) == 1 and view[2] >= 5)(held_slowdown_view(agent)),
+            60.0,
+            "2 s of slowdown on GPU 0, the rule acting on it once, five failed probes",
+            poll_seconds=0.3,
+        )
+        seconds_before, starts_before, streak_before = held_slowdown_view(agent)
+
+    with running_agent(tmp_path, **config) as agent:
+        agent.notifications.wait_for("READY", "1")
+        seconds_after, starts_after, streak_after = held_slowdown_view(agent)
+        assert seconds_after >= seconds_before  # a counter: never down
+        assert starts_after == starts_before  # the same held slowdown, not a new one
+        assert streak_after >= streak_before
+        # And it goes on counting from there.
+        wait_until(
+            lambda: held_slowdown_view(agent)[0] >= seconds_before + 1.0,
+            30.0,
+            "the slowdown time growing after the restart",
+            poll_seconds=0.3,
+        )
+        assert held_slowdown_view(agent)[1] == starts_before

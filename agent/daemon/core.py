@@ -115,7 +115,7 @@ class Daemon:
         events += self.inference.on_loop(samples, events)
         self.intake.note(events)
         snapshot = self._snapshot(now, samples, time.monotonic() - started)
-        self.memory.save(self.watchers.xid, now)
+        self._save_memory(now)
         self.remediator.remediate(snapshot, events, now)
         snapshot = self.publisher.publish(snapshot)
         self.watchdog.beat()
@@ -123,7 +123,7 @@ class Daemon:
 
     def _collect(self, now: float) -> tuple[list[GpuSample], list[Event]]:
         """This loop's samples, and the events the watchers and the policy loop made of them."""
-        self.memory.load(self.collector.identities, self.watchers.xid)
+        self.memory.load(self.collector.identities, self.watchers.xid, self.watchers.throttle, self.prober)
         wait_seconds = self.timing.step_wait(self.config.interval_seconds)
         backend = self.session.begin_loop(self.config, wait_seconds)
         if backend is None:
@@ -185,9 +185,12 @@ class Daemon:
             recent_events=self.intake.recent,
             health=self.watchers.health(snapshot.health, self.collector.stale, self.session.error),
         )
-        self.memory.save(self.watchers.xid, self.clock())
+        self._save_memory(self.clock())
         self.remediator.remediate(snapshot, events, self.clock())
         self.publisher.set(snapshot)
+
+    def _save_memory(self, now: float) -> None:
+        self.memory.save(self.watchers.xid, now, self.watchers.throttle, self.prober)
 
     # -- sources feeding the event intake ------------------------------------------------------
 
@@ -312,6 +315,8 @@ class Daemon:
         self._closers.append(self.kmsg.stop)
         self.remediator.start()
         self._closers.append(self.remediator.stop)
+        # Closed in reverse: after the prober stops, before the store closes, the last streaks are kept.
+        self._closers.append(lambda: self._save_memory(self.clock()))
         self.prober_thread = ProberThread(self.prober)
         self.prober_thread.start()
         self._closers.append(lambda: self.prober_thread.stop() if self.prober_thread else None)

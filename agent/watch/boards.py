@@ -24,12 +24,15 @@ class BoardStates(Generic[S]):
     def answering(self, samples: Iterable[GpuSample]) -> Iterator[tuple[GpuSample, S]]:
         """Each sample of a GPU that answered, with its board's state."""
         for sample in samples:
-            if not sample.up:
-                continue
-            board = self._boards.get(sample.index)
-            if board is None or board[0] != sample.uuid:
-                board = self._boards[sample.index] = (sample.uuid, self._new_state())
-            yield sample, board[1]
+            if sample.up:
+                yield sample, self.board(sample.index, sample.uuid)
+
+    def board(self, gpu: int, uuid: str) -> S:
+        """The state of board `uuid` at index `gpu`: a fresh one if another board was there."""
+        board = self._boards.get(gpu)
+        if board is None or board[0] != uuid:
+            board = self._boards[gpu] = (uuid, self._new_state())
+        return board[1]
 
     def get(self, gpu: int) -> S | None:
         board = self._boards.get(gpu)
@@ -37,6 +40,10 @@ class BoardStates(Generic[S]):
 
     def items(self) -> Iterator[tuple[int, S]]:
         return ((gpu, state) for gpu, (_, state) in self._boards.items())
+
+    def boards(self) -> Iterator[tuple[int, str, S]]:
+        """(index, uuid, state) of every board seen."""
+        return ((gpu, uuid, state) for gpu, (uuid, state) in self._boards.items())
 
 
 class SustainedWatcher(ABC, Generic[S]):

@@ -15,6 +15,11 @@ Where the board keeps its own counter the total follows the counter instead:
   covers both sw_thermal_slowdown and hw_thermal_slowdown and cannot be split between them, so
   those two are integrated from samples and the counter is not used.
 
+An agent restart is not a reboot: `totals` gives the daemon's node memory (agent/memory.py) each
+board's time per reason and the start of each slowdown active now, and `restore` takes them back at
+start, so the exported counter does not go down and a held slowdown keeps its start time (a rule's
+"held 60 s" does not start again). The time between the two runs is not counted.
+
 Counters are read on the slow tier: between two counter readings sw_power_cap is integrated, and
 each counter reading replaces that estimate with the counter's delta. A reported total never goes
 down (Prometheus would read that as a counter reset); it waits for the counter to catch up instead.
@@ -28,6 +33,7 @@ from dataclasses import dataclass, field
 from agent.clock_events import SLOWDOWN_REASONS, decode
 from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
 from agent.state import GpuSample
+from agent.store import ClockEventTotal
 from agent.watch.boards import BoardStates, sample_event
 from agent.watch.health import combine
 
@@ -93,6 +99,29 @@ class ThrottleWatcher:
         return {
             (gpu, reason): since for gpu, state in self._gpus.items() for reason, since in state.started_seconds.items()
         }
+
+    def totals(self) -> list[ClockEventTotal]:
+        """Every board's time per reason and, for a slowdown active now, its start: for the store."""
+        return [
+            ClockEventTotal(gpu, uuid, reason, total.reported_seconds, state.started_seconds.get(reason))
+            for gpu, uuid, state in sorted(self._gpus.boards(), key=lambda board: board[0])
+            for reason, total in sorted(state.totals.items())
+        ]
+
+    def restore(self, totals: list[ClockEventTotal]) -> None:
+        """The totals and active slowdowns an earlier run of the agent on this boot left. Time counted
+        since this run started (the store opened late) adds to them; a slowdown this run saw start
+        keeps that start."""
+        answering = {gpu: uuid for gpu, uuid, _ in self._gpus.boards()}
+        for stored in totals:
+            if answering.get(stored.gpu, stored.uuid) != stored.uuid:
+                continue  # another board answers at that index now: the stored one's time is not its
+            state = self._gpus.board(stored.gpu, stored.uuid)
+            total = state.totals.setdefault(stored.reason, _Total())
+            total.counted_seconds += stored.seconds
+            total.publish()
+            if stored.active_since_seconds is not None:
+                state.started_seconds.setdefault(stored.reason, stored.active_since_seconds)
 
     def health(self, gpu: int) -> Health:
         state = self._gpus.get(gpu)
