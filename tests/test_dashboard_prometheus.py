@@ -20,7 +20,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -428,16 +428,23 @@ def free_port() -> int:
         return port
 
 
+RECORDING = ROOT / "packaging/prometheus/gpu-agent-recording.yaml"
+
+
 class Prometheus:
-    def __init__(self, workdir: Path, target_port: int) -> None:
+    """A real Prometheus on loopback scraping the agents on `target_ports` with the shipped rules."""
+
+    def __init__(
+        self, workdir: Path, target_ports: Sequence[int], rule_files: Sequence[Path] = (ALERTS, RECORDING)
+    ) -> None:
         assert PROMETHEUS is not None
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = {
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(ALERTS), str(ROOT / "packaging/prometheus/gpu-agent-recording.yaml")],
+            "rule_files": [str(path) for path in rule_files],
             "scrape_configs": [
-                {"job_name": "gpu-agent", "static_configs": [{"targets": [f"127.0.0.1:{target_port}"]}]}
+                {"job_name": "gpu-agent", "static_configs": [{"targets": [f"127.0.0.1:{p}" for p in target_ports]}]}
             ],
         }
         config_path = workdir / "prometheus.yml"
@@ -523,7 +530,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometheus,
     prometheus: Prometheus | None = None
     try:
         server = serve_metrics("127.0.0.1:0", lambda: loop.snapshot)
-        prometheus = Prometheus(workdir, server.port)
+        prometheus = Prometheus(workdir, [server.port])
         prom = prometheus
 
         def target_up() -> bool:
@@ -563,7 +570,7 @@ def clean(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
     prometheus: Prometheus | None = None
     try:
         server = serve_metrics("127.0.0.1:0", lambda: loop.snapshot)
-        prometheus = Prometheus(workdir, server.port)
+        prometheus = Prometheus(workdir, [server.port])
         prom = prometheus
         # increase() over a panel's window needs two samples of it
         prom.wait_for("three scrapes", lambda: bool(prom.query("count_over_time(gpu_agent_up[1m]) >= 3")), 20)

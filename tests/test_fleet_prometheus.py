@@ -14,10 +14,17 @@ import pytest
 import yaml
 from daemon_harness import RunningAgent, running_agent
 from helpers import wait_until
-from test_dashboard_prometheus import ALERTS, PROMETHEUS, PROMTOOL, Prometheus, all_panels, dashboard, free_port
+from test_dashboard_prometheus import (
+    ALERTS,
+    PROMETHEUS,
+    PROMTOOL,
+    RECORDING,
+    Prometheus,
+    all_panels,
+    dashboard,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
-RECORDING = ROOT / "packaging/prometheus/gpu-agent-recording.yaml"
 FLEET_ROW = "Fleet"
 NODES = ("clean", "lost", "xid")
 #: What each node suffers: nothing; GPU 1 fell off the bus; an Xid 48 on GPU 0 and a hot, slowed GPU 1.
@@ -62,40 +69,6 @@ def fleet_queries() -> list[tuple[str, str]]:
     ]
 
 
-class FleetPrometheus(Prometheus):
-    """The dashboard test's Prometheus, scraping several targets with the given rule files."""
-
-    def __init__(self, workdir: Path, target_ports: list[int], rule_files: list[Path]) -> None:
-        assert PROMETHEUS is not None
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = {
-            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(path) for path in rule_files],
-            "scrape_configs": [
-                {
-                    "job_name": "gpu-agent",
-                    "static_configs": [{"targets": [f"127.0.0.1:{port}" for port in target_ports]}],
-                }
-            ],
-        }
-        config_path = workdir / "prometheus.yml"
-        config_path.write_text(yaml.safe_dump(config))
-        self.log_path = workdir / "prometheus.log"
-        self._log = self.log_path.open("wb")
-        self.process = subprocess.Popen(
-            [
-                PROMETHEUS,
-                f"--config.file={config_path}",
-                f"--storage.tsdb.path={workdir / 'data'}",
-                f"--web.listen-address=127.0.0.1:{self.port}",
-                "--log.level=warn",
-            ],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-
-
 class Fleet:
     def __init__(self, prometheus: Prometheus, node_of: dict[str, str]) -> None:
         self.prometheus = prometheus
@@ -136,7 +109,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                 f"node {name}'s faults in its status",
                 poll_seconds=0.5,
             )
-        prometheus = FleetPrometheus(
+        prometheus = Prometheus(
             tmp_path_factory.mktemp("prometheus"), [agent.port for agent in agents.values()], [ALERTS, RECORDING]
         )
         stack.callback(prometheus.stop)
