@@ -109,10 +109,7 @@ def reboot_recommended(state_dir: str | Path, paths: HostPaths) -> str | None:
         return "reboot-recommended flag present (unreadable)"
     written_boot = flag.get("boot_id")
     if written_boot:
-        try:
-            current_boot = paths.read_text("/proc/sys/kernel/random/boot_id").strip()
-        except OSError:
-            current_boot = ""
+        current_boot = paths.boot_id()
         if current_boot and current_boot != written_boot:
             return None
     return str(flag.get("reason") or "reboot recommended")
