@@ -160,3 +160,21 @@ def test_observe_mode_records_what_it_would_have_done(tmp_path: Path) -> None:
         json.loads(json.dumps(snapshot_document(snap, source="daemon")))["recent_remediations"][0]["outcome"]
         == "dry_run"
     )
+
+
+def test_a_reboot_flag_written_before_the_last_boot_is_spent(tmp_path: Path) -> None:
+    import json
+
+    from agent.host.paths import BOOT_ID_PATH, HostPaths
+    from agent.rules.actions.reboot import REBOOT_FLAG_NAME
+    from agent.verdict import reboot_recommended
+
+    host = tmp_path / "host"
+    (host / BOOT_ID_PATH.lstrip("/")).parent.mkdir(parents=True)
+    (host / BOOT_ID_PATH.lstrip("/")).write_text("boot-b\n")
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / REBOOT_FLAG_NAME).write_text(json.dumps({"reason": "Xid 79", "boot_id": "boot-b"}))
+    assert reboot_recommended(str(state), HostPaths.at(host)) == "Xid 79"
+    (state / REBOOT_FLAG_NAME).write_text(json.dumps({"reason": "Xid 79", "boot_id": "boot-a"}))
+    assert reboot_recommended(str(state), HostPaths.at(host)) is None  # that reboot happened
