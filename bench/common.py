@@ -229,9 +229,15 @@ def print_rows(title: str, rows: Sequence[Sequence[object]]) -> None:
 # -- a daemon on a throw-away node --------------------------------------------------------------
 
 
+#: What the packaged launcher (packaging/gpu-agent) exports before it starts the agent, so a
+#: benchmark measures the daemon as the packages run it; tests/test_launcher.py keeps them equal.
+PACKAGED_LAUNCHER_ENV: dict[str, str] = {"MALLOC_ARENA_MAX": "2"}
+
+
 def agent_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment for agent processes: the repository importable, no systemd variables of ours."""
-    env = {
+    """The environment for agent processes, as the packaged launcher sets it: the repository
+    importable, no systemd variables of ours."""
+    env = PACKAGED_LAUNCHER_ENV | {
         k: v
         for k, v in os.environ.items()
         if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "JOURNAL_STREAM", "GPU_AGENT_CONFIG")

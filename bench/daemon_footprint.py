@@ -73,6 +73,22 @@ def pss_kb(pid: int) -> int | None:
     return None
 
 
+def rss_by_mapping_mb(pid: int, most: int = 12) -> dict[str, float]:
+    """Where the RSS lives: /proc/PID/smaps summed per mapped file ("[anon]" for the heap, arenas
+    and stacks), largest first; empty where smaps cannot be read."""
+    by_path: dict[str, int] = {}
+    path = "[anon]"
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+            fields = line.split()
+            if len(fields) >= 5 and "-" in fields[0] and ":" in fields[3]:  # a mapping's header line
+                path = fields[5] if len(fields) > 5 else "[anon]"
+            elif fields and fields[0] == "Rss:":
+                by_path[path] = by_path.get(path, 0) + int(fields[1])
+    largest = sorted(by_path.items(), key=lambda item: -item[1])[:most]
+    return {name: round(kb / 1024, 1) for name, kb in largest}
+
+
 def descendants(pid: int) -> list[int]:
     """Live processes below `pid` (a journalctl the kernel-log reader started, a hook)."""
     children: dict[int, list[int]] = {}
@@ -124,6 +140,7 @@ def measure_node(args: argparse.Namespace, profile: str, directory: Path) -> dic
             readings.append(read_tree(daemon.pid))
         peak_kb = status_kb(daemon.pid, "VmHWM")
         pss = pss_kb(daemon.pid)
+        by_mapping = rss_by_mapping_mb(daemon.pid)
         with contextlib.closing(http.client.HTTPConnection(*node.metrics_address, timeout=10)) as connection:
             match = COLLECT_DURATION.search(scrape(connection))
         loop_seconds = float(match.group(1)) if match else None
@@ -149,6 +166,7 @@ def measure_node(args: argparse.Namespace, profile: str, directory: Path) -> dic
         "rss_growth_mb": round((last.rss_kb - first.rss_kb) / 1024, 2),
         "peak_rss_mb_vmhwm": round(peak_kb / 1024, 1) if peak_kb is not None else None,
         "pss_mb_end": round(pss / 1024, 1) if pss is not None else None,
+        "rss_mb_by_mapping": by_mapping,
         "threads": last.threads,
         "child_processes_max": max(r.children for r in readings),
         "last_loop_seconds": loop_seconds,
