@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import structlog
+from helpers import make_event
 from hosttree import NOBODY_ID, ScriptedHostContext, make_host_tree
 from pydantic import ValidationError
 from race import attempts, swapping
@@ -159,17 +160,17 @@ def event(
     data: dict[str, Any] | None = None,
     severity: Severity = Severity.CRITICAL,
 ) -> Event:
-    return Event(
-        kind=kind,
-        severity=severity,
-        gpu=gpu,
+    """An NVML event on the simulated GPU 0 (Xid 48 by default) whose remedy is a reset."""
+    return make_event(
+        kind,
+        gpu,
         uuid=uuid,
-        message=f"{kind.value} on GPU {gpu}",
+        severity=severity,
         timestamp_seconds=1_700_000_000.0,
         source="nvml",
         key=f"{kind.value}:{uuid}",
-        data={"xid": 48} if data is None else data,
         suggested_action=SuggestedAction.RESET_GPU,
+        **({"xid": 48} if data is None else data),
     )
 
 

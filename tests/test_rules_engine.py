@@ -10,10 +10,12 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from types import EllipsisType
 from typing import Any, Literal
 
 import pytest
-from snapshots import gpu_uuid, h200_sample
+from helpers import make_event
+from snapshots import gpu_uuid, h200_snapshot
 
 from agent.events import Event, EventKind, Severity, SuggestedAction
 from agent.rules.config import Rule
@@ -43,22 +45,12 @@ def event(
     key: str | None = None,
     severity: Severity = Severity.CRITICAL,
     suggested: SuggestedAction = SuggestedAction.NONE,
-    uuid: str | None = "auto",
+    uuid: str | EllipsisType | None = ...,
     **data: Any,
 ) -> Event:
-    if uuid == "auto":
-        uuid = gpu_uuid(gpu) if gpu is not None else None
-    return Event(
-        kind=kind,
-        severity=severity,
-        gpu=gpu,
-        uuid=uuid,
-        message=f"{kind.value} on GPU {gpu}",
-        timestamp_seconds=at,
-        source="test",
-        key=key or f"{kind.value}:{uuid or gpu}:{sorted(data.items())}:{at:.3f}",
-        data=data,
-        suggested_action=suggested,
+    """make_event in this module's words: `at` the event's time, `suggested` its remedy."""
+    return make_event(
+        kind, gpu, uuid=uuid, severity=severity, timestamp_seconds=at, key=key, suggested_action=suggested, **data
     )
 
 
@@ -67,15 +59,7 @@ def xid(code: int, gpu: int | None = 0, at: float = T0, **fields: Any) -> Event:
 
 
 def snapshot(at: float = T0, gpus: int = 4, **fields: Any) -> NodeSnapshot:
-    return NodeSnapshot(
-        timestamp_seconds=at,
-        started_seconds=at - HOUR,
-        version="test",
-        backend="simulated",
-        driver_version="580.159.04",
-        gpus=tuple(h200_sample(i) for i in range(gpus)),
-        **fields,
-    )
+    return h200_snapshot(at, gpus, **fields)
 
 
 def service(name: str, failures: int) -> ServiceStatus:
