@@ -115,6 +115,16 @@ def kinds(decisions: Sequence[Decision]) -> list[str | None]:
 
 # -- conditions ----------------------------------------------------------------------------------
 
+PCIE_AT_LEAST_CRITICAL = {"event": {"kinds": ["pcie_degraded"], "min_severity": "critical"}}
+RECOVERY_BY_REBOOT = {"event": {"kinds": ["recovery_action"], "suggested_actions": ["reboot"]}}
+RECOVERY_AT_LEAST_RESET = {"event": {"kinds": ["recovery_action"], "min_suggested_action": "reset_gpu"}}
+
+
+def recovery(suggested: SuggestedAction) -> Event:
+    """A recovery-action event whose remedy is `suggested`."""
+    return event(EventKind.RECOVERY_ACTION, suggested=suggested)
+
+
 EVENT_CASES = [
     # (condition, event, matches)
     ({"xid": {"codes": [13, 31]}}, xid(13), True),
@@ -149,42 +159,14 @@ EVENT_CASES = [
         False,
     ),
     ({"event": {"kinds": ["pcie_degraded"]}}, event(EventKind.PCIE_DEGRADED, severity=Severity.INFO), True),
-    (
-        {"event": {"kinds": ["pcie_degraded"], "min_severity": "critical"}},
-        event(EventKind.PCIE_DEGRADED, severity=Severity.WARNING),
-        False,
-    ),
-    (
-        {"event": {"kinds": ["pcie_degraded"], "min_severity": "critical"}},
-        event(EventKind.PCIE_DEGRADED, severity=Severity.FATAL),
-        True,
-    ),
-    (
-        {"event": {"kinds": ["recovery_action"], "suggested_actions": ["reboot"]}},
-        event(EventKind.RECOVERY_ACTION, suggested=SuggestedAction.RESET_GPU),
-        False,
-    ),
-    (
-        {"event": {"kinds": ["recovery_action"], "suggested_actions": ["reboot"]}},
-        event(EventKind.RECOVERY_ACTION, suggested=SuggestedAction.REBOOT),
-        True,
-    ),
+    (PCIE_AT_LEAST_CRITICAL, event(EventKind.PCIE_DEGRADED, severity=Severity.WARNING), False),
+    (PCIE_AT_LEAST_CRITICAL, event(EventKind.PCIE_DEGRADED, severity=Severity.FATAL), True),
+    (RECOVERY_BY_REBOOT, recovery(SuggestedAction.RESET_GPU), False),
+    (RECOVERY_BY_REBOOT, recovery(SuggestedAction.REBOOT), True),
     # The one ranking of remedies: reset_gpu and reboot are at least reset_gpu, the rest are milder.
-    (
-        {"event": {"kinds": ["recovery_action"], "min_suggested_action": "reset_gpu"}},
-        event(EventKind.RECOVERY_ACTION, suggested=SuggestedAction.REBOOT),
-        True,
-    ),
-    (
-        {"event": {"kinds": ["recovery_action"], "min_suggested_action": "reset_gpu"}},
-        event(EventKind.RECOVERY_ACTION, suggested=SuggestedAction.RESET_GPU),
-        True,
-    ),
-    (
-        {"event": {"kinds": ["recovery_action"], "min_suggested_action": "reset_gpu"}},
-        event(EventKind.RECOVERY_ACTION, suggested=SuggestedAction.CONTACT_SUPPORT),
-        False,
-    ),
+    (RECOVERY_AT_LEAST_RESET, recovery(SuggestedAction.REBOOT), True),
+    (RECOVERY_AT_LEAST_RESET, recovery(SuggestedAction.RESET_GPU), True),
+    (RECOVERY_AT_LEAST_RESET, recovery(SuggestedAction.CONTACT_SUPPORT), False),
 ]
 
 

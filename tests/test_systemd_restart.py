@@ -138,18 +138,22 @@ def test_service_without_health_url_is_checked_with_is_active(tmp_path: Path, sa
     ctx.managers["sleeper"].stop(service)
 
 
-def test_unit_failing_to_start_fails_the_restart(tmp_path: Path, sandbox: SystemdSandbox) -> None:
-    ctx = context(tmp_path, sandbox, [ServiceConfig(name="broken", unit="broken.service")])
-    outcome = execute(restart("broken"), ctx)
+def failed_restart(tmp_path: Path, sandbox: SystemdSandbox, name: str) -> str:
+    """Restarting the service `name` (unit `name`.service) fails; what the outcome says."""
+    ctx = context(tmp_path, sandbox, [ServiceConfig(name=name, unit=f"{name}.service")])
+    outcome = execute(restart(name), ctx)
     assert outcome.outcome is Outcome.FAILED
-    assert outcome.detail.startswith("restart broken failed: systemctl restart broken.service failed: exit 1: ")
-    assert "Job for broken.service failed" in outcome.detail
+    return outcome.detail
+
+
+def test_unit_failing_to_start_fails_the_restart(tmp_path: Path, sandbox: SystemdSandbox) -> None:
+    detail = failed_restart(tmp_path, sandbox, "broken")
+    assert detail.startswith("restart broken failed: systemctl restart broken.service failed: exit 1: ")
+    assert "Job for broken.service failed" in detail
     assert sandbox.unit_property("broken.service", "ActiveState") == "failed"
 
 
 def test_restart_of_a_missing_unit_fails_with_systemctl_output(tmp_path: Path, sandbox: SystemdSandbox) -> None:
-    ctx = context(tmp_path, sandbox, [ServiceConfig(name="ghost", unit="ghost.service")])
-    outcome = execute(restart("ghost"), ctx)
-    assert outcome.outcome is Outcome.FAILED
-    assert outcome.detail.startswith("restart ghost failed: systemctl restart ghost.service failed: exit 5: ")
-    assert "ghost.service not found" in outcome.detail
+    detail = failed_restart(tmp_path, sandbox, "ghost")
+    assert detail.startswith("restart ghost failed: systemctl restart ghost.service failed: exit 5: ")
+    assert "ghost.service not found" in detail
