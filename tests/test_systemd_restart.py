@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import action_context
 from hosttree import make_host_tree
 from systemd_sandbox import SystemdSandbox, missing_requirements
 
@@ -14,10 +15,9 @@ from agent.backend.sim import SimulatedBackend
 from agent.config import AgentConfig, Mode, ServiceConfig
 from agent.events import Event, EventKind, Severity
 from agent.policy.base import HostContext
-from agent.policy.engine import PolicyEngine
 from agent.rules.actions import ActionContext, execute
 from agent.rules.model import ActionKind, ActionSpec, Decision, Outcome, Target
-from agent.services import HealthProber, SystemdManager, build_managers
+from agent.services import SystemdManager, build_managers
 from agent.standin import free_port
 
 pytestmark = [
@@ -65,15 +65,7 @@ def context(tmp_path: Path, sandbox: SystemdSandbox, services: list[ServiceConfi
     backend = SimulatedBackend("h200", tmp_path / "state")
     host = HostContext(make_host_tree(tmp_path / "host"))
     managers = build_managers(config, host, systemctl_argv=sandbox.systemctl_argv)
-    return ActionContext(
-        config=config,
-        backend=backend,
-        policy=PolicyEngine(config, backend, host),
-        host=host,
-        managers=managers,
-        prober=HealthProber(config.services, managers),
-        hostname="sandbox",
-    )
+    return action_context(config, backend, host, managers, hostname="sandbox")
 
 
 def restart(service: str) -> Decision:
