@@ -1,15 +1,23 @@
-"""What many tests need, written once: a bounded wait, a clock the test moves, an event builder."""
+"""What many tests need, written once: a bounded wait, a clock the test moves, an event builder,
+the context actions run in, the live processes."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from types import EllipsisType
 from typing import Any, TypeVar
 
 from snapshots import TIMESTAMP_SECONDS, gpu_uuid
 
+from agent.backend.base import GpuBackend
+from agent.config import AgentConfig
 from agent.events import Event, EventKind, Severity, SuggestedAction
+from agent.policy.base import HostContext
+from agent.policy.engine import PolicyEngine
+from agent.rules.actions import ActionContext
+from agent.services import HealthProber, ServiceManager
 
 T = TypeVar("T")
 
@@ -100,3 +108,32 @@ def make_event(
         data=data,
         suggested_action=suggested_action,
     )
+
+
+def action_context(
+    config: AgentConfig, backend: GpuBackend, host: HostContext, managers: Mapping[str, ServiceManager], **fields: Any
+) -> ActionContext:
+    """What actions reach on a node: `config` on `backend` and `host` with its policy engine, and a
+    prober of the config's services through `managers`; `fields` set ActionContext's other fields."""
+    return ActionContext(
+        config=config,
+        backend=backend,
+        policy=PolicyEngine(config, backend, host),
+        host=host,
+        managers=managers,
+        prober=HealthProber(config.services, managers),
+        **fields,
+    )
+
+
+def live_processes(reading: str) -> Iterator[tuple[int, str]]:
+    """Each live process's pid with the text of its /proc/PID/`reading` (NUL bytes as spaces); one
+    that exits while it is read is passed over."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            text = (entry / reading).read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        yield int(entry.name), text

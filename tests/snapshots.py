@@ -23,7 +23,7 @@ from typing import Any
 
 from agent.backend.base import GpuBackend, GpuProcess, NvLinkErrors
 from agent.collect import sample_all
-from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
+from agent.events import EventKind, Health, HealthState, Severity, SuggestedAction
 from agent.gpu_attribution import GpuAttribution, GpuProcessInfo
 from agent.policy.base import ItemPlan, PlanStatus
 from agent.service_metrics import LatencyFigures, ServiceFigures
@@ -72,16 +72,20 @@ _SERVING: dict[str, Any] = {
 }
 
 
+def _identity(index: int, name: str) -> dict[str, Any]:
+    """Which GPU a sample is of (its index, UUID, name and PCI address), and when it was read."""
+    pci_bus_id = PCI_BUS_IDS[index % len(PCI_BUS_IDS)]
+    return {
+        "index": index,
+        "uuid": gpu_uuid(index),
+        "name": name,
+        "pci_bus_id": pci_bus_id,
+        "timestamp_seconds": TIMESTAMP_SECONDS,
+    }
+
+
 def _sample(index: int, name: str, readings: dict[str, Any], overrides: dict[str, Any]) -> GpuSample:
-    return GpuSample(
-        index=index,
-        uuid=gpu_uuid(index),
-        name=name,
-        pci_bus_id=PCI_BUS_IDS[index % len(PCI_BUS_IDS)],
-        up=True,
-        timestamp_seconds=TIMESTAMP_SECONDS,
-        **{**_SERVING, **readings, **overrides},
-    )
+    return GpuSample(**_identity(index, name), up=True, **{**_SERVING, **readings, **overrides})
 
 
 def h200_sample(index: int, **overrides: Any) -> GpuSample:
@@ -133,14 +137,19 @@ def rtx_pro_6000_sample(index: int, **overrides: Any) -> GpuSample:
 
 def lost_sample(index: int, name: str = H200_NAME) -> GpuSample:
     """What collect makes of a GPU whose identity was read but whose first reading said GPU_LOST."""
-    return GpuSample(
-        index=index,
-        uuid=gpu_uuid(index),
-        name=name,
-        pci_bus_id=PCI_BUS_IDS[index % len(PCI_BUS_IDS)],
-        up=False,
-        timestamp_seconds=TIMESTAMP_SECONDS,
-        read_errors={"temperature_celsius": "gpu_lost"},
+    return GpuSample(**_identity(index, name), up=False, read_errors={"temperature_celsius": "gpu_lost"})
+
+
+def h200_snapshot(at: float = TIMESTAMP_SECONDS, gpus: int = 4, **fields: Any) -> NodeSnapshot:
+    """A node of `gpus` healthy H200s at `at`, up for an hour; keyword arguments are further fields."""
+    return NodeSnapshot(
+        timestamp_seconds=at,
+        started_seconds=at - 3600.0,
+        version=VERSION,
+        backend="simulated",
+        driver_version=DRIVER_VERSION,
+        gpus=tuple(h200_sample(i) for i in range(gpus)),
+        **fields,
     )
 
 
@@ -231,24 +240,23 @@ def node_policy() -> tuple[ItemPlan, ...]:
 
 def node_snapshot(**overrides: Any) -> NodeSnapshot:
     """The mixed node described in the module docstring; keyword arguments replace fields."""
+    from helpers import make_event  # helpers imports this module: imported here, once both are loaded
+
     events = (
-        Event(
-            kind=EventKind.XID,
-            severity=Severity.CRITICAL,
-            gpu=1,
-            uuid=gpu_uuid(1),
+        make_event(
+            EventKind.XID,
+            1,
             message="Xid 48: Double Bit ECC Error",
             timestamp_seconds=TIMESTAMP_SECONDS - 120.0,
             source="nvml",
             key=f"xid:{gpu_uuid(1)}:48",
-            data={"xid": 48},
             suggested_action=SuggestedAction.RESET_GPU,
+            xid=48,
         ),
-        Event(
-            kind=EventKind.GPU_LOST,
+        make_event(
+            EventKind.GPU_LOST,
+            3,
             severity=Severity.FATAL,
-            gpu=3,
-            uuid=gpu_uuid(3),
             message="GPU has fallen off the bus",
             timestamp_seconds=TIMESTAMP_SECONDS - 60.0,
             source="kmsg",

@@ -49,6 +49,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO
 
+from helpers import live_processes
+
 SUITE = "bookworm"
 BASE_PACKAGES = ("systemd", "systemd-sysv", "dbus", "python3")
 DEFAULT_CACHE_DIR = "/var/tmp/gpu-agent-sandbox"
@@ -138,18 +140,8 @@ def lock_or_wait(lock: BinaryIO, what: str, timeout_seconds: float | None = None
 
 
 def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # The command name may hold spaces and parentheses: the fields start after the last ')'.
-        if int(stat.rpartition(")")[2].split()[1]) == pid:
-            found.append(int(entry.name))
-    return found
+    # The command name may hold spaces and parentheses: the fields start after the last ')'.
+    return [child for child, stat in live_processes("stat") if int(stat.rpartition(")")[2].split()[1]) == pid]
 
 
 class SystemdSandbox:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import structlog
+from helpers import action_context, make_event
 from hosttree import NOBODY_ID, ScriptedHostContext, make_host_tree
 from pydantic import ValidationError
 from race import attempts, swapping
@@ -28,7 +29,6 @@ from agent.backend.sim import SimulatedBackend
 from agent.config import AgentConfig, Mode, RemediationConfig, ServiceConfig
 from agent.events import Event, EventKind, Severity, SuggestedAction, event_json
 from agent.policy.base import HostContext
-from agent.policy.engine import PolicyEngine
 from agent.rules.actions import (
     ActionContext,
     ActionError,
@@ -41,7 +41,7 @@ from agent.rules.actions.dispatch import HANDLERS
 from agent.rules.config import ActionStep
 from agent.rules.model import ActionKind, ActionSpec, Decision, Outcome, Target
 from agent.rules.params import PARAMS_BY_KIND, ResetGpuParams, RestartServiceParams
-from agent.services import CommandManager, HealthProber, build_managers
+from agent.services import CommandManager, build_managers
 from agent.standin import free_port, running
 
 STANDIN = str(Path(standin.__file__))
@@ -128,16 +128,11 @@ def make_node(
     backend = SimulatedBackend(profile, state_dir, writable_items=config.writable_items())
     backend.init()
     host = host or HostContext(make_host_tree(tmp / "host"))
-    policy = PolicyEngine(config, backend, host)
-    managers = build_managers(config, host)
-    prober = HealthProber(config.services, managers)
-    ctx = ActionContext(
-        config=config,
-        backend=backend,
-        policy=policy,
-        host=host,
-        managers=managers,
-        prober=prober,
+    ctx = action_context(
+        config,
+        backend,
+        host,
+        build_managers(config, host),
         hostname="gpu-node-7",
         drain_timeout_seconds=5.0,
         drain_poll_seconds=0.05,
@@ -159,17 +154,17 @@ def event(
     data: dict[str, Any] | None = None,
     severity: Severity = Severity.CRITICAL,
 ) -> Event:
-    return Event(
-        kind=kind,
-        severity=severity,
-        gpu=gpu,
+    """An NVML event on the simulated GPU 0 (Xid 48 by default) whose remedy is a reset."""
+    return make_event(
+        kind,
+        gpu,
         uuid=uuid,
-        message=f"{kind.value} on GPU {gpu}",
+        severity=severity,
         timestamp_seconds=1_700_000_000.0,
         source="nvml",
         key=f"{kind.value}:{uuid}",
-        data={"xid": 48} if data is None else data,
         suggested_action=SuggestedAction.RESET_GPU,
+        **({"xid": 48} if data is None else data),
     )
 
 

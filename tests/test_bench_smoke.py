@@ -15,6 +15,7 @@ import math
 import os
 import stat
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -50,6 +51,17 @@ def read_document(
     return document
 
 
+def run_benchmark(
+    tmp_path: Path, benchmark: ModuleType, args: list[str], sane: dict[str, tuple[float, float]]
+) -> dict[str, Any]:
+    """Run `benchmark` with `args`, writing its document under tmp_path; the document, checked by
+    read_document against what main() returned."""
+    name = benchmark.__name__.rpartition(".")[2]
+    out = tmp_path / f"{name}.json"
+    returned = benchmark.main([*args, "--out", str(out)])
+    return read_document(out, returned, name, sane)
+
+
 def _walk(value: Any) -> Any:
     yield value
     if isinstance(value, dict):
@@ -76,13 +88,10 @@ def test_statistics() -> None:
 
 
 def test_collect_cost_simulated(tmp_path: Path) -> None:
-    out = tmp_path / "collect.json"
-    returned = collect_cost.main(
-        ["--profile", "h200x2", "--rounds", "20", "--seconds", "0.2", "--lane-calls", "200", "--out", str(out)]
-    )
+    args = ["--profile", "h200x2", "--rounds", "20", "--seconds", "0.2", "--lane-calls", "200"]
     ratios = (0.3, 20.0)  # the agent's poll over the same raw getters: overhead, not a different workload
     sane = {"agent fast poll / raw getters": ratios, "agent fast+slow poll / raw getters": ratios}
-    document = read_document(out, returned, "collect_cost", sane)
+    document = run_benchmark(tmp_path, collect_cost, args, sane)
     results = document["results"]
     assert set(results["per_poll_ms"]) == {"agent_fast", "agent_fast_lanes", "raw_fast", "agent_full", "raw_full"}
     assert document["parameters"]["gpus"] == 2
@@ -117,16 +126,14 @@ def test_collect_cost_nvml_replay_with_nvidia_smi(
     )
     smi.chmod(smi.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("PATH", f"{smi.parent}{os.pathsep}{os.environ['PATH']}")
-    out = tmp_path / "collect-nvml.json"
     nvml_args = ["--backend", "nvml", "--rounds", "10", "--seconds", "0.1", "--smi-runs", "2", "--lane-calls", "50"]
-    returned = collect_cost.main([*nvml_args, "--out", str(out)])
     sane = {
         "agent fast poll / raw getters": (0.3, 20.0),
         "agent fast+slow poll / raw getters": (0.3, 20.0),
         # a shell script against an in-process poll of microseconds: well above 1, below a million
         "nvidia-smi query / agent poll (fast)": (1.0, 1e6),
     }
-    document = read_document(out, returned, "collect_cost", sane)
+    document = run_benchmark(tmp_path, collect_cost, nvml_args, sane)
     assert document["machine"]["gpu_names"] == ["NVIDIA H200"]
     assert document["parameters"]["nvml_functions_chosen"] == {
         "temperature": "nvmlDeviceGetTemperatureV",
@@ -143,15 +150,9 @@ def test_collect_cost_nvml_replay_with_nvidia_smi(
 
 
 def test_daemon_footprint(tmp_path: Path) -> None:
-    out = tmp_path / "footprint.json"
-    returned = daemon_footprint.main(
-        ["--profiles", "h200", "--seconds", "1.5", "--warmup", "0.2", "--interval", "0.2", "--out", str(out)]
-    )
-    sane = {
-        "daemon CPU, mean % of one core, 1 GPU(s)": (0.01, 80.0),
-        "daemon RSS max, 1 GPU(s)": (10.0, 1000.0),
-    }
-    document = read_document(out, returned, "daemon_footprint", sane)
+    args = ["--profiles", "h200", "--seconds", "1.5", "--warmup", "0.2", "--interval", "0.2"]
+    sane = {"daemon CPU, mean % of one core, 1 GPU(s)": (0.01, 80.0), "daemon RSS max, 1 GPU(s)": (10.0, 1000.0)}
+    document = run_benchmark(tmp_path, daemon_footprint, args, sane)
     (node,) = document["results"]["nodes"]
     assert node["gpus"] == 1
     assert node["window_seconds"] >= 1.0
@@ -162,17 +163,11 @@ def test_daemon_footprint(tmp_path: Path) -> None:
 
 
 def test_scrape_latency_with_a_hung_call(tmp_path: Path) -> None:
-    out = tmp_path / "scrape.json"
-    returned = scrape_latency.main(
-        ["--profile", "h200x2", "--scrapes", "12", "--interval", "0.2", "--hang-seconds", "20", "--out", str(out)]
-    )
+    args = ["--profile", "h200x2", "--scrapes", "12", "--interval", "0.2", "--hang-seconds", "20"]
     # A local scrape of 2 simulated GPUs takes milliseconds; 250 ms leaves room for a loaded machine
     # and none for an agent that adds 300 ms to every scrape.
-    sane = {
-        "scrape p99 (kept-alive connection)": (0.01, 250.0),
-        "scrape p99 while an NVML call hangs": (0.01, 250.0),
-    }
-    document = read_document(out, returned, "scrape_latency", sane)
+    sane = dict.fromkeys(("scrape p99 (kept-alive connection)", "scrape p99 while an NVML call hangs"), (0.01, 250.0))
+    document = run_benchmark(tmp_path, scrape_latency, args, sane)
     baseline, hanging = document["results"]["phases"]["baseline"], document["results"]["phases"]["hanging"]
     assert baseline["keepalive_ms"]["n"] == 12 and baseline["fresh_connection_ms"]["n"] == 3
     assert baseline["scrapes_seeing_gpu0_stale"] == 0
@@ -184,12 +179,11 @@ def test_scrape_latency_with_a_hung_call(tmp_path: Path) -> None:
 
 
 def test_detection_latency(tmp_path: Path) -> None:
-    out = tmp_path / "detection.json"
     tiny = ["--profile", "h200x2", "--injections", "1", "--service-rounds", "1", "--interval", "0.2"]
-    returned = detection_latency.main([*tiny, "--probe-interval", "0.1", "--action-grace", "0.5", "--out", str(out)])
+    args = [*tiny, "--probe-interval", "0.1", "--action-grace", "0.5"]
     # fault -> action started with a 0.2 s loop and events that wake it: well under 5 s
     sane = {f"{fault} -> action_started p99": (0.1, 5000.0) for fault in ("xid_nvml", "xid_kmsg", "service")}
-    document = read_document(out, returned, "detection_latency", sane)
+    document = run_benchmark(tmp_path, detection_latency, args, sane)
     results = document["results"]
     assert set(results) == {"xid_nvml", "xid_kmsg", "service"}
     for summary in results.values():
@@ -204,9 +198,7 @@ def test_detection_latency(tmp_path: Path) -> None:
 
 
 def test_startup(tmp_path: Path) -> None:
-    out = tmp_path / "startup.json"
-    returned = startup.main(["--profile", "h200", "--runs", "1", "--out", str(out)])
-    document = read_document(out, returned, "startup", {})
+    document = run_benchmark(tmp_path, startup, ["--profile", "h200", "--runs", "1"], {})
     results = document["results"]
     sane_number(results["ready_ms"]["median"], 50.0, 30_000.0, "start to READY=1, ms")
     assert results["ready_ms"]["n"] == 1
@@ -216,10 +208,8 @@ def test_startup(tmp_path: Path) -> None:
 
 
 def test_status_wall(tmp_path: Path) -> None:
-    out = tmp_path / "status.json"
-    returned = status_wall.main(["--profile", "h200", "--runs", "1", "--out", str(out)])
     sane = {"gpu-agent status against a daemon, median": (10.0, 10_000.0)}
-    document = read_document(out, returned, "status_wall", sane)
+    document = run_benchmark(tmp_path, status_wall, ["--profile", "h200", "--runs", "1"], sane)
     results = document["results"]
     assert {"status_daemon", "status_direct", "python_bare"} <= set(results["wall_ms"])
     assert results["exit_codes"]["status_daemon"] == [0]

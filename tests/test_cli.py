@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import live_processes
 from hosttree import make_host_tree
 
 from agent import standin
@@ -337,17 +338,7 @@ def test_check_config_warns_of_a_missing_rules_dir_and_fails_under_strict(tmp_pa
 
 def _processes_mentioning(text: str) -> list[int]:
     """Live processes whose command line names `text` (the demo's directory)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmdline and standin.running(int(entry.name)):
-            found.append(int(entry.name))
-    return found
+    return [pid for pid, cmdline in live_processes("cmdline") if text in cmdline and standin.running(pid)]
 
 
 def _port_free(port: int) -> bool:

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from daemon_harness import running_agent, write_agent_config
+from helpers import wait_until
 
 from agent import api
 from agent.backend.base import ClockDomain
@@ -20,20 +21,14 @@ from agent.events import EventKind, Severity
 from agent.notify import SdNotifier
 from agent.watch.fake_kernel_log import append_kmsg, xid_line
 
+#: How long a test waits for the agent to do what it is asked.
+WAIT_SECONDS = 10.0
+
 
 def sim(state_dir: Path, profile: str = "h200x2") -> SimulatedBackend:
     backend = SimulatedBackend(profile, state_dir)
     backend.init()
     return backend
-
-
-def wait_until(predicate, timeout_seconds: float = 10.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_ready_status_watchdog_and_stopping(tmp_path: Path) -> None:
@@ -57,7 +52,7 @@ def test_policy_enforced_by_the_loop_and_status_over_the_socket(tmp_path: Path) 
     with running_agent(tmp_path) as agent:
         agent.notifications.wait_for("READY", "1")
         backend = sim(agent.state_dir)
-        wait_until(lambda: backend.power_limit_watts(0) == 600.0, what="power limit enforced")
+        wait_until(lambda: backend.power_limit_watts(0) == 600.0, WAIT_SECONDS, "power limit enforced")
         status = agent.status()
         assert status["source"] == "daemon"
         assert status["uptime_seconds"] >= 0
@@ -81,7 +76,7 @@ def test_xid_from_nvml_and_kernel_log_is_one_event(tmp_path: Path) -> None:
             events = [e for e in agent.status()["recent_events"] if e["kind"] == "xid"]
             return bool(events) and len(events[0]["data"]["sources"]) == 2
 
-        wait_until(both_sources_seen, what="the Xid seen by NVML and the kernel log")
+        wait_until(both_sources_seen, WAIT_SECONDS, "the Xid seen by NVML and the kernel log")
         status = agent.status()
         assert len(status["xids"]) == 1 and status["xids"][0]["count"] == 1
         assert status["xids"][0]["gpu"] == 1 and status["xids"][0]["xid"] == 79
@@ -99,7 +94,7 @@ def test_sighup_with_a_broken_config_keeps_the_old_one(tmp_path: Path) -> None:
         good = agent.config_path.read_text()
         agent.config_path.write_text(good + "bogus_key: 1\n")
         agent.signal(signal.SIGHUP)
-        wait_until(lambda: "config reload failed" in agent.log(), what="reload failure logged")
+        wait_until(lambda: "config reload failed" in agent.log(), WAIT_SECONDS, "reload failure logged")
         assert "bogus_key: unknown key" in agent.log()
         agent.notifications.poll(0.5)
         statuses = [f["STATUS"] for _, f in agent.notifications.received if "STATUS" in f]
@@ -109,8 +104,8 @@ def test_sighup_with_a_broken_config_keeps_the_old_one(tmp_path: Path) -> None:
         # a valid change is taken: observe mode from now on (and the power limit is left alone)
         agent.config_path.write_text(good.replace("mode: enforce", "mode: observe"))
         agent.signal(signal.SIGHUP)
-        wait_until(lambda: "config reloaded" in agent.log(), what="reload")
-        wait_until(lambda: sim(agent.state_dir).power_limit_watts(0) == 600.0, what="enforced before")
+        wait_until(lambda: "config reloaded" in agent.log(), WAIT_SECONDS, "reload")
+        wait_until(lambda: sim(agent.state_dir).power_limit_watts(0) == 600.0, WAIT_SECONDS, "enforced before")
         operator = SimulatedBackend("h200x2", agent.state_dir, writable_items=["power_limit"])
         operator.init()
         operator.set_power_limit_watts(0, 650)
@@ -125,7 +120,7 @@ def test_a_hung_nvml_call_marks_the_gpu_stale_without_blocking(tmp_path: Path) -
         agent.notifications.wait_for("READY", "1")
         backend = sim(agent.state_dir)
         backend.hang_call(0, "temperature_celsius", 20.0)
-        wait_until(lambda: 0 in [g["index"] for g in agent.status()["gpus"] if g["stale"]], what="GPU 0 stale")
+        wait_until(lambda: 0 in [g["index"] for g in agent.status()["gpus"] if g["stale"]], WAIT_SECONDS, "GPU 0 stale")
         started = time.monotonic()
         text = agent.metrics()
         assert time.monotonic() - started < 1.0
@@ -142,7 +137,7 @@ def test_fans_return_to_automatic_on_sigterm(tmp_path: Path) -> None:
     with running_agent(tmp_path, profile="rtx-pro-6000") as agent:
         agent.notifications.wait_for("READY", "1")
         backend = sim(agent.state_dir, "rtx-pro-6000")
-        wait_until(lambda: backend.fan_manual(0, 0), what="fan curve applied")
+        wait_until(lambda: backend.fan_manual(0, 0), WAIT_SECONDS, "fan curve applied")
         agent.signal(signal.SIGTERM)
         assert agent.process.wait(timeout=15) == 0
         backend.reload()

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -36,7 +37,7 @@ from agent.backend.errors import GpuErrorKind
 from agent.backend.sim import SimulatedBackend
 from agent.clock_events import SLOWDOWN_REASONS, decode
 from agent.events import Health, HealthState
-from agent.metrics import MetricsServer, SnapshotCollector, serve_metrics
+from agent.metrics import SnapshotCollector, serve_metrics
 from agent.policy import power_limit
 from agent.policy.base import GpuContext, ItemPlan, PlanStatus
 from agent.state import CollectorStatus, NodeSnapshot, RemediationCount, ServiceStatus, XidCount
@@ -517,6 +518,20 @@ class Prometheus:
         self._log.close()
 
 
+@contextlib.contextmanager
+def scraped_by_prometheus(workdir: Path, loop: StandInLoop) -> Iterator[Prometheus]:
+    """`loop` running with its /metrics served, and a real Prometheus scraping it; all three
+    stopped on the way out."""
+    with contextlib.ExitStack() as stack:
+        loop.start()
+        stack.callback(loop.stop)
+        server = serve_metrics("127.0.0.1:0", lambda: loop.snapshot)
+        stack.callback(server.close)
+        prometheus = Prometheus(workdir, [server.port])
+        stack.callback(prometheus.stop)
+        yield prometheus
+
+
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometheus, StandInLoop]]:
     if PROMETHEUS is None:
@@ -525,13 +540,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometheus,
     backend, policy = simulated_node(workdir / "sim")
     loop = StandInLoop(backend, policy)
     loop.count_xid(1, 48)
-    loop.start()
-    server: MetricsServer | None = None
-    prometheus: Prometheus | None = None
-    try:
-        server = serve_metrics("127.0.0.1:0", lambda: loop.snapshot)
-        prometheus = Prometheus(workdir, [server.port])
-        prom = prometheus
+    with scraped_by_prometheus(workdir, loop) as prom:
 
         def target_up() -> bool:
             targets = prom.api("targets")["activeTargets"]
@@ -550,12 +559,6 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometheus,
             ),
         )
         yield prom, loop
-    finally:
-        if prometheus is not None:
-            prometheus.stop()
-        if server is not None:
-            server.close()
-        loop.stop()
 
 
 @pytest.fixture(scope="module")
@@ -564,23 +567,10 @@ def clean(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
     if PROMETHEUS is None:
         pytest.skip("prometheus server not installed (apt-get install prometheus)")
     workdir = tmp_path_factory.mktemp("prometheus-clean")
-    loop = StandInLoop(*clean_node(workdir / "sim"), faulty=False)
-    loop.start()
-    server: MetricsServer | None = None
-    prometheus: Prometheus | None = None
-    try:
-        server = serve_metrics("127.0.0.1:0", lambda: loop.snapshot)
-        prometheus = Prometheus(workdir, [server.port])
-        prom = prometheus
+    with scraped_by_prometheus(workdir, StandInLoop(*clean_node(workdir / "sim"), faulty=False)) as prom:
         # increase() over a panel's window needs two samples of it
         prom.wait_for("three scrapes", lambda: bool(prom.query("count_over_time(gpu_agent_up[1m]) >= 3")), 20)
         yield prom
-    finally:
-        if prometheus is not None:
-            prometheus.stop()
-        if server is not None:
-            server.close()
-        loop.stop()
 
 
 def panel_queries() -> list[tuple[str, list[str]]]:

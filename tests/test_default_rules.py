@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from snapshots import gpu_uuid, h200_sample
+from helpers import make_event
+from snapshots import gpu_uuid, h200_snapshot
 
 from agent.config import ConfigError
-from agent.events import Event, EventKind, Severity, SuggestedAction
+from agent.events import Event, EventKind, SuggestedAction
 from agent.latency_cause import CauseFinding, SloBreach, regression_event
 from agent.rules.actions.alertmanager import alert_for
 from agent.rules.config import Rule, load_rules
@@ -41,18 +42,9 @@ def default_rules() -> list[Rule]:
 def event(
     kind: EventKind, gpu: int | None = 3, at: float = T0, suggested: SuggestedAction = SuggestedAction.NONE, **data: Any
 ) -> Event:
-    return Event(
-        kind=kind,
-        severity=Severity.CRITICAL,
-        gpu=gpu,
-        uuid=gpu_uuid(gpu) if gpu is not None else None,
-        message=f"{kind.value} on GPU {gpu}",
-        timestamp_seconds=at,
-        source="test",
-        key=f"{kind.value}:{gpu}:{sorted(data.items())}:{suggested.value}:{at:.3f}",
-        data=data,
-        suggested_action=suggested,
-    )
+    """An event on GPU 3 at `at`; the remedy it suggests is part of its key (two remedies, two faults)."""
+    key = f"{kind.value}:{gpu}:{sorted(data.items())}:{suggested.value}:{at:.3f}"
+    return make_event(kind, gpu, timestamp_seconds=at, key=key, suggested_action=suggested, **data)
 
 
 def xid(code: int, gpu: int = 3, at: float = T0) -> Event:
@@ -60,15 +52,7 @@ def xid(code: int, gpu: int = 3, at: float = T0) -> Event:
 
 
 def snapshot(at: float = T0, **fields: Any) -> NodeSnapshot:
-    return NodeSnapshot(
-        timestamp_seconds=at,
-        started_seconds=at - HOUR,
-        version="test",
-        backend="simulated",
-        driver_version="580.159.04",
-        gpus=tuple(h200_sample(i) for i in range(8)),
-        **fields,
-    )
+    return h200_snapshot(at, 8, **fields)
 
 
 class Node:

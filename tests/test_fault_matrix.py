@@ -25,6 +25,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial, wraps
 from pathlib import Path
@@ -316,6 +317,15 @@ class Node:
         )
         return Daemon(self.config, None, notifier=SdNotifier(None, None), timing=timing, clock=clock), clock
 
+    @contextmanager
+    def running(self) -> Iterator[tuple[Daemon, FakeClock]]:
+        """daemon(), shut down on the way out."""
+        daemon, clock = self.daemon()
+        try:
+            yield daemon, clock
+        finally:
+            daemon.shutdown()
+
 
 def make_node(tmp: Path, calls: Calls, state_file: Path | None = None) -> Node:
     """A node; `state_file` (simulated GPUs already set to the policy) saves each cell the first apply."""
@@ -429,18 +439,13 @@ def run_until_recovered(daemon: Daemon, clock: FakeClock, calls: Calls) -> NodeS
     return wait_until(recovered, RECOVERY_DEADLINE_SECONDS, lambda: f"recovery; still: {left}", poll_seconds=0.02)
 
 
-def stop(daemon: Daemon) -> None:
-    daemon.shutdown()
-
-
 # -- the loop --------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("method", LOOP_CALLS)
 def test_loop(node: Node, calls: Calls, method: str, kind: str) -> None:
-    daemon, clock = node.daemon()
-    try:
+    with node.running() as (daemon, clock):
         if method != "init":  # init faults are met at start: the agent comes up on a node without a driver
             run_until_recovered(daemon, clock, calls)
             node.drift_gpu0()
@@ -469,14 +474,11 @@ def test_loop(node: Node, calls: Calls, method: str, kind: str) -> None:
         power = node.operator.power_limit_watts(0)
         assert power == 500.0, f"drift not put back after recovery: {power} W"
         record("loop", method, kind, ", ".join(sorted(seen)) or f"unseen: {exempt or 'not a fault'}")
-    finally:
-        stop(daemon)
 
 
 def test_driver_reload_reinitialises_nvml(node: Node, calls: Calls) -> None:
     """The whole driver goes away (every call, nvmlInit too), then comes back as a new version."""
-    daemon, clock = node.daemon()
-    try:
+    with node.running() as (daemon, clock):
         first = run_until_recovered(daemon, clock, calls)
         old_backend = daemon.session.backend
         for method in PROTOCOL_METHODS - LIBRARY_CALLS - set(WRAPPED_CALLS):
@@ -502,13 +504,10 @@ def test_driver_reload_reinitialises_nvml(node: Node, calls: Calls) -> None:
         back = run_until_recovered(daemon, clock, calls)
         assert daemon.session.backend is not None and daemon.session.backend is not old_backend
         assert [g.uuid for g in back.gpus] == [g.uuid for g in first.gpus]
-    finally:
-        stop(daemon)
 
 
 def test_version_mismatch_after_an_upgrade_keeps_the_agent_up_until_the_reload(node: Node, calls: Calls) -> None:
-    daemon, clock = node.daemon()
-    try:
+    with node.running() as (daemon, clock):
         run_until_recovered(daemon, clock, calls)
         # Upgraded on disk, old module still loaded: every call and every new nvmlInit says mismatch.
         node.operator.fail_call(None, "init", GpuErrorKind.VERSION_MISMATCH)
@@ -522,14 +521,11 @@ def test_version_mismatch_after_an_upgrade_keeps_the_agent_up_until_the_reload(n
         for method in ("init", "device_count", "temperature_celsius"):
             node.operator.fail_call(None, method, None)
         run_until_recovered(daemon, clock, calls)
-    finally:
-        stop(daemon)
 
 
 def test_a_hung_nvml_init_does_not_hold_the_loop(node: Node, calls: Calls) -> None:
     node.operator.hang_call(None, "init", 1.0)
-    daemon, clock = node.daemon()
-    try:
+    with node.running() as (daemon, clock):
         started = time.monotonic()
         snapshot = loop(daemon, clock, calls)
         assert time.monotonic() - started < 0.5
@@ -539,14 +535,11 @@ def test_a_hung_nvml_init_does_not_hold_the_loop(node: Node, calls: Calls) -> No
         # the init that was hanging finishes and its backend is taken, not thrown away and opened again
         run_until_recovered(daemon, clock, calls)
         assert calls.made("init") == 1
-    finally:
-        stop(daemon)
 
 
 def test_every_gpu_hanging_at_once_costs_one_timeout(tmp_path: Path, calls: Calls) -> None:
     node = make_node(tmp_path, calls)
-    daemon, clock = node.daemon()
-    try:
+    with node.running() as (daemon, clock):
         run_until_recovered(daemon, clock, calls)
         node.operator.hang_call(None, "temperature_celsius", 1.0)  # gpu None: every GPU
         started = time.monotonic()
@@ -557,14 +550,11 @@ def test_every_gpu_hanging_at_once_costs_one_timeout(tmp_path: Path, calls: Call
         assert took < CALL_TIMEOUT_SECONDS * 2 + 0.15, took
         node.operator.hang_call(None, "temperature_celsius", None)
         run_until_recovered(daemon, clock, calls)
-    finally:
-        stop(daemon)
 
 
 def test_a_slow_policy_step_finishes_in_the_background_and_is_taken_later(node: Node, calls: Calls) -> None:
     """A long apply (update-initramfs, a hung setter) must not stop the loop, nor lose its result."""
-    daemon, clock = node.daemon()
-    try:
+    with node.running() as (daemon, clock):
         run_until_recovered(daemon, clock, calls)
         since = clock()
         node.operator.hang_call(0, "set_power_limit_watts", 0.4)
@@ -586,8 +576,6 @@ def test_a_slow_policy_step_finishes_in_the_background_and_is_taken_later(node: 
         )
         assert first.data["item"] == "power_limit"
         assert node.operator.power_limit_watts(0) == 500.0
-    finally:
-        stop(daemon)
 
 
 # -- exit: fans back to automatic -------------------------------------------------------------------

@@ -13,7 +13,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -200,17 +200,23 @@ def test_broken_yaml_syntax_is_a_config_error_with_a_line(text: str) -> None:
     check_config_text(text)
 
 
-@FUZZ
-@given(st.binary(max_size=300))
-def test_arbitrary_bytes_in_the_config_file(data: bytes) -> None:
+def check_arbitrary_bytes(data: bytes, name: str, load: Callable[[Path], object]) -> None:
+    """`data` in a file called `name`, read by `load`: loaded, or a ConfigError whose every problem
+    names that file and says what is wrong."""
     with tempfile.TemporaryDirectory() as directory:
-        path = Path(directory) / "agent.yaml"
+        path = Path(directory) / name
         path.write_bytes(data)
         path.chmod(0o644)
         try:
-            load_config(path)
+            load(path)
         except ConfigError as exc:
             assert all(p.file == str(path) and p.message for p in exc.problems)
+
+
+@FUZZ
+@given(st.binary(max_size=300))
+def test_arbitrary_bytes_in_the_config_file(data: bytes) -> None:
+    check_arbitrary_bytes(data, "agent.yaml", load_config)
 
 
 def test_the_valid_documents_are_valid() -> None:
@@ -473,11 +479,4 @@ def test_oversized_silent_and_concurrent_clients(
 @FUZZ
 @given(st.binary(max_size=300))
 def test_arbitrary_bytes_in_a_rules_file(data: bytes) -> None:
-    with tempfile.TemporaryDirectory() as directory:
-        path = Path(directory) / "10-bytes.yaml"
-        path.write_bytes(data)
-        path.chmod(0o644)
-        try:
-            load_rules([path])
-        except ConfigError as exc:
-            assert all(p.file == str(path) and p.message for p in exc.problems)
+    check_arbitrary_bytes(data, "10-bytes.yaml", lambda path: load_rules([path]))

@@ -13,6 +13,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from daemon_harness import RunningAgent, running_agent
@@ -89,6 +91,14 @@ class Service:
     def stop(self) -> None:
         subprocess.run([sys.executable, standin.__file__, "--stop", "--pid-file", str(self.pid_file)], timeout=30)
 
+    def __enter__(self) -> Service:
+        """Started by the test itself; stopped on the way out, whatever the agent left."""
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
 
 def write_rules(tmp_path: Path, text: str) -> Path:
     rules = tmp_path / "rules.d"
@@ -96,6 +106,14 @@ def write_rules(tmp_path: Path, text: str) -> Path:
     (rules / "10-test.yaml").write_text(text)
     os.chmod(rules / "10-test.yaml", 0o644)
     return rules
+
+
+@contextmanager
+def ready_agent(tmp_path: Path, rules: Path, service: Service) -> Iterator[RunningAgent]:
+    """An agent process with `rules` that manages `service`, once it has said READY=1."""
+    with running_agent(tmp_path, rules_dir=rules, policy=POLICY + service.config()) as agent:
+        agent.notifications.wait_for("READY", "1")
+        yield agent
 
 
 def remediations(tmp_path: Path) -> list[dict[str, object]]:
@@ -125,13 +143,10 @@ def service_up(agent: RunningAgent) -> bool:
 
 
 def test_five_kill_9_mid_restart_under_cooldown_300_and_max_3(tmp_path: Path) -> None:
-    service = Service(tmp_path, stop_sleep_seconds=30)
-    service.start()
     rules = write_rules(tmp_path, RESTART_RULE)
-    try:
+    with Service(tmp_path, stop_sleep_seconds=30) as service:
         for round_number in range(5):
-            with running_agent(tmp_path, rules_dir=rules, policy=POLICY + service.config()) as agent:
-                agent.notifications.wait_for("READY", "1")
+            with ready_agent(tmp_path, rules, service) as agent:
                 # a service the previous round left stopped is started again by recovery
                 wait_until(service.running, 30, f"the service running in round {round_number}")
                 os.kill(service.pid(), signal.SIGHUP)  # healthy again (the last round made it answer 503)
@@ -153,8 +168,6 @@ def test_five_kill_9_mid_restart_under_cooldown_300_and_max_3(tmp_path: Path) ->
         interrupted = [r for r in remediations(tmp_path) if r["outcome"] == "interrupted"]
         assert len(interrupted) == 1 and "started sglang again" in str(interrupted[0]["detail"])
         assert "last step: restarting sglang" in str(interrupted[0]["detail"])
-    finally:
-        service.stop()
 
 
 def hold_gpu_0(tmp_path: Path) -> SimulatedBackend:
@@ -175,17 +188,20 @@ def inject_xid_48(agent: RunningAgent) -> None:
     assert injected.returncode == 0, injected.stderr
 
 
+def reset_draining(tmp_path: Path, agent: RunningAgent, service: Service) -> None:
+    """Another process holds GPU 0 and Xid 48 arrives: the reset stops the service, then waits for
+    GPU 0 to drain."""
+    hold_gpu_0(tmp_path)
+    wait_until(lambda: service_up(agent), 20, "the service up")
+    inject_xid_48(agent)
+    wait_until(lambda: "stopped" in service.calls(), 20, "the reset's services stopped")
+
+
 def test_sigterm_while_a_reset_drains_starts_the_services_again_and_says_so(tmp_path: Path) -> None:
-    service = Service(tmp_path)
-    service.start()
     rules = write_rules(tmp_path, RESET_RULE)
-    try:
-        with running_agent(tmp_path, rules_dir=rules, policy=POLICY + service.config()) as agent:
-            agent.notifications.wait_for("READY", "1")
-            hold_gpu_0(tmp_path)
-            wait_until(lambda: service_up(agent), 20, "the service up")
-            inject_xid_48(agent)
-            wait_until(lambda: "stopped" in service.calls(), 20, "the reset's services stopped")
+    with Service(tmp_path) as service:
+        with ready_agent(tmp_path, rules, service) as agent:
+            reset_draining(tmp_path, agent, service)
             time.sleep(1.0)  # now waiting for GPU 0 to drain
             asked = time.monotonic()
             agent.signal(signal.SIGTERM)
@@ -197,21 +213,13 @@ def test_sigterm_while_a_reset_drains_starts_the_services_again_and_says_so(tmp_
         (reset,) = [r for r in remediations(tmp_path) if r["rule"] == "reset-on-xid-48"]
         assert reset["outcome"] == "interrupted" and "abandoned" in str(reset["detail"])
         assert reset["counted"]
-    finally:
-        service.stop()
 
 
 def test_kill_9_while_a_reset_drains_is_rolled_back_by_the_next_start(tmp_path: Path) -> None:
-    service = Service(tmp_path)
-    service.start()
     rules = write_rules(tmp_path, RESET_RULE)
-    try:
-        with running_agent(tmp_path, rules_dir=rules, policy=POLICY + service.config()) as agent:
-            agent.notifications.wait_for("READY", "1")
-            hold_gpu_0(tmp_path)
-            wait_until(lambda: service_up(agent), 20, "the service up")
-            inject_xid_48(agent)
-            wait_until(lambda: "stopped" in service.calls(), 20, "the reset's services stopped")
+    with Service(tmp_path) as service:
+        with ready_agent(tmp_path, rules, service) as agent:
+            reset_draining(tmp_path, agent, service)
 
             def journaled_stopped() -> bool:
                 rows = [r for r in remediations(tmp_path) if r["rule"] == "reset-on-xid-48"]
@@ -221,8 +229,7 @@ def test_kill_9_while_a_reset_drains_is_rolled_back_by_the_next_start(tmp_path: 
             agent.process.kill()
             agent.process.wait(timeout=10)
         assert not service.running(), "nothing ran in the killed agent: the service is still stopped"
-        with running_agent(tmp_path, rules_dir=rules, policy=POLICY + service.config()) as agent:
-            agent.notifications.wait_for("READY", "1")
+        with ready_agent(tmp_path, rules, service) as agent:
             wait_until(lambda: service.running(), 30, "the service started again by recovery")
             wait_until(lambda: service_up(agent), 20, "the service healthy")
             time.sleep(1.0)  # the fault is not handled a second time
@@ -230,17 +237,12 @@ def test_kill_9_while_a_reset_drains_is_rolled_back_by_the_next_start(tmp_path: 
         (reset,) = [r for r in remediations(tmp_path) if r["rule"] == "reset-on-xid-48"]
         assert reset["outcome"] == "interrupted" and "started sglang again" in str(reset["detail"])
         assert "last step: stopped sglang" in str(reset["detail"])
-    finally:
-        service.stop()
 
 
 def test_sigterm_mid_restart_lets_the_restart_finish_within_the_stop_bound(tmp_path: Path) -> None:
-    service = Service(tmp_path, stop_sleep_seconds=3)
-    service.start()
     rules = write_rules(tmp_path, RESTART_RULE)
-    try:
-        with running_agent(tmp_path, rules_dir=rules, policy=POLICY + service.config()) as agent:
-            agent.notifications.wait_for("READY", "1")
+    with Service(tmp_path, stop_sleep_seconds=3) as service:
+        with ready_agent(tmp_path, rules, service) as agent:
             wait_until(lambda: service_up(agent), 20, "the service up")
             os.kill(service.pid(), signal.SIGUSR1)
             wait_until(lambda: "stopped" in service.calls(), 20, "the restart under way")
@@ -252,9 +254,6 @@ def test_sigterm_mid_restart_lets_the_restart_finish_within_the_stop_bound(tmp_p
         assert service.running()
         (restart,) = [r for r in remediations(tmp_path) if r["rule"] == "restart-unhealthy"]
         assert restart["outcome"] == "success", restart
-        with running_agent(tmp_path, rules_dir=rules, policy=POLICY + service.config()) as agent:
-            agent.notifications.wait_for("READY", "1")
+        with ready_agent(tmp_path, rules, service) as agent:
             wait_until(lambda: service_up(agent), 20, "the restarted service healthy")
         assert service.calls() == ["stop", "stopped", "start"], "nothing left to roll back, nothing restarted twice"
-    finally:
-        service.stop()

@@ -89,38 +89,40 @@ def test_clock_event_time_and_an_active_slowdown_outlive_a_restart_not_a_reboot(
         assert throttle.active_since() == {}
 
 
+def ten_seconds_of_slowdown_saved(store: Store, clock: FakeClock) -> None:
+    """A first run that saw GPU 0 slowed for 10 s, saved to the store."""
+    memory, throttle, prober = agent_run(store, clock, refused_url())
+    throttle.observe([thermal(0, 0.0)], 0.0)
+    throttle.observe([thermal(0, 10.0)], 10.0)
+    save(memory, throttle, prober, clock)
+
+
+def loaded_late(store: Store, clock: FakeClock, *seen: GpuSample) -> ThrottleWatcher:
+    """A new run whose throttle watcher observed `seen` (one sample a loop) before the store opened
+    and the memory loaded."""
+    memory = NodeMemory(lambda: store, BOOT, clock)
+    throttle = ThrottleWatcher()
+    for sample_seen in seen:
+        throttle.observe([sample_seen], sample_seen.timestamp_seconds)
+    memory.load({}, xid_watcher(clock), throttle, None)
+    return throttle
+
+
 def test_another_board_at_the_index_does_not_inherit_the_stored_time(tmp_path: Path) -> None:
     clock = FakeClock()
-    url = refused_url()
     with Store.open(tmp_path) as store:
-        memory, throttle, prober = agent_run(store, clock, url)
-        throttle.observe([thermal(0, 0.0)], 0.0)
-        throttle.observe([thermal(0, 10.0)], 10.0)
-        save(memory, throttle, prober, clock)
-
+        ten_seconds_of_slowdown_saved(store, clock)
         # The store opens late: this run already watches another board (GPU 2's) at index 0.
-        memory = NodeMemory(lambda: store, BOOT, clock)
-        throttle = ThrottleWatcher()
-        throttle.observe([thermal(0, 20.0, uuid_of=2, mask=0)], 20.0)
-        memory.load({}, xid_watcher(clock), throttle, None)
+        throttle = loaded_late(store, clock, thermal(0, 20.0, uuid_of=2, mask=0))
         assert throttle.clock_event_seconds() == {}
         assert throttle.active_since() == {}
 
 
 def test_time_counted_before_the_store_opened_adds_to_the_stored_time(tmp_path: Path) -> None:
     clock = FakeClock()
-    url = refused_url()
     with Store.open(tmp_path) as store:
-        memory, throttle, prober = agent_run(store, clock, url)
-        throttle.observe([thermal(0, 0.0)], 0.0)
-        throttle.observe([thermal(0, 10.0)], 10.0)
-        save(memory, throttle, prober, clock)
-
-        memory = NodeMemory(lambda: store, BOOT, clock)
-        throttle = ThrottleWatcher()
-        throttle.observe([thermal(0, 50.0)], 50.0)
-        throttle.observe([thermal(0, 55.0)], 55.0)
-        memory.load({}, xid_watcher(clock), throttle, None)
+        ten_seconds_of_slowdown_saved(store, clock)
+        throttle = loaded_late(store, clock, thermal(0, 50.0), thermal(0, 55.0))
         assert throttle.clock_event_seconds()[(0, REASON)] == 15.0
         assert throttle.active_since() == {(0, REASON): 50.0}  # this run saw it start: its own start
 

@@ -44,19 +44,6 @@ ALL_ITEMS = frozenset(SETTER_ITEMS.values())
 H200_GRAPHICS_CLOCKS = list(range(1980, 344, -15))
 
 
-@pytest.fixture
-def replay(monkeypatch: pytest.MonkeyPatch) -> Replay:
-    return install_replay(monkeypatch)
-
-
-@pytest.fixture
-def backend(replay: Replay) -> Iterator[NvmlBackend]:
-    nvml = NvmlBackend()
-    nvml.init()
-    yield nvml
-    nvml.shutdown()
-
-
 def _two_gpu_fixture(tmp_path: Path) -> Path:
     """The H200 recording with its device twice: a two-GPU node."""
     fixture = json.loads(FIXTURE_H200.read_text())
@@ -736,26 +723,25 @@ def test_gpu_lost_while_waiting(backend: NvmlBackend, replay: Replay) -> None:
     assert caught.value.call == "nvmlEventSetWait_v2"
 
 
-def test_events_map_handles_back_to_indexes_and_skip_unsupported_devices(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+@pytest.mark.parametrize(
+    ("failing_call", "error", "failing_gpu", "xid"),
+    [
+        ("nvmlDeviceRegisterEvents", pynvml.NVML_ERROR_NOT_SUPPORTED, 0, 79),
+        ("nvmlDeviceGetSupportedEventTypes", pynvml.NVML_ERROR_GPU_IS_LOST, 1, 13),
+    ],
+    ids=["an unsupported device is skipped", "a lost GPU does not blind the others"],
+)
+def test_events_map_handles_back_to_indexes_past_a_device_that_cannot_register(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, failing_call: str, error: int, failing_gpu: int, xid: int
 ) -> None:
     replay = install_replay(monkeypatch, _two_gpu_fixture(tmp_path))
-    replay.fail("nvmlDeviceRegisterEvents", pynvml.NVML_ERROR_NOT_SUPPORTED, gpu=0)
+    replay.fail(failing_call, error, gpu=failing_gpu)
     nvml = NvmlBackend()
     nvml.init()
-    replay.push_event(1, pynvml.nvmlEventTypeXidCriticalError, 79)
-    assert [(e.gpu, e.kind, e.data) for e in nvml.wait_events(1.0)] == [(1, GpuEventKind.XID, 79)]
-    assert replay.registered_events == {1: XID_AND_ECC}
-
-
-def test_a_lost_gpu_does_not_blind_the_others(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    replay = install_replay(monkeypatch, _two_gpu_fixture(tmp_path))
-    replay.fail("nvmlDeviceGetSupportedEventTypes", pynvml.NVML_ERROR_GPU_IS_LOST, gpu=1)
-    nvml = NvmlBackend()
-    nvml.init()
-    replay.push_event(0, pynvml.nvmlEventTypeXidCriticalError, 13)
-    assert [(e.gpu, e.kind, e.data) for e in nvml.wait_events(1.0)] == [(0, GpuEventKind.XID, 13)]
-    assert replay.registered_events == {0: XID_AND_ECC}
+    other = 1 - failing_gpu
+    replay.push_event(other, pynvml.nvmlEventTypeXidCriticalError, xid)
+    assert [(e.gpu, e.kind, e.data) for e in nvml.wait_events(1.0)] == [(other, GpuEventKind.XID, xid)]
+    assert replay.registered_events == {other: XID_AND_ECC}
 
 
 def test_no_device_with_events(backend: NvmlBackend, replay: Replay) -> None:

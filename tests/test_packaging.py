@@ -520,6 +520,13 @@ def test_wrapper_points_at_install_env_when_the_environment_is_missing(tmp_path:
 
 # -- maintainer scripts and scriptlets, with stand-ins for the commands they run ----------------------
 
+#: What deb/postinst configure runs first, with or without systemd, first install or upgrade.
+DEB_CONFIGURED = [
+    "install-env build",
+    "install-env migrate-rules",
+    "deb-systemd-helper --quiet was-enabled gpu-agent.service",
+    "deb-systemd-helper enable gpu-agent.service",
+]
 SCRIPT_CASES = {
     # (script, arguments, systemd running): the commands it runs, in order
     ("rpm/post", "1", True): [
@@ -549,31 +556,20 @@ SCRIPT_CASES = {
     ("rpm/preun", "1", True): [],
     ("rpm/postun", "0", True): ["systemctl daemon-reload"],
     ("rpm/postun", "1", True): ["systemctl daemon-reload"],
+    # a first install starts the service, an upgrade restarts it; without systemd, neither
     ("deb/postinst", "configure", True): [
-        "install-env build",
-        "install-env migrate-rules",
-        "deb-systemd-helper --quiet was-enabled gpu-agent.service",
-        "deb-systemd-helper enable gpu-agent.service",
+        *DEB_CONFIGURED,
         "systemctl --system daemon-reload",
         "deb-systemd-invoke start gpu-agent.service",
         "install-env prune",
     ],
     ("deb/postinst", "configure 0.1.0-1~bookworm", True): [
-        "install-env build",
-        "install-env migrate-rules",
-        "deb-systemd-helper --quiet was-enabled gpu-agent.service",
-        "deb-systemd-helper enable gpu-agent.service",
+        *DEB_CONFIGURED,
         "systemctl --system daemon-reload",
         "deb-systemd-invoke try-restart gpu-agent.service",
         "install-env prune",
     ],
-    ("deb/postinst", "configure", False): [
-        "install-env build",
-        "install-env migrate-rules",
-        "deb-systemd-helper --quiet was-enabled gpu-agent.service",
-        "deb-systemd-helper enable gpu-agent.service",
-        "install-env prune",
-    ],
+    ("deb/postinst", "configure", False): [*DEB_CONFIGURED, "install-env prune"],
     ("deb/prerm", "remove", True): ["deb-systemd-invoke stop gpu-agent.service", "install-env remove"],
     ("deb/prerm", "upgrade 0.1.0-2~bookworm", True): [],
     ("deb/postrm", "remove", True): ["deb-systemd-helper purge gpu-agent.service", "systemctl --system daemon-reload"],

@@ -12,26 +12,20 @@ import time
 from pathlib import Path
 
 from daemon_harness import running_agent
+from helpers import wait_until
 
 from agent import standin
 from agent.standin import free_port
 
 POLICY = "  gpus: []\n"
+#: How long a test waits for the agent to do what it is asked.
+WAIT_SECONDS = 15.0
 
 
 def gpu_agent(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "agent.cli", *args, "--config", str(config)], capture_output=True, text=True, timeout=30
     )
-
-
-def wait_until(predicate, timeout_seconds: float = 15.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def decided(log: str, rule: str) -> bool:
@@ -79,7 +73,7 @@ def test_ten_faults_three_attempts_across_restarts(tmp_path: Path) -> None:
             agent.notifications.wait_for("READY", "1")
             injected = gpu_agent(agent.config_path, "inject", "xid", "13", "--gpu", "0", "--source", "nvml")
             assert injected.returncode == 0, injected.stderr
-            wait_until(lambda: decided(agent.log(), "hook-on-xid-13"), what=f"the decision on fault {fault}")
+            wait_until(lambda: decided(agent.log(), "hook-on-xid-13"), WAIT_SECONDS, f"the decision on fault {fault}")
             agent.signal(signal.SIGTERM)
             assert agent.process.wait(timeout=15) == 0
     calls = record.read_text().splitlines()
@@ -122,7 +116,7 @@ def test_unhealthy_service_is_restarted_through_the_command_adapter(tmp_path: Pa
     try:
         with running_agent(tmp_path, rules_dir=rules, policy=POLICY + services) as agent:
             agent.notifications.wait_for("READY", "1")
-            wait_until(lambda: agent.status()["services"][0]["up"] is True, what="service up")
+            wait_until(lambda: agent.status()["services"][0]["up"] is True, WAIT_SECONDS, "service up")
             os.kill(first_pid, signal.SIGUSR1)  # the server starts answering 503
             # the stand-in writes its pid file in place: an empty file is a start still under way
             wait_until(
@@ -131,12 +125,13 @@ def test_unhealthy_service_is_restarted_through_the_command_adapter(tmp_path: Pa
                     and pid_file.read_text().strip().isdigit()
                     and int(pid_file.read_text()) != first_pid
                 ),
-                what="restart",
+                WAIT_SECONDS,
+                "restart",
             )
-            wait_until(lambda: "action finished" in agent.log(), what="action finished")
+            wait_until(lambda: "action finished" in agent.log(), WAIT_SECONDS, "action finished")
             finished = [json.loads(line) for line in agent.log().splitlines() if '"action finished"' in line]
             assert finished[0]["outcome"] == "success" and finished[0]["service"] == "sglang"
-            wait_until(lambda: agent.status()["services"][0]["up"] is True, what="service healthy again")
+            wait_until(lambda: agent.status()["services"][0]["up"] is True, WAIT_SECONDS, "service healthy again")
             status = agent.status()
             assert {
                 "rule": "restart-unhealthy",
@@ -163,7 +158,7 @@ def test_xid_79_recommends_a_reboot_and_never_resets(tmp_path: Path) -> None:
         agent.notifications.wait_for("READY", "1")
         assert gpu_agent(agent.config_path, "inject", "xid", "79", "--gpu", "1").returncode == 0
         flag = agent.state_dir / "reboot-recommended"
-        wait_until(flag.exists, what="reboot-recommended flag")
+        wait_until(flag.exists, WAIT_SECONDS, "reboot-recommended flag")
         assert "79" in flag.read_text()
         time.sleep(0.5)
         assert '"reset_gpu"' not in agent.log()
@@ -183,6 +178,6 @@ def test_an_xid_is_acted_on_before_the_next_loop(tmp_path: Path) -> None:
         time.sleep(0.5)  # well inside the 5 s interval
         injected_at = time.monotonic()
         assert gpu_agent(agent.config_path, "inject", "xid", "31", "--gpu", "0", "--source", "kmsg").returncode == 0
-        wait_until(record.exists, timeout_seconds=4.5, what="the hook run before the next loop")
+        wait_until(record.exists, 4.5, "the hook run before the next loop")
         assert time.monotonic() - injected_at < 4.5
         assert record.read_text().startswith("31 GPU-")

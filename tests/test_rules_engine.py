@@ -10,10 +10,12 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from types import EllipsisType
 from typing import Any, Literal
 
 import pytest
-from snapshots import gpu_uuid, h200_sample
+from helpers import make_event
+from snapshots import gpu_uuid, h200_snapshot
 
 from agent.events import Event, EventKind, Severity, SuggestedAction
 from agent.rules.config import Rule
@@ -43,22 +45,12 @@ def event(
     key: str | None = None,
     severity: Severity = Severity.CRITICAL,
     suggested: SuggestedAction = SuggestedAction.NONE,
-    uuid: str | None = "auto",
+    uuid: str | EllipsisType | None = ...,
     **data: Any,
 ) -> Event:
-    if uuid == "auto":
-        uuid = gpu_uuid(gpu) if gpu is not None else None
-    return Event(
-        kind=kind,
-        severity=severity,
-        gpu=gpu,
-        uuid=uuid,
-        message=f"{kind.value} on GPU {gpu}",
-        timestamp_seconds=at,
-        source="test",
-        key=key or f"{kind.value}:{uuid or gpu}:{sorted(data.items())}:{at:.3f}",
-        data=data,
-        suggested_action=suggested,
+    """make_event in this module's words: `at` the event's time, `suggested` its remedy."""
+    return make_event(
+        kind, gpu, uuid=uuid, severity=severity, timestamp_seconds=at, key=key, suggested_action=suggested, **data
     )
 
 
@@ -67,15 +59,7 @@ def xid(code: int, gpu: int | None = 0, at: float = T0, **fields: Any) -> Event:
 
 
 def snapshot(at: float = T0, gpus: int = 4, **fields: Any) -> NodeSnapshot:
-    return NodeSnapshot(
-        timestamp_seconds=at,
-        started_seconds=at - HOUR,
-        version="test",
-        backend="simulated",
-        driver_version="580.159.04",
-        gpus=tuple(h200_sample(i) for i in range(gpus)),
-        **fields,
-    )
+    return h200_snapshot(at, gpus, **fields)
 
 
 def service(name: str, failures: int) -> ServiceStatus:
@@ -131,6 +115,16 @@ def kinds(decisions: Sequence[Decision]) -> list[str | None]:
 
 # -- conditions ----------------------------------------------------------------------------------
 
+PCIE_AT_LEAST_CRITICAL = {"event": {"kinds": ["pcie_degraded"], "min_severity": "critical"}}
+RECOVERY_BY_REBOOT = {"event": {"kinds": ["recovery_action"], "suggested_actions": ["reboot"]}}
+RECOVERY_AT_LEAST_RESET = {"event": {"kinds": ["recovery_action"], "min_suggested_action": "reset_gpu"}}
+
+
+def recovery(suggested: SuggestedAction) -> Event:
+    """A recovery-action event whose remedy is `suggested`."""
+    return event(EventKind.RECOVERY_ACTION, suggested=suggested)
+
+
 EVENT_CASES = [
     # (condition, event, matches)
     ({"xid": {"codes": [13, 31]}}, xid(13), True),
@@ -165,42 +159,14 @@ EVENT_CASES = [
         False,
     ),
     ({"event": {"kinds": ["pcie_degraded"]}}, event(EventKind.PCIE_DEGRADED, severity=Severity.INFO), True),
-    (
-        {"event": {"kinds": ["pcie_degraded"], "min_severity": "critical"}},
-        event(EventKind.PCIE_DEGRADED, severity=Severity.WARNING),
-        False,
-    ),
-    (
-        {"event": {"kinds": ["pcie_degraded"], "min_severity": "critical"}},
-        event(EventKind.PCIE_DEGRADED, severity=Severity.FATAL),
-        True,
-    ),
-    (
-        {"event": {"kinds": ["recovery_action"], "suggested_actions": ["reboot"]}},
-        event(EventKind.RECOVERY_ACTION, suggested=SuggestedAction.RESET_GPU),
-        False,
-    ),
-    (
-        {"event": {"kinds": ["recovery_action"], "suggested_actions": ["reboot"]}},
-        event(EventKind.RECOVERY_ACTION, suggested=SuggestedAction.REBOOT),
-        True,
-    ),
+    (PCIE_AT_LEAST_CRITICAL, event(EventKind.PCIE_DEGRADED, severity=Severity.WARNING), False),
+    (PCIE_AT_LEAST_CRITICAL, event(EventKind.PCIE_DEGRADED, severity=Severity.FATAL), True),
+    (RECOVERY_BY_REBOOT, recovery(SuggestedAction.RESET_GPU), False),
+    (RECOVERY_BY_REBOOT, recovery(SuggestedAction.REBOOT), True),
     # The one ranking of remedies: reset_gpu and reboot are at least reset_gpu, the rest are milder.
-    (
-        {"event": {"kinds": ["recovery_action"], "min_suggested_action": "reset_gpu"}},
-        event(EventKind.RECOVERY_ACTION, suggested=SuggestedAction.REBOOT),
-        True,
-    ),
-    (
-        {"event": {"kinds": ["recovery_action"], "min_suggested_action": "reset_gpu"}},
-        event(EventKind.RECOVERY_ACTION, suggested=SuggestedAction.RESET_GPU),
-        True,
-    ),
-    (
-        {"event": {"kinds": ["recovery_action"], "min_suggested_action": "reset_gpu"}},
-        event(EventKind.RECOVERY_ACTION, suggested=SuggestedAction.CONTACT_SUPPORT),
-        False,
-    ),
+    (RECOVERY_AT_LEAST_RESET, recovery(SuggestedAction.REBOOT), True),
+    (RECOVERY_AT_LEAST_RESET, recovery(SuggestedAction.RESET_GPU), True),
+    (RECOVERY_AT_LEAST_RESET, recovery(SuggestedAction.CONTACT_SUPPORT), False),
 ]
 
 

@@ -5,16 +5,13 @@ are judged from `/` down, and they go through the bounded YAML loader."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 from daemon_harness import write_agent_config
 from hosttree import NOBODY_ID
 from race import attempts, swapping
-from test_safe_yaml import NESTED, alias_bomb
+from test_safe_yaml import NESTED, alias_bomb, assert_cli_fails_with_one_line
 
 from agent.config import ConfigError, load_config
 from agent.daemon import Daemon
@@ -105,21 +102,11 @@ def test_check_config_with_a_bomb_for_a_rules_file_exits_1_with_one_line(tmp_pat
     bad.write_text(alias_bomb() if bomb == "alias" else "rules:\n  - " + NESTED + "\n")
     bad.chmod(0o644)
     config, _ = write_agent_config(tmp_path, rules_dir=rules)
-    started = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, "-m", "agent.cli", "check-config", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert time.monotonic() - started < 20
     expected = {
         "alias": f"{bad}:1: invalid YAML: anchor &a not allowed",
         "nested": f"{bad}:2: invalid YAML: nested more than 64 levels deep",
     }[bomb]
-    assert result.returncode == 1, result.stderr
-    assert result.stderr.startswith(expected), result.stderr
-    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert_cli_fails_with_one_line(["check-config", "--config", str(config)], expected)
 
 
 def test_a_reload_with_a_bomb_for_a_rules_file_keeps_the_running_rules(tmp_path: Path) -> None:

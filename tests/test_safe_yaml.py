@@ -99,8 +99,25 @@ def test_a_fifty_megabyte_config_is_refused_unread(tmp_path: Path) -> None:
 
 
 def limited_memory() -> None:
-    # 1 GiB of address space: far more than check-config needs, far less than an expanded bomb.
+    # 1 GiB of address space: far more than a gpu-agent command needs, far less than an expanded bomb.
     resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+
+def assert_cli_fails_with_one_line(args: list[str], expected: str) -> None:
+    """`gpu-agent ARGS`, in 1 GiB of address space, exits 1 within 20 s with one line on stderr that
+    starts with `expected`, and no traceback."""
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "agent.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=limited_memory,  # nothing threaded runs between fork and exec here
+    )
+    assert time.monotonic() - started < 20
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith(expected), result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize("bomb", ["alias", "nested", "fifty-megabytes"])
@@ -112,16 +129,7 @@ def test_check_config_exits_1_with_one_line(tmp_path: Path, bomb: str) -> None:
         text, line, message = BOMBS[bomb]
         path = write(tmp_path, text)
         expected = f"{path}:{line}: {message}"
-    result = subprocess.run(
-        [sys.executable, "-m", "agent.cli", "check-config", "--config", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        preexec_fn=limited_memory,  # nothing threaded runs between fork and exec here
-    )
-    assert result.returncode == 1, result.stderr
-    assert result.stderr.startswith(expected), result.stderr
-    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert_cli_fails_with_one_line(["check-config", "--config", str(path)], expected)
 
 
 def test_a_reload_of_a_bomb_keeps_the_running_config(tmp_path: Path) -> None:

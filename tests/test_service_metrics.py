@@ -28,6 +28,8 @@ from agent.service_metrics import (
 from agent.standin import StandinServer, free_port, wait_listening
 
 INF = math.inf
+#: Recorded /metrics pages of the two servers (Prometheus text, kept as data files).
+PAGES = Path(__file__).parent / "fixtures" / "service-metrics"
 
 
 # -- quantiles, by hand ----------------------------------------------------------------------------
@@ -119,31 +121,7 @@ def test_one_scrape_gives_gauges_but_no_latency_yet() -> None:
 
 # -- parsing the servers' pages ------------------------------------------------------------------------
 
-SGLANG_TWO_RANKS = """\
-# HELP sglang:num_running_reqs The number of running requests.
-# TYPE sglang:num_running_reqs gauge
-sglang:num_running_reqs{model_name="m",tp_rank="0"} 3.0
-sglang:num_running_reqs{model_name="m",tp_rank="1"} 4.0
-# TYPE sglang:num_queue_reqs gauge
-sglang:num_queue_reqs{model_name="m",tp_rank="0"} 1.0
-sglang:num_queue_reqs{model_name="m",tp_rank="1"} 2.0
-# TYPE sglang:token_usage gauge
-sglang:token_usage{model_name="m",tp_rank="0"} 0.25
-sglang:token_usage{model_name="m",tp_rank="1"} 0.75
-# TYPE sglang:generation_tokens_total counter
-sglang:generation_tokens_total{model_name="m"} 800.0
-# TYPE sglang:e2e_request_latency_seconds histogram
-sglang:e2e_request_latency_seconds_bucket{le="1.0",model_name="m",tp_rank="0"} 2.0
-sglang:e2e_request_latency_seconds_bucket{le="+Inf",model_name="m",tp_rank="0"} 3.0
-sglang:e2e_request_latency_seconds_sum{model_name="m",tp_rank="0"} 4.0
-sglang:e2e_request_latency_seconds_count{model_name="m",tp_rank="0"} 3.0
-sglang:e2e_request_latency_seconds_bucket{le="1.0",model_name="m",tp_rank="1"} 5.0
-sglang:e2e_request_latency_seconds_bucket{le="+Inf",model_name="m",tp_rank="1"} 5.0
-sglang:e2e_request_latency_seconds_sum{model_name="m",tp_rank="1"} 2.0
-sglang:e2e_request_latency_seconds_count{model_name="m",tp_rank="1"} 5.0
-# TYPE process_cpu_seconds_total counter
-process_cpu_seconds_total 12.0
-"""
+SGLANG_TWO_RANKS = (PAGES / "sglang-two-ranks.txt").read_text()
 
 
 def test_sglang_page_sums_counts_over_label_sets_and_takes_the_fullest_cache() -> None:
@@ -158,28 +136,7 @@ def test_sglang_page_sums_counts_over_label_sets_and_takes_the_fullest_cache() -
     assert (e2e.count, e2e.sum) == (8, 6.0)
 
 
-VLLM_CURRENT_AND_DEPRECATED = """\
-# TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{engine="0",model_name="m"} 5.0
-vllm:num_requests_running{engine="1",model_name="m"} 1.0
-# TYPE vllm:num_requests_waiting gauge
-vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
-# TYPE vllm:gpu_cache_usage_perc gauge
-vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.1
-# TYPE vllm:kv_cache_usage_perc gauge
-vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.4
-# TYPE vllm:time_per_output_token_seconds histogram
-vllm:time_per_output_token_seconds_bucket{engine="0",le="0.01",model_name="m"} 1.0
-vllm:time_per_output_token_seconds_bucket{engine="0",le="+Inf",model_name="m"} 1.0
-vllm:time_per_output_token_seconds_count{engine="0",model_name="m"} 1.0
-vllm:time_per_output_token_seconds_sum{engine="0",model_name="m"} 0.005
-# TYPE vllm:inter_token_latency_seconds histogram
-vllm:inter_token_latency_seconds_bucket{engine="0",le="0.01",model_name="m"} 0.0
-vllm:inter_token_latency_seconds_bucket{engine="0",le="+Inf",model_name="m"} 9.0
-vllm:inter_token_latency_seconds_count{engine="0",model_name="m"} 9.0
-vllm:inter_token_latency_seconds_sum{engine="0",model_name="m"} 1.0
-vllm:generation_tokens_total{engine="0",model_name="m"} 64.0
-"""
+VLLM_CURRENT_AND_DEPRECATED = (PAGES / "vllm-current-and-deprecated.txt").read_text()
 
 
 def test_vllm_prefers_the_current_names_when_both_are_exported() -> None:

@@ -478,44 +478,33 @@ def test_reset_gpu(tmp_path: Path) -> None:
 # -- faults ------------------------------------------------------------------------------------
 
 
+#: The per-GPU readings that take nothing but the GPU index.
+GPU_ONLY_READINGS = """
+    identity temperature_celsius power_usage_watts clock_event_reasons utilization memory_info performance_state
+    power_limit_watts power_limit_constraints_watts default_power_limit_watts supported_memory_clocks_mhz fan_count
+    fan_speed_range_percent persistence_enabled ecc_mode remapped_rows retired_pages_pending pcie_link
+    pcie_replay_counter mig_mode compute_processes recovery_action gpm_activity fast_fields slow_fields
+    nvlink_states fabric_info
+"""
+#: Every per-GPU reading of the protocol, with what it takes after the GPU index.
+PER_GPU_READINGS: dict[str, tuple[object, ...]] = {
+    **dict.fromkeys(GPU_ONLY_READINGS.split(), ()),
+    "clock_mhz": (ClockDomain.SM,),
+    "temperature_threshold_celsius": (TemperatureThreshold.SHUTDOWN,),
+    "max_clock_mhz": (ClockDomain.GRAPHICS,),
+    "supported_graphics_clocks_mhz": (3201,),
+    "locked_clocks_mhz": (ClockDomain.GRAPHICS,),
+    "fan_speed_percent": (0,),
+    "fan_manual": (0,),
+    "ecc_errors": (EccErrorType.CORRECTED, EccCounter.VOLATILE),
+    "violation_time_ns": (ViolationPolicy.POWER,),
+    "applications_clock_mhz": (ClockDomain.GRAPHICS,),
+}
+
+
 def every_per_gpu_reading(b: SimulatedBackend, gpu: int) -> Iterator[Callable[[], object]]:
-    yield lambda: b.identity(gpu)
-    yield lambda: b.temperature_celsius(gpu)
-    yield lambda: b.power_usage_watts(gpu)
-    yield lambda: b.clock_mhz(gpu, ClockDomain.SM)
-    yield lambda: b.clock_event_reasons(gpu)
-    yield lambda: b.utilization(gpu)
-    yield lambda: b.memory_info(gpu)
-    yield lambda: b.performance_state(gpu)
-    yield lambda: b.temperature_threshold_celsius(gpu, TemperatureThreshold.SHUTDOWN)
-    yield lambda: b.power_limit_watts(gpu)
-    yield lambda: b.power_limit_constraints_watts(gpu)
-    yield lambda: b.default_power_limit_watts(gpu)
-    yield lambda: b.max_clock_mhz(gpu, ClockDomain.GRAPHICS)
-    yield lambda: b.supported_memory_clocks_mhz(gpu)
-    yield lambda: b.supported_graphics_clocks_mhz(gpu, 3201)
-    yield lambda: b.locked_clocks_mhz(gpu, ClockDomain.GRAPHICS)
-    yield lambda: b.fan_count(gpu)
-    yield lambda: b.fan_speed_percent(gpu, 0)
-    yield lambda: b.fan_manual(gpu, 0)
-    yield lambda: b.fan_speed_range_percent(gpu)
-    yield lambda: b.persistence_enabled(gpu)
-    yield lambda: b.ecc_mode(gpu)
-    yield lambda: b.ecc_errors(gpu, EccErrorType.CORRECTED, EccCounter.VOLATILE)
-    yield lambda: b.remapped_rows(gpu)
-    yield lambda: b.retired_pages_pending(gpu)
-    yield lambda: b.pcie_link(gpu)
-    yield lambda: b.pcie_replay_counter(gpu)
-    yield lambda: b.violation_time_ns(gpu, ViolationPolicy.POWER)
-    yield lambda: b.mig_mode(gpu)
-    yield lambda: b.compute_processes(gpu)
-    yield lambda: b.recovery_action(gpu)
-    yield lambda: b.applications_clock_mhz(gpu, ClockDomain.GRAPHICS)
-    yield lambda: b.gpm_activity(gpu)
-    yield lambda: b.fast_fields(gpu)
-    yield lambda: b.slow_fields(gpu)
-    yield lambda: b.nvlink_states(gpu)
-    yield lambda: b.fabric_info(gpu)
+    for name, arguments in PER_GPU_READINGS.items():
+        yield functools.partial(getattr(b, name), gpu, *arguments)
 
 
 def test_lost_gpu(tmp_path: Path) -> None:
@@ -523,7 +512,7 @@ def test_lost_gpu(tmp_path: Path) -> None:
     b.set_lost(1)
     calls = list(every_per_gpu_reading(b, 1))
     library = {"init", "shutdown", "driver_version", "cuda_driver_version", "device_count", "wait_events"}
-    assert len(calls) == len(PROTOCOL_METHODS - library - set(SETTER_ITEMS))  # every per-GPU reading
+    assert set(PER_GPU_READINGS) == PROTOCOL_METHODS - library - set(SETTER_ITEMS)  # every per-GPU reading
     for call in calls:
         err = gpu_error(GpuErrorKind.GPU_LOST, call)
         assert err.gpu == 1

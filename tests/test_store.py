@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import sqlite3
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -385,49 +386,48 @@ def test_ack_all(store: Store) -> None:
 # -- threads and processes --------------------------------------------------------------------------
 
 
-def test_concurrent_writers_share_one_store(store: Store) -> None:
+def errors_of_threads(writer: Callable[[str], None], names: tuple[str, ...]) -> list[BaseException]:
+    """Run writer(name) in a thread per name, all at once; what they raised."""
     errors: list[BaseException] = []
 
-    def writer(name: str) -> None:
+    def guarded(name: str) -> None:
         try:
-            for n in range(150):
-                store.record_event(event(f"{name}-{n}", at=T0 + n))
-                store.record_outcome(outcome(at=T0 + n, rule=name, key=f"{name}-o{n}"))
-                store.mark_handled(f"{name}-{n}")
-                store.attempts(name, Target(3, UUID).key, 0)
+            writer(name)
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=writer, args=(name,)) for name in ("t1", "t2")]
+    threads = [threading.Thread(target=guarded, args=(name,)) for name in names]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert errors == []
+    return errors
+
+
+def test_concurrent_writers_share_one_store(store: Store) -> None:
+    def writer(name: str) -> None:
+        for n in range(150):
+            store.record_event(event(f"{name}-{n}", at=T0 + n))
+            store.record_outcome(outcome(at=T0 + n, rule=name, key=f"{name}-o{n}"))
+            store.mark_handled(f"{name}-{n}")
+            store.attempts(name, Target(3, UUID).key, 0)
+
+    assert errors_of_threads(writer, ("t1", "t2")) == []
     assert len(store.events(limit=10_000)) == 600  # 300 events plus the 300 outcomes' events
     assert {c.rule: c.count for c in store.remediation_counts()} == {"t1": 150, "t2": 150}
 
 
 def test_two_stores_on_one_file_from_two_threads(tmp_path: Path) -> None:
     """The daemon writes while `gpu-agent ack` (another process, another connection) writes too."""
-    errors: list[BaseException] = []
 
     def writer(name: str) -> None:
-        try:
-            with Store.open(tmp_path, now_seconds=T0) as own:
-                for n in range(100):
-                    own.record_outcome(outcome(at=T0 + n, rule=name, key=f"{name}-{n}"))
-                    if n % 10 == 0:
-                        own.ack(name)
-        except BaseException as exc:
-            errors.append(exc)
+        with Store.open(tmp_path, now_seconds=T0) as own:
+            for n in range(100):
+                own.record_outcome(outcome(at=T0 + n, rule=name, key=f"{name}-{n}"))
+                if n % 10 == 0:
+                    own.ack(name)
 
-    threads = [threading.Thread(target=writer, args=(name,)) for name in ("daemon", "cli")]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert errors == []
+    assert errors_of_threads(writer, ("daemon", "cli")) == []
     with Store.open(tmp_path, now_seconds=T0) as reader:
         assert len(reader.remediations(limit=1000)) == 200
         assert [c.count for c in reader.remediation_counts()] == [100, 100]

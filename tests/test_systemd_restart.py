@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import action_context
 from hosttree import make_host_tree
 from systemd_sandbox import SystemdSandbox, missing_requirements
 
@@ -14,10 +15,9 @@ from agent.backend.sim import SimulatedBackend
 from agent.config import AgentConfig, Mode, ServiceConfig
 from agent.events import Event, EventKind, Severity
 from agent.policy.base import HostContext
-from agent.policy.engine import PolicyEngine
 from agent.rules.actions import ActionContext, execute
 from agent.rules.model import ActionKind, ActionSpec, Decision, Outcome, Target
-from agent.services import HealthProber, SystemdManager, build_managers
+from agent.services import SystemdManager, build_managers
 from agent.standin import free_port
 
 pytestmark = [
@@ -65,15 +65,7 @@ def context(tmp_path: Path, sandbox: SystemdSandbox, services: list[ServiceConfi
     backend = SimulatedBackend("h200", tmp_path / "state")
     host = HostContext(make_host_tree(tmp_path / "host"))
     managers = build_managers(config, host, systemctl_argv=sandbox.systemctl_argv)
-    return ActionContext(
-        config=config,
-        backend=backend,
-        policy=PolicyEngine(config, backend, host),
-        host=host,
-        managers=managers,
-        prober=HealthProber(config.services, managers),
-        hostname="sandbox",
-    )
+    return action_context(config, backend, host, managers, hostname="sandbox")
 
 
 def restart(service: str) -> Decision:
@@ -138,18 +130,22 @@ def test_service_without_health_url_is_checked_with_is_active(tmp_path: Path, sa
     ctx.managers["sleeper"].stop(service)
 
 
-def test_unit_failing_to_start_fails_the_restart(tmp_path: Path, sandbox: SystemdSandbox) -> None:
-    ctx = context(tmp_path, sandbox, [ServiceConfig(name="broken", unit="broken.service")])
-    outcome = execute(restart("broken"), ctx)
+def failed_restart(tmp_path: Path, sandbox: SystemdSandbox, name: str) -> str:
+    """Restarting the service `name` (unit `name`.service) fails; what the outcome says."""
+    ctx = context(tmp_path, sandbox, [ServiceConfig(name=name, unit=f"{name}.service")])
+    outcome = execute(restart(name), ctx)
     assert outcome.outcome is Outcome.FAILED
-    assert outcome.detail.startswith("restart broken failed: systemctl restart broken.service failed: exit 1: ")
-    assert "Job for broken.service failed" in outcome.detail
+    return outcome.detail
+
+
+def test_unit_failing_to_start_fails_the_restart(tmp_path: Path, sandbox: SystemdSandbox) -> None:
+    detail = failed_restart(tmp_path, sandbox, "broken")
+    assert detail.startswith("restart broken failed: systemctl restart broken.service failed: exit 1: ")
+    assert "Job for broken.service failed" in detail
     assert sandbox.unit_property("broken.service", "ActiveState") == "failed"
 
 
 def test_restart_of_a_missing_unit_fails_with_systemctl_output(tmp_path: Path, sandbox: SystemdSandbox) -> None:
-    ctx = context(tmp_path, sandbox, [ServiceConfig(name="ghost", unit="ghost.service")])
-    outcome = execute(restart("ghost"), ctx)
-    assert outcome.outcome is Outcome.FAILED
-    assert outcome.detail.startswith("restart ghost failed: systemctl restart ghost.service failed: exit 5: ")
-    assert "ghost.service not found" in outcome.detail
+    detail = failed_restart(tmp_path, sandbox, "ghost")
+    assert detail.startswith("restart ghost failed: systemctl restart ghost.service failed: exit 5: ")
+    assert "ghost.service not found" in detail

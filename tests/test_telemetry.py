@@ -6,7 +6,6 @@ fabric watchers."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -149,19 +148,6 @@ def test_nvlink_and_fabric_on_an_hgx_node(tmp_path: Path) -> None:
 
 
 # -- the NVML backend over the recorded H200 answers ----------------------------------------------
-
-
-@pytest.fixture
-def replay(monkeypatch: pytest.MonkeyPatch) -> Replay:
-    return install_replay(monkeypatch)
-
-
-@pytest.fixture
-def backend(replay: Replay) -> Iterator[NvmlBackend]:
-    nvml = NvmlBackend()
-    nvml.init()
-    yield nvml
-    nvml.shutdown()
 
 
 def test_nvml_gpm_differences_against_the_previous_sample_in_two_buffers(

@@ -383,28 +383,30 @@ def test_nvml_sighting_of_154_keeps_the_recovery_action_the_kernel_named() -> No
 # -- health ------------------------------------------------------------------------------------------
 
 
-def test_xid_79_makes_the_gpu_unhealthy_with_reboot() -> None:
+def watcher_that_saw(*sightings: tuple[int, int]) -> XidWatcher:
+    """A watcher that has seen each (GPU, Xid) through NVML."""
     watcher, _ = make_watcher()
-    watcher.ingest_nvml(nvml(1, 79))
+    for gpu, code in sightings:
+        watcher.ingest_nvml(nvml(gpu, code))
+    return watcher
+
+
+def test_xid_79_makes_the_gpu_unhealthy_with_reboot() -> None:
+    watcher = watcher_that_saw((1, 79))
     health = watcher.health(1)
-    assert health.state is HealthState.UNHEALTHY
-    assert health.suggested_action is SuggestedAction.REBOOT
+    assert (health.state, health.suggested_action) == (HealthState.UNHEALTHY, SuggestedAction.REBOOT)
     assert "Xid 79" in health.reason
     assert watcher.health(0).state is HealthState.HEALTHY
 
 
 def test_xid_13_degrades_with_restart_service() -> None:
-    watcher, _ = make_watcher()
-    watcher.ingest_nvml(nvml(0, 13))
-    health = watcher.health(0)
-    assert health.state is HealthState.DEGRADED
-    assert health.suggested_action is SuggestedAction.RESTART_SERVICE
+    health = watcher_that_saw((0, 13)).health(0)
+    assert (health.state, health.suggested_action) == (HealthState.DEGRADED, SuggestedAction.RESTART_SERVICE)
 
 
 def test_alert_degrades_and_informational_stays_healthy() -> None:
-    watcher, _ = make_watcher()
-    watcher.ingest_nvml(nvml(0, 92))  # high single-bit ECC rate: alert
-    watcher.ingest_nvml(nvml(1, 63))  # row remapping event: informational
+    # GPU 0: a high single-bit ECC rate (alert); GPU 1: a row remapping event (informational)
+    watcher = watcher_that_saw((0, 92), (1, 63))
     assert (watcher.health(0).state, watcher.health(0).suggested_action) == (
         HealthState.DEGRADED,
         SuggestedAction.ALERT,
@@ -423,24 +425,28 @@ def test_worst_xid_in_the_window_wins() -> None:
     assert watcher.health(0).suggested_action is SuggestedAction.REBOOT
 
 
+def gpu0_health_after(watcher: XidWatcher, clock: FakeClock, *steps_seconds: float) -> list[HealthState]:
+    """GPU 0's health state after each step of time."""
+    states = []
+    for seconds in steps_seconds:
+        clock.advance(seconds)
+        states.append(watcher.health(0).state)
+    return states
+
+
 def test_health_expires_after_the_window() -> None:
     watcher, clock = make_watcher(health_window_seconds=600)
     watcher.ingest_nvml(nvml(0, 48))
     clock.advance(300)
     watcher.ingest_nvml(nvml(0, 13))
-    clock.advance(301)  # Xid 48 is 601 s old, Xid 13 301 s
-    assert watcher.health(0).state is HealthState.DEGRADED
-    clock.advance(300)
-    assert watcher.health(0).state is HealthState.HEALTHY
+    # 301 s on, Xid 48 is 601 s old and Xid 13 301 s; 300 s later Xid 13 has expired too
+    assert gpu0_health_after(watcher, clock, 301, 300) == [HealthState.DEGRADED, HealthState.HEALTHY]
 
 
 def test_default_health_window_is_an_hour() -> None:
     watcher, clock = make_watcher()
     watcher.ingest_nvml(nvml(0, 79))
-    clock.advance(3599)
-    assert watcher.health(0).state is HealthState.UNHEALTHY
-    clock.advance(2)
-    assert watcher.health(0).state is HealthState.HEALTHY
+    assert gpu0_health_after(watcher, clock, 3599, 2) == [HealthState.UNHEALTHY, HealthState.HEALTHY]
 
 
 def test_clear_forgets_health_and_open_faults_but_not_counts() -> None:
