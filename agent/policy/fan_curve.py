@@ -124,17 +124,8 @@ class FanCurveItem(ProfileGpuItem[FanCurve, SetFan], RestorableGpuItem[FanCurve,
         if _curve_percent(want, celsius) < target.percent:
             release_celsius = target.set_at_celsius - want.hysteresis_celsius
             detail += f"; holding {target.percent}% until it cools to {release_celsius} C (hysteresis)"
-        return planned(
-            ItemPlan(
-                self.name,
-                ctx.gpu,
-                PlanStatus.DRIFT if changes else PlanStatus.IN_SYNC,
-                f"{target.percent}% ({target.set_at_celsius} C on the curve)",
-                actual,
-                detail=detail,
-            ),
-            changes,
-        )
+        desired = f"{target.percent}% ({target.set_at_celsius} C on the curve)"
+        return self.compared(ctx, desired, actual, changes, detail)
 
     def apply(self, ctx: GpuContext, changes: Sequence[SetFan]) -> str:
         for change in changes:
@@ -163,16 +154,8 @@ class FanCurveItem(ProfileGpuItem[FanCurve, SetFan], RestorableGpuItem[FanCurve,
             modes = [_manual(ctx, fan) for fan in range(fans)]
             names = {True: "manual", False: "automatic", None: "control mode unknown"}
             changes = [SetFan(ctx.gpu, fan, None, manual_before=m) for fan, m in enumerate(modes) if m is not False]
-            return planned(
-                ItemPlan(
-                    self.name,
-                    ctx.gpu,
-                    PlanStatus.DRIFT if changes else PlanStatus.IN_SYNC,
-                    "automatic",
-                    ", ".join(f"fan {fan} {names[manual]}" for fan, manual in enumerate(modes)),
-                ),
-                changes,
-            )
+            actual = ", ".join(f"fan {fan} {names[manual]}" for fan, manual in enumerate(modes))
+            return self.compared(ctx, "automatic", actual, changes)
 
         # A fan whose mode still cannot be read was reset all the same: only one reading manual failed.
         def settled(after: Planned[SetFan]) -> bool:

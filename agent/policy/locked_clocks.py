@@ -116,8 +116,7 @@ class LockedClocksItem(ProfileGpuItem[LockedClocks, SetClockLock], RestorableGpu
             detail = "; ".join(problems)
             return planned(ItemPlan(self.name, ctx.gpu, PlanStatus.ERROR, want_text, actual_text, detail))
         changes = [SetClockLock(ctx.gpu, d, actual[d], mhz) for d, mhz in wanted.items() if actual[d] != mhz]
-        status = PlanStatus.DRIFT if changes else PlanStatus.IN_SYNC
-        return planned(ItemPlan(self.name, ctx.gpu, status, want_text, actual_text), changes)
+        return self.compared(ctx, want_text, actual_text, changes)
 
     def apply(self, ctx: GpuContext, changes: Sequence[SetClockLock]) -> str:
         for change in changes:
@@ -137,11 +136,7 @@ class LockedClocksItem(ProfileGpuItem[LockedClocks, SetClockLock], RestorableGpu
             if not locks:
                 return planned(not_applicable_plan(self.name, ctx, "unlocked", self.missing))
             changes = [SetClockLock(ctx.gpu, domain, mhz, None) for domain, mhz in locks.items() if mhz is not None]
-            status = PlanStatus.DRIFT if changes else PlanStatus.IN_SYNC
-            return planned(
-                ItemPlan(self.name, ctx.gpu, status, _domains_text(dict.fromkeys(locks)), _domains_text(locks)),
-                changes,
-            )
+            return self.compared(ctx, _domains_text(dict.fromkeys(locks)), _domains_text(locks), changes)
 
         return run_restore(self, ctx, read, "unlocked")
 

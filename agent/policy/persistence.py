@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Final
 
 from agent.config import EnabledState
-from agent.policy.base import GpuContext, ItemPlan, PlanStatus
+from agent.policy.base import GpuContext
 from agent.policy.gpu_item import ProfileGpuItem, enabled_text
-from agent.policy.item import Planned, planned
+from agent.policy.item import Planned
 
 
 @dataclass(frozen=True)
@@ -32,12 +32,7 @@ class SetPersistence:
 class PersistenceItem(ProfileGpuItem[EnabledState, SetPersistence]):
     def read(self, ctx: GpuContext, want: EnabledState) -> Planned[SetPersistence]:
         actual = enabled_text(ctx.backend.persistence_enabled(ctx.gpu))
-        if actual == want:
-            return planned(ItemPlan(self.name, ctx.gpu, PlanStatus.IN_SYNC, want, actual))
-        return planned(
-            ItemPlan(self.name, ctx.gpu, PlanStatus.DRIFT, want, actual),
-            [SetPersistence(ctx.gpu, want == "enabled")],
-        )
+        return self.compared(ctx, want, actual, [] if actual == want else [SetPersistence(ctx.gpu, want == "enabled")])
 
     def apply(self, ctx: GpuContext, changes: Sequence[SetPersistence]) -> str:
         for change in changes:

@@ -58,14 +58,10 @@ class PowerLimitItem(ProfileGpuItem[float, SetPowerLimit], RestorableGpuItem[flo
             default_watts = ctx.backend.default_power_limit_watts(ctx.gpu)
             actual_watts = ctx.backend.power_limit_watts(ctx.gpu)
             in_sync = abs(actual_watts - default_watts) <= POWER_TOLERANCE_WATTS
-            return planned(
-                ItemPlan(
-                    self.name,
-                    ctx.gpu,
-                    PlanStatus.IN_SYNC if in_sync else PlanStatus.DRIFT,
-                    f"default {format_watts(default_watts)} W",
-                    f"{format_watts(actual_watts)} W",
-                ),
+            return self.compared(
+                ctx,
+                f"default {format_watts(default_watts)} W",
+                f"{format_watts(actual_watts)} W",
                 [] if in_sync else [SetPowerLimit(ctx.gpu, actual_watts, default_watts)],
             )
 
