@@ -19,7 +19,7 @@ from agent.backend.errors import GpuError, GpuErrorKind
 from agent.config import FanCurve
 from agent.policy.base import GpuContext, ItemPlan, ItemResult, PlanStatus
 from agent.policy.gpu_item import ProfileGpuItem, not_applicable_plan, run_restore
-from agent.policy.item import Planned, RestorableGpuItem, planned
+from agent.policy.item import Planned, RestorableGpuItem, compared, planned
 
 _NO_FANS = "has no fans: no fan curve to enforce"
 # A fan at a manual speed reads back within a point or two of what was set; closer is in sync.
@@ -125,7 +125,7 @@ class FanCurveItem(ProfileGpuItem[FanCurve, SetFan], RestorableGpuItem[FanCurve,
             release_celsius = target.set_at_celsius - want.hysteresis_celsius
             detail += f"; holding {target.percent}% until it cools to {release_celsius} C (hysteresis)"
         desired = f"{target.percent}% ({target.set_at_celsius} C on the curve)"
-        return self.compared(ctx, desired, actual, changes, detail)
+        return compared(self.name, ctx.gpu, desired, actual, changes, detail)
 
     def apply(self, ctx: GpuContext, changes: Sequence[SetFan]) -> str:
         for change in changes:
@@ -155,7 +155,7 @@ class FanCurveItem(ProfileGpuItem[FanCurve, SetFan], RestorableGpuItem[FanCurve,
             names = {True: "manual", False: "automatic", None: "control mode unknown"}
             changes = [SetFan(ctx.gpu, fan, None, manual_before=m) for fan, m in enumerate(modes) if m is not False]
             actual = ", ".join(f"fan {fan} {names[manual]}" for fan, manual in enumerate(modes))
-            return self.compared(ctx, "automatic", actual, changes)
+            return compared(self.name, ctx.gpu, "automatic", actual, changes)
 
         # A fan whose mode still cannot be read was reset all the same: only one reading manual failed.
         def settled(after: Planned[SetFan]) -> bool:

@@ -14,7 +14,7 @@ reports that itself.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 from typing import Any, Final, TypeVar
 
@@ -89,13 +89,6 @@ class ProfileGpuItem(GpuItem[W, C]):
 
     def plan(self, ctx: GpuContext, want: W) -> Planned[C]:
         return guarded_read(self.name, ctx, self.want_text(want), self.missing, partial(self.read, ctx, want))
-
-    def compared(
-        self, ctx: GpuContext, desired: str, actual: str, changes: Sequence[C], detail: str = ""
-    ) -> Planned[C]:
-        """The plan of a read that found `changes` to make: DRIFT with them, IN_SYNC with none."""
-        status = PlanStatus.DRIFT if changes else PlanStatus.IN_SYNC
-        return planned(ItemPlan(self.name, ctx.gpu, status, desired, actual, detail), changes)
 
     @abc.abstractmethod
     def read(self, ctx: GpuContext, want: W) -> Planned[C]:

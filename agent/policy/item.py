@@ -60,6 +60,14 @@ def planned(plan: ItemPlan, changes: Sequence[C] = ()) -> Planned[C]:
     return Planned(replace(plan, changes=tuple(change.text for change in changes)), tuple(changes))
 
 
+def compared(
+    item: str, gpu: int | None, desired: str, actual: str, changes: Sequence[C], detail: str = ""
+) -> Planned[C]:
+    """The plan of a read that found `changes` to make: DRIFT with them, IN_SYNC with none."""
+    status = PlanStatus.DRIFT if changes else PlanStatus.IN_SYNC
+    return planned(ItemPlan(item, gpu, status, desired, actual, detail), changes)
+
+
 class ChangeFailed(Exception):
     """A change could not be made; `detail` is the whole operator-facing reason, including what
     was already done (`wrote /etc/modprobe.d/...; `dracut -f` failed (exit 1): ...`)."""

@@ -13,7 +13,7 @@ from agent.backend.errors import GpuError, GpuErrorKind
 from agent.config import LockedClocks
 from agent.policy.base import GpuContext, ItemPlan, ItemResult, PlanStatus
 from agent.policy.gpu_item import ProfileGpuItem, not_applicable_plan, run_restore
-from agent.policy.item import Planned, RestorableGpuItem, planned
+from agent.policy.item import Planned, RestorableGpuItem, compared, planned
 
 # The domains this item manages, with what nvidia-smi calls their lock and reset flags.
 _DOMAINS: tuple[tuple[ClockDomain, str, str, str], ...] = (
@@ -116,7 +116,7 @@ class LockedClocksItem(ProfileGpuItem[LockedClocks, SetClockLock], RestorableGpu
             detail = "; ".join(problems)
             return planned(ItemPlan(self.name, ctx.gpu, PlanStatus.ERROR, want_text, actual_text, detail))
         changes = [SetClockLock(ctx.gpu, d, actual[d], mhz) for d, mhz in wanted.items() if actual[d] != mhz]
-        return self.compared(ctx, want_text, actual_text, changes)
+        return compared(self.name, ctx.gpu, want_text, actual_text, changes)
 
     def apply(self, ctx: GpuContext, changes: Sequence[SetClockLock]) -> str:
         for change in changes:
@@ -136,7 +136,7 @@ class LockedClocksItem(ProfileGpuItem[LockedClocks, SetClockLock], RestorableGpu
             if not locks:
                 return planned(not_applicable_plan(self.name, ctx, "unlocked", self.missing))
             changes = [SetClockLock(ctx.gpu, domain, mhz, None) for domain, mhz in locks.items() if mhz is not None]
-            return self.compared(ctx, _domains_text(dict.fromkeys(locks)), _domains_text(locks), changes)
+            return compared(self.name, ctx.gpu, _domains_text(dict.fromkeys(locks)), _domains_text(locks), changes)
 
         return run_restore(self, ctx, read, "unlocked")
 

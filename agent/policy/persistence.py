@@ -15,7 +15,7 @@ from typing import Final
 from agent.config import EnabledState
 from agent.policy.base import GpuContext
 from agent.policy.gpu_item import ProfileGpuItem, enabled_text
-from agent.policy.item import Planned
+from agent.policy.item import Planned, compared
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,9 @@ class SetPersistence:
 class PersistenceItem(ProfileGpuItem[EnabledState, SetPersistence]):
     def read(self, ctx: GpuContext, want: EnabledState) -> Planned[SetPersistence]:
         actual = enabled_text(ctx.backend.persistence_enabled(ctx.gpu))
-        return self.compared(ctx, want, actual, [] if actual == want else [SetPersistence(ctx.gpu, want == "enabled")])
+        return compared(
+            self.name, ctx.gpu, want, actual, [] if actual == want else [SetPersistence(ctx.gpu, want == "enabled")]
+        )
 
     def apply(self, ctx: GpuContext, changes: Sequence[SetPersistence]) -> str:
         for change in changes:

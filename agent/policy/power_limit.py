@@ -8,7 +8,7 @@ from typing import Final
 
 from agent.policy.base import GpuContext, ItemPlan, ItemResult, PlanStatus
 from agent.policy.gpu_item import POWER_TOLERANCE_WATTS, ProfileGpuItem, format_watts, run_restore
-from agent.policy.item import Planned, RestorableGpuItem, planned
+from agent.policy.item import Planned, RestorableGpuItem, compared, planned
 
 
 @dataclass(frozen=True)
@@ -58,8 +58,9 @@ class PowerLimitItem(ProfileGpuItem[float, SetPowerLimit], RestorableGpuItem[flo
             default_watts = ctx.backend.default_power_limit_watts(ctx.gpu)
             actual_watts = ctx.backend.power_limit_watts(ctx.gpu)
             in_sync = abs(actual_watts - default_watts) <= POWER_TOLERANCE_WATTS
-            return self.compared(
-                ctx,
+            return compared(
+                self.name,
+                ctx.gpu,
                 f"default {format_watts(default_watts)} W",
                 f"{format_watts(actual_watts)} W",
                 [] if in_sync else [SetPowerLimit(ctx.gpu, actual_watts, default_watts)],

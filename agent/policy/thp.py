@@ -15,7 +15,7 @@ from typing import Final
 
 from agent.config import AgentConfig, NodePolicy, TransparentHugepages
 from agent.policy.base import HostContext, ItemPlan, PlanStatus
-from agent.policy.item import ChangeFailed, NodeItem, Planned, planned
+from agent.policy.item import ChangeFailed, NodeItem, Planned, compared, planned
 
 SYSFS_DIR = "/sys/kernel/mm/transparent_hugepage"
 SETTINGS = ("enabled", "defrag")
@@ -123,15 +123,8 @@ class TransparentHugepagesItem(NodeItem[TransparentHugepages, WriteSetting]):
         changes = [
             WriteSetting(name, f"{SYSFS_DIR}/{name}", value) for name, value, active in settings if active != value
         ]
-        return planned(
-            ItemPlan(
-                self.name,
-                None,
-                PlanStatus.DRIFT if changes else PlanStatus.IN_SYNC,
-                desired_text,
-                _describe([(name, active) for name, _, active in settings]),
-            ),
-            changes,
+        return compared(
+            self.name, None, desired_text, _describe([(name, active) for name, _, active in settings]), changes
         )
 
     def apply(self, host: HostContext, changes: Sequence[WriteSetting]) -> str:

@@ -25,7 +25,7 @@ from typing import Final
 from agent.config import AgentConfig, NodePolicy
 from agent.host import safe_fs
 from agent.policy.base import HostContext, ItemPlan, PlanStatus
-from agent.policy.item import ChangeFailed, NodeItem, Planned, planned
+from agent.policy.item import ChangeFailed, NodeItem, Planned, compared, planned
 
 SYSTEMD_DIR = "/etc/systemd/system"
 DROPIN_NAME = "gpu-agent-triton.conf"
@@ -359,8 +359,7 @@ class TritonCacheItem(NodeItem[TritonCacheWant, TritonChange]):
         detail = ""
         if seen.write or seen.remove:
             detail = f"restart {', '.join(seen.write + seen.remove)} after apply to pick up the environment"
-        status = PlanStatus.DRIFT if changes else PlanStatus.IN_SYNC
-        return planned(ItemPlan(self.name, None, status, _desired_text(want), seen.actual, detail=detail), changes)
+        return compared(self.name, None, _desired_text(want), seen.actual, changes, detail)
 
     def apply(self, host: HostContext, changes: Sequence[TritonChange]) -> str:
         notes: list[str] = []
