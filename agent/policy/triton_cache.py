@@ -329,22 +329,16 @@ class TritonCacheItem(NodeItem[TritonCacheWant, TritonChange]):
         cache = node.triton_cache
         if cache is None:
             return None
-        units: list[str] = []
-        commands: list[str] = []
+        # Ordered sets: each unit and command once, however many entries of `services` lead to it.
+        units: dict[str, None] = {}
+        commands: dict[str, None] = {}
         for name in cache.services:
             service = next((s for s in config.services if name in (s.name, s.unit_name)), None)
             if service is not None and service.manager == "command":
-                commands.append(service.name)  # no unit exists for a drop-in to reach
+                commands[service.name] = None  # no unit exists for a drop-in to reach
             else:
-                units.append(config.service_unit(name))
-        return TritonCacheWant(
-            cache.path,
-            cache.owner,
-            cache.group,
-            cache.mode_bits,
-            tuple(dict.fromkeys(units)),
-            tuple(dict.fromkeys(commands)),
-        )
+                units[config.service_unit(name)] = None
+        return TritonCacheWant(cache.path, cache.owner, cache.group, cache.mode_bits, tuple(units), tuple(commands))
 
     def plan(self, host: HostContext, want: TritonCacheWant) -> Planned[TritonChange]:
         try:
