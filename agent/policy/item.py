@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Generic, Literal, Protocol, TypeVar, runtime_checkable
+from typing import Final, Generic, Literal, Protocol, TypeVar, runtime_checkable
 
 from agent.backend.errors import GpuError, WriteRefused
 from agent.config import AgentConfig, GpuProfile, NodePolicy
@@ -132,6 +132,12 @@ class NodeItem(PolicyItem[HostContext, W, C], Protocol[W, C]):
     def scope(self) -> Literal["node"]: ...
 
     def desired(self, node: NodePolicy, config: AgentConfig) -> W | None: ...
+
+
+class HostItem(NodeItem[W, C]):
+    """The base of the node items: each says its name, desired value, plan and apply."""
+
+    scope: Final = "node"
 
 
 # What a plan that needs no write leads to.

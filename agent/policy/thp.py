@@ -15,7 +15,7 @@ from typing import Final
 
 from agent.config import AgentConfig, NodePolicy, TransparentHugepages
 from agent.policy.base import HostContext, ItemPlan, PlanStatus
-from agent.policy.item import ChangeFailed, NodeItem, Planned, compared, planned
+from agent.policy.item import ChangeFailed, HostItem, Planned, compared, planned
 
 SYSFS_DIR = "/sys/kernel/mm/transparent_hugepage"
 SETTINGS = ("enabled", "defrag")
@@ -104,9 +104,8 @@ def _observe(ctx: HostContext, want: TransparentHugepages) -> list[tuple[str, st
     return settings
 
 
-class TransparentHugepagesItem(NodeItem[TransparentHugepages, WriteSetting]):
+class TransparentHugepagesItem(HostItem[TransparentHugepages, WriteSetting]):
     name: Final = "transparent_hugepages"
-    scope: Final = "node"
 
     def desired(self, node: NodePolicy, config: AgentConfig) -> TransparentHugepages | None:
         want = node.transparent_hugepages

@@ -25,7 +25,7 @@ from typing import Final
 from agent.config import AgentConfig, NodePolicy
 from agent.host import safe_fs
 from agent.policy.base import HostContext, ItemPlan, PlanStatus
-from agent.policy.item import ChangeFailed, NodeItem, Planned, compared, planned
+from agent.policy.item import ChangeFailed, HostItem, Planned, compared, planned
 
 SYSTEMD_DIR = "/etc/systemd/system"
 DROPIN_NAME = "gpu-agent-triton.conf"
@@ -321,9 +321,8 @@ def _make(ctx: HostContext, change: TritonChange) -> str | None:
     return None
 
 
-class TritonCacheItem(NodeItem[TritonCacheWant, TritonChange]):
+class TritonCacheItem(HostItem[TritonCacheWant, TritonChange]):
     name: Final = "triton_cache"
-    scope: Final = "node"
 
     def desired(self, node: NodePolicy, config: AgentConfig) -> TritonCacheWant | None:
         cache = node.triton_cache
