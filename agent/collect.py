@@ -63,6 +63,11 @@ def _fans(backend: GpuBackend, gpu: int) -> tuple[int, ...]:
     return tuple(backend.fan_speed_percent(gpu, fan) for fan in range(count))
 
 
+def _named(*attributes: str, prefix: str = "") -> tuple[tuple[str, str], ...]:
+    """`fields` where each sample field is the reading's attribute of that name after `prefix`."""
+    return tuple((prefix + attribute, attribute) for attribute in attributes)
+
+
 def _ecc(error: EccErrorType, counter: EccCounter) -> Callable[[GpuBackend, int], int]:
     return lambda backend, gpu: backend.ecc_errors(gpu, error, counter)
 
@@ -83,12 +88,7 @@ FAST_READERS: tuple[_Reader, ...] = (
     _Reader(
         "memory",
         lambda b, gpu: b.memory_info(gpu),
-        (
-            ("memory_used_bytes", "used_bytes"),
-            ("memory_total_bytes", "total_bytes"),
-            ("memory_free_bytes", "free_bytes"),
-            ("memory_reserved_bytes", "reserved_bytes"),
-        ),
+        _named("used_bytes", "total_bytes", "free_bytes", "reserved_bytes", prefix="memory_"),
     ),
     _Reader("performance_state", lambda b, gpu: b.performance_state(gpu)),
     _Reader("fan_speeds_percent", _fans),
@@ -97,16 +97,9 @@ FAST_READERS: tuple[_Reader, ...] = (
     _Reader(
         "gpm_activity",
         lambda b, gpu: b.gpm_activity(gpu),
-        (
-            ("sm_active_ratio", "sm_active_ratio"),
-            ("sm_occupancy_ratio", "sm_occupancy_ratio"),
-            ("tensor_active_ratio", "tensor_active_ratio"),
-            ("dram_active_ratio", "dram_active_ratio"),
-            ("pcie_tx_bytes_per_second", "pcie_tx_bytes_per_second"),
-            ("pcie_rx_bytes_per_second", "pcie_rx_bytes_per_second"),
-            ("nvlink_tx_bytes_per_second", "nvlink_tx_bytes_per_second"),
-            ("nvlink_rx_bytes_per_second", "nvlink_rx_bytes_per_second"),
-        ),
+        _named("sm_active_ratio", "sm_occupancy_ratio", "tensor_active_ratio", "dram_active_ratio")
+        + _named("pcie_tx_bytes_per_second", "pcie_rx_bytes_per_second")
+        + _named("nvlink_tx_bytes_per_second", "nvlink_rx_bytes_per_second"),
         remember_unsupported=True,
         when_unsupported=(("activity_supported", False),),
         when_answered=(("activity_supported", True),),
@@ -114,11 +107,7 @@ FAST_READERS: tuple[_Reader, ...] = (
     _Reader(
         "fast_fields",
         lambda b, gpu: b.fast_fields(gpu),
-        (
-            ("energy_joules", "energy_joules"),
-            ("power_instant_watts", "power_instant_watts"),
-            ("memory_temperature_celsius", "memory_temperature_celsius"),
-        ),
+        _named("energy_joules", "power_instant_watts", "memory_temperature_celsius"),
         remember_unsupported=True,
     ),
 )
@@ -131,12 +120,7 @@ SLOW_READERS: tuple[_Reader, ...] = (
     _Reader(
         "remapped_rows",
         lambda b, gpu: b.remapped_rows(gpu),
-        (
-            ("remapped_rows_correctable", "correctable"),
-            ("remapped_rows_uncorrectable", "uncorrectable"),
-            ("remap_pending", "pending"),
-            ("remap_failed", "failed"),
-        ),
+        _named("correctable", "uncorrectable", prefix="remapped_rows_") + _named("pending", "failed", prefix="remap_"),
     ),
     _Reader("retired_pages_pending", lambda b, gpu: b.retired_pages_pending(gpu)),
     _Reader(
@@ -145,8 +129,7 @@ SLOW_READERS: tuple[_Reader, ...] = (
         (
             ("pcie_generation", "current_generation"),
             ("pcie_width", "current_width"),
-            ("pcie_max_generation", "max_generation"),
-            ("pcie_max_width", "max_width"),
+            *_named("max_generation", "max_width", prefix="pcie_"),
         ),
     ),
     _Reader("pcie_replay_count", lambda b, gpu: b.pcie_replay_counter(gpu)),
@@ -165,10 +148,8 @@ SLOW_READERS: tuple[_Reader, ...] = (
         "slow_fields",
         lambda b, gpu: b.slow_fields(gpu),
         (
-            ("pcie_correctable_errors", "pcie_correctable_errors"),
-            ("pcie_fatal_errors", "pcie_fatal_errors"),
+            *_named("pcie_correctable_errors", "pcie_fatal_errors", "nvlink_errors"),
             ("violation_reason_ns", "violation_ns"),
-            ("nvlink_errors", "nvlink_errors"),
         ),
         remember_unsupported=True,
     ),
@@ -176,7 +157,7 @@ SLOW_READERS: tuple[_Reader, ...] = (
     _Reader(
         "fabric",
         lambda b, gpu: b.fabric_info(gpu),
-        (("fabric_state", "state"), ("fabric_status", "status")),
+        _named("state", "status", prefix="fabric_"),
         remember_unsupported=True,
     ),
     _Reader(

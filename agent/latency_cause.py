@@ -159,6 +159,26 @@ def _most_held(windows: Mapping[int, _GpuWindow], reasons: frozenset[str]) -> tu
     return None
 
 
+def _thermal_slowdown(window: _GpuWindow, seconds: float) -> tuple[str, dict[str, Any]]:
+    summary = f"GPU {window.gpu} thermal slowdown for {seconds:.0f} s at {window.max_temperature_celsius} C"
+    return summary, {
+        "temperature_celsius": window.max_temperature_celsius,
+        "slowdown_temperature_celsius": window.slowdown_temperature_celsius,
+    }
+
+
+def _power_cap(window: _GpuWindow, seconds: float) -> tuple[str, dict[str, Any]]:
+    summary = f"GPU {window.gpu} held at its power cap ({window.power_limit_watts:g} W) for {seconds:.0f} s"
+    return summary, {"power_usage_watts": window.max_power_watts, "power_limit_watts": window.power_limit_watts}
+
+
+#: Causes that are clock-event reasons holding a GPU: the cause, its reasons, its summary and evidence.
+_HELD_CAUSES: tuple[tuple[str, frozenset[str], Callable[[_GpuWindow, float], tuple[str, dict[str, Any]]]], ...] = (
+    ("thermal_slowdown", THERMAL_REASONS, _thermal_slowdown),
+    ("power_cap", POWER_REASONS, _power_cap),
+)
+
+
 def _queue_grew(history: Sequence[tuple[float, float]]) -> tuple[bool, float, float]:
     """(grew, first, peak) of the server's waiting queue over the window."""
     if not history:
@@ -210,29 +230,14 @@ def attribute_cause(
         summary = f"{where}: Xid {', '.join(map(str, codes))} in the window"
         return CauseFinding("xid", latest.gpu, latest.uuid, summary, evidence)
 
-    held = _most_held(windows, THERMAL_REASONS)
-    if held is not None:
-        thermal, seconds = held
-        evidence = {
-            **base,
-            "temperature_celsius": thermal.max_temperature_celsius,
-            "slowdown_temperature_celsius": thermal.slowdown_temperature_celsius,
-            "reasons": thermal.reasons(THERMAL_REASONS),
-        }
-        summary = f"GPU {thermal.gpu} thermal slowdown for {seconds:.0f} s at {thermal.max_temperature_celsius} C"
-        return CauseFinding("thermal_slowdown", thermal.gpu, thermal.uuid, summary, evidence)
-
-    held = _most_held(windows, POWER_REASONS)
-    if held is not None:
-        power, seconds = held
-        evidence = {
-            **base,
-            "power_usage_watts": power.max_power_watts,
-            "power_limit_watts": power.power_limit_watts,
-            "reasons": power.reasons(POWER_REASONS),
-        }
-        summary = f"GPU {power.gpu} held at its power cap ({power.power_limit_watts:g} W) for {seconds:.0f} s"
-        return CauseFinding("power_cap", power.gpu, power.uuid, summary, evidence)
+    # In the docstring's order of priority.
+    for cause, reasons, described in _HELD_CAUSES:
+        held = _most_held(windows, reasons)
+        if held is not None:
+            window, seconds = held
+            summary, facts = described(window, seconds)
+            evidence = {**base, **facts, "reasons": window.reasons(reasons)}
+            return CauseFinding(cause, window.gpu, window.uuid, summary, evidence)
 
     for window in sorted(windows.values(), key=lambda w: w.gpu):
         expected = (expected_clock_mhz or {}).get(window.gpu)

@@ -427,338 +427,350 @@ class SnapshotCollector(Collector):
             {},
             0 if snapshot is None else 1,
         )
-        if snapshot is not None:
-            self._node(out, snapshot)
-            self._gpus(out, snapshot)
-            for sample in snapshot.gpus:
-                _telemetry(out, sample)
-            _last_xid(out, snapshot)
-            self._clock_event_seconds(out, snapshot)
-            self._xids(out, snapshot)
-            self._policy(out, snapshot)
-            self._readiness(out, snapshot)
-            self._services(out, snapshot)
-            self._remediations(out, snapshot)
-            self._collectors(out, snapshot)
-            uuids = self._uuids(snapshot)
-            inference = service_metric_families(
-                snapshot.service_figures, snapshot.gpu_attribution, uuids, snapshot.service_slo_seconds
-            )
-            return itertools.chain(out, inference)
-        return iter(out)
+        if snapshot is None:
+            return iter(out)
+        for write in _SNAPSHOT_FAMILIES:
+            write(out, snapshot)
+        inference = service_metric_families(
+            snapshot.service_figures, snapshot.gpu_attribution, _uuids(snapshot), snapshot.service_slo_seconds
+        )
+        return itertools.chain(out, inference)
 
-    @staticmethod
-    def _node(out: _Families, snap: NodeSnapshot) -> None:
+
+def _node(out: _Families, snap: NodeSnapshot) -> None:
+    out.gauge(
+        "gpu_agent_backend_info",
+        "GPU backend in use and the driver it reports; always 1.",
+        {"backend": snap.backend, "driver_version": snap.driver_version or ""},
+        1,
+    )
+    out.gauge(
+        "gpu_agent_backend_up",
+        "1 when the GPU backend (NVML and the driver) can be read, 0 when it cannot.",
+        {},
+        float(not snap.backend_error),
+    )
+    problem = node_problem(snap)
+    for cause in NodeProblem:
         out.gauge(
-            "gpu_agent_backend_info",
-            "GPU backend in use and the driver it reports; always 1.",
-            {"backend": snap.backend, "driver_version": snap.driver_version or ""},
+            "gpu_agent_node_problem",
+            "1 for the cause that keeps the node's GPUs from being judged (no driver, no GPUs, fewer GPUs "
+            "than expected), 0 for the others.",
+            {"cause": cause.value},
+            float(problem is not None and problem.cause is cause),
+        )
+    out.gauge(
+        "gpu_agent_reboot_recommended",
+        "1 while state_dir/reboot-recommended asks for a reboot on this boot (reason label), else a 0 series.",
+        {"reason": snap.reboot_recommended or ""},
+        float(snap.reboot_recommended is not None),
+    )
+    out.gauge(
+        "gpu_agent_start_time_seconds",
+        "When the agent started, in seconds since the epoch.",
+        {},
+        snap.started_seconds,
+    )
+    out.gauge(
+        "gpu_agent_snapshot_timestamp_seconds",
+        "When the snapshot served was taken; an old one means the loop is stuck.",
+        {},
+        snap.timestamp_seconds,
+    )
+    out.gauge(
+        "gpu_agent_gpus_expected",
+        "GPUs this node should have: every GPU seen since boot, less those acknowledged gone (gpu-agent ack).",
+        {},
+        expected_gpu_count(snap),
+    )
+    out.gauge(
+        "gpu_agent_collect_duration_seconds",
+        "How long the last collection loop took.",
+        {},
+        snap.collect_duration_seconds,
+    )
+
+
+def _gpus(out: _Families, snap: NodeSnapshot) -> None:
+    for sample in snap.gpus:
+        ids = {"gpu": str(sample.index), "uuid": sample.uuid}
+        out.gauge(
+            "gpu_agent_gpu_info",
+            "GPU identity; always 1.",
+            {
+                **ids,
+                "name": sample.name,
+                "pci_bus_id": sample.pci_bus_id,
+                "driver_version": snap.driver_version or "",
+            },
             1,
         )
         out.gauge(
-            "gpu_agent_backend_up",
-            "1 when the GPU backend (NVML and the driver) can be read, 0 when it cannot.",
-            {},
-            float(not snap.backend_error),
-        )
-        problem = node_problem(snap)
-        for cause in NodeProblem:
-            out.gauge(
-                "gpu_agent_node_problem",
-                "1 for the cause that keeps the node's GPUs from being judged (no driver, no GPUs, fewer GPUs "
-                "than expected), 0 for the others.",
-                {"cause": cause.value},
-                float(problem is not None and problem.cause is cause),
-            )
-        out.gauge(
-            "gpu_agent_reboot_recommended",
-            "1 while state_dir/reboot-recommended asks for a reboot on this boot (reason label), else a 0 series.",
-            {"reason": snap.reboot_recommended or ""},
-            float(snap.reboot_recommended is not None),
+            "gpu_agent_gpu_up",
+            "1 when the GPU answers; 0 when it fell off the bus, needs a reset or its identity is unreadable.",
+            ids,
+            float(sample.up),
         )
         out.gauge(
-            "gpu_agent_start_time_seconds",
-            "When the agent started, in seconds since the epoch.",
-            {},
-            snap.started_seconds,
+            "gpu_agent_gpu_stale",
+            "1 when a call to the GPU hung or timed out and its readings are from an earlier loop.",
+            ids,
+            float(sample.index in snap.stale_gpus),
         )
-        out.gauge(
-            "gpu_agent_snapshot_timestamp_seconds",
-            "When the snapshot served was taken; an old one means the loop is stuck.",
-            {},
-            snap.timestamp_seconds,
-        )
-        out.gauge(
-            "gpu_agent_gpus_expected",
-            "GPUs this node should have: every GPU seen since boot, less those acknowledged gone (gpu-agent ack).",
-            {},
-            expected_gpu_count(snap),
-        )
-        out.gauge(
-            "gpu_agent_collect_duration_seconds",
-            "How long the last collection loop took.",
-            {},
-            snap.collect_duration_seconds,
-        )
-
-    @staticmethod
-    def _gpus(out: _Families, snap: NodeSnapshot) -> None:
-        for sample in snap.gpus:
-            ids = {"gpu": str(sample.index), "uuid": sample.uuid}
-            out.gauge(
-                "gpu_agent_gpu_info",
-                "GPU identity; always 1.",
-                {
-                    **ids,
-                    "name": sample.name,
-                    "pci_bus_id": sample.pci_bus_id,
-                    "driver_version": snap.driver_version or "",
-                },
-                1,
-            )
-            out.gauge(
-                "gpu_agent_gpu_up",
-                "1 when the GPU answers; 0 when it fell off the bus, needs a reset or its identity is unreadable.",
-                ids,
-                float(sample.up),
-            )
-            out.gauge(
-                "gpu_agent_gpu_stale",
-                "1 when a call to the GPU hung or timed out and its readings are from an earlier loop.",
-                ids,
-                float(sample.index in snap.stale_gpus),
-            )
-            health = snap.health.get(sample.index)
-            if health is not None:
-                for state in HealthState:
-                    out.gauge(
-                        "gpu_agent_gpu_health",
-                        "GPU health as the agent judges it, one series per state, 1 for the current one.",
-                        {**ids, "state": state.value},
-                        float(health.state is state),
-                    )
+        health = snap.health.get(sample.index)
+        if health is not None:
+            for state in HealthState:
                 out.gauge(
-                    "gpu_agent_gpu_health_info",
-                    "The agent's health verdict of the GPU with its reason; always 1.",
-                    {**ids, "state": health.state.value, "reason": health.reason},
-                    1,
+                    "gpu_agent_gpu_health",
+                    "GPU health as the agent judges it, one series per state, 1 for the current one.",
+                    {**ids, "state": state.value},
+                    float(health.state is state),
                 )
             out.gauge(
-                "gpu_agent_gpu_pcie_degraded",
-                "1 when the agent judges the PCIe link degraded (narrower than its maximum, or a lower "
-                "generation while busy; an idle GPU's downshift is not degradation).",
-                ids,
-                float(sample.index in snap.pcie_degraded),
+                "gpu_agent_gpu_health_info",
+                "The agent's health verdict of the GPU with its reason; always 1.",
+                {**ids, "state": health.state.value, "reason": health.reason},
+                1,
             )
-            slowed = {reason for (gpu, reason) in snap.throttle_active_since if gpu == sample.index}
-            for reason in THROTTLE_PROBLEM_REASONS:
+        out.gauge(
+            "gpu_agent_gpu_pcie_degraded",
+            "1 when the agent judges the PCIe link degraded (narrower than its maximum, or a lower "
+            "generation while busy; an idle GPU's downshift is not degradation).",
+            ids,
+            float(sample.index in snap.pcie_degraded),
+        )
+        slowed = {reason for (gpu, reason) in snap.throttle_active_since if gpu == sample.index}
+        for reason in THROTTLE_PROBLEM_REASONS:
+            out.gauge(
+                "gpu_agent_gpu_throttled",
+                "1 while a slowdown the agent counts as a problem holds the clocks down (not idle, not the "
+                "configured power cap).",
+                {**ids, "reason": reason},
+                float(reason in slowed),
+            )
+        out.counter(
+            "gpu_agent_gpu_xid_errors",
+            "Xid errors reported for the GPU, all codes (starts at 0, so a first Xid is an increase).",
+            ids,
+            sum(xid.count for xid in snap.xids if xid.gpu == sample.index),
+        )
+        for family in _GPU_FAMILIES:
+            for extra, read in family.series:
+                out.add(family.name, family.documentation, {**ids, **dict(extra)}, read(sample), family.counter)
+        if sample.fan_speeds_percent is not None:
+            for fan, percent in enumerate(sample.fan_speeds_percent):
                 out.gauge(
-                    "gpu_agent_gpu_throttled",
-                    "1 while a slowdown the agent counts as a problem holds the clocks down (not idle, not the "
-                    "configured power cap).",
+                    "gpu_agent_gpu_fan_speed_ratio",
+                    "Fan speed as a fraction of its maximum.",
+                    {**ids, "fan": str(fan)},
+                    percent / 100.0,
+                )
+        if sample.clock_event_reasons is not None:
+            for bit, reason in CLOCK_EVENT_REASONS.items():
+                out.gauge(
+                    "gpu_agent_gpu_clock_event_active",
+                    "1 while a clock-event (throttle) reason holds the clocks down.",
                     {**ids, "reason": reason},
-                    float(reason in slowed),
+                    float(bool(sample.clock_event_reasons & bit)),
                 )
-            out.counter(
-                "gpu_agent_gpu_xid_errors",
-                "Xid errors reported for the GPU, all codes (starts at 0, so a first Xid is an increase).",
-                ids,
-                sum(xid.count for xid in snap.xids if xid.gpu == sample.index),
-            )
-            for family in _GPU_FAMILIES:
-                for extra, read in family.series:
-                    out.add(family.name, family.documentation, {**ids, **dict(extra)}, read(sample), family.counter)
-            if sample.fan_speeds_percent is not None:
-                for fan, percent in enumerate(sample.fan_speeds_percent):
-                    out.gauge(
-                        "gpu_agent_gpu_fan_speed_ratio",
-                        "Fan speed as a fraction of its maximum.",
-                        {**ids, "fan": str(fan)},
-                        percent / 100.0,
-                    )
-            if sample.clock_event_reasons is not None:
-                for bit, reason in CLOCK_EVENT_REASONS.items():
-                    out.gauge(
-                        "gpu_agent_gpu_clock_event_active",
-                        "1 while a clock-event (throttle) reason holds the clocks down.",
-                        {**ids, "reason": reason},
-                        float(bool(sample.clock_event_reasons & bit)),
-                    )
-            if sample.recovery_action is not None:
-                for action, active in _recovery_actions(sample.recovery_action):
-                    out.gauge(
-                        "gpu_agent_gpu_recovery_action",
-                        "What the driver says the GPU needs (NVML GPU recovery action), one series per action, "
-                        "1 for the current one.",
-                        {**ids, "action": action},
-                        active,
-                    )
-            for field_name, kind in sorted(sample.read_errors.items()):
+        if sample.recovery_action is not None:
+            for action, active in _recovery_actions(sample.recovery_action):
                 out.gauge(
-                    "gpu_agent_gpu_read_error",
-                    "1 for each reading that failed in the last sample, with the NVML error kind.",
-                    {**ids, "field": field_name, "kind": kind},
-                    1,
+                    "gpu_agent_gpu_recovery_action",
+                    "What the driver says the GPU needs (NVML GPU recovery action), one series per action, "
+                    "1 for the current one.",
+                    {**ids, "action": action},
+                    active,
                 )
-
-    @staticmethod
-    def _uuids(snap: NodeSnapshot) -> dict[int, str]:
-        return {sample.index: sample.uuid for sample in snap.gpus}
-
-    def _clock_event_seconds(self, out: _Families, snap: NodeSnapshot) -> None:
-        uuids = self._uuids(snap)
-        for (gpu, reason), seconds in sorted(snap.clock_event_seconds.items()):
-            out.counter(
-                "gpu_agent_gpu_clock_event_seconds",
-                "Time a clock-event (throttle) reason was active, as observed by the agent.",
-                {"gpu": str(gpu), "uuid": uuids.get(gpu, ""), "reason": reason},
-                seconds,
-            )
-
-    @staticmethod
-    def _xids(out: _Families, snap: NodeSnapshot) -> None:
-        for xid in snap.xids:
-            labels = {"gpu": _gpu_label(xid.gpu), "uuid": xid.uuid, "xid": str(xid.xid)}
-            out.counter("gpu_agent_xid_errors", "Xid errors reported by the driver, per code.", labels, xid.count)
+        for field_name, kind in sorted(sample.read_errors.items()):
             out.gauge(
-                "gpu_agent_xid_last_seen_timestamp_seconds",
-                "When each Xid code was last reported, in seconds since the epoch.",
-                labels,
-                xid.last_seen_seconds,
-            )
-        # The catalog's classification, so alert rules can select on it without copying code lists.
-        for code in sorted({xid.xid for xid in snap.xids}):
-            verdict = xid_catalog.verdict(code)
-            out.gauge(
-                "gpu_agent_xid_catalog_info",
-                "gpu-agent's Xid catalog classification of each Xid code seen: default severity and action.",
-                {"xid": str(code), "severity": verdict.severity, "action": verdict.action.value},
+                "gpu_agent_gpu_read_error",
+                "1 for each reading that failed in the last sample, with the NVML error kind.",
+                {**ids, "field": field_name, "kind": kind},
                 1,
             )
 
-    def _policy(self, out: _Families, snap: NodeSnapshot) -> None:
-        uuids = self._uuids(snap)
-        answering = frozenset(sample.index for sample in snap.gpus if sample.up)
-        for plan in snap.policy:
-            labels = {
-                "item": plan.item,
-                "gpu": _gpu_label(plan.gpu),
-                "uuid": "" if plan.gpu is None else uuids.get(plan.gpu, ""),
-            }
+
+def _uuids(snap: NodeSnapshot) -> dict[int, str]:
+    return {sample.index: sample.uuid for sample in snap.gpus}
+
+
+def _clock_event_seconds(out: _Families, snap: NodeSnapshot) -> None:
+    uuids = _uuids(snap)
+    for (gpu, reason), seconds in sorted(snap.clock_event_seconds.items()):
+        out.counter(
+            "gpu_agent_gpu_clock_event_seconds",
+            "Time a clock-event (throttle) reason was active, as observed by the agent.",
+            {"gpu": str(gpu), "uuid": uuids.get(gpu, ""), "reason": reason},
+            seconds,
+        )
+
+
+def _xids(out: _Families, snap: NodeSnapshot) -> None:
+    for xid in snap.xids:
+        labels = {"gpu": _gpu_label(xid.gpu), "uuid": xid.uuid, "xid": str(xid.xid)}
+        out.counter("gpu_agent_xid_errors", "Xid errors reported by the driver, per code.", labels, xid.count)
+        out.gauge(
+            "gpu_agent_xid_last_seen_timestamp_seconds",
+            "When each Xid code was last reported, in seconds since the epoch.",
+            labels,
+            xid.last_seen_seconds,
+        )
+    # The catalog's classification, so alert rules can select on it without copying code lists.
+    for code in sorted({xid.xid for xid in snap.xids}):
+        verdict = xid_catalog.verdict(code)
+        out.gauge(
+            "gpu_agent_xid_catalog_info",
+            "gpu-agent's Xid catalog classification of each Xid code seen: default severity and action.",
+            {"xid": str(code), "severity": verdict.severity, "action": verdict.action.value},
+            1,
+        )
+
+
+def _policy(out: _Families, snap: NodeSnapshot) -> None:
+    uuids = _uuids(snap)
+    answering = frozenset(sample.index for sample in snap.gpus if sample.up)
+    for plan in snap.policy:
+        labels = {
+            "item": plan.item,
+            "gpu": _gpu_label(plan.gpu),
+            "uuid": "" if plan.gpu is None else uuids.get(plan.gpu, ""),
+        }
+        out.gauge(
+            "gpu_agent_policy_in_sync",
+            "1 when a policy item matches its desired state (or does not apply to this device), else 0.",
+            labels,
+            float(plan.in_sync),
+        )
+        if plan.item != "gpu":  # an unreadable GPU is reported as lost, not as a policy item
             out.gauge(
-                "gpu_agent_policy_in_sync",
-                "1 when a policy item matches its desired state (or does not apply to this device), else 0.",
+                "gpu_agent_policy_drift",
+                "1 when a policy item is off its desired value on a device that answers (not a pending "
+                "reboot, not a lost GPU), else 0.",
                 labels,
-                float(plan.in_sync),
+                float(is_drift(plan, answering)),
             )
-            if plan.item != "gpu":  # an unreadable GPU is reported as lost, not as a policy item
-                out.gauge(
-                    "gpu_agent_policy_drift",
-                    "1 when a policy item is off its desired value on a device that answers (not a pending "
-                    "reboot, not a lost GPU), else 0.",
-                    labels,
-                    float(is_drift(plan, answering)),
-                )
-            for status in PlanStatus:
-                out.gauge(
-                    "gpu_agent_policy_status",
-                    "Policy item plan status, one series per status, 1 for the current one.",
-                    {**labels, "status": status.value},
-                    float(plan.status is status),
-                )
-        for item, mode in sorted(snap.item_modes.items()):
+        for status in PlanStatus:
             out.gauge(
-                "gpu_agent_policy_enforced",
-                "1 when the agent repairs drift of this item (enforce mode), 0 when it only reports it (observe).",
-                {"item": item},
-                float(mode == "enforce"),
+                "gpu_agent_policy_status",
+                "Policy item plan status, one series per status, 1 for the current one.",
+                {**labels, "status": status.value},
+                float(plan.status is status),
+            )
+    for item, mode in sorted(snap.item_modes.items()):
+        out.gauge(
+            "gpu_agent_policy_enforced",
+            "1 when the agent repairs drift of this item (enforce mode), 0 when it only reports it (observe).",
+            {"item": item},
+            float(mode == "enforce"),
+        )
+
+
+def _readiness(out: _Families, snap: NodeSnapshot) -> None:
+    """What the report-only items found: the driver, and whether the next boot brings the GPUs back."""
+    for plan in snap.policy:
+        facts = dict(plan.facts)
+        if plan.item == "next_boot" and plan.status in (PlanStatus.IN_SYNC, PlanStatus.DRIFT):
+            out.gauge(
+                "gpu_agent_boot_ready",
+                "1 when the kernel that boots next has the NVIDIA module (signed under Secure Boot) and an "
+                "initramfs that keeps nouveau out; the reason names what is missing.",
+                {"kernel": facts.get("kernel", ""), "reason": facts.get("reason", "")},
+                float(plan.status is PlanStatus.IN_SYNC),
+            )
+        if plan.item == "driver" and "version" in facts:
+            out.gauge(
+                "gpu_agent_driver_info",
+                "The loaded NVIDIA driver, its branch where the installed package tells it, and the newest "
+                "CUDA version it supports; always 1.",
+                {k: facts.get(k, "") for k in ("version", "branch", "cuda_version")},
+                1,
             )
 
-    @staticmethod
-    def _readiness(out: _Families, snap: NodeSnapshot) -> None:
-        """What the report-only items found: the driver, and whether the next boot brings the GPUs back."""
-        for plan in snap.policy:
-            facts = dict(plan.facts)
-            if plan.item == "next_boot" and plan.status in (PlanStatus.IN_SYNC, PlanStatus.DRIFT):
-                out.gauge(
-                    "gpu_agent_boot_ready",
-                    "1 when the kernel that boots next has the NVIDIA module (signed under Secure Boot) and an "
-                    "initramfs that keeps nouveau out; the reason names what is missing.",
-                    {"kernel": facts.get("kernel", ""), "reason": facts.get("reason", "")},
-                    float(plan.status is PlanStatus.IN_SYNC),
-                )
-            if plan.item == "driver" and "version" in facts:
-                out.gauge(
-                    "gpu_agent_driver_info",
-                    "The loaded NVIDIA driver, its branch where the installed package tells it, and the newest "
-                    "CUDA version it supports; always 1.",
-                    {k: facts.get(k, "") for k in ("version", "branch", "cuda_version")},
-                    1,
-                )
 
-    @staticmethod
-    def _services(out: _Families, snap: NodeSnapshot) -> None:
-        for service in snap.services:
-            labels = {"service": service.name, "unit": service.unit}
-            out.gauge(
-                "gpu_agent_service_up",
-                "1 when the inference service's health probe succeeds (absent until first probed).",
-                labels,
-                _flag(service.up),
-            )
-            out.gauge(
-                "gpu_agent_service_consecutive_failures",
-                "Health probes failed in a row.",
-                labels,
-                service.consecutive_failures,
-            )
-            out.gauge(
-                "gpu_agent_service_probe_latency_seconds",
-                "How long the last health probe took.",
-                labels,
-                service.last_latency_seconds,
-            )
+def _services(out: _Families, snap: NodeSnapshot) -> None:
+    for service in snap.services:
+        labels = {"service": service.name, "unit": service.unit}
+        out.gauge(
+            "gpu_agent_service_up",
+            "1 when the inference service's health probe succeeds (absent until first probed).",
+            labels,
+            _flag(service.up),
+        )
+        out.gauge(
+            "gpu_agent_service_consecutive_failures",
+            "Health probes failed in a row.",
+            labels,
+            service.consecutive_failures,
+        )
+        out.gauge(
+            "gpu_agent_service_probe_latency_seconds",
+            "How long the last health probe took.",
+            labels,
+            service.last_latency_seconds,
+        )
 
-    @staticmethod
-    def _remediations(out: _Families, snap: NodeSnapshot) -> None:
-        # Every outcome of a (rule, action) the agent has decided on starts at 0, so the first
-        # failure after a success is an increase; the node total exists from the start.
-        counts = {(c.rule, c.action, c.outcome): c.count for c in snap.remediations}
-        outcomes = [o.value for o in Outcome]
-        outcomes += sorted({c.outcome for c in snap.remediations} - set(outcomes))
-        for rule, action in sorted({(c.rule, c.action) for c in snap.remediations}):
-            for outcome in outcomes:
-                out.counter(
-                    "gpu_agent_remediations",
-                    "Remediation decisions of rules, by outcome (dry_run: observe mode or a dry-run rule, what the "
-                    "agent would have done; refused: a safety check said no).",
-                    {"rule": rule, "action": action, "outcome": outcome},
-                    counts.get((rule, action, outcome), 0),
-                )
+
+def _remediations(out: _Families, snap: NodeSnapshot) -> None:
+    # Every outcome of a (rule, action) the agent has decided on starts at 0, so the first
+    # failure after a success is an increase; the node total exists from the start.
+    counts = {(c.rule, c.action, c.outcome): c.count for c in snap.remediations}
+    outcomes = [o.value for o in Outcome]
+    outcomes += sorted({c.outcome for c in snap.remediations} - set(outcomes))
+    for rule, action in sorted({(c.rule, c.action) for c in snap.remediations}):
         for outcome in outcomes:
             out.counter(
-                "gpu_agent_remediation_outcomes",
-                "Remediation decisions of all rules, by outcome.",
-                {"outcome": outcome},
-                sum(c.count for c in snap.remediations if c.outcome == outcome),
+                "gpu_agent_remediations",
+                "Remediation decisions of rules, by outcome (dry_run: observe mode or a dry-run rule, what the "
+                "agent would have done; refused: a safety check said no).",
+                {"rule": rule, "action": action, "outcome": outcome},
+                counts.get((rule, action, outcome), 0),
             )
+    for outcome in outcomes:
+        out.counter(
+            "gpu_agent_remediation_outcomes",
+            "Remediation decisions of all rules, by outcome.",
+            {"outcome": outcome},
+            sum(c.count for c in snap.remediations if c.outcome == outcome),
+        )
 
-    @staticmethod
-    def _collectors(out: _Families, snap: NodeSnapshot) -> None:
-        for status in snap.collectors:
-            labels = {"collector": status.name}
-            out.gauge(
-                "gpu_agent_collector_success",
-                "1 when the collector's last run succeeded.",
-                labels,
-                float(status.success),
-            )
-            out.gauge(
-                "gpu_agent_collector_duration_seconds",
-                "How long the collector's last run took.",
-                labels,
-                status.duration_seconds,
-            )
+
+def _collectors(out: _Families, snap: NodeSnapshot) -> None:
+    for status in snap.collectors:
+        labels = {"collector": status.name}
+        out.gauge(
+            "gpu_agent_collector_success",
+            "1 when the collector's last run succeeded.",
+            labels,
+            float(status.success),
+        )
+        out.gauge(
+            "gpu_agent_collector_duration_seconds",
+            "How long the collector's last run took.",
+            labels,
+            status.duration_seconds,
+        )
+
+
+def _telemetry_of_every_gpu(out: _Families, snap: NodeSnapshot) -> None:
+    for sample in snap.gpus:
+        _telemetry(out, sample)
+
+
+#: The snapshot's families, in the order /metrics lists them.
+_SNAPSHOT_FAMILIES: tuple[Callable[[_Families, NodeSnapshot], None], ...] = (
+    _node,
+    _gpus,
+    _telemetry_of_every_gpu,
+    _last_xid,
+    _clock_event_seconds,
+    _xids,
+    _policy,
+    _readiness,
+    _services,
+    _remediations,
+    _collectors,
+)
 
 
 def parse_listen(listen: str) -> tuple[str, int]:

@@ -83,13 +83,18 @@ class Families:
         return frozenset(name for group in groups for name in group)
 
 
+def _latency_histograms(prefix: str) -> dict[LatencyKind, tuple[str, ...]]:
+    """sglang and vLLM name their latency histograms alike, each under its own prefix."""
+    return {
+        "e2e": (f"{prefix}e2e_request_latency_seconds",),
+        "ttft": (f"{prefix}time_to_first_token_seconds",),
+        "itl": (f"{prefix}inter_token_latency_seconds", f"{prefix}time_per_output_token_seconds"),
+    }
+
+
 FAMILIES: dict[str, Families] = {
     "sglang": Families(
-        histograms={
-            "e2e": ("sglang:e2e_request_latency_seconds",),
-            "ttft": ("sglang:time_to_first_token_seconds",),
-            "itl": ("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds"),
-        },
+        histograms=_latency_histograms("sglang:"),
         running=("sglang:num_running_reqs",),
         waiting=("sglang:num_queue_reqs",),
         kv_cache_usage=("sglang:token_usage",),
@@ -97,11 +102,7 @@ FAMILIES: dict[str, Families] = {
         generation_throughput=("sglang:gen_throughput",),
     ),
     "vllm": Families(
-        histograms={
-            "e2e": ("vllm:e2e_request_latency_seconds",),
-            "ttft": ("vllm:time_to_first_token_seconds",),
-            "itl": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
-        },
+        histograms=_latency_histograms("vllm:"),
         running=("vllm:num_requests_running",),
         waiting=("vllm:num_requests_waiting",),
         kv_cache_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),

@@ -49,10 +49,8 @@ import dataclasses
 import enum
 import json
 import sqlite3
-import threading
 import time
 import urllib.parse
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,10 +59,33 @@ import structlog
 
 from agent.attempt_clock import ClockReading
 from agent.events import Event, event_from_json, event_json
-from agent.rules.model import ActionOutcome, Decision, Outcome, Target
-from agent.state import RemediationCount, XidCount
+from agent.rules.model import ActionOutcome, Decision, Outcome
+from agent.state import RemediationCount
+from agent.store_acks import ALL, Acknowledgements, Circuit
+from agent.store_boot import BootTables, ClockEventTotal, InventoryGpu, ProbeStreak, XidMark
+from agent.store_db import StoreError
 
 log = structlog.get_logger("gpu-agent")
+
+__all__ = [
+    "ALL",
+    "BUSY_TIMEOUT_SECONDS",
+    "COUNTED_OUTCOMES",
+    "DB_NAME",
+    "EXHAUSTED_STEP",
+    "MIGRATIONS",
+    "RETENTION_SECONDS",
+    "Circuit",
+    "ClockEventTotal",
+    "InventoryGpu",
+    "JournalEntry",
+    "ProbeStreak",
+    "Store",
+    "StoreError",
+    "StoredEvent",
+    "StoredRemediation",
+    "XidMark",
+]
 
 DB_NAME = "gpu-agent.db"
 RETENTION_SECONDS = 30 * 24 * 3600.0
@@ -73,7 +94,6 @@ EXHAUSTED_STEP = -1  # agent.rules.engine.EXHAUSTED_STEP (not imported: the stor
 COUNTED_OUTCOMES = frozenset(
     {Outcome.SUCCESS, Outcome.FAILED, Outcome.REFUSED, Outcome.DRY_RUN, Outcome.RUNNING, Outcome.INTERRUPTED}
 )
-ALL = "all"
 
 #: Schema migrations: MIGRATIONS[n] takes a database from user_version n to n + 1. Append only.
 MIGRATIONS: tuple[tuple[str, ...], ...] = (
@@ -209,10 +229,6 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
 )
 
 
-class StoreError(Exception):
-    """The database could not be used (disk full, permissions, locked past the busy timeout)."""
-
-
 @dataclass(frozen=True)
 class StoredEvent:
     event: Event
@@ -254,65 +270,6 @@ class JournalEntry:
     gpu: int | None
     service: str | None
     steps: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Circuit:
-    rule: str
-    target_key: str
-    gpu: int | None
-    uuid: str | None
-    service: str | None
-    opened_seconds: float
-    reason: str
-
-
-@dataclass(frozen=True)
-class InventoryGpu:
-    """A GPU seen on this boot."""
-
-    uuid: str
-    pci_bus_id: str
-    model: str
-    index: int  # its NVML index when last seen
-    first_seen_seconds: float
-    last_seen_seconds: float  # when it last answered
-    present: bool = True  # answering at the daemon's last look
-    acked: bool = False  # acknowledged gone: not expected any more
-
-
-@dataclass(frozen=True)
-class XidMark:
-    """What one (GPU, Xid) contributes to that GPU's health while inside the health window."""
-
-    gpu: int
-    xid: int
-    action: str  # SuggestedAction value
-    reason: str
-    seen_seconds: float
-
-
-@dataclass(frozen=True)
-class ClockEventTotal:
-    """How long one clock-event reason held one board on this boot, and since when while it holds."""
-
-    gpu: int
-    uuid: str
-    reason: str
-    seconds: float
-    active_since_seconds: float | None = None  # a slowdown active at the last save: when it started
-
-
-@dataclass(frozen=True)
-class ProbeStreak:
-    """A service's declared state and its current run of failed probes."""
-
-    service: str
-    up: bool | None  # None before the first verdict
-    consecutive_failures: int
-
-
-_UNKNOWN_GPU = -1  # xid_counts.gpu for an Xid no GPU could be named for
 
 
 #: The events table's columns after `key`, in INSERT and SELECT order, as `event_json` names them
@@ -431,13 +388,10 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, default=_json_default, sort_keys=True)
 
 
-class Store:
-    """See the module docstring. Build it with `Store.open(state_dir)`."""
-
-    def __init__(self, path: Path, connection: sqlite3.Connection) -> None:
-        self.path = path
-        self._db = connection
-        self._lock = threading.Lock()
+class Store(BootTables, Acknowledgements):
+    """See the module docstring. Build it with `Store.open(state_dir)`. Node memory is
+    `agent.store_boot`, circuits and acknowledgements `agent.store_acks`, the shared connection
+    `agent.store_db`."""
 
     # -- opening ------------------------------------------------------------------------------
 
@@ -466,39 +420,11 @@ class Store:
             raise
         return store
 
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
-
     def __enter__(self) -> Store:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    @contextlib.contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            try:
-                self._db.execute("BEGIN IMMEDIATE")
-            except sqlite3.Error as exc:
-                raise StoreError(f"{self.path}: {exc}") from exc
-            try:
-                yield self._db
-                self._db.execute("COMMIT")
-            except BaseException as exc:
-                with contextlib.suppress(sqlite3.Error):
-                    self._db.execute("ROLLBACK")
-                if isinstance(exc, sqlite3.Error):
-                    raise StoreError(f"{self.path}: {exc}") from exc
-                raise
-
-    def _query(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-        with self._lock:
-            try:
-                return self._db.execute(sql, args).fetchall()
-            except sqlite3.Error as exc:
-                raise StoreError(f"{self.path}: {exc}") from exc
 
     def _prune(self, before_seconds: float) -> None:
         self.prune(before_seconds)
@@ -617,124 +543,6 @@ class Store:
         rows = self._query("SELECT rule, action, outcome, count FROM remediation_totals ORDER BY rule, action, outcome")
         return [RemediationCount(rule, action, outcome, count) for rule, action, outcome, count in rows]
 
-    # -- node memory (per boot) ----------------------------------------------------------------
-
-    def start_boot(self, boot_id: str) -> None:
-        """This boot's memory is the only one: what earlier boots remembered is dropped (a reboot
-        resets GPUs, their Xid counters and health)."""
-        with self._transaction() as db:
-            gone = sum(
-                db.execute(f"DELETE FROM {table} WHERE boot_id != ?", (boot_id,)).rowcount  # noqa: S608  # nosec B608
-                for table in ("gpu_inventory", "xid_counts", "xid_marks", "clock_event_totals", "probe_streaks")
-            )
-        if gone:
-            log.info("new boot: node memory of earlier boots dropped", boot_id=boot_id, rows=gone)
-
-    def inventory(self, boot_id: str) -> list[InventoryGpu]:
-        """Every GPU seen on this boot, acknowledged ones included, by index then UUID."""
-        rows = self._query(
-            "SELECT uuid, pci_bus_id, model, gpu, first_seen, last_seen, present, acked FROM gpu_inventory"
-            " WHERE boot_id = ? ORDER BY gpu, uuid",
-            (boot_id,),
-        )
-        return [
-            InventoryGpu(uuid, bus, model, index, first, last, present=bool(present), acked=bool(acked))
-            for uuid, bus, model, index, first, last, present, acked in rows
-        ]
-
-    def remember_gpus(self, boot_id: str, gpus: list[InventoryGpu]) -> None:
-        """Add GPUs, or update them as written (first_seen stays the first one stored)."""
-        with self._transaction() as db:
-            for gpu in gpus:
-                db.execute(
-                    "INSERT INTO gpu_inventory (boot_id, uuid, pci_bus_id, model, gpu, first_seen, last_seen, present,"
-                    " acked) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (boot_id, uuid) DO UPDATE SET"
-                    " pci_bus_id = excluded.pci_bus_id, model = excluded.model, gpu = excluded.gpu,"
-                    " last_seen = excluded.last_seen, present = excluded.present, acked = excluded.acked",
-                    (
-                        boot_id,
-                        gpu.uuid,
-                        gpu.pci_bus_id,
-                        gpu.model,
-                        gpu.index,
-                        gpu.first_seen_seconds,
-                        gpu.last_seen_seconds,
-                        int(gpu.present),
-                        int(gpu.acked),
-                    ),
-                )
-
-    def xid_counts(self, boot_id: str) -> list[XidCount]:
-        rows = self._query(
-            "SELECT gpu, uuid, xid, count, last_seen FROM xid_counts WHERE boot_id = ? ORDER BY gpu, xid", (boot_id,)
-        )
-        return [
-            XidCount(None if gpu == _UNKNOWN_GPU else gpu, uuid, xid, count, seen)
-            for gpu, uuid, xid, count, seen in rows
-        ]
-
-    def save_xid_counts(self, boot_id: str, counts: list[XidCount]) -> None:
-        """Store these counters as they are now (a counter only grows: the rows are replaced)."""
-        with self._transaction() as db:
-            db.executemany(
-                "INSERT INTO xid_counts (boot_id, gpu, xid, uuid, count, last_seen) VALUES (?, ?, ?, ?, ?, ?)"
-                " ON CONFLICT (boot_id, gpu, xid) DO UPDATE SET uuid = excluded.uuid, count = excluded.count,"
-                " last_seen = excluded.last_seen",
-                [
-                    (boot_id, _UNKNOWN_GPU if c.gpu is None else c.gpu, c.xid, c.uuid, c.count, c.last_seen_seconds)
-                    for c in counts
-                ],
-            )
-
-    def xid_marks(self, boot_id: str) -> list[XidMark]:
-        rows = self._query(
-            "SELECT gpu, xid, action, reason, seen FROM xid_marks WHERE boot_id = ? ORDER BY gpu, xid", (boot_id,)
-        )
-        return [XidMark(*row) for row in rows]
-
-    def replace_xid_marks(self, boot_id: str, marks: list[XidMark]) -> None:
-        """The health window as it is now: marks that aged out or were cleared (GPU reset) go."""
-        with self._transaction() as db:
-            db.execute("DELETE FROM xid_marks WHERE boot_id = ?", (boot_id,))
-            db.executemany(
-                "INSERT INTO xid_marks (boot_id, gpu, xid, action, reason, seen) VALUES (?, ?, ?, ?, ?, ?)",
-                [(boot_id, m.gpu, m.xid, m.action, m.reason, m.seen_seconds) for m in marks],
-            )
-
-    def clock_event_totals(self, boot_id: str) -> list[ClockEventTotal]:
-        rows = self._query(
-            "SELECT gpu, uuid, reason, seconds, active_since FROM clock_event_totals WHERE boot_id = ?"
-            " ORDER BY gpu, reason",
-            (boot_id,),
-        )
-        return [ClockEventTotal(*row) for row in rows]
-
-    def replace_clock_event_totals(self, boot_id: str, totals: list[ClockEventTotal]) -> None:
-        """The throttle watcher's totals as they are now (a board replaced at an index starts afresh)."""
-        with self._transaction() as db:
-            db.execute("DELETE FROM clock_event_totals WHERE boot_id = ?", (boot_id,))
-            db.executemany(
-                "INSERT INTO clock_event_totals (boot_id, gpu, uuid, reason, seconds, active_since)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                [(boot_id, t.gpu, t.uuid, t.reason, t.seconds, t.active_since_seconds) for t in totals],
-            )
-
-    def probe_streaks(self, boot_id: str) -> list[ProbeStreak]:
-        rows = self._query(
-            "SELECT service, up, consecutive_failures FROM probe_streaks WHERE boot_id = ? ORDER BY service",
-            (boot_id,),
-        )
-        return [ProbeStreak(service, None if up is None else bool(up), failures) for service, up, failures in rows]
-
-    def replace_probe_streaks(self, boot_id: str, streaks: list[ProbeStreak]) -> None:
-        """The prober's streaks as they are now (a service dropped from the configuration goes)."""
-        with self._transaction() as db:
-            db.execute("DELETE FROM probe_streaks WHERE boot_id = ?", (boot_id,))
-            db.executemany(
-                "INSERT INTO probe_streaks (boot_id, service, up, consecutive_failures) VALUES (?, ?, ?, ?)",
-                [(boot_id, s.service, None if s.up is None else int(s.up), s.consecutive_failures) for s in streaks],
-            )
-
     # -- the remediation journal ----------------------------------------------------------------
     # An action is written down before it starts and each of its steps as it completes, so an agent
     # killed mid-action leaves a "running" row that counts as an attempt and says what to roll back.
@@ -832,112 +640,6 @@ class Store:
 
     def circuit_open(self, rule: str, target_key: str) -> bool:
         return bool(self._query("SELECT 1 FROM circuits WHERE rule = ? AND target_key = ?", (rule, target_key)))
-
-    # -- circuits and acks --------------------------------------------------------------------
-
-    @staticmethod
-    def _open_circuit(db: sqlite3.Connection, rule: str, target: Target, reason: str, now_seconds: float) -> None:
-        db.execute(
-            "INSERT OR IGNORE INTO circuits (rule, target_key, gpu, uuid, service, opened_at, reason)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (rule, target.key, target.gpu, target.uuid, target.service, now_seconds, reason),
-        )
-
-    def open_circuit(self, rule: str, target: Target, reason: str, now_seconds: float | None = None) -> None:
-        """Stop `rule` acting on `target` until acknowledged (opening an open circuit changes nothing)."""
-        with self._transaction() as db:
-            self._open_circuit(db, rule, target, reason, time.time() if now_seconds is None else now_seconds)
-
-    def circuits(self) -> list[Circuit]:
-        rows = self._query(
-            "SELECT rule, target_key, gpu, uuid, service, opened_at, reason FROM circuits ORDER BY rule, target_key"
-        )
-        return [Circuit(*row) for row in rows]
-
-    def ack(self, selector: str, now_seconds: float | None = None) -> int:
-        """Re-arm rules: close their circuits and retire their attempts from the counters.
-
-        `selector`: "all"; a rule name; "gpu:<index>", "gpu:<uuid>" or a bare "GPU-..." uuid (every
-        rule's state for that GPU, services targeted through it included); "service:<name>".
-        Returns how many (rule, target) pairs it re-armed. (`gpu-agent ack` also calls
-        `acknowledge_gone` with the same selector.)
-        """
-        # `where` is one of _selector's fixed clauses; every value in it is a bound parameter (nosec B608 below).
-        where, args = _selector(selector)
-        with self._transaction() as db:
-            pairs = set(db.execute(f"SELECT rule, target_key FROM circuits WHERE {where}", args).fetchall())  # noqa: S608  # nosec B608
-            pairs |= set(
-                db.execute(
-                    f"SELECT rule, target_key FROM remediations WHERE counted = 1 AND acked = 0 AND ({where})",  # noqa: S608  # nosec B608
-                    args,
-                ).fetchall()
-            )
-            db.execute(f"DELETE FROM circuits WHERE {where}", args)  # noqa: S608  # nosec B608
-            db.execute(f"UPDATE remediations SET acked = 1 WHERE counted = 1 AND acked = 0 AND ({where})", args)  # noqa: S608  # nosec B608
-            db.execute(
-                "INSERT INTO acks (ts, selector, reset) VALUES (?, ?, ?)",
-                (time.time() if now_seconds is None else now_seconds, selector, len(pairs)),
-            )
-        log.info("acknowledged", selector=selector, rearmed=len(pairs))
-        return len(pairs)
-
-    def acknowledge_gone(self, selector: str) -> list[str]:
-        """Acknowledge missing GPUs as gone: they leave the inventory's expected GPUs (and `status`,
-        `/metrics`) until they answer again. Only a GPU missing at the daemon's last look qualifies:
-        one that answers is there, whatever the operator says. `selector` as for `ack`: "all",
-        "gpu:<uuid>", a bare "GPU-..." uuid or "gpu:<index>"; any other names no GPU. Returns the
-        UUIDs acknowledged."""
-        condition = _inventory_selector(selector)
-        if condition is None:
-            return []
-        # `where` is one of _inventory_selector's fixed clauses; its values are bound parameters.
-        where, args = condition
-        with self._transaction() as db:
-            uuids = [
-                row[0]
-                for row in db.execute(
-                    f"SELECT DISTINCT uuid FROM gpu_inventory WHERE acked = 0 AND present = 0 AND ({where})",  # noqa: S608  # nosec B608
-                    args,
-                ).fetchall()
-            ]
-            db.execute(
-                f"UPDATE gpu_inventory SET acked = 1 WHERE acked = 0 AND present = 0 AND ({where})",  # noqa: S608  # nosec B608
-                args,
-            )
-        if uuids:
-            log.info("missing GPUs acknowledged gone", selector=selector, uuids=uuids)
-        return sorted(uuids)
-
-
-def _selector(selector: str) -> tuple[str, tuple[Any, ...]]:
-    """SQL condition (over rule, target_key, gpu, uuid, service columns) for an ack selector."""
-    if selector == ALL:
-        return "1 = 1", ()
-    if selector.startswith("GPU-"):
-        selector = f"gpu:{selector}"
-    kind, sep, value = selector.partition(":")
-    if sep and kind == "gpu" and value:
-        if value.isdigit():
-            return "(gpu = ? OR target_key = ?)", (int(value), f"gpu-index:{value}")
-        return "uuid = ?", (value,)
-    if sep and kind == "service" and value:
-        return "service = ?", (value,)
-    return "rule = ?", (selector,)
-
-
-def _inventory_selector(selector: str) -> tuple[str, tuple[Any, ...]] | None:
-    """SQL condition over gpu_inventory for the selectors that name GPUs ("all", "gpu:UUID",
-    "GPU-...", "gpu:INDEX"); None for a rule or service selector."""
-    if selector == ALL:
-        return "1 = 1", ()
-    if selector.startswith("GPU-"):
-        selector = f"gpu:{selector}"
-    kind, sep, value = selector.partition(":")
-    if not (sep and kind == "gpu" and value):
-        return None
-    if value.isdigit():
-        return "gpu = ?", (int(value),)
-    return "uuid = ?", (value,)
 
 
 # -- opening helpers ---------------------------------------------------------------------------

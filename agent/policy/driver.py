@@ -27,7 +27,7 @@ from agent.host.driver import (
     version_tuple,
 )
 from agent.policy.base import HostContext, ItemPlan, PlanStatus
-from agent.policy.item import NodeItem, Planned, planned
+from agent.policy.item import HostItem, Planned, planned
 from agent.policy.report_only import OperatorTask, refuse
 
 _WHY = "the agent never installs or removes drivers"
@@ -70,9 +70,8 @@ def _nvswitch_present(ctx: HostContext) -> bool:
     return False
 
 
-class DriverItem(NodeItem[DriverWant, OperatorTask]):
+class DriverItem(HostItem[DriverWant, OperatorTask]):
     name: Final = "driver"
-    scope: Final = "node"
 
     def desired(self, node: NodePolicy, config: AgentConfig) -> DriverWant | None:
         services = tuple((s.name, s.cuda_version) for s in config.services if s.cuda_version)

@@ -8,12 +8,10 @@ from dataclasses import dataclass
 from typing import Final
 
 from agent.backend.base import EnabledPending
-from agent.config import EnabledState, GpuProfile
+from agent.config import EnabledState
 from agent.policy.base import GpuContext, ItemPlan, PlanStatus
-from agent.policy.gpu_item import enabled_text, guarded_read
-from agent.policy.item import GpuItem, Planned, planned
-
-_MISSING = "has no ECC memory mode"
+from agent.policy.gpu_item import ProfileGpuItem, enabled_text
+from agent.policy.item import Planned, planned
 
 
 def _mode_text(mode: EnabledPending) -> str:
@@ -37,33 +35,23 @@ class SetEcc:
         return f"{verb} ECC on GPU {self.gpu} (nvidia-smi -i {self.gpu} -e {int(self.enabled)}){after}"
 
 
-class EccItem(GpuItem[EnabledState, SetEcc]):
-    name: Final = "ecc"
-    scope: Final = "gpu"
-
-    def desired(self, profile: GpuProfile) -> EnabledState | None:
-        return profile.ecc
-
-    def plan(self, ctx: GpuContext, want: EnabledState) -> Planned[SetEcc]:
+class EccItem(ProfileGpuItem[EnabledState, SetEcc]):
+    def read(self, ctx: GpuContext, want: EnabledState) -> Planned[SetEcc]:
         want_on = want == "enabled"
-
-        def read() -> Planned[SetEcc]:
-            mode = ctx.backend.ecc_mode(ctx.gpu)
-            actual = _mode_text(mode)
-            if mode.pending == want_on and mode.current == want_on:
-                return planned(ItemPlan(self.name, ctx.gpu, PlanStatus.IN_SYNC, want, actual))
-            if mode.pending == want_on:
-                # Already set; nothing more the agent can do short of rebooting, which is the operator's call.
-                verb = "enable" if want_on else "disable"
-                detail = f"ECC {verb} pending; takes effect after reboot"
-                return planned(ItemPlan(self.name, ctx.gpu, PlanStatus.REBOOT_REQUIRED, want, actual, detail))
-            # Current may already match: a pending opposite mode would still flip it at the next reboot.
-            return planned(
-                ItemPlan(self.name, ctx.gpu, PlanStatus.DRIFT, want, actual),
-                [SetEcc(ctx.gpu, want_on, after_reboot=mode.current != want_on)],
-            )
-
-        return guarded_read(self.name, ctx, want, _MISSING, read)
+        mode = ctx.backend.ecc_mode(ctx.gpu)
+        actual = _mode_text(mode)
+        if mode.pending == want_on and mode.current == want_on:
+            return planned(ItemPlan(self.name, ctx.gpu, PlanStatus.IN_SYNC, want, actual))
+        if mode.pending == want_on:
+            # Already set; nothing more the agent can do short of rebooting, which is the operator's call.
+            verb = "enable" if want_on else "disable"
+            detail = f"ECC {verb} pending; takes effect after reboot"
+            return planned(ItemPlan(self.name, ctx.gpu, PlanStatus.REBOOT_REQUIRED, want, actual, detail))
+        # Current may already match: a pending opposite mode would still flip it at the next reboot.
+        return planned(
+            ItemPlan(self.name, ctx.gpu, PlanStatus.DRIFT, want, actual),
+            [SetEcc(ctx.gpu, want_on, after_reboot=mode.current != want_on)],
+        )
 
     def apply(self, ctx: GpuContext, changes: Sequence[SetEcc]) -> str:
         for change in changes:
@@ -71,4 +59,4 @@ class EccItem(GpuItem[EnabledState, SetEcc]):
         return "; ".join(f"ECC mode of GPU {c.gpu} set to {enabled_text(c.enabled)}" for c in changes)
 
 
-ITEM: Final = EccItem()
+ITEM: Final = EccItem("ecc", lambda profile: profile.ecc, missing="has no ECC memory mode")

@@ -16,13 +16,12 @@ from dataclasses import dataclass
 from typing import Final
 
 from agent.backend.errors import GpuError, GpuErrorKind
-from agent.config import FanCurve, GpuProfile
+from agent.config import FanCurve
 from agent.policy.base import GpuContext, ItemPlan, ItemResult, PlanStatus
-from agent.policy.gpu_item import guarded_read, not_applicable_plan, run_restore
-from agent.policy.item import Planned, RestorableGpuItem, planned
+from agent.policy.gpu_item import ProfileGpuItem, not_applicable_plan, run_restore
+from agent.policy.item import Planned, RestorableGpuItem, compared, planned
 
 _NO_FANS = "has no fans: no fan curve to enforce"
-_MISSING = "has no software-controllable fans: no fan curve to enforce"
 # A fan at a manual speed reads back within a point or two of what was set; closer is in sync.
 _SPEED_TOLERANCE_PERCENT = 2
 
@@ -94,57 +93,39 @@ class SetFan:
         return f"set fan {self.fan} of GPU {self.gpu} to {self.percent}% ({self.at_celsius} C on the curve)"
 
 
-class FanCurveItem(RestorableGpuItem[FanCurve, SetFan]):
-    name: Final = "fan_curve"
-    scope: Final = "gpu"
+class FanCurveItem(ProfileGpuItem[FanCurve, SetFan], RestorableGpuItem[FanCurve, SetFan]):
+    def want_text(self, want: FanCurve) -> str:
+        return _curve_text(want)
 
-    def desired(self, profile: GpuProfile) -> FanCurve | None:
-        return profile.fan_curve
-
-    def plan(self, ctx: GpuContext, want: FanCurve) -> Planned[SetFan]:
-        want_text = _curve_text(want)
-
-        def read() -> Planned[SetFan]:
-            fans = ctx.backend.fan_count(ctx.gpu)
-            if fans == 0:
-                return planned(not_applicable_plan(self.name, ctx, want_text, _NO_FANS))
-            # Never clamp: a curve written for another board would silently run hotter or louder than declared.
-            problems = _range_problems(want, *ctx.backend.fan_speed_range_percent(ctx.gpu))
-            if problems:
-                detail = "; ".join(problems)
-                return planned(ItemPlan(self.name, ctx.gpu, PlanStatus.ERROR, want_text, "unknown", detail=detail))
-            celsius = ctx.backend.temperature_celsius(ctx.gpu)
-            target = _target(ctx, want, celsius)
-            readings = [
-                (ctx.backend.fan_manual(ctx.gpu, fan), ctx.backend.fan_speed_percent(ctx.gpu, fan))
-                for fan in range(fans)
-            ]
-            actual = ", ".join(
-                f"fan {fan} {speed}% {'manual' if manual else 'automatic'}"
-                for fan, (manual, speed) in enumerate(readings)
-            )
-            changes = [
-                SetFan(ctx.gpu, fan, target.percent, target.set_at_celsius, manual)
-                for fan, (manual, speed) in enumerate(readings)
-                if not manual or abs(speed - target.percent) > _SPEED_TOLERANCE_PERCENT
-            ]
-            detail = f"GPU at {celsius} C"
-            if _curve_percent(want, celsius) < target.percent:
-                release_celsius = target.set_at_celsius - want.hysteresis_celsius
-                detail += f"; holding {target.percent}% until it cools to {release_celsius} C (hysteresis)"
-            return planned(
-                ItemPlan(
-                    self.name,
-                    ctx.gpu,
-                    PlanStatus.DRIFT if changes else PlanStatus.IN_SYNC,
-                    f"{target.percent}% ({target.set_at_celsius} C on the curve)",
-                    actual,
-                    detail=detail,
-                ),
-                changes,
-            )
-
-        return guarded_read(self.name, ctx, want_text, _MISSING, read)
+    def read(self, ctx: GpuContext, want: FanCurve) -> Planned[SetFan]:
+        want_text = self.want_text(want)
+        fans = ctx.backend.fan_count(ctx.gpu)
+        if fans == 0:
+            return planned(not_applicable_plan(self.name, ctx, want_text, _NO_FANS))
+        # Never clamp: a curve written for another board would silently run hotter or louder than declared.
+        problems = _range_problems(want, *ctx.backend.fan_speed_range_percent(ctx.gpu))
+        if problems:
+            detail = "; ".join(problems)
+            return planned(ItemPlan(self.name, ctx.gpu, PlanStatus.ERROR, want_text, "unknown", detail=detail))
+        celsius = ctx.backend.temperature_celsius(ctx.gpu)
+        target = _target(ctx, want, celsius)
+        readings = [
+            (ctx.backend.fan_manual(ctx.gpu, fan), ctx.backend.fan_speed_percent(ctx.gpu, fan)) for fan in range(fans)
+        ]
+        actual = ", ".join(
+            f"fan {fan} {speed}% {'manual' if manual else 'automatic'}" for fan, (manual, speed) in enumerate(readings)
+        )
+        changes = [
+            SetFan(ctx.gpu, fan, target.percent, target.set_at_celsius, manual)
+            for fan, (manual, speed) in enumerate(readings)
+            if not manual or abs(speed - target.percent) > _SPEED_TOLERANCE_PERCENT
+        ]
+        detail = f"GPU at {celsius} C"
+        if _curve_percent(want, celsius) < target.percent:
+            release_celsius = target.set_at_celsius - want.hysteresis_celsius
+            detail += f"; holding {target.percent}% until it cools to {release_celsius} C (hysteresis)"
+        desired = f"{target.percent}% ({target.set_at_celsius} C on the curve)"
+        return compared(self.name, ctx.gpu, desired, actual, changes, detail)
 
     def apply(self, ctx: GpuContext, changes: Sequence[SetFan]) -> str:
         for change in changes:
@@ -173,16 +154,8 @@ class FanCurveItem(RestorableGpuItem[FanCurve, SetFan]):
             modes = [_manual(ctx, fan) for fan in range(fans)]
             names = {True: "manual", False: "automatic", None: "control mode unknown"}
             changes = [SetFan(ctx.gpu, fan, None, manual_before=m) for fan, m in enumerate(modes) if m is not False]
-            return planned(
-                ItemPlan(
-                    self.name,
-                    ctx.gpu,
-                    PlanStatus.DRIFT if changes else PlanStatus.IN_SYNC,
-                    "automatic",
-                    ", ".join(f"fan {fan} {names[manual]}" for fan, manual in enumerate(modes)),
-                ),
-                changes,
-            )
+            actual = ", ".join(f"fan {fan} {names[manual]}" for fan, manual in enumerate(modes))
+            return compared(self.name, ctx.gpu, "automatic", actual, changes)
 
         # A fan whose mode still cannot be read was reset all the same: only one reading manual failed.
         def settled(after: Planned[SetFan]) -> bool:
@@ -190,7 +163,7 @@ class FanCurveItem(RestorableGpuItem[FanCurve, SetFan]):
                 after.plan.status is PlanStatus.DRIFT and all(c.manual_before is None for c in after.changes)
             )
 
-        return run_restore(self, ctx, read, "automatic", _MISSING, settled)
+        return run_restore(self, ctx, read, "automatic", settled)
 
 
 def _fans_text(fans: list[int]) -> str:
@@ -208,7 +181,11 @@ def _manual(ctx: GpuContext, fan: int) -> bool | None:
         return None
 
 
-ITEM: Final = FanCurveItem()
+ITEM: Final = FanCurveItem(
+    "fan_curve",
+    lambda profile: profile.fan_curve,
+    missing="has no software-controllable fans: no fan curve to enforce",
+)
 
 
 def restore(ctx: GpuContext) -> ItemResult:

@@ -1,4 +1,8 @@
-"""What the five GPU policy items share: one mapping from `GpuError` to plans, and restore.
+"""What the GPU policy items share: the item shape, one mapping from `GpuError` to plans, and restore.
+
+Each GPU item is a `ProfileGpuItem`: constructed with its name, the profile field that holds
+its desired value and what a board without the setting lacks, it says only how to read the board
+(`read`) and how to write it (`apply`).
 
 A getter failing in `plan` is a report, not a crash: NOT_SUPPORTED means the board has no
 such setting (NOT_APPLICABLE), any other kind is an ERROR carrying the kind. A setter failing
@@ -9,14 +13,19 @@ reports that itself.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
-from typing import Any, TypeVar
+from functools import partial
+from typing import Any, Final, TypeVar
 
 from agent.backend.errors import GpuError, GpuErrorKind
+from agent.config import GpuProfile
 from agent.policy.base import GpuContext, ItemPlan, ItemResult, Outcome, PlanStatus, describe_error
 from agent.policy.item import Change, GpuItem, Planned, planned
+from agent.policy.names import GpuItemName
 
 C = TypeVar("C", bound=Change)
+W = TypeVar("W")
 
 #: Watts NVML reports in milliwatts and boards round limits; closer than this counts as equal.
 POWER_TOLERANCE_WATTS = 0.5
@@ -33,26 +42,12 @@ def format_watts(watts: float) -> str:
 
 def not_applicable_plan(item: str, ctx: GpuContext, desired: str, reason: str) -> ItemPlan:
     """`reason` completes "NVIDIA H200 (GPU 0) ...", e.g. "has no fans: no fan curve to enforce"."""
-    return ItemPlan(
-        item=item,
-        gpu=ctx.gpu,
-        status=PlanStatus.NOT_APPLICABLE,
-        desired=desired,
-        actual="not supported",
-        detail=f"{ctx.identity.name} (GPU {ctx.gpu}) {reason}",
-    )
+    detail = f"{ctx.identity.name} (GPU {ctx.gpu}) {reason}"
+    return ItemPlan(item, ctx.gpu, PlanStatus.NOT_APPLICABLE, desired, "not supported", detail)
 
 
 def error_plan(item: str, ctx: GpuContext, desired: str, exc: GpuError) -> ItemPlan:
-    return ItemPlan(
-        item=item,
-        gpu=ctx.gpu,
-        status=PlanStatus.ERROR,
-        desired=desired,
-        actual="unknown",
-        detail=describe_error(exc),
-        error_kind=exc.kind.value,
-    )
+    return ItemPlan(item, ctx.gpu, PlanStatus.ERROR, desired, "unknown", describe_error(exc), (), exc.kind.value)
 
 
 def guarded_read(item: str, ctx: GpuContext, desired: str, missing: str, read: Callable[[], Planned[C]]) -> Planned[C]:
@@ -66,16 +61,49 @@ def guarded_read(item: str, ctx: GpuContext, desired: str, missing: str, read: C
         return planned(error_plan(item, ctx, desired, exc))
 
 
+class ProfileGpuItem(GpuItem[W, C]):
+    """A GPU setting whose desired value is one field of the GPU profile.
+
+    `plan` is the item's `read` behind `guarded_read`: a getter failing becomes NOT_APPLICABLE
+    (the board lacks the setting: `missing` says what, completing "NVIDIA H200 (GPU 0) ...") or
+    an ERROR plan naming the kind.
+    """
+
+    scope: Final = "gpu"
+
+    def __init__(self, name: GpuItemName, field: Callable[[GpuProfile], W | None], missing: str) -> None:
+        self._name: Final = name
+        self._field = field
+        self.missing = missing
+
+    @property
+    def name(self) -> GpuItemName:
+        return self._name
+
+    def desired(self, profile: GpuProfile) -> W | None:
+        return self._field(profile)
+
+    def want_text(self, want: W) -> str:
+        """The desired value as a plan shows it."""
+        return str(want)
+
+    def plan(self, ctx: GpuContext, want: W) -> Planned[C]:
+        return guarded_read(self.name, ctx, self.want_text(want), self.missing, partial(self.read, ctx, want))
+
+    @abc.abstractmethod
+    def read(self, ctx: GpuContext, want: W) -> Planned[C]:
+        """The plan, from getters only; a GpuError it raises becomes the plan `plan` returns."""
+
+
 def _in_sync(after: Planned[Any]) -> bool:
     return after.plan.status is PlanStatus.IN_SYNC
 
 
 def run_restore(
-    item: GpuItem[Any, C],
+    item: ProfileGpuItem[Any, C],
     ctx: GpuContext,
     read: Callable[[], Planned[C]],
     default: str,
-    missing: str,
     settled: Callable[[Planned[C]], bool] = _in_sync,
 ) -> ItemResult:
     """Plan the way back to the `default` (`read`), write it with the item's `apply`, read once more.
@@ -84,7 +112,7 @@ def run_restore(
     read the device is a FAILED restore: `gpu-agent restore` must not claim success for a GPU it
     could not even look at. A plan with nothing to change writes nothing.
     """
-    done = guarded_read(item.name, ctx, default, missing, read)
+    done = guarded_read(item.name, ctx, default, item.missing, read)
     plan = done.plan
     if plan.status is PlanStatus.ERROR:
         return ItemResult(plan, Outcome.FAILED, plan.detail)
@@ -95,7 +123,7 @@ def run_restore(
         summary = item.apply(ctx, done.changes)
     except GpuError as exc:
         return ItemResult(plan, Outcome.FAILED, describe_error(exc))
-    after = guarded_read(item.name, ctx, default, missing, read)
+    after = guarded_read(item.name, ctx, default, item.missing, read)
     if settled(after):
         return ItemResult(plan, Outcome.APPLIED, summary)
     return ItemResult(plan, Outcome.FAILED, f"{summary}, but GPU {ctx.gpu} still reads {after.plan.actual}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Generic, Literal, Protocol, TypeVar, runtime_checkable
+from typing import Final, Generic, Literal, Protocol, TypeVar, runtime_checkable
 
 from agent.backend.errors import GpuError, WriteRefused
 from agent.config import AgentConfig, GpuProfile, NodePolicy
@@ -58,6 +58,14 @@ class Planned(Generic[C]):
 def planned(plan: ItemPlan, changes: Sequence[C] = ()) -> Planned[C]:
     """`plan` with its `changes` lines written from `changes`: the only way items build a Planned."""
     return Planned(replace(plan, changes=tuple(change.text for change in changes)), tuple(changes))
+
+
+def compared(
+    item: str, gpu: int | None, desired: str, actual: str, changes: Sequence[C], detail: str = ""
+) -> Planned[C]:
+    """The plan of a read that found `changes` to make: DRIFT with them, IN_SYNC with none."""
+    status = PlanStatus.DRIFT if changes else PlanStatus.IN_SYNC
+    return planned(ItemPlan(item, gpu, status, desired, actual, detail), changes)
 
 
 class ChangeFailed(Exception):
@@ -124,6 +132,12 @@ class NodeItem(PolicyItem[HostContext, W, C], Protocol[W, C]):
     def scope(self) -> Literal["node"]: ...
 
     def desired(self, node: NodePolicy, config: AgentConfig) -> W | None: ...
+
+
+class HostItem(NodeItem[W, C]):
+    """The base of the node items: each says its name, desired value, plan and apply."""
+
+    scope: Final = "node"
 
 
 # What a plan that needs no write leads to.

@@ -10,12 +10,10 @@ from typing import Final
 
 from agent.backend.base import ClockDomain
 from agent.backend.errors import GpuError, GpuErrorKind
-from agent.config import GpuProfile, LockedClocks
+from agent.config import LockedClocks
 from agent.policy.base import GpuContext, ItemPlan, ItemResult, PlanStatus
-from agent.policy.gpu_item import guarded_read, not_applicable_plan, run_restore
-from agent.policy.item import Planned, RestorableGpuItem, planned
-
-_MISSING = "does not support locked clocks"
+from agent.policy.gpu_item import ProfileGpuItem, not_applicable_plan, run_restore
+from agent.policy.item import Planned, RestorableGpuItem, compared, planned
 
 # The domains this item manages, with what nvidia-smi calls their lock and reset flags.
 _DOMAINS: tuple[tuple[ClockDomain, str, str, str], ...] = (
@@ -104,29 +102,21 @@ class SetClockLock:
         )
 
 
-class LockedClocksItem(RestorableGpuItem[LockedClocks, SetClockLock]):
-    name: Final = "locked_clocks"
-    scope: Final = "gpu"
+class LockedClocksItem(ProfileGpuItem[LockedClocks, SetClockLock], RestorableGpuItem[LockedClocks, SetClockLock]):
+    def want_text(self, want: LockedClocks) -> str:
+        return _domains_text(_wanted(want))
 
-    def desired(self, profile: GpuProfile) -> LockedClocks | None:
-        return profile.locked_clocks
-
-    def plan(self, ctx: GpuContext, want: LockedClocks) -> Planned[SetClockLock]:
+    def read(self, ctx: GpuContext, want: LockedClocks) -> Planned[SetClockLock]:
         wanted = _wanted(want)
         want_text = _domains_text(wanted)
-
-        def read() -> Planned[SetClockLock]:
-            actual = {domain: ctx.backend.locked_clocks_mhz(ctx.gpu, domain) for domain in wanted}
-            actual_text = _domains_text(actual)
-            problems = _problems(ctx, wanted)
-            if problems:
-                detail = "; ".join(problems)
-                return planned(ItemPlan(self.name, ctx.gpu, PlanStatus.ERROR, want_text, actual_text, detail))
-            changes = [SetClockLock(ctx.gpu, d, actual[d], mhz) for d, mhz in wanted.items() if actual[d] != mhz]
-            status = PlanStatus.DRIFT if changes else PlanStatus.IN_SYNC
-            return planned(ItemPlan(self.name, ctx.gpu, status, want_text, actual_text), changes)
-
-        return guarded_read(self.name, ctx, want_text, _MISSING, read)
+        actual = {domain: ctx.backend.locked_clocks_mhz(ctx.gpu, domain) for domain in wanted}
+        actual_text = _domains_text(actual)
+        problems = _problems(ctx, wanted)
+        if problems:
+            detail = "; ".join(problems)
+            return planned(ItemPlan(self.name, ctx.gpu, PlanStatus.ERROR, want_text, actual_text, detail))
+        changes = [SetClockLock(ctx.gpu, d, actual[d], mhz) for d, mhz in wanted.items() if actual[d] != mhz]
+        return compared(self.name, ctx.gpu, want_text, actual_text, changes)
 
     def apply(self, ctx: GpuContext, changes: Sequence[SetClockLock]) -> str:
         for change in changes:
@@ -144,15 +134,11 @@ class LockedClocksItem(RestorableGpuItem[LockedClocks, SetClockLock]):
         def read() -> Planned[SetClockLock]:
             locks = _read_locks(ctx)
             if not locks:
-                return planned(not_applicable_plan(self.name, ctx, "unlocked", _MISSING))
+                return planned(not_applicable_plan(self.name, ctx, "unlocked", self.missing))
             changes = [SetClockLock(ctx.gpu, domain, mhz, None) for domain, mhz in locks.items() if mhz is not None]
-            status = PlanStatus.DRIFT if changes else PlanStatus.IN_SYNC
-            return planned(
-                ItemPlan(self.name, ctx.gpu, status, _domains_text(dict.fromkeys(locks)), _domains_text(locks)),
-                changes,
-            )
+            return compared(self.name, ctx.gpu, _domains_text(dict.fromkeys(locks)), _domains_text(locks), changes)
 
-        return run_restore(self, ctx, read, "unlocked", _MISSING)
+        return run_restore(self, ctx, read, "unlocked")
 
 
 def _read_locks(ctx: GpuContext) -> dict[ClockDomain, _MhzRange | None]:
@@ -167,4 +153,6 @@ def _read_locks(ctx: GpuContext) -> dict[ClockDomain, _MhzRange | None]:
     return locks
 
 
-ITEM: Final = LockedClocksItem()
+ITEM: Final = LockedClocksItem(
+    "locked_clocks", lambda profile: profile.locked_clocks, missing="does not support locked clocks"
+)

@@ -18,7 +18,7 @@ from agent.backend.errors import GpuError
 from agent.config import AgentConfig, NodePolicy
 from agent.host.boot import NOT_MANAGED, BootReadiness, boot_signature, check_next_boot, host_tool_runner
 from agent.policy.base import HostContext, ItemPlan, PlanStatus
-from agent.policy.item import NodeItem, Planned, planned
+from agent.policy.item import HostItem, Planned, planned
 from agent.policy.report_only import OperatorTask, refuse
 
 RECHECK_SECONDS = 3600.0
@@ -61,9 +61,8 @@ def readiness(ctx: HostContext) -> BootReadiness:
     return _CACHE.verdict(ctx, driver)
 
 
-class NextBootItem(NodeItem[Ready, OperatorTask]):
+class NextBootItem(HostItem[Ready, OperatorTask]):
     name: Final = "next_boot"
-    scope: Final = "node"
 
     def desired(self, node: NodePolicy, config: AgentConfig) -> Ready | None:
         if node.next_boot == "ignore":

@@ -20,7 +20,7 @@ from agent.config import AgentConfig, NodePolicy
 from agent.host.paths import HostPaths
 from agent.policy import next_boot
 from agent.policy.base import HostContext, ItemPlan, PlanStatus
-from agent.policy.item import ChangeFailed, NodeItem, Planned, planned
+from agent.policy.item import ChangeFailed, HostItem, Planned, planned
 
 CONF = "/etc/modprobe.d/gpu-agent-nouveau.conf"
 CONF_CONTENT = (
@@ -175,9 +175,8 @@ def _stale_initramfs(host: HostContext, command: tuple[str, ...]) -> tuple[str, 
     return kernel, RebuildInitramfs((*command, *_KERNEL_OPTION.get(command, ()), kernel))
 
 
-class NouveauItem(NodeItem[Blacklisted, NouveauChange]):
+class NouveauItem(HostItem[Blacklisted, NouveauChange]):
     name: Final = "nouveau"
-    scope: Final = "node"
 
     def desired(self, node: NodePolicy, config: AgentConfig) -> Blacklisted | None:
         return node.nouveau

@@ -12,12 +12,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from agent.config import EnabledState, GpuProfile
-from agent.policy.base import GpuContext, ItemPlan, PlanStatus
-from agent.policy.gpu_item import enabled_text, guarded_read
-from agent.policy.item import GpuItem, Planned, planned
-
-_MISSING = "has no persistence mode"
+from agent.config import EnabledState
+from agent.policy.base import GpuContext
+from agent.policy.gpu_item import ProfileGpuItem, enabled_text
+from agent.policy.item import Planned, compared
 
 
 @dataclass(frozen=True)
@@ -31,24 +29,12 @@ class SetPersistence:
         return f"{verb} persistence mode on GPU {self.gpu} (nvidia-smi -i {self.gpu} -pm {int(self.enabled)})"
 
 
-class PersistenceItem(GpuItem[EnabledState, SetPersistence]):
-    name: Final = "persistence"
-    scope: Final = "gpu"
-
-    def desired(self, profile: GpuProfile) -> EnabledState | None:
-        return profile.persistence
-
-    def plan(self, ctx: GpuContext, want: EnabledState) -> Planned[SetPersistence]:
-        def read() -> Planned[SetPersistence]:
-            actual = enabled_text(ctx.backend.persistence_enabled(ctx.gpu))
-            if actual == want:
-                return planned(ItemPlan(self.name, ctx.gpu, PlanStatus.IN_SYNC, want, actual))
-            return planned(
-                ItemPlan(self.name, ctx.gpu, PlanStatus.DRIFT, want, actual),
-                [SetPersistence(ctx.gpu, want == "enabled")],
-            )
-
-        return guarded_read(self.name, ctx, want, _MISSING, read)
+class PersistenceItem(ProfileGpuItem[EnabledState, SetPersistence]):
+    def read(self, ctx: GpuContext, want: EnabledState) -> Planned[SetPersistence]:
+        actual = enabled_text(ctx.backend.persistence_enabled(ctx.gpu))
+        return compared(
+            self.name, ctx.gpu, want, actual, [] if actual == want else [SetPersistence(ctx.gpu, want == "enabled")]
+        )
 
     def apply(self, ctx: GpuContext, changes: Sequence[SetPersistence]) -> str:
         for change in changes:
@@ -59,4 +45,4 @@ class PersistenceItem(GpuItem[EnabledState, SetPersistence]):
         )
 
 
-ITEM: Final = PersistenceItem()
+ITEM: Final = PersistenceItem("persistence", lambda profile: profile.persistence, missing="has no persistence mode")

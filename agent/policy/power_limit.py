@@ -6,12 +6,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from agent.config import GpuProfile
 from agent.policy.base import GpuContext, ItemPlan, ItemResult, PlanStatus
-from agent.policy.gpu_item import POWER_TOLERANCE_WATTS, format_watts, guarded_read, run_restore
-from agent.policy.item import Planned, RestorableGpuItem, planned
-
-_MISSING = "has no settable power limit"
+from agent.policy.gpu_item import POWER_TOLERANCE_WATTS, ProfileGpuItem, format_watts, run_restore
+from agent.policy.item import Planned, RestorableGpuItem, compared, planned
 
 
 @dataclass(frozen=True)
@@ -28,33 +25,26 @@ class SetPowerLimit:
         )
 
 
-class PowerLimitItem(RestorableGpuItem[float, SetPowerLimit]):
-    name: Final = "power_limit"
-    scope: Final = "gpu"
+class PowerLimitItem(ProfileGpuItem[float, SetPowerLimit], RestorableGpuItem[float, SetPowerLimit]):
+    def want_text(self, want: float) -> str:
+        return f"{format_watts(want)} W"
 
-    def desired(self, profile: GpuProfile) -> float | None:
-        return profile.power_limit_watts
-
-    def plan(self, ctx: GpuContext, want: float) -> Planned[SetPowerLimit]:
-        want_text = f"{format_watts(want)} W"
-
-        def read() -> Planned[SetPowerLimit]:
-            min_watts, max_watts = ctx.backend.power_limit_constraints_watts(ctx.gpu)
-            actual_watts = ctx.backend.power_limit_watts(ctx.gpu)
-            actual_text = f"{format_watts(actual_watts)} W"
-            allowed = f"{format_watts(min_watts)}-{format_watts(max_watts)} W"
-            # NVML would reject it anyway; clamping silently would hide a config written for another board.
-            if not min_watts <= want <= max_watts:
-                detail = f"{want_text} is outside this board's range {allowed}"
-                return planned(ItemPlan(self.name, ctx.gpu, PlanStatus.ERROR, want_text, actual_text, detail))
-            if abs(actual_watts - want) <= POWER_TOLERANCE_WATTS:
-                return planned(ItemPlan(self.name, ctx.gpu, PlanStatus.IN_SYNC, want_text, actual_text))
-            return planned(
-                ItemPlan(self.name, ctx.gpu, PlanStatus.DRIFT, want_text, actual_text, f"allowed {allowed}"),
-                [SetPowerLimit(ctx.gpu, actual_watts, want)],
-            )
-
-        return guarded_read(self.name, ctx, want_text, _MISSING, read)
+    def read(self, ctx: GpuContext, want: float) -> Planned[SetPowerLimit]:
+        want_text = self.want_text(want)
+        min_watts, max_watts = ctx.backend.power_limit_constraints_watts(ctx.gpu)
+        actual_watts = ctx.backend.power_limit_watts(ctx.gpu)
+        actual_text = f"{format_watts(actual_watts)} W"
+        allowed = f"{format_watts(min_watts)}-{format_watts(max_watts)} W"
+        # NVML would reject it anyway; clamping silently would hide a config written for another board.
+        if not min_watts <= want <= max_watts:
+            detail = f"{want_text} is outside this board's range {allowed}"
+            return planned(ItemPlan(self.name, ctx.gpu, PlanStatus.ERROR, want_text, actual_text, detail))
+        if abs(actual_watts - want) <= POWER_TOLERANCE_WATTS:
+            return planned(ItemPlan(self.name, ctx.gpu, PlanStatus.IN_SYNC, want_text, actual_text))
+        return planned(
+            ItemPlan(self.name, ctx.gpu, PlanStatus.DRIFT, want_text, actual_text, f"allowed {allowed}"),
+            [SetPowerLimit(ctx.gpu, actual_watts, want)],
+        )
 
     def apply(self, ctx: GpuContext, changes: Sequence[SetPowerLimit]) -> str:
         for change in changes:
@@ -68,18 +58,17 @@ class PowerLimitItem(RestorableGpuItem[float, SetPowerLimit]):
             default_watts = ctx.backend.default_power_limit_watts(ctx.gpu)
             actual_watts = ctx.backend.power_limit_watts(ctx.gpu)
             in_sync = abs(actual_watts - default_watts) <= POWER_TOLERANCE_WATTS
-            return planned(
-                ItemPlan(
-                    self.name,
-                    ctx.gpu,
-                    PlanStatus.IN_SYNC if in_sync else PlanStatus.DRIFT,
-                    f"default {format_watts(default_watts)} W",
-                    f"{format_watts(actual_watts)} W",
-                ),
+            return compared(
+                self.name,
+                ctx.gpu,
+                f"default {format_watts(default_watts)} W",
+                f"{format_watts(actual_watts)} W",
                 [] if in_sync else [SetPowerLimit(ctx.gpu, actual_watts, default_watts)],
             )
 
-        return run_restore(self, ctx, read, "default", _MISSING)
+        return run_restore(self, ctx, read, "default")
 
 
-ITEM: Final = PowerLimitItem()
+ITEM: Final = PowerLimitItem(
+    "power_limit", lambda profile: profile.power_limit_watts, missing="has no settable power limit"
+)

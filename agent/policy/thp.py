@@ -15,7 +15,7 @@ from typing import Final
 
 from agent.config import AgentConfig, NodePolicy, TransparentHugepages
 from agent.policy.base import HostContext, ItemPlan, PlanStatus
-from agent.policy.item import ChangeFailed, NodeItem, Planned, planned
+from agent.policy.item import ChangeFailed, HostItem, Planned, compared, planned
 
 SYSFS_DIR = "/sys/kernel/mm/transparent_hugepage"
 SETTINGS = ("enabled", "defrag")
@@ -104,9 +104,8 @@ def _observe(ctx: HostContext, want: TransparentHugepages) -> list[tuple[str, st
     return settings
 
 
-class TransparentHugepagesItem(NodeItem[TransparentHugepages, WriteSetting]):
+class TransparentHugepagesItem(HostItem[TransparentHugepages, WriteSetting]):
     name: Final = "transparent_hugepages"
-    scope: Final = "node"
 
     def desired(self, node: NodePolicy, config: AgentConfig) -> TransparentHugepages | None:
         want = node.transparent_hugepages
@@ -123,15 +122,8 @@ class TransparentHugepagesItem(NodeItem[TransparentHugepages, WriteSetting]):
         changes = [
             WriteSetting(name, f"{SYSFS_DIR}/{name}", value) for name, value, active in settings if active != value
         ]
-        return planned(
-            ItemPlan(
-                self.name,
-                None,
-                PlanStatus.DRIFT if changes else PlanStatus.IN_SYNC,
-                desired_text,
-                _describe([(name, active) for name, _, active in settings]),
-            ),
-            changes,
+        return compared(
+            self.name, None, desired_text, _describe([(name, active) for name, _, active in settings]), changes
         )
 
     def apply(self, host: HostContext, changes: Sequence[WriteSetting]) -> str:

@@ -25,7 +25,7 @@ from typing import Final
 from agent.config import AgentConfig, NodePolicy
 from agent.host import safe_fs
 from agent.policy.base import HostContext, ItemPlan, PlanStatus
-from agent.policy.item import ChangeFailed, NodeItem, Planned, planned
+from agent.policy.item import ChangeFailed, HostItem, Planned, compared, planned
 
 SYSTEMD_DIR = "/etc/systemd/system"
 DROPIN_NAME = "gpu-agent-triton.conf"
@@ -69,9 +69,21 @@ class _Unusable(Exception):
 
 
 @dataclass(frozen=True)
-class _Observed:
+class Ownership:
+    """The wanted owner and group, by name and as this process resolved them (it is the one that chowns)."""
+
+    user: str
+    group: str
     uid: int
     gid: int
+
+    def __str__(self) -> str:
+        return f"{self.user}:{self.group}"
+
+
+@dataclass(frozen=True)
+class _Observed:
+    owner: Ownership
     create: bool
     chown: bool
     chmod: bool
@@ -163,7 +175,8 @@ def _observe(ctx: HostContext, want: TritonCacheWant) -> _Observed:
     parts.extend(f"stale drop-in for {unit}" for unit in remove)
     if want.units and not write:
         parts.append(f"TRITON_CACHE_DIR set for {', '.join(want.units)}")
-    return _Observed(uid, gid, create, chown, chmod, tuple(write), tuple(remove), parts[0], "; ".join(parts))
+    owner = Ownership(want.owner, want.group, uid, gid)
+    return _Observed(owner, create, chown, chmod, tuple(write), tuple(remove), parts[0], "; ".join(parts))
 
 
 @dataclass(frozen=True)
@@ -171,30 +184,24 @@ class CreateDirectory:
     """Create the cache directory and give it the wanted owner (`chown`: not this process) and mode."""
 
     path: str
-    owner: str
-    group: str
-    uid: int
-    gid: int
+    owner: Ownership
     mode_bits: int
     chown: bool
 
     @property
     def text(self) -> str:
-        return f"create {self.path} ({self.owner}:{self.group} {self.mode_bits:04o})"
+        return f"create {self.path} ({self.owner} {self.mode_bits:04o})"
 
 
 @dataclass(frozen=True)
 class ChownDirectory:
     path: str
-    owner: str
-    group: str
-    uid: int
-    gid: int
+    owner: Ownership
     found: str  # the directory as found, for the refusal when not root
 
     @property
     def text(self) -> str:
-        return f"chown {self.owner}:{self.group} {self.path}"
+        return f"chown {self.owner} {self.path}"
 
 
 @dataclass(frozen=True)
@@ -208,22 +215,15 @@ class ChmodDirectory:
 
 
 @dataclass(frozen=True)
-class WriteDropin:
+class SetDropin:
+    """Write the drop-in that gives `unit` TRITON_CACHE_DIR=`cache_path`, or remove it (`cache_path` None)."""
+
     unit: str
-    cache_path: str
+    cache_path: str | None
 
     @property
     def text(self) -> str:
-        return f"write {dropin_path(self.unit)}"
-
-
-@dataclass(frozen=True)
-class RemoveDropin:
-    unit: str
-
-    @property
-    def text(self) -> str:
-        return f"remove {dropin_path(self.unit)}"
+        return f"{'remove' if self.cache_path is None else 'write'} {dropin_path(self.unit)}"
 
 
 @dataclass(frozen=True)
@@ -233,22 +233,20 @@ class ReloadSystemd:
         return f"run: {' '.join(RELOAD)}"
 
 
-TritonChange = CreateDirectory | ChownDirectory | ChmodDirectory | WriteDropin | RemoveDropin | ReloadSystemd
+TritonChange = CreateDirectory | ChownDirectory | ChmodDirectory | SetDropin | ReloadSystemd
 
 
 def _changes(want: TritonCacheWant, seen: _Observed) -> list[TritonChange]:
     changes: list[TritonChange] = []
     if seen.create:
-        changes.append(
-            CreateDirectory(want.path, want.owner, want.group, seen.uid, seen.gid, want.mode_bits, seen.chown)
-        )
+        changes.append(CreateDirectory(want.path, seen.owner, want.mode_bits, seen.chown))
     else:
         if seen.chown:
-            changes.append(ChownDirectory(want.path, want.owner, want.group, seen.uid, seen.gid, seen.directory))
+            changes.append(ChownDirectory(want.path, seen.owner, seen.directory))
         if seen.chmod:
             changes.append(ChmodDirectory(want.path, want.mode_bits))
-    changes.extend(WriteDropin(unit, want.path) for unit in seen.write)
-    changes.extend(RemoveDropin(unit) for unit in seen.remove)
+    changes.extend(SetDropin(unit, want.path) for unit in seen.write)
+    changes.extend(SetDropin(unit, None) for unit in seen.remove)
     if seen.write or seen.remove:
         changes.append(ReloadSystemd())
     return changes
@@ -261,18 +259,18 @@ def _desired_text(want: TritonCacheWant) -> str:
     return text
 
 
-def _refuse_chown(path: str, owner: str, group: str, found: str) -> None:
+def _refuse_chown(path: str, owner: Ownership, found: str) -> None:
     if os.geteuid() != 0:
-        raise ChangeFailed(f"cannot give {path} to {owner}:{group}: gpu-agent is not running as root (now: {found})")
+        raise ChangeFailed(f"cannot give {path} to {owner}: gpu-agent is not running as root (now: {found})")
 
 
 # Owner and mode change on the directory's own descriptor, reached without following any link
 # (agent.host.safe_fs): a service user who owns a parent cannot redirect them elsewhere.
-def _set_owner(ctx: HostContext, path: str, uid: int, gid: int) -> None:
+def _set_owner(ctx: HostContext, path: str, owner: Ownership) -> None:
     with safe_fs.open_directory(ctx.paths.root, path) as fd:
         st = os.fstat(fd)
-        if (st.st_uid, st.st_gid) != (uid, gid):
-            os.fchown(fd, uid, gid)
+        if (st.st_uid, st.st_gid) != (owner.uid, owner.gid):
+            os.fchown(fd, owner.uid, owner.gid)
 
 
 def _set_mode(ctx: HostContext, path: str, mode_bits: int) -> None:
@@ -305,47 +303,41 @@ def _make(ctx: HostContext, change: TritonChange) -> str | None:
     """Make one change; a note for the operator, if it has one."""
     if isinstance(change, CreateDirectory):
         if change.chown:
-            _refuse_chown(change.path, change.owner, change.group, f"{change.path} missing")
+            _refuse_chown(change.path, change.owner, f"{change.path} missing")
         # Created 0700, then chowned and chmodded on its own descriptor.
-        ctx.paths.ensure_directory(change.path, change.uid, change.gid, change.mode_bits)
+        ctx.paths.ensure_directory(change.path, change.owner.uid, change.owner.gid, change.mode_bits)
     elif isinstance(change, ChownDirectory):
-        _refuse_chown(change.path, change.owner, change.group, change.found)
-        _set_owner(ctx, change.path, change.uid, change.gid)
+        _refuse_chown(change.path, change.owner, change.found)
+        _set_owner(ctx, change.path, change.owner)
     elif isinstance(change, ChmodDirectory):
         _set_mode(ctx, change.path, change.mode_bits)
-    elif isinstance(change, WriteDropin):
-        ctx.paths.write_file_atomic(dropin_path(change.unit), dropin_content(change.cache_path))
-    elif isinstance(change, RemoveDropin):
-        _remove_dropin(ctx, change.unit)
+    elif isinstance(change, SetDropin):
+        if change.cache_path is None:
+            _remove_dropin(ctx, change.unit)
+        else:
+            ctx.paths.write_file_atomic(dropin_path(change.unit), dropin_content(change.cache_path))
     else:
         return _reload(ctx)
     return None
 
 
-class TritonCacheItem(NodeItem[TritonCacheWant, TritonChange]):
+class TritonCacheItem(HostItem[TritonCacheWant, TritonChange]):
     name: Final = "triton_cache"
-    scope: Final = "node"
 
     def desired(self, node: NodePolicy, config: AgentConfig) -> TritonCacheWant | None:
         cache = node.triton_cache
         if cache is None:
             return None
-        units: list[str] = []
-        commands: list[str] = []
+        # Ordered sets: each unit and command once, however many entries of `services` lead to it.
+        units: dict[str, None] = {}
+        commands: dict[str, None] = {}
         for name in cache.services:
             service = next((s for s in config.services if name in (s.name, s.unit_name)), None)
             if service is not None and service.manager == "command":
-                commands.append(service.name)  # no unit exists for a drop-in to reach
+                commands[service.name] = None  # no unit exists for a drop-in to reach
             else:
-                units.append(config.service_unit(name))
-        return TritonCacheWant(
-            cache.path,
-            cache.owner,
-            cache.group,
-            cache.mode_bits,
-            tuple(dict.fromkeys(units)),
-            tuple(dict.fromkeys(commands)),
-        )
+                units[config.service_unit(name)] = None
+        return TritonCacheWant(cache.path, cache.owner, cache.group, cache.mode_bits, tuple(units), tuple(commands))
 
     def plan(self, host: HostContext, want: TritonCacheWant) -> Planned[TritonChange]:
         try:
@@ -360,8 +352,7 @@ class TritonCacheItem(NodeItem[TritonCacheWant, TritonChange]):
         detail = ""
         if seen.write or seen.remove:
             detail = f"restart {', '.join(seen.write + seen.remove)} after apply to pick up the environment"
-        status = PlanStatus.DRIFT if changes else PlanStatus.IN_SYNC
-        return planned(ItemPlan(self.name, None, status, _desired_text(want), seen.actual, detail=detail), changes)
+        return compared(self.name, None, _desired_text(want), seen.actual, changes, detail)
 
     def apply(self, host: HostContext, changes: Sequence[TritonChange]) -> str:
         notes: list[str] = []
@@ -372,7 +363,7 @@ class TritonCacheItem(NodeItem[TritonCacheWant, TritonChange]):
                 raise ChangeFailed(f"cannot apply: {exc}") from exc
             if note is not None:
                 notes.append(note)
-        restart = [c.unit for c in changes if isinstance(c, (WriteDropin, RemoveDropin))]
+        restart = [c.unit for c in changes if isinstance(c, SetDropin)]
         if restart:
             notes.append(f"restart {', '.join(restart)} to pick up the new environment")
         done = ", ".join(c.text for c in changes if not isinstance(c, ReloadSystemd))

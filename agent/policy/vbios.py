@@ -7,23 +7,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
-from agent.config import GpuProfile
 from agent.host.driver import vbios_tuple
 from agent.policy.base import GpuContext, ItemPlan, PlanStatus
-from agent.policy.item import GpuItem, Planned, planned
+from agent.policy.gpu_item import ProfileGpuItem
+from agent.policy.item import Planned, planned
 from agent.policy.report_only import OperatorTask, refuse
 
 
-class VbiosItem(GpuItem[str, OperatorTask]):
-    name: Final = "vbios"
-    scope: Final = "gpu"
+class VbiosItem(ProfileGpuItem[str, OperatorTask]):
+    def want_text(self, want: str) -> str:
+        return f">= {want}"
 
-    def desired(self, profile: GpuProfile) -> str | None:
-        return profile.vbios_min
-
-    def plan(self, ctx: GpuContext, want: str) -> Planned[OperatorTask]:
+    def read(self, ctx: GpuContext, want: str) -> Planned[OperatorTask]:
+        """From the identity the engine read: no getter of its own."""
         actual = ctx.identity.vbios_version
-        desired = f">= {want}"
+        desired = self.want_text(want)
         try:
             older = vbios_tuple(actual) < vbios_tuple(want)
         except ValueError as exc:
@@ -37,4 +35,4 @@ class VbiosItem(GpuItem[str, OperatorTask]):
         return refuse(changes)
 
 
-ITEM: Final = VbiosItem()
+ITEM: Final = VbiosItem("vbios", lambda profile: profile.vbios_min, missing="reports no VBIOS version")

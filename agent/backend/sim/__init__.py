@@ -15,7 +15,12 @@ Where things are
 - `telemetry`  the profiling-grade readings of issue 14 as data (`GpuTelemetry`)
 - `faults`     fault injection and the simulated world (argument checks, state changes)
 - `state`      what a GPU remembers (`GpuState`) and the shared state file (`StateFile`)
-- `backend`    `SimulatedBackend`, the protocol and the injection API on top of the rest
+- `calls`      the checks every call passes, in NVML's order (init, index, lost, reset,
+               injected failures and hangs; for setters the write guard and root first)
+- `reads`      the per-GPU readings (identity, hot and slower readings, processes)
+- `profiling`  GPM activity, field values, memory v2, NVLink and fabric state over `telemetry`
+- `setters`    the write side: setters and the GPU reset
+- `backend`    `SimulatedBackend`: construction, library calls and events, composed of the parts above
 
 Profiles
 --------

@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Iterator
+from typing import TypeVar
 
 from agent.backend.base import FabricState, GpuEvent, GpuEventKind, RecoveryAction
 from agent.backend.errors import GpuErrorKind
@@ -29,6 +30,7 @@ EVENT_TYPE_BITS = {
     GpuEventKind.SINGLE_BIT_ECC: EVENT_SINGLE_BIT_ECC,
     GpuEventKind.DOUBLE_BIT_ECC: EVENT_DOUBLE_BIT_ECC,
 }
+V = TypeVar("V")
 #: Library-level calls: a fault on them is injected for every GPU (gpu None).
 LIBRARY_METHODS = frozenset({"init", "shutdown", "driver_version", "device_count", "wait_events"})
 
@@ -40,6 +42,13 @@ def _count_ecc(state: GpuState, corrected: int, uncorrected: int) -> None:
     state.ecc_aggregate_corrected += corrected
     state.ecc_volatile_uncorrected += uncorrected
     state.ecc_aggregate_uncorrected += uncorrected
+
+
+def _set_or_clear(calls: dict[str, V], method: str, value: V | None) -> None:
+    if value is None:
+        calls.pop(method, None)
+    else:
+        calls[method] = value
 
 
 def _check_method(gpu: int | None, method: str) -> None:
@@ -215,11 +224,8 @@ class FaultInjection(abc.ABC):
         """Make a protocol method raise GpuError(kind) on one GPU or (gpu None) on all; None clears."""
         _check_method(gpu, method)
         with self._mutation() as machine:
-            calls = machine.fail_calls if gpu is None else self._gpu_state(machine, gpu).fail_calls
-            if kind is None:
-                calls.pop(method, None)
-            else:
-                calls[method] = GpuErrorKind(kind)
+            owner = machine if gpu is None else self._gpu_state(machine, gpu)
+            _set_or_clear(owner.fail_calls, method, None if kind is None else GpuErrorKind(kind))
 
     def hang_call(self, gpu: int | None, method: str, seconds: float | None) -> None:
         """Make a protocol method sleep `seconds` before answering, on one GPU or all; None clears."""
@@ -227,11 +233,8 @@ class FaultInjection(abc.ABC):
         if seconds is not None and seconds < 0:
             raise ValueError("a hang lasts zero seconds or more")
         with self._mutation() as machine:
-            calls = machine.hang_calls if gpu is None else self._gpu_state(machine, gpu).hang_calls
-            if seconds is None:
-                calls.pop(method, None)
-            else:
-                calls[method] = float(seconds)
+            owner = machine if gpu is None else self._gpu_state(machine, gpu)
+            _set_or_clear(owner.hang_calls, method, None if seconds is None else float(seconds))
 
     # -- time and reboots ---------------------------------------------------------------------
 

@@ -25,8 +25,8 @@ import threading
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from agent.rules.actions.base import ActionError
 
@@ -85,15 +85,24 @@ class _TrackedHTTPSConnection(http.client.HTTPSConnection):
         self.exchange.track(self.sock)
 
 
+_Tracked = TypeVar("_Tracked", _TrackedHTTPConnection, _TrackedHTTPSConnection)
+
+
+def _tracked(connection_type: type[_Tracked], exchange: _Exchange) -> Callable[..., _Tracked]:
+    """The connection factory `do_open` calls: connections whose sockets `exchange` can cut."""
+
+    def connection(host: str, **kwargs: Any) -> _Tracked:
+        made = connection_type(host, **kwargs)
+        made.exchange = exchange
+        return made
+
+    return connection
+
+
 class _HTTPHandler(urllib.request.HTTPHandler):
     def __init__(self, exchange: _Exchange) -> None:
         super().__init__()
-        self.exchange = exchange
-
-    def _connection(self, host: str, **kwargs: Any) -> http.client.HTTPConnection:
-        connection = _TrackedHTTPConnection(host, **kwargs)
-        connection.exchange = self.exchange
-        return connection
+        self._connection = _tracked(_TrackedHTTPConnection, exchange)
 
     def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
         return self.do_open(self._connection, req)
@@ -103,12 +112,7 @@ class _HTTPSHandler(urllib.request.HTTPSHandler):
     def __init__(self, exchange: _Exchange) -> None:
         self.tls = ssl.create_default_context()
         super().__init__(context=self.tls)
-        self.exchange = exchange
-
-    def _connection(self, host: str, **kwargs: Any) -> http.client.HTTPSConnection:
-        connection = _TrackedHTTPSConnection(host, **kwargs)
-        connection.exchange = self.exchange
-        return connection
+        self._connection = _tracked(_TrackedHTTPSConnection, exchange)
 
     def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
         return self.do_open(self._connection, req, context=self.tls)

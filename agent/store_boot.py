@@ -1,0 +1,183 @@
+"""Node memory, all of it per boot (`/proc/sys/kernel/random/boot_id`): the GPU inventory, the Xid
+counters and health window, the throttle watcher's clock-event totals and the service prober's
+failure streaks (see agent.store for the schema and agent/memory.py for who reads them). A restart
+of the agent is not a reboot and must not forget; a reboot starts afresh (`start_boot`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import structlog
+
+from agent.state import XidCount
+from agent.store_db import Database
+
+log = structlog.get_logger("gpu-agent")
+
+
+@dataclass(frozen=True)
+class InventoryGpu:
+    """A GPU seen on this boot."""
+
+    uuid: str
+    pci_bus_id: str
+    model: str
+    index: int  # its NVML index when last seen
+    first_seen_seconds: float
+    last_seen_seconds: float  # when it last answered
+    present: bool = True  # answering at the daemon's last look
+    acked: bool = False  # acknowledged gone: not expected any more
+
+
+@dataclass(frozen=True)
+class XidMark:
+    """What one (GPU, Xid) contributes to that GPU's health while inside the health window."""
+
+    gpu: int
+    xid: int
+    action: str  # SuggestedAction value
+    reason: str
+    seen_seconds: float
+
+
+@dataclass(frozen=True)
+class ClockEventTotal:
+    """How long one clock-event reason held one board on this boot, and since when while it holds."""
+
+    gpu: int
+    uuid: str
+    reason: str
+    seconds: float
+    active_since_seconds: float | None = None  # a slowdown active at the last save: when it started
+
+
+@dataclass(frozen=True)
+class ProbeStreak:
+    """A service's declared state and its current run of failed probes."""
+
+    service: str
+    up: bool | None  # None before the first verdict
+    consecutive_failures: int
+
+
+_UNKNOWN_GPU = -1  # xid_counts.gpu for an Xid no GPU could be named for
+
+
+class BootTables(Database):
+    """The store's node memory tables."""
+
+    def start_boot(self, boot_id: str) -> None:
+        """This boot's memory is the only one: what earlier boots remembered is dropped (a reboot
+        resets GPUs, their Xid counters and health)."""
+        with self._transaction() as db:
+            gone = sum(
+                db.execute(f"DELETE FROM {table} WHERE boot_id != ?", (boot_id,)).rowcount  # noqa: S608  # nosec B608
+                for table in ("gpu_inventory", "xid_counts", "xid_marks", "clock_event_totals", "probe_streaks")
+            )
+        if gone:
+            log.info("new boot: node memory of earlier boots dropped", boot_id=boot_id, rows=gone)
+
+    def inventory(self, boot_id: str) -> list[InventoryGpu]:
+        """Every GPU seen on this boot, acknowledged ones included, by index then UUID."""
+        rows = self._query(
+            "SELECT uuid, pci_bus_id, model, gpu, first_seen, last_seen, present, acked FROM gpu_inventory"
+            " WHERE boot_id = ? ORDER BY gpu, uuid",
+            (boot_id,),
+        )
+        return [
+            InventoryGpu(uuid, bus, model, index, first, last, present=bool(present), acked=bool(acked))
+            for uuid, bus, model, index, first, last, present, acked in rows
+        ]
+
+    def remember_gpus(self, boot_id: str, gpus: list[InventoryGpu]) -> None:
+        """Add GPUs, or update them as written (first_seen stays the first one stored)."""
+        with self._transaction() as db:
+            for gpu in gpus:
+                db.execute(
+                    "INSERT INTO gpu_inventory (boot_id, uuid, pci_bus_id, model, gpu, first_seen, last_seen, present,"
+                    " acked) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (boot_id, uuid) DO UPDATE SET"
+                    " pci_bus_id = excluded.pci_bus_id, model = excluded.model, gpu = excluded.gpu,"
+                    " last_seen = excluded.last_seen, present = excluded.present, acked = excluded.acked",
+                    (
+                        boot_id,
+                        gpu.uuid,
+                        gpu.pci_bus_id,
+                        gpu.model,
+                        gpu.index,
+                        gpu.first_seen_seconds,
+                        gpu.last_seen_seconds,
+                        int(gpu.present),
+                        int(gpu.acked),
+                    ),
+                )
+
+    def xid_counts(self, boot_id: str) -> list[XidCount]:
+        rows = self._query(
+            "SELECT gpu, uuid, xid, count, last_seen FROM xid_counts WHERE boot_id = ? ORDER BY gpu, xid", (boot_id,)
+        )
+        return [
+            XidCount(None if gpu == _UNKNOWN_GPU else gpu, uuid, xid, count, seen)
+            for gpu, uuid, xid, count, seen in rows
+        ]
+
+    def save_xid_counts(self, boot_id: str, counts: list[XidCount]) -> None:
+        """Store these counters as they are now (a counter only grows: the rows are replaced)."""
+        with self._transaction() as db:
+            db.executemany(
+                "INSERT INTO xid_counts (boot_id, gpu, xid, uuid, count, last_seen) VALUES (?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT (boot_id, gpu, xid) DO UPDATE SET uuid = excluded.uuid, count = excluded.count,"
+                " last_seen = excluded.last_seen",
+                [
+                    (boot_id, _UNKNOWN_GPU if c.gpu is None else c.gpu, c.xid, c.uuid, c.count, c.last_seen_seconds)
+                    for c in counts
+                ],
+            )
+
+    def xid_marks(self, boot_id: str) -> list[XidMark]:
+        rows = self._query(
+            "SELECT gpu, xid, action, reason, seen FROM xid_marks WHERE boot_id = ? ORDER BY gpu, xid", (boot_id,)
+        )
+        return [XidMark(*row) for row in rows]
+
+    def replace_xid_marks(self, boot_id: str, marks: list[XidMark]) -> None:
+        """The health window as it is now: marks that aged out or were cleared (GPU reset) go."""
+        with self._transaction() as db:
+            db.execute("DELETE FROM xid_marks WHERE boot_id = ?", (boot_id,))
+            db.executemany(
+                "INSERT INTO xid_marks (boot_id, gpu, xid, action, reason, seen) VALUES (?, ?, ?, ?, ?, ?)",
+                [(boot_id, m.gpu, m.xid, m.action, m.reason, m.seen_seconds) for m in marks],
+            )
+
+    def clock_event_totals(self, boot_id: str) -> list[ClockEventTotal]:
+        rows = self._query(
+            "SELECT gpu, uuid, reason, seconds, active_since FROM clock_event_totals WHERE boot_id = ?"
+            " ORDER BY gpu, reason",
+            (boot_id,),
+        )
+        return [ClockEventTotal(*row) for row in rows]
+
+    def replace_clock_event_totals(self, boot_id: str, totals: list[ClockEventTotal]) -> None:
+        """The throttle watcher's totals as they are now (a board replaced at an index starts afresh)."""
+        with self._transaction() as db:
+            db.execute("DELETE FROM clock_event_totals WHERE boot_id = ?", (boot_id,))
+            db.executemany(
+                "INSERT INTO clock_event_totals (boot_id, gpu, uuid, reason, seconds, active_since)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                [(boot_id, t.gpu, t.uuid, t.reason, t.seconds, t.active_since_seconds) for t in totals],
+            )
+
+    def probe_streaks(self, boot_id: str) -> list[ProbeStreak]:
+        rows = self._query(
+            "SELECT service, up, consecutive_failures FROM probe_streaks WHERE boot_id = ? ORDER BY service",
+            (boot_id,),
+        )
+        return [ProbeStreak(service, None if up is None else bool(up), failures) for service, up, failures in rows]
+
+    def replace_probe_streaks(self, boot_id: str, streaks: list[ProbeStreak]) -> None:
+        """The prober's streaks as they are now (a service dropped from the configuration goes)."""
+        with self._transaction() as db:
+            db.execute("DELETE FROM probe_streaks WHERE boot_id = ?", (boot_id,))
+            db.executemany(
+                "INSERT INTO probe_streaks (boot_id, service, up, consecutive_failures) VALUES (?, ?, ?, ?)",
+                [(boot_id, s.service, None if s.up is None else int(s.up), s.consecutive_failures) for s in streaks],
+            )
