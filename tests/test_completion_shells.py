@@ -1,0 +1,209 @@
+"""The generated completion, installed where the packages put it, in the real shells: zsh finds
+`_gpu-agent` on its fpath through compinit and completes in an interactive `zsh -f` driven over
+a pseudo-terminal (zsh's zpty module); bash-completion's on-demand loader finds
+`completions/gpu-agent` and registers the function bash calls. What each offers is checked
+against the argparse parser itself."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from agent.cli import build_parser
+from agent.completion import bash_script, commands, zsh_script
+
+BASH_COMPLETION = Path("/usr/share/bash-completion/bash_completion")
+SHELL_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "TERM": "dumb"}
+HELP = {"-h", "--help"}
+
+# Runs in the interactive zsh: compinit over an fpath with the file under test in front, TAB
+# bound to plain completion, and compadd wrapped so that every candidate a completion function
+# adds is also printed (the zsh-capture-completion technique; the candidates are still added, so
+# the completion system goes on as it would: _files tries all files only when no directory
+# matched). comppostfuncs ends the shell once the completion has run: the driver reads to the end.
+ZSH_SETUP = r"""
+PS1='' RPS1=''
+fpath=({fpath} $fpath)
+autoload -Uz compinit && compinit -u -D
+bindkey '^I' complete-word
+compadd() {{
+  # -O, -A and -D only compute matches for the caller (_describe, _files): let them through
+  if [[ ${{@[1,(i)(-|--)]}} == *-(O|A|D)\ * ]]; then
+    builtin compadd "$@"
+    return
+  fi
+  local -a hits
+  builtin compadd -A hits "$@"
+  print -rl -- ${{hits/#/<candidate>}}
+  builtin compadd "$@"
+}}
+comppostfuncs=(exit)
+print '<setup-done>'
+"""
+ZSH_DRIVER = r"""
+zmodload zsh/zpty
+zpty shell zsh -f -i
+zpty -w shell "source ${(q)1}"
+zpty -r shell line '*<setup-done>*'
+zpty -w -n shell "$2"$'\t'
+while zpty -r shell line; do print -rn -- "$line"; done
+"""
+
+
+def parser_commands() -> dict[str, argparse.ArgumentParser]:
+    """Every command path ("gpu-agent", "gpu-agent xid", ...) and its parser."""
+    found = {}
+    pending = [("gpu-agent", build_parser())]
+    while pending:
+        path, parser = pending.pop()
+        found[path] = parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                pending += [(f"{path} {name}", sub) for name, sub in action.choices.items()]
+    return found
+
+
+PARSERS = parser_commands()
+
+
+def options(path: str) -> set[str]:
+    return {option for action in PARSERS[path]._actions for option in action.option_strings}
+
+
+def subcommands(path: str) -> set[str]:
+    return {
+        name
+        for action in PARSERS[path]._actions
+        if isinstance(action, argparse._SubParsersAction)
+        for name in action.choices
+    }
+
+
+def choices(path: str, option: str) -> set[str]:
+    action = next(a for a in PARSERS[path]._actions if option in a.option_strings)
+    assert action.choices is not None
+    return {str(c) for c in action.choices}
+
+
+# -- zsh ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def zsh_setup(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if shutil.which("zsh") is None:
+        pytest.skip("needs zsh (scripts/install-test-deps)")
+    directory = tmp_path_factory.mktemp("zsh")
+    (directory / "vendor-completions").mkdir()  # the .deb's directory name; the file name is the packages'
+    (directory / "vendor-completions" / "_gpu-agent").write_text(zsh_script(build_parser()))
+    (directory / "home").mkdir()
+    setup = directory / "setup.zsh"
+    setup.write_text(ZSH_SETUP.format(fpath=directory / "vendor-completions"))
+    (directory / "driver.zsh").write_text(ZSH_DRIVER)
+    return setup
+
+
+def zsh_complete(setup: Path, line: str) -> set[str]:
+    """What a real interactive zsh offers when TAB is pressed at the end of `line`."""
+    env = {**SHELL_ENV, "HOME": str(setup.parent / "home")}
+    driver = setup.parent / "driver.zsh"
+    proc = subprocess.run(
+        ["zsh", "-f", str(driver), str(setup), line], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    offered = set(re.findall(r"<candidate>([^\r\n]*)", proc.stdout))
+    assert offered, f"zsh offered nothing for {line!r}:\n{proc.stdout!r}"
+    return offered
+
+
+def test_zsh_completes_every_subcommand(zsh_setup: Path) -> None:
+    assert {"run", "status", "check-config", "xid", "inject", "demo"} <= subcommands("gpu-agent")
+    assert zsh_complete(zsh_setup, "gpu-agent ") == subcommands("gpu-agent") | options("gpu-agent")
+    assert zsh_complete(zsh_setup, "gpu-agent ch") == {"check-config"}
+    assert zsh_complete(zsh_setup, "gpu-agent inject ") == subcommands("gpu-agent inject") | HELP
+
+
+def test_zsh_completes_options_of_the_command_typed(zsh_setup: Path) -> None:
+    assert {"--config", "--json", "--direct"} <= options("gpu-agent status")
+    offered = zsh_complete(zsh_setup, "gpu-agent status --")
+    assert offered == {o for o in options("gpu-agent status") if o.startswith("--")}
+    # After an option's value the command's options come again.
+    assert zsh_complete(zsh_setup, "gpu-agent status --config /etc/x --j") == {"--json"}
+    assert zsh_complete(zsh_setup, "gpu-agent xid parse --") == {
+        o for o in options("gpu-agent xid parse") if o.startswith("--")
+    }
+
+
+def test_zsh_completes_option_values_and_paths(zsh_setup: Path, tmp_path: Path) -> None:
+    assert zsh_complete(zsh_setup, "gpu-agent run --log-format ") == choices("gpu-agent run", "--log-format")
+    assert zsh_complete(zsh_setup, "gpu-agent inject throttle --reason hw_") == {
+        c for c in choices("gpu-agent inject throttle", "--reason") if c.startswith("hw_")
+    }
+    (tmp_path / "rules.d").mkdir()
+    (tmp_path / "agent.yaml").write_text("mode: observe\n")
+    assert zsh_complete(zsh_setup, f"gpu-agent check-config --rules {tmp_path}/") == {"rules.d"}
+    assert zsh_complete(zsh_setup, f"gpu-agent status --config {tmp_path}/") == {"rules.d", "agent.yaml"}
+
+
+# -- bash ------------------------------------------------------------------------------------------
+
+# bash-completion's loader, as an interactive bash runs it on the first TAB after `gpu-agent`:
+# it looks the command up in BASH_COMPLETION_USER_DIR/completions (before the system directory,
+# /usr/share/bash-completion/completions, where the packages install the file), sources the file
+# and asks for a retry (124); the retry calls whatever `complete -p` now names.
+BASH_PROGRAM = r"""
+source {bash_completion}
+_completion_loader gpu-agent || [ $? = 124 ]
+spec=$(complete -p gpu-agent)
+echo "$spec" >&2
+function=${{spec#*-F }}; function=${{function%% *}}
+COMP_WORDS=({words}); COMP_CWORD={cword}; COMP_LINE={line}; COMP_POINT=${{#COMP_LINE}}
+"$function" gpu-agent "${{COMP_WORDS[COMP_CWORD]}}" "${{COMP_WORDS[COMP_CWORD-1]}}"
+printf '%s\n' "${{COMPREPLY[@]}}"
+"""
+
+
+@pytest.fixture(scope="module")
+def bash_user_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if not BASH_COMPLETION.is_file():
+        pytest.skip("needs bash-completion (scripts/install-test-deps)")
+    directory = tmp_path_factory.mktemp("bash-completion")
+    (directory / "completions").mkdir()
+    (directory / "completions" / "gpu-agent").write_text(bash_script(build_parser()))
+    return directory
+
+
+def bash_complete(user_dir: Path, line: str) -> tuple[str, set[str]]:
+    """The completion spec bash-completion loaded for gpu-agent, and what it offers for `line`."""
+    words = line.split(" ")
+    program = BASH_PROGRAM.format(
+        bash_completion=BASH_COMPLETION,
+        words=" ".join(f"'{w}'" for w in words),
+        cword=len(words) - 1,
+        line=f"'{line}'",
+    )
+    env = {**SHELL_ENV, "HOME": str(user_dir), "BASH_COMPLETION_USER_DIR": str(user_dir)}
+    proc = subprocess.run(
+        ["bash", "--norc", "--noprofile", "-c", program], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stderr.strip(), set(proc.stdout.split())
+
+
+def test_bash_completion_loads_the_installed_file_on_demand(bash_user_dir: Path) -> None:
+    spec, offered = bash_complete(bash_user_dir, "gpu-agent ")
+    assert spec == "complete -F _gpu_agent gpu-agent"
+    assert offered == subcommands("gpu-agent") | options("gpu-agent")
+    _, offered = bash_complete(bash_user_dir, "gpu-agent status --")
+    assert offered == {o for o in options("gpu-agent status") if o.startswith("--")}
+    _, offered = bash_complete(bash_user_dir, "gpu-agent run --log-format ")
+    assert offered == choices("gpu-agent run", "--log-format")
+
+
+def test_the_command_walk_matches_the_completion_model() -> None:
+    """The paths checked above are the ones agent/completion.py generates cases for."""
+    assert set(PARSERS) == {command.path for command in commands(build_parser())}
