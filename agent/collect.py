@@ -107,7 +107,7 @@ FAST_READERS: tuple[_Reader, ...] = (
     _Reader(
         "fast_fields",
         lambda b, gpu: b.fast_fields(gpu),
-        _named("energy_joules", "power_instant_watts", "memory_temperature_celsius"),
+        _named("power_instant_watts", "memory_temperature_celsius"),
         remember_unsupported=True,
     ),
 )
@@ -148,7 +148,7 @@ SLOW_READERS: tuple[_Reader, ...] = (
         "slow_fields",
         lambda b, gpu: b.slow_fields(gpu),
         (
-            *_named("pcie_correctable_errors", "pcie_fatal_errors", "nvlink_errors"),
+            *_named("energy_joules", "pcie_correctable_errors", "pcie_fatal_errors", "nvlink_errors"),
             ("violation_reason_ns", "violation_ns"),
         ),
         remember_unsupported=True,

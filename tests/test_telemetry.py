@@ -88,11 +88,17 @@ def test_fast_fields_memory_v2_and_the_slow_tier_on_a_single_h200(tmp_path: Path
     assert not sample.read_errors
 
 
+def test_the_energy_counter_is_read_in_the_slow_tier_only(tmp_path: Path) -> None:
+    backend = sim(tmp_path, "h200")
+    assert sample_gpu(backend, 0, slow=False).energy_joules is None
+    assert sample_gpu(backend, 0, slow=True).energy_joules is not None
+
+
 def test_energy_grows_with_simulated_time(tmp_path: Path) -> None:
     backend = sim(tmp_path, "h200")
-    before = sample_gpu(backend, 0, slow=False).energy_joules
+    before = sample_gpu(backend, 0).energy_joules
     backend.advance(10.0)
-    after = sample_gpu(backend, 0, slow=False).energy_joules
+    after = sample_gpu(backend, 0).energy_joules
     assert before is not None and after is not None
     assert after - before == pytest.approx(10.0 * backend.power_usage_watts(0), rel=0.01)
 
@@ -129,7 +135,8 @@ def test_a_failing_telemetry_call_is_a_read_error_not_a_crash(tmp_path: Path) ->
     backend.fail_call(0, "fast_fields", GpuErrorKind.UNKNOWN)
     sample = sample_gpu(backend, 0)
     assert sample.read_errors == {"fast_fields": "unknown"}
-    assert sample.energy_joules is None and sample.temperature_celsius is not None
+    assert sample.memory_temperature_celsius is None and sample.power_instant_watts is None
+    assert sample.temperature_celsius is not None and sample.energy_joules is not None
 
 
 def test_nvlink_and_fabric_on_an_hgx_node(tmp_path: Path) -> None:
@@ -184,7 +191,6 @@ def test_nvml_without_gpm_is_not_supported(replay: Replay, backend: NvmlBackend)
 def test_nvml_fast_fields_in_one_call_in_protocol_units(replay: Replay, backend: NvmlBackend) -> None:
     fields = backend.fast_fields(0)
     recorded = RECORDED["idle"]["field_values"]["value"]
-    assert fields.energy_joules == recorded["TOTAL_ENERGY"]["ull"] / 1000
     assert fields.power_instant_watts == recorded["POWER_INSTANT"]["ull"] / 1000
     assert fields.memory_temperature_celsius == recorded["MEMORY_TEMP"]["ull"] == 39
     assert replay.count("nvmlDeviceGetFieldValues") == 1
@@ -192,6 +198,7 @@ def test_nvml_fast_fields_in_one_call_in_protocol_units(replay: Replay, backend:
 
 def test_nvml_slow_fields_without_nvlink(replay: Replay, backend: NvmlBackend) -> None:
     fields = backend.slow_fields(0)
+    assert fields.energy_joules == RECORDED["idle"]["field_values"]["value"]["TOTAL_ENERGY"]["ull"] / 1000
     assert (fields.pcie_correctable_errors, fields.pcie_fatal_errors) == (0, 0)
     assert fields.violation_ns["sw_power_cap"] == 0
     assert fields.nvlink_errors is None  # nvmlDeviceGetNvLinkState(0) answered NOT_SUPPORTED
@@ -212,7 +219,7 @@ def test_nvml_reason_durations_past_32_bits(monkeypatch: pytest.MonkeyPatch) -> 
 def test_nvml_a_not_supported_field_is_left_out_of_later_batches(replay: Replay, backend: NvmlBackend) -> None:
     replay.answer("nvmlDeviceGetFieldValues", "ERR:NVML_ERROR_NOT_SUPPORTED", 82)
     assert backend.fast_fields(0).memory_temperature_celsius is None
-    assert backend.fast_fields(0).energy_joules is not None
+    assert backend.fast_fields(0).power_instant_watts is not None
     batches = [call.args[0] for call in replay.log if call.name == "nvmlDeviceGetFieldValues"]
     assert 82 in batches[0] and 82 not in batches[1]
 

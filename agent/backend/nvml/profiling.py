@@ -160,27 +160,33 @@ class ProfilingReads(NvmlCalls):
         return values
 
     def fast_fields(self, gpu: int) -> FastFields:
-        """nvidia-smi --query-gpu=power.draw.instant,temperature.memory (energy: -q, "Total Energy Consumption")"""
-        values = self._field_values(gpu, (_FIELD_TOTAL_ENERGY, _FIELD_POWER_INSTANT, _FIELD_MEMORY_TEMP))
-        energy = values.get(_FIELD_TOTAL_ENERGY)
+        """nvidia-smi --query-gpu=power.draw.instant,temperature.memory"""
+        values = self._field_values(gpu, (_FIELD_POWER_INSTANT, _FIELD_MEMORY_TEMP))
         power = values.get(_FIELD_POWER_INSTANT)
         temperature = values.get(_FIELD_MEMORY_TEMP)
         return FastFields(
-            energy_joules=None if energy is None else energy / 1000.0,
             power_instant_watts=None if power is None else power / 1000.0,
             memory_temperature_celsius=None if temperature is None else int(temperature),
         )
 
     def slow_fields(self, gpu: int) -> SlowFields:
-        """nvidia-smi -q -d PCIE,PERFORMANCE and nvidia-smi nvlink -e, in one field-value call."""
+        """nvidia-smi -q -d PCIE,PERFORMANCE,POWER ("Total Energy Consumption") and nvidia-smi nvlink -e,
+        in one field-value call."""
         links = min(self._nvlink_count(gpu), _NVLINK_COUNTED_LINKS)
         link_fields = {
             (counter, link): (first if link < 6 else second) + link % 6
             for counter, (first, second) in _NVLINK_FIELD_START.items()
             for link in range(links)
         }
-        asked = [_FIELD_PCIE_CORRECTABLE, _FIELD_PCIE_FATAL, *_VIOLATION_FIELDS.values(), *link_fields.values()]
+        asked = [
+            _FIELD_TOTAL_ENERGY,
+            _FIELD_PCIE_CORRECTABLE,
+            _FIELD_PCIE_FATAL,
+            *_VIOLATION_FIELDS.values(),
+            *link_fields.values(),
+        ]
         values = self._field_values(gpu, asked)
+        energy = values.get(_FIELD_TOTAL_ENERGY)
         correctable = values.get(_FIELD_PCIE_CORRECTABLE)
         fatal = values.get(_FIELD_PCIE_FATAL)
         nvlinks = None
@@ -197,6 +203,7 @@ class ProfilingReads(NvmlCalls):
                 for link in range(links)
             )
         return SlowFields(
+            energy_joules=None if energy is None else energy / 1000.0,
             pcie_correctable_errors=None if correctable is None else int(correctable),
             pcie_fatal_errors=None if fatal is None else int(fatal),
             violation_ns={

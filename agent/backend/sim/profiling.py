@@ -57,7 +57,6 @@ class ProfilingReads(SimCalls):
     def fast_fields(self, gpu: int) -> FastFields:
         fields = self._telemetry(gpu, "fast_fields").fields
         return FastFields(
-            energy_joules=fields.total_energy_mj / 1000,
             power_instant_watts=fields.power_instant_mw / 1000,
             memory_temperature_celsius=fields.memory_temperature_c,
         )
@@ -79,6 +78,7 @@ class ProfilingReads(SimCalls):
                 for link in fields.nvlinks
             )
         return SlowFields(
+            energy_joules=fields.total_energy_mj / 1000,
             pcie_correctable_errors=fields.pcie_correctable_errors,
             pcie_fatal_errors=fields.pcie_fatal_errors,
             violation_ns=dict(fields.reason_duration_ns),
