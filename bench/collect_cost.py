@@ -90,10 +90,11 @@ SMI_FIELD_ALIASES = {"clocks_event_reasons.active": "clocks_throttle_reasons.act
 QUOTED = re.compile(r'"([A-Za-z0-9_.]+)"')
 # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION, as agent.backend.nvml reads it.
 FIELD_RECOVERY_ACTION = 230
-# The field-value batches of agent.backend.nvml: fast (energy, instant power, HBM temperature) and slow
-# (PCIe correctable/fatal, clock-event reason durations; NVLink counters join it on GPUs with NVLink).
-FAST_FIELD_IDS = [83, 186, 82]
-SLOW_FIELD_IDS = [173, 180, 74, 76, 269, 270, 271]
+# The field-value batches of agent.backend.nvml (tests/test_bench_smoke.py holds them equal): fast
+# (instant power, HBM temperature) and slow (energy, PCIe correctable/fatal, clock-event reason
+# durations; NVLink counters join it on GPUs with NVLink).
+FAST_FIELD_IDS = [186, 82]
+SLOW_FIELD_IDS = [83, 173, 180, 74, 76, 269, 270, 271]
 # nvmlGpmMetricId_t of the agent's activity readings.
 GPM_METRIC_IDS = (2, 3, 5, 10, 20, 21, 61, 60)
 

@@ -19,8 +19,9 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from nvml_replay import install_replay
+from nvml_replay import Replay, install_replay
 
+from agent.backend.nvml import NvmlBackend
 from bench import collect_cost, daemon_footprint, detection_latency, run_all, scrape_latency, startup, status_wall
 from bench.common import SCHEMA, percentile, summarize
 
@@ -147,6 +148,13 @@ def test_collect_cost_nvml_replay_with_nvidia_smi(
     assert smi_result["per_run_ms"]["nvidia_smi_fast"]["n"] == 2
     assert smi_result["smi_over_poll_fast"] > 0
     assert "nvidia-smi query / agent poll (fast)" in [t["name"] for t in document["targets"]]
+
+
+def test_collect_cost_raw_field_batches_are_the_agents(replay: Replay, backend: NvmlBackend) -> None:
+    backend.fast_fields(0)
+    backend.slow_fields(0)
+    batches = [sorted(call.args[0]) for call in replay.log if call.name == "nvmlDeviceGetFieldValues"]
+    assert batches == [sorted(collect_cost.FAST_FIELD_IDS), sorted(collect_cost.SLOW_FIELD_IDS)]
 
 
 def test_daemon_footprint(tmp_path: Path) -> None:
