@@ -231,7 +231,7 @@ def print_rows(title: str, rows: Sequence[Sequence[object]]) -> None:
 
 #: What the packaged launcher (packaging/gpu-agent) exports before it starts the agent, so a
 #: benchmark measures the daemon as the packages run it; tests/test_launcher.py keeps them equal.
-PACKAGED_LAUNCHER_ENV: dict[str, str] = {"MALLOC_ARENA_MAX": "2"}
+PACKAGED_LAUNCHER_ENV: dict[str, str] = {"MALLOC_ARENA_MAX": "1"}
 
 
 def agent_env(extra: dict[str, str] | None = None) -> dict[str, str]:

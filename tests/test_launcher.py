@@ -39,7 +39,7 @@ def run_launcher(script: Path, **env: str) -> dict[str, str]:
 
 def test_launcher_bounds_malloc_arenas_and_runs_the_cli(launcher: Path) -> None:
     seen = run_launcher(launcher)
-    assert seen["MALLOC_ARENA_MAX"] == "2"
+    assert seen["MALLOC_ARENA_MAX"] == "1"
     assert seen["argv"] == "-I -X faulthandler -m agent.cli run --log-format journal"
 
 
