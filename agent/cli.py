@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agent import __version__, textview
+from agent import __version__
 from agent.backend.errors import NO_DRIVER_KINDS, GpuError
 from agent.config_errors import ConfigError, ConfigProblem
 from agent.defaults import DEFAULT_CONFIG_PATH, DEFAULT_SOCKET_PATH
@@ -130,7 +130,7 @@ def _check_hooks(rules: Sequence[Rule]) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from agent import render
+    from agent import render, textview
 
     engine = make_engine(load(args))
     try:
@@ -142,7 +142,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
-    from agent import render
+    from agent import render, textview
 
     config = load(args)
     engine = make_engine(config)
@@ -196,7 +196,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
     """What ExecStopPost runs after every stop: hands back what the agent may have changed. A config
     that no longer validates does not stop it: it then restores fans and locked clocks on every GPU
     through the backend the daemon last ran with (agent.known_good), or NVML."""
-    from agent import known_good, render
+    from agent import known_good, render, textview
     from agent.policy.registry import RESTORABLE_NAMES
 
     try:
@@ -226,7 +226,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from agent import api
+    from agent import api, textview
 
     document = None
     if not args.direct:
@@ -319,6 +319,7 @@ def direct_status(config: AgentConfig, note: str) -> dict[str, object]:
 
 
 def cmd_xid_explain(args: argparse.Namespace) -> int:
+    from agent import textview
     from agent.watch import xid_catalog
 
     if args.json:
@@ -331,6 +332,7 @@ def cmd_xid_explain(args: argparse.Namespace) -> int:
 def cmd_xid_parse(args: argparse.Namespace) -> int:
     import json
 
+    from agent import textview
     from agent.watch.kernel_log import KernelLogParser
     from agent.watch.xid import match_bus_id
 
@@ -401,7 +403,7 @@ def cmd_events(args: argparse.Namespace) -> int:
     import json
     import time
 
-    from agent import render
+    from agent import render, textview
 
     config = load(args)
     since = time.time() - args.since

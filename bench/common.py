@@ -232,6 +232,8 @@ def print_rows(title: str, rows: Sequence[Sequence[object]]) -> None:
 #: What the packaged launcher (packaging/gpu-agent) exports before it starts the agent, so a
 #: benchmark measures the daemon as the packages run it; tests/test_launcher.py keeps them equal.
 PACKAGED_LAUNCHER_ENV: dict[str, str] = {"MALLOC_ARENA_MAX": "1"}
+#: The interpreter options it runs the agent with that change its footprint.
+PACKAGED_PYTHON_OPTIONS: tuple[str, ...] = ("-OO",)
 
 
 def agent_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -248,7 +250,7 @@ def agent_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def agent_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "agent.cli", *args]
+    return [sys.executable, *PACKAGED_PYTHON_OPTIONS, "-m", "agent.cli", *args]
 
 
 def free_port() -> int:

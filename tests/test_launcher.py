@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.common import PACKAGED_LAUNCHER_ENV
+from bench.common import PACKAGED_LAUNCHER_ENV, PACKAGED_PYTHON_OPTIONS
 
 LAUNCHER = Path(__file__).resolve().parent.parent / "packaging" / "gpu-agent"
 VENV_PYTHON = "/opt/gpu-agent/venv/bin/python"
@@ -40,7 +40,7 @@ def run_launcher(script: Path, **env: str) -> dict[str, str]:
 def test_launcher_bounds_malloc_arenas_and_runs_the_cli(launcher: Path) -> None:
     seen = run_launcher(launcher)
     assert seen["MALLOC_ARENA_MAX"] == "1"
-    assert seen["argv"] == "-I -X faulthandler -m agent.cli run --log-format journal"
+    assert seen["argv"] == "-I -OO -X faulthandler -m agent.cli run --log-format journal"
 
 
 def test_an_administrators_malloc_arena_max_stands(launcher: Path) -> None:
@@ -50,3 +50,5 @@ def test_an_administrators_malloc_arena_max_stands(launcher: Path) -> None:
 def test_benchmarks_run_the_daemon_with_the_launchers_environment(launcher: Path) -> None:
     seen = run_launcher(launcher)
     assert {name: seen[name] for name in PACKAGED_LAUNCHER_ENV} == PACKAGED_LAUNCHER_ENV
+    python_options = seen["argv"].split(" -m agent.cli")[0].split()
+    assert set(PACKAGED_PYTHON_OPTIONS) <= set(python_options)
