@@ -229,17 +229,9 @@ def print_rows(title: str, rows: Sequence[Sequence[object]]) -> None:
 # -- a daemon on a throw-away node --------------------------------------------------------------
 
 
-#: What the packaged launcher (packaging/gpu-agent) exports before it starts the agent, so a
-#: benchmark measures the daemon as the packages run it; tests/test_launcher.py keeps them equal.
-PACKAGED_LAUNCHER_ENV: dict[str, str] = {"MALLOC_ARENA_MAX": "1"}
-#: The interpreter options it runs the agent with that change its footprint.
-PACKAGED_PYTHON_OPTIONS: tuple[str, ...] = ("-OO",)
-
-
 def agent_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment for agent processes, as the packaged launcher sets it: the repository
-    importable, no systemd variables of ours."""
-    env = PACKAGED_LAUNCHER_ENV | {
+    """The environment for agent processes: the repository importable, no systemd variables of ours."""
+    env = {
         k: v
         for k, v in os.environ.items()
         if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "JOURNAL_STREAM", "GPU_AGENT_CONFIG")
@@ -250,7 +242,7 @@ def agent_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def agent_command(*args: str) -> list[str]:
-    return [sys.executable, *PACKAGED_PYTHON_OPTIONS, "-m", "agent.cli", *args]
+    return [sys.executable, "-m", "agent.cli", *args]
 
 
 def free_port() -> int:

@@ -124,6 +124,11 @@ def test_install_enables_and_starts_the_shipped_config(sandbox: SystemdSandbox) 
     assert "libnvidia-ml.so.1 not found" in journal(sandbox)
     venv = sandbox.run(["readlink", "/opt/gpu-agent/venv"]).stdout.strip()
     assert re.fullmatch(r"/opt/gpu-agent/env-0\.1\.0-1~bookworm\.\w+", venv), venv
+    # Bytecode compiled at install: the service may not write /opt (ProtectSystem=strict), and a
+    # daemon that compiles its modules at start keeps ~16 MB more RSS (docs/performance.md).
+    sources = list(next(sandbox.path(venv).glob("lib/python3*/site-packages/agent")).rglob("*.py"))
+    uncompiled = [p for p in sources if not list((p.parent / "__pycache__").glob(f"{p.stem}.cpython-*.pyc"))]
+    assert sources and not uncompiled, uncompiled[:5]
     version = sandbox.run(["gpu-agent", "--version"]).stdout
     assert version.strip() == f"gpu-agent {VERSION}"
     # The shipped rules live under /usr/share; /etc/gpu-agent/rules.d is the admin's, empty.
