@@ -24,7 +24,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
@@ -209,6 +209,19 @@ class _Families:
     def counter(self, name: str, documentation: str, labels: dict[str, str], value: float | None) -> None:
         self.add(name, documentation, labels, value, counter=True)
 
+    def one_hot(
+        self,
+        name: str,
+        documentation: str,
+        labels: dict[str, str],
+        label: str,
+        values: Iterable[str],
+        current: str | None,
+    ) -> None:
+        """One gauge series per value of `label`, 1 for `current` and 0 for the others."""
+        for value in values:
+            self.gauge(name, documentation, {**labels, label: value}, float(value == current))
+
     def add(self, name: str, documentation: str, labels: dict[str, str], value: float | None, counter: bool) -> None:
         family = self._families.get(name)
         if family is None:
@@ -222,15 +235,16 @@ class _Families:
         return (family for family in self._families.values() if family.samples)
 
 
-def _recovery_actions(value: int) -> list[tuple[str, float]]:
-    """One-hot over the known actions; a value newer than this code gets its own `unknown_N` series."""
+def _recovery_actions(value: int) -> tuple[list[str], str]:
+    """The known actions and the current one; a value newer than this code gets its own
+    `unknown_N` series."""
     names = [action.name.lower() for action in RecoveryAction]
     try:
         current = RecoveryAction(value).name.lower()
     except ValueError:
         current = f"unknown_{value}"
         names.append(current)
-    return [(name, float(name == current)) for name in names]
+    return names, current
 
 
 def _gpu_label(index: int | None) -> str:
@@ -371,14 +385,15 @@ def _telemetry(out: _Families, sample: GpuSample) -> None:
     for link, up in enumerate(sample.nvlink_up or ()):
         out.gauge("gpu_agent_gpu_nvlink_up", "1 while an NVLink link is active.", {**ids, "link": str(link)}, float(up))
     if sample.fabric_state is not None:
-        for value, state in _FABRIC_STATES.items():
-            out.gauge(
-                "gpu_agent_gpu_fabric_state",
-                "NVSwitch fabric registration state, one series per state, 1 for the current one; CUDA runs "
-                "only once it is completed.",
-                {**ids, "state": state},
-                float(sample.fabric_state == value),
-            )
+        out.one_hot(
+            "gpu_agent_gpu_fabric_state",
+            "NVSwitch fabric registration state, one series per state, 1 for the current one; CUDA runs "
+            "only once it is completed.",
+            ids,
+            "state",
+            _FABRIC_STATES.values(),
+            _FABRIC_STATES.get(sample.fabric_state),
+        )
         out.gauge(
             "gpu_agent_gpu_fabric_status",
             "NVML return code of the fabric registration (0: success).",
@@ -519,13 +534,14 @@ def _gpus(out: _Families, snap: NodeSnapshot) -> None:
         )
         health = snap.health.get(sample.index)
         if health is not None:
-            for state in HealthState:
-                out.gauge(
-                    "gpu_agent_gpu_health",
-                    "GPU health as the agent judges it, one series per state, 1 for the current one.",
-                    {**ids, "state": state.value},
-                    float(health.state is state),
-                )
+            out.one_hot(
+                "gpu_agent_gpu_health",
+                "GPU health as the agent judges it, one series per state, 1 for the current one.",
+                ids,
+                "state",
+                (state.value for state in HealthState),
+                health.state.value,
+            )
             out.gauge(
                 "gpu_agent_gpu_health_info",
                 "The agent's health verdict of the GPU with its reason; always 1.",
@@ -574,14 +590,16 @@ def _gpus(out: _Families, snap: NodeSnapshot) -> None:
                     float(bool(sample.clock_event_reasons & bit)),
                 )
         if sample.recovery_action is not None:
-            for action, active in _recovery_actions(sample.recovery_action):
-                out.gauge(
-                    "gpu_agent_gpu_recovery_action",
-                    "What the driver says the GPU needs (NVML GPU recovery action), one series per action, "
-                    "1 for the current one.",
-                    {**ids, "action": action},
-                    active,
-                )
+            actions, current = _recovery_actions(sample.recovery_action)
+            out.one_hot(
+                "gpu_agent_gpu_recovery_action",
+                "What the driver says the GPU needs (NVML GPU recovery action), one series per action, "
+                "1 for the current one.",
+                ids,
+                "action",
+                actions,
+                current,
+            )
         for field_name, kind in sorted(sample.read_errors.items()):
             out.gauge(
                 "gpu_agent_gpu_read_error",
@@ -650,13 +668,14 @@ def _policy(out: _Families, snap: NodeSnapshot) -> None:
                 labels,
                 float(is_drift(plan, answering)),
             )
-        for status in PlanStatus:
-            out.gauge(
-                "gpu_agent_policy_status",
-                "Policy item plan status, one series per status, 1 for the current one.",
-                {**labels, "status": status.value},
-                float(plan.status is status),
-            )
+        out.one_hot(
+            "gpu_agent_policy_status",
+            "Policy item plan status, one series per status, 1 for the current one.",
+            labels,
+            "status",
+            (status.value for status in PlanStatus),
+            plan.status.value,
+        )
     for item, mode in sorted(snap.item_modes.items()):
         out.gauge(
             "gpu_agent_policy_enforced",
