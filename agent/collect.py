@@ -97,9 +97,16 @@ FAST_READERS: tuple[_Reader, ...] = (
     _Reader(
         "gpm_activity",
         lambda b, gpu: b.gpm_activity(gpu),
-        _named("sm_active_ratio", "sm_occupancy_ratio", "tensor_active_ratio", "dram_active_ratio")
-        + _named("pcie_tx_bytes_per_second", "pcie_rx_bytes_per_second")
-        + _named("nvlink_tx_bytes_per_second", "nvlink_rx_bytes_per_second"),
+        _named(
+            "sm_active_ratio",
+            "sm_occupancy_ratio",
+            "tensor_active_ratio",
+            "dram_active_ratio",
+            "pcie_tx_bytes_per_second",
+            "pcie_rx_bytes_per_second",
+            "nvlink_tx_bytes_per_second",
+            "nvlink_rx_bytes_per_second",
+        ),
         remember_unsupported=True,
         when_unsupported=(("activity_supported", False),),
         when_answered=(("activity_supported", True),),

@@ -42,12 +42,26 @@ def format_watts(watts: float) -> str:
 
 def not_applicable_plan(item: str, ctx: GpuContext, desired: str, reason: str) -> ItemPlan:
     """`reason` completes "NVIDIA H200 (GPU 0) ...", e.g. "has no fans: no fan curve to enforce"."""
-    detail = f"{ctx.identity.name} (GPU {ctx.gpu}) {reason}"
-    return ItemPlan(item, ctx.gpu, PlanStatus.NOT_APPLICABLE, desired, "not supported", detail)
+    return ItemPlan(
+        item=item,
+        gpu=ctx.gpu,
+        status=PlanStatus.NOT_APPLICABLE,
+        desired=desired,
+        actual="not supported",
+        detail=f"{ctx.identity.name} (GPU {ctx.gpu}) {reason}",
+    )
 
 
 def error_plan(item: str, ctx: GpuContext, desired: str, exc: GpuError) -> ItemPlan:
-    return ItemPlan(item, ctx.gpu, PlanStatus.ERROR, desired, "unknown", describe_error(exc), (), exc.kind.value)
+    return ItemPlan(
+        item=item,
+        gpu=ctx.gpu,
+        status=PlanStatus.ERROR,
+        desired=desired,
+        actual="unknown",
+        detail=describe_error(exc),
+        error_kind=exc.kind.value,
+    )
 
 
 def guarded_read(item: str, ctx: GpuContext, desired: str, missing: str, read: Callable[[], Planned[C]]) -> Planned[C]:
