@@ -502,11 +502,26 @@ def running(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[0] != "Z"
 
 
+def read_pid(pid_file: Path) -> int | None:
+    """The pid in the file; None while there is none (no server, or one between stop and start)."""
+    try:
+        return int(pid_file.read_text(encoding="utf-8").strip())
+    except (OSError, ValueError):
+        return None
+
+
+def write_pid(pid_file: Path) -> None:
+    """Publish this process's pid by rename, so a reader sees the old file, none, or the whole new
+    one, never a half-written one."""
+    partial = pid_file.with_name(f".{pid_file.name}.{os.getpid()}")
+    partial.write_text(f"{os.getpid()}\n", encoding="utf-8")
+    partial.replace(pid_file)
+
+
 def stop_server(pid_file: Path, timeout_seconds: float = 10.0) -> int:
     """SIGTERM the server named by the pid file and wait for it to go; 0 also when none runs."""
-    try:
-        pid = int(pid_file.read_text(encoding="utf-8").strip())
-    except (OSError, ValueError):
+    pid = read_pid(pid_file)
+    if pid is None:
         return 0
     try:
         os.kill(pid, signal.SIGTERM)
@@ -538,9 +553,8 @@ def daemonize(pid_file: Path, timeout_seconds: float = 20.0) -> None:
         if os.waitpid(child, os.WNOHANG)[0] == child:
             print("standin: server exited during start", file=sys.stderr)
             sys.exit(1)
-        with contextlib.suppress(OSError):
-            if pid_file.read_text(encoding="utf-8").strip() == str(child):
-                sys.exit(0)
+        if read_pid(pid_file) == child:
+            sys.exit(0)
         time.sleep(0.02)
     print(f"standin: server not listening after {timeout_seconds:g} s", file=sys.stderr)
     sys.exit(1)
@@ -615,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
     pace = sim.slowdown if sim is not None else (lambda: 1.0)
     threading.Thread(target=run_traffic, args=(traffic, pace, stop, TRAFFIC_TICK_SECONDS), daemon=True).start()
     if args.pid_file is not None:
-        args.pid_file.write_text(f"{os.getpid()}\n", encoding="utf-8")
+        write_pid(args.pid_file)
     threading.Thread(target=watch_for_exit, daemon=True).start()
     try:
         server.serve_forever(poll_interval=0.05)
@@ -623,10 +637,9 @@ def main(argv: list[str] | None = None) -> int:
         server.server_close()
         if sim is not None:
             sim.detach()
-        if args.pid_file is not None:
+        if args.pid_file is not None and read_pid(args.pid_file) == os.getpid():
             with contextlib.suppress(OSError):
-                if args.pid_file.read_text(encoding="utf-8").strip() == str(os.getpid()):
-                    args.pid_file.unlink()
+                args.pid_file.unlink()
     return exit_status[0]
 
 

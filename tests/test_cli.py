@@ -282,7 +282,8 @@ def test_demo_plays_the_scenario_on_a_live_daemon(tmp_path: Path) -> None:
     assert "likely cause: GPU 2 thermal slowdown" in out
     assert "rule xid-restart-service restarted sglang" in out
     pid_file = tmp_path / "demo/sglang.pid"  # the stand-in service is stopped with the demo
-    assert not pid_file.exists() or not standin.running(int(pid_file.read_text()))
+    pid = standin.read_pid(pid_file)
+    assert pid is None or not standin.running(pid)
 
 
 def test_check_config_validates_rules_with_file_and_line(tmp_path: Path) -> None:

@@ -83,10 +83,13 @@ class Service:
         return self.log.read_text().split() if self.log.exists() else []
 
     def pid(self) -> int:
-        return int(self.pid_file.read_text())
+        pid = standin.read_pid(self.pid_file)
+        assert pid is not None, "the stand-in has no pid file"
+        return pid
 
     def running(self) -> bool:
-        return self.pid_file.exists() and standin.running(self.pid())
+        pid = standin.read_pid(self.pid_file)
+        return pid is not None and standin.running(pid)
 
     def stop(self) -> None:
         subprocess.run([sys.executable, standin.__file__, "--stop", "--pid-file", str(self.pid_file)], timeout=30)

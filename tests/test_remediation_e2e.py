@@ -118,16 +118,8 @@ def test_unhealthy_service_is_restarted_through_the_command_adapter(tmp_path: Pa
             agent.notifications.wait_for("READY", "1")
             wait_until(lambda: agent.status()["services"][0]["up"] is True, WAIT_SECONDS, "service up")
             os.kill(first_pid, signal.SIGUSR1)  # the server starts answering 503
-            # the stand-in writes its pid file in place: an empty file is a start still under way
-            wait_until(
-                lambda: (
-                    pid_file.exists()
-                    and pid_file.read_text().strip().isdigit()
-                    and int(pid_file.read_text()) != first_pid
-                ),
-                WAIT_SECONDS,
-                "restart",
-            )
+            # between stop and start there is no pid file; read it once per look
+            wait_until(lambda: standin.read_pid(pid_file) not in (None, first_pid), WAIT_SECONDS, "restart")
             wait_until(lambda: "action finished" in agent.log(), WAIT_SECONDS, "action finished")
             finished = [json.loads(line) for line in agent.log().splitlines() if '"action finished"' in line]
             assert finished[0]["outcome"] == "success" and finished[0]["service"] == "sglang"
