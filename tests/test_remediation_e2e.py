@@ -159,17 +159,17 @@ def test_xid_79_recommends_a_reboot_and_never_resets(tmp_path: Path) -> None:
 
 
 def test_an_xid_is_acted_on_before_the_next_loop(tmp_path: Path) -> None:
-    """Events wake the loop: with a 5 s interval the rule still acts within about a second."""
+    """Events wake the loop: with a 30 s interval the rule acts within seconds, not at the next loop
+    (the bound leaves room for the inject command's own start on a loaded two-core machine)."""
     hook, record = hook_script(tmp_path)
     rules = write_rules(
         tmp_path / "rules.d",
         f"rules:\n  - name: fast\n    match: {{xid: {{codes: [31]}}}}\n    actions:\n      - run_hook: {{argv: [{hook}]}}\n",
     )
-    with running_agent(tmp_path, rules_dir=rules, policy=POLICY, interval=5.0) as agent:
+    with running_agent(tmp_path, rules_dir=rules, policy=POLICY, interval=30.0) as agent:
         agent.notifications.wait_for("READY", "1")
-        time.sleep(0.5)  # well inside the 5 s interval
         injected_at = time.monotonic()
         assert gpu_agent(agent.config_path, "inject", "xid", "31", "--gpu", "0", "--source", "kmsg").returncode == 0
-        wait_until(record.exists, 4.5, "the hook run before the next loop")
-        assert time.monotonic() - injected_at < 4.5
+        wait_until(record.exists, 15, "the hook run before the next loop")
+        assert time.monotonic() - injected_at < 15
         assert record.read_text().startswith("31 GPU-")
