@@ -524,11 +524,11 @@ def test_version_mismatch_after_an_upgrade_keeps_the_agent_up_until_the_reload(n
 
 
 def test_a_hung_nvml_init_does_not_hold_the_loop(node: Node, calls: Calls) -> None:
-    node.operator.hang_call(None, "init", 1.0)
+    node.operator.hang_call(None, "init", 3.0)
     with node.running() as (daemon, clock):
         started = time.monotonic()
         snapshot = loop(daemon, clock, calls)
-        assert time.monotonic() - started < 0.5
+        assert time.monotonic() - started < 1.5
         backend = next(c for c in snapshot.collectors if c.name == "backend")
         assert "has not returned" in backend.last_error
         node.operator.hang_call(None, "init", None)

@@ -424,7 +424,7 @@ def test_scrape_does_not_wait_for_a_hung_gpu_call(tmp_path: Path) -> None:
     backend = SimulatedBackend("h200x8", tmp_path)
     backend.init()
     published = snapshot_from_backend(backend)  # what the previous loop published
-    backend.hang_call(0, "temperature_celsius", 1.0)
+    backend.hang_call(0, "temperature_celsius", 3.0)
     loop_lock = threading.Lock()
 
     def stuck_loop() -> None:
@@ -442,7 +442,7 @@ def test_scrape_does_not_wait_for_a_hung_gpu_call(tmp_path: Path) -> None:
         elapsed = time.monotonic() - started
         assert loop.is_alive(), "the hang did not last through the scrape: the test proves nothing"
         assert status == 200
-        assert elapsed < 0.5
+        assert elapsed < 1.5
         assert body.count("gpu_agent_gpu_up{") == 8
     finally:
         srv.close()

@@ -552,7 +552,7 @@ def test_fail_call_and_clear(tmp_path: Path) -> None:
 
 def test_hang_call_sleeps_without_blocking_other_calls(tmp_path: Path) -> None:
     b = make(tmp_path, "h200x2")
-    b.hang_call(0, "power_usage_watts", 0.4)
+    b.hang_call(0, "power_usage_watts", 1.5)
     result: list[float] = []
     started = time.monotonic()
     hung = threading.Thread(target=lambda: result.append(b.power_usage_watts(0)))
@@ -560,14 +560,14 @@ def test_hang_call_sleeps_without_blocking_other_calls(tmp_path: Path) -> None:
     time.sleep(0.05)
     assert b.power_usage_watts(1) == 123.455  # another GPU answers meanwhile
     assert b.temperature_celsius(0) == 36  # and so does another call on the hung GPU
-    assert time.monotonic() - started < 0.3
+    assert time.monotonic() - started < 1.0
     hung.join()
     assert result == [123.455]
-    assert time.monotonic() - started >= 0.4
+    assert time.monotonic() - started >= 1.5
     b.hang_call(0, "power_usage_watts", None)
     started = time.monotonic()
     b.power_usage_watts(0)
-    assert time.monotonic() - started < 0.1
+    assert time.monotonic() - started < 1.0
 
 
 def test_calls_need_init(tmp_path: Path) -> None:
@@ -589,7 +589,7 @@ def test_wait_events_delivers_injections(tmp_path: Path) -> None:
     b = make(tmp_path, "h200x2", clock=lambda: now[0])
     started = time.monotonic()
     assert b.wait_events(0.2) == []
-    assert 0.2 <= time.monotonic() - started < 0.5
+    assert 0.2 <= time.monotonic() - started < 1.5
     b.inject_xid(1, 79)
     now[0] = 1001.0
     b.inject_ecc_event(0, uncorrected=False)
