@@ -107,7 +107,7 @@ def zsh_setup(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return setup
 
 
-def zsh_complete(setup: Path, line: str) -> set[str]:
+def zsh_complete(setup: Path, line: str, *, may_be_empty: bool = False) -> set[str]:
     """What a real interactive zsh offers when TAB is pressed at the end of `line`."""
     env = {**SHELL_ENV, "HOME": str(setup.parent / "home")}
     driver = setup.parent / "driver.zsh"
@@ -116,7 +116,7 @@ def zsh_complete(setup: Path, line: str) -> set[str]:
     )
     assert proc.returncode == 0, proc.stderr
     offered = set(re.findall(r"<candidate>([^\r\n]*)", proc.stdout))
-    assert offered, f"zsh offered nothing for {line!r}:\n{proc.stdout!r}"
+    assert offered or may_be_empty, f"zsh offered nothing for {line!r}:\n{proc.stdout!r}"
     return offered
 
 
@@ -149,6 +149,17 @@ def test_zsh_completes_option_values_and_paths(zsh_setup: Path, tmp_path: Path) 
     assert zsh_complete(zsh_setup, f"gpu-agent status --config {tmp_path}/") == {"rules.d", "agent.yaml"}
 
 
+def test_zsh_completes_the_value_after_option_equals(zsh_setup: Path, tmp_path: Path) -> None:
+    assert zsh_complete(zsh_setup, "gpu-agent run --log-format=") == choices("gpu-agent run", "--log-format")
+    assert zsh_complete(zsh_setup, "gpu-agent inject throttle --reason=hw_") == {
+        c for c in choices("gpu-agent inject throttle", "--reason") if c.startswith("hw_")
+    }
+    (tmp_path / "agent.yaml").write_text("mode: observe\n")
+    assert zsh_complete(zsh_setup, f"gpu-agent status --config={tmp_path}/") == {"agent.yaml"}
+    # a flag takes no value: nothing, rather than the command's options glued after the '='
+    assert zsh_complete(zsh_setup, "gpu-agent status --json=", may_be_empty=True) == set()
+
+
 # -- bash ------------------------------------------------------------------------------------------
 
 # bash-completion's loader, as an interactive bash runs it on the first TAB after `gpu-agent`:
@@ -177,9 +188,20 @@ def bash_user_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
+def bash_words(line: str) -> list[str]:
+    """COMP_WORDS as bash splits `line`: at spaces, and '=' (in COMP_WORDBREAKS) a word of its own;
+    an interactive bash gives `--opt=` as (--opt, =) and `--opt=v` as (--opt, =, v)."""
+    return [
+        piece
+        for part in line.split(" ")
+        for piece in (re.split("(=)", part) if "=" in part else [part])
+        if piece != "" or "=" not in part
+    ]
+
+
 def bash_complete(user_dir: Path, line: str) -> tuple[str, set[str]]:
     """The completion spec bash-completion loaded for gpu-agent, and what it offers for `line`."""
-    words = line.split(" ")
+    words = bash_words(line)
     program = BASH_PROGRAM.format(
         bash_completion=BASH_COMPLETION,
         words=" ".join(f"'{w}'" for w in words),
@@ -202,6 +224,20 @@ def test_bash_completion_loads_the_installed_file_on_demand(bash_user_dir: Path)
     assert offered == {o for o in options("gpu-agent status") if o.startswith("--")}
     _, offered = bash_complete(bash_user_dir, "gpu-agent run --log-format ")
     assert offered == choices("gpu-agent run", "--log-format")
+
+
+def test_bash_completes_the_value_after_option_equals(bash_user_dir: Path, tmp_path: Path) -> None:
+    assert bash_words("gpu-agent run --log-format=") == ["gpu-agent", "run", "--log-format", "="]
+    assert bash_words("gpu-agent run --log-format=j") == ["gpu-agent", "run", "--log-format", "=", "j"]
+    _, offered = bash_complete(bash_user_dir, "gpu-agent run --log-format=")
+    assert offered == choices("gpu-agent run", "--log-format")
+    _, offered = bash_complete(bash_user_dir, "gpu-agent inject throttle --reason=hw_")
+    assert offered == {c for c in choices("gpu-agent inject throttle", "--reason") if c.startswith("hw_")}
+    (tmp_path / "agent.yaml").write_text("mode: observe\n")
+    _, offered = bash_complete(bash_user_dir, f"gpu-agent status --config={tmp_path}/")
+    assert offered == {f"{tmp_path}/agent.yaml"}
+    _, offered = bash_complete(bash_user_dir, "gpu-agent status --json=")
+    assert offered == set()
 
 
 def test_the_command_walk_matches_the_completion_model() -> None:
