@@ -516,3 +516,12 @@ def test_a_rules_dir_others_may_write_is_refused(tmp_path: Path) -> None:
 
 def test_missing_rules_dir_is_an_error(tmp_path: Path) -> None:
     assert problems([tmp_path / "rules.d"]) == [f"{tmp_path / 'rules.d'}: no such file or directory"]
+
+
+def test_a_dangling_or_looping_rules_link_says_so(tmp_path: Path) -> None:
+    (tmp_path / "gone.yaml").symlink_to(tmp_path / "deleted.yaml")
+    (tmp_path / "loop.yaml").symlink_to("loop.yaml")
+    assert problems([tmp_path / "gone.yaml", tmp_path / "loop.yaml"]) == [
+        f"{tmp_path / 'gone.yaml'}: broken symbolic link to {tmp_path / 'deleted.yaml'}",
+        f"{tmp_path / 'loop.yaml'}: symbolic link loop",
+    ]

@@ -64,6 +64,8 @@ What each condition reads (see agent/rules/engine.py for targets and storm prote
 
 from __future__ import annotations
 
+import errno
+import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -411,13 +413,27 @@ def _load_file(file: Path, allow_reboot: bool) -> list[Rule]:
     return parsed.rules
 
 
+def _missing_why(path: Path) -> str:
+    """Why a given rules path cannot be found; a dangling or looping link says where it points."""
+    if not path.is_symlink():
+        return "no such file or directory"
+    try:
+        path.resolve(strict=True)
+    except RuntimeError:  # Python 3.11 raises it for a loop; 3.13 raises OSError(ELOOP)
+        return "symbolic link loop"
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "symbolic link loop"
+    return f"broken symbolic link to {os.readlink(path)}"
+
+
 def load_rules(paths: Iterable[Path], allow_reboot: bool = False) -> list[Rule]:
     """Rules from rules directories and/or files, in order; raises ConfigError listing every problem.
 
     A missing path is an error: a typo in `rules_dir` must not silently disable remediation.
     """
     given = list(paths)
-    missing = [ConfigProblem(str(p), None, "", "no such file or directory") for p in given if not p.exists()]
+    missing = [ConfigProblem(str(p), None, "", _missing_why(p)) for p in given if not p.exists()]
     if missing:
         raise ConfigError(missing)
     # Whoever may add a file to the directory may add a rule (and a hook): the directory counts too,
