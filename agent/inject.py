@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # imported when a fault is injected, not to build `gpu-agent 
     from agent.config import AgentConfig
 
 REASON_BITS = {name: bit for bit, name in CLOCK_EVENT_REASONS.items()}
+MAX_UNCORRECTED_EVENTS = 10_000  # each is queued as its own NVML event
 
 
 class InjectError(Exception):
@@ -37,8 +38,10 @@ class Node:
 
 
 def _xid(node: Node, args: argparse.Namespace) -> str:
+    from agent.backend.sim.faults import check_xid
     from agent.watch.fake_kernel_log import append_kmsg, xid_line
 
+    check_xid(args.code)
     if args.source in ("nvml", "both"):
         node.sim.inject_xid(args.gpu, args.code)
     if args.source in ("kmsg", "both"):
@@ -74,6 +77,8 @@ def _reset_required(node: Node, args: argparse.Namespace) -> str:
 
 
 def _ecc(node: Node, args: argparse.Namespace) -> str:
+    if not 0 <= args.uncorrected <= MAX_UNCORRECTED_EVENTS:
+        raise InjectError(f"--uncorrected takes 0-{MAX_UNCORRECTED_EVENTS}: each one is an NVML event")
     node.sim.add_ecc_errors(args.gpu, corrected=args.corrected)
     for _ in range(args.uncorrected):  # each uncorrected error also raises an NVML double-bit event
         node.sim.inject_ecc_event(args.gpu, uncorrected=True)
@@ -87,8 +92,11 @@ def _remap(node: Node, args: argparse.Namespace) -> str:
 
 def _pcie(node: Node, args: argparse.Namespace) -> str:
     link = node.sim.pcie_link(args.gpu)
-    generation = link.max_generation if args.clear else (args.generation or link.current_generation)
-    width = link.max_width if args.clear else (args.width or link.current_width)
+    if args.clear:
+        generation, width = link.max_generation, link.max_width
+    else:  # an option not given keeps the link's current value (0 is a value, and refused)
+        generation = link.current_generation if args.generation is None else args.generation
+        width = link.current_width if args.width is None else args.width
     node.sim.set_pcie_link(args.gpu, generation, width)
     return f"GPU {args.gpu} PCIe link gen{generation} x{width}"
 

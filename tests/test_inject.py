@@ -103,3 +103,36 @@ def test_bad_requests_are_clear_errors(node: Path, tmp_path: Path) -> None:
     real.write_text("backend: nvml\n")
     result = inject(real, "lost", "--gpu", "0")
     assert result.returncode == 1 and "only works on a simulated node" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("xid", "0", "--gpu", "0"), "Xid 0 is not a code the driver reports"),
+        (("xid", "-5", "--gpu", "0", "--source", "kmsg"), "Xid -5 is not a code the driver reports"),
+        (("xid", "1000000000", "--gpu", "0"), "(1-999999999)"),
+        (("temperature", "--gpu", "0", "--celsius", "-500"), "not a temperature NVML reports"),
+        (("ecc", "--gpu", "0", "--corrected", "-3"), "ECC error counters only grow"),
+        (("ecc", "--gpu", "0", "--uncorrected", "-3"), "--uncorrected takes 0-10000"),
+        (("ecc", "--gpu", "0", "--uncorrected", "99999999"), "--uncorrected takes 0-10000"),
+        (("pcie", "--gpu", "0", "--width", "0"), "x0 is not a link this GPU can train to"),
+        (("drift", "--gpu", "0", "--power-limit-watts", "nan"), "power limit nan W is outside the allowed range"),
+        (("hang", "--gpu", "0", "--call", "temperature_celsius", "--seconds", "inf"), "a finite number of seconds"),
+    ],
+)
+def test_a_state_no_gpu_could_be_in_is_refused(node: Path, args: tuple[str, ...], message: str) -> None:
+    """The simulator stays faithful to NVML: nothing injected leaves it answering what a GPU cannot."""
+    before = sim(node)
+    readings = (before.temperature_celsius(0), before.ecc_errors(0, EccErrorType.CORRECTED, EccCounter.VOLATILE))
+    result = inject(node, *args)
+    assert result.returncode == 1 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+    after = sim(node)
+    assert (after.temperature_celsius(0), after.ecc_errors(0, EccErrorType.CORRECTED, EccCounter.VOLATILE)) == readings
+    assert after.pcie_link(0).current_width == 16 and after.power_limit_watts(0) == before.power_limit_watts(0)
+    assert after.wait_events(0.05) == []
+    assert not (node.parent / "host/dev/kmsg").exists() or b"Xid" not in (node.parent / "host/dev/kmsg").read_bytes()
+
+
+def test_a_pcie_option_not_given_keeps_the_current_value(node: Path) -> None:
+    ok(node, "pcie", "--gpu", "3", "--width", "8")
+    assert "gen3 x8" in ok(node, "pcie", "--gpu", "3", "--generation", "3")

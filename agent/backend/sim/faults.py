@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import TypeVar
 
@@ -32,6 +33,8 @@ EVENT_TYPE_BITS = {
 }
 V = TypeVar("V")
 #: Library-level calls: a fault on them is injected for every GPU (gpu None).
+MAX_XID = 999_999_999  # the kernel-log parser reads at most nine digits
+MAX_TEMPERATURE_C = 255  # NVML reports an unsigned int; a GPU shuts down long before
 LIBRARY_METHODS = frozenset({"init", "shutdown", "driver_version", "device_count", "wait_events"})
 
 
@@ -56,6 +59,12 @@ def _check_method(gpu: int | None, method: str) -> None:
         raise ValueError(f"'{method}' is not a GpuBackend method (one of: {', '.join(sorted(PROTOCOL_METHODS))})")
     if gpu is not None and method in LIBRARY_METHODS:
         raise ValueError(f"{method} is a library call, not a per-GPU one: pass gpu=None")
+
+
+def check_xid(xid: int) -> None:
+    """ValueError for a code no driver reports, whichever path (NVML event, kernel log) it takes."""
+    if not 1 <= xid <= MAX_XID:
+        raise ValueError(f"Xid {xid} is not a code the driver reports (1-{MAX_XID})")
 
 
 class FaultInjection(abc.ABC):
@@ -100,6 +109,7 @@ class FaultInjection(abc.ABC):
 
     def inject_xid(self, gpu: int, xid: int) -> None:
         """Queue an Xid; wait_events delivers it as GpuEvent(kind=XID, data=xid)."""
+        check_xid(xid)
         with self._mutation() as machine:
             self._queue_event(machine, gpu, GpuEventKind.XID, xid)
 
@@ -112,6 +122,8 @@ class FaultInjection(abc.ABC):
 
     def add_ecc_errors(self, gpu: int, corrected: int = 0, uncorrected: int = 0) -> None:
         """Count ECC errors (volatile and aggregate) without an event."""
+        if corrected < 0 or uncorrected < 0:
+            raise ValueError("ECC error counters only grow: give a count of 0 or more")
         with self._gpu_mutation(gpu) as state:
             _count_ecc(state, corrected, uncorrected)
 
@@ -172,6 +184,8 @@ class FaultInjection(abc.ABC):
 
     def set_temperature(self, gpu: int, celsius: int | None) -> None:
         """Override the GPU temperature (None: back to the derived value)."""
+        if celsius is not None and not 0 <= celsius <= MAX_TEMPERATURE_C:
+            raise ValueError(f"{celsius} C is not a temperature NVML reports (0-{MAX_TEMPERATURE_C}, unsigned)")
         with self._gpu_mutation(gpu) as state:
             state.temperature_override_c = celsius
 
@@ -230,8 +244,8 @@ class FaultInjection(abc.ABC):
     def hang_call(self, gpu: int | None, method: str, seconds: float | None) -> None:
         """Make a protocol method sleep `seconds` before answering, on one GPU or all; None clears."""
         _check_method(gpu, method)
-        if seconds is not None and seconds < 0:
-            raise ValueError("a hang lasts zero seconds or more")
+        if seconds is not None and not 0 <= seconds < math.inf:
+            raise ValueError("a hang lasts a finite number of seconds, zero or more")
         with self._mutation() as machine:
             owner = machine if gpu is None else self._gpu_state(machine, gpu)
             _set_or_clear(owner.hang_calls, method, None if seconds is None else float(seconds))

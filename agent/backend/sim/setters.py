@@ -7,6 +7,8 @@ speed range) before it changes the shared state.
 
 from __future__ import annotations
 
+import math
+
 from agent.backend.base import ClockDomain
 from agent.backend.errors import GpuErrorKind
 from agent.backend.sim.calls import SimCalls, sim_error
@@ -17,8 +19,9 @@ class DeviceSetters(SimCalls):
 
     def set_power_limit_watts(self, gpu: int, watts: float) -> None:
         with self._write(gpu, "set_power_limit_watts") as dev:
-            milliwatts = round(watts * 1000)
             m = dev.model
+            # NVML takes unsigned milliwatts: NaN or infinity cannot even be passed
+            milliwatts = round(watts * 1000) if math.isfinite(watts) else -1
             if not m.power_limit_min_mw <= milliwatts <= m.power_limit_max_mw:
                 raise sim_error(
                     GpuErrorKind.INVALID_ARGUMENT,
