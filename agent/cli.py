@@ -379,6 +379,13 @@ def _identities_if_available(args: argparse.Namespace) -> dict[int, GpuIdentity]
         backend.shutdown()
 
 
+def positive_int(text: str) -> int:
+    """A count of 1 or more (SQLite reads a negative LIMIT as no limit at all)."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number, 1 or more")
+    return int(text)
+
+
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
@@ -517,7 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DURATION",
         help="how far back: 90s, 30m, 1h (default), 7d",
     )
-    p.add_argument("--limit", type=int, default=200, help="at most this many of each (default 200)")
+    p.add_argument("--limit", type=positive_int, default=200, help="at most this many of each (default 200)")
     p.set_defaults(func=cmd_events)
     p = sub.add_parser(
         "ack",

@@ -459,6 +459,15 @@ def test_every_json_flag_prints_json(tmp_path: Path, argv: list[str]) -> None:
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("limit", ["0", "-5", "ten"])
+def test_events_limit_must_be_a_positive_count(tmp_path: Path, limit: str) -> None:
+    """SQLite would read a negative LIMIT as none at all."""
+    result = gpu_agent("events", "--limit", limit, "--config", str(write_config(tmp_path)))
+    assert result.returncode == 2
+    assert f"argument --limit: '{limit}': give a whole number, 1 or more" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_the_checkout_wrapper_runs_the_venv_cli_or_says_how_to_set_it_up(tmp_path: Path) -> None:
     repo = Path(__file__).resolve().parent.parent
     copy = tmp_path / "checkout"
