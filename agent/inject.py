@@ -8,6 +8,7 @@ on its next loop. Refused for any other backend: this never touches real hardwar
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,7 +107,9 @@ def _drift(node: Node, args: argparse.Namespace) -> str:
     from agent.backend.sim import SimulatedBackend
     from agent.config import GPU_ITEMS
 
-    operator = SimulatedBackend(node.profile, node.sim.state_dir, writable_items=GPU_ITEMS)
+    operator = SimulatedBackend(
+        node.profile, node.sim.state_dir, writable_items=GPU_ITEMS, counter_clock=time.monotonic
+    )
     operator.init()
     try:
         operator.set_power_limit_watts(args.gpu, args.power_limit_watts)
@@ -206,7 +209,7 @@ def inject(config: AgentConfig, args: argparse.Namespace) -> str:
         raise InjectError("inject only works on a simulated node (backend: simulated); it never touches a real GPU")
     if args.fault == "throttle" and not args.clear and not args.reason:
         raise InjectError("give at least one --reason, or --clear")
-    sim = SimulatedBackend(config.simulated.profile, Path(config.state_dir))
+    sim = SimulatedBackend(config.simulated.profile, Path(config.state_dir), counter_clock=time.monotonic)
     sim.init()
     try:
         gpu = getattr(args, "gpu", 0)

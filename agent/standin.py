@@ -462,7 +462,7 @@ class SimGpus:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from agent.backend.sim import SimulatedBackend
 
-        self.backend = SimulatedBackend(profile, state_dir)
+        self.backend = SimulatedBackend(profile, state_dir, counter_clock=time.monotonic)
         self.backend.init()
         self.gpus = gpus
 

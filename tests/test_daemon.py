@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -213,3 +215,30 @@ def test_the_fan_curve_following_the_temperature_is_not_drift(tmp_path: Path) ->
         assert "came back 1 time" in events[-1].message
     finally:
         daemon.shutdown()
+
+
+def test_a_simulated_node_shows_activity_and_growing_counters(tmp_path: Path) -> None:
+    """The node's counters run with time, as a GPU's do: GPM activity from the second loop on,
+    following a load injected by another process, and the energy counter growing."""
+    with running_agent(tmp_path, mode="observe") as agent:
+        agent.notifications.wait_for("READY", "1")
+        load = ["inject", "processes", "--gpu", "0", "4242", "--config", str(agent.config_path)]
+        injected = subprocess.run(
+            [sys.executable, "-m", "agent.cli", *load],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert injected.returncode == 0, injected.stderr
+
+        def activity() -> tuple[float | None, float | None]:
+            gpus = agent.status()["gpus"]
+            return gpus[0].get("sm_active_ratio"), gpus[1].get("sm_active_ratio")
+
+        wait_until(lambda: (a := activity())[0] is not None and a[0] > 0.5 and a[1] == 0.0, WAIT_SECONDS, activity)
+        backend = SimulatedBackend("h200x2", agent.state_dir, counter_clock=time.monotonic)
+        backend.init()
+        energy = backend.total_energy_joules(0)
+        time.sleep(0.5)
+        # half a second at the load's power, read by a third process: the counter is the node's
+        assert backend.total_energy_joules(0) - energy >= backend.power_usage_watts(0) * 0.5

@@ -374,6 +374,52 @@ def test_advance_grows_violation_counters_and_energy(tmp_path: Path) -> None:
         b.advance(-1)
 
 
+def test_a_real_time_node_counts_the_time_that_passes(tmp_path: Path) -> None:
+    """The daemon's and the demo's node: counters grow with the clock, each stretch at the readings
+    that held during it, and a reader (another process) sees them as of now without writing."""
+    now = [1000.0]
+    b = make(tmp_path, "h200x2", counter_clock=lambda: now[0])
+    energy = b.total_energy_joules(0)  # the first read starts the clock
+    assert b.gpm_activity(0) is None  # nothing to difference yet
+    idle_watts = b.power_usage_watts(0)
+    now[0] += 10
+    assert b.total_energy_joules(0) == pytest.approx(energy + idle_watts * 10)
+    assert b.violation_time_ns(0, ViolationPolicy.LOW_UTILIZATION) == 10_000_000_000
+    idle = b.gpm_activity(0)
+    assert idle is not None and idle.sm_active_ratio == 0.0
+    b.set_processes(0, [7])  # load from now on: the 10 s before stay idle
+    b.set_power_limit_watts(0, 400)
+    now[0] += 5
+    assert b.total_energy_joules(0) == pytest.approx(energy + idle_watts * 10 + 400 * 5)
+    assert b.violation_time_ns(0, ViolationPolicy.POWER) == 5_000_000_000
+    busy = b.gpm_activity(0)
+    assert busy is not None and busy.sm_active_ratio > 0.5
+    # Another process reads the same node: the same counters, and the read writes nothing.
+    written = b.state_path.stat().st_mtime_ns
+    reader = SimulatedBackend("h200x2", tmp_path / "state", counter_clock=lambda: now[0])
+    reader.init()
+    assert reader.total_energy_joules(0) == pytest.approx(b.total_energy_joules(0))
+    assert b.state_path.stat().st_mtime_ns == written
+    # A state from before the clock's epoch (the host rebooted, the state file stayed): the clock
+    # starts again from the settled counters, and time passes from there.
+    settled = energy + idle_watts * 10
+    now[0] = 50.0
+    assert b.total_energy_joules(0) == pytest.approx(settled)
+    now[0] += 2
+    assert b.total_energy_joules(0) == pytest.approx(settled + 400 * 2)
+
+
+def test_a_test_node_moves_only_with_advance(tmp_path: Path) -> None:
+    now = [1000.0]
+    b = make(tmp_path, "h200x2", clock=lambda: now[0])  # the event clock; no counter clock
+    energy = b.total_energy_joules(0)
+    b.set_processes(0, [7])
+    now[0] += 3600
+    assert b.total_energy_joules(0) == energy
+    b.gpm_activity(0)
+    assert b.gpm_activity(0) is None
+
+
 # -- fans ------------------------------------------------------------------------------------
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,6 +26,7 @@ def open_backend(config: AgentConfig, writable_items: Iterable[str] | None = Non
             Path(config.state_dir),
             writable_items=writable,
             privileged=config.simulated.privileged,
+            counter_clock=time.monotonic,  # energy, violation times and GPM grow while the node runs
         )
     else:
         from agent.backend.nvml import NvmlBackend

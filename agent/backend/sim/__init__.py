@@ -125,12 +125,13 @@ Profiling-grade telemetry (issue 14), `telemetry(gpu) -> GpuTelemetry`: the prot
 `gpm_activity`, `fast_fields`, `slow_fields`, `nvlink_states`, `fabric_info`,
 `applications_clock_mhz` and `memory_info` (v2) are thin wrappers over it, each under its own call
 name so `fail_call`/`hang_call` can target it; `gpm_activity` differences against the previous
-call's sample, so activity appears once simulated time has passed (`advance`):
+call's sample, so activity appears once simulated time has passed (`advance`, or the counter
+clock the daemon and the demo run it with; docs/simulator.md):
 
     gpm                GpmSample (cumulative counters) or None where GPM is unsupported;
                        `gpm_activity(earlier, later)` differences two samples like
                        nvmlGpmMetricsGet: ratios 0..1 and bytes per second (base units; NVML
-                       gives percent and MiB/s). Counters grow only with `advance()`.
+                       gives percent and MiB/s). Counters grow with `advance()` and the counter clock.
     fields             FieldValues: total energy (mJ), instant power (mW), HBM temperature
                        (None on GDDR), clock-event reason durations (ns: sw_power_cap,
                        sync_boost, sw_thermal, hw_thermal, hw_power_brake), PCIe replay,

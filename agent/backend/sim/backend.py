@@ -40,12 +40,14 @@ class SimulatedBackend(DeviceReads, ProfilingReads, DeviceSetters, FaultInjectio
         writable_items: Iterable[str] = (),
         privileged: bool = True,
         clock: Callable[[], float] = time.time,
+        counter_clock: Callable[[], float] | None = None,
     ) -> None:
         self.profile = load_profile(profile)
         self.state_dir = Path(state_dir)
         self.write_guard = WriteGuard(writable_items)
         self.privileged = privileged
         self._clock = clock
+        self._counter_clock = counter_clock
         self._cond = threading.Condition(threading.RLock())
         self._init_count = 0
         self._file = StateFile(self.profile, self.state_dir)

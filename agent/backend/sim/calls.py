@@ -17,7 +17,7 @@ from pathlib import Path
 
 from agent.backend.base import WriteGuard
 from agent.backend.errors import GpuError, GpuErrorKind
-from agent.backend.sim.physics import Readings
+from agent.backend.sim.physics import Readings, advance
 from agent.backend.sim.profiles import NodeProfile
 from agent.backend.sim.state import MachineState, StateFile
 
@@ -33,6 +33,7 @@ class SimCalls:
     write_guard: WriteGuard
     privileged: bool
     _clock: Callable[[], float]
+    _counter_clock: Callable[[], float] | None
     _cond: threading.Condition
     _init_count: int
     _file: StateFile
@@ -50,11 +51,48 @@ class SimCalls:
 
     # -- state file -----------------------------------------------------------------------
 
+    # -- time ---------------------------------------------------------------------------------
+    # With a counter clock (the daemon, the demo, `inject`: CLOCK_MONOTONIC, which every process of
+    # one boot shares) the counters grow as a GPU's do: energy, violation and reason durations, GPM.
+    # Each change first settles the time passed at the readings that held until then; a read sees
+    # the counters as of now without writing. Without one (tests) only advance() moves them.
+
+    def _seconds_since_settled(self, machine: MachineState) -> float | None:
+        """None when the state has no usable start: fresh, or from before the clock's epoch (a reboot)."""
+        if self._counter_clock is None:
+            return 0.0
+        settled = machine.advanced_at_seconds
+        now = self._counter_clock()
+        return None if settled is None or now < settled else now - settled
+
+    def _advance_all(self, machine: MachineState, seconds: float) -> None:
+        for gpu, (model, state) in enumerate(zip(self.profile.models, machine.gpus)):
+            if not state.lost:
+                advance(Readings(model, state, self.profile.nvlink_links(gpu)), seconds)
+
+    def _settle(self, machine: MachineState) -> None:
+        if self._counter_clock is not None:
+            self._advance_all(machine, self._seconds_since_settled(machine) or 0.0)
+            machine.advanced_at_seconds = self._counter_clock()
+
+    def _as_of_now(self, dev: Readings) -> Readings:
+        seconds = self._seconds_since_settled(self._state)
+        if seconds is None:
+            with self._mutation():  # the clock starts (again) here; written once
+                return dev
+        if seconds == 0.0:
+            return dev
+        state = dev.state.model_copy(deep=True)
+        now = Readings(dev.model, state, dev.nvlink_links)
+        advance(now, seconds)
+        return now
+
     @contextlib.contextmanager
     def _mutation(self) -> Iterator[MachineState]:
         """Lock, pick up other processes' changes, let the caller change the state, write it, wake waiters."""
         with self._cond, self._file.lock():
             self._file.refresh()
+            self._settle(self._file.state)
             yield self._file.state
             self._file.save()
             self._cond.notify_all()
@@ -139,7 +177,7 @@ class SimCalls:
         self._hang(gpu, call)
         with self._cond:
             self._file.refresh()
-            yield self._device(gpu, call)
+            yield self._as_of_now(self._device(gpu, call))
 
     @contextlib.contextmanager
     def _write(self, gpu: int, call: str) -> Iterator[Readings]:

@@ -18,7 +18,6 @@ from typing import TypeVar
 
 from agent.backend.base import FabricState, GpuEvent, GpuEventKind, RecoveryAction
 from agent.backend.errors import GpuErrorKind
-from agent.backend.sim.physics import Readings, advance
 from agent.backend.sim.profiles import NodeProfile
 from agent.backend.sim.state import NVLINK_COUNTERS, PROTOCOL_METHODS, GpuState, MachineState
 
@@ -79,6 +78,10 @@ class FaultInjection(abc.ABC):
     @abc.abstractmethod
     def _now_seconds(self) -> float:
         """The clock event timestamps come from."""
+
+    @abc.abstractmethod
+    def _advance_all(self, machine: MachineState, seconds: float) -> None:
+        """`seconds` of simulated time pass for every GPU on the bus."""
 
     def _gpu_state(self, machine: MachineState, gpu: int) -> GpuState:
         if not 0 <= gpu < len(machine.gpus):
@@ -258,9 +261,7 @@ class FaultInjection(abc.ABC):
         if seconds < 0:
             raise ValueError("time only moves forward")
         with self._mutation() as machine:
-            for gpu, (model, state) in enumerate(zip(self.profile.models, machine.gpus)):
-                if not state.lost:
-                    advance(Readings(model, state, self.profile.nvlink_links(gpu)), seconds)
+            self._advance_all(machine, seconds)
 
     def reboot(self) -> None:
         """The machine reboots: pending modes apply, settings and counters return to boot, faults

@@ -178,6 +178,8 @@ class MachineState(_State):
     # fail/hang entries for every GPU and for library-level calls (gpu None)
     fail_calls: FailCalls = Field(default_factory=dict)
     hang_calls: HangCalls = Field(default_factory=dict)
+    # With a counter clock: its reading up to which the counters have taken in the time passed.
+    advanced_at_seconds: float | None = None
 
     @classmethod
     def boot(cls, profile: NodeProfile) -> MachineState:
@@ -228,9 +230,7 @@ class StateFile:
             g.fits(m, self.profile.nvlink_links(i)) for i, (g, m) in enumerate(zip(gpus, self.profile.models))
         ):
             raise ValueError("GPU state does not match the profile")
-        return MachineState(
-            gpus=parsed.gpus, events=parsed.events, fail_calls=parsed.fail_calls, hang_calls=parsed.hang_calls
-        )
+        return MachineState(**{name: getattr(parsed, name) for name in MachineState.model_fields})
 
     def refresh(self) -> bool:
         """Re-read the file if another process replaced it since we last read or wrote it."""
@@ -275,14 +275,8 @@ class StateFile:
     def save(self) -> None:
         """Write the state atomically: a reader sees the old file or the new one, never a torn one."""
         state = self.state
-        text = _File(
-            version=STATE_VERSION,
-            machine=self.fingerprint,
-            gpus=state.gpus,
-            events=state.events,
-            fail_calls=state.fail_calls,
-            hang_calls=state.hang_calls,
-        ).model_dump_json(indent=1)
+        fields = {name: getattr(state, name) for name in MachineState.model_fields}
+        text = _File(version=STATE_VERSION, machine=self.fingerprint, **fields).model_dump_json(indent=1)
         tmp = self.state_dir / f".{STATE_FILE_NAME}.{os.getpid()}.{threading.get_ident()}.tmp"
         with open(tmp, "w", encoding="utf-8") as handle:
             handle.write(text)
