@@ -82,7 +82,9 @@ class SimCalls:
                 return dev
         if seconds == 0.0:
             return dev
-        state = dev.state.model_copy(deep=True)
+        # a copy of what advance() changes; the rest is shared (the copy is never written back)
+        counters = {"violation_ns": dict(dev.state.violation_ns), "reason_ns": dict(dev.state.reason_ns)}
+        state = dev.state.model_copy(update={**counters, "gpm": dev.state.gpm.model_copy()})
         now = Readings(dev.model, state, dev.nvlink_links)
         advance(now, seconds)
         return now
@@ -173,11 +175,13 @@ class SimCalls:
             yield
 
     @contextlib.contextmanager
-    def _read(self, gpu: int, call: str) -> Iterator[Readings]:
+    def _read(self, gpu: int, call: str, counters: bool = False) -> Iterator[Readings]:
+        """A per-GPU read; `counters`: the answer includes time-based counters, brought up to now."""
         self._hang(gpu, call)
         with self._cond:
             self._file.refresh()
-            yield self._as_of_now(self._device(gpu, call))
+            dev = self._device(gpu, call)
+            yield self._as_of_now(dev) if counters else dev
 
     @contextlib.contextmanager
     def _write(self, gpu: int, call: str) -> Iterator[Readings]:

@@ -23,11 +23,12 @@ class ProfilingReads(SimCalls):
     def telemetry(self, gpu: int) -> GpuTelemetry:
         """The profiling-grade readings (GPM sample, field values, memory v2, MIG, clocks, processes)
         behind the protocol's telemetry methods; the same checks as every per-GPU call."""
-        return self._telemetry(gpu, "telemetry")
+        return self._telemetry(gpu, "telemetry", counters=True)
 
-    def _telemetry(self, gpu: int, call: str) -> GpuTelemetry:
-        """telemetry() under the protocol method's own call name, so fault injection can target it."""
-        with self._read(gpu, call) as dev:
+    def _telemetry(self, gpu: int, call: str, counters: bool = False) -> GpuTelemetry:
+        """telemetry() under the protocol method's own call name, so fault injection can target it;
+        `counters`: the caller answers from the time-based counters (energy, durations, GPM)."""
+        with self._read(gpu, call, counters) as dev:
             return telemetry(gpu, dev, self.profile.name if self.profile.nvswitch_fabric else None)
 
     def memory_info(self, gpu: int) -> MemoryInfo:
@@ -46,7 +47,7 @@ class ProfilingReads(SimCalls):
     def gpm_activity(self, gpu: int) -> GpmActivity | None:
         """Differences this call's GPM sample against the previous call's, as nvmlGpmMetricsGet does;
         None on the first call and while no simulated time passed (see `advance`)."""
-        sample = self._telemetry(gpu, "gpm_activity").gpm
+        sample = self._telemetry(gpu, "gpm_activity", counters=True).gpm
         if sample is None:
             raise sim_error(GpuErrorKind.NOT_SUPPORTED, "GPM is not supported on this GPU", gpu, "gpm_activity")
         with self._cond:
@@ -62,7 +63,7 @@ class ProfilingReads(SimCalls):
         )
 
     def slow_fields(self, gpu: int) -> SlowFields:
-        fields = self._telemetry(gpu, "slow_fields").fields
+        fields = self._telemetry(gpu, "slow_fields", counters=True).fields
         nvlinks = None
         if fields.nvlinks is not None:
             nvlinks = tuple(

@@ -199,7 +199,7 @@ class DeviceReads(SimCalls):
             return dev.state.pcie_replays
 
     def violation_time_ns(self, gpu: int, policy: ViolationPolicy) -> int:
-        with self._read(gpu, "violation_time_ns") as dev:
+        with self._read(gpu, "violation_time_ns", counters=True) as dev:
             return dev.state.violation_ns[ViolationPolicy(policy).name]
 
     def mig_mode(self, gpu: int) -> EnabledPending:
@@ -221,5 +221,5 @@ class DeviceReads(SimCalls):
 
     def total_energy_joules(self, gpu: int) -> float:
         """nvmlDeviceGetTotalEnergyConsumption (since the driver loaded); grows with advance()."""
-        with self._read(gpu, "total_energy_joules") as dev:
+        with self._read(gpu, "total_energy_joules", counters=True) as dev:
             return dev.state.energy_mj / 1000
