@@ -51,6 +51,7 @@ from agent.backend.sim import (
     list_profiles,
     load_profile,
 )
+from agent.backend.sim.state import StateFile
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = json.loads((REPO / "tests" / "fixtures" / "nvml-h200.json").read_text())["devices"][0]
@@ -407,6 +408,21 @@ def test_a_real_time_node_counts_the_time_that_passes(tmp_path: Path) -> None:
     assert b.total_energy_joules(0) == pytest.approx(settled)
     now[0] += 2
     assert b.total_energy_joules(0) == pytest.approx(settled + 400 * 2)
+
+
+def test_a_reader_that_may_not_write_the_state_still_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first read of a fresh state starts the counter clock by writing it once; a reader
+    without write access (another user's `status --direct`) answers from the settled counters."""
+    make(tmp_path, "h200x2")  # a state file written without a counter clock: no start recorded
+    reader = SimulatedBackend("h200x2", tmp_path / "state", counter_clock=lambda: 1000.0)
+    reader.init()
+
+    def refused(self: object) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(StateFile, "save", refused)
+    assert reader.total_energy_joules(0) > 0
+    assert reader.gpm_activity(0) is None
 
 
 def test_a_test_node_moves_only_with_advance(tmp_path: Path) -> None:
