@@ -20,6 +20,7 @@ from agent.backend.base import FabricState, GpuEvent, GpuEventKind, RecoveryActi
 from agent.backend.errors import GpuErrorKind
 from agent.backend.sim.profiles import NodeProfile
 from agent.backend.sim.state import NVLINK_COUNTERS, PROTOCOL_METHODS, GpuState, MachineState
+from agent.watch.kernel_log import MAX_XID  # the codes the agent reads from the kernel log
 
 # nvmlEventType* bits
 EVENT_SINGLE_BIT_ECC = 0x1
@@ -32,7 +33,6 @@ EVENT_TYPE_BITS = {
 }
 V = TypeVar("V")
 #: Library-level calls: a fault on them is injected for every GPU (gpu None).
-MAX_XID = 999_999_999  # the kernel-log parser reads at most nine digits
 MAX_TEMPERATURE_C = 255  # NVML reports an unsigned int; a GPU shuts down long before
 LIBRARY_METHODS = frozenset({"init", "shutdown", "driver_version", "device_count", "wait_events"})
 
