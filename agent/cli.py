@@ -7,9 +7,9 @@ import contextlib
 import errno
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 from agent import __version__
 from agent.backend.errors import NO_DRIVER_KINDS, GpuError
@@ -329,6 +329,20 @@ def cmd_xid_explain(args: argparse.Namespace) -> int:
     return EXIT_OK if xid_catalog.lookup(args.code) is not None else EXIT_ERROR
 
 
+#: A kernel log record is under 1 KiB; `xid parse` keeps this much of a line and skips the rest,
+#: so one endless line on stdin cannot take the memory.
+XID_PARSE_MAX_LINE_BYTES = 64 * 1024
+
+
+def bounded_lines(stream: BinaryIO, limit_bytes: int = XID_PARSE_MAX_LINE_BYTES) -> Iterator[str]:
+    """Text lines of a byte stream, each cut at `limit_bytes`; bytes that are not UTF-8 read as U+FFFD."""
+    while line := stream.readline(limit_bytes):
+        if len(line) == limit_bytes and not line.endswith(b"\n"):
+            while (rest := stream.readline(limit_bytes)) and not rest.endswith(b"\n"):
+                pass
+        yield line.decode("utf-8", "replace").rstrip("\n")
+
+
 def cmd_xid_parse(args: argparse.Namespace) -> int:
     import json
 
@@ -338,8 +352,8 @@ def cmd_xid_parse(args: argparse.Namespace) -> int:
 
     identities = _identities_if_available(args)
     parser = KernelLogParser()
-    for line in sys.stdin:
-        for found in parser.feed(line.rstrip("\n")):
+    for line in bounded_lines(sys.stdin.buffer):
+        for found in parser.feed(line):
             gpu, identity = match_bus_id(found.pci_bus_id, identities)
             record = {
                 "schema": textview.JSON_SCHEMA_VERSION,

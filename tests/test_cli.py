@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ from agent import standin
 from agent.backend.base import ClockDomain
 from agent.backend.errors import GpuErrorKind
 from agent.backend.sim import SimulatedBackend
+from agent.cli import XID_PARSE_MAX_LINE_BYTES, bounded_lines
 
 H200_POLICY = """\
 mode: {mode}
@@ -428,6 +430,24 @@ def test_xid_parse_lines_carry_the_schema() -> None:
     assert result.returncode == 0, result.stderr
     [record] = [json.loads(text) for text in result.stdout.splitlines()]
     assert record["schema"] == 1 and record["xid"] == 79
+
+
+def test_xid_parse_reads_past_an_endless_line_and_bytes_that_are_not_utf8() -> None:
+    line = b"NVRM: Xid (PCI:0000:5d:00): 79, pid=1, name=\xff\xfe, GPU has fallen off the bus.\n"
+    result = subprocess.run(
+        [sys.executable, "-m", "agent.cli", "xid", "parse"],
+        input=b"a" * (3 * XID_PARSE_MAX_LINE_BYTES + 5) + b"\n" + line,
+        capture_output=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    [record] = [json.loads(text) for text in result.stdout.splitlines()]
+    assert (record["xid"], record["process"]) == (79, "\ufffd\ufffd")
+
+
+def test_bounded_lines_cut_a_long_line_and_skip_its_rest() -> None:
+    stream = io.BytesIO(b"x" * 25 + b"\nshort\n" + b"y" * 10 + b"\n" + b"tail")
+    assert list(bounded_lines(stream, limit_bytes=10)) == ["x" * 10, "short", "y" * 10, "tail"]
 
 
 def test_ack_of_nothing_is_an_error_but_ack_all_is_not(tmp_path: Path) -> None:
