@@ -49,20 +49,16 @@ class SimCalls:
     def _now_seconds(self) -> float:
         return self._clock()
 
-    # -- state file -----------------------------------------------------------------------
-
     # -- time ---------------------------------------------------------------------------------
     # With a counter clock (the daemon, the demo, `inject`: CLOCK_MONOTONIC, which every process of
     # one boot shares) the counters grow as a GPU's do: energy, violation and reason durations, GPM.
     # Each change first settles the time passed at the readings that held until then; a read sees
     # the counters as of now without writing. Without one (tests) only advance() moves them.
 
-    def _seconds_since_settled(self, machine: MachineState) -> float | None:
+    @staticmethod
+    def _seconds_since_settled(machine: MachineState, now: float) -> float | None:
         """None when the state has no usable start: fresh, or from before the clock's epoch (a reboot)."""
-        if self._counter_clock is None:
-            return 0.0
         settled = machine.advanced_at_seconds
-        now = self._counter_clock()
         return None if settled is None or now < settled else now - settled
 
     def _advance_all(self, machine: MachineState, seconds: float) -> None:
@@ -71,15 +67,22 @@ class SimCalls:
                 advance(Readings(model, state, self.profile.nvlink_links(gpu)), seconds)
 
     def _settle(self, machine: MachineState) -> None:
-        if self._counter_clock is not None:
-            self._advance_all(machine, self._seconds_since_settled(machine) or 0.0)
-            machine.advanced_at_seconds = self._counter_clock()
+        if self._counter_clock is None:
+            return
+        now = self._counter_clock()
+        seconds = self._seconds_since_settled(machine, now)
+        if seconds:  # None: no usable start, the clock starts here
+            self._advance_all(machine, seconds)
+        machine.advanced_at_seconds = now
 
     def _as_of_now(self, dev: Readings) -> Readings:
-        seconds = self._seconds_since_settled(self._state)
+        if self._counter_clock is None:
+            return dev
+        seconds = self._seconds_since_settled(self._state, self._counter_clock())
         if seconds is None:
-            # The clock starts (again) here, written once; a reader that may not write the state
-            # (another user's `status --direct`) answers from the settled counters instead.
+            # The clock starts (again) here, written once. A reader that may not write the state
+            # (another user's `status --direct`) answers from the settled counters now and keeps
+            # the start in its own memory only.
             with contextlib.suppress(OSError), self._mutation():
                 pass
             return dev
@@ -91,6 +94,8 @@ class SimCalls:
         now = Readings(dev.model, state, dev.nvlink_links)
         advance(now, seconds)
         return now
+
+    # -- state file -----------------------------------------------------------------------
 
     @contextlib.contextmanager
     def _mutation(self) -> Iterator[MachineState]:

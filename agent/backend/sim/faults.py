@@ -32,8 +32,8 @@ EVENT_TYPE_BITS = {
     GpuEventKind.DOUBLE_BIT_ECC: EVENT_DOUBLE_BIT_ECC,
 }
 V = TypeVar("V")
-#: Library-level calls: a fault on them is injected for every GPU (gpu None).
 MAX_TEMPERATURE_C = 255  # NVML reports an unsigned int; a GPU shuts down long before
+#: Library-level calls: a fault on them is injected for every GPU (gpu None).
 LIBRARY_METHODS = frozenset({"init", "shutdown", "driver_version", "device_count", "wait_events"})
 
 
