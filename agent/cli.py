@@ -395,7 +395,7 @@ def _identities_if_available(args: argparse.Namespace) -> dict[int, GpuIdentity]
 
 def positive_int(text: str) -> int:
     """A count of 1 or more (SQLite reads a negative LIMIT as no limit at all)."""
-    if not text.isdigit() or int(text) < 1:
+    if not text.isdecimal() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: give a whole number, 1 or more")
     return int(text)
 

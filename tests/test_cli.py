@@ -479,7 +479,7 @@ def test_every_json_flag_prints_json(tmp_path: Path, argv: list[str]) -> None:
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("limit", ["0", "-5", "ten"])
+@pytest.mark.parametrize("limit", ["0", "-5", "ten", "²"])
 def test_events_limit_must_be_a_positive_count(tmp_path: Path, limit: str) -> None:
     """SQLite would read a negative LIMIT as none at all."""
     result = gpu_agent("events", "--limit", limit, "--config", str(write_config(tmp_path)))
