@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # the heavy modules (pydantic models, the policy engine) load
     from agent.config import AgentConfig
     from agent.policy.engine import PolicyEngine
     from agent.rules.config import Rule
-    from agent.store import Store
+    from agent.store.database import Store
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -195,8 +195,9 @@ def _hand_back_fans_without_daemon(config: AgentConfig, engine: PolicyEngine) ->
 def cmd_restore(args: argparse.Namespace) -> int:
     """What ExecStopPost runs after every stop: hands back what the agent may have changed. A config
     that no longer validates does not stop it: it then restores fans and locked clocks on every GPU
-    through the backend the daemon last ran with (agent.known_good), or NVML."""
-    from agent import known_good, render, textview
+    through the backend the daemon last ran with (agent.policy.known_good), or NVML."""
+    from agent import render, textview
+    from agent.policy import known_good
     from agent.policy.registry import RESTORABLE_NAMES
 
     try:
@@ -284,7 +285,7 @@ def direct_status(config: AgentConfig, note: str) -> dict[str, object]:
 
     from agent import render
     from agent.collect import sample_all
-    from agent.service_watch import read_once
+    from agent.services.watch import read_once
     from agent.snapshot import DaemonParts, NodeWatchers, build_snapshot
 
     now = time.time()
@@ -412,7 +413,7 @@ def parse_duration_seconds(text: str) -> float:
 
 
 def _open_store(config: AgentConfig) -> Store:
-    from agent.store import Store, StoreError
+    from agent.store.database import Store, StoreError
 
     try:
         return Store.open(config.state_dir)
@@ -464,7 +465,7 @@ def cmd_ack(args: argparse.Namespace) -> int:
 
 
 def cmd_inject(args: argparse.Namespace) -> int:
-    from agent.inject import InjectError, inject
+    from agent.demo.inject import InjectError, inject
 
     try:
         _print(inject(load(args), args))
@@ -474,7 +475,7 @@ def cmd_inject(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from agent.demo import run_demo
+    from agent.demo.scenario import run_demo
 
     return run_demo(Path(args.dir) if args.dir else None, keep_running=not args.exit_after_scenario)
 
@@ -580,7 +581,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_xid_parse)
 
-    from agent.inject import add_parsers
+    from agent.demo.inject import add_parsers
 
     add_parsers(sub, common)
     sub.choices["inject"].set_defaults(func=cmd_inject)

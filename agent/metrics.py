@@ -36,15 +36,15 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from agent import __version__
 from agent.backend.base import RecoveryAction
-from agent.clock_events import CLOCK_EVENT_REASONS
 from agent.events import HealthState
-from agent.memory import expected_gpu_count
 from agent.policy.base import PlanStatus
 from agent.rules.model import Outcome
-from agent.service_export import service_metric_families
+from agent.services.export import service_metric_families
 from agent.state import GpuSample, NodeSnapshot, XidCount
+from agent.store.node_memory import expected_gpu_count
 from agent.verdict import THROTTLE_PROBLEM_REASONS, NodeProblem, is_drift, node_problem
 from agent.watch import xid_catalog
+from agent.watch.clock_events import CLOCK_EVENT_REASONS
 
 log = structlog.get_logger("gpu-agent")
 

@@ -7,15 +7,15 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from agent.clock_events import decode
 from agent.events import event_json as event_json  # `render.event_json`: the CLI's events --json
 from agent.policy.base import ItemPlan, ItemResult
 from agent.policy.engine import ApplyReport, NodePlan
-from agent.service_export import status_document, unattributed_document
+from agent.services.export import status_document, unattributed_document
 from agent.state import GpuSample, NodeSnapshot, ServiceStatus
-from agent.store import StoredEvent, StoredRemediation
+from agent.store.database import StoredEvent, StoredRemediation
 from agent.textview import table
 from agent.verdict import attention, drifted, node_problem, throttled_reasons
+from agent.watch.clock_events import decode
 
 
 def _gpu(gpu: int | None) -> str:

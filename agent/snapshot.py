@@ -17,10 +17,10 @@ from agent.backend.base import GpuIdentity
 from agent.backend.errors import GpuError
 from agent.config import AgentConfig
 from agent.events import Event, Health, HealthState
-from agent.gpu_attribution import GpuAttribution
 from agent.host.paths import HostPaths
 from agent.policy.base import ItemPlan
-from agent.service_metrics import ServiceFigures
+from agent.services.attribution import GpuAttribution
+from agent.services.scrape import ServiceFigures
 from agent.state import (
     CollectorStatus,
     GpuSample,
@@ -34,7 +34,7 @@ from agent.watch.devices import DeviceWatcher
 from agent.watch.fabric import FabricWatcher
 from agent.watch.gpu_lost import GpuLostWatcher
 from agent.watch.health import HealthBook, PollWatcher
-from agent.watch.memory import MemoryWatcher
+from agent.watch.memory_errors import MemoryWatcher
 from agent.watch.nvlink import NvLinkWatcher
 from agent.watch.pcie import PcieWatcher
 from agent.watch.throttle import ThrottleWatcher

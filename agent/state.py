@@ -13,8 +13,8 @@ from agent.policy.base import ItemPlan
 if TYPE_CHECKING:
     # Annotations only: the snapshot types stay importable without psutil, the config models or the
     # Prometheus parser (bench/h200_telemetry_compare.py runs where only nvidia-ml-py is installed).
-    from agent.gpu_attribution import GpuAttribution
-    from agent.service_metrics import ServiceFigures
+    from agent.services.attribution import GpuAttribution
+    from agent.services.scrape import ServiceFigures
 
 
 @dataclass(frozen=True)

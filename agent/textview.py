@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from typing import IO, Any
 
-from agent.service_text import status_line, unattributed_lines
+from agent.services.text import status_line, unattributed_lines
 
 JSON_SCHEMA_VERSION = 1
 

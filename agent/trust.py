@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from agent.services import ProcessResult
+    from agent.host.commands import ProcessResult
 
 MAX_SYMLINKS = 40  # as the kernel's own limit for one path lookup
 DEFAULT_LIMIT_BYTES = 1024 * 1024
@@ -340,7 +340,7 @@ def run_trusted(
     /proc path as its script name and opens the same file. Raises UntrustedError (refuse the
     action), or OSError (it cannot run). The hook runner (agent.rules.actions.hooks) calls it.
     """
-    from agent.services import run_process
+    from agent.host.commands import run_process
 
     fd = open_trusted_executable(argv[0], agent_uid=agent_uid)
     try:

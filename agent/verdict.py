@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from agent.clock_events import SLOWDOWN_REASONS
 from agent.events import HealthState
 from agent.host.paths import HostPaths
 from agent.policy.base import ItemPlan, PlanStatus
 from agent.rules.actions.reboot import REBOOT_FLAG_NAME
 from agent.state import NodeSnapshot
+from agent.watch.clock_events import SLOWDOWN_REASONS
 from agent.watch.throttle import EXPECTED_REASONS
 
 #: Clock-event reasons that make a GPU "throttled" in the daemon's eyes.

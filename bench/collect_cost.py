@@ -47,9 +47,9 @@ from agent.backend.base import (
     ViolationPolicy,
 )
 from agent.backend.errors import GpuError
-from agent.bounded import BoundedRunner
 from agent.collect import sample_identified
 from agent.config import AgentConfig, SimulatedConfig
+from agent.daemon.bounded import BoundedRunner
 from bench.common import Report, add_common_args, percentile, print_rows, scratch_dir, summarize, target
 
 Call = tuple[Callable[..., Any], tuple[Any, ...]]

@@ -291,7 +291,7 @@ def make_node(
     if rules_yaml is not None:
         (rules_dir / "50-bench.yaml").write_text(rules_yaml, encoding="utf-8")
     if backend == "simulated":
-        from agent.demo import build_demo_host
+        from agent.demo.scenario import build_demo_host
 
         host_root = directory / "host"
         build_demo_host(host_root)

@@ -1,11 +1,11 @@
 """What reading one inference server's /metrics costs the agent per loop.
 
-A stand-in sglang server (`agent.standin --flavor sglang`) runs as its own process with simulated
+A stand-in sglang server (`agent.demo.standin --flavor sglang`) runs as its own process with simulated
 traffic and `--dp-ranks` data-parallel ranks (each rank exports the scheduler families and the
 per-stage latency histograms once: an 8-GPU node with DP attention gives a page of real size).
 Timed in rounds, each on the same page:
 
-- fetch: the HTTP GET over loopback (`agent.service_metrics.fetch_text`);
+- fetch: the HTTP GET over loopback (`agent.services.scrape.fetch_text`);
 - parse: `parse_reading` on the fetched text (the wanted families' lines, then prometheus-client's
   parser);
 - scrape: both, as the daemon does each loop (`scrape`);
@@ -32,13 +32,23 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.service_metrics import LatencyWindow, fetch_text, parse_reading, scrape
-from agent.standin import free_port, wait_listening
+from agent.demo.standin import free_port, wait_listening
+from agent.services.scrape import LatencyWindow, fetch_text, parse_reading, scrape
 from bench.common import Report, add_common_args, agent_env, print_rows, summarize, target
 
 WINDOW_POINTS = 300  # a 5-minute window at a 1 s loop
 # A busy server: 40 requests/s, up to 256 at once.
-STANDIN = (sys.executable, "-m", "agent.standin", "--flavor", "sglang", "--request-rate", "40", "--max-running", "256")
+STANDIN = (
+    sys.executable,
+    "-m",
+    "agent.demo.standin",
+    "--flavor",
+    "sglang",
+    "--request-rate",
+    "40",
+    "--max-running",
+    "256",
+)
 
 
 def timed(call: Callable[[], Any], rounds: int) -> tuple[list[float], list[float]]:

@@ -48,12 +48,12 @@ from agent.backend.errors import GpuError, GpuErrorKind
 from agent.backend.sim import REASON_HW_SLOWDOWN, REASON_HW_THERMAL, SimulatedBackend
 from agent.config import AgentConfig
 from agent.daemon import Daemon, LoopTiming
-from agent.demo import build_demo_host, default_rules_dir
+from agent.daemon.sd_notify import SdNotifier
+from agent.demo.scenario import build_demo_host, default_rules_dir
 from agent.events import Event
 from agent.host.paths import HostPaths
-from agent.notify import SdNotifier
 from agent.rules.config import Rule, load_rules
-from agent.store import Store
+from agent.store.database import Store
 from agent.watch.fake_kernel_log import append_kmsg, xid_line
 from agent.watch.nvml_events import NvmlEventSource
 

@@ -17,7 +17,8 @@ from agent.events import Event, EventKind, Severity, SuggestedAction
 from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
 from agent.rules.actions import ActionContext
-from agent.services import HealthProber, ServiceManager
+from agent.services.health import HealthProber
+from agent.services.managers import ServiceManager
 
 T = TypeVar("T")
 

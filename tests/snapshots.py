@@ -24,9 +24,9 @@ from typing import Any
 from agent.backend.base import GpuBackend, GpuProcess, NvLinkErrors
 from agent.collect import sample_all
 from agent.events import EventKind, Health, HealthState, Severity, SuggestedAction
-from agent.gpu_attribution import GpuAttribution, GpuProcessInfo
 from agent.policy.base import ItemPlan, PlanStatus
-from agent.service_metrics import LatencyFigures, ServiceFigures
+from agent.services.attribution import GpuAttribution, GpuProcessInfo
+from agent.services.scrape import LatencyFigures, ServiceFigures
 from agent.state import (
     CollectorStatus,
     GpuSample,

@@ -22,11 +22,12 @@ from hosttree import NOBODY_ID, ScriptedHostContext, make_host_tree
 from pydantic import ValidationError
 from race import attempts, swapping
 
-from agent import standin
 from agent.backend.base import RecoveryAction
 from agent.backend.errors import GpuErrorKind
 from agent.backend.sim import SimulatedBackend
 from agent.config import AgentConfig, Mode, RemediationConfig, ServiceConfig
+from agent.demo import standin
+from agent.demo.standin import free_port, running
 from agent.events import Event, EventKind, Severity, SuggestedAction, event_json
 from agent.policy.base import HostContext
 from agent.rules.actions import (
@@ -41,8 +42,7 @@ from agent.rules.actions.dispatch import HANDLERS
 from agent.rules.config import ActionStep
 from agent.rules.model import ActionKind, ActionSpec, Decision, Outcome, Target
 from agent.rules.params import PARAMS_BY_KIND, ResetGpuParams, RestartServiceParams
-from agent.services import CommandManager, build_managers
-from agent.standin import free_port, running
+from agent.services.managers import CommandManager, build_managers
 
 STANDIN = str(Path(standin.__file__))
 PROFILE = "h200x2"

@@ -16,13 +16,13 @@ from hosttree import make_host_tree
 
 from agent.backend.sim import SimulatedBackend
 from agent.config import AgentConfig, Mode, RemediationConfig
+from agent.demo.standin import free_port
 from agent.events import Event, EventKind, Severity, SuggestedAction
 from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
 from agent.rules.actions import ActionContext, AlertTracker, alert_for, execute, post_alert, resolve_alert
 from agent.rules.model import ActionKind, ActionSpec, Decision, Outcome, Target
 from agent.rules.params import AlertmanagerParams
-from agent.standin import free_port
 
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
 pytestmark = pytest.mark.skipif(

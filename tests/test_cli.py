@@ -14,11 +14,11 @@ import pytest
 from helpers import live_processes
 from hosttree import make_host_tree
 
-from agent import standin
 from agent.backend.base import ClockDomain
 from agent.backend.errors import GpuErrorKind
 from agent.backend.sim import SimulatedBackend
 from agent.cli import XID_PARSE_MAX_LINE_BYTES, bounded_lines
+from agent.demo import standin
 
 H200_POLICY = """\
 mode: {mode}

@@ -19,8 +19,8 @@ from agent.backend.base import ClockDomain
 from agent.backend.sim import SimulatedBackend
 from agent.config import load_config
 from agent.daemon import Daemon, LoopTiming
+from agent.daemon.sd_notify import SdNotifier
 from agent.events import EventKind, Severity
-from agent.notify import SdNotifier
 from agent.watch.fake_kernel_log import append_kmsg, xid_line
 
 #: How long a test waits for the agent to do what it is asked.

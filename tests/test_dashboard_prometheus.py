@@ -35,12 +35,12 @@ from snapshots import inference_fields, node_snapshot, snapshot_from_backend, te
 from agent.backend.base import RecoveryAction
 from agent.backend.errors import GpuErrorKind
 from agent.backend.sim import SimulatedBackend
-from agent.clock_events import SLOWDOWN_REASONS, decode
 from agent.events import Health, HealthState
 from agent.metrics import SnapshotCollector, serve_metrics
 from agent.policy import power_limit
 from agent.policy.base import GpuContext, ItemPlan, PlanStatus
 from agent.state import CollectorStatus, NodeSnapshot, RemediationCount, ServiceStatus, XidCount
+from agent.watch.clock_events import SLOWDOWN_REASONS, decode
 from agent.watch.xid_catalog import all_codes, lookup
 
 ROOT = Path(__file__).resolve().parent.parent

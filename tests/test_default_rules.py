@@ -18,15 +18,15 @@ from snapshots import gpu_uuid, h200_snapshot
 
 from agent.config import ConfigError
 from agent.events import Event, EventKind, SuggestedAction
-from agent.latency_cause import CauseFinding, SloBreach, regression_event
 from agent.rules.actions.alertmanager import alert_for
 from agent.rules.config import Rule, load_rules
 from agent.rules.engine import EXHAUSTED_STEP, evaluate
 from agent.rules.model import ActionKind, ActionOutcome, Decision, Outcome, Target
 from agent.rules.params import AlertmanagerParams
-from agent.service_metrics import ServiceFigures
+from agent.services.latency_cause import CauseFinding, SloBreach, regression_event
+from agent.services.scrape import ServiceFigures
 from agent.state import NodeSnapshot, ServiceStatus
-from agent.store import Store
+from agent.store.database import Store
 from agent.watch import xid_catalog
 from agent.watch.kernel_log import RECOVERY_ACTION_XID
 
@@ -192,7 +192,7 @@ def test_service_probe_failures(node: Node, failures: int, expected: list[tuple[
 
 
 def latency_regression(finding: CauseFinding, at: float = T0) -> Event:
-    """The event the daemon makes of a breached SLO (agent.latency_cause), not a hand-built copy."""
+    """The event the daemon makes of a breached SLO (agent.services.latency_cause), not a hand-built copy."""
     figures = ServiceFigures("sglang", "sglang", at, 300.0, running=9, waiting=0)
     return regression_event("sglang", [SloBreach("e2e_p95", 2.1, 1.5, 120)], finding, figures, at)
 

@@ -42,9 +42,9 @@ from agent.backend.errors import GpuError, GpuErrorKind
 from agent.backend.sim import PROTOCOL_METHODS, STATE_FILE_NAME, SimulatedBackend
 from agent.config import AgentConfig
 from agent.daemon import Daemon, LoopTiming
+from agent.daemon.sd_notify import SdNotifier
 from agent.events import Event, EventKind, HealthState, SuggestedAction
 from agent.host.paths import HostPaths
-from agent.notify import SdNotifier
 from agent.policy.base import HostContext, Outcome, PlanStatus
 from agent.policy.engine import PolicyEngine
 from agent.rules.actions import ActionContext, execute

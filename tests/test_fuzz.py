@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from agent import api, safe_yaml
 from agent.config import AgentConfig, ConfigError, config_from_text, load_config
 from agent.daemon import Daemon
-from agent.notify import SdNotifier
+from agent.daemon.sd_notify import SdNotifier
 from agent.rules.config import Rule, load_rules
 
 FILE = "/etc/gpu-agent/agent.yaml"

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from agent.config import ServiceConfig
-from agent.generate_probe import generate_probe
-from agent.services import HealthProber
-from agent.standin import MODEL_NAME, StandinServer, free_port
+from agent.demo.standin import MODEL_NAME, StandinServer, free_port
+from agent.services.generate_probe import generate_probe
+from agent.services.health import HealthProber
 
 
 def origin(server: StandinServer) -> str:

@@ -10,7 +10,9 @@ from pathlib import Path
 
 from agent.backend.base import GpuProcess
 from agent.config import ServiceConfig
-from agent.gpu_attribution import (
+from agent.demo.standin import StandinServer, free_port
+from agent.host.paths import HostPaths
+from agent.services.attribution import (
     GpuProcessInfo,
     attribute_gpu_processes,
     command_service_pids,
@@ -18,8 +20,6 @@ from agent.gpu_attribution import (
     process_tree,
     unit_of_pid,
 )
-from agent.host.paths import HostPaths
-from agent.standin import StandinServer, free_port
 
 GIB = 1024**3
 

@@ -6,7 +6,7 @@ from helpers import make_event
 
 from agent.events import EventKind
 from agent.render import history_text
-from agent.store import StoredEvent
+from agent.store.database import StoredEvent
 
 
 def test_the_gpu_is_named_once_whether_or_not_the_message_names_it() -> None:

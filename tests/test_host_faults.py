@@ -28,14 +28,14 @@ from hosttree import make_host_tree
 from agent.backend.sim import REASON_HW_THERMAL, SimulatedBackend
 from agent.config import AgentConfig
 from agent.daemon import Daemon, LoopTiming
+from agent.daemon.sd_notify import SdNotifier
 from agent.events import EventKind
 from agent.host.paths import HostPaths
-from agent.notify import SdNotifier
 from agent.policy.base import PlanStatus
 from agent.rules.config import load_rules
 from agent.rules.model import Outcome
 from agent.state import NodeSnapshot
-from agent.store import DB_NAME, Store
+from agent.store.database import DB_NAME, Store
 from agent.watch.fake_kernel_log import append_kmsg, xid_line
 from agent.watch.nvml_events import NvmlEventSource
 

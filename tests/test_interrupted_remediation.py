@@ -1,5 +1,5 @@
 """Remediation interrupted by kill -9 and SIGTERM, through real agent processes and a real
-`manager: command` service (agent.standin behind shell scripts that log every start and stop).
+`manager: command` service (agent.demo.standin behind shell scripts that log every start and stop).
 
 What is checked comes from the service's own log, never from the store the agent writes: how many
 restarts really happened under the caps, and that a service an interrupted action stopped is
@@ -20,9 +20,9 @@ from pathlib import Path
 from daemon_harness import RunningAgent, running_agent
 from helpers import wait_until
 
-from agent import standin
 from agent.backend.sim import SimulatedBackend
-from agent.standin import free_port
+from agent.demo import standin
+from agent.demo.standin import free_port
 
 POLICY = "  gpus: []\n"
 RESTART_RULE = """rules:

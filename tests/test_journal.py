@@ -1,5 +1,5 @@
-"""The remediation journal (agent.store, agent.daemon.action_worker) and the attempt clock
-(agent.attempt_clock): an action is on record before it runs, recovery rolls back what a killed
+"""The remediation journal (agent.store.database, agent.daemon.action_worker) and the attempt clock
+(agent.store.attempt_clock): an action is on record before it runs, recovery rolls back what a killed
 run left down, and cooldowns count only time that really elapsed."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 from helpers import FakeClock, make_event, wait_until
 
-from agent.attempt_clock import AttemptClock, ClockReading, elapsed_seconds
 from agent.config import AgentConfig, ServiceConfig
 from agent.daemon.action_worker import ActionWorker, ClockHistory
-from agent.rules.actions.journal import services_left_down
+from agent.rules.actions.steps import services_left_down
 from agent.rules.model import ActionKind, ActionOutcome, ActionSpec, Decision, Outcome, Target
-from agent.services import CommandManager
-from agent.store import Store
+from agent.services.managers import CommandManager
+from agent.store.attempt_clock import AttemptClock, ClockReading, elapsed_seconds
+from agent.store.database import Store
 
 BOOT = "boot-a"
 GPU0 = Target(0, "GPU-0")

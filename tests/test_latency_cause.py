@@ -9,8 +9,8 @@ import pytest
 
 from agent.config import ServiceSlo
 from agent.events import Event, EventKind, Severity, SuggestedAction
-from agent.latency_cause import SloWatch, attribute_cause, check_slo, regression_event
-from agent.service_metrics import LatencyFigures, ServiceFigures
+from agent.services.latency_cause import SloWatch, attribute_cause, check_slo, regression_event
+from agent.services.scrape import LatencyFigures, ServiceFigures
 from agent.state import GpuSample
 
 GIB = 1024**3

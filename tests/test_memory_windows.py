@@ -12,10 +12,10 @@ from test_node_memory import BOOT, UUIDS, sample, xid_watcher
 
 from agent.config import ServiceConfig
 from agent.events import EventKind
-from agent.memory import NodeMemory
-from agent.services import HealthProber
+from agent.services.health import HealthProber
 from agent.state import GpuSample
-from agent.store import DB_NAME, Store
+from agent.store.database import DB_NAME, Store
+from agent.store.node_memory import NodeMemory
 from agent.watch.throttle import ThrottleWatcher
 
 SW_THERMAL = 0x20

@@ -30,10 +30,10 @@ from snapshots import (
 
 from agent import __version__
 from agent.backend.sim import SimulatedBackend
-from agent.clock_events import CLOCK_EVENT_REASONS
 from agent.collect import sample_all
 from agent.metrics import MetricsServer, SnapshotCollector, parse_listen, serve_metrics
 from agent.state import GpuSample, NodeSnapshot
+from agent.watch.clock_events import CLOCK_EVENT_REASONS
 
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (apt-get install prometheus)")

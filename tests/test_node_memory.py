@@ -12,7 +12,9 @@ from agent.backend.base import GpuIdentity
 from agent.backend.errors import GpuErrorKind
 from agent.events import EventKind, HealthState
 from agent.host.paths import HostPaths
-from agent.memory import (
+from agent.state import GpuSample, NodeSnapshot, XidCount
+from agent.store.database import DB_NAME, MIGRATIONS, RETENTION_SECONDS, InventoryGpu, Store
+from agent.store.node_memory import (
     MISSING_READ_ERROR,
     PRUNE_EVERY_SECONDS,
     UNKNOWN_BOOT,
@@ -20,8 +22,6 @@ from agent.memory import (
     expected_gpu_count,
     read_boot_id,
 )
-from agent.state import GpuSample, NodeSnapshot, XidCount
-from agent.store import DB_NAME, MIGRATIONS, RETENTION_SECONDS, InventoryGpu, Store
 from agent.watch.gpu_lost import GpuLostWatcher
 from agent.watch.kernel_log import KernelXid
 from agent.watch.xid import XidWatcher

@@ -38,7 +38,7 @@ from agent.backend.errors import NO_DRIVER_KINDS, GpuError, GpuErrorKind, WriteR
 from agent.backend.nvml import NvmlBackend, classify, to_gpu_error
 from agent.config import load_config
 from agent.daemon import Daemon
-from agent.notify import SdNotifier
+from agent.daemon.sd_notify import SdNotifier
 
 ALL_ITEMS = frozenset(SETTER_ITEMS.values())
 H200_GRAPHICS_CLOCKS = list(range(1980, 344, -15))

@@ -26,7 +26,7 @@ from hosttree import make_host_tree
 from systemd_sandbox import SystemdSandbox, missing_requirements
 from test_packaging import REPO, RULES, VERSION, build_packages
 
-from agent.standin import free_port
+from agent.demo.standin import free_port
 
 pytestmark = [
     pytest.mark.e2e,
@@ -39,12 +39,12 @@ DEB = "/root/gpu-agent.deb"
 APT_ENV = ["env", "DEBIAN_FRONTEND=noninteractive"]
 SGLANG_PORT = free_port()
 METRICS_PORT = free_port()
-# The stand-in runs from the package's own environment: agent/standin.py is part of gpu-agent.
+# The stand-in runs from the package's own environment: agent/demo/standin.py is part of gpu-agent.
 SGLANG_UNIT = f"""[Unit]
 Description=sglang stand-in
 
 [Service]
-ExecStart=/opt/gpu-agent/venv/bin/python -m agent.standin --port {SGLANG_PORT} --control-file /run/sglang.control
+ExecStart=/opt/gpu-agent/venv/bin/python -m agent.demo.standin --port {SGLANG_PORT} --control-file /run/sglang.control
 """
 # Watchdog and restart delays shortened for the test: the shipped 30 s / 5 s are checked by
 # tests/test_unit_file.py; here the mechanism is what counts.

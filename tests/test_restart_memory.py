@@ -14,8 +14,8 @@ from daemon_harness import DEFAULT_POLICY, RunningAgent, free_port, running_agen
 from helpers import wait_until
 from hosttree import make_host_tree
 
-from agent.memory import BOOT_ID_PATH
 from agent.rules.actions.reboot import REBOOT_FLAG_NAME
+from agent.store.node_memory import BOOT_ID_PATH
 
 PROFILE = "h200x8"
 BOOT_A = "1f0e4c52-0000-4000-8000-00000000000a"
@@ -137,7 +137,7 @@ def settled(agent: RunningAgent, wanted: Any = None) -> Any:
 
 
 def test_faults_cover_every_kind_the_simulator_injects() -> None:
-    from agent.inject import FAULTS as SIMULATOR_FAULTS
+    from agent.demo.inject import FAULTS as SIMULATOR_FAULTS
 
     assert set(SIMULATOR_FAULTS) == INJECTED_KINDS
 

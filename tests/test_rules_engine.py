@@ -22,7 +22,7 @@ from agent.rules.config import Rule
 from agent.rules.engine import EXHAUSTED_STEP, evaluate, gpus_by_service
 from agent.rules.model import ActionOutcome, Decision, Outcome, Target
 from agent.state import NodeSnapshot, ServiceStatus
-from agent.store import Store
+from agent.store.database import Store
 
 T0 = 1_780_000_000.0
 HOUR = 3600.0

@@ -15,7 +15,7 @@ from test_safe_yaml import NESTED, alias_bomb, assert_cli_fails_with_one_line
 
 from agent.config import ConfigError, load_config
 from agent.daemon import Daemon
-from agent.notify import SdNotifier
+from agent.daemon.sd_notify import SdNotifier
 from agent.rules.config import load_rules
 
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="ownership checks apply when the agent runs as root")

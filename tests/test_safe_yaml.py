@@ -17,7 +17,7 @@ from daemon_harness import write_agent_config
 from agent import safe_yaml
 from agent.config import ConfigError, config_from_text, load_config
 from agent.daemon import Daemon
-from agent.notify import SdNotifier
+from agent.daemon.sd_notify import SdNotifier
 from agent.rules.config import load_rules
 
 

@@ -11,9 +11,11 @@ import pytest
 from pydantic import ValidationError
 
 from agent.config import AgentConfig, ConfigError, ServiceConfig, config_from_text
+from agent.host.commands import MINIMAL_ENV
 from agent.host.paths import HostPaths
 from agent.policy.base import HostContext
-from agent.services import MINIMAL_ENV, CommandManager, build_managers, triton_environments
+from agent.policy.triton_cache import triton_environments
+from agent.services.managers import CommandManager, build_managers
 
 
 def service(**fields: object) -> ServiceConfig:

@@ -12,11 +12,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from snapshots import inference_fields, node_snapshot
 
-from agent.gpu_attribution import GpuAttribution, GpuProcessInfo
 from agent.render import snapshot_document
-from agent.service_export import service_metric_families, status_document, unattributed_document
-from agent.service_metrics import LatencyFigures, ServiceFigures
-from agent.service_text import status_line, unattributed_lines
+from agent.services.attribution import GpuAttribution, GpuProcessInfo
+from agent.services.export import service_metric_families, status_document, unattributed_document
+from agent.services.scrape import LatencyFigures, ServiceFigures
+from agent.services.text import status_line, unattributed_lines
 from agent.textview import status_text
 
 GIB = 2**30

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.service_metrics import (
+from agent.demo.standin import StandinServer, free_port, wait_listening
+from agent.services.scrape import (
     Histogram,
     LatencyWindow,
     ScrapeError,
@@ -25,7 +26,6 @@ from agent.service_metrics import (
     parse_reading,
     scrape,
 )
-from agent.standin import StandinServer, free_port, wait_listening
 
 INF = math.inf
 #: Recorded /metrics pages of the two servers (Prometheus text, kept as data files).

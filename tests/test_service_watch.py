@@ -9,10 +9,10 @@ from pathlib import Path
 from agent.backend import open_backend
 from agent.collect import sample_all
 from agent.config import AgentConfig, ServiceConfig
+from agent.demo.standin import StandinServer, free_port
 from agent.events import Event, EventKind, Severity
-from agent.service_metrics import LatencyFigures, ServiceFigures
-from agent.service_watch import InferenceMonitor, LatencyRegressionWatch, ServiceScraper, expected_clocks_mhz
-from agent.standin import StandinServer, free_port
+from agent.services.scrape import LatencyFigures, ServiceFigures
+from agent.services.watch import InferenceMonitor, LatencyRegressionWatch, ServiceScraper, expected_clocks_mhz
 from agent.state import GpuSample
 
 

@@ -11,21 +11,15 @@ import pytest
 from helpers import wait_until
 from pydantic import ValidationError
 
-from agent import standin
 from agent.config import AgentConfig, ServiceConfig
+from agent.demo import standin
+from agent.demo.standin import StandinServer, free_port, running
 from agent.events import EventKind, Severity, SuggestedAction
+from agent.host.commands import run_process
 from agent.host.paths import HostPaths
 from agent.policy.base import HostContext
-from agent.services import (
-    CommandManager,
-    HealthProber,
-    ProberThread,
-    ServiceError,
-    SystemdManager,
-    build_managers,
-    run_process,
-)
-from agent.standin import StandinServer, free_port, running
+from agent.services.health import HealthProber, ProberThread
+from agent.services.managers import CommandManager, ServiceError, SystemdManager, build_managers
 
 STANDIN = str(Path(standin.__file__))
 

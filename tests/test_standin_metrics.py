@@ -10,9 +10,9 @@ from pathlib import Path
 from agent.backend.sim import SimulatedBackend
 from agent.collect import sample_gpu
 from agent.config import ServiceSlo
-from agent.latency_cause import attribute_cause, check_slo, regression_event
-from agent.service_metrics import LatencyWindow, ServiceFigures, scrape
-from agent.standin import StandinServer
+from agent.demo.standin import StandinServer
+from agent.services.latency_cause import attribute_cause, check_slo, regression_event
+from agent.services.scrape import LatencyWindow, ServiceFigures, scrape
 from agent.state import GpuSample
 
 

@@ -16,7 +16,7 @@ from daemon_harness import RunningAgent, running_agent
 
 from agent.backend.base import RecoveryAction
 from agent.backend.sim import SimulatedBackend
-from agent.inject import REASON_BITS
+from agent.demo.inject import REASON_BITS
 
 
 def _thermal_slowdown(gpus: SimulatedBackend) -> None:

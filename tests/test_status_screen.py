@@ -18,13 +18,13 @@ from snapshots import node_snapshot
 from agent.config import AgentConfig, Mode
 from agent.daemon.publisher import Publisher, status_line
 from agent.daemon.remediator import Remediator
+from agent.daemon.sd_notify import SdNotifier
 from agent.events import EventKind
-from agent.notify import SdNotifier
 from agent.render import snapshot_document
 from agent.rules.model import ActionKind, ActionSpec, Decision, Target
 from agent.rules.params import RestartServiceParams
 from agent.state import RecentRemediation
-from agent.store import Store
+from agent.store.database import Store
 from agent.textview import (
     EXIT_ATTENTION,
     EXIT_COULD_NOT_TELL,
@@ -115,7 +115,7 @@ def test_exit_codes_like_plan() -> None:
 
 
 def test_fewer_gpus_than_seen_before_is_a_problem_everywhere() -> None:
-    """Node memory (agent.memory) keeps a GPU that left the bus in the daemon's snapshot, down, until
+    """Node memory (agent.store.node_memory) keeps a GPU that left the bus in the daemon's snapshot, down, until
     it answers again or is acknowledged gone: the publisher expects every GPU the snapshot holds."""
     publisher = Publisher(SdNotifier(None, None))
     full = node_snapshot(health={}, policy=(), xids=())

@@ -10,15 +10,15 @@ from helpers import action_context
 from hosttree import make_host_tree
 from systemd_sandbox import SystemdSandbox, missing_requirements
 
-from agent import standin
 from agent.backend.sim import SimulatedBackend
 from agent.config import AgentConfig, Mode, ServiceConfig
+from agent.demo import standin
+from agent.demo.standin import free_port
 from agent.events import Event, EventKind, Severity
 from agent.policy.base import HostContext
 from agent.rules.actions import ActionContext, execute
 from agent.rules.model import ActionKind, ActionSpec, Decision, Outcome, Target
-from agent.services import SystemdManager, build_managers
-from agent.standin import free_port
+from agent.services.managers import SystemdManager, build_managers
 
 pytestmark = [
     pytest.mark.e2e,

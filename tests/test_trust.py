@@ -30,7 +30,7 @@ from agent import api
 from agent.backend.sim import SimulatedBackend
 from agent.config import ConfigError, load_config
 from agent.daemon import Daemon
-from agent.notify import SdNotifier
+from agent.daemon.sd_notify import SdNotifier
 from agent.trust import (
     UntrustedError,
     directory_problem,

@@ -11,7 +11,7 @@ The parts, one job each, wired by the thin `Daemon` (core.py):
 - publisher.py: the published snapshot, the metrics and API servers, systemd's STATUS= line;
 - intake.py: events from the source threads; watchdog.py: systemd's watchdog.
 
-Threads: one lane per GPU for time-bounded NVML reads (agent.bounded), the NVML event wait and
+Threads: one lane per GPU for time-bounded NVML reads (agent.daemon.bounded), the NVML event wait and
 the kernel-log reader feeding the Xid watcher, the service prober, the metrics and API servers,
 the action worker (a GPU reset can take a minute; the loop must not wait for it) and the
 watchdog pinger. Only the loop builds snapshots; everyone else reads the last published one.

@@ -20,13 +20,13 @@ from typing import Any
 
 import structlog
 
-from agent.attempt_clock import AttemptClock, ClockReading, effective_wall_seconds
 from agent.config import AgentConfig
 from agent.rules.actions import ActionContext, execute
-from agent.rules.actions.journal import services_left_down
+from agent.rules.actions.steps import services_left_down
 from agent.rules.model import ActionOutcome, Decision, Outcome
-from agent.services import ServiceError, ServiceManager
-from agent.store import JournalEntry, Store, StoreError
+from agent.services.managers import ServiceError, ServiceManager
+from agent.store.attempt_clock import AttemptClock, ClockReading, effective_wall_seconds
+from agent.store.database import JournalEntry, Store, StoreError
 
 log = structlog.get_logger("gpu-agent")
 
@@ -213,7 +213,7 @@ class ActionWorker:
 
 
 class ClockHistory:
-    """The store's attempt history measured with agent.attempt_clock: each attempt's time is placed on
+    """The store's attempt history measured with agent.store.attempt_clock: each attempt's time is placed on
     the current wall clock by the time really elapsed since it (boottime within a boot; a wall clock
     stepped back counts as nothing elapsed), so the engine's `now - last` is right across restarts
     and clock steps. Actions journaled as running are in the store already: they count at once."""

@@ -21,8 +21,8 @@ import structlog
 
 from agent.backend.base import GpuBackend, GpuIdentity
 from agent.backend.errors import GpuError, GpuErrorKind
-from agent.bounded import BoundedRunner, StaleGpu
 from agent.collect import carry_slow_fields, sample_identified
+from agent.daemon.bounded import BoundedRunner, StaleGpu
 from agent.daemon.session import FaultSink
 from agent.daemon.timing import LoopTiming, due, timed
 from agent.state import CollectorStatus, GpuSample

@@ -20,32 +20,33 @@ from types import FrameType
 
 import structlog
 
-from agent import known_good
-from agent.attempt_clock import AttemptClock, boottime_seconds
 from agent.backend.base import GpuEvent
-from agent.bounded import BoundedRunner
 from agent.config import AgentConfig, ConfigError, load_config
+from agent.daemon.bounded import BoundedRunner
 from agent.daemon.collector import GpuCollector
 from agent.daemon.drift import FAN_CURVE
 from agent.daemon.intake import EventIntake
 from agent.daemon.policy_loop import PolicyLoop
 from agent.daemon.publisher import Publisher, status_line
 from agent.daemon.remediator import LoadedRules, Remediator, load_rules_dir
+from agent.daemon.sd_notify import SdNotifier
 from agent.daemon.session import BackendSession
 from agent.daemon.timing import LoopTiming
 from agent.daemon.watchdog import Watchdog
 from agent.events import Event
 from agent.host.paths import HostPaths
-from agent.memory import NodeMemory, read_boot_id
-from agent.notify import SdNotifier
+from agent.policy import known_good
 from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
 from agent.policy.registry import RESTORABLE_NAMES
 from agent.rules.actions import ActionContext, AlertTracker
-from agent.service_watch import InferenceMonitor
-from agent.services import HealthProber, ProberThread, build_managers
+from agent.services.health import HealthProber, ProberThread
+from agent.services.managers import build_managers
+from agent.services.watch import InferenceMonitor
 from agent.snapshot import DaemonParts, NodeWatchers, build_snapshot
 from agent.state import CollectorStatus, GpuSample, NodeSnapshot
+from agent.store.attempt_clock import AttemptClock, boottime_seconds
+from agent.store.node_memory import NodeMemory, read_boot_id
 from agent.watch.devices import UdevWakeup
 from agent.watch.kernel_log import KernelXid
 from agent.watch.kmsg import KmsgSource

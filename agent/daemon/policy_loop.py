@@ -13,8 +13,8 @@ import structlog
 
 from agent.backend.base import GPU_RESET_ITEM, GpuBackend, GpuIdentity
 from agent.backend.errors import GpuError
-from agent.bounded import BoundedRunner, StaleGpu
 from agent.config import AgentConfig
+from agent.daemon.bounded import BoundedRunner, StaleGpu
 from agent.daemon.drift import FAN_CURVE, DriftBook, ItemKey
 from agent.daemon.session import FaultSink
 from agent.daemon.timing import due, timed

@@ -11,10 +11,10 @@ from typing import Any
 
 from agent import __version__
 from agent.config import AgentConfig
+from agent.daemon.sd_notify import SdNotifier
 from agent.events import HealthState
-from agent.memory import expected_gpu_count
-from agent.notify import SdNotifier
 from agent.state import NodeSnapshot
+from agent.store.node_memory import expected_gpu_count
 from agent.verdict import drifted, node_problem
 
 
@@ -36,7 +36,7 @@ class Publisher:
 
     def publish(self, snapshot: NodeSnapshot) -> NodeSnapshot:
         """A loop's snapshot, with the expected GPU count: to the readers and, as one line, to systemd."""
-        # Node memory (agent.memory) keeps a GPU that left the bus in the snapshot, down, until it answers
+        # Node memory (agent.store.node_memory) keeps a GPU that left the bus in the snapshot, down, until it answers
         # or is acknowledged gone: the snapshot's GPUs are the ones this node should have.
         snapshot = replace(snapshot, expected_gpus=expected_gpu_count(snapshot) or None)
         self.set(snapshot)

@@ -13,12 +13,10 @@ from pathlib import Path
 
 import structlog
 
-from agent.attempt_clock import AttemptClock, ClockReading
 from agent.config import AgentConfig, Mode
 from agent.daemon.action_worker import ActionWorker, target_fields
 from agent.daemon.alert_delivery import AlertDelivery
 from agent.daemon.timing import due
-from agent.episodes import Episodes
 from agent.events import Event
 from agent.rules.actions import ActionContext, AlertTracker
 from agent.rules.config import Rule, load_rules
@@ -27,9 +25,11 @@ from agent.rules.model import ActionOutcome, Decision, Outcome
 from agent.rules.params import NODE_CHANGING_ACTIONS
 from agent.rules.sources import describe as describe_rules
 from agent.rules.sources import resolve_rules
-from agent.services import ServiceManager
+from agent.services.managers import ServiceManager
 from agent.state import CollectorStatus, NodeSnapshot, RecentRemediation, RemediationCount
-from agent.store import Store, StoreError
+from agent.store.attempt_clock import AttemptClock, ClockReading
+from agent.store.database import Store, StoreError
+from agent.watch.episodes import Episodes
 
 log = structlog.get_logger("gpu-agent")
 

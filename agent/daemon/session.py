@@ -20,8 +20,8 @@ import structlog
 from agent.backend import open_backend
 from agent.backend.base import GpuBackend, GpuEvent, WriteGuard
 from agent.backend.errors import NO_DRIVER_KINDS, GpuError, GpuErrorKind
-from agent.bounded import BoundedRunner, StaleGpu
 from agent.config import AgentConfig
+from agent.daemon.bounded import BoundedRunner, StaleGpu
 from agent.state import CollectorStatus
 from agent.watch.nvml_events import NvmlEventSource
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from agent.backend.errors import GpuError
-from agent.bounded import StaleGpu
+from agent.daemon.bounded import StaleGpu
 from agent.state import CollectorStatus
 
 T = TypeVar("T")

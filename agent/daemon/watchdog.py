@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import structlog
 
-from agent.notify import SdNotifier
+from agent.daemon.sd_notify import SdNotifier
 
 log = structlog.get_logger("gpu-agent")
 

@@ -8,7 +8,7 @@ directory reaches each systemd inference service as a drop-in
 sees a new environment only when restarted: apply reloads systemd but never restarts a service
 (the operator or a remediation rule chooses when). A `manager: command` service has no unit to
 carry a drop-in: the agent puts the variable in its start command's environment instead
-(agent.services.triton_environments), and this item only names it.
+(agent.services.health.triton_environments), and this item only names it.
 """
 
 from __future__ import annotations
@@ -368,6 +368,20 @@ class TritonCacheItem(HostItem[TritonCacheWant, TritonChange]):
             notes.append(f"restart {', '.join(restart)} to pick up the new environment")
         done = ", ".join(c.text for c in changes if not isinstance(c, ReloadSystemd))
         return "; ".join([done, *notes])
+
+
+def triton_environments(config: AgentConfig, host: HostContext) -> dict[str, dict[str, str]]:
+    """TRITON_CACHE_DIR for each `manager: command` service `policy.node.triton_cache` lists (by
+    name or unit), pointing at the cache directory as the host sees it."""
+    cache = config.policy.node.triton_cache
+    if cache is None:
+        return {}
+    listed = set(cache.services)
+    return {
+        service.name: {"TRITON_CACHE_DIR": str(host.paths.path(cache.path))}
+        for service in config.services
+        if service.manager == "command" and (service.name in listed or service.unit_name in listed)
+    }
 
 
 ITEM: Final = TritonCacheItem()

@@ -73,7 +73,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from agent.clock_events import SLOWDOWN_REASONS
 from agent.config import (
     ConfigError,
     ConfigProblem,
@@ -100,6 +99,7 @@ from agent.rules.params import (
 )
 from agent.trust import directory_problem
 from agent.watch import xid_catalog
+from agent.watch.clock_events import SLOWDOWN_REASONS
 
 RULE_NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]*$"
 # The store prunes history older than this; a longer window would count attempts it no longer has.

@@ -72,7 +72,7 @@ _ONCE_PER_CALL = frozenset({ActionKind.RESET_GPU, ActionKind.RECOMMEND_REBOOT, A
 
 
 class AttemptHistory(Protocol):
-    """What the engine needs to know about the past; `agent.store.Store` implements it."""
+    """What the engine needs to know about the past; `agent.store.database.Store` implements it."""
 
     def attempts(self, rule: str, target_key: str, since_seconds: float) -> list[float]:
         """Times of the attempts (not acknowledged away) at or after `since_seconds`, oldest first."""

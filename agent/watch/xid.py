@@ -13,7 +13,7 @@ reboot or reset_gpu -> UNHEALTHY, restart_service or alert -> DEGRADED, none -> 
 replaces earlier ones: the driver is stating the GPU's current need, not adding a fault.
 
 Counters, last-seen times and the health window outlive an agent restart: the daemon saves
-``counts()`` and ``marks()`` in the store and hands them back to ``restore`` at start (agent/memory.py).
+``counts()`` and ``marks()`` in the store and hands them back to ``restore`` at start (agent/store/node_memory.py).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 from agent.backend.base import GpuEvent, GpuEventKind, GpuIdentity
 from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
 from agent.state import XidCount
-from agent.store import XidMark
+from agent.store.database import XidMark
 from agent.watch import xid_catalog
 from agent.watch.kernel_log import RECOVERY_ACTION_XID, KernelXid, normalise_pci_bus_id
 

@@ -13,13 +13,14 @@ from agent.config import AgentConfig
 from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
 from agent.rules.actions.alertmanager import AlertTracker
-from agent.services import HealthProber, ServiceManager
+from agent.services.health import HealthProber
+from agent.services.managers import ServiceManager
 
 
 @dataclass
 class ActionContext:
     """Everything actions reach. `managers` maps service names to their manager (a service without
-    one cannot be restarted: see agent.services.build_managers)."""
+    one cannot be restarted: see agent.services.health.build_managers)."""
 
     config: AgentConfig
     backend: GpuBackend
@@ -34,7 +35,7 @@ class ActionContext:
     #: How long a GPU reset waits for the GPU's processes to exit after the services stopped.
     drain_timeout_seconds: float = 30.0
     drain_poll_seconds: float = 0.5
-    #: Each step of an action as it completes (agent.rules.actions.journal names them), written to the
+    #: Each step of an action as it completes (agent.rules.actions.steps names them), written to the
     #: remediation journal so an interrupted action can be rolled back by the next run.
     journal: Callable[[str], None] = lambda _step: None
     #: Set when the agent stops: a long action gives up where it safely can (a GPU reset still waiting

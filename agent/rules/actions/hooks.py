@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+from agent.host.commands import MINIMAL_ENV
 from agent.rules.actions.base import (
     Result,
     event_payload,
@@ -26,7 +27,6 @@ from agent.rules.actions.base import (
 from agent.rules.actions.context import ActionContext
 from agent.rules.model import Decision
 from agent.rules.params import RunHookParams
-from agent.services import MINIMAL_ENV
 from agent.trust import UntrustedError, run_trusted
 
 

@@ -19,15 +19,15 @@ from agent.backend.base import GpuProcess
 from agent.backend.errors import GpuError, GpuErrorKind, WriteRefused
 from agent.config import ServiceConfig
 from agent.events import EventKind
-from agent.gpu_attribution import attribute_gpu_processes, command_of_pid, command_service_pids
 from agent.policy.base import Outcome as ItemOutcome
 from agent.rules.actions.base import Result, failed, gpu_of, refused, uuid_of, xid_of
 from agent.rules.actions.context import ActionContext
-from agent.rules.actions.journal import GPU_RESET, POLICY_APPLIED, STOPPED, STOPPING, step
 from agent.rules.actions.service_actions import managers_for, ready_timeout, services_for_gpu, start_again
+from agent.rules.actions.steps import GPU_RESET, POLICY_APPLIED, STOPPED, STOPPING, step
 from agent.rules.model import Decision, Outcome
 from agent.rules.params import ResetGpuParams
-from agent.services import ServiceError
+from agent.services.attribution import attribute_gpu_processes, command_of_pid, command_service_pids
+from agent.services.managers import ServiceError
 
 log = structlog.get_logger("gpu-agent")
 

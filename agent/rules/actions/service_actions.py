@@ -8,10 +8,10 @@ from collections.abc import Callable, Mapping, Sequence
 from agent.config import AgentConfig, ServiceConfig
 from agent.rules.actions.base import ActionError, Result, failed, gpu_of, refused
 from agent.rules.actions.context import ActionContext
-from agent.rules.actions.journal import RESTARTED, RESTARTING, STARTED, step
+from agent.rules.actions.steps import RESTARTED, RESTARTING, STARTED, step
 from agent.rules.model import Decision, Outcome
 from agent.rules.params import RestartServiceParams
-from agent.services import ServiceError, ServiceManager
+from agent.services.managers import ServiceError, ServiceManager
 
 
 def services_for_gpu(config: AgentConfig, gpu: int) -> list[ServiceConfig]:

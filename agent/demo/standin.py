@@ -1,10 +1,10 @@
 """A stand-in for an inference server (sglang, vLLM): answers `/health` the way they do, and can be
 told to misbehave.
 
-    python3 -m agent.standin --port 30000 [--host 127.0.0.1] [--control-file F] [--pid-file P]
+    python3 -m agent.demo.standin --port 30000 [--host 127.0.0.1] [--control-file F] [--pid-file P]
                                  [--ready-after-seconds S] [--sim-state-dir D --sim-profile h200 --gpus 0,1]
                                  [--daemon]
-    python3 -m agent.standin --stop --pid-file P
+    python3 -m agent.demo.standin --stop --pid-file P
 
 `--daemon` forks the server into the background and returns once it listens (its pid in the pid
 file); `--stop` sends SIGTERM to the pid in the pid file and waits until it is gone. Together they
@@ -459,7 +459,7 @@ class SimGpus:
     """This process as a compute process on simulated GPUs (the backend's state file is shared)."""
 
     def __init__(self, state_dir: str, profile: str, gpus: list[int]) -> None:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
         from agent.backend.sim import SimulatedBackend
 
         self.backend = SimulatedBackend(profile, state_dir, counter_clock=time.monotonic)

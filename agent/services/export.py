@@ -1,5 +1,5 @@
 """The inference figures as the agent exports them: Prometheus families for `/metrics`, and the
-JSON of `gpu-agent status` (its text lines: `agent.service_text`). Pure functions of
+JSON of `gpu-agent status` (its text lines: `agent.services.text`). Pure functions of
 `ServiceFigures` and `GpuAttribution`, so the exporter and the status view stay one call each.
 
     gpu_agent_service_request_latency_seconds{service,kind="e2e|ttft|itl",quantile="0.5|0.95|0.99"}
@@ -24,8 +24,8 @@ from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from agent.gpu_attribution import GpuAttribution
-from agent.service_metrics import LATENCY_KINDS, QUANTILES, ServiceFigures
+from agent.services.attribution import GpuAttribution
+from agent.services.scrape import LATENCY_KINDS, QUANTILES, ServiceFigures
 
 
 def service_metric_families(

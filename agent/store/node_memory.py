@@ -5,7 +5,7 @@ A restart of the agent is not a reboot: a GPU that fell off the bus is still gon
 happened. So the daemon keeps, per boot (`/proc/sys/kernel/random/boot_id` under host_root), the
 GPU inventory, the Xid counters and health window, the time per clock-event reason with the start
 of each slowdown active now, and each service's declared state and failure streak in the store
-(agent/store.py), and reads them back when it starts. A reboot starts a new, empty memory. Each
+(agent/store/database.py), and reads them back when it starts. A reboot starts a new, empty memory. Each
 part is written only when it changed since the last write.
 
 Every loop, `remember` refreshes the inventory with the GPUs that answer and adds a sample for
@@ -30,9 +30,17 @@ from agent.backend.base import GpuIdentity
 from agent.backend.errors import GpuErrorKind
 from agent.host.paths import BOOT_ID_PATH as BOOT_ID_PATH
 from agent.host.paths import HostPaths
-from agent.services import HealthProber
+from agent.services.health import HealthProber
 from agent.state import GpuSample, NodeSnapshot, XidCount
-from agent.store import RETENTION_SECONDS, ClockEventTotal, InventoryGpu, ProbeStreak, Store, StoreError, XidMark
+from agent.store.database import (
+    RETENTION_SECONDS,
+    ClockEventTotal,
+    InventoryGpu,
+    ProbeStreak,
+    Store,
+    StoreError,
+    XidMark,
+)
 from agent.watch.throttle import ThrottleWatcher
 from agent.watch.xid import XidWatcher
 

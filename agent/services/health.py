@@ -1,30 +1,14 @@
-"""The inference services on the node (sglang, vLLM, ...): starting and stopping them, and probing
-their health.
+"""Probing the health of the inference services.
 
-Managers
---------
-`SystemdManager` drives a unit with `systemctl`; its argv prefix is configurable so tests can
-reach a sandboxed systemd (`nsenter -t PID -p -m -u -i chroot ROOT systemctl`). `CommandManager`
-runs the service's configured `start_command`/`stop_command` (argv lists, never a shell);
-restart is stop then start. A start command should hand the server to a supervisor of its own
-(a container runtime, `systemd-run`): whatever it leaves running in the agent's cgroup is stopped
-together with the agent.
-
-Every command runs with a scrubbed environment (`MINIMAL_ENV`), its own process group, a
-timeout that kills that whole group, and its output captured through a file rather than a pipe,
-so a start command that leaves a daemon behind holding stdout does not stall the agent.
-
-Health
-------
 `HealthProber` GETs each service's `health_url` (200-299 = healthy, anything else, a refused
 connection or no answer within `probe_timeout_seconds` = a failed probe); with `probe: generate`
-it sends the server's cheapest real request instead (`agent.generate_probe`). After
+it sends the server's cheapest real request instead (`agent.services.generate_probe`). After
 `unhealthy_after_probes` consecutive failures the service is declared unhealthy; one success
 declares it healthy again. SERVICE_UNHEALTHY and SERVICE_HEALTHY events are emitted on those
 transitions only (collect them with `take_events()`), so a service that stays down is one fault,
 not one event per probe. A service without a health URL is probed by asking its manager whether
 it runs (`systemctl is-active`, or the `status_command`). The declared states and streaks
-survive an agent restart on the same boot (`streaks`/`restore`, kept by agent/memory.py): a restart
+survive an agent restart on the same boot (`streaks`/`restore`, kept by agent/store/node_memory.py): a restart
 mid-outage neither starts the count again nor reports the outage a second time.
 
 While the agent itself restarts a service (`expect_down`, `wait_healthy`), failed probes are not
@@ -35,239 +19,27 @@ which would otherwise turn one restart into a restart storm while the model load
 from __future__ import annotations
 
 import http.client
-import os
-import signal
-import subprocess
-import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import structlog
 
-from agent.config import AgentConfig, ServiceConfig
+from agent.config import ServiceConfig
 from agent.events import Event, EventKind, Severity, SuggestedAction
-from agent.generate_probe import generate_probe
-from agent.policy.base import HostContext
+from agent.services.generate_probe import generate_probe
+from agent.services.managers import ServiceError, ServiceManager
 from agent.state import ServiceStatus
-from agent.store import ProbeStreak
+from agent.store.database import ProbeStreak
 
 log = structlog.get_logger("gpu-agent")
 
-#: The whole environment of every command the agent runs: nothing inherited (no secrets, no
-#: LD_PRELOAD, no PYTHONPATH), a PATH of system directories only.
-MINIMAL_ENV: dict[str, str] = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
-OUTPUT_LIMIT_BYTES = 4096
 #: How often `wait_healthy` probes at most: a restarted server should be seen as soon as it answers.
 READY_POLL_SECONDS = 1.0
 _BODY_READ_BYTES = 4096
-
-
-class ServiceError(Exception):
-    """A service could not be started, stopped or restarted."""
-
-
-# -- running commands -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ProcessResult:
-    argv: tuple[str, ...]
-    returncode: int | None  # None: killed after the timeout
-    output: str  # stdout and stderr together, the last OUTPUT_LIMIT_BYTES of it
-    duration_seconds: float
-
-    @property
-    def timed_out(self) -> bool:
-        return self.returncode is None
-
-    def describe(self) -> str:
-        """`exit 3: <output>`, for details and errors."""
-        status = f"timed out after {self.duration_seconds:.1f} s" if self.timed_out else f"exit {self.returncode}"
-        return f"{status}: {self.output}" if self.output else status
-
-
-def _tail(data: bytes, limit_bytes: int) -> str:
-    if len(data) <= limit_bytes:
-        return data.decode("utf-8", "replace").strip()
-    return f"[{len(data) - limit_bytes} bytes cut] " + data[-limit_bytes:].decode("utf-8", "replace").strip()
-
-
-def run_process(
-    argv: Sequence[str],
-    timeout_seconds: float,
-    *,
-    stdin: bytes = b"",
-    env: Mapping[str, str] | None = None,
-    output_limit_bytes: int = OUTPUT_LIMIT_BYTES,
-    executable: str | None = None,
-    pass_fds: Sequence[int] = (),
-) -> ProcessResult:
-    """Run argv (never through a shell) in a new process group; on timeout kill the whole group.
-
-    `executable`: the file to execute instead of argv[0], which the program still gets as its name
-    (and the result still reports); `pass_fds`: descriptors the child keeps (agent.trust.run_trusted
-    executes the descriptor it checked, `/proc/self/fd/N`). Raises OSError when the program cannot
-    be executed at all.
-    """
-    started = time.monotonic()
-    with tempfile.TemporaryFile() as output:
-        proc = subprocess.Popen(
-            list(argv),
-            executable=executable,
-            pass_fds=tuple(pass_fds),
-            stdin=subprocess.PIPE,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            env=dict(MINIMAL_ENV if env is None else env),
-            start_new_session=True,
-            close_fds=True,
-        )
-        returncode: int | None
-        try:
-            proc.communicate(input=stdin, timeout=timeout_seconds)
-            returncode = proc.returncode
-        except subprocess.TimeoutExpired:
-            # The group, not only the child: a hook's own children must not outlive its timeout.
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            returncode = None
-        output.seek(0)
-        text = _tail(output.read(), output_limit_bytes)
-    return ProcessResult(tuple(argv), returncode, text, time.monotonic() - started)
-
-
-# -- managers ------------------------------------------------------------------------------------
-
-
-class ServiceManager(Protocol):
-    """Starts and stops one kind of service. Methods raise ServiceError when the command fails."""
-
-    def start(self, service: ServiceConfig) -> None: ...
-    def stop(self, service: ServiceConfig) -> None: ...
-    def restart(self, service: ServiceConfig) -> None: ...
-    def is_active(self, service: ServiceConfig) -> bool | None:
-        """Whether it runs; None when this manager has no way to tell."""
-
-
-def _checked(result: ProcessResult, what: str) -> ProcessResult:
-    if result.returncode != 0:
-        raise ServiceError(f"{what} failed: {result.describe()}")
-    return result
-
-
-class SystemdManager:
-    """Services as systemd units, through `systemctl` (or a prefix reaching another systemd)."""
-
-    def __init__(self, systemctl_argv: Sequence[str] = ("systemctl",)) -> None:
-        self.systemctl_argv = tuple(systemctl_argv)
-
-    def systemctl(self, service: ServiceConfig, *args: str) -> ProcessResult:
-        argv = (*self.systemctl_argv, *args)
-        try:
-            return run_process(argv, service.command_timeout_seconds)
-        except OSError as exc:
-            raise ServiceError(f"cannot run {argv[0]}: {exc.strerror or exc}") from exc
-
-    def start(self, service: ServiceConfig) -> None:
-        _checked(self.systemctl(service, "start", service.unit_name), f"systemctl start {service.unit_name}")
-
-    def stop(self, service: ServiceConfig) -> None:
-        _checked(self.systemctl(service, "stop", service.unit_name), f"systemctl stop {service.unit_name}")
-
-    def restart(self, service: ServiceConfig) -> None:
-        _checked(self.systemctl(service, "restart", service.unit_name), f"systemctl restart {service.unit_name}")
-
-    def is_active(self, service: ServiceConfig) -> bool:
-        return self.systemctl(service, "is-active", "--quiet", service.unit_name).returncode == 0
-
-    def main_pid(self, service: ServiceConfig) -> int | None:
-        """The unit's main process (`systemctl show -p MainPID`), None when it has none."""
-        result = _checked(
-            self.systemctl(service, "show", "--property=MainPID", "--value", service.unit_name),
-            f"systemctl show {service.unit_name}",
-        )
-        pid = int(result.output.strip() or 0)
-        return pid or None
-
-
-class CommandManager:
-    """Services started and stopped by their configured commands.
-
-    `start_environments`: per service name, variables added to MINIMAL_ENV for its start command
-    (TRITON_CACHE_DIR for the services `policy.node.triton_cache` lists: a systemd drop-in cannot
-    reach a process the agent starts itself).
-    """
-
-    def __init__(self, start_environments: Mapping[str, Mapping[str, str]] | None = None) -> None:
-        self.start_environments = {name: dict(env) for name, env in (start_environments or {}).items()}
-
-    @staticmethod
-    def _run(
-        service: ServiceConfig, argv: list[str] | None, what: str, env: Mapping[str, str] | None = None
-    ) -> ProcessResult:
-        if argv is None:
-            raise ServiceError(f"service {service.name} has no {what} (manager: {service.manager})")
-        try:
-            return run_process(argv, service.command_timeout_seconds, env=env)
-        except OSError as exc:
-            raise ServiceError(f"{service.name}: cannot run {argv[0]}: {exc.strerror or exc}") from exc
-
-    def start(self, service: ServiceConfig) -> None:
-        env = {**MINIMAL_ENV, **self.start_environments.get(service.name, {})}
-        _checked(self._run(service, service.start_command, "start_command", env), f"{service.name} start_command")
-
-    def stop(self, service: ServiceConfig) -> None:
-        _checked(self._run(service, service.stop_command, "stop_command"), f"{service.name} stop_command")
-
-    def restart(self, service: ServiceConfig) -> None:
-        self.stop(service)
-        self.start(service)
-
-    def is_active(self, service: ServiceConfig) -> bool | None:
-        if service.status_command is None:
-            return None
-        return self._run(service, service.status_command, "status_command").returncode == 0
-
-
-def triton_environments(config: AgentConfig, host: HostContext) -> dict[str, dict[str, str]]:
-    """TRITON_CACHE_DIR for each `manager: command` service `policy.node.triton_cache` lists (by
-    name or unit), pointing at the cache directory as the host sees it."""
-    cache = config.policy.node.triton_cache
-    if cache is None:
-        return {}
-    listed = set(cache.services)
-    return {
-        service.name: {"TRITON_CACHE_DIR": str(host.paths.path(cache.path))}
-        for service in config.services
-        if service.manager == "command" and (service.name in listed or service.unit_name in listed)
-    }
-
-
-def build_managers(
-    config: AgentConfig, host: HostContext, systemctl_argv: Sequence[str] | None = None
-) -> dict[str, ServiceManager]:
-    """A manager for every service that can have one.
-
-    systemd services get one only when `host_root` is the real `/` or a `systemctl_argv` reaching
-    some other systemd is given: against a test tree or the demo's, the host's units are left alone
-    (an action on such a service is refused for want of a manager).
-    """
-    managers: dict[str, ServiceManager] = {}
-    commands = CommandManager(triton_environments(config, host))
-    systemd = SystemdManager(systemctl_argv) if systemctl_argv is not None else None
-    if systemd is None and host.is_real_root:
-        systemd = SystemdManager()
-    for service in config.services:
-        if service.manager == "command":
-            managers[service.name] = commands
-        elif systemd is not None:
-            managers[service.name] = systemd
-    return managers
 
 
 # -- health probing -------------------------------------------------------------------------------

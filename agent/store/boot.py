@@ -1,6 +1,6 @@
 """Node memory, all of it per boot (`/proc/sys/kernel/random/boot_id`): the GPU inventory, the Xid
 counters and health window, the throttle watcher's clock-event totals and the service prober's
-failure streaks (see agent.store for the schema and agent/memory.py for who reads them). A restart
+failure streaks (see agent.store.database for the schema and agent/store/node_memory.py for who reads them). A restart
 of the agent is not a reboot and must not forget; a reboot starts afresh (`start_boot`)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import structlog
 
 from agent.state import XidCount
-from agent.store_db import Database
+from agent.store.db import Database
 
 log = structlog.get_logger("gpu-agent")
 

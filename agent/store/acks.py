@@ -12,7 +12,7 @@ from typing import Any
 import structlog
 
 from agent.rules.model import Target
-from agent.store_db import Database
+from agent.store.db import Database
 
 log = structlog.get_logger("gpu-agent")
 

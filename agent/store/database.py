@@ -16,7 +16,7 @@ The remediation journal: an action that runs is written down before it starts
 (`begin_remediation`: outcome RUNNING, counted, its event marked handled, in one transaction), each of
 its steps as it completes (`journal_step`), and its end (`finish_remediation`); a row still RUNNING at
 start is what an earlier run left half-done (`running_remediations`, closed by `close_interrupted`).
-Each attempt keeps the boot id and CLOCK_BOOTTIME beside the wall time (agent.attempt_clock).
+Each attempt keeps the boot id and CLOCK_BOOTTIME beside the wall time (agent.store.attempt_clock).
 
 `record_outcome` (decisions that run nothing: suppressed, dry runs) also stores the decision's event
 and marks it handled (so a fault the engine synthesized from the snapshot is one fault), and opens
@@ -29,7 +29,7 @@ One connection, shared by the threads of the process behind a lock; other proces
 writer. A database that is not a database, fails its integrity check or was written by a newer
 schema is kept aside as `gpu-agent.db.corrupt-<unix time>` (or `.newer-<unix time>`) and a new
 one is created: losing history is better than not starting. Rows older than `RETENTION_SECONDS`
-are pruned on open and by `prune` while the daemon runs (agent/memory.py calls it hourly); lifetime
+are pruned on open and by `prune` while the daemon runs (agent/store/node_memory.py calls it hourly); lifetime
 totals per (rule, action, outcome) are kept apart and never pruned, because they feed a Prometheus
 counter that must not go down.
 
@@ -39,7 +39,7 @@ every other boot). The GPU inventory (`InventoryGpu`: every GPU seen on this boo
 acknowledged with `gpu-agent ack gpu:UUID`), the Xid counters and last-seen times (`XidCount`),
 the Xid health window (`XidMark`) and (schema 4) the throttle watcher's time per clock-event reason
 with the start of each slowdown active now (`ClockEventTotal`) and the service prober's failure
-streaks (`ProbeStreak`). agent/memory.py reads and writes them for the daemon.
+streaks (`ProbeStreak`). agent/store/node_memory.py reads and writes them for the daemon.
 """
 
 from __future__ import annotations
@@ -57,13 +57,13 @@ from typing import Any
 
 import structlog
 
-from agent.attempt_clock import ClockReading
 from agent.events import Event, event_from_json, event_json
 from agent.rules.model import ActionOutcome, Decision, Outcome
 from agent.state import RemediationCount
-from agent.store_acks import ALL, Acknowledgements, Circuit
-from agent.store_boot import BootTables, ClockEventTotal, InventoryGpu, ProbeStreak, XidMark
-from agent.store_db import StoreError
+from agent.store.acks import ALL, Acknowledgements, Circuit
+from agent.store.attempt_clock import ClockReading
+from agent.store.boot import BootTables, ClockEventTotal, InventoryGpu, ProbeStreak, XidMark
+from agent.store.db import StoreError
 
 log = structlog.get_logger("gpu-agent")
 
@@ -197,7 +197,7 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
     ),
     # The remediation journal: a row is written (outcome "running") before an action starts, its
     # steps are appended as they complete, and the clock readings let cooldowns survive restarts
-    # and wall-clock steps (agent.attempt_clock).
+    # and wall-clock steps (agent.store.attempt_clock).
     (
         "ALTER TABLE remediations ADD COLUMN steps TEXT NOT NULL DEFAULT '[]'",
         "ALTER TABLE remediations ADD COLUMN boot_id TEXT NOT NULL DEFAULT ''",
@@ -390,8 +390,8 @@ def _dumps(value: Any) -> str:
 
 class Store(BootTables, Acknowledgements):
     """See the module docstring. Build it with `Store.open(state_dir)`. Node memory is
-    `agent.store_boot`, circuits and acknowledgements `agent.store_acks`, the shared connection
-    `agent.store_db`."""
+    `agent.store.boot`, circuits and acknowledgements `agent.store.acks`, the shared connection
+    `agent.store.db`."""
 
     # -- opening ------------------------------------------------------------------------------
 
@@ -612,7 +612,7 @@ class Store(BootTables, Acknowledgements):
 
     def attempt_readings(self, rule: str, target_key: str) -> list[ClockReading]:
         """The clock readings of `rule`'s counted, unacknowledged attempts on the target (started ones
-        included), for agent.attempt_clock to measure cooldowns and windows with."""
+        included), for agent.store.attempt_clock to measure cooldowns and windows with."""
         rows = self._query(
             "SELECT ts, boot_id, boottime FROM remediations WHERE rule = ? AND target_key = ? AND counted = 1"
             " AND acked = 0 ORDER BY ts",

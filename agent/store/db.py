@@ -1,4 +1,4 @@
-"""The SQLite connection every part of the store shares (agent.store): one connection behind a lock,
+"""The SQLite connection every part of the store shares (agent.store.database): one connection behind a lock,
 and transactions and queries whose sqlite3 errors become `StoreError`."""
 
 from __future__ import annotations

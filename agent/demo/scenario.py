@@ -27,7 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agent import api, standin
+from agent import api
+from agent.demo import standin
 
 SERVICE_PID_FILE = "sglang.pid"  # the stand-in inference server's, in the demo directory
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -96,7 +97,7 @@ def build_demo_host(root: Path) -> None:
 
 def default_rules_dir() -> Path:
     """The shipped default rules: next to the package in a checkout, /usr/share/gpu-agent/rules.d when installed."""
-    for candidate in (Path(__file__).resolve().parent.parent / "rules", Path("/usr/share/gpu-agent/rules.d")):
+    for candidate in (Path(__file__).resolve().parents[2] / "rules", Path("/usr/share/gpu-agent/rules.d")):
         if candidate.is_dir() and any(candidate.glob("*.yaml")):
             return candidate
     raise FileNotFoundError("default rules not found (rules/ in the checkout or /usr/share/gpu-agent/rules.d)")
@@ -115,11 +116,11 @@ def write_demo_config(directory: Path) -> Path:
     service_port = standin.free_port()
     pid_file = directory / SERVICE_PID_FILE
     server = [
-        *(sys.executable, "-m", "agent.standin", "--flavor", "sglang"),
+        *(sys.executable, "-m", "agent.demo.standin", "--flavor", "sglang"),
         *("--port", str(service_port), "--pid-file", str(pid_file)),
     ]
     start = [*server, "--daemon", "--sim-state-dir", str(state_dir), "--sim-profile", "mixed", "--gpus", "0,1,2,3"]
-    stop = [sys.executable, "-m", "agent.standin", "--stop", "--pid-file", str(pid_file)]
+    stop = [sys.executable, "-m", "agent.demo.standin", "--stop", "--pid-file", str(pid_file)]
     config = directory / "agent.yaml"
     config.write_text(
         DEMO_CONFIG.format(
@@ -320,7 +321,7 @@ def _play(demo: Demo) -> None:
     say(f"   GPU 1 Xids counted: {', '.join(counted) or 'none'}")
 
     port = config.read_text().split('listen: "127.0.0.1:', 1)[1].split('"', 1)[0]
-    wrapper = Path(__file__).resolve().parent.parent / "scripts" / "gpu-agent"
+    wrapper = Path(__file__).resolve().parents[2] / "scripts" / "gpu-agent"
     cli = "scripts/gpu-agent" if wrapper.exists() else "gpu-agent"
     say("\nscenario done. Look around (in another terminal, from the checkout):")
     say(f"   {cli} status --config {config}")

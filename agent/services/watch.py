@@ -25,11 +25,11 @@ from agent.backend.base import GpuBackend, GpuIdentity, GpuProcess
 from agent.backend.errors import GpuError
 from agent.config import AgentConfig, ServiceConfig
 from agent.events import Event, EventKind
-from agent.gpu_attribution import GpuAttribution, attribute_gpu_processes, command_service_pids
 from agent.host.paths import HostPaths
-from agent.latency_cause import CauseFinding, SloWatch, attribute_cause
 from agent.policy.engine import match_profile
-from agent.service_metrics import (
+from agent.services.attribution import GpuAttribution, attribute_gpu_processes, command_service_pids
+from agent.services.latency_cause import CauseFinding, SloWatch, attribute_cause
+from agent.services.scrape import (
     DEFAULT_MAX_BYTES,
     DEFAULT_WINDOW_SECONDS,
     LatencyWindow,

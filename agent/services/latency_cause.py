@@ -28,11 +28,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.clock_events import decode
 from agent.config import ServiceSlo
 from agent.events import Event, EventKind, Severity, SuggestedAction
-from agent.service_metrics import ServiceFigures
+from agent.services.scrape import ServiceFigures
 from agent.state import GpuSample
+from agent.watch.clock_events import decode
 
 THERMAL_REASONS = frozenset({"hw_slowdown", "hw_thermal_slowdown", "sw_thermal_slowdown"})
 POWER_REASONS = frozenset({"sw_power_cap", "hw_power_brake_slowdown"})

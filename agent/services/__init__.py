@@ -1,0 +1,1 @@
+"""Everything about a configured inference service: managers, probes, scraping, latency, cause, attribution, export."""

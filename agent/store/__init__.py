@@ -1,0 +1,1 @@
+"""What survives a restart: SQLite events, the remediation journal, node memory, acks."""
