@@ -36,7 +36,8 @@ from agent.backend.base import RecoveryAction
 from agent.backend.errors import GpuErrorKind
 from agent.backend.sim import SimulatedBackend
 from agent.events import Health, HealthState
-from agent.metrics import SnapshotCollector, serve_metrics
+from agent.metrics.collector import SnapshotCollector
+from agent.metrics.server import serve_metrics
 from agent.policy import power_limit
 from agent.policy.base import GpuContext, ItemPlan, PlanStatus
 from agent.state import CollectorStatus, NodeSnapshot, RemediationCount, ServiceStatus, XidCount

@@ -14,7 +14,7 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from snapshots import node_snapshot, telemetry_gpus
 
-from agent.metrics import SnapshotCollector
+from agent.metrics.collector import SnapshotCollector
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "packaging/prometheus/gpu-agent-dcgm-compat.yaml"

@@ -31,7 +31,8 @@ from snapshots import (
 from agent import __version__
 from agent.backend.sim import SimulatedBackend
 from agent.collect import sample_all
-from agent.metrics import MetricsServer, SnapshotCollector, parse_listen, serve_metrics
+from agent.metrics.collector import SnapshotCollector
+from agent.metrics.server import MetricsServer, parse_listen, serve_metrics
 from agent.state import GpuSample, NodeSnapshot
 from agent.watch.clock_events import CLOCK_EVENT_REASONS
 

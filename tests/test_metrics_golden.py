@@ -19,7 +19,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from snapshots import VERSION, inference_fields, node_snapshot, telemetry_gpus
 
-from agent.metrics import SnapshotCollector
+from agent.metrics.collector import SnapshotCollector
 from agent.state import NodeSnapshot
 
 GOLDEN = Path(__file__).parent / "fixtures" / "metrics-golden.txt"

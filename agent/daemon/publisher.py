@@ -46,7 +46,7 @@ class Publisher:
     def serve(self, config: AgentConfig, stale_after_seconds: float) -> list[Callable[[], None]]:
         """The metrics endpoint and the status API; what closes them."""
         from agent.api import ApiServer
-        from agent.metrics import serve_metrics
+        from agent.metrics.server import serve_metrics
 
         metrics = serve_metrics(config.metrics.listen, self.get, stale_after_seconds=stale_after_seconds)
         api = ApiServer(config.api.socket, self.api_handlers(), group=config.api.group)

@@ -1,0 +1,60 @@
+"""The scrape: every family of the latest snapshot, in the order /metrics lists them."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
+from agent import __version__
+from agent.metrics import gpu, node, telemetry
+from agent.metrics.families import Families, gpu_uuids
+from agent.services.export import service_metric_families
+from agent.state import NodeSnapshot
+
+SnapshotGetter = Callable[[], "NodeSnapshot | None"]
+
+
+class SnapshotCollector(Collector):
+    """Renders the latest snapshot; before the first one only build info and `gpu_agent_up 0`."""
+
+    def __init__(self, get_snapshot: SnapshotGetter, version: str = __version__) -> None:
+        self._get_snapshot = get_snapshot
+        self._version = version
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self._get_snapshot()
+        out = Families()
+        out.gauge("gpu_agent_build_info", "gpu-agent version; always 1.", {"version": self._version}, 1)
+        out.gauge(
+            "gpu_agent_up",
+            "1 once the agent has completed a collection loop and serves its snapshot, 0 before.",
+            {},
+            0 if snapshot is None else 1,
+        )
+        if snapshot is None:
+            return iter(out)
+        for write in SNAPSHOT_FAMILIES:
+            write(out, snapshot)
+        inference = service_metric_families(
+            snapshot.service_figures, snapshot.gpu_attribution, gpu_uuids(snapshot), snapshot.service_slo_seconds
+        )
+        return itertools.chain(out, inference)
+
+
+#: The snapshot's families, in the order /metrics lists them.
+SNAPSHOT_FAMILIES: tuple[Callable[[Families, NodeSnapshot], None], ...] = (
+    node.backend,
+    gpu.gpus,
+    telemetry.every_gpu,
+    gpu.last_xid,
+    gpu.clock_event_seconds,
+    gpu.xids,
+    node.policy,
+    node.readiness,
+    node.services,
+    node.remediations,
+    node.collectors,
+)

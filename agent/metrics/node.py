@@ -1,0 +1,190 @@
+"""Node-level families: the backend, node problems, policy items, readiness, services, remediations, collectors."""
+
+from __future__ import annotations
+
+from agent.metrics.families import Families, flag, gpu_label, gpu_uuids
+from agent.policy.base import PlanStatus
+from agent.rules.model import Outcome
+from agent.state import NodeSnapshot
+from agent.store.node_memory import expected_gpu_count
+from agent.verdict import NodeProblem, is_drift, node_problem
+
+
+def backend(out: Families, snap: NodeSnapshot) -> None:
+    out.gauge(
+        "gpu_agent_backend_info",
+        "GPU backend in use and the driver it reports; always 1.",
+        {"backend": snap.backend, "driver_version": snap.driver_version or ""},
+        1,
+    )
+    out.gauge(
+        "gpu_agent_backend_up",
+        "1 when the GPU backend (NVML and the driver) can be read, 0 when it cannot.",
+        {},
+        float(not snap.backend_error),
+    )
+    problem = node_problem(snap)
+    for cause in NodeProblem:
+        out.gauge(
+            "gpu_agent_node_problem",
+            "1 for the cause that keeps the node's GPUs from being judged (no driver, no GPUs, fewer GPUs "
+            "than expected), 0 for the others.",
+            {"cause": cause.value},
+            float(problem is not None and problem.cause is cause),
+        )
+    out.gauge(
+        "gpu_agent_reboot_recommended",
+        "1 while state_dir/reboot-recommended asks for a reboot on this boot (reason label), else a 0 series.",
+        {"reason": snap.reboot_recommended or ""},
+        float(snap.reboot_recommended is not None),
+    )
+    out.gauge(
+        "gpu_agent_start_time_seconds",
+        "When the agent started, in seconds since the epoch.",
+        {},
+        snap.started_seconds,
+    )
+    out.gauge(
+        "gpu_agent_snapshot_timestamp_seconds",
+        "When the snapshot served was taken; an old one means the loop is stuck.",
+        {},
+        snap.timestamp_seconds,
+    )
+    out.gauge(
+        "gpu_agent_gpus_expected",
+        "GPUs this node should have: every GPU seen since boot, less those acknowledged gone (gpu-agent ack).",
+        {},
+        expected_gpu_count(snap),
+    )
+    out.gauge(
+        "gpu_agent_collect_duration_seconds",
+        "How long the last collection loop took.",
+        {},
+        snap.collect_duration_seconds,
+    )
+
+
+def policy(out: Families, snap: NodeSnapshot) -> None:
+    uuids = gpu_uuids(snap)
+    answering = frozenset(sample.index for sample in snap.gpus if sample.up)
+    for plan in snap.policy:
+        labels = {
+            "item": plan.item,
+            "gpu": gpu_label(plan.gpu),
+            "uuid": "" if plan.gpu is None else uuids.get(plan.gpu, ""),
+        }
+        out.gauge(
+            "gpu_agent_policy_in_sync",
+            "1 when a policy item matches its desired state (or does not apply to this device), else 0.",
+            labels,
+            float(plan.in_sync),
+        )
+        if plan.item != "gpu":  # an unreadable GPU is reported as lost, not as a policy item
+            out.gauge(
+                "gpu_agent_policy_drift",
+                "1 when a policy item is off its desired value on a device that answers (not a pending "
+                "reboot, not a lost GPU), else 0.",
+                labels,
+                float(is_drift(plan, answering)),
+            )
+        out.one_hot(
+            "gpu_agent_policy_status",
+            "Policy item plan status, one series per status, 1 for the current one.",
+            labels,
+            "status",
+            (status.value for status in PlanStatus),
+            plan.status.value,
+        )
+    for item, mode in sorted(snap.item_modes.items()):
+        out.gauge(
+            "gpu_agent_policy_enforced",
+            "1 when the agent repairs drift of this item (enforce mode), 0 when it only reports it (observe).",
+            {"item": item},
+            float(mode == "enforce"),
+        )
+
+
+def readiness(out: Families, snap: NodeSnapshot) -> None:
+    """What the report-only items found: the driver, and whether the next boot brings the GPUs back."""
+    for plan in snap.policy:
+        facts = dict(plan.facts)
+        if plan.item == "next_boot" and plan.status in (PlanStatus.IN_SYNC, PlanStatus.DRIFT):
+            out.gauge(
+                "gpu_agent_boot_ready",
+                "1 when the kernel that boots next has the NVIDIA module (signed under Secure Boot) and an "
+                "initramfs that keeps nouveau out; the reason names what is missing.",
+                {"kernel": facts.get("kernel", ""), "reason": facts.get("reason", "")},
+                float(plan.status is PlanStatus.IN_SYNC),
+            )
+        if plan.item == "driver" and "version" in facts:
+            out.gauge(
+                "gpu_agent_driver_info",
+                "The loaded NVIDIA driver, its branch where the installed package tells it, and the newest "
+                "CUDA version it supports; always 1.",
+                {k: facts.get(k, "") for k in ("version", "branch", "cuda_version")},
+                1,
+            )
+
+
+def services(out: Families, snap: NodeSnapshot) -> None:
+    for service in snap.services:
+        labels = {"service": service.name, "unit": service.unit}
+        out.gauge(
+            "gpu_agent_service_up",
+            "1 when the inference service's health probe succeeds (absent until first probed).",
+            labels,
+            flag(service.up),
+        )
+        out.gauge(
+            "gpu_agent_service_consecutive_failures",
+            "Health probes failed in a row.",
+            labels,
+            service.consecutive_failures,
+        )
+        out.gauge(
+            "gpu_agent_service_probe_latency_seconds",
+            "How long the last health probe took.",
+            labels,
+            service.last_latency_seconds,
+        )
+
+
+def remediations(out: Families, snap: NodeSnapshot) -> None:
+    # Every outcome of a (rule, action) the agent has decided on starts at 0, so the first
+    # failure after a success is an increase; the node total exists from the start.
+    counts = {(c.rule, c.action, c.outcome): c.count for c in snap.remediations}
+    outcomes = [o.value for o in Outcome]
+    outcomes += sorted({c.outcome for c in snap.remediations} - set(outcomes))
+    for rule, action in sorted({(c.rule, c.action) for c in snap.remediations}):
+        for outcome in outcomes:
+            out.counter(
+                "gpu_agent_remediations",
+                "Remediation decisions of rules, by outcome (dry_run: observe mode or a dry-run rule, what the "
+                "agent would have done; refused: a safety check said no).",
+                {"rule": rule, "action": action, "outcome": outcome},
+                counts.get((rule, action, outcome), 0),
+            )
+    for outcome in outcomes:
+        out.counter(
+            "gpu_agent_remediation_outcomes",
+            "Remediation decisions of all rules, by outcome.",
+            {"outcome": outcome},
+            sum(c.count for c in snap.remediations if c.outcome == outcome),
+        )
+
+
+def collectors(out: Families, snap: NodeSnapshot) -> None:
+    for status in snap.collectors:
+        labels = {"collector": status.name}
+        out.gauge(
+            "gpu_agent_collector_success",
+            "1 when the collector's last run succeeded.",
+            labels,
+            float(status.success),
+        )
+        out.gauge(
+            "gpu_agent_collector_duration_seconds",
+            "How long the collector's last run took.",
+            labels,
+            status.duration_seconds,
+        )
