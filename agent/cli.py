@@ -130,19 +130,19 @@ def _check_hooks(rules: Sequence[Rule]) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from agent import render, textview
+    from agent import documents, render, textview
 
     engine = make_engine(load(args))
     try:
         plan = engine.plan()
     finally:
         engine.backend.shutdown()
-    _print(textview.dumps(render.plan_json(plan)) if args.json else render.plan_text(plan))
+    _print(textview.dumps(documents.plan_json(plan)) if args.json else render.plan_text(plan))
     return plan.exit_code
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
-    from agent import render, textview
+    from agent import documents, render, textview
 
     config = load(args)
     engine = make_engine(config)
@@ -154,7 +154,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     finally:
         engine.backend.shutdown()
     if args.json:
-        _print(textview.dumps(render.apply_json(report)))
+        _print(textview.dumps(documents.apply_json(report)))
     else:
         _print(render.results_text(report.results))
         skipped = [r for r in report.results if r.outcome.value == "skipped" and r.plan.status.value == "drift"]
@@ -196,7 +196,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
     """What ExecStopPost runs after every stop: hands back what the agent may have changed. A config
     that no longer validates does not stop it: it then restores fans and locked clocks on every GPU
     through the backend the daemon last ran with (agent.policy.known_good), or NVML."""
-    from agent import render, textview
+    from agent import documents, render, textview
     from agent.policy import known_good
     from agent.policy.registry import RESTORABLE_NAMES
 
@@ -220,7 +220,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
     finally:
         engine.backend.shutdown()
     if args.json:
-        _print(textview.dumps({"results": [render.result_json(r, "enforce") for r in results]}))
+        _print(textview.dumps({"results": [documents.result_json(r, "enforce") for r in results]}))
     else:
         _print(render.results_text(results))
     return EXIT_ERROR if any(r.outcome.value == "failed" for r in results) else EXIT_OK
@@ -283,7 +283,7 @@ def direct_status(config: AgentConfig, note: str) -> dict[str, object]:
     same watchers and made into a snapshot by the same builder as the daemon's."""
     import time
 
-    from agent import render
+    from agent import documents
     from agent.collect import sample_all
     from agent.services.watch import read_once
     from agent.snapshot import DaemonParts, NodeWatchers, build_snapshot
@@ -296,7 +296,7 @@ def direct_status(config: AgentConfig, note: str) -> dict[str, object]:
         snapshot = build_snapshot(
             config, now, [], NodeWatchers(), driver_version=None, policy=(), daemon=DaemonParts(backend_error=exc)
         )
-        return render.snapshot_document(snapshot, source="direct", note=note, mode=config.mode.value)
+        return documents.snapshot_document(snapshot, source="direct", note=note, mode=config.mode.value)
     try:
         samples = sample_all(engine.backend)
         driver = engine.backend.driver_version()
@@ -316,7 +316,7 @@ def direct_status(config: AgentConfig, note: str) -> dict[str, object]:
         service_figures=figures,
         gpu_attribution=attribution,
     )
-    return render.snapshot_document(snapshot, source="direct", note=note, mode=config.mode.value)
+    return documents.snapshot_document(snapshot, source="direct", note=note, mode=config.mode.value)
 
 
 def cmd_xid_explain(args: argparse.Namespace) -> int:
@@ -425,7 +425,7 @@ def cmd_events(args: argparse.Namespace) -> int:
     import json
     import time
 
-    from agent import render, textview
+    from agent import documents, render, textview
 
     config = load(args)
     since = time.time() - args.since
@@ -434,8 +434,8 @@ def cmd_events(args: argparse.Namespace) -> int:
         remediations = store.remediations(since_seconds=since, limit=args.limit)
     if args.json:
         document = {
-            "events": [{**render.event_json(e.event), "key": e.event.key, "handled": e.handled} for e in events],
-            "remediations": [render.remediation_json(r) for r in remediations],
+            "events": [{**documents.event_json(e.event), "key": e.event.key, "handled": e.handled} for e in events],
+            "remediations": [documents.remediation_json(r) for r in remediations],
         }
         _print(json.dumps({"schema": textview.JSON_SCHEMA_VERSION, **document}, indent=2, default=str))
         return EXIT_OK

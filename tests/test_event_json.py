@@ -7,8 +7,8 @@ import json
 from helpers import make_event
 from snapshots import TIMESTAMP_SECONDS, gpu_uuid, node_snapshot
 
+from agent.documents import snapshot_document
 from agent.events import EventKind, Severity, SuggestedAction, event_from_json, event_json
-from agent.render import snapshot_document
 
 
 def test_event_json_fields_and_values() -> None:

@@ -260,7 +260,7 @@ def test_metrics_and_status_show_the_next_boot_and_the_driver(tmp_path: Path, ba
     from snapshots import node_snapshot
     from test_metrics import render
 
-    from agent.render import snapshot_document
+    from agent.documents import snapshot_document
     from agent.textview import status_text
 
     ubuntu_tree(tmp_path / "root", module_for=None)

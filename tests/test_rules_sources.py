@@ -121,7 +121,7 @@ def test_status_shows_which_rules_came_from_where(dirs: tuple[Path, Path]) -> No
     from snapshots import node_snapshot
 
     from agent.daemon.remediator import load_rules_dir
-    from agent.render import snapshot_document
+    from agent.documents import snapshot_document
     from agent.textview import status_text
 
     shipped, admin = dirs

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from snapshots import inference_fields, node_snapshot
 
-from agent.render import snapshot_document
+from agent.documents import snapshot_document
 from agent.services.attribution import GpuAttribution, GpuProcessInfo
 from agent.services.export import service_metric_families, status_document, unattributed_document
 from agent.services.scrape import LatencyFigures, ServiceFigures

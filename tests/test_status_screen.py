@@ -19,8 +19,8 @@ from agent.config import AgentConfig, Mode
 from agent.daemon.publisher import Publisher, status_line
 from agent.daemon.remediator import Remediator
 from agent.daemon.sd_notify import SdNotifier
+from agent.documents import snapshot_document
 from agent.events import EventKind
-from agent.render import snapshot_document
 from agent.rules.model import ActionKind, ActionSpec, Decision, Target
 from agent.rules.params import RestartServiceParams
 from agent.state import RecentRemediation

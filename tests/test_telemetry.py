@@ -356,7 +356,7 @@ def test_snapshot_watchers_judge_the_fabric_and_nvlink_of_a_simulated_hgx(tmp_pa
 def test_status_shows_memory_as_nvidia_smi_and_an_activity_line_per_gpu() -> None:
     from snapshots import node_snapshot, telemetry_gpus
 
-    from agent.render import snapshot_document
+    from agent.documents import snapshot_document
     from agent.textview import status_text
 
     text = status_text(snapshot_document(node_snapshot(gpus=telemetry_gpus()), "daemon"))

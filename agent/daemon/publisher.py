@@ -54,7 +54,7 @@ class Publisher:
         return [metrics.close, api.close]
 
     def api_handlers(self) -> dict[str, Callable[[Any], Any]]:
-        from agent.render import snapshot_document
+        from agent.documents import snapshot_document
 
         def status(_params: Any) -> Any:
             snapshot = self.get()
