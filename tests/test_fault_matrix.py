@@ -221,7 +221,8 @@ class Calls:
     """The agent's backend calls, (method, gpu) in order from any thread; the operator's are left out."""
 
     history: list[tuple[str, int | None]] = field(default_factory=list)
-    unseen_writes: list[tuple[str, int | None]] = field(default_factory=list)
+    # each with the backend that took it: a step dropped with a lost session still writes on the old one
+    unseen_writes: list[tuple[SimulatedBackend, str, int | None]] = field(default_factory=list)
     wrapped_faults: dict[str, str] = field(default_factory=dict)
     ignored: list[SimulatedBackend] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -232,13 +233,17 @@ class Calls:
         with self.lock:
             self.history.append(call)
             if call[0] in SETTER_ITEMS:
-                self.unseen_writes.append(call)
+                self.unseen_writes.append((backend, *call))
 
-    def writes(self) -> list[tuple[str, int | None]]:
-        """The writes since the last look."""
+    def writes(self, backend: object) -> list[tuple[str, int | None]]:
+        """The writes made through `backend` since the last look.
+
+        Writes through another backend are forgotten: a policy step that was still running when the
+        session was lost (its backend closed and re-opened) had read a complete DRIFT plan and wrote
+        it, but its result was dropped with the old backend, so no snapshot can show that plan."""
         with self.lock:
             writes, self.unseen_writes = self.unseen_writes, []
-        return writes
+        return [(method, gpu) for (taken_by, method, gpu) in writes if taken_by is backend]
 
     def made(self, method: str) -> int:
         with self.lock:
@@ -424,7 +429,7 @@ def loop(daemon: Daemon, clock: FakeClock, calls: Calls) -> NodeSnapshot:
     snapshot = daemon.loop_once()
     # A step still running (hung) has written part of what it will report: judge it once it is taken.
     if daemon.policy.pending is None:
-        assert_no_half_read_write(snapshot, calls.writes())
+        assert_no_half_read_write(snapshot, calls.writes(daemon.session.backend))
     return snapshot
 
 
