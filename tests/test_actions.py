@@ -30,15 +30,11 @@ from agent.demo import standin
 from agent.demo.standin import free_port, running
 from agent.events import Event, EventKind, Severity, SuggestedAction, event_json
 from agent.policy.base import HostContext
-from agent.rules.actions import (
-    ActionContext,
-    ActionError,
-    AlertTracker,
-    execute,
-    post_json,
-    redacted_url,
-)
-from agent.rules.actions.dispatch import HANDLERS
+from agent.rules.actions.alertmanager import AlertTracker
+from agent.rules.actions.base import ActionError
+from agent.rules.actions.context import ActionContext
+from agent.rules.actions.dispatch import HANDLERS, execute
+from agent.rules.actions.http_client import post_json, redacted_url
 from agent.rules.config import ActionStep
 from agent.rules.model import ActionKind, ActionSpec, Decision, Outcome, Target
 from agent.rules.params import PARAMS_BY_KIND, ResetGpuParams, RestartServiceParams

@@ -16,7 +16,7 @@ from agent.rules.params import ActionKind as ActionKind
 
 
 class Outcome(str, Enum):
-    """How a Decision went. (agent.policy.base.Outcome is another thing: how a policy item's apply went.)"""
+    """How a Decision went. (How a policy item's apply went is agent.policy.base.ApplyOutcome.)"""
 
     SUCCESS = "success"
     FAILED = "failed"

@@ -12,7 +12,7 @@ Where things are
                `load_profile`, `list_profiles`, `validate_profile` (the config's check)
 - `physics`    readings derived from model and state (power, temperature, clocks, throttle
                reasons, fans, GPM activity) and `advance`: simulated time passing
-- `telemetry`  the profiling-grade readings of issue 14 as data (`GpuTelemetry`)
+- `telemetry`  the profiling-grade readings (GPM, field values, NVLink, ...) as data (`GpuTelemetry`)
 - `faults`     fault injection and the simulated world (argument checks, state changes)
 - `state`      what a GPU remembers (`GpuState`) and the shared state file (`StateFile`)
 - `calls`      the checks every call passes, in NVML's order (init, index, lost, reset,
@@ -121,7 +121,7 @@ extra readings, `total_energy_joules` and `telemetry`. Injection needs neither i
 writable item; a nonsensical injection (a GPU index the profile lacks, retired pages on a board
 that remaps rows) is a ValueError.
 
-Profiling-grade telemetry (issue 14), `telemetry(gpu) -> GpuTelemetry`: the protocol's
+Profiling-grade telemetry, `telemetry(gpu) -> GpuTelemetry`: the protocol's
 `gpm_activity`, `fast_fields`, `slow_fields`, `nvlink_states`, `fabric_info`,
 `applications_clock_mhz` and `memory_info` (v2) are thin wrappers over it, each under its own call
 name so `fail_call`/`hang_call` can target it; `gpm_activity` differences against the previous

@@ -188,7 +188,7 @@ class GpuModel(_Strict):
     load_utilization_gpu_percent: Count
     load_utilization_memory_percent: Count
     load_memory_fraction: Annotated[StrictFloat, Field(gt=0, le=1)]
-    # Profiling-grade telemetry (issue 14); absent keys describe a board without the feature.
+    # Profiling-grade telemetry; absent keys describe a board without the feature.
     memory_temperature_idle_c: Count | None = None  # HBM temperature field; None: NOT_SUPPORTED (GDDR)
     memory_temperature_load_c: Count | None = None
     gpm: Gpm | None = None  # None: nvmlGpmQueryDeviceSupport says unsupported
