@@ -195,14 +195,14 @@ def test_only_the_nvml_backend_imports_pynvml() -> None:
     assert importers != [] and all(in_package(name, "agent.backend.nvml") for name in importers), importers
 
 
-def test_every_agent_path_the_docs_name_exists() -> None:
-    documents = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+def test_every_source_path_the_docs_name_exists() -> None:
+    documents = [REPO / "README.md", REPO / "bench" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
     named = {
         (document.relative_to(REPO).as_posix(), path)
         for document in documents
-        for path in re.findall(r"\bagent/[\w/]*\.py\b", document.read_text())
+        for path in re.findall(r"(?<![\w/])(?:agent|tests|bench)/[\w/]*\.py\b", document.read_text())
     }
-    assert named, "the docs name no agent/...py path: the pattern no longer matches them"
+    assert {path.split("/")[0] for _, path in named} == {"agent", "tests", "bench"}, "the pattern no longer matches"
     assert sorted((doc, path) for doc, path in named if not (REPO / path).is_file()) == []
 
 
