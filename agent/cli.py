@@ -144,6 +144,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_apply(args: argparse.Namespace) -> int:
     from agent import documents, render, textview
+    from agent.policy.base import ApplyOutcome, PlanStatus
 
     config = load(args)
     engine = make_engine(config)
@@ -158,7 +159,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
         _print(textview.dumps(documents.apply_json(report)))
     else:
         _print(render.results_text(report.results))
-        skipped = [r for r in report.results if r.outcome.value == "skipped" and r.plan.status.value == "drift"]
+        skipped = [r for r in report.results if r.outcome is ApplyOutcome.SKIPPED and r.plan.status is PlanStatus.DRIFT]
         if skipped and not args.dry_run:
             _print(f"\n{len(skipped)} drifting item(s) left unchanged: observe mode (set `mode: enforce` to apply)")
     if handed_back:
@@ -176,6 +177,7 @@ def _hand_back_fans_without_daemon(config: AgentConfig, engine: PolicyEngine) ->
     go back to automatic control instead of staying at a fixed speed. What was done, per GPU."""
     from agent import api
     from agent.policy import fan_curve
+    from agent.policy.base import ApplyOutcome
     from agent.policy.names import FAN_CURVE
 
     if FAN_CURVE not in config.writable_items():
@@ -189,7 +191,7 @@ def _hand_back_fans_without_daemon(config: AgentConfig, engine: PolicyEngine) ->
     done: list[str] = []
     for gpu, ctx in sorted(engine.state.contexts.items()):
         result = fan_curve.restore(ctx)
-        if result.outcome.value in ("applied", "failed"):
+        if result.outcome in (ApplyOutcome.APPLIED, ApplyOutcome.FAILED):
             done.append(f"GPU {gpu}: {result.detail}")
     return done
 
@@ -200,6 +202,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
     through the backend the daemon last ran with (agent.policy.known_good), or NVML."""
     from agent import documents, render, textview
     from agent.policy import known_good
+    from agent.policy.base import ApplyOutcome
     from agent.policy.registry import RESTORABLE_NAMES
 
     try:
@@ -225,7 +228,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
         _print(textview.dumps({"results": [documents.result_json(r, "enforce") for r in results]}))
     else:
         _print(render.results_text(results))
-    return EXIT_ERROR if any(r.outcome.value == "failed" for r in results) else EXIT_OK
+    return EXIT_ERROR if any(r.outcome is ApplyOutcome.FAILED for r in results) else EXIT_OK
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from agent.config import Mode
 from agent.metrics.families import Families, flag, gpu_label, gpu_uuids
 from agent.policy.base import PlanStatus
 from agent.policy.names import DRIVER, NEXT_BOOT
@@ -101,7 +102,7 @@ def policy(out: Families, snap: NodeSnapshot) -> None:
             "gpu_agent_policy_enforced",
             "1 when the agent repairs drift of this item (enforce mode), 0 when it only reports it (observe).",
             {"item": item},
-            float(mode == "enforce"),
+            float(mode == Mode.ENFORCE.value),
         )
 
 
