@@ -257,8 +257,8 @@ def test_reboot_is_refused_when_the_next_boot_is_not_ready(tmp_path: Path, backe
 
 
 def test_metrics_and_status_show_the_next_boot_and_the_driver(tmp_path: Path, backend: SimulatedBackend) -> None:
+    from metrics.test_metrics import render
     from snapshots import node_snapshot
-    from test_metrics import render
 
     from agent.documents import snapshot_document
     from agent.textview import status_text

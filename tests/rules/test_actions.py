@@ -766,7 +766,7 @@ class SlowEndpoint:
 
     def __init__(self, mode: str, *args: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("slow_endpoint.py")), mode, *args],
+            [sys.executable, str(Path(__file__).parents[1] / "slow_endpoint.py"), mode, *args],
             stdout=subprocess.PIPE,
             text=True,
         )

@@ -53,7 +53,7 @@ from agent.backend.sim import (
 )
 from agent.backend.sim.state import StateFile
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FIXTURE = json.loads((REPO / "tests" / "fixtures" / "nvml-h200.json").read_text())["devices"][0]
 #: The same H200 idle and under a bf16 matmul: GPM metrics and field values.
 GPM_FIXTURE = json.loads((REPO / "tests" / "fixtures" / "nvml-h200-gpm-fields.json").read_text())
