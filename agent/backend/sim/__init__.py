@@ -9,7 +9,7 @@ reboot, a GPU that falls off the bus, calls that fail or hang, and an event queu
 Where things are
 ----------------
 - `profiles`   the GPU model and node profile (pydantic), built-in and file profiles,
-               `load_profile`, `list_profiles`, `validate_profile` (the config's check)
+               `load_profile`, `list_profiles`, `validate_profile` (the check of the config's profile)
 - `physics`    readings derived from model and state (power, temperature, clocks, throttle
                reasons, fans, GPM activity) and `advance`: simulated time passing
 - `telemetry`  the profiling-grade readings (GPM, field values, NVLink, ...) as data (`GpuTelemetry`)
@@ -28,8 +28,9 @@ A *GPU model* describes one board; a *node profile* lists the boards of one mach
 ones live in `agent/backend/profiles/models/NAME.json` and `agent/backend/profiles/nodes/NAME.json`;
 `list_profiles()` names the built-in node profiles (h200, h200x2, h200x8, rtx-pro-6000,
 rtx-pro-6000x2, mixed). A path to a JSON file works wherever a profile name does. A bad
-profile is a `ProfileError` (a ValueError) naming the file and the field; the config validates
-`simulated.profile` with `validate_profile`, so `gpu-agent check-config` reports it.
+profile is a `ProfileError` (a ValueError) naming the file and the field; `load_checked_config`
+(agent.backend) checks `simulated.profile` with `validate_profile`, so `gpu-agent check-config`
+reports it.
 
 Node profile (built-in file or your own)::
 
