@@ -1,7 +1,7 @@
 """What flows between the pure rule engine and the one place that acts.
 
 engine.evaluate(...) -> list[Decision]; a Decision whose `action` is set is handed to
-actions.execute(...), which returns an ActionOutcome; both are recorded in the store.
+actions.dispatch.execute(...), which returns an ActionOutcome; both are recorded in the store.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""actions.execute with real parts: the simulated backend for the GPUs, a stand-in inference server
+"""actions.dispatch.execute with real parts: the simulated backend for the GPUs, a stand-in inference server
 process started and stopped by its configured commands, real hook processes, a local HTTP server."""
 
 from __future__ import annotations
