@@ -41,13 +41,14 @@ def _config_path(args: argparse.Namespace) -> tuple[Path | None, bool]:
 
 
 def load(args: argparse.Namespace) -> AgentConfig:
-    from agent.config import AgentConfig, load_config
+    from agent.backend import load_checked_config
+    from agent.config import AgentConfig
 
     path, _ = _config_path(args)
     if path is None:
         print(f"note: {DEFAULT_CONFIG_PATH} not found; using built-in defaults (observe mode, nvml)", file=sys.stderr)
         return AgentConfig()
-    return load_config(path)
+    return load_checked_config(path)
 
 
 def make_engine(config: AgentConfig) -> PolicyEngine:
@@ -86,14 +87,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    from agent.config import load_config
+    from agent.backend import load_checked_config
     from agent.rules.config import load_rules
     from agent.rules.sources import describe, resolve_rules
 
     path, _ = _config_path(args)
     if path is None:
         raise CliError(f"no config: {DEFAULT_CONFIG_PATH} does not exist (give --config PATH)")
-    config = load_config(path)
+    config = load_checked_config(path)
     resolved = resolve_rules(Path(d) for d in (args.rules or config.remediation.rules_dirs))
     rules = load_rules(resolved.paths, allow_reboot=config.remediation.allow_reboot)
     _check_hooks(rules)
@@ -143,6 +144,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_apply(args: argparse.Namespace) -> int:
     from agent import documents, render, textview
+    from agent.policy.base import ApplyOutcome, PlanStatus
 
     config = load(args)
     engine = make_engine(config)
@@ -157,7 +159,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
         _print(textview.dumps(documents.apply_json(report)))
     else:
         _print(render.results_text(report.results))
-        skipped = [r for r in report.results if r.outcome.value == "skipped" and r.plan.status.value == "drift"]
+        skipped = [r for r in report.results if r.outcome is ApplyOutcome.SKIPPED and r.plan.status is PlanStatus.DRIFT]
         if skipped and not args.dry_run:
             _print(f"\n{len(skipped)} drifting item(s) left unchanged: observe mode (set `mode: enforce` to apply)")
     if handed_back:
@@ -175,8 +177,10 @@ def _hand_back_fans_without_daemon(config: AgentConfig, engine: PolicyEngine) ->
     go back to automatic control instead of staying at a fixed speed. What was done, per GPU."""
     from agent import api
     from agent.policy import fan_curve
+    from agent.policy.base import ApplyOutcome
+    from agent.policy.names import FAN_CURVE
 
-    if "fan_curve" not in config.writable_items():
+    if FAN_CURVE not in config.writable_items():
         return []
     try:
         api.call(config.api.socket, "ping", timeout_seconds=2.0)
@@ -187,7 +191,7 @@ def _hand_back_fans_without_daemon(config: AgentConfig, engine: PolicyEngine) ->
     done: list[str] = []
     for gpu, ctx in sorted(engine.state.contexts.items()):
         result = fan_curve.restore(ctx)
-        if result.outcome.value in ("applied", "failed"):
+        if result.outcome in (ApplyOutcome.APPLIED, ApplyOutcome.FAILED):
             done.append(f"GPU {gpu}: {result.detail}")
     return done
 
@@ -198,6 +202,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
     through the backend the daemon last ran with (agent.policy.known_good), or NVML."""
     from agent import documents, render, textview
     from agent.policy import known_good
+    from agent.policy.base import ApplyOutcome
     from agent.policy.registry import RESTORABLE_NAMES
 
     try:
@@ -223,7 +228,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
         _print(textview.dumps({"results": [documents.result_json(r, "enforce") for r in results]}))
     else:
         _print(render.results_text(results))
-    return EXIT_ERROR if any(r.outcome.value == "failed" for r in results) else EXIT_OK
+    return EXIT_ERROR if any(r.outcome is ApplyOutcome.FAILED for r in results) else EXIT_OK
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -374,14 +379,13 @@ def cmd_xid_parse(args: argparse.Namespace) -> int:
 
 def _identities_if_available(args: argparse.Namespace) -> dict[int, GpuIdentity]:
     """This host's GPUs, to map bus ids to GPUs, when a config and a backend are at hand; else {}."""
-    from agent.backend import open_backend
-    from agent.config import load_config
+    from agent.backend import load_checked_config, open_backend
 
     path, _ = _config_path(args)
     if path is None:
         return {}
     try:
-        backend = open_backend(load_config(path), writable_items=())
+        backend = open_backend(load_checked_config(path), writable_items=())
     except (ConfigError, GpuError):
         return {}
     try:

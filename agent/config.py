@@ -12,7 +12,7 @@ import itertools
 import os
 import re
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -21,11 +21,10 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agent import safe_yaml
-from agent.backend.base import GPU_RESET_ITEM
 from agent.config_errors import ConfigError as ConfigError
 from agent.config_errors import ConfigProblem as ConfigProblem
 from agent.defaults import DEFAULT_METRICS_PORT, DEFAULT_RULES_DIR, DEFAULT_RULES_DIRS, DEFAULT_SOCKET_PATH
-from agent.policy.names import ITEM_NAMES, SETTABLE_GPU_ITEM_NAMES
+from agent.policy.names import GPU_RESET_ITEM, ITEM_NAMES, SETTABLE_GPU_ITEM_NAMES
 from agent.policy.names import ItemName as ItemName
 from agent.trust import TooLargeError, UntrustedError, read_trusted
 
@@ -114,16 +113,10 @@ def listen_address(value: str) -> tuple[int, str]:
 
 
 class SimulatedConfig(StrictModel):
-    profile: str = "h200x8"  # a built-in node profile name, or a path to a profile file
+    # A built-in node profile name, or a path to a profile file. Whether it loads is the simulator's to
+    # say: agent.backend.load_checked_config reports a bad one as this key's error.
+    profile: str = "h200x8"
     privileged: bool = True  # False: setters fail with NO_PERMISSION, as NVML does for non-root
-
-    @field_validator("profile")
-    @classmethod
-    def _usable_profile(cls, profile: str) -> str:
-        # A bad profile is a config error now (check-config says so), not a traceback at `run`.
-        from agent.backend.sim.profiles import validate_profile
-
-        return validate_profile(profile)
 
 
 class MetricsConfig(StrictModel):
@@ -609,13 +602,38 @@ def read_trusted_text(path: str | Path) -> str:
     return safe_yaml.decode(raw, file)
 
 
-def load_config(path: str | Path) -> AgentConfig:
-    """The config in `path`, read through `read_trusted_text` and the bounded YAML loader."""
+#: A check a caller adds on one key of the file (a check the config cannot make itself, such as whether
+#: a simulated profile loads): the key's path and a function raising ValueError for a bad value.
+KeyCheck = tuple[PathKey, Callable[[Any], object]]
+
+
+def load_config(path: str | Path, checks: Sequence[KeyCheck] = ()) -> AgentConfig:
+    """The config in `path`, read through `read_trusted_text` and the bounded YAML loader; then each of
+    `checks` on its key where the file sets it, a failure reported like the model's own (file:line)."""
     file = str(path)
     data, lines = parse_yaml(read_trusted_text(path), file)
     if data is not None and not isinstance(data, dict):
         raise ConfigError([ConfigProblem(file, 1, "", "must be a YAML mapping")])
-    return validate_model(AgentConfig, data, lines, file)
+    config = validate_model(AgentConfig, data, lines, file)
+    check_keys(data, lines, file, checks)
+    return config
+
+
+def check_keys(data: Any, lines: dict[PathKey, int], file: str, checks: Sequence[KeyCheck]) -> None:
+    problems: list[ConfigProblem] = []
+    for path, check in checks:
+        value = data
+        for part in path:
+            if not isinstance(value, Mapping) or part not in value:
+                break
+            value = value[part]
+        else:
+            try:
+                check(value)
+            except ValueError as exc:
+                problems.append(ConfigProblem(file, lines.get(path), format_path(path), str(exc)))
+    if problems:
+        raise ConfigError(problems)
 
 
 def config_from_text(text: str, file: str = "<config>") -> AgentConfig:

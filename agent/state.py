@@ -81,7 +81,7 @@ class GpuSample:
     power_violation_ns: int | None = None
     thermal_violation_ns: int | None = None
     recovery_action: int | None = None  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (R550+); None where unsupported
-    # slow tier, issue 14: the slow field-value batch, NVLink, fabric, modes, clocks, processes
+    # slow tier, profiling telemetry: the slow field-value batch, NVLink, fabric, modes, clocks, processes
     pcie_correctable_errors: int | None = None
     pcie_fatal_errors: int | None = None
     violation_reason_ns: Mapping[str, int] | None = None  # VIOLATION_REASONS label -> ns held back

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+from agent.config import Mode
 from agent.events import HealthState
 from agent.host.paths import HostPaths
 from agent.policy.base import ItemPlan, PlanStatus
@@ -90,7 +91,7 @@ def attention(snapshot: NodeSnapshot, mode: str) -> list[str]:
     if snapshot.reboot_recommended is not None:
         reasons.append(f"reboot recommended: {snapshot.reboot_recommended}")
     for plan in drifted(snapshot):
-        if snapshot.item_modes.get(plan.item, mode) == "enforce":
+        if snapshot.item_modes.get(plan.item, mode) == Mode.ENFORCE.value:
             where = "" if plan.gpu is None else f" on GPU {plan.gpu}"
             reasons.append(f"policy drift: {plan.item}{where} (want {plan.desired}, have {plan.actual})")
     return reasons

@@ -375,7 +375,7 @@ def inference_fields(timestamp_seconds: float = TIMESTAMP_SECONDS) -> dict[str, 
     }
 
 
-#: Issue 14's readings of the H200 under a bf16 matmul (tests/fixtures/nvml-h200-gpm-fields.json, "loaded").
+#: The profiling telemetry readings of the H200 under a bf16 matmul (tests/fixtures/nvml-h200-gpm-fields.json, "loaded").
 H200_LOADED_TELEMETRY = {
     "activity_supported": True,
     "sm_active_ratio": 0.9646,
@@ -424,7 +424,7 @@ HGX_NVLINK_TELEMETRY = {
 
 
 def telemetry_gpus() -> tuple[GpuSample, ...]:
-    """`node_gpus()` with issue 14's telemetry: GPU 0 under a bf16 matmul as the H200 answered, GPU 1
+    """`node_gpus()` with the profiling telemetry: GPU 0 under a bf16 matmul as the H200 answered, GPU 1
     with NVLink (a link down, errors) and an unfinished fabric registration, no GPM on the RTX."""
     gpu0, gpu1, gpu2, gpu3 = node_gpus()
     return (

@@ -45,11 +45,11 @@ from agent.daemon import Daemon, LoopTiming
 from agent.daemon.sd_notify import SdNotifier
 from agent.events import Event, EventKind, HealthState, SuggestedAction
 from agent.host.paths import HostPaths
-from agent.policy.base import HostContext, Outcome, PlanStatus
+from agent.policy.base import ApplyOutcome, HostContext, PlanStatus
 from agent.policy.engine import PolicyEngine
-from agent.rules.actions import ActionContext, execute
-from agent.rules.model import ActionKind, ActionSpec, Decision, Target
-from agent.rules.model import Outcome as ActionResult
+from agent.rules.actions.context import ActionContext
+from agent.rules.actions.dispatch import execute
+from agent.rules.model import ActionKind, ActionSpec, Decision, Outcome, Target
 from agent.state import NodeSnapshot
 from agent.watch.nvml_events import NvmlEventSource
 
@@ -615,7 +615,7 @@ def test_exit(node: Node, calls: Calls, method: str, kind: str) -> None:
             assert any(e["event"] == "could not restore automatic fan control" and e["gpu"] == 0 for e in logs), logs
         # ExecStopPost's `gpu-agent restore` is the second line
         engine = PolicyEngine(node.config, open_backend(node.config), HostContext(HostPaths.at(node.config.host_root)))
-        assert all(r.outcome is not Outcome.FAILED for r in engine.restore())
+        assert all(r.outcome is not ApplyOutcome.FAILED for r in engine.restore())
         engine.backend.shutdown()
         assert fans_manual(node.operator, 0) == [False, False]
         shown = "left manual by the daemon; restored by gpu-agent restore"
@@ -658,14 +658,14 @@ def test_restore(node: Node, method: str, kind: str) -> None:
         assert method in LIBRARY_CALLS or method == "identity", (method, exc)
         shown = f"refused: {exc.kind.value}"
     else:
-        failed = [r for r in results if r.outcome is Outcome.FAILED]
+        failed = [r for r in results if r.outcome is ApplyOutcome.FAILED]
         assert all(r.plan.gpu == 0 for r in failed), "only the faulty GPU may fail"
         assert restored(node.operator, 1)
         shown = f"{len(failed)} item(s) failed on GPU 0" if failed else "restored"
         engine.backend.shutdown()
     node.inject(method, None)
     engine = PolicyEngine(node.config, open_backend(node.config), host)
-    assert all(r.outcome is not Outcome.FAILED for r in engine.restore())
+    assert all(r.outcome is not ApplyOutcome.FAILED for r in engine.restore())
     assert restored(node.operator, 0) and restored(node.operator, 1)
     record("restore", method, kind, shown)
 
@@ -705,13 +705,13 @@ def test_action(node: Node, calls: Calls, method: str, kind: str) -> None:
     resets = calls.made("reset_gpu")
     tolerated = kind == HANG or (method == "mig_mode" and kind == GpuErrorKind.NOT_SUPPORTED.value)
     if tolerated:
-        assert outcome.outcome is ActionResult.SUCCESS, outcome  # slower, or a board without MIG
+        assert outcome.outcome is Outcome.SUCCESS, outcome  # slower, or a board without MIG
     else:
-        assert outcome.outcome in (ActionResult.FAILED, ActionResult.REFUSED), outcome
+        assert outcome.outcome in (Outcome.FAILED, Outcome.REFUSED), outcome
         if method != "reset_gpu":
             assert resets == 0, "a GPU is never reset on a check that could not be read"
     node.inject(method, None)
-    assert execute(decision, ctx).outcome is ActionResult.SUCCESS
+    assert execute(decision, ctx).outcome is Outcome.SUCCESS
     backend.shutdown()
     record("action", method, kind, f"{outcome.outcome.value}: {outcome.detail[:80]}")
 

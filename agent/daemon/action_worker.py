@@ -21,9 +21,10 @@ from typing import Any
 import structlog
 
 from agent.config import AgentConfig
-from agent.rules.actions import ActionContext, execute
+from agent.rules.actions.context import ActionContext
+from agent.rules.actions.dispatch import execute
 from agent.rules.actions.steps import services_left_down
-from agent.rules.model import ActionOutcome, Decision, Outcome
+from agent.rules.model import ActionKind, ActionOutcome, Decision, Outcome
 from agent.services.managers import ServiceError, ServiceManager
 from agent.store.attempt_clock import AttemptClock, ClockReading, effective_wall_seconds
 from agent.store.database import JournalEntry, Store, StoreError
@@ -158,7 +159,7 @@ class ActionWorker:
             **target_fields(decision),
         )
         action = decision.action
-        reset_done = action is not None and action.kind.value == "reset_gpu" and outcome.outcome is Outcome.SUCCESS
+        reset_done = action is not None and action.kind is ActionKind.RESET_GPU and outcome.outcome is Outcome.SUCCESS
         if reset_done and decision.target.gpu is not None:
             self.on_reset(decision.target.gpu)
 

@@ -20,14 +20,14 @@ from types import FrameType
 
 import structlog
 
+from agent.backend import load_checked_config
 from agent.backend.base import GpuEvent
-from agent.config import AgentConfig, ConfigError, load_config
+from agent.config import AgentConfig, ConfigError
 from agent.daemon.bounded import BoundedRunner
 from agent.daemon.collector import GpuCollector
-from agent.daemon.drift import FAN_CURVE
 from agent.daemon.intake import EventIntake
 from agent.daemon.policy_loop import PolicyLoop
-from agent.daemon.publisher import Publisher, status_line
+from agent.daemon.publisher import Publisher, systemd_status_line
 from agent.daemon.remediator import LoadedRules, Remediator, load_rules_dir
 from agent.daemon.sd_notify import SdNotifier
 from agent.daemon.session import BackendSession
@@ -38,8 +38,10 @@ from agent.host.paths import HostPaths
 from agent.policy import known_good
 from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
+from agent.policy.names import FAN_CURVE
 from agent.policy.registry import RESTORABLE_NAMES
-from agent.rules.actions import ActionContext, AlertTracker
+from agent.rules.actions.alertmanager import AlertTracker
+from agent.rules.actions.context import ActionContext
 from agent.services.health import HealthProber, ProberThread
 from agent.services.managers import build_managers
 from agent.services.watch import InferenceMonitor
@@ -257,7 +259,7 @@ class Daemon:
             log.warning("reload requested but the daemon runs on a built-in config; nothing to reload")
             return None
         try:
-            new = load_config(self.config_path)
+            new = load_checked_config(self.config_path)
             rules = load_rules_dir(new)
         except ConfigError as exc:
             message = "; ".join(str(p) for p in exc.problems)
@@ -334,7 +336,7 @@ class Daemon:
         try:
             self.start_services()
             snapshot = self.loop_once()
-            self.publisher.notifier.ready(status_line(snapshot))
+            self.publisher.notifier.ready(systemd_status_line(snapshot))
             self.watchdog.start()
             self._run_loops()
             return 0

@@ -11,18 +11,18 @@ from functools import partial
 
 import structlog
 
-from agent.backend.base import GPU_RESET_ITEM, GpuBackend, GpuIdentity
+from agent.backend.base import GpuBackend, GpuIdentity
 from agent.backend.errors import GpuError
 from agent.config import AgentConfig
 from agent.daemon.bounded import BoundedRunner, StaleGpu
-from agent.daemon.drift import FAN_CURVE, DriftBook, ItemKey
+from agent.daemon.drift import DriftBook, ItemKey
 from agent.daemon.session import FaultSink
 from agent.daemon.timing import due, timed
 from agent.events import Event
 from agent.policy import fan_curve
-from agent.policy.base import HostContext, ItemPlan, PlanStatus
-from agent.policy.base import Outcome as ItemOutcome
+from agent.policy.base import ApplyOutcome, HostContext, ItemPlan, PlanStatus
 from agent.policy.engine import PolicyEngine, match_profile
+from agent.policy.names import FAN_CURVE, GPU_RESET_ITEM
 from agent.state import CollectorStatus
 
 log = structlog.get_logger("gpu-agent")
@@ -133,7 +133,7 @@ class PolicyLoop:
             except (StaleGpu, GpuError) as exc:
                 log.error("could not restore automatic fan control", gpu=gpu, error=str(exc))
                 continue
-            if result.outcome is ItemOutcome.FAILED:
+            if result.outcome is ApplyOutcome.FAILED:
                 log.error("could not restore automatic fan control", gpu=gpu, error=result.detail)
             else:
                 log.info("fans restored to automatic", gpu=gpu, outcome=result.outcome.value)
@@ -145,8 +145,8 @@ class PolicyLoop:
         # apply() only writes items whose plan was read completely and says DRIFT: an item with any
         # failed read is an ERROR plan and is skipped, never half-applied.
         report = engine.apply(only=items)
-        fixed = [r.plan for r in report.results if r.outcome is ItemOutcome.APPLIED]
-        failed = {(r.plan.item, r.plan.gpu): r.detail for r in report.results if r.outcome is ItemOutcome.FAILED}
+        fixed = [r.plan for r in report.results if r.outcome is ApplyOutcome.APPLIED]
+        failed = {(r.plan.item, r.plan.gpu): r.detail for r in report.results if r.outcome is ApplyOutcome.FAILED}
         return report.plan.items, fixed, failed
 
     def _failed(self, exc: GpuError | OSError, full: bool) -> None:

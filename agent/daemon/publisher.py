@@ -40,7 +40,7 @@ class Publisher:
         # or is acknowledged gone: the snapshot's GPUs are the ones this node should have.
         snapshot = replace(snapshot, expected_gpus=expected_gpu_count(snapshot) or None)
         self.set(snapshot)
-        self.notifier.status(status_line(snapshot) + self.status_note)
+        self.notifier.status(systemd_status_line(snapshot) + self.status_note)
         return snapshot
 
     def serve(self, config: AgentConfig, stale_after_seconds: float) -> list[Callable[[], None]]:
@@ -65,7 +65,7 @@ class Publisher:
         return {"status": status, "ping": lambda _p: {"pid": threading.get_native_id(), "version": __version__}}
 
 
-def status_line(snapshot: NodeSnapshot) -> str:
+def systemd_status_line(snapshot: NodeSnapshot) -> str:
     """One line for systemd's STATUS= (what `systemctl status gpu-agent` shows); a node problem
     (no driver, no or missing GPUs) comes first, so it is never read as health."""
     total = len(snapshot.gpus)

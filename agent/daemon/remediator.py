@@ -18,7 +18,8 @@ from agent.daemon.action_worker import ActionWorker, target_fields
 from agent.daemon.alert_delivery import AlertDelivery
 from agent.daemon.timing import due
 from agent.events import Event
-from agent.rules.actions import ActionContext, AlertTracker
+from agent.rules.actions.alertmanager import AlertTracker
+from agent.rules.actions.context import ActionContext
 from agent.rules.config import Rule, load_rules
 from agent.rules.engine import evaluate, gpus_by_service
 from agent.rules.model import ActionOutcome, Decision, Outcome

@@ -29,6 +29,7 @@ from typing import Any
 
 from agent import api
 from agent.demo import standin
+from agent.policy.names import POWER_LIMIT
 
 SERVICE_PID_FILE = "sglang.pid"  # the stand-in inference server's, in the demo directory
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -219,7 +220,7 @@ def _power_drift(status: dict[str, Any]) -> list[dict[str, Any]]:
     return [
         e
         for e in _events(status, "policy_drift")
-        if e["gpu"] == 0 and e["data"]["item"] == "power_limit" and e["data"]["reappeared"] >= 1
+        if e["gpu"] == 0 and e["data"]["item"] == POWER_LIMIT and e["data"]["reappeared"] >= 1
     ]
 
 

@@ -50,7 +50,7 @@ class PlanStatus(str, Enum):
     ERROR = "error"  # unreadable, or the desired value is impossible on this device
 
 
-class Outcome(str, Enum):
+class ApplyOutcome(str, Enum):
     APPLIED = "applied"
     UNCHANGED = "unchanged"  # nothing to do
     SKIPPED = "skipped"  # observe mode, not applicable, or the plan was an error
@@ -80,7 +80,7 @@ class ItemPlan:
 @dataclass(frozen=True)
 class ItemResult:
     plan: ItemPlan
-    outcome: Outcome
+    outcome: ApplyOutcome
     detail: str = ""
 
 

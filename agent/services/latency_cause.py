@@ -30,6 +30,7 @@ from typing import Any
 
 from agent.config import ServiceSlo
 from agent.events import Event, EventKind, Severity, SuggestedAction
+from agent.policy.names import FAN_CURVE
 from agent.services.scrape import ServiceFigures
 from agent.state import GpuSample
 from agent.watch.clock_events import decode
@@ -304,7 +305,7 @@ def regression_event(
             "kv_cache_usage_ratio": figures.kv_cache_usage_ratio,
             "evidence": finding.evidence,
             # A thermal cause is what the fan curve is for: point the operator at it.
-            **({"see_policy": "fan_curve"} if thermal else {}),
+            **({"see_policy": FAN_CURVE} if thermal else {}),
         },
         suggested_action=SuggestedAction.CHECK_MECHANICALS if thermal else SuggestedAction.ALERT,
     )

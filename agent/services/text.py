@@ -15,7 +15,7 @@ def _count(value: float | None) -> str:
     return "-" if value is None else f"{value:g}"
 
 
-def status_line(document: Mapping[str, Any]) -> str:
+def service_figures_line(document: Mapping[str, Any]) -> str:
     """A `status_document` as one line: `p95 e2e 0.72 s, TTFT 0.15 s; running 9 / waiting 0; 320 tokens/s`."""
     latency = document["latency_seconds"]
     error = document["metrics_error"]

@@ -11,6 +11,8 @@ import structlog
 
 from agent.state import XidCount
 from agent.store.db import Database
+from agent.watch.throttle import ClockEventTotal
+from agent.watch.xid import XidMark
 
 log = structlog.get_logger("gpu-agent")
 
@@ -27,28 +29,6 @@ class InventoryGpu:
     last_seen_seconds: float  # when it last answered
     present: bool = True  # answering at the daemon's last look
     acked: bool = False  # acknowledged gone: not expected any more
-
-
-@dataclass(frozen=True)
-class XidMark:
-    """What one (GPU, Xid) contributes to that GPU's health while inside the health window."""
-
-    gpu: int
-    xid: int
-    action: str  # SuggestedAction value
-    reason: str
-    seen_seconds: float
-
-
-@dataclass(frozen=True)
-class ClockEventTotal:
-    """How long one clock-event reason held one board on this boot, and since when while it holds."""
-
-    gpu: int
-    uuid: str
-    reason: str
-    seconds: float
-    active_since_seconds: float | None = None  # a slowdown active at the last save: when it started
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ from agent.rules.model import ActionOutcome, Decision, Outcome
 from agent.state import RemediationCount
 from agent.store.acks import ALL, Acknowledgements, Circuit
 from agent.store.attempt_clock import ClockReading
-from agent.store.boot import BootTables, ClockEventTotal, InventoryGpu, ProbeStreak, XidMark
+from agent.store.boot import BootTables, InventoryGpu, ProbeStreak
 from agent.store.db import StoreError
 
 log = structlog.get_logger("gpu-agent")
@@ -76,7 +76,6 @@ __all__ = [
     "MIGRATIONS",
     "RETENTION_SECONDS",
     "Circuit",
-    "ClockEventTotal",
     "InventoryGpu",
     "JournalEntry",
     "ProbeStreak",
@@ -84,7 +83,6 @@ __all__ = [
     "StoreError",
     "StoredEvent",
     "StoredRemediation",
-    "XidMark",
 ]
 
 DB_NAME = "gpu-agent.db"

@@ -34,15 +34,13 @@ from agent.services.health import HealthProber
 from agent.state import GpuSample, NodeSnapshot, XidCount
 from agent.store.database import (
     RETENTION_SECONDS,
-    ClockEventTotal,
     InventoryGpu,
     ProbeStreak,
     Store,
     StoreError,
-    XidMark,
 )
-from agent.watch.throttle import ThrottleWatcher
-from agent.watch.xid import XidWatcher
+from agent.watch.throttle import ClockEventTotal, ThrottleWatcher
+from agent.watch.xid import XidMark, XidWatcher
 
 log = structlog.get_logger("gpu-agent")
 

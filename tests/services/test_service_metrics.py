@@ -29,7 +29,7 @@ from agent.services.scrape import (
 
 INF = math.inf
 #: Recorded /metrics pages of the two servers (Prometheus text, kept as data files).
-PAGES = Path(__file__).parent / "fixtures" / "service-metrics"
+PAGES = Path(__file__).parents[1] / "fixtures" / "service-metrics"
 
 
 # -- quantiles, by hand ----------------------------------------------------------------------------

@@ -16,7 +16,8 @@ from agent.demo import standin
 from agent.demo.standin import free_port
 from agent.events import Event, EventKind, Severity
 from agent.policy.base import HostContext
-from agent.rules.actions import ActionContext, execute
+from agent.rules.actions.context import ActionContext
+from agent.rules.actions.dispatch import execute
 from agent.rules.model import ActionKind, ActionSpec, Decision, Outcome, Target
 from agent.services.managers import SystemdManager, build_managers
 

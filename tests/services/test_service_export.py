@@ -16,7 +16,7 @@ from agent.documents import snapshot_document
 from agent.services.attribution import GpuAttribution, GpuProcessInfo
 from agent.services.export import service_metric_families, status_document, unattributed_document
 from agent.services.scrape import LatencyFigures, ServiceFigures
-from agent.services.text import status_line, unattributed_lines
+from agent.services.text import service_figures_line, unattributed_lines
 from agent.textview import status_text
 
 GIB = 2**30
@@ -96,15 +96,15 @@ def test_the_exposition_passes_promtool() -> None:
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
-def test_status_line_and_document() -> None:
+def test_service_figures_line_and_document() -> None:
     document = status_document(figures())
     assert document["latency_seconds"]["e2e"] == {"0.5": 0.55, "0.95": 0.72, "0.99": 0.79}
     assert document["requests_in_window"] == {"e2e": 120, "ttft": 120}
     assert document["metrics_error"] is None
-    assert status_line(document) == "p95 e2e 0.72 s, TTFT 0.15 s; running 9 / waiting 0; 320 tokens/s"
+    assert service_figures_line(document) == "p95 e2e 0.72 s, TTFT 0.15 s; running 9 / waiting 0; 320 tokens/s"
     never_read = status_document(figures(latency={}, error="HTTP 404"))
-    assert status_line(never_read) == "metrics unavailable (HTTP 404)"
-    stale = status_line(status_document(figures(error="timed out after 2 s")))
+    assert service_figures_line(never_read) == "metrics unavailable (HTTP 404)"
+    stale = service_figures_line(status_document(figures(error="timed out after 2 s")))
     assert stale.endswith("(last scrape: timed out after 2 s)")
     assert list(unattributed_lines(unattributed_document(ATTRIBUTION))) == [
         "GPU 3: pid 4242 python (jupyter.service) 1.0 GiB, in no configured service"

@@ -20,7 +20,9 @@ from agent.demo.standin import free_port
 from agent.events import Event, EventKind, Severity, SuggestedAction
 from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
-from agent.rules.actions import ActionContext, AlertTracker, alert_for, execute, post_alert, resolve_alert
+from agent.rules.actions.alertmanager import AlertTracker, alert_for, post_alert, resolve_alert
+from agent.rules.actions.context import ActionContext
+from agent.rules.actions.dispatch import execute
 from agent.rules.model import ActionKind, ActionSpec, Decision, Outcome, Target
 from agent.rules.params import AlertmanagerParams
 

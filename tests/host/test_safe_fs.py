@@ -16,7 +16,7 @@ from race import attempts, fingerprint, swapping
 from agent.host import safe_fs
 from agent.host.paths import HostPaths
 from agent.policy import thp
-from agent.policy.base import Outcome
+from agent.policy.base import ApplyOutcome
 from agent.policy.item import enforce, plan_item
 from agent.policy.triton_cache import TritonCacheItem, TritonCacheWant
 
@@ -186,7 +186,7 @@ def test_race_against_the_triton_cache_item(tmp_path: Path) -> None:
         return enforce(item, ctx, want, plan_item(item, ctx, want)).outcome.value
 
     with swapping(svc / "triton", svc / "swap"):
-        outcomes = attempts(attempt, {Outcome.FAILED.value}, 300)
+        outcomes = attempts(attempt, {ApplyOutcome.FAILED.value}, 300)
     assert fingerprint(victim) == before
     # ... while the real directory, wherever the swaps left it, was given to the service user.
     (real,) = [entry for entry in (svc / "triton", svc / "swap") if not entry.is_symlink()]

@@ -11,17 +11,17 @@ from typing import Any
 
 import pytest
 
-from agent.backend.base import GPU_RESET_ITEM, SETTER_ITEMS, ClockDomain, GpuBackend
+from agent.backend.base import SETTER_ITEMS, ClockDomain, GpuBackend
 from agent.backend.errors import GpuErrorKind, WriteRefused
 from agent.backend.sim import SimulatedBackend
 from agent.config import GPU_ITEMS, AgentConfig, FanCurve, GpuMatch, GpuProfile, LockedClocks, Mode, PolicyConfig
 from agent.host.paths import HostPaths
 from agent.policy import ecc, fan_curve, locked_clocks, persistence, power_limit
-from agent.policy.base import ERROR_LABELS, GpuContext, HostContext, ItemPlan, Outcome, PlanStatus
+from agent.policy.base import ERROR_LABELS, ApplyOutcome, GpuContext, HostContext, ItemPlan, PlanStatus
 from agent.policy.engine import PolicyEngine
 from agent.policy.gpu_item import format_watts
 from agent.policy.item import GpuItem, NodeItem, Planned, PolicyItem, RestorableGpuItem, enforce, planned
-from agent.policy.names import GPU_ITEM_NAMES, NODE_ITEM_NAMES
+from agent.policy.names import GPU_ITEM_NAMES, GPU_RESET_ITEM, NODE_ITEM_NAMES
 from agent.policy.registry import GPU_ITEMS as REGISTERED
 from agent.policy.registry import NODE_ITEMS, RESTORABLE_ITEMS, RESTORABLE_NAMES
 
@@ -205,7 +205,7 @@ def test_drift_apply_then_in_sync_and_not_reapplied(tmp_path: Path, profile: str
     assert not node.recorder.writes, "plan must only read"
 
     result = enforce(case.item, node.ctx, want, done)
-    expected_outcome = Outcome.REBOOT_REQUIRED if case.settles_after_reboot else Outcome.APPLIED
+    expected_outcome = ApplyOutcome.REBOOT_REQUIRED if case.settles_after_reboot else ApplyOutcome.APPLIED
     assert result.outcome is expected_outcome, result
     assert node.recorder.writes and all(SETTER_ITEMS[name] == item for name, _ in node.recorder.writes)
 
@@ -218,7 +218,7 @@ def test_drift_apply_then_in_sync_and_not_reapplied(tmp_path: Path, profile: str
     assert again.plan.changes == ()
     assert again.plan.desired == again.plan.actual or item == "fan_curve"
     unchanged = enforce(case.item, node.ctx, want, again)
-    assert unchanged.outcome is Outcome.UNCHANGED
+    assert unchanged.outcome is ApplyOutcome.UNCHANGED
     assert node.recorder.writes == []
 
 
@@ -249,7 +249,7 @@ def test_impossible_value_is_an_error_naming_the_range(tmp_path: Path, profile: 
     for text in words:
         assert text in done.plan.detail
     # Never clamped: nothing is applied for an error plan.
-    assert enforce(case.item, node.ctx, want, done).outcome is Outcome.SKIPPED
+    assert enforce(case.item, node.ctx, want, done).outcome is ApplyOutcome.SKIPPED
     assert node.recorder.writes == []
 
 
@@ -261,7 +261,7 @@ def test_no_permission_fails_apply(tmp_path: Path, profile: str, item: str) -> N
     done = case.item.plan(node.ctx, want)
     assert done.plan.status is PlanStatus.DRIFT  # reading needs no root
     result = enforce(case.item, node.ctx, want, done)
-    assert result.outcome is Outcome.FAILED
+    assert result.outcome is ApplyOutcome.FAILED
     assert "no_permission" in result.detail and "needs root" in result.detail
     assert case.item.plan(node.ctx, want).plan.status is PlanStatus.DRIFT
 
@@ -280,7 +280,7 @@ def test_gpu_lost(tmp_path: Path, profile: str, item: str) -> None:
     assert "GPU lost" in done.plan.detail
     if before.plan.status is PlanStatus.DRIFT:
         result = enforce(case.item, node.ctx, want, before)
-        assert result.outcome is Outcome.FAILED
+        assert result.outcome is ApplyOutcome.FAILED
         assert "gpu_lost" in result.detail
 
 
@@ -296,7 +296,7 @@ def test_write_refused_propagates(tmp_path: Path, profile: str, item: str) -> No
     assert refused.value.item == item
     # Through the one enforce path it is a FAILED result naming the refusal, never a write.
     result = enforce(case.item, node.ctx, want, done)
-    assert result.outcome is Outcome.FAILED
+    assert result.outcome is ApplyOutcome.FAILED
     assert f"policy item '{item}' is in observe mode" in result.detail
     assert case.item.plan(node.ctx, want).plan.status is PlanStatus.DRIFT
 
@@ -338,9 +338,9 @@ def test_fan_curve_not_applicable_on_fanless_h200(tmp_path: Path) -> None:
     assert done.plan.status is PlanStatus.NOT_APPLICABLE
     assert done.plan.in_sync
     assert done.plan.detail == "NVIDIA H200 (GPU 0) has no fans: no fan curve to enforce"
-    assert enforce(fan_curve.ITEM, node.ctx, want, done).outcome is Outcome.UNCHANGED  # as `apply` reports it
+    assert enforce(fan_curve.ITEM, node.ctx, want, done).outcome is ApplyOutcome.UNCHANGED  # as `apply` reports it
     restored = fan_curve.ITEM.restore(node.ctx)
-    assert restored.outcome is Outcome.SKIPPED
+    assert restored.outcome is ApplyOutcome.SKIPPED
     assert node.recorder.writes == []
 
 
@@ -360,7 +360,7 @@ def test_fan_curve_interpolates_and_sets_every_fan(tmp_path: Path) -> None:
         "set fan 1 of GPU 0 to 48% (40 C on the curve)",
     )
     assert "automatic" in done.plan.actual
-    assert enforce(fan_curve.ITEM, node.ctx, want, done).outcome is Outcome.APPLIED
+    assert enforce(fan_curve.ITEM, node.ctx, want, done).outcome is ApplyOutcome.APPLIED
     assert _fans(node.backend) == [(True, 48), (True, 48)]
 
     for celsius, percent in ((10, 30), (30, 30), (75, 100), (110, 100)):
@@ -400,7 +400,7 @@ def test_fan_curve_hysteresis_sequence(tmp_path: Path) -> None:
         node.backend.set_temperature(GPU, celsius)
         done = fan_curve.ITEM.plan(node.ctx, want)
         if done.plan.status is PlanStatus.DRIFT:
-            assert enforce(fan_curve.ITEM, node.ctx, want, done).outcome is Outcome.APPLIED
+            assert enforce(fan_curve.ITEM, node.ctx, want, done).outcome is ApplyOutcome.APPLIED
         speeds = {speed for _, speed in _fans(node.backend)}
         assert len(speeds) == 1
         return speeds.pop(), done.plan
@@ -433,7 +433,7 @@ def test_fan_restore_returns_every_fan_to_automatic(tmp_path: Path) -> None:
     assert all(manual for manual, _ in _fans(node.backend))
 
     restored = fan_curve.ITEM.restore(node.ctx)
-    assert restored.outcome is Outcome.APPLIED, restored
+    assert restored.outcome is ApplyOutcome.APPLIED, restored
     assert restored.plan.changes == (
         "return fan 0 of GPU 0 to automatic control",
         "return fan 1 of GPU 0 to automatic control",
@@ -442,7 +442,7 @@ def test_fan_restore_returns_every_fan_to_automatic(tmp_path: Path) -> None:
     assert "fan_curve" not in node.ctx.item_state
 
     node.recorder.writes.clear()
-    assert fan_curve.ITEM.restore(node.ctx).outcome is Outcome.UNCHANGED
+    assert fan_curve.ITEM.restore(node.ctx).outcome is ApplyOutcome.UNCHANGED
     assert node.recorder.writes == []
 
 
@@ -457,7 +457,7 @@ def test_power_restore_returns_to_default(tmp_path: Path, profile: str) -> None:
     assert node.backend.power_limit_watts(GPU) == pytest.approx(want, abs=0.5)
 
     restored = power_limit.ITEM.restore(node.ctx)
-    assert restored.outcome is Outcome.APPLIED
+    assert restored.outcome is ApplyOutcome.APPLIED
     assert restored.plan.desired == f"default {format_watts(default_watts)} W"
     gpu = GPU
     assert restored.plan.changes == (
@@ -467,7 +467,7 @@ def test_power_restore_returns_to_default(tmp_path: Path, profile: str) -> None:
     assert node.backend.power_limit_watts(GPU) == pytest.approx(default_watts, abs=0.5)
 
     node.recorder.writes.clear()
-    assert power_limit.ITEM.restore(node.ctx).outcome is Outcome.UNCHANGED
+    assert power_limit.ITEM.restore(node.ctx).outcome is ApplyOutcome.UNCHANGED
     assert node.recorder.writes == []
 
 
@@ -475,12 +475,13 @@ def test_clock_restore_unlocks_both_domains(tmp_path: Path, profile: str) -> Non
     node = make_node(tmp_path, profile)
     want = _clocks_drift(node.backend)
     assert (
-        enforce(locked_clocks.ITEM, node.ctx, want, locked_clocks.ITEM.plan(node.ctx, want)).outcome is Outcome.APPLIED
+        enforce(locked_clocks.ITEM, node.ctx, want, locked_clocks.ITEM.plan(node.ctx, want)).outcome
+        is ApplyOutcome.APPLIED
     )
     assert node.backend.locked_clocks_mhz(GPU, ClockDomain.GRAPHICS) == want.gpu_mhz
 
     restored = locked_clocks.ITEM.restore(node.ctx)
-    assert restored.outcome is Outcome.APPLIED
+    assert restored.outcome is ApplyOutcome.APPLIED
     assert restored.plan.changes == (
         "reset locked graphics clocks of GPU 0 (nvidia-smi -i 0 -rgc)",
         "reset locked memory clocks of GPU 0 (nvidia-smi -i 0 -rmc)",
@@ -489,7 +490,7 @@ def test_clock_restore_unlocks_both_domains(tmp_path: Path, profile: str) -> Non
     assert node.backend.locked_clocks_mhz(GPU, ClockDomain.MEMORY) is None
 
     node.recorder.writes.clear()
-    assert locked_clocks.ITEM.restore(node.ctx).outcome is Outcome.UNCHANGED
+    assert locked_clocks.ITEM.restore(node.ctx).outcome is ApplyOutcome.UNCHANGED
     assert node.recorder.writes == []
 
 
@@ -499,10 +500,10 @@ def test_restore_in_observe_mode_reads_only_and_fails_cleanly_when_lost(
 ) -> None:
     node = make_node(tmp_path, profile, writable=())
     result = item.restore(node.ctx)  # already at defaults: no write, so no WriteRefused
-    assert result.outcome in (Outcome.UNCHANGED, Outcome.SKIPPED)
+    assert result.outcome in (ApplyOutcome.UNCHANGED, ApplyOutcome.SKIPPED)
     node.backend.set_lost(GPU)
     lost = item.restore(node.ctx)
-    assert lost.outcome is Outcome.FAILED
+    assert lost.outcome is ApplyOutcome.FAILED
     assert lost.plan.error_kind == "gpu_lost"
 
 
@@ -542,7 +543,7 @@ def test_locked_clocks_texts_and_memory_errors(tmp_path: Path) -> None:
     want = LockedClocks(gpu_mhz=(1500, 1500), memory_mhz=(3201, 3201))
     node.backend.set_locked_clocks_mhz(GPU, ClockDomain.MEMORY, 3201, 3201)
     result = enforce(locked_clocks.ITEM, node.ctx, want, locked_clocks.ITEM.plan(node.ctx, want))
-    assert result.outcome is Outcome.APPLIED
+    assert result.outcome is ApplyOutcome.APPLIED
     assert [name for name, _ in node.recorder.writes] == ["set_locked_clocks_mhz"]
     assert node.recorder.writes[0][1] == (GPU, ClockDomain.GRAPHICS, 1500, 1500)
 
@@ -567,13 +568,13 @@ def test_ecc_pending_then_reboot(tmp_path: Path, profile: str) -> None:
     )
 
     result = enforce(ecc.ITEM, node.ctx, want, done)
-    assert result.outcome is Outcome.REBOOT_REQUIRED
+    assert result.outcome is ApplyOutcome.REBOOT_REQUIRED
     pending = ecc.ITEM.plan(node.ctx, want)
     assert pending.plan.status is PlanStatus.REBOOT_REQUIRED
     assert pending.plan.detail == f"ECC {verb} pending; takes effect after reboot"
     assert pending.plan.actual == f"{_flip(not current)} (pending {want})"
     node.recorder.writes.clear()
-    assert enforce(ecc.ITEM, node.ctx, want, pending).outcome is Outcome.REBOOT_REQUIRED
+    assert enforce(ecc.ITEM, node.ctx, want, pending).outcome is ApplyOutcome.REBOOT_REQUIRED
     assert node.recorder.writes == []  # nothing more to do until the reboot
 
     node.backend.reboot()
@@ -590,7 +591,7 @@ def test_ecc_pending_opposite_of_a_correct_current_mode_is_drift(tmp_path: Path)
     assert done.plan.actual == "enabled (pending disabled)"
     assert done.plan.changes == ("enable ECC on GPU 0 (nvidia-smi -i 0 -e 1)",)
     result = enforce(ecc.ITEM, node.ctx, "enabled", done)
-    assert result.outcome is Outcome.APPLIED  # the current mode never changes: no reboot needed
+    assert result.outcome is ApplyOutcome.APPLIED  # the current mode never changes: no reboot needed
     assert ecc.ITEM.plan(node.ctx, "enabled").plan.status is PlanStatus.IN_SYNC
 
 
@@ -632,7 +633,7 @@ def test_plan_text_and_apply_write_are_one_description(tmp_path: Path, profile: 
     if isinstance(case.item, RestorableGpuItem):
         node.recorder.writes.clear()
         restored = case.item.restore(node.ctx)
-        assert restored.outcome is Outcome.APPLIED, restored
+        assert restored.outcome is ApplyOutcome.APPLIED, restored
         assert len(node.recorder.writes) == len(restored.plan.changes)
         for text, (setter, args) in zip(restored.plan.changes, node.recorder.writes):
             assert _as_command(setter, args) in text
@@ -688,7 +689,9 @@ def test_apply_verifies_exactly_once(tmp_path: Path, profile: str, item: str) ->
     spy.calls.clear()
     report = engine.apply(only={item})
     [result] = [r for r in report.results if r.plan.gpu == GPU]
-    assert result.outcome is (Outcome.REBOOT_REQUIRED if case.settles_after_reboot else Outcome.APPLIED), result
+    assert result.outcome is (ApplyOutcome.REBOOT_REQUIRED if case.settles_after_reboot else ApplyOutcome.APPLIED), (
+        result
+    )
     assert spy.reads() == 2 * one_plan
 
     # Nothing left to write: nothing to verify either.
@@ -696,6 +699,6 @@ def test_apply_verifies_exactly_once(tmp_path: Path, profile: str, item: str) ->
         backend.reboot()
     spy.calls.clear()
     again = engine.apply(only={item})
-    assert [r.outcome for r in again.results if r.plan.gpu == GPU] == [Outcome.UNCHANGED]
+    assert [r.outcome for r in again.results if r.plan.gpu == GPU] == [ApplyOutcome.UNCHANGED]
     assert spy.reads() == one_plan
     assert not set(spy.calls) & set(SETTER_ITEMS)

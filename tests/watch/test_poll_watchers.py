@@ -17,9 +17,9 @@ from agent.backend.base import GpuEvent, GpuEventKind, RecoveryAction
 from agent.backend.errors import GpuErrorKind
 from agent.backend.sim import REASON_HW_POWER_BRAKE, REASON_HW_SLOWDOWN, REASON_HW_THERMAL, SimulatedBackend
 from agent.collect import sample_gpu, sample_identified
-from agent.config import GPU_RESET_ITEM
 from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
 from agent.host.paths import HostPaths
+from agent.policy.names import GPU_RESET_ITEM
 from agent.state import GpuSample
 from agent.watch.devices import DeviceWatcher, UdevWakeup, is_nvidia_pci_event
 from agent.watch.gpu_lost import GpuLostWatcher

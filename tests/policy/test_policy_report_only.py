@@ -16,7 +16,7 @@ from agent.backend.sim import SimulatedBackend
 from agent.config import GPU_ITEMS, AgentConfig, DriverPolicy, NodePolicy, ServiceConfig
 from agent.host.paths import HostPaths
 from agent.policy import driver, next_boot, vbios
-from agent.policy.base import GpuContext, HostContext, Outcome, PlanStatus
+from agent.policy.base import ApplyOutcome, GpuContext, HostContext, PlanStatus
 from agent.policy.engine import PolicyEngine
 from agent.policy.item import enforce
 from agent.rules.actions.reboot import next_boot_problem
@@ -70,7 +70,7 @@ def test_older_vbios_is_drift_that_apply_refuses(backend: SimulatedBackend) -> N
         "update the VBIOS of GPU 0 to 96.00.AF.00.01 or newer (report-only: the agent never flashes a VBIOS)",
     )
     result = enforce(vbios.ITEM, ctx, "96.00.AF.00.01", done)
-    assert result.outcome is Outcome.FAILED and "report-only" in result.detail
+    assert result.outcome is ApplyOutcome.FAILED and "report-only" in result.detail
 
 
 def test_vbios_min_must_be_dotted_hex() -> None:
@@ -163,7 +163,7 @@ def test_driver_apply_refuses_and_writes_nothing(tmp_path: Path, backend: Simula
     ctx = host_with(tmp_path, backend)
     want = driver_want(version="580.172.08")
     result = enforce(driver.ITEM, ctx, want, driver.ITEM.plan(ctx, want))
-    assert result.outcome is Outcome.FAILED and "never installs" in result.detail
+    assert result.outcome is ApplyOutcome.FAILED and "never installs" in result.detail
     assert not (tmp_path / "root").exists() or not any((tmp_path / "root").rglob("*"))
 
 
@@ -242,7 +242,7 @@ def test_engine_plans_report_only_items_and_apply_leaves_them_failed(tmp_path: P
     assert plan["driver"].status is PlanStatus.IN_SYNC
     assert plan["next_boot"].status is PlanStatus.DRIFT
     results = {r.plan.item: r for r in engine.apply().results}
-    assert results["next_boot"].outcome is Outcome.FAILED
+    assert results["next_boot"].outcome is ApplyOutcome.FAILED
 
 
 def test_reboot_is_refused_when_the_next_boot_is_not_ready(tmp_path: Path, backend: SimulatedBackend) -> None:
@@ -257,8 +257,8 @@ def test_reboot_is_refused_when_the_next_boot_is_not_ready(tmp_path: Path, backe
 
 
 def test_metrics_and_status_show_the_next_boot_and_the_driver(tmp_path: Path, backend: SimulatedBackend) -> None:
+    from metrics.test_metrics import render
     from snapshots import node_snapshot
-    from test_metrics import render
 
     from agent.documents import snapshot_document
     from agent.textview import status_text

@@ -1,4 +1,4 @@
-"""actions.execute with real parts: the simulated backend for the GPUs, a stand-in inference server
+"""actions.dispatch.execute with real parts: the simulated backend for the GPUs, a stand-in inference server
 process started and stopped by its configured commands, real hook processes, a local HTTP server."""
 
 from __future__ import annotations
@@ -30,15 +30,11 @@ from agent.demo import standin
 from agent.demo.standin import free_port, running
 from agent.events import Event, EventKind, Severity, SuggestedAction, event_json
 from agent.policy.base import HostContext
-from agent.rules.actions import (
-    ActionContext,
-    ActionError,
-    AlertTracker,
-    execute,
-    post_json,
-    redacted_url,
-)
-from agent.rules.actions.dispatch import HANDLERS
+from agent.rules.actions.alertmanager import AlertTracker
+from agent.rules.actions.base import ActionError
+from agent.rules.actions.context import ActionContext
+from agent.rules.actions.dispatch import HANDLERS, execute
+from agent.rules.actions.http_client import post_json, redacted_url
 from agent.rules.config import ActionStep
 from agent.rules.model import ActionKind, ActionSpec, Decision, Outcome, Target
 from agent.rules.params import PARAMS_BY_KIND, ResetGpuParams, RestartServiceParams
@@ -770,7 +766,7 @@ class SlowEndpoint:
 
     def __init__(self, mode: str, *args: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("slow_endpoint.py")), mode, *args],
+            [sys.executable, str(Path(__file__).parents[1] / "slow_endpoint.py"), mode, *args],
             stdout=subprocess.PIPE,
             text=True,
         )

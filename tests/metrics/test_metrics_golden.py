@@ -4,7 +4,7 @@ Every HELP and TYPE line, series, label and value is part of the contract dashbo
 are written against, so a renamed help text, a changed label or an unintended new series fails here.
 When a change to the exporter is meant, regenerate the file and review its diff:
 
-    UPDATE_GOLDEN=1 PYTHONPATH=$PWD .venv/bin/python -m pytest tests/test_metrics_golden.py
+    UPDATE_GOLDEN=1 PYTHONPATH=$PWD .venv/bin/python -m pytest tests/metrics/test_metrics_golden.py
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from snapshots import VERSION, inference_fields, node_snapshot, telemetry_gpus
 from agent.metrics.collector import SnapshotCollector
 from agent.state import NodeSnapshot
 
-GOLDEN = Path(__file__).parent / "fixtures" / "metrics-golden.txt"
+GOLDEN = Path(__file__).parents[1] / "fixtures" / "metrics-golden.txt"
 PROMTOOL = shutil.which("promtool")
 
 

@@ -24,7 +24,7 @@ from hosttree import (
 from agent.config import AgentConfig, NodePolicy, ServiceConfig, TransparentHugepages, TritonCache
 from agent.host.paths import HostPaths
 from agent.policy import nouveau, thp, triton_cache
-from agent.policy.base import HostContext, ItemPlan, ItemResult, Outcome, PlanStatus
+from agent.policy.base import ApplyOutcome, HostContext, ItemPlan, ItemResult, PlanStatus
 from agent.policy.item import enforce
 from agent.policy.triton_cache import TritonCacheWant
 
@@ -101,21 +101,21 @@ def test_thp_apply_writes_like_the_kernel_and_converges(tmp_path: Path) -> None:
     ctx = host(tmp_path)
     want = thp_want("never", "defer+madvise")
     result = enforce(thp.ITEM, ctx, want, thp.ITEM.plan(ctx, want))
-    assert result.outcome is Outcome.APPLIED
+    assert result.outcome is ApplyOutcome.APPLIED
     assert "lost at reboot" in result.detail
     assert ctx.paths.read_text(ENABLED) == "always madvise [never]\n"
     assert ctx.paths.read_text(DEFRAG) == "always defer [defer+madvise] madvise never\n"
     again = thp.ITEM.plan(ctx, want)
     assert again.plan.status is PlanStatus.IN_SYNC
     assert again.plan.actual == "enabled=never defrag=defer+madvise"
-    assert enforce(thp.ITEM, ctx, want, again).outcome is Outcome.UNCHANGED
+    assert enforce(thp.ITEM, ctx, want, again).outcome is ApplyOutcome.UNCHANGED
     assert ctx.paths.read_text(ENABLED) == "always madvise [never]\n"
 
 
 def test_thp_apply_on_plain_files_reads_back_the_bare_word(tmp_path: Path) -> None:
     ctx = host(tmp_path, kernel_sysfs=False)
     want = thp_want("never")
-    assert enforce(thp.ITEM, ctx, want, thp.ITEM.plan(ctx, want)).outcome is Outcome.APPLIED
+    assert enforce(thp.ITEM, ctx, want, thp.ITEM.plan(ctx, want)).outcome is ApplyOutcome.APPLIED
     assert ctx.paths.read_text(ENABLED) == "never"
     assert thp.ITEM.plan(ctx, want).plan.status is PlanStatus.IN_SYNC
 
@@ -135,7 +135,7 @@ def test_thp_kernel_without_thp_is_not_applicable(tmp_path: Path) -> None:
     assert done.plan.status is PlanStatus.NOT_APPLICABLE
     assert done.plan.in_sync
     assert "kernel built without transparent hugepages" in done.plan.detail
-    assert enforce(thp.ITEM, ctx, thp_want("never"), done).outcome is Outcome.UNCHANGED  # as `apply` reports it
+    assert enforce(thp.ITEM, ctx, thp_want("never"), done).outcome is ApplyOutcome.UNCHANGED  # as `apply` reports it
 
 
 def test_thp_choice_the_kernel_does_not_offer_is_an_error_naming_the_choices(tmp_path: Path) -> None:
@@ -163,7 +163,7 @@ def test_thp_write_failure_is_reported_not_raised(tmp_path: Path) -> None:
             raise PermissionError(13, "Permission denied", str(self.path(absolute)))
 
     result = enforce(thp.ITEM, HostContext(RefusingSysfs(tmp_path)), want, done)
-    assert result.outcome is Outcome.FAILED
+    assert result.outcome is ApplyOutcome.FAILED
     assert result.detail == "cannot write never to /sys/kernel/mm/transparent_hugepage/enabled: Permission denied"
 
 
@@ -175,7 +175,7 @@ def test_thp_file_replaced_by_a_directory_after_planning_fails_cleanly(tmp_path:
     enabled.unlink()
     enabled.mkdir()
     result = enforce(thp.ITEM, ctx, want, done)
-    assert result.outcome is Outcome.FAILED
+    assert result.outcome is ApplyOutcome.FAILED
     assert "Is a directory" in result.detail
     assert thp.ITEM.plan(ctx, want).plan.status is PlanStatus.ERROR
 
@@ -189,7 +189,7 @@ def test_thp_write_the_kernel_ignores_fails_the_apply(tmp_path: Path) -> None:
     ctx = HostContext(IgnoringSysfs(tmp_path))
     want = thp_want("never")
     result = enforce(thp.ITEM, ctx, want, thp.ITEM.plan(ctx, want))
-    assert result.outcome is Outcome.FAILED
+    assert result.outcome is ApplyOutcome.FAILED
     # The engine's one verification read the file again and found the old value.
     assert result.detail == "applied but still drift: actual enabled=madvise"
 
@@ -215,7 +215,7 @@ def test_thp_apply_writes_what_the_plan_shows_and_verifies_with_one_read(tmp_pat
     done = thp.ITEM.plan(ctx, want)
     assert writes == [] and reads == [ENABLED, DEFRAG]
     reads.clear()
-    assert enforce(thp.ITEM, ctx, want, done).outcome is Outcome.APPLIED
+    assert enforce(thp.ITEM, ctx, want, done).outcome is ApplyOutcome.APPLIED
     assert done.plan.changes == tuple(f"write {value} to {path}" for path, value in writes)
     assert reads == [ENABLED, DEFRAG]  # the one verifying plan
 
@@ -276,7 +276,7 @@ def test_triton_command_services_get_no_dropin_for_a_unit_that_does_not_exist(tm
         f"/var/cache/triton {user}:{group} 0755; TRITON_CACHE_DIR for vllm.service"
         "; TRITON_CACHE_DIR in the start command's environment of sglang"
     )
-    assert enforce(triton_cache.ITEM, ctx, want, done).outcome is Outcome.APPLIED
+    assert enforce(triton_cache.ITEM, ctx, want, done).outcome is ApplyOutcome.APPLIED
     assert not ctx.paths.path(DROPIN).exists()
     assert ctx.paths.path("/etc/systemd/system/vllm.service.d/gpu-agent-triton.conf").exists()
     assert triton_cache.ITEM.plan(ctx, want).plan.status is PlanStatus.IN_SYNC
@@ -310,7 +310,7 @@ def test_triton_apply_creates_everything_reports_the_reload_and_converges(tmp_pa
     ctx = host(tmp_path)
     want = cache_want("/var/cache/gpu/triton")
     result = enforce(triton_cache.ITEM, ctx, want, triton_cache.ITEM.plan(ctx, want))
-    assert result.outcome is Outcome.APPLIED, result.detail
+    assert result.outcome is ApplyOutcome.APPLIED, result.detail
     st = ctx.paths.path("/var/cache/gpu/triton").stat()
     assert stat.S_ISDIR(st.st_mode)
     assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (os.geteuid(), os.getegid(), 0o755)
@@ -320,13 +320,13 @@ def test_triton_apply_creates_everything_reports_the_reload_and_converges(tmp_pa
     again = triton_cache.ITEM.plan(ctx, want)
     assert again.plan.status is PlanStatus.IN_SYNC, again
     assert again.plan.actual.endswith("0755; TRITON_CACHE_DIR set for sglang.service")
-    assert enforce(triton_cache.ITEM, ctx, want, again).outcome is Outcome.UNCHANGED
+    assert enforce(triton_cache.ITEM, ctx, want, again).outcome is ApplyOutcome.UNCHANGED
 
 
 def test_triton_setgid_mode_survives_create_and_reads_in_sync(tmp_path: Path) -> None:
     ctx = host(tmp_path)
     want = cache_want(mode=0o2775, units=())
-    assert enforce(triton_cache.ITEM, ctx, want, triton_cache.ITEM.plan(ctx, want)).outcome is Outcome.APPLIED
+    assert enforce(triton_cache.ITEM, ctx, want, triton_cache.ITEM.plan(ctx, want)).outcome is ApplyOutcome.APPLIED
     assert stat.S_IMODE(ctx.paths.path("/var/cache/triton").stat().st_mode) == 0o2775
     assert triton_cache.ITEM.plan(ctx, want).plan.status is PlanStatus.IN_SYNC
 
@@ -335,7 +335,7 @@ def test_triton_apply_reloads_systemd_through_the_host_context(tmp_path: Path) -
     ctx = ScriptedHostContext(make_host_tree(tmp_path))
     want = cache_want()
     result = enforce(triton_cache.ITEM, ctx, want, triton_cache.ITEM.plan(ctx, want))
-    assert result.outcome is Outcome.APPLIED
+    assert result.outcome is ApplyOutcome.APPLIED
     assert ctx.calls == [("systemctl", "daemon-reload")]
     assert "systemd reloaded" in result.detail
     # Restarting is the operator's call, never the item's.
@@ -346,7 +346,7 @@ def test_triton_failing_reload_fails_with_its_output(tmp_path: Path) -> None:
     ctx = ScriptedHostContext(make_host_tree(tmp_path), results={"systemctl": (1, "Failed to connect to bus")})
     want = cache_want()
     result = enforce(triton_cache.ITEM, ctx, want, triton_cache.ITEM.plan(ctx, want))
-    assert result.outcome is Outcome.FAILED
+    assert result.outcome is ApplyOutcome.FAILED
     assert result.detail == "drop-ins written, but `systemctl daemon-reload` failed (exit 1): Failed to connect to bus"
 
 
@@ -356,7 +356,7 @@ def test_triton_in_sync_without_services_needs_no_reload(tmp_path: Path) -> None
     want = cache_want(units=())
     done = triton_cache.ITEM.plan(ctx, want)
     assert done.plan.changes == ("chmod 0755 /var/cache/triton",)
-    assert enforce(triton_cache.ITEM, ctx, want, done).outcome is Outcome.APPLIED
+    assert enforce(triton_cache.ITEM, ctx, want, done).outcome is ApplyOutcome.APPLIED
     assert stat.S_IMODE(ctx.paths.path("/var/cache/triton").stat().st_mode) == 0o755
     assert ctx.calls == []
     assert triton_cache.ITEM.plan(ctx, want).plan == ItemPlan(
@@ -387,7 +387,7 @@ def test_triton_wrong_owner_is_fixed_as_root(tmp_path: Path) -> None:
     done = triton_cache.ITEM.plan(ctx, want)
     assert done.plan.actual == "/var/cache/triton 12345:12345 0755"
     assert done.plan.changes == (f"chown {user}:{group} /var/cache/triton",)
-    assert enforce(triton_cache.ITEM, ctx, want, done).outcome is Outcome.APPLIED
+    assert enforce(triton_cache.ITEM, ctx, want, done).outcome is ApplyOutcome.APPLIED
     assert (cache.stat().st_uid, cache.stat().st_gid) == (os.geteuid(), os.getegid())
     assert triton_cache.ITEM.plan(ctx, want).plan.status is PlanStatus.IN_SYNC
 
@@ -430,7 +430,7 @@ def test_triton_unprivileged_skips_a_correct_chown_and_fixes_the_mode(
         return result, triton_cache.ITEM.plan(ctx, want).plan
 
     result, after = run_unprivileged(enforce_as_user)
-    assert result.outcome is Outcome.APPLIED, result.detail
+    assert result.outcome is ApplyOutcome.APPLIED, result.detail
     assert result.detail == "chmod 0755 /var/cache/triton"
     assert after.status is PlanStatus.IN_SYNC
     assert stat.S_IMODE(cache.stat().st_mode) == 0o755
@@ -447,7 +447,7 @@ def test_triton_unprivileged_wrong_owner_fails_clearly_and_changes_nothing(
         return enforce(triton_cache.ITEM, ctx, want, triton_cache.ITEM.plan(ctx, want))
 
     result = run_unprivileged(enforce_as_user)
-    assert result.outcome is Outcome.FAILED
+    assert result.outcome is ApplyOutcome.FAILED
     assert result.detail == (
         f"cannot give /var/cache/triton to root:{grp.getgrgid(0).gr_name}: gpu-agent is not running as root "
         f"(now: /var/cache/triton {who.user}:{who.group} 0700)"
@@ -469,7 +469,7 @@ def test_triton_file_in_the_way_is_an_error(tmp_path: Path) -> None:
     assert done.plan.status is PlanStatus.ERROR
     assert done.plan.detail == "/var/cache/triton exists and is not a directory"
     assert (
-        enforce(triton_cache.ITEM, ctx, cache_want(), done).outcome is Outcome.SKIPPED
+        enforce(triton_cache.ITEM, ctx, cache_want(), done).outcome is ApplyOutcome.SKIPPED
     )  # an ERROR plan writes nothing
     assert ctx.paths.path("/var/cache/triton").read_text() == "not a directory"
 
@@ -518,7 +518,7 @@ def test_triton_dropped_service_loses_its_stale_dropin(tmp_path: Path) -> None:
     )
     assert "stale drop-in for old.service; stale drop-in for vllm.service" in done.plan.actual
     result = enforce(triton_cache.ITEM, ctx, narrower, done)
-    assert result.outcome is Outcome.APPLIED
+    assert result.outcome is ApplyOutcome.APPLIED
     assert "restart old.service, vllm.service" in result.detail
     assert not ctx.paths.exists("/etc/systemd/system/old.service.d")  # emptied, so removed
     assert not ctx.paths.exists("/etc/systemd/system/vllm.service.d/gpu-agent-triton.conf")
@@ -535,7 +535,7 @@ def test_triton_write_failure_is_reported_not_raised(tmp_path: Path) -> None:
     # Something takes the drop-in's place between plan and apply.
     ctx.paths.path(DROPIN).mkdir(parents=True)
     result = enforce(triton_cache.ITEM, ctx, want, done)
-    assert result.outcome is Outcome.FAILED
+    assert result.outcome is ApplyOutcome.FAILED
     # apply writes what the plan said, without looking again: the write itself fails, and says why.
     assert result.detail.startswith("cannot apply: [Errno 21] Is a directory")
 
@@ -548,7 +548,7 @@ def test_triton_unwritable_dropin_fails_with_the_reason(tmp_path: Path) -> None:
     ctx.paths.path("/etc/systemd/system/sglang.service.d").mkdir()
     ctx.paths.path("/etc/systemd/system/sglang.service.d/.gpu-agent-triton.conf.gpu-agent.tmp").mkdir()
     result = enforce(triton_cache.ITEM, ctx, want, done)
-    assert result.outcome is Outcome.FAILED
+    assert result.outcome is ApplyOutcome.FAILED
     assert result.detail.startswith("cannot apply: [Errno 21] Is a directory")
 
 
@@ -589,7 +589,7 @@ def test_nouveau_apply_writes_the_file_and_plans_but_never_runs_the_rebuild(
 ) -> None:
     ctx = host(tmp_path, os_release=os_release)
     result = enforce(nouveau.ITEM, ctx, "blacklisted", nouveau.ITEM.plan(ctx, "blacklisted"))
-    assert result.outcome is Outcome.APPLIED
+    assert result.outcome is ApplyOutcome.APPLIED
     assert result.detail == f"wrote {CONF}; initramfs not rebuilt (not run: host_root is {tmp_path}); run `{command}`"
     content = ctx.paths.read_text(CONF)
     assert content.startswith("# Managed by gpu-agent")
@@ -597,7 +597,7 @@ def test_nouveau_apply_writes_the_file_and_plans_but_never_runs_the_rebuild(
     again = nouveau.ITEM.plan(ctx, "blacklisted")
     assert again.plan.status is PlanStatus.IN_SYNC
     assert again.plan.actual == f"blacklisted ({CONF}), not loaded"
-    assert enforce(nouveau.ITEM, ctx, "blacklisted", again).outcome is Outcome.UNCHANGED
+    assert enforce(nouveau.ITEM, ctx, "blacklisted", again).outcome is ApplyOutcome.UNCHANGED
 
 
 def test_nouveau_unknown_distribution_asks_for_a_manual_rebuild(tmp_path: Path) -> None:
@@ -606,7 +606,7 @@ def test_nouveau_unknown_distribution_asks_for_a_manual_rebuild(tmp_path: Path) 
     assert done.plan.changes == (f"write {CONF}",)
     assert done.plan.detail == "unknown distribution (arch): rebuild the initramfs by hand after apply"
     result = enforce(nouveau.ITEM, ctx, "blacklisted", done)
-    assert result.outcome is Outcome.APPLIED
+    assert result.outcome is ApplyOutcome.APPLIED
     assert result.detail == f"wrote {CONF}; unknown distribution (arch): rebuild the initramfs by hand"
     assert (
         "unknown distribution (unknown)"
@@ -621,13 +621,13 @@ def test_nouveau_loaded_needs_a_reboot_after_apply(tmp_path: Path) -> None:
     assert done.plan.actual == "not blacklisted, loaded"
     assert "nouveau is loaded; reboot to unload it" in done.plan.detail
     result = enforce(nouveau.ITEM, ctx, "blacklisted", done)
-    assert result.outcome is Outcome.REBOOT_REQUIRED
+    assert result.outcome is ApplyOutcome.REBOOT_REQUIRED
     assert result.detail.endswith("nouveau is loaded; reboot to unload it")
     after = nouveau.ITEM.plan(ctx, "blacklisted")
     assert after.plan.status is PlanStatus.REBOOT_REQUIRED
     assert after.plan.detail == "nouveau is loaded; reboot to unload it"
     assert after.plan.changes == ()
-    assert enforce(nouveau.ITEM, ctx, "blacklisted", after).outcome is Outcome.REBOOT_REQUIRED
+    assert enforce(nouveau.ITEM, ctx, "blacklisted", after).outcome is ApplyOutcome.REBOOT_REQUIRED
 
 
 def test_nouveau_loaded_seen_through_sys_module_alone(tmp_path: Path) -> None:
@@ -690,7 +690,7 @@ def test_nouveau_rebuild_runs_through_the_host_context(tmp_path: Path) -> None:
     ctx = ScriptedHostContext(make_host_tree(tmp_path, os_release="rocky"))
     result = enforce(nouveau.ITEM, ctx, "blacklisted", nouveau.ITEM.plan(ctx, "blacklisted"))
     assert ctx.calls == [("dracut", "-f")]
-    assert result.outcome is Outcome.APPLIED
+    assert result.outcome is ApplyOutcome.APPLIED
     assert result.detail == f"wrote {CONF}; initramfs rebuilt (`dracut -f`)"
 
 
@@ -699,14 +699,14 @@ def test_nouveau_failing_rebuild_fails_with_its_output(tmp_path: Path) -> None:
         make_host_tree(tmp_path), results={"update-initramfs": (1, "E: /boot: No space left on device")}
     )
     result = enforce(nouveau.ITEM, ctx, "blacklisted", nouveau.ITEM.plan(ctx, "blacklisted"))
-    assert result.outcome is Outcome.FAILED
+    assert result.outcome is ApplyOutcome.FAILED
     assert result.detail == f"wrote {CONF}; `update-initramfs -u` failed (exit 1): E: /boot: No space left on device"
 
 
 def test_nouveau_missing_rebuild_tool_fails(tmp_path: Path) -> None:
     ctx = ScriptedHostContext(make_host_tree(tmp_path, os_release="rocky"), missing=frozenset({"dracut"}))
     result = enforce(nouveau.ITEM, ctx, "blacklisted", nouveau.ITEM.plan(ctx, "blacklisted"))
-    assert result.outcome is Outcome.FAILED
+    assert result.outcome is ApplyOutcome.FAILED
     assert "`dracut -f` could not run: [Errno 2] No such file or directory" in result.detail
 
 
@@ -716,7 +716,7 @@ def test_nouveau_write_failure_is_reported_not_raised(tmp_path: Path) -> None:
     done = nouveau.ITEM.plan(ctx, "blacklisted")
     assert done.plan.status is PlanStatus.DRIFT
     result = enforce(nouveau.ITEM, ctx, "blacklisted", done)
-    assert result.outcome is Outcome.FAILED
+    assert result.outcome is ApplyOutcome.FAILED
     assert result.detail.startswith(f"cannot write {CONF}: [Errno 21] Is a directory")
     assert ctx.calls == []  # no rebuild without the file
 
@@ -738,7 +738,9 @@ def test_nouveau_unreadable_module_list_is_an_error(tmp_path: Path) -> None:
     done = nouveau.ITEM.plan(ctx, "blacklisted")
     assert done.plan.status is PlanStatus.ERROR
     assert done.plan.detail.startswith("cannot read: [Errno 21] Is a directory")
-    assert enforce(nouveau.ITEM, ctx, "blacklisted", done).outcome is Outcome.SKIPPED  # an ERROR plan writes nothing
+    assert (
+        enforce(nouveau.ITEM, ctx, "blacklisted", done).outcome is ApplyOutcome.SKIPPED
+    )  # an ERROR plan writes nothing
     assert not ctx.paths.exists(CONF)
 
 

@@ -53,9 +53,9 @@ from agent.backend.sim import (
 )
 from agent.backend.sim.state import StateFile
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FIXTURE = json.loads((REPO / "tests" / "fixtures" / "nvml-h200.json").read_text())["devices"][0]
-#: The same H200 idle and under a bf16 matmul: GPM metrics and field values (issue 14).
+#: The same H200 idle and under a bf16 matmul: GPM metrics and field values.
 GPM_FIXTURE = json.loads((REPO / "tests" / "fixtures" / "nvml-h200-gpm-fields.json").read_text())
 NVML_NOT_SUPPORTED = 3
 MIB = 1 << 20
@@ -881,7 +881,7 @@ def test_check_config_reports_a_bad_simulated_profile(tmp_path: Path) -> None:
     assert "simulated backend" in good.stdout
 
 
-# -- profiling-grade telemetry (issue 14) ------------------------------------------------------------
+# -- profiling-grade telemetry --------------------------------------------------------------------------
 
 
 def activity_over(b: SimulatedBackend, gpu: int, seconds: float) -> GpmActivity:

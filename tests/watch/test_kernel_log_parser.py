@@ -22,7 +22,7 @@ from agent.watch.kernel_log import (
     parse_line,
 )
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 CORPUS_LINES = (FIXTURES / "kernel-log-corpus.txt").read_text(encoding="utf-8").splitlines()
 CORPUS = json.loads((FIXTURES / "kernel-log-corpus.json").read_text(encoding="utf-8"))["cases"]
 STREAMS = json.loads((FIXTURES / "kernel-log-streams.json").read_text(encoding="utf-8"))["streams"]

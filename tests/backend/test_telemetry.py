@@ -1,4 +1,4 @@
-"""Issue 14's telemetry: GPM activity across loops, field values per tier, memory v2, NVLink and the
+"""The profiling telemetry: GPM activity across loops, field values per tier, memory v2, NVLink and the
 fabric, through the simulator and through the NVML backend over the recorded H200 answers; the
 NOT_SUPPORTED paths (no GPM on the RTX PRO 6000, no NVLink on a single H200); the nvlink_errors and
 fabric watchers."""

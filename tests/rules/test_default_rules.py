@@ -30,7 +30,7 @@ from agent.store.database import Store
 from agent.watch import xid_catalog
 from agent.watch.kernel_log import RECOVERY_ACTION_XID
 
-RULES_DIR = Path(__file__).resolve().parents[1] / "rules"
+RULES_DIR = Path(__file__).resolve().parents[2] / "rules"
 T0 = 1_780_000_000.0
 HOUR = 3600.0
 

@@ -55,7 +55,7 @@ class Endpoint:
     """tests/slow_endpoint.py silent, answering the first `answer` requests."""
 
     def __init__(self, answer: int) -> None:
-        script = Path(__file__).parent / "slow_endpoint.py"
+        script = Path(__file__).parents[1] / "slow_endpoint.py"
         self.process = subprocess.Popen(
             [sys.executable, str(script), "silent", "--answer", str(answer)], stdout=subprocess.PIPE, text=True
         )
