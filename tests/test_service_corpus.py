@@ -71,7 +71,8 @@ def test_one_engine_restarting_resets_only_its_own_series() -> None:
 def test_an_openmetrics_answer_keeps_the_token_counter() -> None:
     figures = window_figures(BY_NAME["vllm-openmetrics"])
     assert figures.generation_tokens_per_second is not None and figures.generation_tokens_per_second > 0
-    assert figures.tokens_in_window is not None
+    history = figures.generated_tokens_history
+    assert len(history) == 3 and history[-1][1] == pytest.approx(figures.generation_tokens_per_second * 300)
     assert set(figures.latency) == {"e2e", "ttft", "itl", "queue"}
 
 

@@ -594,15 +594,6 @@ class QueueTimeTrend:
 
 
 @dataclass(frozen=True)
-class TokensInWindow:
-    """Generated tokens (every series' increase added up) between two scrape times."""
-
-    start_seconds: float
-    end_seconds: float
-    tokens: float
-
-
-@dataclass(frozen=True)
 class ServiceFigures:
     """What a service's server says about itself over the window: the figures status and metrics show."""
 
@@ -618,8 +609,10 @@ class ServiceFigures:
     waiting_history: tuple[tuple[float, float], ...] = ()  # (timestamp, waiting) inside the window
     kv_cache_usage_history: tuple[tuple[float, float], ...] = ()  # (timestamp, usage) inside the window
     queue_time_trend: QueueTimeTrend | None = None
-    tokens_in_window: TokensInWindow | None = None
-    tokens_per_joule: float | None = None  # filled in by whoever knows the GPUs' energy (agent.services.efficiency)
+    # (scrape time, generated tokens since the window's first scrape): every series' increase added
+    # up, resets included; what tokens per joule is drawn from (agent.services.efficiency)
+    generated_tokens_history: tuple[tuple[float, float], ...] = ()
+    tokens_per_joule: float | None = None  # filled in by whoever knows the GPUs' energy
     resets: int = 0  # counter resets (server restarts) seen so far, on the series that saw most
     error: str = ""  # the last scrape's error; figures are from earlier scrapes
 
@@ -639,6 +632,8 @@ class LatencyWindow:
         self._tokens: SeriesGroup = {}
         self._waiting: deque[tuple[float, float]] = deque()
         self._kv_cache_usage: deque[tuple[float, float]] = deque()
+        self._generated_tokens: deque[tuple[float, float]] = deque()  # (time, cumulative increase)
+        self._generated_so_far = 0.0
         self._last: ServerReading | None = None
         self._error = ""
 
@@ -649,8 +644,16 @@ class LatencyWindow:
             for key, histogram in by_series.items():
                 raw = (histogram.count, histogram.sum, *histogram.bucket_counts)
                 group.setdefault(key, _CounterSeries()).add(now, raw, histogram.bounds)
+        increase = 0.0
         for key, value in reading.generation_tokens.items():
-            self._tokens.setdefault(key, _CounterSeries()).add(now, (value,))
+            series = self._tokens.setdefault(key, _CounterSeries())
+            before = series.points[-1][1][0] if series.points else None
+            series.add(now, (value,))
+            if before is not None and len(series.points) >= 2:
+                increase += series.points[-1][1][0] - before
+        if reading.generation_tokens:
+            self._generated_so_far += increase
+            self._generated_tokens.append((now, self._generated_so_far))
         if reading.waiting is not None:
             self._waiting.append((now, reading.waiting))
         if reading.kv_cache_usage_ratio is not None:
@@ -661,7 +664,7 @@ class LatencyWindow:
                 group[key].prune(oldest)
                 if not group[key].points:  # a series gone for a whole window (an engine removed)
                     del group[key]
-        for history in (self._waiting, self._kv_cache_usage):
+        for history in (self._waiting, self._kv_cache_usage, self._generated_tokens):
             while history and history[0][0] < oldest:
                 history.popleft()
         self._last = reading
@@ -714,12 +717,9 @@ class LatencyWindow:
             )
         tokens_per_second: float | None = None
         tokens = _added_increase(self._tokens)
-        in_window = (
-            None if tokens is None or tokens[1] <= tokens[0] else TokensInWindow(tokens[0], tokens[1], tokens[3][0])
-        )
-        if in_window is not None:
-            seconds = in_window.end_seconds - in_window.start_seconds
-            tokens_per_second = in_window.tokens / seconds
+        if tokens is not None and tokens[1] > tokens[0]:
+            seconds = tokens[1] - tokens[0]
+            tokens_per_second = tokens[3][0] / seconds
             covered = max(covered, seconds)
         elif last.generation_throughput is not None:
             tokens_per_second = last.generation_throughput
@@ -737,7 +737,7 @@ class LatencyWindow:
             waiting_history=tuple(self._waiting),
             kv_cache_usage_history=tuple(self._kv_cache_usage),
             queue_time_trend=self._queue_time_trend(),
-            tokens_in_window=in_window,
+            generated_tokens_history=tuple(self._generated_tokens),
             resets=max((s.resets for s in series), default=0),
             error=self._error,
         )
