@@ -18,7 +18,10 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families
 from service_pages import CASES, SCRAPE_SECONDS, Case
 
+from agent.config import AgentConfig
 from agent.services.scrape import QUANTILES, LatencyWindow, ServiceFigures, parse_reading
+from agent.services.watch import LatencyRegressionWatch
+from agent.state import GpuSample
 
 PROMTOOL = shutil.which("promtool")
 BY_NAME = {case.name: case for case in CASES}
@@ -157,3 +160,42 @@ def test_every_figure_equals_what_prometheus_computes(tmp_path: Path, case: Case
     result = subprocess.run([PROMTOOL, "test", "rules", str(path)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert len(tests) >= 4 * (1 + len(QUANTILES)) + 4
+
+
+def test_a_full_kv_cache_behind_a_growing_queue_is_named_from_the_pages() -> None:
+    """The sglang TP=2 pages end with one batch's KV cache at 97 %, its queue growing (0, 2, 5) and
+    its queue time up from ~0.1 s to ~2.5 s: on clean GPUs the breach's cause is kv_cache_full."""
+    figures = window_figures(BY_NAME["sglang-tp2-all-schedulers"])
+    trend = figures.queue_time_trend
+    assert trend is not None and trend.rose
+    assert trend.earlier_mean_seconds is not None and trend.earlier_mean_seconds < 0.3
+    config = AgentConfig.model_validate(
+        {
+            "services": [
+                {
+                    "name": "sglang",
+                    "health_url": "http://127.0.0.1:30000/health",
+                    "gpus": [0, 1],
+                    "slo": {"e2e_p95_seconds": 2.0},
+                }
+            ]
+        }
+    )
+    watch = LatencyRegressionWatch(config, clock=lambda: 300.0)
+    clean = [
+        GpuSample(gpu, f"GPU-{gpu}", "NVIDIA H200", "00000000:18:00.0", True, float(t), gpu_utilization_percent=95)
+        for gpu in (0, 1)
+        for t in range(0, 301, 30)
+    ]
+    watch.observe(clean, [])
+    (event,) = watch.evaluate({"sglang": figures})
+    assert event.data["cause"] == "kv_cache_full"
+    assert event.data["evidence"]["kv_cache_usage_peak_ratio"] == 0.97
+    assert event.data["evidence"]["queue"]["waiting_peak"] == 5
+    assert "queue_time_p95_seconds" in event.data["evidence"]["queue"]
+    assert "likely cause: KV cache 97% full, waiting requests grew from 0 to 5 and queue time rose" in event.message
+
+
+def test_steady_queue_time_does_not_rise() -> None:
+    trend = window_figures(BY_NAME["vllm-0.10-names"]).queue_time_trend
+    assert trend is not None and not trend.rose

@@ -172,6 +172,9 @@ class LatencyRegressionWatch:
                     waiting_history=found.waiting_history if found is not None else (),
                     expected_clock_mhz=expected_clocks_mhz(self.config, samples),
                     window_start_seconds=window_start,
+                    kv_cache_usage_history=found.kv_cache_usage_history if found is not None else (),
+                    queue_time=found.queue_time_trend if found is not None else None,
+                    queue_time_p95_seconds=found.quantile("queue", 0.95) if found is not None else None,
                 )
 
             events += self._slo.update(service.name, service.slo, found, attribute, now)
