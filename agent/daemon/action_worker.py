@@ -22,7 +22,7 @@ import structlog
 
 from agent.config import AgentConfig
 from agent.rules.actions import ActionContext, execute
-from agent.rules.actions.steps import services_left_down
+from agent.rules.actions.steps import DRAINING, services_left_down, step
 from agent.rules.model import ActionOutcome, Decision, Outcome
 from agent.services.managers import ServiceError, ServiceManager
 from agent.store.attempt_clock import AttemptClock, ClockReading, effective_wall_seconds
@@ -193,7 +193,10 @@ class ActionWorker:
                     continue
                 try:
                     if manager.is_active(service) is True:
-                        rolled_back.append(f"{name} already running")
+                        # Drained and never stopped: running, but whatever its drain hook did (out of
+                        # the load balancer) stays done until it restarts or someone undoes it.
+                        drained = step(DRAINING, name) in entry.steps
+                        rolled_back.append(f"{name} already running{' (drained, not restarted)' if drained else ''}")
                         continue
                     manager.start(service)
                 except ServiceError as exc:

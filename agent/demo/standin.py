@@ -35,6 +35,11 @@ does). Latency follows the simulated GPUs it runs on (`--sim-state-dir`): a GPU 
 (a thermal slowdown halves it, a power cap trims it) makes every token slower by the same ratio,
 the slowest of its GPUs setting the pace as in tensor parallelism.
 
+`--drain-file F` models a drained node: while F exists no new request arrives (the load balancer
+sends it none) and the running ones finish within `--drain-seconds` (default 5), so the running
+gauge falls to 0. A starting stand-in removes F (a started server re-registers with the load
+balancer), so a drain hook that creates F makes the whole drain-restart cycle observable.
+
 Only the standard library is used (plus the repository's simulated backend when asked for), so it
 also runs under a bare `python3`, e.g. inside the systemd sandbox.
 """
@@ -161,9 +166,17 @@ class Traffic:
     """
 
     def __init__(
-        self, flavor: str, request_rate: float, max_running: int, legacy_names: bool = False, dp_ranks: int = 1
+        self,
+        flavor: str,
+        request_rate: float,
+        max_running: int,
+        legacy_names: bool = False,
+        dp_ranks: int = 1,
+        drain_seconds: float = 5.0,
     ) -> None:
         self.flavor = flavor
+        self.drain_seconds = drain_seconds
+        self.drain_from: float | None = None  # requests running when a drain began
         self.dp_ranks = dp_ranks  # sglang's scheduler families come once per data-parallel rank
         self.request_rate = request_rate
         self.max_running = max_running
@@ -197,15 +210,23 @@ class Traffic:
     def healthy_e2e_seconds() -> float:
         return BASE_TTFT_SECONDS + BASE_ITL_SECONDS * (OUTPUT_TOKENS - 1)
 
-    def tick(self, seconds: float, slowdown: float) -> None:
+    def tick(self, seconds: float, slowdown: float, draining: bool = False) -> None:
         with self.lock:
             self.slowdown = slowdown
             service_seconds = self.healthy_e2e_seconds() * slowdown
             capacity_per_second = self.max_running / service_seconds
-            self.waiting += self.request_rate * seconds
+            if draining and self.drain_from is None:
+                self.drain_from = self.running
+            elif not draining:
+                self.drain_from = None
+            # Draining, the load balancer sends nothing new: what runs finishes within drain_seconds.
+            self.waiting += 0.0 if draining else self.request_rate * seconds
             serve = min(self.waiting, capacity_per_second * seconds)
             self.waiting -= serve
-            self.running = min(float(self.max_running), self.request_rate * service_seconds)
+            if self.drain_from is not None:
+                self.running = max(0.0, self.running - self.drain_from * seconds / self.drain_seconds)
+            else:
+                self.running = min(float(self.max_running), self.request_rate * service_seconds)
             queue_delay = self.waiting / capacity_per_second
             self.served_fraction += serve
             served = int(self.served_fraction)
@@ -375,12 +396,18 @@ class Traffic:
         ]
 
 
-def run_traffic(traffic: Traffic, slowdown: Callable[[], float], stop: threading.Event, tick_seconds: float) -> None:
+def run_traffic(
+    traffic: Traffic,
+    slowdown: Callable[[], float],
+    stop: threading.Event,
+    tick_seconds: float,
+    draining: Callable[[], bool] = lambda: False,
+) -> None:
     """Advance the simulated traffic every tick at the pace the GPUs allow now."""
     last = time.monotonic()
     while not stop.wait(tick_seconds):
         now = time.monotonic()
-        traffic.tick(now - last, slowdown())
+        traffic.tick(now - last, slowdown(), draining())
         last = now
 
 
@@ -577,6 +604,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--request-rate", type=float, default=8.0, help="simulated requests per second")
     parser.add_argument("--max-running", type=int, default=32, help="requests served at once; the rest wait")
     parser.add_argument("--dp-ranks", type=int, default=1, help="sglang: scheduler families per data-parallel rank")
+    parser.add_argument("--drain-file", type=Path, help="while it exists, no new requests arrive (a drained node)")
+    parser.add_argument(
+        "--drain-seconds", type=float, default=5.0, help="how long the running requests take to finish when drained"
+    )
     args = parser.parse_args(argv)
     if args.stop:
         if args.pid_file is None:
@@ -598,6 +629,7 @@ def main(argv: list[str] | None = None) -> int:
         args.max_running,
         legacy_names=args.metric_names == "legacy",
         dp_ranks=args.dp_ranks,
+        drain_seconds=args.drain_seconds,
     )
     server = ThreadingHTTPServer((args.host, args.port), make_handler(behaviour, stop, traffic))
     server.daemon_threads = True
@@ -627,7 +659,15 @@ def main(argv: list[str] | None = None) -> int:
     if sim is not None:
         sim.attach()
     pace = sim.slowdown if sim is not None else (lambda: 1.0)
-    threading.Thread(target=run_traffic, args=(traffic, pace, stop, TRAFFIC_TICK_SECONDS), daemon=True).start()
+    drain_file: Path | None = args.drain_file
+    if drain_file is not None:
+        # A server that starts takes requests again (as its node re-registers with the load balancer).
+        with contextlib.suppress(FileNotFoundError):
+            drain_file.unlink()
+    draining = (lambda: drain_file.exists()) if drain_file is not None else (lambda: False)
+    threading.Thread(
+        target=run_traffic, args=(traffic, pace, stop, TRAFFIC_TICK_SECONDS, draining), daemon=True
+    ).start()
     if args.pid_file is not None:
         write_pid(args.pid_file)
     threading.Thread(target=watch_for_exit, daemon=True).start()

@@ -5,7 +5,9 @@ Scraping
 --------
 `scrape(url, ...)` GETs the page with a total deadline (not a per-read timeout: a server that
 drips one byte a second is cut off too) and a size cap (a 50 MB page is an error, never read
-whole), parses it with prometheus-client's text parser and returns one `ServerReading`. Only the
+whole), following a redirect only to the same scheme, host and port, parses it with
+prometheus-client's text parser (its OpenMetrics parser for a page ending in `# EOF`) and returns
+one `ServerReading`. Only the
 lines of the families we read are handed to the parser, which keeps a real sglang page (hundreds
 of lines of process and per-stage families) well under a millisecond or two of parsing.
 
@@ -18,22 +20,28 @@ The families, checked against the servers' sources (sglang `srt/metrics/collecto
 | TTFT | `sglang:time_to_first_token_seconds` | `vllm:time_to_first_token_seconds` |
 | ITL | `sglang:inter_token_latency_seconds` | `vllm:inter_token_latency_seconds` |
 | ITL, older name | `sglang:time_per_output_token_seconds` | `vllm:time_per_output_token_seconds` (< 0.11) |
+| queue time | `sglang:queue_time_seconds` | `vllm:request_queue_time_seconds` |
 | running | `sglang:num_running_reqs` | `vllm:num_requests_running` |
 | waiting | `sglang:num_queue_reqs` | `vllm:num_requests_waiting` |
 | KV cache usage 0..1 | `sglang:token_usage` | `vllm:kv_cache_usage_perc` (before 0.9: `gpu_cache_usage_perc`) |
 | generated tokens | `sglang:generation_tokens_total` | `vllm:generation_tokens_total` |
 
-Both servers label every series (`model_name`, vLLM's `engine`, sglang's `tp_rank` in
-multi-process mode): counts are summed over label sets, usage ratios take the fullest one.
-The parser names a counter family without its `_total` suffix; both spellings are looked up.
+Series are taken as the servers mean them: vLLM's engines (`engine`) and sglang's data-parallel
+ranks (`dp_rank`) are separate batches and are added; sglang's TP ranks (`tp_rank`, every one of
+them exporting with `--enable-metrics-for-all-schedulers`) are copies of one batch and count once
+(REPLICA_LABELS). Usage ratios take the fullest series. The text parser names a counter family
+without its `_total` suffix when a TYPE line declares it; both spellings are looked up.
 
 Windows
 -------
 `LatencyWindow` keeps each scrape's cumulative counters (histogram buckets, count and sum, the
-token counter), made monotonic across server restarts the way PromQL's `increase()` does: a
-counter that went down started again from zero, so its new value is all increase. The figures
-difference the newest point against the oldest one inside the window; quantiles interpolate
-linearly inside the bucket that holds the rank, as `histogram_quantile` does.
+token counter) per series, each made monotonic across its own resets the way PromQL's
+`increase()` does: a counter that went down started again from zero, so its new value is all
+increase, and one engine restarting leaves the others' series alone. Each series is differenced
+newest point against oldest inside the window and the increases are added; quantiles interpolate
+linearly inside the bucket that holds the rank, as `histogram_quantile` does. The window also
+keeps the waiting queue, the KV cache usage and the generated-token total per scrape, and splits
+the queue-time histogram into the window's older and newer half (`QueueTimeTrend`).
 """
 
 from __future__ import annotations
