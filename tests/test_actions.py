@@ -1050,3 +1050,30 @@ def test_drain_needs_the_servers_metrics() -> None:
         )
     with pytest.raises(ValueError, match="drain waits on the server's running-requests gauge"):
         ServiceConfig.model_validate({"name": "tgi", "drain": {"hook": ["/bin/true"]}})
+
+
+def test_check_config_refuses_a_drain_hook_others_can_write(tmp_path: Path) -> None:
+    hook = write_hook(tmp_path, "#!/bin/sh\ntrue\n")
+    config = tmp_path / "agent.yaml"
+    config.write_text(
+        "backend: simulated\nservices:\n"
+        "  - name: sglang\n    health_url: http://127.0.0.1:30000/health\n"
+        f"    drain: {{hook: [{hook}], timeout_seconds: 30}}\n"
+        f"remediation: {{rules_dirs: [{tmp_path / 'rules.d'}]}}\n"
+    )
+    config.chmod(0o644)
+    (tmp_path / "rules.d").mkdir(mode=0o755)
+
+    def check() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "agent.cli", "check-config", "--config", str(config)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    assert check().returncode == 0, check().stderr
+    hook.chmod(0o775)
+    refused = check()
+    assert refused.returncode == 1
+    assert f"{config} services[0].drain.hook[0]: {hook} is writable by group or others (mode 0775)" in refused.stderr
