@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from service_pages import CASES, SCRAPE_SECONDS, Case
 
 from agent.config import AgentConfig
-from agent.services.scrape import QUANTILES, LatencyWindow, ServiceFigures, parse_reading
+from agent.demo.standin import StandinServer
+from agent.services import scrape as scrape_module
+from agent.services.scrape import QUANTILES, LatencyWindow, ServiceFigures, fetch_text, parse_reading
 from agent.services.watch import LatencyRegressionWatch
 from agent.state import GpuSample
 
@@ -199,3 +202,53 @@ def test_a_full_kv_cache_behind_a_growing_queue_is_named_from_the_pages() -> Non
 def test_steady_queue_time_does_not_rise() -> None:
     trend = window_figures(BY_NAME["vllm-0.10-names"]).queue_time_trend
     assert trend is not None and not trend.rose
+
+
+def test_a_live_stand_in_with_tp_copies_and_dp_ranks_reads_as_one_batch_per_dp_rank(tmp_path: Path) -> None:
+    """The stand-in exporting every TP rank of two DP ranks (sglang with all schedulers, TP=2 DP=2),
+    scraped over HTTP: running and waiting are the DP ranks' sum with each TP copy counted once,
+    and the queue-time histogram counts each request once, as many as finished."""
+    args = ("--flavor", "sglang", "--tp-ranks", "2", "--dp-ranks", "2", "--request-rate", "30")
+    with StandinServer(tmp_path, extra_args=args) as server:
+        url = f"http://127.0.0.1:{server.port}/metrics"
+        window = LatencyWindow("sglang", window_seconds=300)
+        window.add(parse_reading(fetch_text(url), timestamp_seconds=0.0))
+        time.sleep(1.5)
+        page = fetch_text(url)
+    reading = parse_reading(page, timestamp_seconds=1.5)
+    window.add(reading)
+    by_rank = {
+        (s.labels["dp_rank"], s.labels["tp_rank"]): s.value
+        for family in text_string_to_metric_families(page)
+        if family.name == "sglang:num_running_reqs"
+        for s in family.samples
+    }
+    assert set(by_rank) == {("0", "0"), ("0", "1"), ("1", "2"), ("1", "3")}
+    assert by_rank[("0", "0")] == by_rank[("0", "1")] > 0  # TP copies of one batch
+    assert reading.running == by_rank[("0", "0")] + by_rank[("1", "2")]
+    figures = window.figures()
+    assert figures is not None
+    assert figures.latency["queue"].requests == figures.latency["e2e"].requests > 0
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if not c.openmetrics], ids=lambda case: case.name)
+def test_the_plain_reader_reads_what_prometheus_client_reads(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scrape reads the text format as servers write it with a regular expression per line;
+    every corpus page reads the same through prometheus-client's own parser."""
+    pages = [page for _, page in case.pages()]
+    fast = [parse_reading(page, timestamp_seconds=1.0) for page in pages]
+
+    def refuse(selected: str) -> dict[str, object]:
+        raise scrape_module._NotPlain(selected[:40])
+
+    monkeypatch.setattr(scrape_module, "_plain_samples", refuse)
+    assert [parse_reading(page, timestamp_seconds=1.0) for page in pages] == fast
+
+
+def test_escaped_label_values_go_to_prometheus_client() -> None:
+    page = (
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{engine="0",model_name="a \\"quoted\\" model"} 3\n'
+        'vllm:num_requests_running{engine="1",model_name="a \\"quoted\\" model"} 4\n'
+    )
+    assert parse_reading(page).running == 7
