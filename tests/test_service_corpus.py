@@ -252,3 +252,19 @@ def test_escaped_label_values_go_to_prometheus_client() -> None:
         'vllm:num_requests_running{engine="1",model_name="a \\"quoted\\" model"} 4\n'
     )
     assert parse_reading(page).running == 7
+
+
+def test_only_short_label_sets_are_cached() -> None:
+    """Label sets are cached across scrapes, bounded in count and in each one's length: a page of
+    long label values is read, but none of it is kept."""
+    cached = scrape_module._cached_labels
+    long_name = "m" * 600
+    page = "".join(
+        f'vllm:num_requests_running{{engine="{engine}",model_name="{long_name}"}} 1\n' for engine in range(50)
+    )
+    before = cached.cache_info().currsize
+    assert parse_reading(page, kind="vllm").running == 50
+    assert cached.cache_info().currsize == before
+    assert cached.cache_info().maxsize == 4096
+    parse_reading(page.replace(long_name, "m"), kind="vllm")
+    assert cached.cache_info().currsize > before
