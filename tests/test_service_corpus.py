@@ -22,7 +22,7 @@ from service_pages import CASES, SCRAPE_SECONDS, Case
 from agent.config import AgentConfig
 from agent.demo.standin import StandinServer
 from agent.services import scrape as scrape_module
-from agent.services.scrape import QUANTILES, LatencyWindow, ServiceFigures, fetch_text, parse_reading
+from agent.services.scrape import QUANTILES, LatencyWindow, ScrapeError, ServiceFigures, fetch_text, parse_reading
 from agent.services.watch import LatencyRegressionWatch
 from agent.state import GpuSample
 
@@ -268,3 +268,13 @@ def test_only_short_label_sets_are_cached() -> None:
     assert cached.cache_info().maxsize == 4096
     parse_reading(page.replace(long_name, "m"), kind="vllm")
     assert cached.cache_info().currsize > before
+
+
+def test_a_bucket_bound_that_is_no_number_is_a_scrape_error() -> None:
+    page = (
+        "# TYPE vllm:e2e_request_latency_seconds histogram\n"
+        'vllm:e2e_request_latency_seconds_bucket{engine="0",le="soon"} 1\n'
+        'vllm:e2e_request_latency_seconds_bucket{engine="0",le="+Inf"} 1\n'
+    )
+    with pytest.raises(ScrapeError, match="bucket bound le='soon'"):
+        parse_reading(page, kind="vllm")

@@ -376,7 +376,11 @@ def _histograms_by_series(samples: Sequence[Sample], family: str) -> dict[Series
     sums: dict[SeriesKey, float] = {}
     for name, key, labels, value in _one_copy_per_batch(samples):
         if name == family + "_bucket" and "le" in labels:
-            buckets.setdefault(key, {})[float(labels["le"])] = value
+            try:
+                bound = float(labels["le"])
+            except ValueError:
+                raise ScrapeError(f"not Prometheus text: bucket bound le={labels['le']!r} of {name}") from None
+            buckets.setdefault(key, {})[bound] = value
         elif name == family + "_count":
             counts[key] = value
         elif name == family + "_sum":
