@@ -1077,3 +1077,21 @@ def test_check_config_refuses_a_drain_hook_others_can_write(tmp_path: Path) -> N
     refused = check()
     assert refused.returncode == 1
     assert f"{config} services[0].drain.hook[0]: {hook} is writable by group or others (mode 0775)" in refused.stderr
+
+
+def test_an_untrusted_drain_hook_is_not_run_and_the_restart_goes_ahead(tmp_path: Path) -> None:
+    node, journal, told = drained_node(tmp_path, drain_seconds=1.0, timeout_seconds=5)
+    service = node.config.services[0]
+    hook = tmp_path / "hooks" / "hook.sh"
+    try:
+        first = node.start_service()
+        hook.chmod(0o775)
+        outcome = execute(decision(ActionKind.RESTART_SERVICE, target=Target(service="sglang")), node.ctx)
+        assert outcome.outcome is Outcome.SUCCESS, outcome.detail
+        refused = outcome.detail.split("; ")[0]
+        assert refused.startswith("drain hook of sglang refused: ") and "writable by group or others" in refused
+        assert not told.exists()  # never ran
+        assert journal[:3] == ["draining sglang", "drained sglang", "restarting sglang"]
+        assert node.service_pid() != first
+    finally:
+        CommandManager().stop(service)
