@@ -98,6 +98,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     resolved = resolve_rules(Path(d) for d in (args.rules or config.remediation.rules_dirs))
     rules = load_rules(resolved.paths, allow_reboot=config.remediation.allow_reboot)
     _check_hooks(rules)
+    _check_drain_hooks(config, str(path))
     _print(
         f"{path}: ok ({config.mode.value} mode, {config.backend} backend, {len(config.policy.gpus)} GPU profiles, "
         f"{len(config.services)} services); {len(rules)} rules from {len(resolved.files)} files:"
@@ -126,6 +127,20 @@ def _check_hooks(rules: Sequence[Rule]) -> None:
                 if problem is not None:
                     where = f"rule {rule.name}: {ladder}[{position}].run_hook.argv[0]"
                     problems.append(ConfigProblem(file, int(line) if line.isdigit() else None, where, problem))
+    if problems:
+        raise ConfigError(problems)
+
+
+def _check_drain_hooks(config: AgentConfig, file: str) -> None:
+    """The services' drain hooks, checked as the rules' hooks are: refused now, not mid-restart."""
+    from agent.trust import executable_problem
+
+    problems: list[ConfigProblem] = []
+    for position, service in enumerate(config.services):
+        if service.drain is not None:
+            problem = executable_problem(service.drain.hook[0])
+            if problem is not None:
+                problems.append(ConfigProblem(file, None, f"services[{position}].drain.hook[0]", problem))
     if problems:
         raise ConfigError(problems)
 

@@ -305,6 +305,20 @@ class ServiceSlo(StrictModel):
         return self
 
 
+class ServiceDrain(StrictModel):
+    """Before the agent stops the service (a restart, a GPU reset): run `hook` (e.g. take the node
+    out of the load balancer), then wait until the server's own running-requests gauge reads 0;
+    both within `timeout_seconds`, after which the stop goes ahead regardless."""
+
+    hook: list[str] = Field(min_length=1)  # argv, never a shell; the event as JSON on stdin
+    timeout_seconds: float = Field(default=60.0, gt=0, le=3600)
+
+    @field_validator("hook")
+    @classmethod
+    def _absolute_program(cls, argv: list[str]) -> list[str]:
+        return absolute_argv(argv)
+
+
 class ServiceConfig(StrictModel):
     name: str = Field(min_length=1)
     unit: str | None = None  # systemd unit, e.g. sglang.service
@@ -334,6 +348,7 @@ class ServiceConfig(StrictModel):
     # health: GET health_url; generate: the server's cheapest real request (sglang /health_generate,
     # vLLM a 1-token completion), which a wedged engine behind a live HTTP server fails.
     probe: Literal["health", "generate"] = "health"
+    drain: ServiceDrain | None = None  # off unless set: a restart stops the service at once
 
     @property
     def unit_name(self) -> str:
@@ -379,6 +394,11 @@ class ServiceConfig(StrictModel):
             raise ValueError("probe 'generate' needs kind sglang or vllm (or none, to detect it)")
         if self.slo is not None and self.effective_metrics_url is None:
             raise ValueError("slo needs the server's metrics: set metrics_url or health_url")
+        if self.drain is not None and (self.effective_metrics_url is None or self.kind == "generic"):
+            raise ValueError(
+                "drain waits on the server's running-requests gauge: it needs metrics_url or health_url,"
+                " and kind sglang or vllm (or none, to detect it)"
+            )
         return self
 
     @model_validator(mode="after")

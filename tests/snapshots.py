@@ -356,11 +356,13 @@ def inference_fields(timestamp_seconds: float = TIMESTAMP_SECONDS) -> dict[str, 
         latency={
             "e2e": LatencyFigures(120, 0.6, {0.5: 0.55, 0.95: 0.72, 0.99: 0.79}),
             "ttft": LatencyFigures(120, 0.11, {0.5: 0.1, 0.95: 0.15, 0.99: None}),
+            "queue": LatencyFigures(120, 0.01, {0.5: 0.005, 0.95: 0.02, 0.99: 0.04}),
         },
         running=9,
         waiting=2,
         kv_cache_usage_ratio=0.41,
         generation_tokens_per_second=320.5,
+        tokens_per_joule=0.52,
     )
     embeddings = ServiceFigures("embeddings", "", 0.0, 0.0, error="timed out after 2 s")
     attribution = GpuAttribution(

@@ -23,7 +23,7 @@ import structlog
 from agent.config import AgentConfig
 from agent.rules.actions.context import ActionContext
 from agent.rules.actions.dispatch import execute
-from agent.rules.actions.steps import services_left_down
+from agent.rules.actions.steps import DRAINING, services_left_down, step
 from agent.rules.model import ActionKind, ActionOutcome, Decision, Outcome
 from agent.services.managers import ServiceError, ServiceManager
 from agent.store.attempt_clock import AttemptClock, ClockReading, effective_wall_seconds
@@ -194,7 +194,10 @@ class ActionWorker:
                     continue
                 try:
                     if manager.is_active(service) is True:
-                        rolled_back.append(f"{name} already running")
+                        # Drained and never stopped: running, but whatever its drain hook did (out of
+                        # the load balancer) stays done until it restarts or someone undoes it.
+                        drained = step(DRAINING, name) in entry.steps
+                        rolled_back.append(f"{name} already running{' (drained, not restarted)' if drained else ''}")
                         continue
                     manager.start(service)
                 except ServiceError as exc:

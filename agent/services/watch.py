@@ -18,6 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
 import structlog
 
@@ -28,6 +29,7 @@ from agent.events import Event, EventKind
 from agent.host.paths import HostPaths
 from agent.policy.engine import match_profile
 from agent.services.attribution import GpuAttribution, attribute_gpu_processes, command_service_pids
+from agent.services.efficiency import EnergyHistory, service_gpus, window_tokens_per_joule
 from agent.services.latency_cause import CauseFinding, SloWatch, attribute_cause
 from agent.services.scrape import (
     DEFAULT_MAX_BYTES,
@@ -44,6 +46,8 @@ log = structlog.get_logger("gpu-agent")
 #: How often GPU processes are mapped to services: processes come and go with restarts, not loops.
 ATTRIBUTION_INTERVAL_SECONDS = 30.0
 ATTRIBUTION_RETRY_SECONDS = 1.0
+#: GPU energy readings are kept this much longer than the window, so its oldest scrape is covered.
+ENERGY_MARGIN_SECONDS = 60.0
 
 
 class ServiceScraper:
@@ -168,6 +172,9 @@ class LatencyRegressionWatch:
                     waiting_history=found.waiting_history if found is not None else (),
                     expected_clock_mhz=expected_clocks_mhz(self.config, samples),
                     window_start_seconds=window_start,
+                    kv_cache_usage_history=found.kv_cache_usage_history if found is not None else (),
+                    queue_time=found.queue_time_trend if found is not None else None,
+                    queue_time_p95_seconds=found.quantile("queue", 0.95) if found is not None else None,
                 )
 
             events += self._slo.update(service.name, service.slo, found, attribute, now)
@@ -243,7 +250,8 @@ class InferenceMonitor:
     - `start()` / `stop()`: the scrape and attribution threads;
     - `on_loop(samples, events)` once per loop: the window's GPU history, and the
       `service_latency_regression` events to add to the loop's events;
-    - `figures()` and `attribution()` for the snapshot (metrics, status).
+    - `figures()` and `attribution()` for the snapshot (metrics, status); the figures carry
+      tokens per joule, from the GPUs' energy kept here.
     """
 
     def __init__(
@@ -253,9 +261,12 @@ class InferenceMonitor:
         interval_seconds: float,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        self.config = config
         self.scraper = ServiceScraper(config.services, interval_seconds)
         self.watch = LatencyRegressionWatch(config, clock=clock)
         self.attributor = GpuAttributor(config, get_backend)
+        # Longer than the window by a margin: the window's oldest scrape needs a reading before it.
+        self.energy = EnergyHistory(DEFAULT_WINDOW_SECONDS + ENERGY_MARGIN_SECONDS)
 
     def start(self) -> None:
         self.scraper.start()
@@ -267,10 +278,22 @@ class InferenceMonitor:
 
     def on_loop(self, samples: Sequence[GpuSample], events: Sequence[Event]) -> list[Event]:
         self.watch.observe(samples, events)
+        self.energy.add(samples)
         return self.watch.evaluate(self.scraper.figures())
 
     def figures(self) -> dict[str, ServiceFigures]:
-        return self.scraper.figures()
+        found = self.scraper.figures()
+        attribution = self.attributor.latest()
+        known = self.energy.gpus()
+        efficient: dict[str, ServiceFigures] = {}
+        for service in self.config.services:
+            figures = found.get(service.name)
+            if figures is None:
+                continue
+            gpus = service_gpus(service, attribution, known)
+            ratio = window_tokens_per_joule(figures.generated_tokens_history, self.energy, gpus)
+            efficient[service.name] = replace(figures, tokens_per_joule=ratio)
+        return efficient
 
     def attribution(self) -> GpuAttribution | None:
         return self.attributor.latest()

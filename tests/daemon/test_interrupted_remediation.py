@@ -48,22 +48,32 @@ class Service:
     `stop_sleep_seconds`: the stop command lingers after the server is gone (a slow drain), which is
     where a kill -9 of the agent lands mid-restart."""
 
-    def __init__(self, tmp_path: Path, stop_sleep_seconds: float = 0.0) -> None:
+    def __init__(self, tmp_path: Path, stop_sleep_seconds: float = 0.0, drain_seconds: float | None = None) -> None:
         self.port = free_port()
         self.log = tmp_path / "service-calls.log"
         self.pid_file = tmp_path / "standin.pid"
         python, server = sys.executable, standin.__file__
         self.start_script = tmp_path / "start.sh"
+        # With a drain: a hook that logs `drain` and takes the stand-in out of traffic, whose running
+        # requests then take `drain_seconds` to finish.
+        self.drain_file = tmp_path / "drain-file"
+        self.drain_hook = tmp_path / "drain.sh"
+        self.drain_seconds = drain_seconds
+        draining = "" if drain_seconds is None else f" --drain-file {self.drain_file} --drain-seconds {drain_seconds}"
         self.start_script.write_text(
             f"#!/bin/sh\necho start >> {self.log}\n"
-            f"exec {python} {server} --daemon --port {self.port} --pid-file {self.pid_file}\n"
+            f"exec {python} {server} --daemon --port {self.port} --pid-file {self.pid_file}{draining}\n"
         )
+        self.drain_hook.write_text(f"#!/bin/sh\necho drain >> {self.log}\ntouch {self.drain_file}\n")
+        # exit 0 while the stand-in runs: recovery can tell a drained service still runs
+        self.status_script = tmp_path / "status.sh"
+        self.status_script.write_text(f'#!/bin/sh\nkill -0 "$(cat {self.pid_file})" 2>/dev/null\n')
         self.stop_script = tmp_path / "stop.sh"
         self.stop_script.write_text(
             f"#!/bin/sh\necho stop >> {self.log}\n{python} {server} --stop --pid-file {self.pid_file}\n"
             f"echo stopped >> {self.log}\nsleep {stop_sleep_seconds}\n"
         )
-        for script in (self.start_script, self.stop_script):
+        for script in (self.start_script, self.stop_script, self.drain_hook, self.status_script):
             os.chmod(script, 0o755)
 
     def config(self) -> str:
@@ -73,6 +83,12 @@ class Service:
             f"    start_command: [{self.start_script}]\n    stop_command: [{self.stop_script}]\n"
             "    probe_interval_seconds: 0.2\n    probe_timeout_seconds: 1\n    unhealthy_after_probes: 3\n"
             "    ready_timeout_seconds: 20\n"
+            + (
+                ""
+                if self.drain_seconds is None
+                else f"    drain: {{hook: [{self.drain_hook}], timeout_seconds: 120}}\n"
+                f"    status_command: [{self.status_script}]\n"
+            )
         )
 
     def start(self) -> None:
@@ -260,3 +276,39 @@ def test_sigterm_mid_restart_lets_the_restart_finish_within_the_stop_bound(tmp_p
         with ready_agent(tmp_path, rules, service) as agent:
             wait_until(lambda: service_up(agent), 20, "the restarted service healthy")
         assert service.calls() == ["stop", "stopped", "start"], "nothing left to roll back, nothing restarted twice"
+
+
+def test_kill_9_during_a_drain_is_rolled_back_by_the_next_start(tmp_path: Path) -> None:
+    """A reset drains the service first (its requests take 120 s to finish); the agent is killed
+    while it waits. The service was never stopped: the next start closes the action as interrupted
+    at `draining sglang`, finds the service running, says it was drained, and stops nothing."""
+    rules = write_rules(tmp_path, RESET_RULE)
+    with Service(tmp_path, drain_seconds=120) as service:
+        with ready_agent(tmp_path, rules, service) as agent:
+            wait_until(lambda: service_up(agent), 20, "the service up")
+            inject_xid_48(agent)
+
+            def journaled_draining() -> bool:
+                rows = [r for r in remediations(tmp_path) if r["rule"] == "reset-on-xid-48"]
+                return bool(rows) and "draining sglang" in str(rows[0]["detail"])
+
+            wait_until(journaled_draining, 20, "the drain journaled")
+            wait_until(lambda: "drain" in service.calls(), 10, "the drain hook run")
+            time.sleep(1.0)  # now waiting for the running requests to finish
+            agent.process.kill()
+            agent.process.wait(timeout=10)
+        assert service.calls() == ["drain"], "drained, never stopped"
+        assert service.running()
+        with ready_agent(tmp_path, rules, service) as agent:
+            wait_until(lambda: service_up(agent), 20, "the service healthy")
+
+            def closed() -> bool:
+                rows = [r for r in remediations(tmp_path) if r["rule"] == "reset-on-xid-48"]
+                return bool(rows) and rows[0]["outcome"] == "interrupted"
+
+            wait_until(closed, 20, "the interrupted drain closed")
+            time.sleep(1.0)  # the fault is not handled a second time
+        assert service.calls() == ["drain"], service.calls()
+        (reset,) = [r for r in remediations(tmp_path) if r["rule"] == "reset-on-xid-48"]
+        assert "last step: draining sglang" in str(reset["detail"])
+        assert "sglang already running (drained, not restarted)" in str(reset["detail"])

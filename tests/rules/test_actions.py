@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import threading
@@ -17,7 +19,7 @@ from typing import Any
 
 import pytest
 import structlog
-from helpers import action_context, make_event
+from helpers import action_context, make_event, wait_until
 from hosttree import NOBODY_ID, ScriptedHostContext, make_host_tree
 from pydantic import ValidationError
 from race import attempts, swapping
@@ -39,6 +41,7 @@ from agent.rules.config import ActionStep
 from agent.rules.model import ActionKind, ActionSpec, Decision, Outcome, Target
 from agent.rules.params import PARAMS_BY_KIND, ResetGpuParams, RestartServiceParams
 from agent.services.managers import CommandManager, build_managers
+from agent.services.scrape import scrape
 
 STANDIN = str(Path(standin.__file__))
 PROFILE = "h200x2"
@@ -927,3 +930,164 @@ def test_reboot_runs_the_configured_command(tmp_path: Path) -> None:
         Outcome.FAILED,
         "/usr/bin/systemctl reboot --when=+1min: exit 1: Access denied",
     )
+
+
+# -- drain before a restart or reset ----------------------------------------------------------------
+
+
+def drained_node(tmp_path: Path, drain_seconds: float, timeout_seconds: float) -> tuple[Node, list[str], Path]:
+    """A node whose stand-in takes no new requests while `drain-file` exists (its running requests
+    finish within `drain_seconds`), behind a drain hook that creates the file and says for whom."""
+    drain_file = tmp_path / "drain-file"
+    told = tmp_path / "hook-told"
+    hook = write_hook(tmp_path, f'#!/bin/sh\necho "$GPU_AGENT_SERVICE" > {told}\ntouch {drain_file}\n')
+    node = make_node(tmp_path, service_fields={"drain": {"hook": [str(hook)], "timeout_seconds": timeout_seconds}})
+    service = node.config.services[0]
+    extra = ["--drain-file", str(drain_file), "--drain-seconds", str(drain_seconds), "--request-rate", "40"]
+    slow = service.model_copy(update={"start_command": [*(service.start_command or []), *extra]})
+    node.config = node.config.model_copy(update={"services": [slow]})
+    node.ctx.config = node.config
+    journal: list[str] = []
+    node.ctx.journal = journal.append
+    return node, journal, told
+
+
+def running_requests(service: ServiceConfig) -> float:
+    url = service.effective_metrics_url
+    assert url is not None
+    running = scrape(url, timeout_seconds=2.0).running
+    assert running is not None
+    return running
+
+
+def test_a_restart_drains_first_and_waits_for_the_running_requests(tmp_path: Path) -> None:
+    node, journal, told = drained_node(tmp_path, drain_seconds=1.5, timeout_seconds=20)
+    service = node.config.services[0]
+    try:
+        first = node.start_service()
+        wait_until(lambda: running_requests(service) > 0, 10, "requests running")
+        restart = decision(ActionKind.RESTART_SERVICE, target=Target(service="sglang"))
+        outcome = execute(restart, node.ctx)
+        assert outcome.outcome is Outcome.SUCCESS, outcome.detail
+        steps = outcome.detail.split("; ")
+        assert steps[0] == f"drain hook {tmp_path / 'hooks' / 'hook.sh'} of sglang exit 0"
+        drained = re.fullmatch(r"sglang drained: no request running after ([0-9.]+) s", steps[1])
+        assert drained is not None, steps
+        # the stand-in's requests take 1.5 s to finish once nothing new arrives: waited for, not skipped
+        assert 1.0 <= float(drained.group(1)) < 10
+        assert steps[2] == "restarted sglang"
+        assert journal == ["draining sglang", "drained sglang", "restarting sglang", "restarted sglang"]
+        assert told.read_text() == "sglang\n"
+        assert node.service_pid() != first
+        assert not (tmp_path / "drain-file").exists()  # the new server takes requests again
+        wait_until(lambda: running_requests(service) > 0, 10, "requests running after the restart")
+    finally:
+        CommandManager().stop(service)
+
+
+def test_a_drain_that_times_out_lets_the_restart_go_ahead(tmp_path: Path) -> None:
+    node, journal, _ = drained_node(tmp_path, drain_seconds=600, timeout_seconds=1.5)
+    service = node.config.services[0]
+    try:
+        first = node.start_service()
+        wait_until(lambda: running_requests(service) > 0, 10, "requests running")
+        outcome = execute(decision(ActionKind.RESTART_SERVICE, target=Target(service="sglang")), node.ctx)
+        assert outcome.outcome is Outcome.SUCCESS, outcome.detail
+        timed_out = outcome.detail.split("; ")[1]
+        assert re.fullmatch(
+            r"sglang still running [0-9.]+ request\(s\) when its drain timed out after 1\.[5-9] s", timed_out
+        )
+        assert journal[:3] == ["draining sglang", "drained sglang", "restarting sglang"]
+        assert node.service_pid() != first
+    finally:
+        CommandManager().stop(service)
+
+
+def test_an_unreadable_server_is_not_waited_on(tmp_path: Path) -> None:
+    node, _, _ = drained_node(tmp_path, drain_seconds=600, timeout_seconds=30)
+    service = node.config.services[0]
+    try:
+        node.start_service()
+        os.kill(node.service_pid(), signal.SIGUSR1)  # it answers 503, /metrics included
+        began = time.monotonic()
+        outcome = execute(decision(ActionKind.RESTART_SERVICE, target=Target(service="sglang")), node.ctx)
+        assert outcome.outcome is Outcome.SUCCESS, outcome.detail
+        assert outcome.detail.split("; ")[1] == "sglang's running requests unreadable (HTTP 503): not waited on"
+        assert time.monotonic() - began < 20
+    finally:
+        CommandManager().stop(service)
+
+
+def test_a_reset_drains_the_services_before_stopping_them(tmp_path: Path) -> None:
+    node, journal, _ = drained_node(tmp_path, drain_seconds=1.0, timeout_seconds=20)
+    service = node.config.services[0]
+    try:
+        node.start_service()
+        wait_until(lambda: running_requests(service) > 0, 10, "requests running")
+        outcome = execute(decision(ActionKind.RESET_GPU), node.ctx)
+        assert outcome.outcome is Outcome.SUCCESS, outcome.detail
+        steps = outcome.detail.split("; ")
+        assert steps[0].startswith("drain hook ") and steps[1].startswith("sglang drained: no request running after ")
+        assert steps[2] == "stopped sglang"
+        assert journal[:4] == ["draining sglang", "drained sglang", "stopping sglang", "stopped sglang"]
+    finally:
+        CommandManager().stop(service)
+
+
+def test_drain_needs_the_servers_metrics() -> None:
+    with pytest.raises(ValueError, match="drain waits on the server's running-requests gauge"):
+        ServiceConfig.model_validate(
+            {
+                "name": "tgi",
+                "health_url": "http://127.0.0.1:8080/health",
+                "kind": "generic",
+                "drain": {"hook": ["/bin/true"]},
+            }
+        )
+    with pytest.raises(ValueError, match="drain waits on the server's running-requests gauge"):
+        ServiceConfig.model_validate({"name": "tgi", "drain": {"hook": ["/bin/true"]}})
+
+
+def test_check_config_refuses_a_drain_hook_others_can_write(tmp_path: Path) -> None:
+    hook = write_hook(tmp_path, "#!/bin/sh\ntrue\n")
+    config = tmp_path / "agent.yaml"
+    config.write_text(
+        "backend: simulated\nservices:\n"
+        "  - name: sglang\n    health_url: http://127.0.0.1:30000/health\n"
+        f"    drain: {{hook: [{hook}], timeout_seconds: 30}}\n"
+        f"remediation: {{rules_dirs: [{tmp_path / 'rules.d'}]}}\n"
+    )
+    config.chmod(0o644)
+    (tmp_path / "rules.d").mkdir(mode=0o755)
+
+    def check() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "agent.cli", "check-config", "--config", str(config)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    assert check().returncode == 0, check().stderr
+    hook.chmod(0o775)
+    refused = check()
+    assert refused.returncode == 1
+    assert f"{config} services[0].drain.hook[0]: {hook} is writable by group or others (mode 0775)" in refused.stderr
+
+
+def test_an_untrusted_drain_hook_is_not_run_and_the_restart_goes_ahead(tmp_path: Path) -> None:
+    node, journal, told = drained_node(tmp_path, drain_seconds=1.0, timeout_seconds=5)
+    service = node.config.services[0]
+    hook = tmp_path / "hooks" / "hook.sh"
+    try:
+        first = node.start_service()
+        hook.chmod(0o775)
+        outcome = execute(decision(ActionKind.RESTART_SERVICE, target=Target(service="sglang")), node.ctx)
+        assert outcome.outcome is Outcome.SUCCESS, outcome.detail
+        refused = outcome.detail.split("; ")[0]
+        assert refused.startswith("drain hook of sglang refused: ") and "writable by group or others" in refused
+        assert not told.exists()  # never ran
+        assert journal[:3] == ["draining sglang", "drained sglang", "restarting sglang"]
+        assert node.service_pid() != first
+    finally:
+        CommandManager().stop(service)

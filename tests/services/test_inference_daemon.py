@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from daemon_harness import DEFAULT_POLICY, running_agent
 from helpers import wait_until
 
@@ -44,6 +45,11 @@ def direct_status(config_path: Path) -> dict[str, Any]:
     return dict(json.loads(result.stdout))
 
 
+def metric_value(metrics: str, prefix: str) -> float:
+    (line,) = [line for line in metrics.splitlines() if line.startswith(prefix)]
+    return float(line.rsplit(" ", 1)[1])
+
+
 def test_the_daemon_exports_server_latency_and_names_a_thermal_cause(tmp_path: Path) -> None:
     port = free_port()
     state_dir = tmp_path / "state"
@@ -67,10 +73,26 @@ def test_the_daemon_exports_server_latency_and_names_a_thermal_cause(tmp_path: P
         assert 'gpu_agent_service_request_latency_seconds{kind="e2e",quantile="0.95",service="sglang"}' in metrics
         assert 'gpu_agent_service_requests_running{service="sglang"}' in metrics
         assert 'gpu_agent_service_gpu_memory_bytes{gpu="0",service="sglang"' in metrics
+        assert 'gpu_agent_service_request_latency_seconds{kind="queue",quantile="0.95",service="sglang"}' in metrics
+        # tokens per joule: the stand-in's tokens over GPU 0's energy (its only GPU), the same window;
+        # with GPU 0's power steady that is its tokens/s over its watts. The energy counter is read
+        # on the slow tier (every 30 s): the first figure needs two readings around two scrapes.
+        wait_until(
+            lambda: 'gpu_agent_service_tokens_per_joule{service="sglang"}' in agent.metrics(),
+            timeout_seconds=90,
+            what="tokens per joule",
+        )
+        metrics = agent.metrics()
+        per_joule = metric_value(metrics, 'gpu_agent_service_tokens_per_joule{service="sglang"}')
+        per_second = metric_value(metrics, 'gpu_agent_service_generation_tokens_per_second{service="sglang"}')
+        watts = metric_value(metrics, 'gpu_agent_gpu_power_usage_watts{gpu="0"')
+        assert per_joule == pytest.approx(per_second / watts, rel=0.3)
         document = agent.status()
         (service,) = document["services"]
         assert service["metrics"]["kind"] == "sglang"
         assert service["metrics"]["latency_seconds"]["e2e"]["0.95"] < 1.5
+        assert service["metrics"]["latency_seconds"]["queue"]["0.95"] is not None
+        assert service["metrics"]["tokens_per_joule"] > 0
         assert document["unattributed_gpu_processes"] == []
         assert "\nservice sglang (sglang.service): up\n  sglang: p95 e2e " in status_text(document)
 
@@ -84,7 +106,8 @@ def test_the_daemon_exports_server_latency_and_names_a_thermal_cause(tmp_path: P
 
         SimulatedBackend("h200x2", state_dir).set_temperature(0, 92)
         regression = None
-        while regression is None and time.monotonic() < deadline + 30:
+        deadline = time.monotonic() + 40
+        while regression is None and time.monotonic() < deadline:
             events = agent.status()["recent_events"]
             regression = next((e for e in events if e["kind"] == "service_latency_regression"), None)
             time.sleep(0.3)

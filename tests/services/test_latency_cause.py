@@ -10,7 +10,7 @@ import pytest
 from agent.config import ServiceSlo
 from agent.events import Event, EventKind, Severity, SuggestedAction
 from agent.services.latency_cause import SloWatch, attribute_cause, check_slo, regression_event
-from agent.services.scrape import LatencyFigures, ServiceFigures
+from agent.services.scrape import LatencyFigures, QueueTimeTrend, ServiceFigures
 from agent.state import GpuSample
 
 GIB = 1024**3
@@ -93,6 +93,63 @@ def test_clean_gpus_and_a_growing_queue_is_queueing() -> None:
     assert finding.gpu is None
     assert finding.evidence["queue"] == {"waiting_first": 0, "waiting_peak": 40}
     assert "grew from 0 to 40" in finding.summary
+
+
+def test_clean_gpus_and_rising_queue_time_is_queueing_with_its_evidence() -> None:
+    rising = QueueTimeTrend(earlier_mean_seconds=0.05, later_mean_seconds=2.1)
+    finding = attribute_cause(
+        clean_window(), gpus=[0, 1], waiting_history=[(0, 3), (60, 3)], queue_time=rising, queue_time_p95_seconds=4.2
+    )
+    assert finding.cause == "queueing"
+    assert "queue time rose from 0.05 s to 2.10 s" in finding.summary
+    assert finding.evidence["queue"] == {
+        "waiting_first": 3,
+        "waiting_peak": 3,
+        "queue_time_mean_earlier_seconds": 0.05,
+        "queue_time_mean_later_seconds": 2.1,
+        "queue_time_p95_seconds": 4.2,
+    }
+    steady = QueueTimeTrend(earlier_mean_seconds=0.05, later_mean_seconds=0.07)  # under 1.5 times: noise
+    assert attribute_cause(clean_window(), gpus=[0, 1], queue_time=steady).cause == "unknown"
+
+
+KV_FULL = [(0.0, 0.90), (30.0, 0.97), (60.0, 0.96)]
+
+
+def test_a_full_kv_cache_with_a_growing_queue_is_kv_cache_full() -> None:
+    finding = attribute_cause(
+        clean_window(), gpus=[0, 1], waiting_history=[(0, 0), (60, 25)], kv_cache_usage_history=KV_FULL
+    )
+    assert finding.cause == "kv_cache_full"
+    assert finding.gpu is None
+    assert finding.summary == "KV cache 97% full, waiting requests grew from 0 to 25"
+    assert finding.evidence["kv_cache_usage_peak_ratio"] == 0.97
+    assert finding.evidence["kv_cache_usage_last_ratio"] == 0.96
+    by_queue_time = attribute_cause(
+        clean_window(), gpus=[0, 1], kv_cache_usage_history=KV_FULL, queue_time=QueueTimeTrend(0.1, 0.9)
+    )
+    assert by_queue_time.cause == "kv_cache_full"
+    assert "queue time rose from 0.10 s to 0.90 s" in by_queue_time.summary
+
+
+def test_a_full_kv_cache_without_a_queue_or_a_queue_under_a_fuller_cache_is_not_kv_cache_full() -> None:
+    quiet = attribute_cause(
+        clean_window(), gpus=[0, 1], waiting_history=[(0, 2), (60, 2)], kv_cache_usage_history=KV_FULL
+    )
+    assert quiet.cause == "unknown"  # a full cache serving everything it admits: no latency cause
+    roomy = [(0.0, 0.80), (60.0, 0.94)]
+    queued = attribute_cause(
+        clean_window(), gpus=[0, 1], waiting_history=[(0, 0), (60, 9)], kv_cache_usage_history=roomy
+    )
+    assert queued.cause == "queueing"
+
+
+def test_a_gpu_cause_comes_before_a_full_kv_cache() -> None:
+    hot = [sample(0, float(t), temperature_celsius=91, clock_event_reasons=HW_THERMAL) for t in (40, 45, 50, 55)]
+    finding = attribute_cause(
+        clean_window() + hot, gpus=[0, 1], waiting_history=[(0, 0), (60, 25)], kv_cache_usage_history=KV_FULL
+    )
+    assert finding.cause == "thermal_slowdown"
 
 
 def test_clean_gpus_and_no_queue_is_unknown() -> None:

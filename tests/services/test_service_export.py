@@ -104,6 +104,13 @@ def test_service_figures_line_and_document() -> None:
     assert service_figures_line(document) == "p95 e2e 0.72 s, TTFT 0.15 s; running 9 / waiting 0; 320 tokens/s"
     never_read = status_document(figures(latency={}, error="HTTP 404"))
     assert service_figures_line(never_read) == "metrics unavailable (HTTP 404)"
+    queue = LatencyFigures(120, 0.01, {0.5: 0.005, 0.95: 0.02, 0.99: 0.04})
+    fuller = status_document(figures(latency={**figures().latency, "queue": queue}, tokens_per_joule=0.5234))
+    assert fuller["latency_seconds"]["queue"]["0.95"] == 0.02
+    assert fuller["tokens_per_joule"] == 0.5234
+    assert service_figures_line(fuller) == (
+        "p95 e2e 0.72 s, TTFT 0.15 s, queue 0.02 s; running 9 / waiting 0; 320 tokens/s (0.52/J)"
+    )
     stale = service_figures_line(status_document(figures(error="timed out after 2 s")))
     assert stale.endswith("(last scrape: timed out after 2 s)")
     assert list(unattributed_lines(unattributed_document(ATTRIBUTION))) == [
@@ -122,7 +129,7 @@ def test_status_shows_each_services_figures_under_its_probe_line() -> None:
     text = status_text(snapshot_document(snapshot, source="daemon"))
     assert (
         "service sglang (sglang.service): up\n"
-        "  sglang: p95 e2e 0.72 s, TTFT 0.15 s; running 9 / waiting 2; 320 tokens/s\n"
+        "  sglang: p95 e2e 0.72 s, TTFT 0.15 s, queue 0.02 s; running 9 / waiting 2; 320 tokens/s (0.52/J)\n"
         "service embeddings (embeddings.service): DOWN (HTTP 503)\n"
         "  embeddings: metrics unavailable (timed out after 2 s)\n"
         "service vllm (vllm.service): not probed yet\n"

@@ -2,10 +2,10 @@
 
 Refused for Xid 79 / a lost GPU (a reset cannot bring it back: reboot territory), for MIG enabled
 or pending (a reset destroys the instances or changes the mode), for a GPU whose index now names
-another uuid. Otherwise: stop the services using the GPU; wait (bounded) until NVML lists no
-compute process on it, else start the services again and refuse, naming each process left and
-the configured service it belongs to, if any; reset; re-apply the node policy
-(a reset returns settings to defaults); start the services; wait until healthy. The outcome's
+another uuid. Otherwise: drain the services using the GPU that declare `drain`, stop them; wait
+(bounded) until NVML lists no compute process on it, else start the services again and refuse,
+naming each process left and the configured service it belongs to, if any; reset; re-apply the
+node policy (a reset returns settings to defaults); start the services; wait until healthy. The outcome's
 detail lists every step.
 """
 
@@ -22,7 +22,14 @@ from agent.events import EventKind
 from agent.policy.base import ApplyOutcome
 from agent.rules.actions.base import Result, failed, gpu_of, refused, uuid_of, xid_of
 from agent.rules.actions.context import ActionContext
-from agent.rules.actions.service_actions import managers_for, ready_timeout, services_for_gpu, start_again
+from agent.rules.actions.service_actions import (
+    drain_service,
+    drain_timeout,
+    managers_for,
+    ready_timeout,
+    services_for_gpu,
+    start_again,
+)
 from agent.rules.actions.steps import GPU_RESET, POLICY_APPLIED, STOPPED, STOPPING, step
 from agent.rules.model import Decision, Outcome
 from agent.rules.params import ResetGpuParams
@@ -110,7 +117,8 @@ def reset_gpu(decision: Decision, params: ResetGpuParams, ctx: ActionContext) ->
     for service in services:
         if ctx.prober is not None:
             budget = ctx.drain_timeout_seconds + 2 * service.command_timeout_seconds + ready_timeout(service, None)
-            ctx.prober.expect_down(service.name, budget)
+            ctx.prober.expect_down(service.name, drain_timeout(service) + budget)
+        drain_service(service, decision, ctx, steps)
         ctx.journal(step(STOPPING, service.name))
         try:
             managers[service.name].stop(service)
