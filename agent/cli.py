@@ -280,13 +280,17 @@ def _socket_path(args: argparse.Namespace) -> str:
 
 def direct_status(config: AgentConfig, note: str) -> dict[str, object]:
     """What `status` shows without a daemon: one collection and one plan, read-only, judged by the
-    same watchers and made into a snapshot by the same builder as the daemon's."""
+    same watchers, with the node memory the daemon keeps in the store (Xids, held slowdowns, GPUs
+    gone, services declared down), made into a snapshot by the same builder as the daemon's."""
     import time
 
     from agent import documents
     from agent.collect import sample_all
+    from agent.host.paths import HostPaths
     from agent.services.watch import read_once
     from agent.snapshot import DaemonParts, NodeWatchers, build_snapshot
+    from agent.store.db import StoreError
+    from agent.store.node_memory import read_boot_id, read_remembered
 
     now = time.time()
     try:
@@ -305,6 +309,16 @@ def direct_status(config: AgentConfig, note: str) -> dict[str, object]:
     finally:
         engine.backend.shutdown()
     watchers = NodeWatchers()
+    parts = DaemonParts()
+    try:
+        remembered = read_remembered(config.state_dir, read_boot_id(HostPaths.at(config.host_root)))
+    except StoreError as exc:
+        remembered = None
+        note += f"; the daemon's node memory is unreadable ({exc}): Xid history and held slowdowns not included"
+    if remembered is not None:
+        samples = remembered.samples(samples, now)
+        remembered.restore(watchers.xid, watchers.throttle)
+        parts = DaemonParts(services=remembered.services([(s.name, s.unit_name) for s in config.services]))
     watchers.observe(samples, now)
     snapshot = build_snapshot(
         config,
@@ -313,6 +327,7 @@ def direct_status(config: AgentConfig, note: str) -> dict[str, object]:
         watchers,
         driver_version=driver,
         policy=plan.items,
+        daemon=parts,
         service_figures=figures,
         gpu_attribution=attribution,
     )

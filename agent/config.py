@@ -409,7 +409,8 @@ def _origin(url: str | None) -> str | None:
 
 class RemediationConfig(StrictModel):
     # Lowest priority first; a same-named file in a later one replaces or masks (agent/rules/sources.py).
-    rules_dirs: list[str] = Field(default_factory=lambda: list(DEFAULT_RULES_DIRS), min_length=1)
+    # [] turns remediation off on purpose; a daemon that finds no rules in the dirs given needs attention.
+    rules_dirs: list[str] = Field(default_factory=lambda: list(DEFAULT_RULES_DIRS))
     allow_reboot: bool = False  # a rule may only use the `reboot` action when the operator allows it
     alertmanager_url: str | None = None  # e.g. http://127.0.0.1:9093; the default for alertmanager actions
     reboot_command: list[str] = Field(default_factory=lambda: ["/usr/bin/systemctl", "reboot"], min_length=1)

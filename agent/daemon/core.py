@@ -101,6 +101,9 @@ class Daemon:
         self.inference = self._new_inference(config)
         self.udev = UdevWakeup(self.collector.rescan.set, self.host.paths)
         self.kmsg = KmsgSource(self.host.paths, self._on_kernel_xid, start_monotonic_seconds=time.monotonic())
+        # What the running config leaves an operator to do after a reload (it failed, or a change waits
+        # for a restart): one verdict line each, in every snapshot until a reload clears it.
+        self.config_attention: tuple[str, ...] = ()
         self._closers: list[Callable[[], None]] = []
         self.loop_hook: Callable[[], None] | None = None  # tests: runs inside each loop iteration
 
@@ -131,7 +134,7 @@ class Daemon:
             return self.memory.remember(self.collector.unavailable(now, self.session.error), now), []
         samples = self.memory.remember(self.collector.collect(backend, now), now)
         events = self.watchers.observe(samples, now)
-        events += self.policy.step(backend, now, wait_seconds, self.collector.identities)
+        events += self.policy.step(backend, now, wait_seconds, self.collector.identities, samples)
         if self.session.end_loop():
             self.policy.forget_backend()
         return samples, events
@@ -167,6 +170,9 @@ class Daemon:
             recent_events=self.intake.recent,
             recent_remediations=self.remediator.recent(),
             rules_sources=self.remediator.rules_sources,
+            rules_loaded=self.remediator.rules_loaded(),
+            slo_breaches=self.inference.breaches(),
+            config_attention=self.config_attention,
             collect_duration_seconds=duration_seconds,
         )
 

@@ -37,7 +37,7 @@ from agent.services.scrape import (
     ServiceFigures,
     scrape,
 )
-from agent.state import GpuSample
+from agent.state import GpuSample, SloBreachNow
 
 log = structlog.get_logger("gpu-agent")
 
@@ -173,6 +173,10 @@ class LatencyRegressionWatch:
             events += self._slo.update(service.name, service.slo, found, attribute, now)
         return events
 
+    def breaches(self) -> tuple[SloBreachNow, ...]:
+        """The services over an objective at the last evaluation, for the verdict."""
+        return self._slo.breaches()
+
 
 class GpuAttributor:
     """Maps the GPUs' compute processes to services every `interval_seconds` on its own thread: an
@@ -271,6 +275,9 @@ class InferenceMonitor:
 
     def figures(self) -> dict[str, ServiceFigures]:
         return self.scraper.figures()
+
+    def breaches(self) -> tuple[SloBreachNow, ...]:
+        return self.watch.breaches()
 
     def attribution(self) -> GpuAttribution | None:
         return self.attributor.latest()
