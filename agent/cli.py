@@ -95,6 +95,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         raise CliError(f"no config: {DEFAULT_CONFIG_PATH} does not exist (give --config PATH)")
     config = load_config(path)
     resolved = resolve_rules(Path(d) for d in (args.rules or config.remediation.rules_dirs))
+    _check_rules_dirs_exist(path, resolved.missing_dirs, from_config=not args.rules)
     rules = load_rules(resolved.paths, allow_reboot=config.remediation.allow_reboot)
     _check_hooks(rules)
     _print(
@@ -107,6 +108,25 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
     return EXIT_ERROR if warnings and args.strict else EXIT_OK
+
+
+def _check_rules_dirs_exist(path: Path, missing: Sequence[Path], *, from_config: bool) -> None:
+    """A rules directory named that does not exist is a typo the daemon would run with, without its
+    rules: an error. Only the default directory for the admin's overrides may be absent."""
+    from agent.config import parse_yaml, read_trusted_text
+    from agent.defaults import DEFAULT_RULES_DIR
+
+    wrong = [d for d in missing if str(d) != DEFAULT_RULES_DIR]
+    if not wrong:
+        return
+    lines = parse_yaml(read_trusted_text(path), str(path))[1] if from_config else {}
+    problems = []
+    for directory in wrong:
+        line = lines.get(("remediation", "rules_dirs")) or lines.get(("remediation", "rules_dir"))
+        where = "remediation.rules_dirs" if from_config else "--rules"
+        message = f"{directory}: no such directory (a typo? the daemon would run without these rules)"
+        problems.append(ConfigProblem(str(path), line, where, message))
+    raise ConfigError(problems)
 
 
 def _check_hooks(rules: Sequence[Rule]) -> None:

@@ -18,6 +18,7 @@ from agent.backend.base import ClockDomain
 from agent.backend.errors import GpuErrorKind
 from agent.backend.sim import SimulatedBackend
 from agent.cli import XID_PARSE_MAX_LINE_BYTES, bounded_lines
+from agent.defaults import DEFAULT_RULES_DIR
 from agent.demo import standin
 
 H200_POLICY = """\
@@ -250,9 +251,9 @@ def test_status_without_a_driver_says_so_in_one_line(tmp_path: Path) -> None:
 )
 def test_check_config_exit_codes(tmp_path: Path, text: str, code: int) -> None:
     config = tmp_path / "agent.yaml"
-    config.write_text(text)
+    config.write_text(text + f"remediation: {{rules_dirs: [{Path(__file__).parent.parent / 'rules'}]}}\n")
     result = gpu_agent("check-config", "--config", str(config))
-    assert result.returncode == code
+    assert result.returncode == code, result.stderr
     if code:
         assert result.stderr.strip() == f"{config}:2 policy.gpus[0].power_limit_watts: must be > 0"
 
@@ -328,13 +329,29 @@ def test_check_config_shows_where_each_rule_came_from(tmp_path: Path) -> None:
     assert f"  {admin / '20-b.yaml'}: masked (disables {shipped / '20-b.yaml'})" in result.stdout
 
 
-def test_check_config_warns_of_a_missing_rules_dir_and_fails_under_strict(tmp_path: Path) -> None:
+def test_check_config_refuses_a_rules_dir_that_does_not_exist(tmp_path: Path) -> None:
+    """A typo in remediation.rules_dirs would have the daemon run without its rules: an error naming
+    the file, line and field; `--rules` likewise."""
     config = tmp_path / "agent.yaml"
-    config.write_text(f"remediation: {{rules_dir: {tmp_path / 'rules.dd'}}}\n")
-    loose = gpu_agent("check-config", "--config", str(config))
-    assert loose.returncode == 0
-    assert f"warning: {tmp_path / 'rules.dd'}: no such directory" in loose.stderr
-    assert "warning: no rules files: remediation has nothing to do" in loose.stderr
+    config.write_text(f"mode: observe\nremediation:\n  rules_dirs: [{tmp_path / 'rules.dd'}]\n")
+    result = gpu_agent("check-config", "--config", str(config))
+    assert result.returncode == 1
+    assert result.stderr == (
+        f"{config}:3 remediation.rules_dirs: {tmp_path / 'rules.dd'}: no such directory (a typo? the daemon would"
+        " run without these rules)\n"
+    )
+    flag = gpu_agent("check-config", "--config", str(config), "--rules", str(tmp_path / "nope"))
+    assert flag.returncode == 1 and f"--rules: {tmp_path / 'nope'}: no such directory" in flag.stderr
+
+
+def test_check_config_lets_the_default_override_dir_be_absent(tmp_path: Path) -> None:
+    shipped = Path(__file__).parent.parent / "rules"
+    assert not Path(DEFAULT_RULES_DIR).exists()  # the admin has written no override here
+    config = tmp_path / "agent.yaml"
+    config.write_text(f"remediation: {{rules_dirs: [{shipped}, {DEFAULT_RULES_DIR}]}}\n")
+    result = gpu_agent("check-config", "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == f"warning: {DEFAULT_RULES_DIR}: no such directory\n"
     strict = gpu_agent("check-config", "--config", str(config), "--strict")
     assert strict.returncode == 1 and "Traceback" not in strict.stderr
 
