@@ -338,7 +338,7 @@ def direct_status(config: AgentConfig, note: str) -> dict[str, object]:
     if remembered is not None:
         samples = remembered.samples(samples, now)
         remembered.restore(watchers.xid, watchers.throttle)
-        parts = DaemonParts(services=remembered.services([(s.name, s.unit_name) for s in config.services]))
+        parts = DaemonParts(services=remembered.services([(s.name, s.shown_unit) for s in config.services]))
     watchers.observe(samples, now)
     snapshot = build_snapshot(
         config,

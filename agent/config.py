@@ -347,6 +347,11 @@ class ServiceConfig(StrictModel):
         return self.unit or f"{self.name}.service"
 
     @property
+    def shown_unit(self) -> str:
+        """The unit status, metrics and events name: a command-managed service has none (unless given)."""
+        return self.unit_name if self.manager == "systemd" else self.unit or ""
+
+    @property
     def effective_metrics_url(self) -> str | None:
         """Where the agent reads the server's metrics; None when nowhere."""
         if self.metrics_url is False:

@@ -72,7 +72,7 @@ def test_the_daemon_exports_server_latency_and_names_a_thermal_cause(tmp_path: P
         assert service["metrics"]["kind"] == "sglang"
         assert service["metrics"]["latency_seconds"]["e2e"]["0.95"] < 1.5
         assert document["unattributed_gpu_processes"] == []
-        assert "\nservice sglang (sglang.service): up\n  sglang: p95 e2e " in status_text(document)
+        assert "\nservice sglang: up\n  sglang: p95 e2e " in status_text(document)  # a command service: no unit
 
         # Without the daemon's help: one scrape gives the gauges (quantiles need two, a window apart).
         direct = direct_status(agent.config_path)
