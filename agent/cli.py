@@ -479,24 +479,56 @@ def cmd_events(args: argparse.Namespace) -> int:
 
 
 def cmd_ack(args: argparse.Namespace) -> int:
+    from agent.host.paths import HostPaths
+    from agent.store.node_memory import read_boot_id
+
     config = load(args)
+    xid_marks = _xid_selector(args.selector)
     with _open_store(config) as store:
         count = store.ack(args.selector)
         gone = store.acknowledge_gone(args.selector)
+        cleared = (
+            store.clear_xid_marks(read_boot_id(HostPaths.at(config.host_root)), *xid_marks)
+            if xid_marks is not None
+            else []
+        )
+    for gpu in sorted({mark.gpu for mark in cleared}):
+        codes = ", ".join(str(mark.xid) for mark in cleared if mark.gpu == gpu)
+        _print(
+            f"{args.selector}: Xid {codes} on GPU {gpu} marked dealt with: no longer in the verdict"
+            " (the counts stay in status and /metrics)"
+        )
     if count:
-        _print(f"{args.selector}: {count} rule/target pair(s) re-armed")
+        _print(f"{args.selector}: {count} rule/target pair(s) re-armed: their attempts start afresh, circuits closed")
     for uuid in gone:
         _print(f"{uuid}: missing GPU acknowledged gone; no longer expected (until it answers again)")
-    if count or gone:
+    if count or gone or cleared:
         return EXIT_OK
     if args.selector == "all":
-        _print("all: nothing to re-arm (no rule's attempts ran out, no GPU missing)")
+        _print("all: nothing to acknowledge (no Xid in the verdict, no rule's attempts ran out, no GPU missing)")
         return EXIT_OK
-    # Most often a typo: exit 1, so a script that re-arms a rule learns it did not.
+    # Most often a typo: exit 1, so a script that acknowledges something learns it did not.
     raise CliError(
-        f"{args.selector}: nothing to re-arm: no rule whose attempts ran out and no missing GPU matches "
-        "(a rule name, gpu:INDEX, gpu:UUID, service:NAME or all; `gpu-agent events` lists the rules)"
+        f"{args.selector}: nothing to acknowledge: no Xid in the verdict, no rule whose attempts ran out and no"
+        " missing GPU matches (a rule name, gpu:INDEX, gpu:UUID, xid:CODE@GPU, service:NAME or all;"
+        " `gpu-agent events` lists the rules)"
     )
+
+
+def _xid_selector(selector: str) -> tuple[int | str | None, int | None] | None:
+    """(GPU, Xid) of the Xid marks an ack selector clears: `all` every one, `gpu:N`/`gpu:UUID`/`GPU-...`
+    a GPU's, `xid:CODE@GPU` one Xid on one GPU (GPU: index or UUID); None for rule and service selectors."""
+    if selector == "all":
+        return None, None
+    if selector.startswith("GPU-"):
+        return selector, None
+    kind, sep, value = selector.partition(":")
+    if sep and kind == "gpu" and value:
+        return (int(value), None) if value.isdecimal() else (value, None)
+    code, at, gpu = value.partition("@")
+    if sep and kind == "xid" and at and code.isdecimal() and gpu:
+        return (int(gpu) if gpu.isdecimal() else gpu), int(code)
+    return None
 
 
 def cmd_inject(args: argparse.Namespace) -> int:
@@ -579,10 +611,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "ack",
         parents=[common],
-        help="re-arm rules whose attempts ran out (circuit open); forget a missing GPU",
-        description="SELECTOR: a rule name, gpu:INDEX, gpu:UUID, service:NAME, or all. A GPU selector (or all) "
-        "also acknowledges a missing GPU as gone: it leaves status and /metrics until it answers again. "
-        "Exit codes: 0 re-armed or acknowledged (or `all` with nothing to do), 1 nothing matched (a typo?).",
+        help="mark Xids dealt with, re-arm rules whose attempts ran out, forget a missing GPU",
+        description="SELECTOR: a rule name, gpu:INDEX, gpu:UUID, xid:CODE@GPU (GPU: index or UUID), "
+        "service:NAME, or all. A GPU or Xid selector (or all) marks the GPU's Xids (or that one) dealt with: "
+        "they leave the verdict, their counts stay. A GPU selector (or all) also re-arms the rules acting on it "
+        "and acknowledges a missing GPU as gone: it leaves status and /metrics until it answers again. "
+        "Exit codes: 0 something acknowledged (or `all` with nothing to do), 1 nothing matched (a typo?).",
     )
     p.add_argument("selector")
     p.set_defaults(func=cmd_ack)

@@ -471,10 +471,13 @@ def test_ack_of_nothing_is_an_error_but_ack_all_is_not(tmp_path: Path) -> None:
     config = write_config(tmp_path)
     typo = gpu_agent("ack", "xid-restart-servce", "--config", str(config))
     assert typo.returncode == 1
-    assert typo.stderr.startswith("gpu-agent: xid-restart-servce: nothing to re-arm") and "Traceback" not in typo.stderr
+    assert (
+        typo.stderr.startswith("gpu-agent: xid-restart-servce: nothing to acknowledge")
+        and "Traceback" not in typo.stderr
+    )
     everything = gpu_agent("ack", "all", "--config", str(config))
     assert everything.returncode == 0, everything.stderr
-    assert "nothing to re-arm" in everything.stdout
+    assert "all: nothing to acknowledge" in everything.stdout
 
 
 @pytest.mark.parametrize(

@@ -150,3 +150,41 @@ def test_a_direct_read_without_any_store_is_a_fresh_node(tmp_path: Path) -> None
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["xids"] == []
     assert not (tmp_path / "state" / "gpu-agent.db").exists()
+
+
+def test_ack_marks_an_xid_dealt_with_for_the_daemon_and_the_direct_read(tmp_path: Path) -> None:
+    """`ack xid:13@1` takes that Xid out of the verdict, `ack gpu:0` every Xid of GPU 0, saying so;
+    the counts stay. The running daemon follows at its next loop; a direct read does too."""
+    with running_agent(tmp_path, mode="observe") as agent:
+        agent.notifications.wait_for("READY", "1")
+        for gpu, code in ((1, "13"), (1, "31"), (0, "43")):
+            assert _cli(agent, "inject", "xid", code, "--gpu", str(gpu)).returncode == 0
+        deadline = time.monotonic() + 20
+        while {g["index"]: g["health"]["state"] for g in agent.status()["gpus"]} != {0: "degraded", 1: "degraded"}:
+            assert time.monotonic() < deadline, agent.status()["gpus"]
+            time.sleep(0.2)
+        time.sleep(1.0)  # saved to the node memory
+
+        one = _cli(agent, "ack", "xid:13@1")
+        assert one.returncode == 0, one.stderr
+        assert one.stdout == (
+            "xid:13@1: Xid 13 on GPU 1 marked dealt with: no longer in the verdict (the counts stay in status and"
+            " /metrics)\n"
+        )
+        time.sleep(1.0)
+        assert "Xid 31" in _health(agent.status())[1]["reason"]  # the other Xid on GPU 1 stays
+        assert "Xid 13" not in _health(agent.status())[1]["reason"]
+
+        both = _cli(agent, "ack", "gpu:1")
+        assert both.returncode == 0 and both.stdout.startswith("gpu:1: Xid 31 on GPU 1 marked dealt with"), both
+        deadline = time.monotonic() + 10
+        while _health(daemon := agent.status())[1]["state"] != "healthy":
+            assert time.monotonic() < deadline, daemon["gpus"]
+            time.sleep(0.2)
+        assert _health(daemon)[0]["state"] == "degraded"  # GPU 0's Xid was not acknowledged
+        assert {(x["gpu"], x["xid"]) for x in daemon["xids"]} == {(0, 43), (1, 13), (1, 31)}  # counts stay
+        direct = _direct(agent)
+        assert _health(direct) == _health(daemon)
+
+        nothing = _cli(agent, "ack", "xid:13@1")
+        assert nothing.returncode == 1 and "nothing to acknowledge" in nothing.stderr

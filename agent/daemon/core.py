@@ -128,6 +128,7 @@ class Daemon:
     def _collect(self, now: float) -> tuple[list[GpuSample], list[Event]]:
         """This loop's samples, and the events the watchers and the policy loop made of them."""
         self.memory.load(self.collector.identities, self.watchers.xid, self.watchers.throttle, self.prober)
+        self.memory.follow_acks(self.watchers.xid)
         wait_seconds = self.timing.step_wait(self.config.interval_seconds)
         backend = self.session.begin_loop(self.config, wait_seconds)
         if backend is None:
@@ -197,6 +198,7 @@ class Daemon:
         self.publisher.set(snapshot)
 
     def _save_memory(self, now: float) -> None:
+        self.memory.follow_acks(self.watchers.xid)  # an ack since the loop began is not written over
         self.memory.save(self.watchers.xid, now, self.watchers.throttle, self.prober)
 
     # -- sources feeding the event intake ------------------------------------------------------

@@ -288,6 +288,23 @@ class NodeMemory:
         self._inventory = stored
         return kept
 
+    def follow_acks(self, xid: XidWatcher) -> None:
+        """Xids an operator marked dealt with (`gpu-agent ack` took them out of the stored health
+        window since the last save) leave the watcher's window too, before this loop's verdict."""
+        store = self._store()
+        if store is None or not self._loaded or not self._saved_marks:
+            return
+        try:
+            stored = store.xid_marks(self.boot_id)
+        except StoreError as exc:
+            log.error("node memory unreadable", error=str(exc))
+            return
+        gone = {(m.gpu, m.xid) for m in self._saved_marks} - {(m.gpu, m.xid) for m in stored}
+        if gone:
+            xid.forget(gone)
+            log.info("Xids acknowledged as dealt with", marks=sorted(gone))
+        self._saved_marks = stored
+
     def save(
         self,
         xid: XidWatcher,
