@@ -584,7 +584,12 @@ def validate_model(model: type[ModelT], data: Any, lines: dict[PathKey, int], fi
             line = next((lines[path[:n]] for n in range(len(path), -1, -1) if path[:n] in lines), None)
             message = _message(error)
             if error["type"] == "extra_forbidden":
-                message += _suggest(path, _known_keys(model, path))
+                key = loc[-1] if loc else None
+                if isinstance(key, str) and path[-1:] != (key,):
+                    # a shorthand (`- restart_servce` for `- restart_servce: {}`): the value is the key
+                    message = f"unknown key '{key}'" + _suggest((*path, key), _known_keys(model, (*path, key)))
+                else:
+                    message += _suggest(path, _known_keys(model, path))
             from_union = any(isinstance(part, str) and "[" in part for part in loc)
             found.append((path, from_union, ConfigProblem(file, line, format_path(path), message)))
         problems: list[ConfigProblem] = []

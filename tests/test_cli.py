@@ -299,7 +299,17 @@ def test_check_config_validates_rules_with_file_and_line(tmp_path: Path) -> None
     config.write_text(f"remediation: {{rules_dir: {rules}}}\n")
     result = gpu_agent("check-config", "--config", str(config))
     assert result.returncode == 1
-    assert result.stderr.startswith(f"{rules / '10-bad.yaml'}:4 rules[0].actions[0]")
+    assert result.stderr == (
+        f"{rules / '10-bad.yaml'}:4 rules[0].actions[0]: unknown key 'restart_servce' (did you mean"
+        " 'restart_service'?)\n"
+    )
+    (rules / "10-bad.yaml").write_text(
+        "rules:\n  - name: bad\n    mach: {xid: {codez: [13]}}\n    actions: [{restart_servce: {}}]\n"
+    )
+    typos = gpu_agent("check-config", "--config", str(config))
+    assert typos.returncode == 1
+    assert "rules[0].mach: unknown key (did you mean 'match'?)" in typos.stderr
+    assert "rules[0].actions[0].restart_servce: unknown key (did you mean 'restart_service'?)" in typos.stderr
     (rules / "10-bad.yaml").write_text(
         "rules:\n  - name: good\n    match: {xid: {codes: [13]}}\n    actions: [restart_service]\n"
     )
