@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -272,10 +273,20 @@ def test_missing_explicit_config_is_an_error(tmp_path: Path) -> None:
     assert "cannot read" in result.stderr
 
 
-def test_demo_plays_the_scenario_on_a_live_daemon(tmp_path: Path) -> None:
-    result = gpu_agent("demo", "--dir", str(tmp_path / "demo"), "--exit-after-scenario")
-    assert result.returncode == 0, result.stdout + result.stderr
-    out = result.stdout
+def demo_run(directory: Path, path: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "GPU_AGENT_CONFIG"}
+    if path is not None:
+        env["PATH"] = path
+    return subprocess.run(
+        [sys.executable, "-m", "agent.cli", "demo", "--dir", str(directory), "--exit-after-scenario"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+
+
+def assert_scenario_played(out: str) -> None:
     steps = [out.index(f"== {n}.") for n in range(1, 6)]
     assert steps == sorted(steps) and steps[-1] < out.index("scenario done")
     assert "power_limit drifted (650 W, want 600 W) and was corrected" in out
@@ -284,7 +295,36 @@ def test_demo_plays_the_scenario_on_a_live_daemon(tmp_path: Path) -> None:
     assert "sw_thermal_slowdown" in health and "check_mechanicals" in health, health
     assert "likely cause: GPU 2 thermal slowdown" in out
     assert "rule xid-restart-service restarted sglang" in out
-    pid_file = tmp_path / "demo/sglang.pid"  # the stand-in service is stopped with the demo
+
+
+@pytest.mark.skipif(
+    not (shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")),
+    reason="needs Alertmanager: apt-get install -y prometheus-alertmanager (scripts/install-test-deps)",
+)
+def test_demo_plays_the_scenario_on_a_live_daemon_twice_in_one_dir(tmp_path: Path) -> None:
+    """The demo starts a real Alertmanager when one is installed and shows the alert arrive; run
+    again into the same --dir it starts from a fresh node; without Alertmanager (nor curl) on PATH
+    the alert action is reported as not configured, and the metrics are fetched with python."""
+    directory = tmp_path / "demo"
+    first = demo_run(directory)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert_scenario_played(first.stdout)
+    assert "a real Alertmanager (" in first.stdout
+    assert "   Alertmanager received GpuAgentServiceLatencyRegression: service sglang: e2e p95" in first.stdout
+    assert "   curl -s http://127.0.0.1:" in first.stdout
+
+    (directory / "notes.txt").write_text("mine")  # not the demo's: left alone
+    bare = tmp_path / "bare-path"
+    bare.mkdir()
+    second = demo_run(directory, path=str(bare))
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert_scenario_played(second.stdout)
+    assert "no Alertmanager installed (prometheus-alertmanager)" in second.stdout
+    assert "   the alert: not configured (no Alertmanager configured: set remediation.alertmanager_url" in second.stdout
+    assert "curl" not in second.stdout
+    assert 'python3 -c "import urllib.request; print(urllib.request.urlopen(' in second.stdout
+    assert (directory / "notes.txt").read_text() == "mine"
+    pid_file = directory / "sglang.pid"  # the stand-in service is stopped with the demo
     pid = standin.read_pid(pid_file)
     assert pid is None or not standin.running(pid)
 
