@@ -96,6 +96,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         raise CliError(f"no config: {DEFAULT_CONFIG_PATH} does not exist (give --config PATH)")
     config = load_checked_config(path)
     resolved = resolve_rules(Path(d) for d in (args.rules or config.remediation.rules_dirs))
+    _check_rules_dirs_exist(path, resolved.missing_dirs, from_config=not args.rules)
     rules = load_rules(resolved.paths, allow_reboot=config.remediation.allow_reboot)
     _check_hooks(rules)
     _check_drain_hooks(config, str(path))
@@ -109,6 +110,25 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
     return EXIT_ERROR if warnings and args.strict else EXIT_OK
+
+
+def _check_rules_dirs_exist(path: Path, missing: Sequence[Path], *, from_config: bool) -> None:
+    """A rules directory named that does not exist is a typo the daemon would run with, without its
+    rules: an error. Only the default directory for the admin's overrides may be absent."""
+    from agent.config import parse_yaml, read_trusted_text
+    from agent.defaults import DEFAULT_RULES_DIR
+
+    wrong = [d for d in missing if str(d) != DEFAULT_RULES_DIR]
+    if not wrong:
+        return
+    lines = parse_yaml(read_trusted_text(path), str(path))[1] if from_config else {}
+    problems = []
+    for directory in wrong:
+        line = lines.get(("remediation", "rules_dirs")) or lines.get(("remediation", "rules_dir"))
+        where = "remediation.rules_dirs" if from_config else "--rules"
+        message = f"{directory}: no such directory (a typo? the daemon would run without these rules)"
+        problems.append(ConfigProblem(str(path), line, where, message))
+    raise ConfigError(problems)
 
 
 def _check_hooks(rules: Sequence[Rule]) -> None:
@@ -300,13 +320,17 @@ def _socket_path(args: argparse.Namespace) -> str:
 
 def direct_status(config: AgentConfig, note: str) -> dict[str, object]:
     """What `status` shows without a daemon: one collection and one plan, read-only, judged by the
-    same watchers and made into a snapshot by the same builder as the daemon's."""
+    same watchers, with the node memory the daemon keeps in the store (Xids, held slowdowns, GPUs
+    gone, services declared down), made into a snapshot by the same builder as the daemon's."""
     import time
 
     from agent import documents
     from agent.collect import sample_all
+    from agent.host.paths import HostPaths
     from agent.services.watch import read_once
     from agent.snapshot import DaemonParts, NodeWatchers, build_snapshot
+    from agent.store.db import StoreError
+    from agent.store.node_memory import read_boot_id, read_remembered
 
     now = time.time()
     try:
@@ -325,6 +349,16 @@ def direct_status(config: AgentConfig, note: str) -> dict[str, object]:
     finally:
         engine.backend.shutdown()
     watchers = NodeWatchers()
+    parts = DaemonParts()
+    try:
+        remembered = read_remembered(config.state_dir, read_boot_id(HostPaths.at(config.host_root)))
+    except StoreError as exc:
+        remembered = None
+        note += f"; the daemon's node memory is unreadable ({exc}): Xid history and held slowdowns not included"
+    if remembered is not None:
+        samples = remembered.samples(samples, now)
+        remembered.restore(watchers.xid, watchers.throttle)
+        parts = DaemonParts(services=remembered.services([(s.name, s.shown_unit) for s in config.services]))
     watchers.observe(samples, now)
     snapshot = build_snapshot(
         config,
@@ -333,6 +367,7 @@ def direct_status(config: AgentConfig, note: str) -> dict[str, object]:
         watchers,
         driver_version=driver,
         policy=plan.items,
+        daemon=parts,
         service_figures=figures,
         gpu_attribution=attribution,
     )
@@ -463,24 +498,56 @@ def cmd_events(args: argparse.Namespace) -> int:
 
 
 def cmd_ack(args: argparse.Namespace) -> int:
+    from agent.host.paths import HostPaths
+    from agent.store.node_memory import read_boot_id
+
     config = load(args)
+    xid_marks = _xid_selector(args.selector)
     with _open_store(config) as store:
         count = store.ack(args.selector)
         gone = store.acknowledge_gone(args.selector)
+        cleared = (
+            store.clear_xid_marks(read_boot_id(HostPaths.at(config.host_root)), *xid_marks)
+            if xid_marks is not None
+            else []
+        )
+    for gpu in sorted({mark.gpu for mark in cleared}):
+        codes = ", ".join(str(mark.xid) for mark in cleared if mark.gpu == gpu)
+        _print(
+            f"{args.selector}: Xid {codes} on GPU {gpu} marked dealt with: no longer in the verdict"
+            " (the counts stay in status and /metrics)"
+        )
     if count:
-        _print(f"{args.selector}: {count} rule/target pair(s) re-armed")
+        _print(f"{args.selector}: {count} rule/target pair(s) re-armed: their attempts start afresh, circuits closed")
     for uuid in gone:
         _print(f"{uuid}: missing GPU acknowledged gone; no longer expected (until it answers again)")
-    if count or gone:
+    if count or gone or cleared:
         return EXIT_OK
     if args.selector == "all":
-        _print("all: nothing to re-arm (no rule's attempts ran out, no GPU missing)")
+        _print("all: nothing to acknowledge (no Xid in the verdict, no rule's attempts ran out, no GPU missing)")
         return EXIT_OK
-    # Most often a typo: exit 1, so a script that re-arms a rule learns it did not.
+    # Most often a typo: exit 1, so a script that acknowledges something learns it did not.
     raise CliError(
-        f"{args.selector}: nothing to re-arm: no rule whose attempts ran out and no missing GPU matches "
-        "(a rule name, gpu:INDEX, gpu:UUID, service:NAME or all; `gpu-agent events` lists the rules)"
+        f"{args.selector}: nothing to acknowledge: no Xid in the verdict, no rule whose attempts ran out and no"
+        " missing GPU matches (a rule name, gpu:INDEX, gpu:UUID, xid:CODE@GPU, service:NAME or all;"
+        " `gpu-agent events` lists the rules)"
     )
+
+
+def _xid_selector(selector: str) -> tuple[int | str | None, int | None] | None:
+    """(GPU, Xid) of the Xid marks an ack selector clears: `all` every one, `gpu:N`/`gpu:UUID`/`GPU-...`
+    a GPU's, `xid:CODE@GPU` one Xid on one GPU (GPU: index or UUID); None for rule and service selectors."""
+    if selector == "all":
+        return None, None
+    if selector.startswith("GPU-"):
+        return selector, None
+    kind, sep, value = selector.partition(":")
+    if sep and kind == "gpu" and value:
+        return (int(value), None) if value.isdecimal() else (value, None)
+    code, at, gpu = value.partition("@")
+    if sep and kind == "xid" and at and code.isdecimal() and gpu:
+        return (int(gpu) if gpu.isdecimal() else gpu), int(code)
+    return None
 
 
 def cmd_inject(args: argparse.Namespace) -> int:
@@ -563,10 +630,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "ack",
         parents=[common],
-        help="re-arm rules whose attempts ran out (circuit open); forget a missing GPU",
-        description="SELECTOR: a rule name, gpu:INDEX, gpu:UUID, service:NAME, or all. A GPU selector (or all) "
-        "also acknowledges a missing GPU as gone: it leaves status and /metrics until it answers again. "
-        "Exit codes: 0 re-armed or acknowledged (or `all` with nothing to do), 1 nothing matched (a typo?).",
+        help="mark Xids dealt with, re-arm rules whose attempts ran out, forget a missing GPU",
+        description="SELECTOR: a rule name, gpu:INDEX, gpu:UUID, xid:CODE@GPU (GPU: index or UUID), "
+        "service:NAME, or all. A GPU or Xid selector (or all) marks the GPU's Xids (or that one) dealt with: "
+        "they leave the verdict, their counts stay. A GPU selector (or all) also re-arms the rules acting on it "
+        "and acknowledges a missing GPU as gone: it leaves status and /metrics until it answers again. "
+        "Exit codes: 0 something acknowledged (or `all` with nothing to do), 1 nothing matched (a typo?).",
     )
     p.add_argument("selector")
     p.set_defaults(func=cmd_ack)

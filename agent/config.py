@@ -355,6 +355,11 @@ class ServiceConfig(StrictModel):
         return self.unit or f"{self.name}.service"
 
     @property
+    def shown_unit(self) -> str:
+        """The unit status, metrics and events name: a command-managed service has none (unless given)."""
+        return self.unit_name if self.manager == "systemd" else self.unit or ""
+
+    @property
     def effective_metrics_url(self) -> str | None:
         """Where the agent reads the server's metrics; None when nowhere."""
         if self.metrics_url is False:
@@ -422,7 +427,8 @@ def _origin(url: str | None) -> str | None:
 
 class RemediationConfig(StrictModel):
     # Lowest priority first; a same-named file in a later one replaces or masks (agent/rules/sources.py).
-    rules_dirs: list[str] = Field(default_factory=lambda: list(DEFAULT_RULES_DIRS), min_length=1)
+    # [] turns remediation off on purpose; a daemon that finds no rules in the dirs given needs attention.
+    rules_dirs: list[str] = Field(default_factory=lambda: list(DEFAULT_RULES_DIRS))
     allow_reboot: bool = False  # a rule may only use the `reboot` action when the operator allows it
     alertmanager_url: str | None = None  # e.g. http://127.0.0.1:9093; the default for alertmanager actions
     reboot_command: list[str] = Field(default_factory=lambda: ["/usr/bin/systemctl", "reboot"], min_length=1)
@@ -591,7 +597,12 @@ def validate_model(model: type[ModelT], data: Any, lines: dict[PathKey, int], fi
             line = next((lines[path[:n]] for n in range(len(path), -1, -1) if path[:n] in lines), None)
             message = _message(error)
             if error["type"] == "extra_forbidden":
-                message += _suggest(path, _known_keys(model, path))
+                key = loc[-1] if loc else None
+                if isinstance(key, str) and path[-1:] != (key,):
+                    # a shorthand (`- restart_servce` for `- restart_servce: {}`): the value is the key
+                    message = f"unknown key '{key}'" + _suggest((*path, key), _known_keys(model, (*path, key)))
+                else:
+                    message += _suggest(path, _known_keys(model, path))
             from_union = any(isinstance(part, str) and "[" in part for part in loc)
             found.append((path, from_union, ConfigProblem(file, line, format_path(path), message)))
         problems: list[ConfigProblem] = []

@@ -103,7 +103,7 @@ def test_colour_only_on_a_terminal_and_never_with_no_color(monkeypatch: pytest.M
 
 
 def test_exit_codes_like_plan() -> None:
-    healthy = node_snapshot(gpus=node_snapshot().gpus[:1], health={}, policy=(), xids=())
+    healthy = node_snapshot(gpus=node_snapshot().gpus[:1], health={}, policy=(), xids=(), services=())
     assert status_exit_code(snapshot_document(healthy, source="daemon")) == EXIT_HEALTHY
     assert status_exit_code(document()) == EXIT_ATTENTION  # the fixture node has unhealthy GPUs
     no_gpus = snapshot_document(replace(healthy, gpus=(), health={}), source="daemon")

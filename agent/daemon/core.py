@@ -103,6 +103,9 @@ class Daemon:
         self.inference = self._new_inference(config)
         self.udev = UdevWakeup(self.collector.rescan.set, self.host.paths)
         self.kmsg = KmsgSource(self.host.paths, self._on_kernel_xid, start_monotonic_seconds=time.monotonic())
+        # What the running config leaves an operator to do after a reload (it failed, or a change waits
+        # for a restart): one verdict line each, in every snapshot until a reload clears it.
+        self.config_attention: tuple[str, ...] = ()
         self._closers: list[Callable[[], None]] = []
         self.loop_hook: Callable[[], None] | None = None  # tests: runs inside each loop iteration
 
@@ -127,13 +130,14 @@ class Daemon:
     def _collect(self, now: float) -> tuple[list[GpuSample], list[Event]]:
         """This loop's samples, and the events the watchers and the policy loop made of them."""
         self.memory.load(self.collector.identities, self.watchers.xid, self.watchers.throttle, self.prober)
+        self.memory.follow_acks(self.watchers.xid)
         wait_seconds = self.timing.step_wait(self.config.interval_seconds)
         backend = self.session.begin_loop(self.config, wait_seconds)
         if backend is None:
             return self.memory.remember(self.collector.unavailable(now, self.session.error), now), []
         samples = self.memory.remember(self.collector.collect(backend, now), now)
         events = self.watchers.observe(samples, now)
-        events += self.policy.step(backend, now, wait_seconds, self.collector.identities)
+        events += self.policy.step(backend, now, wait_seconds, self.collector.identities, samples)
         if self.session.end_loop():
             self.policy.forget_backend()
         return samples, events
@@ -169,6 +173,9 @@ class Daemon:
             recent_events=self.intake.recent,
             recent_remediations=self.remediator.recent(),
             rules_sources=self.remediator.rules_sources,
+            rules_loaded=self.remediator.rules_loaded(),
+            slo_breaches=self.inference.breaches(),
+            config_attention=self.config_attention,
             collect_duration_seconds=duration_seconds,
         )
 
@@ -193,6 +200,7 @@ class Daemon:
         self.publisher.set(snapshot)
 
     def _save_memory(self, now: float) -> None:
+        self.memory.follow_acks(self.watchers.xid)  # an ack since the loop began is not written over
         self.memory.save(self.watchers.xid, now, self.watchers.throttle, self.prober)
 
     # -- sources feeding the event intake ------------------------------------------------------

@@ -4,7 +4,7 @@ enforce mode drift is applied. The step runs in its own lane and the loop waits 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
 from functools import partial
@@ -23,7 +23,7 @@ from agent.policy import fan_curve
 from agent.policy.base import ApplyOutcome, HostContext, ItemPlan, PlanStatus
 from agent.policy.engine import PolicyEngine, match_profile
 from agent.policy.names import FAN_CURVE, GPU_RESET_ITEM
-from agent.state import CollectorStatus
+from agent.state import CollectorStatus, GpuSample
 
 log = structlog.get_logger("gpu-agent")
 
@@ -49,6 +49,7 @@ class PolicyLoop:
         self.last_full_seconds = float("-inf")
         self.engine: PolicyEngine | None = None
         self.pending: tuple[Future[_PolicyStep], bool] | None = None  # (step still running, full pass?)
+        self._planned_readings: dict[tuple[int, str], object] = {}  # the settings read when last planned
 
     def reconfigure(self, config: AgentConfig) -> None:
         """A reload: the next loop plans every item again against the new config."""
@@ -63,10 +64,20 @@ class PolicyLoop:
         self.pending = None
 
     def step(
-        self, backend: GpuBackend, now: float, wait_seconds: float, identities: Mapping[int, GpuIdentity]
+        self,
+        backend: GpuBackend,
+        now: float,
+        wait_seconds: float,
+        identities: Mapping[int, GpuIdentity],
+        samples: Sequence[GpuSample] = (),
     ) -> list[Event]:
-        """Plan (all items every policy interval, the fan curve every loop); apply drift in enforce mode."""
-        full = due(now, self.last_full_seconds, self.config.policy_interval_seconds)
+        """Plan (all items every policy interval, the fan curve every loop); apply drift in enforce mode.
+
+        A setting the loop's samples read differently from the last plan (someone ran `nvidia-smi -pl`)
+        is planned again in this loop: the screen never shows the new reading beside the old verdict."""
+        readings = _planned_readings(samples)
+        changed = any(self._planned_readings.get(key, value) != value for key, value in readings.items())
+        full = changed or due(now, self.last_full_seconds, self.config.policy_interval_seconds)
         wants_fans = any(p.fan_curve is not None for p in self.config.policy.gpus)
         if not full and not wants_fans:
             return []
@@ -96,6 +107,7 @@ class PolicyLoop:
         if full:
             self.last_full_seconds = now
             self.plans = plans
+            self._planned_readings.update(readings)
         else:
             self.plans = _merge_plans(self.plans, plans)
         return self.drift.fixed(fixed, identities, now)
@@ -159,6 +171,23 @@ class PolicyLoop:
 
     def _record(self, status: CollectorStatus) -> None:
         self.status = status
+
+
+#: The sample fields policy items plan against (power_limit, persistence, ecc).
+_PLANNED_FIELDS = ("power_limit_watts", "persistence_enabled", "ecc_enabled", "ecc_pending")
+
+
+def _planned_readings(samples: Sequence[GpuSample]) -> dict[tuple[int, str], object]:
+    """(GPU, field) -> what the loop's samples read of the settings policy items plan against; a
+    reading that failed or is not supported is left out (it says nothing changed)."""
+    found: dict[tuple[int, str], object] = {}
+    for sample in samples:
+        if sample.up:
+            for name in _PLANNED_FIELDS:
+                value = getattr(sample, name)
+                if value is not None:
+                    found[sample.index, name] = value
+    return found
 
 
 def _unknown_plan(plan: ItemPlan, exc: Exception) -> ItemPlan:

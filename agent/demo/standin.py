@@ -579,28 +579,56 @@ def stop_server(pid_file: Path, timeout_seconds: float = 10.0) -> int:
     return 1
 
 
+#: How much of what a server that died during start wrote to stderr `--daemon` passes on.
+START_STDERR_TAIL_BYTES = 2048
+
+
 def daemonize(pid_file: Path, timeout_seconds: float = 20.0) -> None:
-    """Fork; the parent exits 0 once the child wrote the pid file (1 if it died first), the child
-    returns, detached from the caller's session and output."""
+    """Fork; the parent exits 0 once the child wrote the pid file (1 if it died first, passing on
+    the tail of what it wrote to stderr: why it could not start), the child returns, detached from
+    the caller's session; its stderr goes to the parent until `detach_stderr`."""
     with contextlib.suppress(FileNotFoundError):
         pid_file.unlink()
+    errors_read, errors_write = os.pipe()
     child = os.fork()
     if child == 0:
         os.setsid()
+        os.close(errors_read)
         devnull = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1, 2):
+        for fd in (0, 1):
             os.dup2(devnull, fd)
+        os.dup2(errors_write, 2)
+        os.close(errors_write)
+        os.close(devnull)
         return
+    os.close(errors_write)
+    os.set_blocking(errors_read, False)
+    written = bytearray()
     deadline = time.monotonic() + timeout_seconds
     while time.monotonic() < deadline:
+        with contextlib.suppress(BlockingIOError):
+            while chunk := os.read(errors_read, 65536):
+                written += chunk
+                del written[:-START_STDERR_TAIL_BYTES]
         if os.waitpid(child, os.WNOHANG)[0] == child:
-            print("standin: server exited during start", file=sys.stderr)
+            with contextlib.suppress(BlockingIOError):
+                while chunk := os.read(errors_read, 65536):
+                    written += chunk
+            tail = bytes(written[-START_STDERR_TAIL_BYTES:]).decode("utf-8", "replace").strip()
+            print("standin: server exited during start" + (f": {tail}" if tail else ""), file=sys.stderr)
             sys.exit(1)
         if read_pid(pid_file) == child:
             sys.exit(0)
         time.sleep(0.02)
     print(f"standin: server not listening after {timeout_seconds:g} s", file=sys.stderr)
     sys.exit(1)
+
+
+def detach_stderr() -> None:
+    """A daemonized server that started: its stderr goes nowhere from now on."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -677,7 +705,12 @@ def main(argv: list[str] | None = None) -> int:
         else None
     )
     if sim is not None:
-        sim.attach()
+        try:
+            sim.attach()
+        except Exception as exc:  # a lost GPU, say: the reason is what the start command reports
+            print(f"standin: cannot run on simulated GPUs {args.gpus}: {exc}", file=sys.stderr)
+            server.server_close()
+            return 1
     pace = sim.slowdown if sim is not None else (lambda: 1.0)
     drain_file: Path | None = args.drain_file
     if drain_file is not None:
@@ -690,6 +723,8 @@ def main(argv: list[str] | None = None) -> int:
     ).start()
     if args.pid_file is not None:
         write_pid(args.pid_file)
+    if args.daemon:
+        detach_stderr()
     threading.Thread(target=watch_for_exit, daemon=True).start()
     try:
         server.serve_forever(poll_interval=0.05)

@@ -9,7 +9,7 @@ from agent.policy.names import DRIVER, NEXT_BOOT
 from agent.rules.model import Outcome
 from agent.state import NodeSnapshot
 from agent.store.node_memory import expected_gpu_count
-from agent.verdict import NodeProblem, is_drift, node_problem
+from agent.verdict import AttentionCause, NodeProblem, attention_items, is_drift, node_problem
 
 
 def backend(out: Families, snap: NodeSnapshot) -> None:
@@ -33,6 +33,15 @@ def backend(out: Families, snap: NodeSnapshot) -> None:
             "than expected), 0 for the others.",
             {"cause": cause.value},
             float(problem is not None and problem.cause is cause),
+        )
+    needs = attention_items(snap)
+    for attention_cause in AttentionCause:
+        out.gauge(
+            "gpu_agent_attention",
+            "Lines of the agent's verdict that need an operator (gpu-agent status: ATTENTION NEEDED), by cause; "
+            "0 for every cause: all healthy.",
+            {"cause": attention_cause.value},
+            sum(1 for item in needs if item.cause is attention_cause),
         )
     out.gauge(
         "gpu_agent_reboot_recommended",

@@ -58,6 +58,10 @@ class ApplyOutcome(str, Enum):
     FAILED = "failed"
 
 
+#: The `driver` item's fact naming the services whose `cuda_version` the loaded driver is too old for.
+CUDA_TOO_OLD_FACT = "cuda_too_old"
+
+
 @dataclass(frozen=True)
 class ItemPlan:
     item: str

@@ -25,6 +25,7 @@ class Outcome(str, Enum):
     SUPPRESSED = "suppressed"  # cooldown, attempts exhausted, circuit open
     RUNNING = "running"  # journaled before the action starts; replaced by how it went once it ends
     INTERRUPTED = "interrupted"  # the agent stopped or died mid-action; what was rolled back is in the detail
+    NOT_CONFIGURED = "not_configured"  # the action has nowhere to go (no Alertmanager set): nothing was tried
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from agent.config import ServiceSlo
 from agent.events import Event, EventKind, Severity, SuggestedAction
 from agent.policy.names import FAN_CURVE
 from agent.services.scrape import QueueTimeTrend, ServiceFigures
-from agent.state import GpuSample
+from agent.state import GpuSample, SloBreachNow
 from agent.watch.clock_events import decode
 
 THERMAL_REASONS = frozenset({"hw_slowdown", "hw_thermal_slowdown", "sw_thermal_slowdown"})
@@ -359,6 +359,7 @@ class SloWatch:
 
     def __init__(self) -> None:
         self._breached: dict[str, str] = {}  # service -> cause of the breach in progress
+        self._now: dict[str, tuple[list[SloBreach], CauseFinding]] = {}  # service -> its breach, for the verdict
 
     def update(
         self,
@@ -372,9 +373,19 @@ class SloWatch:
         breaches = check_slo(slo, figures)
         if not breaches or figures is None:
             self._breached.pop(service, None)
+            self._now.pop(service, None)
             return []
         finding = attribute()
+        self._now[service] = (breaches, finding)
         if self._breached.get(service) == finding.cause:
             return []
         self._breached[service] = finding.cause
         return [regression_event(service, breaches, finding, figures, now)]
+
+    def breaches(self) -> tuple[SloBreachNow, ...]:
+        """Every objective missed at the last update, with the cause named for its service."""
+        return tuple(
+            SloBreachNow(service, b.objective, b.observed_seconds, b.limit_seconds, finding.cause, finding.summary)
+            for service, (missed, finding) in sorted(self._now.items())
+            for b in missed
+        )

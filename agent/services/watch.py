@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
+import psutil
 import structlog
 
 from agent.backend.base import GpuBackend, GpuIdentity, GpuProcess
@@ -39,7 +40,7 @@ from agent.services.scrape import (
     ServiceFigures,
     scrape,
 )
-from agent.state import GpuSample
+from agent.state import GpuSample, SloBreachNow
 
 log = structlog.get_logger("gpu-agent")
 
@@ -180,6 +181,10 @@ class LatencyRegressionWatch:
             events += self._slo.update(service.name, service.slo, found, attribute, now)
         return events
 
+    def breaches(self) -> tuple[SloBreachNow, ...]:
+        """The services over an objective at the last evaluation, for the verdict."""
+        return self._slo.breaches()
+
 
 class GpuAttributor:
     """Maps the GPUs' compute processes to services every `interval_seconds` on its own thread: an
@@ -198,6 +203,7 @@ class GpuAttributor:
         self._latest: GpuAttribution | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a process exited: map again now, not at the next interval
         self._thread = threading.Thread(target=self._loop, name="gpu-attribution", daemon=True)
 
     def attribute_once(self) -> GpuAttribution | None:
@@ -229,19 +235,43 @@ class GpuAttributor:
             except Exception:  # a bug here must not end attribution for good
                 log.exception("GPU process attribution crashed")
             # No backend yet (the daemon opens it on its first loop) or a failure: try again soon.
-            self._stop.wait(self.interval_seconds if found is not None else ATTRIBUTION_RETRY_SECONDS)
+            self._wake.wait(self.interval_seconds if found is not None else ATTRIBUTION_RETRY_SECONDS)
+            self._wake.clear()
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread.is_alive():
             self._thread.join(1.0)  # a hung NVML call is left behind in its daemon thread
 
     def latest(self) -> GpuAttribution | None:
+        """The last mapping, without the processes that have exited since (they are off the GPU:
+        NVML no longer lists them); one gone wakes the thread to map the GPUs again now."""
         with self._lock:
-            return self._latest
+            found = self._latest
+        if found is None:
+            return None
+        alive = without_exited(found, self._exists)
+        if alive is not found:
+            self._wake.set()
+        return alive
+
+    @staticmethod
+    def _exists(pid: int) -> bool:
+        # NVML's pids are this PID namespace's, as the process table attribution walks (psutil).
+        return bool(psutil.pid_exists(pid))
+
+
+def without_exited(found: GpuAttribution, exists: Callable[[int], bool]) -> GpuAttribution:
+    """`found` without the processes `exists` says are gone; `found` itself when none is."""
+    pids = {service: tuple(pid for pid in held if exists(pid)) for service, held in found.pids.items()}
+    unattributed = tuple(process for process in found.unattributed if exists(process.pid))
+    if pids == found.pids and unattributed == found.unattributed:
+        return found
+    return replace(found, pids=pids, unattributed=unattributed)
 
 
 class InferenceMonitor:
@@ -294,6 +324,9 @@ class InferenceMonitor:
             ratio = window_tokens_per_joule(figures.generated_tokens_history, self.energy, gpus)
             efficient[service.name] = replace(figures, tokens_per_joule=ratio)
         return efficient
+
+    def breaches(self) -> tuple[SloBreachNow, ...]:
+        return self.watch.breaches()
 
     def attribution(self) -> GpuAttribution | None:
         return self.attributor.latest()

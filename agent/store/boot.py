@@ -128,6 +128,29 @@ class BootTables(Database):
                 [(boot_id, m.gpu, m.xid, m.action, m.reason, m.seen_seconds) for m in marks],
             )
 
+    def clear_xid_marks(self, boot_id: str, gpu: int | str | None = None, xid: int | None = None) -> list[XidMark]:
+        """Take Xids out of the health window (`gpu-agent ack`): every mark, or those of one GPU (its
+        index, or its UUID as the inventory knows it), or of one Xid on it. The marks taken out;
+        the counters stay. A running daemon follows (agent.store.node_memory)."""
+        with self._transaction() as db:
+            if isinstance(gpu, str):
+                row = db.execute(
+                    "SELECT gpu FROM gpu_inventory WHERE boot_id = ? AND uuid = ?", (boot_id, gpu)
+                ).fetchone()
+                if row is None:
+                    return []
+                gpu = int(row[0])
+            rows = db.execute(
+                "SELECT gpu, xid, action, reason, seen FROM xid_marks WHERE boot_id = ?"
+                " AND (? IS NULL OR gpu = ?) AND (? IS NULL OR xid = ?) ORDER BY gpu, xid",
+                (boot_id, gpu, gpu, xid, xid),
+            ).fetchall()
+            db.execute(
+                "DELETE FROM xid_marks WHERE boot_id = ? AND (? IS NULL OR gpu = ?) AND (? IS NULL OR xid = ?)",
+                (boot_id, gpu, gpu, xid, xid),
+            )
+        return [XidMark(*row) for row in rows]
+
     def clock_event_totals(self, boot_id: str) -> list[ClockEventTotal]:
         rows = self._query(
             "SELECT gpu, uuid, reason, seconds, active_since FROM clock_event_totals WHERE boot_id = ?"

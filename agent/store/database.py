@@ -569,8 +569,15 @@ class Store(BootTables, Acknowledgements):
             )
 
     def finish_remediation(self, row_id: int, outcome: ActionOutcome) -> None:
-        """A journaled action ended: its outcome, detail and end time replace "running"."""
-        self._close_journal_entry(row_id, outcome.outcome, outcome.detail, outcome.finished_seconds)
+        """A journaled action ended: its outcome, detail and end time replace "running". One that had
+        nowhere to go (not configured) tried nothing: no attempt of its rule."""
+        self._close_journal_entry(
+            row_id,
+            outcome.outcome,
+            outcome.detail,
+            outcome.finished_seconds,
+            counted=outcome.outcome in COUNTED_OUTCOMES,
+        )
 
     def close_interrupted(self, row_id: int, detail: str, finished_seconds: float, started: bool = True) -> None:
         """A journaled action an earlier run left unfinished, rolled back or finished by recovery; or one

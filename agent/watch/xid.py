@@ -420,6 +420,13 @@ class XidWatcher:
                     (stored.gpu, stored.xid), _Mark(stored.xid, action, stored.reason, stored.seen_seconds)
                 )
 
+    def forget(self, marks: set[tuple[int, int]]) -> None:
+        """Drop these (GPU, Xid) marks from the health window: an operator dealt with them
+        (`gpu-agent ack`); the counters stay."""
+        with self._lock:
+            for key in marks:
+                self._marks.pop(key, None)
+
     def clear(self, gpu: int) -> None:
         """Forget a GPU's Xid health and open faults (after a successful reset); counters stay."""
         with self._lock:

@@ -242,3 +242,26 @@ def test_a_simulated_node_shows_activity_and_growing_counters(tmp_path: Path) ->
         time.sleep(0.5)
         # half a second at the load's power, read by a third process: the counter is the node's
         assert backend.total_energy_joules(0) - energy >= backend.power_usage_watts(0) * 0.5
+
+
+def test_a_setting_changed_behind_the_agents_back_is_planned_in_the_loop_that_reads_it(tmp_path: Path) -> None:
+    """The policy is planned every policy interval, the readings every loop: a power limit someone
+    changes is planned again in the loop whose sample reads it, so no screen shows the new reading
+    beside the old verdict (in sync, or the old drift) for the rest of the interval."""
+    config_path, _ = write_agent_config(tmp_path, mode="observe")
+    config_path.write_text(config_path.read_text() + "policy_interval_seconds: 3600\n")
+    daemon = Daemon(load_config(config_path), config_path, notifier=SdNotifier(None, None))
+    try:
+        first = daemon.loop_once()
+        assert [(p.gpu, p.actual) for p in first.policy if p.item == "power_limit"] == [(0, "700 W"), (1, "700 W")]
+        operator = SimulatedBackend("h200x2", tmp_path / "state", writable_items=["power_limit"])
+        operator.init()
+        operator.set_power_limit_watts(1, 650)
+        operator.shutdown()
+        snapshot = daemon.loop_once()
+        assert snapshot.gpus[1].power_limit_watts == 650.0
+        assert [(p.gpu, p.actual) for p in snapshot.policy if p.item == "power_limit"] == [(0, "700 W"), (1, "650 W")]
+        # nothing changed since: the interval holds again
+        assert daemon.loop_once().policy == snapshot.policy
+    finally:
+        daemon.shutdown()

@@ -112,6 +112,7 @@ def test_bad_requests_are_clear_errors(node: Path, tmp_path: Path) -> None:
         (("xid", "-5", "--gpu", "0", "--source", "kmsg"), "Xid -5 is not a code the driver reports"),
         (("xid", "1000", "--gpu", "0"), "Xid 1000 is not a code the driver reports (1-999)"),
         (("temperature", "--gpu", "0", "--celsius", "-500"), "not a temperature NVML reports"),
+        (("temperature", "--gpu", "0"), "give the temperature with --celsius C, or --clear"),
         (("ecc", "--gpu", "0", "--corrected", "-3"), "ECC error counters only grow"),
         (("ecc", "--gpu", "0", "--uncorrected", "-3"), "--uncorrected takes 0-10000"),
         (("ecc", "--gpu", "0", "--uncorrected", "99999999"), "--uncorrected takes 0-10000"),

@@ -34,6 +34,7 @@ from agent.collect import sample_all
 from agent.metrics.collector import SnapshotCollector
 from agent.metrics.server import MetricsServer, parse_listen, serve_metrics
 from agent.state import GpuSample, NodeSnapshot
+from agent.verdict import attention, attention_items
 from agent.watch.clock_events import CLOCK_EVENT_REASONS
 
 PROMTOOL = shutil.which("promtool")
@@ -359,7 +360,12 @@ def test_http_healthz_before_first_snapshot_and_when_stale() -> None:
         assert "gpu_agent_up 0.0" in get(srv.url + "/metrics")[2]
         current[0] = node_snapshot()
         status, _, body = get(srv.url + "/healthz")
-        assert (status, json.loads(body)) == (200, {"status": "ok", "snapshot_age_seconds": 5.0})
+        reply = json.loads(body)
+        assert (status, reply["status"], reply["snapshot_age_seconds"]) == (200, "ok", 5.0)
+        # what needs a look is in the body; the node still takes work (a node problem would be 503)
+        assert reply["attention"] == attention(node_snapshot())
+        assert reply["causes"] == [item.cause.value for item in attention_items(node_snapshot())]
+        assert "service_down" in reply["causes"]
         clock.advance(26)  # 31 s after the snapshot
         status, _, body = get(srv.url + "/healthz")
         assert status == 503

@@ -232,12 +232,14 @@ def test_throttle_end_resolves_the_same_reason_on_the_same_gpu(alertmanager: Ale
     assert tracker.active() == []
 
 
-def test_alertmanager_action_without_url_or_unreachable_fails(tmp_path: Path) -> None:
+def test_alertmanager_action_without_url_is_not_configured_and_unreachable_fails(tmp_path: Path) -> None:
+    """No Alertmanager set is no failure of the alert (GpuAgentRemediationFailing must not page for
+    every fault of a node without one): it is reported as not configured."""
     dec = decision(event(EventKind.XID, xid=13), Target(gpu=0, uuid=UUID0))
     outcome = execute(dec, context(tmp_path, None))
     assert (outcome.outcome, outcome.detail) == (
-        Outcome.FAILED,
-        "no Alertmanager: set remediation.alertmanager_url or params.url",
+        Outcome.NOT_CONFIGURED,
+        "no Alertmanager configured: set remediation.alertmanager_url or the step's url",
     )
     ctx = context(tmp_path, f"http://127.0.0.1:{free_port()}")
     outcome = execute(dec, ctx)

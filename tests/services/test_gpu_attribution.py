@@ -103,3 +103,29 @@ def test_process_tree_includes_descendants() -> None:
         child.kill()
         child.wait()
     assert process_tree(child.pid) == set()
+
+
+def test_a_process_that_exited_leaves_the_list_at_once(tmp_path: Path) -> None:
+    """The mapping is refreshed every 30 s; a process that exits in between is off the GPU (NVML
+    lists it no more) and leaves what status shows now, not at the next refresh."""
+    from agent.backend.sim import SimulatedBackend
+    from agent.config import AgentConfig
+    from agent.services.watch import GpuAttributor
+
+    gpus = SimulatedBackend("h200x2", tmp_path / "sim")
+    gpus.init()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        gpus.set_processes(0, [child.pid, os.getpid()])
+        attributor = GpuAttributor(AgentConfig(host_root=str(tmp_path)), lambda: gpus, interval_seconds=3600)
+        found = attributor.attribute_once()
+        assert found is not None and {p.pid for p in found.unattributed} == {child.pid, os.getpid()}
+        child.kill()
+        child.wait()
+        latest = attributor.latest()
+        assert latest is not None and [p.pid for p in latest.unattributed] == [os.getpid()]
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        gpus.shutdown()

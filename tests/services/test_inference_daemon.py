@@ -94,12 +94,13 @@ def test_the_daemon_exports_server_latency_and_names_a_thermal_cause(tmp_path: P
         assert service["metrics"]["latency_seconds"]["queue"]["0.95"] is not None
         assert service["metrics"]["tokens_per_joule"] > 0
         assert document["unattributed_gpu_processes"] == []
-        assert "\nservice sglang (sglang.service): up\n  sglang: p95 e2e " in status_text(document)
+        assert "\nservice sglang: up\n  sglang: p95 e2e " in status_text(document)  # a command service: no unit
 
         # Without the daemon's help: one scrape gives the gauges (quantiles need two, a window apart).
         direct = direct_status(agent.config_path)
         (listed,) = direct["services"]
-        assert (listed["name"], listed["up"]) == ("sglang", None)  # a one-off read probes nothing
+        # a one-off read probes nothing: the service is as the daemon's probes declared it (node memory)
+        assert (listed["name"], listed["up"]) == ("sglang", True)
         assert listed["metrics"]["kind"] == "sglang" and listed["metrics"]["requests_running"] is not None
         assert listed["metrics"]["latency_seconds"] == {}
         assert direct["unattributed_gpu_processes"] == []

@@ -9,7 +9,7 @@ import pytest
 
 from agent.config import ServiceSlo
 from agent.events import Event, EventKind, Severity, SuggestedAction
-from agent.services.latency_cause import SloWatch, attribute_cause, check_slo, regression_event
+from agent.services.latency_cause import CauseFinding, SloWatch, attribute_cause, check_slo, regression_event
 from agent.services.scrape import LatencyFigures, QueueTimeTrend, ServiceFigures
 from agent.state import GpuSample
 
@@ -292,3 +292,27 @@ def test_slo_watch_emits_once_per_breach_and_again_when_the_cause_changes() -> N
     assert watch.update("sglang", slo, figures(e2e_p95=1.0), cause("q"), 5.0) == []
     (again,) = watch.update("sglang", slo, figures(), cause("u"), 6.0)
     assert again.timestamp_seconds == 6.0
+
+
+def test_slo_watch_holds_the_breach_in_progress_for_the_verdict() -> None:
+    """Not only the event when a breach starts: while it lasts the verdict has it, with its figure,
+    objective and cause; once the service is back under its objective, it has none."""
+    watch = SloWatch()
+    slo = ServiceSlo(e2e_p95_seconds=1.5)
+
+    def queueing() -> CauseFinding:
+        return attribute_cause(clean_window(), gpus=[0], waiting_history=[(0, 0), (1, 5)])
+
+    assert watch.breaches() == ()
+    watch.update("sglang", slo, figures(e2e_p95=2.0), queueing, 1.0)
+    watch.update("sglang", slo, figures(e2e_p95=2.5), queueing, 2.0)  # no new event; the figure moves on
+    (breach,) = watch.breaches()
+    assert (breach.service, breach.objective, breach.observed_seconds, breach.limit_seconds) == (
+        "sglang",
+        "e2e_p95",
+        2.5,
+        1.5,
+    )
+    assert breach.cause == "queueing" and breach.cause_summary.startswith("queueing: waiting requests grew")
+    watch.update("sglang", slo, figures(e2e_p95=1.0), queueing, 3.0)
+    assert watch.breaches() == ()

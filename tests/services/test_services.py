@@ -366,3 +366,35 @@ def test_prober_thread_probes_each_service_and_stops_promptly(tmp_path: Path) ->
         assert not any(t.name.startswith("probe-") for t in threading.enumerate())
         events = prober.take_events()
         assert [(e.kind, e.data["service"]) for e in events] == [(EventKind.SERVICE_UNHEALTHY, "wedged")]
+
+
+def test_a_command_service_has_no_unit_to_show() -> None:
+    """Only systemd runs units: a service started by commands is not shown as NAME.service."""
+    by_commands = ServiceConfig(
+        name="sglang", manager="command", start_command=["/bin/true"], stop_command=["/bin/true"]
+    )
+    by_systemd = ServiceConfig(name="vllm")
+    named = ServiceConfig(name="llm", unit="llm-main.service")
+    statuses = {s.name: s.unit for s in HealthProber([by_commands, by_systemd, named]).statuses()}
+    assert statuses == {"sglang": "", "vllm": "vllm.service", "llm": "llm-main.service"}
+
+
+def test_a_standin_that_cannot_start_on_a_lost_gpu_says_why(tmp_path: Path) -> None:
+    """The stand-in forks into the background; when the server dies before it listens (its GPU fell
+    off the bus), the start command's stderr carries the reason into the ServiceError (and so into
+    the restart's outcome and event), not only "exited during start"."""
+    from agent.backend.sim import SimulatedBackend
+
+    gpus = SimulatedBackend("h200x2", tmp_path / "sim")
+    gpus.init()
+    gpus.set_lost(1)
+    gpus.shutdown()
+    port = free_port()
+    base = command_service(tmp_path, port)
+    argv = [*(base.start_command or []), "--sim-state-dir", str(tmp_path / "sim"), "--sim-profile", "h200x2"]
+    service = base.model_copy(update={"start_command": [*argv, "--gpus", "1"]})
+    with pytest.raises(ServiceError) as failed:
+        CommandManager().start(service)
+    message = str(failed.value)
+    assert "standin: server exited during start: standin: cannot run on simulated GPUs 1:" in message, message
+    assert "GPU 1: GPU has fallen off the bus" in message, message

@@ -176,3 +176,17 @@ def test_the_history_of_a_finished_action_still_counts_it(store: Store) -> None:
     store.finish_remediation(row_id, ActionOutcome(chosen, Outcome.FAILED, "no", clock(), clock()))
     clock.advance(5)
     assert len(history_after(clock, store).attempts("reset", GPU0.key, 0.0)) == 1
+
+
+def test_an_action_with_nowhere_to_go_is_no_attempt(store: Store) -> None:
+    """An alert with no Alertmanager configured tried nothing: it is on record as not configured,
+    and does not use up its rule's attempts (nor open its circuit)."""
+    clock = FakeClock()
+    chosen = decision(rule="page", action=ActionKind.ALERTMANAGER)
+    row_id = store.begin_remediation(chosen, AttemptClock(BOOT, clock.monotonic).reading(clock()))
+    outcome = ActionOutcome(chosen, Outcome.NOT_CONFIGURED, "no Alertmanager configured", clock(), clock())
+    store.finish_remediation(row_id, outcome)
+    (row,) = store.remediations()
+    assert (row.outcome, row.counted) == (Outcome.NOT_CONFIGURED, False)
+    assert store.attempts("page", GPU0.key, 0.0) == []
+    assert [(c.outcome, c.count) for c in store.remediation_counts()] == [("not_configured", 1)]
