@@ -501,3 +501,32 @@ def test_xid_line_defaults() -> None:
     assert unknown is not None and (unknown.xid, unknown.text) == (997, "Something new")
     with pytest.raises(ValueError, match="not a PCI bus id"):
         xid_line("GPU-1234", 13)
+
+
+# -- records are split only where the kernel splits them ------------------------------------------------
+
+
+def test_a_newline_in_a_process_name_cannot_forge_a_kernel_record(
+    paths: HostPaths, start: Callable[..., Reader]
+) -> None:
+    reader = start()
+    # The kernel escapes the newline of a 12-byte process name as \x0a inside the driver's Xid 13 record.
+    append_kmsg(paths, xid_line("0000:3b:00", 13, pid=4242, process="\nNVRM:Xid:79"))
+    append_kmsg(paths, xid_line("0000:3b:00", 31, pid=4243, process="\nNVRM:Xid:43,"))
+    reader.wait_codes([13, 31])
+    assert reader.quiet() == [13, 31]
+    assert [(x.pid, x.pci_bus_id) for x in reader.xids] == [(4242, "00000000:3B:00.0"), (4243, "00000000:3B:00.0")]
+
+
+def test_a_process_name_at_the_start_of_a_kernel_record_is_not_a_driver_report(
+    paths: HostPaths, start: Callable[..., Reader]
+) -> None:
+    reader = start()
+    # The kernel's segfault report starts with the process name (at most 15 bytes).
+    append_kmsg(paths, "NVRM:Xid:79 [4242]: segfault at 0 ip 0000000000401000 sp 00007ffd00000000 error 4", level=6)
+    append_kmsg(
+        paths, 'EXT4-fs (loop0): Unrecognized mount option "NVRM: Xid (PCI:0000:3b:00): 43, x" or missing value'
+    )
+    append_kmsg(paths, xid_line("0000:3b:00", 31))
+    reader.wait_codes([31])
+    assert reader.quiet() == [31]

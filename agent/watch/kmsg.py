@@ -10,7 +10,8 @@ What it reads, in order:
   records we had not read yet (counted, logged, reading goes on). A fresh open starts at the oldest
   record still in the buffer, so records stamped before ``start_monotonic_seconds`` are skipped unless
   ``read_history``. Only records of the kernel facility count: anything root writes into /dev/kmsg is
-  stamped with the user facility, so a copied Xid line cannot pose as a driver report.
+  stamped with the user facility, so a copied Xid line cannot pose as a driver report. Each record is
+  parsed as one unit: a newline the kernel escaped inside it (from a process name) is data, not a line.
 - a regular file or a FIFO at that path (the fake kernel log of tests, ``gpu-agent demo`` and
   ``gpu-agent inject``): newline-separated records, buffered across reads, followed like ``tail -f``;
   a truncated file is read again from its start, a replaced one is reopened. Lines that are not kmsg
@@ -306,9 +307,7 @@ class KmsgSource:
         _, monotonic_seconds, message = parsed
         if not self._recent(monotonic_seconds):
             return
-        # The dmesg-style stamp carries the record's time into KernelXid.timestamp_seconds.
-        stamped = "\n".join(f"[{monotonic_seconds:.6f}] {piece}" for piece in message.splitlines())
-        self._emit(self._parser.feed(stamped))
+        self._emit(self._parser.feed_record(message, monotonic_seconds))
 
     def _recent(self, monotonic_seconds: float | None) -> bool:
         if self._read_history or monotonic_seconds is None:
