@@ -126,6 +126,7 @@ def write_agent_config(
     policy: str = DEFAULT_POLICY,
     rules_dir: Path | None = None,
     backend: str = "simulated",  # "nvml" on a test machine: a host without the NVIDIA driver
+    extra: str = "",  # more top-level YAML, e.g. "policy_interval_seconds: 1\n"
 ) -> tuple[Path, int]:
     root = tmp_path / "host"
     if not root.exists():
@@ -147,6 +148,7 @@ def write_agent_config(
             rules=rules,
             policy=policy,
         )
+        + extra
     )
     return config, port
 

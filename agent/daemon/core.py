@@ -53,6 +53,10 @@ from agent.watch.kmsg import KmsgSource
 
 log = structlog.get_logger("gpu-agent")
 
+# How long the policy step waits for the next-boot check (it runs on a worker of its own): a slow
+# check is taken by a later pass instead of holding up the fan curve.
+BOOT_CHECK_WAIT_SECONDS = 5.0
+
 
 class Daemon:
     def __init__(
@@ -73,7 +77,7 @@ class Daemon:
         self.stop_requested = threading.Event()
         self.wake = threading.Event()  # set by event sources, signals: the loop reacts before its next tick
         self.reload_requested = threading.Event()
-        self.host = HostContext(HostPaths.at(config.host_root))
+        self.host = HostContext(HostPaths.at(config.host_root), boot_check_wait_seconds=BOOT_CHECK_WAIT_SECONDS)
         self.runner = BoundedRunner(self.timing.call_timeout_seconds)
         self.intake = EventIntake(self.wake)
         self.session = BackendSession(self.runner, self._on_nvml_event)
