@@ -29,6 +29,7 @@ from agent.state import (
     RemediationCount,
     ServiceStatus,
 )
+from agent.store.attempt_clock import boottime_seconds
 from agent.verdict import reboot_recommended
 from agent.watch.devices import DeviceWatcher
 from agent.watch.fabric import FabricWatcher
@@ -46,11 +47,15 @@ class NodeWatchers:
     watcher is fed by the NVML event wait and the kernel log (a one-off read has neither)."""
 
     def __init__(
-        self, identities: Callable[[], Mapping[int, GpuIdentity]] = dict, clock: Callable[[], float] = time.time
+        self,
+        identities: Callable[[], Mapping[int, GpuIdentity]] = dict,
+        clock: Callable[[], float] = time.time,
+        boottime: Callable[[], float] = boottime_seconds,
     ) -> None:
-        self.throttle = ThrottleWatcher()
+        # Durations and windows run on `boottime` (monotonic, one reading per boot), times on `clock`.
+        self.throttle = ThrottleWatcher(clock=boottime)
         self.devices = DeviceWatcher()
-        self.xid = XidWatcher(identities, clock=clock)
+        self.xid = XidWatcher(identities, clock=clock, window_clock=boottime)
         self.pcie = PcieWatcher()
         polled: list[PollWatcher] = [
             self.throttle,
@@ -147,6 +152,7 @@ def build_snapshot(
         remediations=parts.remediations,
         clock_event_seconds=watchers.throttle.clock_event_seconds(),
         throttle_active_since=watchers.throttle.active_since(),
+        throttle_held_seconds=watchers.throttle.held_seconds(),
         xids=tuple(watchers.xid.counts()),
         collectors=parts.collectors,
         recent_events=parts.recent_events,

@@ -11,12 +11,15 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hosttree import make_host_tree
+
+from agent.host.paths import BOOT_ID_PATH
 
 AGENT_CONFIG = """\
 mode: {mode}
@@ -131,6 +134,10 @@ def write_agent_config(
     root = tmp_path / "host"
     if not root.exists():
         make_host_tree(root, kernel_sysfs=False)
+        # Every Linux host has one; the journal rolls back only what an earlier run on this boot left.
+        boot_id = root / BOOT_ID_PATH.lstrip("/")
+        boot_id.parent.mkdir(parents=True, exist_ok=True)
+        boot_id.write_text(f"{uuid.uuid4()}\n")
     port = free_port()
     rules = rules_dir or tmp_path / "rules.d"
     rules.mkdir(exist_ok=True)

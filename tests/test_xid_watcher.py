@@ -20,6 +20,7 @@ from agent.backend.sim import SimulatedBackend
 from agent.events import Event, EventKind, HealthState, Severity, SuggestedAction
 from agent.host.paths import HostPaths
 from agent.state import XidCount
+from agent.store.database import XidMark
 from agent.watch.fake_kernel_log import append_kmsg, xid_line
 from agent.watch.kernel_log import KernelXid, parse_line
 from agent.watch.kmsg import KmsgSource
@@ -76,7 +77,7 @@ def pipeline(tmp_path: Path) -> Iterator[Pipeline]:
     paths = HostPaths.at(tmp_path / "host")
     (tmp_path / "host" / "dev").mkdir(parents=True)
     clock = FakeClock()
-    watcher = XidWatcher(lambda: identities, clock=clock)
+    watcher = XidWatcher(lambda: identities, clock=clock, window_clock=clock.monotonic)
     result = Pipeline(backend, paths, watcher, clock, identities)
     nvml = NvmlEventSource(backend, result.on_nvml, result.lost.append, timeout_seconds=0.2, backoff_seconds=0.05)
     kmsg = KmsgSource(paths, result.on_kernel, start_monotonic_seconds=None)
@@ -205,7 +206,7 @@ IDENTITIES = {
 
 def make_watcher(clock: FakeClock | None = None, **kwargs: float) -> tuple[XidWatcher, FakeClock]:
     clock = clock or FakeClock()
-    return XidWatcher(lambda: IDENTITIES, clock=clock, **kwargs), clock
+    return XidWatcher(lambda: IDENTITIES, clock=clock, window_clock=clock.monotonic, **kwargs), clock
 
 
 def kernel(line: str) -> KernelXid:
@@ -447,6 +448,25 @@ def test_default_health_window_is_an_hour() -> None:
     watcher, clock = make_watcher()
     watcher.ingest_nvml(nvml(0, 79))
     assert gpu0_health_after(watcher, clock, 3599, 2) == [HealthState.UNHEALTHY, HealthState.HEALTHY]
+
+
+@pytest.mark.parametrize("step_seconds", [7200.0, -7200.0])
+def test_a_wall_clock_step_neither_clears_a_fresh_verdict_nor_splits_a_fault(step_seconds: float) -> None:
+    watcher, clock = make_watcher()
+    watcher.ingest_nvml(nvml(0, 48))
+    clock.advance(1)
+    clock.step_wall(step_seconds)  # NTP or an operator moves the wall clock two hours
+    assert watcher.health(0).state is HealthState.UNHEALTHY
+    assert watcher.ingest_nvml(nvml(0, 48)) == []  # the same fault, inside the dedupe window
+    # The mark was renewed by that sighting: it holds an hour of the boot clock from there.
+    assert gpu0_health_after(watcher, clock, 3599, 2) == [HealthState.UNHEALTHY, HealthState.HEALTHY]
+
+
+def test_a_mark_stored_on_another_clock_expires() -> None:
+    """A mark an older agent saved as wall-clock time lies in the boot clock's future: not held for good."""
+    watcher, _ = make_watcher()
+    watcher.restore([], [XidMark(0, 48, "reset_gpu", "Xid 48: DBE", 1_800_000_000.0)])
+    assert watcher.health(0).state is HealthState.HEALTHY
 
 
 def test_clear_forgets_health_and_open_faults_but_not_counts() -> None:

@@ -82,7 +82,7 @@ class Daemon:
         self.intake = EventIntake(self.wake)
         self.session = BackendSession(self.runner, self._on_nvml_event)
         self.collector = GpuCollector(self.runner, self.timing, clock, self.session.note_fault)
-        self.watchers = NodeWatchers(lambda: self.collector.identities, clock)
+        self.watchers = NodeWatchers(lambda: self.collector.identities, clock, boottime)
         self.policy = PolicyLoop(config, self.host, self.runner, self.session.note_fault)
         self.remediator = Remediator(
             config,

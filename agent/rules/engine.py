@@ -7,7 +7,8 @@ Event-driven conditions (xid, gpu_lost, ecc_uncorrected, row_remap, policy_drift
 events passed in, each event once (duplicate keys are folded, events the history calls handled are
 skipped), oldest first. State conditions read the snapshot and synthesize an event:
 
-- `throttle`: a slowdown reason active for at least `held_seconds` is one fault per episode, keyed
+- `throttle`: a slowdown reason held for at least `held_seconds` (the snapshot's `throttle_held_seconds`,
+  measured on CLOCK_BOOTTIME, so a wall-clock step is not time held) is one fault per episode, keyed
   `throttle:<uuid>:<reason>:<active_since>/<rule>` (the rule name is part of the key because two
   rules with different hold times each see the episode once).
 - `service_unhealthy`: a service with at least `probes` failed probes in a row is a fault on every
@@ -274,7 +275,8 @@ def _throttle_faults(rule: Rule, snapshot: NodeSnapshot, now_seconds: float) -> 
     uuids = {s.index: s.uuid for s in snapshot.gpus if s.uuid}
     faults: list[_Fault] = []
     for (gpu, reason), since in sorted(snapshot.throttle_active_since.items()):
-        held_seconds = now_seconds - since
+        # Held time comes from the watcher's boot clock: now - since would count a wall-clock step.
+        held_seconds = snapshot.throttle_held_seconds.get((gpu, reason), 0.0)
         if reason not in condition.reasons or not rule.watches_gpu(gpu) or held_seconds < condition.held_seconds:
             continue
         uuid = uuids.get(gpu)

@@ -37,7 +37,7 @@ class XidMark:
     xid: int
     action: str  # SuggestedAction value
     reason: str
-    seen_seconds: float
+    seen_seconds: float  # CLOCK_BOOTTIME of the boot the mark belongs to (the watcher's window clock)
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,18 @@ class ClockEventTotal:
     reason: str
     seconds: float
     active_since_seconds: float | None = None  # a slowdown active at the last save: when it started
+    active_since_boottime_seconds: float | None = None  # the same start on CLOCK_BOOTTIME of this boot
+
+
+def _total_row(total: ClockEventTotal) -> tuple[object, ...]:
+    return (
+        total.gpu,
+        total.uuid,
+        total.reason,
+        total.seconds,
+        total.active_since_seconds,
+        total.active_since_boottime_seconds,
+    )
 
 
 @dataclass(frozen=True)
@@ -150,7 +162,8 @@ class BootTables(Database):
 
     def clock_event_totals(self, boot_id: str) -> list[ClockEventTotal]:
         rows = self._query(
-            "SELECT gpu, uuid, reason, seconds, active_since FROM clock_event_totals WHERE boot_id = ?"
+            "SELECT gpu, uuid, reason, seconds, active_since, active_since_boottime FROM clock_event_totals"
+            " WHERE boot_id = ?"
             " ORDER BY gpu, reason",
             (boot_id,),
         )
@@ -161,9 +174,9 @@ class BootTables(Database):
         with self._transaction() as db:
             db.execute("DELETE FROM clock_event_totals WHERE boot_id = ?", (boot_id,))
             db.executemany(
-                "INSERT INTO clock_event_totals (boot_id, gpu, uuid, reason, seconds, active_since)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                [(boot_id, t.gpu, t.uuid, t.reason, t.seconds, t.active_since_seconds) for t in totals],
+                "INSERT INTO clock_event_totals (boot_id, gpu, uuid, reason, seconds, active_since,"
+                " active_since_boottime) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [(boot_id, *_total_row(t)) for t in totals],
             )
 
     def probe_streaks(self, boot_id: str) -> list[ProbeStreak]:

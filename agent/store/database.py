@@ -38,8 +38,9 @@ agent is not a reboot and must not forget, a reboot starts afresh (`start_boot` 
 every other boot). The GPU inventory (`InventoryGpu`: every GPU seen on this boot, until
 acknowledged with `gpu-agent ack gpu:UUID`), the Xid counters and last-seen times (`XidCount`),
 the Xid health window (`XidMark`) and (schema 4) the throttle watcher's time per clock-event reason
-with the start of each slowdown active now (`ClockEventTotal`) and the service prober's failure
-streaks (`ProbeStreak`). agent/store/node_memory.py reads and writes them for the daemon.
+with the start of each slowdown active now (`ClockEventTotal`; schema 5 adds that start on
+CLOCK_BOOTTIME) and the service prober's failure streaks (`ProbeStreak`). agent/store/node_memory.py
+reads and writes them for the daemon.
 """
 
 from __future__ import annotations
@@ -226,6 +227,9 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             PRIMARY KEY (boot_id, service)
         )""",
     ),
+    # How long a slowdown has been held is measured on CLOCK_BOOTTIME (a wall-clock step is not time
+    # held): its start on that clock, so a restart on the same boot keeps the hold.
+    ("ALTER TABLE clock_event_totals ADD COLUMN active_since_boottime REAL",),
 )
 
 
@@ -270,6 +274,7 @@ class JournalEntry:
     gpu: int | None
     service: str | None
     steps: tuple[str, ...]
+    boot_id: str  # the boot it ran on; "" when unknown
 
 
 #: The events table's columns after `key`, in INSERT and SELECT order, as `event_json` names them
@@ -601,13 +606,13 @@ class Store(BootTables, Acknowledgements):
     def running_remediations(self) -> list[JournalEntry]:
         """Journaled actions not finished: at start, what an earlier run left half-done."""
         rows = self._query(
-            "SELECT id, ts, rule, action, target_key, gpu, service, steps FROM remediations"
+            "SELECT id, ts, rule, action, target_key, gpu, service, steps, boot_id FROM remediations"
             " WHERE outcome = ? ORDER BY id",
             (Outcome.RUNNING.value,),
         )
         return [
-            JournalEntry(row_id, started, rule, action, target_key, gpu, service, tuple(json.loads(steps)))
-            for row_id, started, rule, action, target_key, gpu, service, steps in rows
+            JournalEntry(row_id, started, rule, action, target_key, gpu, service, tuple(json.loads(steps)), boot_id)
+            for row_id, started, rule, action, target_key, gpu, service, steps, boot_id in rows
         ]
 
     def attempt_readings(self, rule: str, target_key: str) -> list[ClockReading]:

@@ -14,6 +14,11 @@ replaces earlier ones: the driver is stating the GPU's current need, not adding 
 
 Counters, last-seen times and the health window outlive an agent restart: the daemon saves
 ``counts()`` and ``marks()`` in the store and hands them back to ``restore`` at start (agent/store/node_memory.py).
+
+Both windows run on ``window_clock``, CLOCK_BOOTTIME by default: a step of the wall clock (NTP, an
+operator) neither clears a fresh verdict nor holds an old one, and the readings stay comparable
+across an agent restart on the same boot (the store keeps marks per boot). Event times and the
+last-seen times people read are wall-clock time.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Any
 from agent.backend.base import GpuEvent, GpuEventKind, GpuIdentity
 from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
 from agent.state import XidCount
+from agent.store.attempt_clock import boottime_seconds
 from agent.store.database import XidMark
 from agent.watch import xid_catalog
 from agent.watch.kernel_log import RECOVERY_ACTION_XID, KernelXid, normalise_pci_bus_id
@@ -102,7 +108,7 @@ class _Fault:
     """A fault already reported as an Event; later sightings inside the window fold into it."""
 
     event: Event
-    first_seen_seconds: float
+    first_seen_seconds: float  # on the window clock
     recovery_actions: set[str]
 
 
@@ -113,7 +119,7 @@ class _Mark:
     xid: int
     action: SuggestedAction
     reason: str
-    seen_seconds: float
+    seen_seconds: float  # on the window clock
 
 
 @dataclass
@@ -121,6 +127,12 @@ class _Count:
     uuid: str
     count: int
     last_seen_seconds: float
+
+
+def _within(elapsed_seconds: float, window_seconds: float) -> bool:
+    """A reading still inside its window. A negative elapsed time is a reading from another clock
+    (a mark stored as wall-clock time by an older agent): outside, not held open for good."""
+    return 0.0 <= elapsed_seconds <= window_seconds
 
 
 def _catalog_row(xid: int) -> tuple[str, str, Severity, SuggestedAction]:
@@ -173,7 +185,8 @@ class XidWatcher:
 
     ``identities`` returns the GPUs the agent knows (index -> identity); it is called on each sighting,
     so it should be cheap (a cached mapping) and keep the last known identity of a GPU that was lost,
-    or that GPU's kernel-log lines cannot be matched to it. ``clock`` is wall-clock seconds.
+    or that GPU's kernel-log lines cannot be matched to it. ``clock`` is wall-clock seconds (event
+    times); ``window_clock`` measures the dedupe and health windows (see the module docstring).
     """
 
     def __init__(
@@ -182,11 +195,13 @@ class XidWatcher:
         clock: Callable[[], float] = time.time,
         dedupe_window_seconds: float = DEFAULT_DEDUPE_WINDOW_SECONDS,
         health_window_seconds: float = DEFAULT_HEALTH_WINDOW_SECONDS,
+        window_clock: Callable[[], float] = boottime_seconds,
     ) -> None:
         if dedupe_window_seconds < 0 or health_window_seconds < 0:
             raise ValueError("windows must not be negative")
         self._identities = identities
         self._clock = clock
+        self._window_clock = window_clock
         self._dedupe_window_seconds = dedupe_window_seconds
         self._health_window_seconds = health_window_seconds
         self._lock = threading.Lock()
@@ -243,12 +258,13 @@ class XidWatcher:
     def _ingest(self, sighting: _Sighting) -> list[Event]:
         with self._lock:
             now = self._clock()
-            self._forget_old_faults(now)
+            tick = self._window_clock()
+            self._forget_old_faults(tick)
             fault_key = (sighting.gpu if sighting.gpu is not None else sighting.pci_bus_id, sighting.xid)
             fault = self._faults.get(fault_key)
             events: list[Event] = []
             if fault is None:
-                fault = self._new_fault(sighting, now)
+                fault = self._new_fault(sighting, now, tick)
                 self._faults[fault_key] = fault
                 events.append(fault.event)
                 self._count(sighting, now, new_fault=True)
@@ -262,20 +278,19 @@ class XidWatcher:
             if sighting.xid == RECOVERY_ACTION_XID and recovery is not None and recovery not in fault.recovery_actions:
                 fault.recovery_actions.add(recovery)
                 events.append(self._recovery_event(sighting, recovery, now))
-            self._mark(sighting, now)
+            self._mark(sighting, tick)
             return events
 
-    def _forget_old_faults(self, now: float) -> None:
-        # abs(): a wall clock stepped backwards must not hold a fault open until it catches up.
+    def _forget_old_faults(self, tick: float) -> None:
         expired = [
             key
             for key, fault in self._faults.items()
-            if abs(now - fault.first_seen_seconds) > self._dedupe_window_seconds
+            if not _within(tick - fault.first_seen_seconds, self._dedupe_window_seconds)
         ]
         for key in expired:
             del self._faults[key]
 
-    def _new_fault(self, sighting: _Sighting, now: float) -> _Fault:
+    def _new_fault(self, sighting: _Sighting, now: float, tick: float) -> _Fault:
         name, resolution, severity, action = _catalog_row(sighting.xid)
         verdict = "informational" if action is SuggestedAction.NONE else action.value
         event = sighting.event(
@@ -299,7 +314,7 @@ class XidWatcher:
             },
             action,
         )
-        return _Fault(event=event, first_seen_seconds=now, recovery_actions=set())
+        return _Fault(event=event, first_seen_seconds=tick, recovery_actions=set())
 
     def _recovery_event(self, sighting: _Sighting, recovery: str, now: float) -> Event:
         action = recovery_suggested_action(recovery)
@@ -329,7 +344,7 @@ class XidWatcher:
         counted.count += 1 if new_fault else 0
         counted.last_seen_seconds = now
 
-    def _mark(self, sighting: _Sighting, now: float) -> None:
+    def _mark(self, sighting: _Sighting, tick: float) -> None:
         if sighting.gpu is None:
             return
         key = (sighting.gpu, sighting.xid)
@@ -337,16 +352,16 @@ class XidWatcher:
             if sighting.recovery_action is not None:
                 action = recovery_suggested_action(sighting.recovery_action)
                 self._marks[key] = _Mark(
-                    sighting.xid, action, f"Xid 154: driver recovery action {sighting.recovery_action}", now
+                    sighting.xid, action, f"Xid 154: driver recovery action {sighting.recovery_action}", tick
                 )
                 return
             previous = self._marks.get(key)
             if previous is not None:
                 # An NVML sighting of 154 carries no action: the one the kernel log named still stands.
-                previous.seen_seconds = now
+                previous.seen_seconds = tick
                 return
         name, _, _, action = _catalog_row(sighting.xid)
-        self._marks[key] = _Mark(sighting.xid, action, f"Xid {sighting.xid}: {name}", now)
+        self._marks[key] = _Mark(sighting.xid, action, f"Xid {sighting.xid}: {name}", tick)
 
     # -- readers ----------------------------------------------------------------------------
 
@@ -363,10 +378,10 @@ class XidWatcher:
     def health(self, gpu: int) -> Health:
         """The worst Xid-derived health of a GPU over the health window."""
         with self._lock:
-            now = self._clock()
+            tick = self._window_clock()
             worst: _Mark | None = None
             for (mark_gpu, _), mark in list(self._marks.items()):
-                if abs(now - mark.seen_seconds) > self._health_window_seconds:
+                if not _within(tick - mark.seen_seconds, self._health_window_seconds):
                     del self._marks[(mark_gpu, mark.xid)]
                     continue
                 if mark_gpu != gpu:
