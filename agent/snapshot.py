@@ -51,11 +51,13 @@ class NodeWatchers:
         identities: Callable[[], Mapping[int, GpuIdentity]] = dict,
         clock: Callable[[], float] = time.time,
         boottime: Callable[[], float] = boottime_seconds,
+        process_owner: Callable[[int], str | None] = lambda pid: None,
     ) -> None:
         # Durations and windows run on `boottime` (monotonic, one reading per boot), times on `clock`.
+        # `process_owner`: the configured service a faulting process belongs to (whose Xid it is).
         self.throttle = ThrottleWatcher(clock=boottime)
         self.devices = DeviceWatcher()
-        self.xid = XidWatcher(identities, clock=clock, window_clock=boottime)
+        self.xid = XidWatcher(identities, clock=clock, window_clock=boottime, process_owner=process_owner)
         self.pcie = PcieWatcher()
         polled: list[PollWatcher] = [
             self.throttle,

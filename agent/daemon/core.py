@@ -40,6 +40,7 @@ from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
 from agent.policy.registry import RESTORABLE_NAMES
 from agent.rules.actions import ActionContext, AlertTracker
+from agent.services.attribution import service_of_pid
 from agent.services.health import HealthProber, ProberThread
 from agent.services.managers import build_managers
 from agent.services.watch import InferenceMonitor
@@ -82,7 +83,12 @@ class Daemon:
         self.intake = EventIntake(self.wake)
         self.session = BackendSession(self.runner, self._on_nvml_event)
         self.collector = GpuCollector(self.runner, self.timing, clock, self.session.note_fault)
-        self.watchers = NodeWatchers(lambda: self.collector.identities, clock, boottime)
+        self.watchers = NodeWatchers(
+            lambda: self.collector.identities,
+            clock,
+            boottime,
+            lambda pid: service_of_pid(pid, self.config.services, self.host.paths),
+        )
         self.policy = PolicyLoop(config, self.host, self.runner, self.session.note_fault)
         self.remediator = Remediator(
             config,

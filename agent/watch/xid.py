@@ -76,6 +76,7 @@ class _Sighting:
     nvlink: dict[str, Any] | None
     recovery_action: str | None
     kernel_timestamp_seconds: float | None
+    process_service: str | None = None  # the configured service the faulting process belongs to
 
     def event(
         self,
@@ -147,6 +148,15 @@ def recovery_suggested_action(recovery_action: str) -> SuggestedAction:
     return mapped if mapped is not None else SuggestedAction.ALERT
 
 
+def _by(sighting: _Sighting) -> str:
+    """Whose process faulted, for the message: ` (pid 4242 python3, service sglang)`."""
+    if sighting.pid is None:
+        return ""
+    name = f" {sighting.process}" if sighting.process else ""
+    owner = f", service {sighting.process_service}" if sighting.process_service else ", no configured service"
+    return f" (pid {sighting.pid}{name}{owner})"
+
+
 def _where(gpu: int | None, pci_bus_id: str | None) -> str:
     if gpu is not None:
         return f"GPU {gpu} ({pci_bus_id})" if pci_bus_id else f"GPU {gpu}"
@@ -196,17 +206,20 @@ class XidWatcher:
         dedupe_window_seconds: float = DEFAULT_DEDUPE_WINDOW_SECONDS,
         health_window_seconds: float = DEFAULT_HEALTH_WINDOW_SECONDS,
         window_clock: Callable[[], float] = boottime_seconds,
+        process_owner: Callable[[int], str | None] = lambda pid: None,
     ) -> None:
         if dedupe_window_seconds < 0 or health_window_seconds < 0:
             raise ValueError("windows must not be negative")
         self._identities = identities
         self._clock = clock
         self._window_clock = window_clock
+        self._process_owner = process_owner
         self._dedupe_window_seconds = dedupe_window_seconds
         self._health_window_seconds = health_window_seconds
         self._lock = threading.Lock()
-        # (gpu index, or bus id when the GPU is unknown) x Xid -> the fault reported for it
-        self._faults: dict[tuple[int | str | None, int], _Fault] = {}
+        # (gpu index, or bus id when the GPU is unknown) x Xid x pid -> the fault reported for it. The pid
+        # is part of an app-level Xid's identity (two processes' faults are two faults), None otherwise.
+        self._faults: dict[tuple[int | str | None, int, int | None], _Fault] = {}
         self._marks: dict[tuple[int, int], _Mark] = {}
         self._counts: dict[tuple[int | None, int], _Count] = {}
 
@@ -247,6 +260,8 @@ class XidWatcher:
             nvlink=dataclasses.asdict(record.nvlink) if record.nvlink is not None else None,
             recovery_action=record.recovery_action,
             kernel_timestamp_seconds=record.timestamp_seconds,
+            # Read now, off the lock: the process may be gone by the time a rule looks.
+            process_service=self._process_owner(record.pid) if record.pid is not None else None,
         )
         return self._ingest(sighting)
 
@@ -260,8 +275,7 @@ class XidWatcher:
             now = self._clock()
             tick = self._window_clock()
             self._forget_old_faults(tick)
-            fault_key = (sighting.gpu if sighting.gpu is not None else sighting.pci_bus_id, sighting.xid)
-            fault = self._faults.get(fault_key)
+            fault_key, fault = self._fault_of(sighting)
             events: list[Event] = []
             if fault is None:
                 fault = self._new_fault(sighting, now, tick)
@@ -274,12 +288,33 @@ class XidWatcher:
                     # A new list rather than an append: a reader iterating the old one is not disturbed.
                     fault.event.data["sources"] = [*sources, sighting.source]
                 self._count(sighting, now, new_fault=False)
+                attributed = self._attributed(fault, sighting, now)
+                if attributed is not None:
+                    events.append(attributed)
             recovery = sighting.recovery_action
             if sighting.xid == RECOVERY_ACTION_XID and recovery is not None and recovery not in fault.recovery_actions:
                 fault.recovery_actions.add(recovery)
                 events.append(self._recovery_event(sighting, recovery, now))
             self._mark(sighting, tick)
             return events
+
+    def _fault_of(self, sighting: _Sighting) -> tuple[tuple[int | str | None, int, int | None], _Fault | None]:
+        """The key this sighting's fault is kept under, and that fault if it is open. An app-level Xid is
+        its process's: keyed by pid, where NVML's sighting (no pid) folds into whichever is open, and the
+        kernel line naming the process of a fault NVML opened takes that fault over."""
+        where = sighting.gpu if sighting.gpu is not None else sighting.pci_bus_id
+        key: tuple[int | str | None, int, int | None]
+        unnamed: tuple[int | str | None, int, int | None] = (where, sighting.xid, None)
+        if _catalog_row(sighting.xid)[3] is not SuggestedAction.RESTART_SERVICE:
+            return unnamed, self._faults.get(unnamed)
+        if sighting.pid is None:
+            open_faults = [k for k in self._faults if k[:2] == unnamed[:2]]
+            key = unnamed if unnamed in self._faults or not open_faults else open_faults[0]
+            return key, self._faults.get(key)
+        key = (where, sighting.xid, sighting.pid)
+        if key not in self._faults and unnamed in self._faults:
+            self._faults[key] = self._faults.pop(unnamed)
+        return key, self._faults.get(key)
 
     def _forget_old_faults(self, tick: float) -> None:
         expired = [
@@ -296,7 +331,7 @@ class XidWatcher:
         event = sighting.event(
             EventKind.XID,
             severity,
-            f"Xid {sighting.xid} on {_where(sighting.gpu, sighting.pci_bus_id)}: {name} — {verdict}",
+            f"Xid {sighting.xid} on {_where(sighting.gpu, sighting.pci_bus_id)}{_by(sighting)}: {name} — {verdict}",
             str(sighting.xid),
             now,
             {
@@ -304,6 +339,7 @@ class XidWatcher:
                 "pci_bus_id": sighting.pci_bus_id,
                 "pid": sighting.pid,
                 "process": sighting.process,
+                "process_service": sighting.process_service,
                 "text": sighting.text,
                 "sources": [sighting.source],
                 "resolution": resolution,
@@ -315,6 +351,34 @@ class XidWatcher:
             action,
         )
         return _Fault(event=event, first_seen_seconds=tick, recovery_actions=set())
+
+    def _attributed(self, fault: _Fault, sighting: _Sighting, now: float) -> Event | None:
+        """An app-level Xid first seen without its process (NVML names none) whose kernel-log line
+        now names it: a second event carrying the process, the one a service restart may act on."""
+        if sighting.pid is None or fault.event.data.get("pid") is not None:
+            return None
+        name, _, severity, action = _catalog_row(sighting.xid)
+        if action is not SuggestedAction.RESTART_SERVICE:
+            return None
+        data = {
+            **fault.event.data,
+            "pid": sighting.pid,
+            "process": sighting.process,
+            "process_service": sighting.process_service,
+            "text": sighting.text or fault.event.data.get("text", ""),
+            "kernel_timestamp_seconds": sighting.kernel_timestamp_seconds,
+        }
+        fault.event = sighting.event(
+            EventKind.XID,
+            severity,
+            f"Xid {sighting.xid} on {_where(sighting.gpu, sighting.pci_bus_id)}{_by(sighting)}: {name}"
+            f" — {action.value}",
+            f"{sighting.xid}:pid{sighting.pid}",
+            now,
+            data,
+            action,
+        )
+        return fault.event
 
     def _recovery_event(self, sighting: _Sighting, recovery: str, now: float) -> Event:
         action = recovery_suggested_action(recovery)
