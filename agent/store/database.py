@@ -58,7 +58,9 @@ from typing import Any
 
 import structlog
 
+from agent import trust
 from agent.events import Event, event_from_json, event_json
+from agent.host import file_reads
 from agent.rules.model import ActionOutcome, Decision, Outcome
 from agent.state import RemediationCount
 from agent.store.acks import ALL, Acknowledgements, Circuit
@@ -407,12 +409,21 @@ class Store(BootTables, Acknowledgements):
         """Open (or create) the database; set aside an unusable one; prune old rows."""
         now = time.time() if now_seconds is None else now_seconds
         directory = Path(state_dir)
+        # What the agent reads back from here decides what it does: only where nobody else can write.
+        problem = trust.state_directory_problem(directory, "state_dir")
+        if problem is not None:
+            raise StoreError(problem)
         try:
             # 0700: events carry process names and command lines; the directory keeps the WAL files private too.
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
             raise StoreError(f"cannot create {directory}: {exc.strerror or exc}") from exc
         path = directory / DB_NAME
+        for part in (path, path.with_name(f"{DB_NAME}-wal"), path.with_name(f"{DB_NAME}-shm")):
+            # Before SQLite opens it: a FIFO there would hang the open (and SIGTERM with it).
+            problem = trust.state_file_problem(part)
+            if problem is not None:
+                raise StoreError(f"cannot open {path}: {problem}")
         try:
             connection = _connect_or_replace(path, now)
         except (_Unusable, sqlite3.Error, OSError) as exc:
@@ -663,7 +674,7 @@ def _connect(path: Path) -> sqlite3.Connection:
     """A connection to a healthy database at the current schema, or _Unusable."""
     # Checked before connecting: closing the last connection deletes the write-ahead log, and the
     # log of a file that is not a database at all is worth keeping aside with it.
-    with contextlib.suppress(FileNotFoundError), path.open("rb") as existing:
+    with contextlib.suppress(FileNotFoundError), file_reads.open_regular(path, follow_links=False) as existing:
         header = existing.read(len(_SQLITE_HEADER))
         if header and header != _SQLITE_HEADER:
             raise _Unusable("corrupt", "not an SQLite database (bad header)")
