@@ -26,6 +26,10 @@ import psutil
 from agent.backend.base import GpuProcess
 from agent.config import ServiceConfig
 from agent.host.paths import HostPaths
+from agent.textview import printable
+
+# /proc/PID/comm is 16 bytes, a cgroup line a path; far more is not what /proc gives.
+_PROC_LIMIT_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,7 @@ class GpuAttribution:
 def unit_of_pid(pid: int, paths: HostPaths) -> str | None:
     """The innermost systemd service unit in the process's cgroup path; None outside any."""
     try:
-        text = paths.read_text(f"/proc/{pid}/cgroup")
+        text = paths.read_text(f"/proc/{pid}/cgroup", _PROC_LIMIT_BYTES)
     except (OSError, UnicodeDecodeError):
         return None
     for line in text.splitlines():
@@ -60,13 +64,14 @@ def unit_of_pid(pid: int, paths: HostPaths) -> str | None:
             continue
         for part in reversed(path.split("/")):
             if part.endswith(".service"):
-                return part
+                return printable(part)
     return None
 
 
 def command_of_pid(pid: int, paths: HostPaths) -> str:
     try:
-        return paths.read_text(f"/proc/{pid}/comm").strip()
+        # A process names itself: escaped where it enters.
+        return printable(paths.read_text(f"/proc/{pid}/comm", _PROC_LIMIT_BYTES).strip())
     except (OSError, UnicodeDecodeError):
         return ""
 

@@ -31,6 +31,8 @@ import re
 from collections import deque
 from dataclasses import dataclass
 
+from agent.textview import printable
+
 MAX_XID = 999
 FALLEN_OFF_BUS_XID = 79
 RECOVERY_ACTION_XID = 154
@@ -350,17 +352,19 @@ def _xid_event(line: _Line, message: str, match: re.Match[str], pending: _Pendin
     timestamp = line.timestamp_seconds
     if timestamp is None and pending is not None:
         timestamp = pending.timestamp_seconds
+    # What a process controls (its name, text after it) leaves here escaped: nothing downstream
+    # (events, logs, status, labels) sees a raw control character or terminal escape.
     return KernelXid(
         xid=code,
         pci_bus_id=bus_id,
         pid=pid,
-        process=process,
-        text=text,
+        process=printable(process) if process is not None else None,
+        text=printable(text),
         nvlink=_decode_nvlink(text) if code in NVLINK5_XIDS else None,
-        recovery_action=recovery.group("to").strip() if recovery is not None else None,
+        recovery_action=printable(recovery.group("to").strip()) if recovery is not None else None,
         fallen_off_bus=code == FALLEN_OFF_BUS_XID,
         timestamp_seconds=timestamp,
-        raw=line.raw,
+        raw=printable(line.raw),
     )
 
 
@@ -383,12 +387,12 @@ def _fallen_off_bus_event(line: _Line, message: str, pending: _Pending | None) -
         pci_bus_id=bus_id,
         pid=None,
         process=None,
-        text=text,
+        text=printable(text),
         nvlink=None,
         recovery_action=None,
         fallen_off_bus=True,
         timestamp_seconds=timestamp,
-        raw=raw,
+        raw=printable(raw, keep_newlines=True),
     )
 
 
