@@ -227,7 +227,7 @@ class KernelLogParser:
                 events.append(event)
         return events
 
-    def feed_record(self, message: str, timestamp_seconds: float) -> list[KernelXid]:
+    def feed_record(self, message: str, timestamp_seconds: float | None) -> list[KernelXid]:
         """Feed the message of one kernel record (:func:`parse_kmsg_record`); returns the Xids it completes.
 
         The record is one unit whatever bytes it holds: a newline in it (a process name's, or a
