@@ -93,11 +93,18 @@ def test_clock_event_time_and_an_active_slowdown_outlive_a_restart_not_a_reboot(
         assert throttle.active_since() == {}
 
 
+def observe(throttle: ThrottleWatcher, clock: FakeClock, sample: GpuSample) -> None:
+    """The watcher sees `sample` when the boot clock has moved to its time (sample time t is the
+    fake clock's monotonic 1000 + t): held and counted time run on that clock."""
+    clock.advance(1000.0 + sample.timestamp_seconds - clock.monotonic())
+    throttle.observe([sample], sample.timestamp_seconds)
+
+
 def ten_seconds_of_slowdown_saved(store: Store, clock: FakeClock) -> None:
     """A first run that saw GPU 0 slowed for 10 s, saved to the store."""
     memory, throttle, prober = agent_run(store, clock, refused_url())
-    throttle.observe([thermal(0, 0.0)], 0.0)
-    throttle.observe([thermal(0, 10.0)], 10.0)
+    observe(throttle, clock, thermal(0, 0.0))
+    observe(throttle, clock, thermal(0, 10.0))
     save(memory, throttle, prober, clock)
 
 
@@ -107,7 +114,7 @@ def loaded_late(store: Store, clock: FakeClock, *seen: GpuSample) -> ThrottleWat
     memory = NodeMemory(lambda: store, BOOT, clock)
     throttle = ThrottleWatcher(clock=clock.monotonic)
     for sample_seen in seen:
-        throttle.observe([sample_seen], sample_seen.timestamp_seconds)
+        observe(throttle, clock, sample_seen)
     memory.load({}, xid_watcher(clock), throttle, None)
     return throttle
 
@@ -168,8 +175,8 @@ def test_written_only_when_changed(tmp_path: Path) -> None:
     url = refused_url()
     with Store.open(tmp_path) as store:
         memory, throttle, prober = agent_run(store, clock, url)
-        throttle.observe([thermal(0, 0.0)], 0.0)
-        throttle.observe([thermal(0, 10.0)], 10.0)
+        observe(throttle, clock, thermal(0, 0.0))
+        observe(throttle, clock, thermal(0, 10.0))
         prober.probe_once("sglang")
         save(memory, throttle, prober, clock)
         db = tmp_path / DB_NAME
@@ -180,7 +187,7 @@ def test_written_only_when_changed(tmp_path: Path) -> None:
         save(memory, throttle, prober, clock)  # ...stay gone: nothing changed, nothing written
         assert store.clock_event_totals(BOOT) == [] and store.probe_streaks(BOOT) == []
 
-        throttle.observe([thermal(0, 20.0)], 20.0)
+        observe(throttle, clock, thermal(0, 20.0))
         save(memory, throttle, prober, clock)
         assert [(t.gpu, t.uuid, t.reason, t.seconds) for t in store.clock_event_totals(BOOT)] == [
             (0, UUIDS[0], REASON, 20.0)

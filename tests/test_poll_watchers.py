@@ -269,6 +269,8 @@ def test_a_wall_clock_step_is_not_time_a_slowdown_was_held(tmp_path: Path, step_
     node.clock.step_wall(step_seconds)  # NTP or an operator steps the wall clock an hour
     node.observe(watcher)
     assert watcher.held_seconds() == {(0, "hw_thermal_slowdown"): pytest.approx(1.2)}
+    # nor time counted in gpu_agent_gpu_clock_event_seconds_total
+    assert watcher.clock_event_seconds()[(0, "hw_thermal_slowdown")] == pytest.approx(1.2)
     assert decisions() == []
     node.tick(58.8)
     node.observe(watcher)

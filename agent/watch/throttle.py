@@ -5,7 +5,8 @@ it goes; TEMPERATURE_MARGIN_LOW once when the temperature climbs to within `slow
 of the board's slowdown threshold (re-armed after it falls 2 C below that line again).
 
 Time per reason (`clock_event_seconds`, every reason including benign ones such as gpu_idle) is
-integrated between samples: a reason seen active in one sample is counted until the next sample.
+integrated between samples on the watcher's clock (CLOCK_BOOTTIME): a reason seen active in one
+sample is counted until the next sample, and a wall-clock step in between counts for nothing.
 Where the board keeps its own counter the total follows the counter instead:
 
 - ``power_violation_ns`` (nvmlDeviceGetViolationStatus, NVML_PERF_POLICY_POWER: "how long power
@@ -64,7 +65,7 @@ class _Total:
 
 @dataclass
 class _GpuState:
-    last_timestamp_seconds: float | None = None  # the previous sample with a reasons reading
+    last_timestamp_seconds: float | None = None  # the previous reasons reading, on the watcher's clock
     last_reasons: tuple[str, ...] = ()
     started_seconds: dict[str, float] = field(default_factory=dict)  # active slowdown reason -> since (wall)
     started_boottime: dict[str, float] = field(default_factory=dict)  # the same starts on the watcher's clock
@@ -84,8 +85,9 @@ class ThrottleWatcher:
 
     def observe(self, samples: Sequence[GpuSample], now_seconds: float) -> list[Event]:
         events: list[Event] = []
+        tick = self._clock()
         for sample, state in self._gpus.answering(samples):
-            self._integrate(state, sample)
+            self._integrate(state, sample, tick)
             self._count(state, sample)
             for total in state.totals.values():
                 total.publish()
@@ -169,13 +171,14 @@ class ThrottleWatcher:
     # -- internals ------------------------------------------------------------------------
 
     @staticmethod
-    def _integrate(state: _GpuState, sample: GpuSample) -> None:
+    def _integrate(state: _GpuState, sample: GpuSample, tick: float) -> None:
+        """Time between two readings on the watcher's clock: a wall-clock step is not time slowed."""
         mask = sample.clock_event_reasons
         if mask is None:
             # Nothing is known about the reasons until the next reading: that gap is not counted.
             state.last_timestamp_seconds = None
             return
-        now = sample.timestamp_seconds
+        now = tick
         if state.last_timestamp_seconds is not None and now > state.last_timestamp_seconds:
             elapsed = now - state.last_timestamp_seconds
             for reason in state.last_reasons:
