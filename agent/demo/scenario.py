@@ -355,7 +355,9 @@ def _play(demo: Demo) -> None:
     demo.cli("inject", "temperature", "--gpu", "2", "--clear")
 
     say("\n== 5. an app-level Xid 13 on GPU 1 (NVML event and kernel log)")
-    say("   " + demo.cli("inject", "xid", "13", "--gpu", "1", "--pid", "4242", "--process", "python3"))
+    # The kernel log names the faulting process: the stand-in server's own, so it is sglang's fault.
+    server_pid = (demo.directory / SERVICE_PID_FILE).read_text().strip()
+    say("   " + demo.cli("inject", "xid", "13", "--gpu", "1", "--pid", server_pid, "--process", "python3"))
     demo.wait("the service restart", lambda s: _remediated(s, "xid-restart-service"), 90)
     say("   rule xid-restart-service restarted sglang (stop, start, health check): success")
     counted = [f"Xid {x['xid']} x{x['count']}" for x in demo.status()["xids"] if x["gpu"] == 1]
