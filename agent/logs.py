@@ -22,7 +22,7 @@ from typing import Any
 
 import structlog
 
-from agent.textview import printable
+from agent.printable import printable
 
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}

@@ -7,8 +7,9 @@ from collections.abc import Sequence
 
 from agent.policy.base import ItemPlan, ItemResult, PlanStatus
 from agent.policy.engine import NodePlan
+from agent.printable import printable
 from agent.store.database import StoredEvent, StoredRemediation
-from agent.textview import printable, table
+from agent.textview import table
 
 
 def _gpu(gpu: int | None) -> str:

@@ -14,8 +14,8 @@ import pytest
 import structlog
 from daemon_harness import running_agent
 from helpers import make_event, wait_until
+from services.test_gpu_attribution import fake_proc
 from snapshots import node_snapshot
-from test_gpu_attribution import fake_proc
 
 from agent import logs
 from agent.config import Mode
@@ -25,10 +25,11 @@ from agent.host.paths import HostPaths
 from agent.metrics.families import Families
 from agent.policy.base import ItemPlan, PlanStatus
 from agent.policy.engine import NodePlan
+from agent.printable import printable
 from agent.render import history_text, plan_text
 from agent.services.attribution import command_of_pid
 from agent.store.database import StoredEvent
-from agent.textview import printable, status_text
+from agent.textview import status_text
 from agent.watch.fake_kernel_log import append_kmsg, xid_line
 from agent.watch.kernel_log import KernelLogParser
 

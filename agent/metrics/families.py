@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from agent.printable import printable
 from agent.state import GpuSample, NodeSnapshot
-from agent.textview import printable
 
 _MHZ_TO_HERTZ = 1e6
 _NS_TO_SECONDS = 1e-9

@@ -26,7 +26,7 @@ import psutil
 from agent.backend.base import GpuProcess
 from agent.config import ServiceConfig
 from agent.host.paths import HostPaths
-from agent.textview import printable
+from agent.printable import printable
 
 # /proc/PID/comm is 16 bytes, a cgroup line a path; far more is not what /proc gives.
 _PROC_LIMIT_BYTES = 64 * 1024

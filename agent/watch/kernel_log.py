@@ -31,7 +31,7 @@ import re
 from collections import deque
 from dataclasses import dataclass
 
-from agent.textview import printable
+from agent.printable import printable
 
 MAX_XID = 999
 FALLEN_OFF_BUS_XID = 79  # "GPU has fallen off the bus": only a reboot (or a repair) brings the GPU back
