@@ -13,12 +13,12 @@ node agrees with the daemon.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
 from agent.events import HealthState
+from agent.host import safe_json
 from agent.host.paths import HostPaths
 from agent.policy.base import ItemPlan, PlanStatus
 from agent.rules.actions.reboot import REBOOT_FLAG_NAME
@@ -100,7 +100,7 @@ def reboot_recommended(state_dir: str | Path, paths: HostPaths) -> str | None:
     """The reason in `state_dir/reboot-recommended`; None without one, or when it was written before
     the last boot (that reboot happened: the flag is spent)."""
     try:
-        flag = json.loads((Path(state_dir) / REBOOT_FLAG_NAME).read_text(encoding="utf-8"))
+        flag = safe_json.loads((Path(state_dir) / REBOOT_FLAG_NAME).read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None
     except (OSError, ValueError):

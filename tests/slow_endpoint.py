@@ -2,6 +2,7 @@
 
     python slow_endpoint.py drip                # answers one byte every --interval seconds, forever
     python slow_endpoint.py silent [--answer N]  # accepts and never answers (after answering N requests)
+    python slow_endpoint.py file --body PATH     # answers every request 200 with PATH's bytes, read anew
 
 It prints its port on the first line of stdout once it listens, then one line per event:
 `request N` when it has read a request, `gone N` when the client of request N went away
@@ -12,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import socket
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 DRIP = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" + b"X-Padding: " + b"x" * 10_000
@@ -46,13 +49,21 @@ def read_request(conn: socket.socket) -> None:
         body += chunk
 
 
-def serve(conn: socket.socket, number: int, mode: str, interval: float, answer: int) -> None:
+def serve(conn: socket.socket, number: int, mode: str, interval: float, answer: int, body_path: Path | None) -> None:
     with conn:
         read_request(conn)
         say(f"request {number}")
         try:
             if number <= answer:
                 conn.sendall(OK)
+                return
+            if mode == "file":
+                body = body_path.read_bytes() if body_path is not None else b""
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+                    + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                    + body
+                )
                 return
             if mode == "drip":
                 for byte in DRIP:
@@ -67,9 +78,48 @@ def serve(conn: socket.socket, number: int, mode: str, interval: float, answer: 
         say(f"gone {number}")
 
 
+class SlowEndpoint:
+    """This script as its own process, for the tests: a server that drips its answer, never
+    answers, or answers with a file's bytes."""
+
+    def __init__(self, mode: str, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__)), mode, *args],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        self.port = int(self.proc.stdout.readline())
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.strip())
+
+    def url(self, path: str = "") -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def wait_for(self, line: str, timeout_seconds: float) -> bool:
+        deadline = time.monotonic() + timeout_seconds
+        while line not in self.lines and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return line in self.lines
+
+    def __enter__(self) -> SlowEndpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=("drip", "silent"))
+    parser.add_argument("mode", choices=("drip", "silent", "file"))
+    parser.add_argument("--body", type=Path, help="file mode: the answer's body")
     parser.add_argument("--interval", type=float, default=2.0)
     parser.add_argument("--answer", type=int, default=0, help="answer this many requests normally first")
     args = parser.parse_args()
@@ -79,7 +129,9 @@ def main() -> None:
     while True:
         conn, _ = server.accept()
         number += 1
-        threading.Thread(target=serve, args=(conn, number, args.mode, args.interval, args.answer), daemon=True).start()
+        threading.Thread(
+            target=serve, args=(conn, number, args.mode, args.interval, args.answer, args.body), daemon=True
+        ).start()
 
 
 if __name__ == "__main__":

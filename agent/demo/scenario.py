@@ -29,6 +29,7 @@ from typing import Any
 
 from agent import api
 from agent.demo import standin
+from agent.host import safe_json
 
 SERVICE_PID_FILE = "sglang.pid"  # the stand-in inference server's, in the demo directory
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -332,7 +333,7 @@ def _play(demo: Demo) -> None:
 
 
 def _plan_summary(demo: Demo) -> str:
-    document = json.loads(demo.cli("plan", "--json", ok_codes=(0, 2)))
+    document = safe_json.loads(demo.cli("plan", "--json", ok_codes=(0, 2)))
     drifting = [i for i in document["items"] if i["status"] != "in_sync" and i["status"] != "not_applicable"]
     lines = [f"   {len(drifting)} of {len(document['items'])} items differ from the policy, for example:"]
     lines += [

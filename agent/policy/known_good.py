@@ -20,6 +20,7 @@ from typing import Any
 import structlog
 
 from agent.config import AgentConfig, Mode, SimulatedConfig
+from agent.host import safe_json
 
 log = structlog.get_logger("gpu-agent")
 
@@ -59,7 +60,7 @@ def recorded_items(state_dir: str | Path) -> frozenset[str]:
 
 def _read(state_dir: Path) -> dict[str, Any] | None:
     try:
-        document = json.loads((state_dir / RECORD_NAME).read_text(encoding="utf-8"))
+        document = safe_json.loads((state_dir / RECORD_NAME).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     return document if isinstance(document, dict) else None

@@ -38,7 +38,7 @@ linearly inside the bucket that holds the rank, as `histogram_quantile` does.
 
 from __future__ import annotations
 
-import http.client
+import itertools
 import math
 import time
 import urllib.parse
@@ -49,6 +49,8 @@ from typing import Literal
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent.host import http_read
+
 ServerKind = Literal["sglang", "vllm", "generic"]
 LatencyKind = Literal["e2e", "ttft", "itl"]
 
@@ -57,7 +59,16 @@ QUANTILES: tuple[float, ...] = (0.5, 0.95, 0.99)
 DEFAULT_WINDOW_SECONDS = 300.0
 DEFAULT_MAX_BYTES = 8 * 1024 * 1024
 DEFAULT_TIMEOUT_SECONDS = 2.0
-_READ_CHUNK_BYTES = 64 * 1024
+# What one service may keep (the window's memory bound): a real server's histograms have a few
+# dozen buckets and a few label sets per family. More is refused as an unreadable page, before
+# the parser builds an object per line.
+MAX_HISTOGRAM_BUCKETS = 128
+MAX_SERIES_PER_FAMILY = 256
+MAX_SELECTED_LINES = 20_000
+# Points per counter series: a window of 300 s scraped every 0.5 s or slower keeps them all; a
+# faster scrape keeps the newest ones (the figures say the shorter span they cover).
+MAX_WINDOW_POINTS = 600
+UNREADABLE = "unreadable page"
 
 
 @dataclass(frozen=True)
@@ -120,61 +131,21 @@ class ScrapeError(Exception):
 
 
 def fetch_text(url: str, timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
-    """GET url within `timeout_seconds` in total, reading at most `max_bytes`; ScrapeError otherwise.
+    """GET url within `timeout_seconds` in total (connect, headers and body), reading at most
+    `max_bytes`; ScrapeError otherwise.
 
     No proxy from the environment is used: the server is local to the node.
     """
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ScrapeError(f"not an http(s) URL: {url}")
-    deadline = time.monotonic() + timeout_seconds
-    connection_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    connection = connection_class(parts.hostname, parts.port, timeout=timeout_seconds)
-    target = parts.path or "/"
-    if parts.query:
-        target += "?" + parts.query
     try:
-        connection.request(
-            "GET", target, headers={"User-Agent": "gpu-agent", "Accept": "text/plain", "Accept-Encoding": "identity"}
-        )
-        _remaining(deadline, timeout_seconds, connection)
-        response = connection.getresponse()
-        if not 200 <= response.status < 300:
-            raise ScrapeError(f"HTTP {response.status}")
-        length = response.getheader("Content-Length")
-        if length is not None and length.isdigit() and int(length) > max_bytes:
-            raise ScrapeError(f"response is {int(length)} bytes, more than the {max_bytes} byte limit")
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            _remaining(deadline, timeout_seconds, connection)
-            # read1: at most one read from the socket, so the deadline is checked between reads.
-            chunk = response.read1(_READ_CHUNK_BYTES)
-            if not chunk:
-                break
-            size += len(chunk)
-            if size > max_bytes:
-                raise ScrapeError(f"response larger than the {max_bytes} byte limit")
-            chunks.append(chunk)
-    except ScrapeError:
-        raise
-    except TimeoutError:
-        raise ScrapeError(f"timed out after {timeout_seconds:g} s") from None
-    except (OSError, http.client.HTTPException) as exc:
-        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__
-        raise ScrapeError(detail.lower() if isinstance(exc, OSError) else f"{type(exc).__name__}: {detail}") from None
-    finally:
-        connection.close()
-    return b"".join(chunks).decode("utf-8", "replace")
-
-
-def _remaining(deadline: float, timeout_seconds: float, connection: http.client.HTTPConnection) -> None:
-    """Give the next socket operation only what is left of the total deadline."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise ScrapeError(f"timed out after {timeout_seconds:g} s")
-    if connection.sock is not None:
-        connection.sock.settimeout(left)
+        answer = http_read.get(url, timeout_seconds, max_bytes)
+    except http_read.HttpReadError as exc:
+        raise ScrapeError(exc.detail) from None
+    if not 200 <= answer.status < 300:
+        raise ScrapeError(f"HTTP {answer.status}")
+    return answer.body.decode("utf-8", "replace")
 
 
 # -- parsing -------------------------------------------------------------------------------------
@@ -233,33 +204,65 @@ def detect_kind(names: Iterable[str]) -> ServerKind:
 
 def _select_lines(text: str, wanted: frozenset[str]) -> str:
     """The lines of the wanted families only: the parser's cost is per line, and a real page is
-    mostly families we do not read (per-stage latencies, process metrics)."""
+    mostly families we do not read (per-stage latencies, process metrics). ScrapeError when they
+    are more lines than any real server writes."""
     # str.startswith with a tuple runs in C: a cheap first cut, confirmed on the exact name below.
     prefixes = tuple(prefix + name for name in wanted for prefix in ("", "# HELP ", "# TYPE "))
     kept: list[str] = []
     for line in text.splitlines():
         if not line.startswith(prefixes):
             continue
-        name = line.split(maxsplit=3)[2] if line.startswith("#") else _metric_name(line)
+        words = line.split(maxsplit=3)
+        name = (words[2] if len(words) > 2 else "") if line.startswith("#") else _metric_name(line)
         if name in wanted or _base_name(name) in wanted:
             kept.append(line)
+            if len(kept) > MAX_SELECTED_LINES:
+                raise ScrapeError(f"{UNREADABLE}: more than {MAX_SELECTED_LINES} lines of the families read")
     return "\n".join(kept) + "\n"
 
 
+def _unreadable_series(family: str, bounds: Sequence[float], counts: Sequence[float]) -> str:
+    """Why one series' cumulative buckets cannot be believed; "" when they can."""
+    if len(bounds) > MAX_HISTOGRAM_BUCKETS:
+        return f"{family} has {len(bounds)} buckets, more than the {MAX_HISTOGRAM_BUCKETS} read"
+    if not all(math.isfinite(c) and c >= 0 for c in counts):
+        return f"{family} has a bucket that is not a finite count"
+    if any(later < earlier for earlier, later in itertools.pairwise(counts)):
+        return f"{family} has buckets that are not cumulative"
+    return ""
+
+
 def _sum_histogram(samples: Sequence[tuple[str, dict[str, str], float]], family: str) -> Histogram | None:
+    """The family's series summed; ScrapeError ("unreadable page") when a series' bounds, counts or
+    sum cannot be believed (NaN, Inf, a non-number `le`, buckets that go down, too many)."""
     by_series: dict[tuple[tuple[str, str], ...], dict[float, float]] = {}
     counts: dict[tuple[tuple[str, str], ...], float] = {}
     sums: dict[tuple[tuple[str, str], ...], float] = {}
     for name, labels, value in samples:
         key = tuple(sorted((k, v) for k, v in labels.items() if k != "le"))
         if name == family + "_bucket" and "le" in labels:
-            by_series.setdefault(key, {})[float(labels["le"])] = value
+            try:
+                bound = float(labels["le"])
+            except ValueError:
+                raise ScrapeError(f"{UNREADABLE}: {family} has a bucket le={labels['le'][:40]!r}") from None
+            if math.isnan(bound):
+                raise ScrapeError(f"{UNREADABLE}: {family} has a bucket le=NaN")
+            by_series.setdefault(key, {})[bound] = value
         elif name == family + "_count":
             counts[key] = value
         elif name == family + "_sum":
             sums[key] = value
+        if len(by_series) > MAX_SERIES_PER_FAMILY:
+            raise ScrapeError(f"{UNREADABLE}: {family} has more than {MAX_SERIES_PER_FAMILY} label sets")
     if not by_series:
         return None
+    for buckets in by_series.values():
+        ordered = sorted(buckets)
+        problem = _unreadable_series(family, ordered, [buckets[b] for b in ordered])
+        if problem:
+            raise ScrapeError(f"{UNREADABLE}: {problem}")
+    if not all(math.isfinite(v) and v >= 0 for v in (*counts.values(), *sums.values())):
+        raise ScrapeError(f"{UNREADABLE}: {family} has a count or sum that is not a finite number")
     # Series with other bucket boundaries than the first cannot be added bucket by bucket.
     first = next(iter(by_series.values()))
     bounds = tuple(sorted(first))
@@ -284,8 +287,10 @@ def parse_reading(text: str, kind: str | None = None, timestamp_seconds: float |
     wanted = families.names()
     try:
         parsed = {f.name: f for f in text_string_to_metric_families(_select_lines(text, wanted))}
-    except (ValueError, IndexError, KeyError) as exc:
-        raise ScrapeError(f"not Prometheus text: {exc}") from None
+    except ScrapeError:
+        raise
+    except Exception as exc:  # the parser's every complaint about untrusted text, whatever its type
+        raise ScrapeError(f"not Prometheus text: {str(exc)[:200]}") from None
 
     found: dict[str, str] = {}
 
@@ -299,12 +304,13 @@ def parse_reading(text: str, kind: str | None = None, timestamp_seconds: float |
 
     def summed(figure: str, candidates: tuple[str, ...], suffix: str = "") -> float | None:
         name, samples = samples_of(figure, candidates)
-        values = [v for n, _, v in samples if n in (name, name + suffix) and not math.isnan(v)]
+        # A gauge or counter that is not a finite number says nothing: the figure is absent.
+        values = [v for n, _, v in samples if n in (name, name + suffix) and math.isfinite(v)]
         return sum(values) if values else None
 
     def fullest(figure: str, candidates: tuple[str, ...]) -> float | None:
         name, samples = samples_of(figure, candidates)
-        values = [v for n, _, v in samples if n == name and not math.isnan(v)]
+        values = [v for n, _, v in samples if n == name and math.isfinite(v)]
         return max(values) if values else None
 
     histograms: dict[str, Histogram] = {}
@@ -343,17 +349,18 @@ def scrape(
 def histogram_quantile(q: float, bounds: Sequence[float], bucket_counts: Sequence[float]) -> float | None:
     """The q-quantile of cumulative buckets, as PromQL's histogram_quantile: linear inside the
     bucket holding the rank (the first bucket starts at 0); a rank in the +Inf bucket gives the
-    largest finite bound. None when there are no observations or no +Inf bucket."""
-    if not bounds or not math.isinf(bounds[-1]) or not 0.0 <= q <= 1.0:
+    largest finite bound. None when there are no observations or no +Inf bucket, and when the
+    buckets cannot be believed (`readable_buckets`): a quantile of them would be made up."""
+    if not bounds or not math.isinf(bounds[-1]) or not 0.0 <= q <= 1.0 or len(bounds) != len(bucket_counts):
+        return None
+    if not readable_buckets(bounds, bucket_counts):
         return None
     counts = list(bucket_counts)
-    for i in range(1, len(counts)):  # tolerate non-monotonic buckets, as Prometheus does
-        counts[i] = max(counts[i], counts[i - 1])
     total = counts[-1]
     if total <= 0:
         return None
     rank = q * total
-    index = next(i for i, c in enumerate(counts) if c >= rank)
+    index = next((i for i, c in enumerate(counts) if c >= rank), len(counts) - 1)
     if index == len(bounds) - 1:
         return bounds[-2] if len(bounds) >= 2 else None
     upper = bounds[index]
@@ -367,6 +374,16 @@ def histogram_quantile(q: float, bounds: Sequence[float], bucket_counts: Sequenc
     if in_bucket <= 0:
         return upper
     return lower + (upper - lower) * (rank - below) / in_bucket
+
+
+def readable_buckets(bounds: Sequence[float], bucket_counts: Sequence[float]) -> bool:
+    """Finite, non-negative counts that never go down, under bounds that are numbers and go up."""
+    return (
+        all(math.isfinite(c) and c >= 0 for c in bucket_counts)
+        and all(later >= earlier for earlier, later in itertools.pairwise(bucket_counts))
+        and not any(math.isnan(b) for b in bounds)
+        and all(later > earlier for earlier, later in itertools.pairwise(bounds))
+    )
 
 
 # -- the window ----------------------------------------------------------------------------------
@@ -398,6 +415,8 @@ class _CounterSeries:
             adjusted = tuple(p + (r - last) for p, r, last in zip(previous, raw, self.last_raw))
         self.points.append((timestamp_seconds, adjusted))
         self.last_raw = raw
+        while len(self.points) > MAX_WINDOW_POINTS:
+            self.points.popleft()
 
     def prune(self, oldest_seconds: float) -> None:
         while self.points and self.points[0][0] < oldest_seconds:
@@ -464,6 +483,8 @@ class LatencyWindow:
             self._tokens.add(now, (reading.generation_tokens_total,))
         if reading.waiting is not None:
             self._waiting.append((now, reading.waiting))
+            while len(self._waiting) > MAX_WINDOW_POINTS:
+                self._waiting.popleft()
         oldest = now - self.window_seconds
         for series in (*self._histograms.values(), self._tokens):
             series.prune(oldest)
@@ -471,6 +492,13 @@ class LatencyWindow:
             self._waiting.popleft()
         self._last = reading
         self._error = ""
+
+    def forget(self) -> None:
+        """Drop every point kept: what they say cannot be turned into figures."""
+        self._histograms.clear()
+        self._tokens = _CounterSeries()
+        self._waiting.clear()
+        self._last = None
 
     def add_error(self, error: str) -> None:
         """A failed scrape: the figures keep the last good data and carry the error."""
@@ -482,14 +510,19 @@ class LatencyWindow:
             # Never read: only the error says why (a server without metrics enabled, a hang).
             return ServiceFigures(self.service, "", 0.0, 0.0, error=self._error) if self._error else None
         latency: dict[str, LatencyFigures] = {}
+        unreadable: list[str] = []
         covered = 0.0
         for kind, series in self._histograms.items():
             found = series.delta()
             if found is None or series.shape is None:
                 continue
             seconds, increase = found
-            covered = max(covered, seconds)
             count, total, buckets = increase[0], increase[1], increase[2:]
+            if not (math.isfinite(count) and math.isfinite(total) and readable_buckets(series.shape, buckets)):
+                # Finite pages can still add up to this (a counter near the float limit): no figure.
+                unreadable.append(f"{kind} histogram over the window")
+                continue
+            covered = max(covered, seconds)
             latency[kind] = LatencyFigures(
                 requests=count,
                 mean_seconds=total / count if count > 0 else None,
@@ -497,7 +530,7 @@ class LatencyWindow:
             )
         tokens_per_second: float | None = None
         found_tokens = self._tokens.delta()
-        if found_tokens is not None and found_tokens[0] > 0:
+        if found_tokens is not None and found_tokens[0] > 0 and math.isfinite(found_tokens[1][0]):
             tokens_per_second = found_tokens[1][0] / found_tokens[0]
             covered = max(covered, found_tokens[0])
         elif last.generation_throughput is not None:
@@ -514,5 +547,5 @@ class LatencyWindow:
             generation_tokens_per_second=tokens_per_second,
             waiting_history=tuple(self._waiting),
             resets=max((s.resets for s in (*self._histograms.values(), self._tokens)), default=0),
-            error=self._error,
+            error=self._error or (f"{UNREADABLE}: " + ", ".join(unreadable) if unreadable else ""),
         )

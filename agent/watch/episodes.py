@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from agent.events import CLEARS, Event
+from agent.host import safe_json
 
 FILE_NAME = "episodes.json"
 _CONDITIONS = frozenset(kind for kinds in CLEARS.values() for kind in kinds)
@@ -28,7 +29,7 @@ class Episodes:
         self._lock = threading.Lock()
         self._numbers: dict[str, int] = {}
         with contextlib.suppress(OSError, ValueError):
-            loaded = json.loads(self.path.read_text())
+            loaded = safe_json.loads(self.path.read_text())
             if isinstance(loaded, dict):
                 self._numbers = {str(k): int(v) for k, v in loaded.items()}
 
