@@ -32,8 +32,9 @@ policy_interval_seconds: 1
 #: A start or stop command that writes without end: only its tail may stay in the agent's memory.
 FLOOD = "[/bin/sh, -c, 'yes flooding-output-line-of-a-service-command']"
 
-#: The agent's peak resident memory while a source floods it (VmHWM): far below the floods.
-RSS_BOUND_KIB = 400 * 1024
+#: The agent's peak resident memory while a source floods it (VmHWM): about 65 MB measured on the
+#: simulated node, far below the hundreds of MB a flood writes in a few seconds.
+RSS_BOUND_KIB = 160 * 1024
 
 
 def service(name: str, url: str, extra: str = "") -> str:
@@ -127,7 +128,7 @@ def test_a_trickling_health_endpoint_and_flooding_service_commands_leave_the_act
                 lambda: [
                     r
                     for r in agent.status()["recent_remediations"]
-                    if r["rule"] == "restart-unhealthy" and r["outcome"] not in ("running",)
+                    if r["rule"] == "restart-unhealthy" and r["outcome"] not in ("running", "suppressed")
                 ],
                 WAIT_SECONDS,
                 "the restart to end",
@@ -166,7 +167,7 @@ def test_a_hook_that_floods_and_hangs_is_cut_at_its_timeout(tmp_path: Path) -> N
     rules.mkdir(mode=0o755)
     (rules / "10-test.yaml").write_text(
         "rules:\n  - name: flooding-hook\n    match: {service_unhealthy: {probes: 1}}\n"
-        f"    actions:\n      - run_hook: {{argv: [{hook}], timeout_seconds: 2}}\n    cooldown_seconds: 0\n"
+        f"    actions:\n      - run_hook: {{argv: [{hook}], timeout_seconds: 3}}\n    cooldown_seconds: 0\n"
     )
     os.chmod(rules / "10-test.yaml", 0o644)
     with SlowEndpoint("silent") as silent:
@@ -184,6 +185,6 @@ def test_a_hook_that_floods_and_hangs_is_cut_at_its_timeout(tmp_path: Path) -> N
             )
             detail = finished[0]["detail"]
             assert finished[0]["outcome"] == "failed"
-            assert "timed out after 2 s (process group killed)" in detail and "bytes cut]" in detail, detail
+            assert "timed out after 3 s (process group killed)" in detail and "bytes cut]" in detail, detail
             assert_the_loop_is_unhurt(agent)
             assert peak_rss_kib(agent) < RSS_BOUND_KIB
