@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -188,3 +189,78 @@ def test_a_hook_that_floods_and_hangs_is_cut_at_its_timeout(tmp_path: Path) -> N
             assert "timed out after 3 s (process group killed)" in detail and "bytes cut]" in detail, detail
             assert_the_loop_is_unhurt(agent)
             assert peak_rss_kib(agent) < RSS_BOUND_KIB
+
+
+#: How long the chaos run throws hostile answers at the daemon: long enough for every kind of
+#: answer to reach every reader many times (a request every 0.3 s per probe, 0.5 s per scrape).
+CHAOS_SECONDS = 45.0
+
+
+def test_chaos_every_hostile_source_at_once(tmp_path: Path) -> None:
+    """One server process answers each request with a hostile answer drawn at random (trickled
+    headers, silence, resets, NaN/Inf/non-cumulative/`le="abc"` pages, 120k buckets, 9 MB, 60 000
+    `[`, bytes that are not HTTP, 503, and now and then a good page) to the scrapes, health and
+    generate probes of three services; the services it fails are restarted with stop and start
+    commands that flood their output, and a hook that floods runs on every failure. For the whole
+    run the fans follow the curve, a moved power limit is put back, WATCHDOG=1 never comes late,
+    the agent's memory stays under RSS_BOUND_KIB, and no reader crashes."""
+    hook = tmp_path / "hooks" / "flood.sh"
+    hook.parent.mkdir(mode=0o755)
+    hook.write_text("#!/bin/sh\nyes hook-output-without-end\n")
+    os.chmod(hook, 0o755)
+    rules = tmp_path / "rules.d"
+    rules.mkdir(mode=0o755)
+    (rules / "10-test.yaml").write_text(
+        "rules:\n"
+        "  - name: chaos-hook\n    match: {service_unhealthy: {probes: 1}}\n"
+        f"    actions:\n      - run_hook: {{argv: [{hook}], timeout_seconds: 1}}\n    cooldown_seconds: 0\n"
+        "    max_attempts: 1000\n"
+        "  - name: chaos-restart\n    match: {service_unhealthy: {probes: 1}}\n"
+        "    actions:\n      - restart_service\n    cooldown_seconds: 0\n    max_attempts: 1000\n"
+    )
+    os.chmod(rules / "10-test.yaml", 0o644)
+    flooding = "    command_timeout_seconds: 1\n    ready_timeout_seconds: 1\n    unhealthy_after_probes: 1\n"
+    with SlowEndpoint("chaos", "--seed", "22") as server:
+        text = "services:\n" + service("scraped", server.url("/health"), flooding)
+        text += service("vllm", server.url("/health"), flooding + "    probe: generate\n    kind: vllm\n")
+        text += service("sglang", server.url("/health"), flooding + "    probe: generate\n")
+        text = text.replace("start_command: [/bin/true]", f"start_command: {FLOOD}")
+        text = text.replace("stop_command: [/bin/true]", f"stop_command: {FLOOD}")
+        with running_agent(
+            tmp_path,
+            profile="rtx-pro-6000",
+            policy=POLICY + text,
+            rules_dir=rules,
+            interval=0.5,
+            watchdog_usec=2_000_000,
+        ) as agent:
+            agent.notifications.wait_for("READY", "1")
+            gpus = SimulatedBackend("rtx-pro-6000", agent.state_dir)
+            gpus.init()
+            operator = SimulatedBackend("rtx-pro-6000", agent.state_dir, writable_items=["power_limit"])
+            operator.init()
+            began = time.monotonic()
+            rss_kib: list[int] = []
+            rounds = 0
+            # The pings are stamped when read: read them as they come, beside the checks below.
+            listening = threading.Thread(target=agent.notifications.poll, args=(CHAOS_SECONDS + 30,), daemon=True)
+            listening.start()
+            while time.monotonic() - began < CHAOS_SECONDS:
+                celsius, percent = ((60, 79), (45, 56))[rounds % 2]
+                gpus.set_temperature(0, celsius)
+                operator.set_power_limit_watts(0, 500 + rounds)
+                wait_until(lambda p=percent: gpus.fan_speed_percent(0, 0) == p, WAIT_SECONDS, f"fans at {percent} %")
+                wait_until(lambda: gpus.power_limit_watts(0) == 450.0, WAIT_SECONDS, "the power limit put back")
+                status = Path(f"/proc/{agent.process.pid}/status").read_text()
+                rss_kib.append(int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE).group(1)))  # type: ignore[union-attr]
+                time.sleep(1.0)
+                rounds += 1
+            assert agent.process.poll() is None
+            pings = [t for t in agent.notifications.times("WATCHDOG") if t >= began]
+            assert max(b - a for a, b in itertools.pairwise(pings)) < 1.8, pings
+            assert peak_rss_kib(agent) < RSS_BOUND_KIB, rss_kib
+            served = sum(1 for line in server.lines if line.startswith("request"))
+            log = agent.log()
+    assert rounds >= 5 and served > 100, (rounds, served)
+    assert "crashed" not in log and "Traceback" not in log, log[-3000:]
+    print(f"\nchaos: {rounds} rounds, {served} hostile answers, RSS max {max(rss_kib) // 1024} MiB")

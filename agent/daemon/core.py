@@ -22,6 +22,7 @@ import structlog
 
 from agent.backend.base import GpuEvent
 from agent.config import AgentConfig, ConfigError, load_config
+from agent.daemon.allocator import return_large_buffers
 from agent.daemon.bounded import BoundedRunner
 from agent.daemon.collector import GpuCollector
 from agent.daemon.drift import FAN_CURVE
@@ -331,6 +332,7 @@ class Daemon:
 
     def run(self) -> int:
         self.install_signal_handlers()
+        return_large_buffers()
         try:
             self.start_services()
             snapshot = self.loop_once()
