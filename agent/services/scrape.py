@@ -373,7 +373,8 @@ def histogram_quantile(q: float, bounds: Sequence[float], bucket_counts: Sequenc
     in_bucket = counts[index] - below
     if in_bucket <= 0:
         return upper
-    return lower + (upper - lower) * (rank - below) / in_bucket
+    found = lower + (upper - lower) * (rank - below) / in_bucket
+    return found if math.isfinite(found) else None  # bounds near the float limit: no made-up figure
 
 
 def readable_buckets(bounds: Sequence[float], bucket_counts: Sequence[float]) -> bool:
