@@ -1,6 +1,7 @@
 """Property-based fuzzing of what the agent reads from people, clients and servers: agent.yaml, rules.d,
-the status socket, inference servers' /metrics pages and JSON answers. Whatever comes in, the answer is a valid result or a clear error (a ConfigError whose
-every problem names the file, and the line when there is one; an error response on the socket), never a
+the status socket, inference servers' /metrics pages and JSON answers. Whatever comes in, the answer
+is a valid result or a clear error (a ConfigError whose every problem names the file, and the line
+when there is one; an error response on the socket; a service's `unreadable page`), never a
 traceback, a crash or a hang. The kernel-log parser has its own properties in test_kernel_log_parser.py.
 """
 
