@@ -3,9 +3,13 @@ cumulative histograms over a sliding window, and turn their deltas into quantile
 
 Scraping
 --------
-`scrape(url, ...)` GETs the page with a total deadline (not a per-read timeout: a server that
-drips one byte a second is cut off too) and a size cap (a 50 MB page is an error, never read
-whole), parses it with prometheus-client's text parser and returns one `ServerReading`. Only the
+`scrape(url, ...)` GETs the page with a total deadline covering connect, headers and body (not a
+per-read timeout: a server that drips its headers or body one byte a second is cut off too;
+`agent.host.http_read`) and a size cap (a 50 MB page is an error, never read whole), parses it
+with prometheus-client's text parser and returns one `ServerReading`. A page that cannot be
+believed is a ScrapeError starting "unreadable page": a histogram with NaN, infinite, negative or
+non-cumulative counts, an `le` that is not a number, more than MAX_HISTOGRAM_BUCKETS buckets or
+MAX_SERIES_PER_FAMILY label sets, more than MAX_SELECTED_LINES lines of the families read. Only the
 lines of the families we read are handed to the parser, which keeps a real sglang page (hundreds
 of lines of process and per-stage families) well under a millisecond or two of parsing.
 
@@ -33,7 +37,9 @@ Windows
 token counter), made monotonic across server restarts the way PromQL's `increase()` does: a
 counter that went down started again from zero, so its new value is all increase. The figures
 difference the newest point against the oldest one inside the window; quantiles interpolate
-linearly inside the bucket that holds the rank, as `histogram_quantile` does.
+linearly inside the bucket that holds the rank, as `histogram_quantile` does. A series keeps at
+most MAX_WINDOW_POINTS points, so what one service keeps is bounded; deltas that are not finite
+leave their figure out with an "unreadable page" error.
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 and turning SLO breaches into `service_latency_regression` events with their cause.
 
 `ServiceScraper` runs one thread per service with a metrics URL (a hanging or huge page delays
-nobody else, and never the loop): every interval it scrapes with a deadline and a size cap and
-feeds the service's `LatencyWindow`. `figures()` is what the loop publishes.
+nobody else, and never the loop): every interval it scrapes with a deadline and a size cap, feeds
+the service's `LatencyWindow` and computes its figures there. Whatever the page does to the parser
+or the window (an exception included) is that service's error. `figures()`, the finished figures,
+is what the loop publishes.
 
 `LatencyRegressionWatch` keeps the GPU samples and Xid events of the last window, and per loop
 asks `SloWatch` whether a service misses its SLO, naming the cause from what its GPUs did.
