@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from daemon_harness import DEFAULT_POLICY, write_agent_config
 from slow_endpoint import SlowEndpoint
 
@@ -224,21 +225,34 @@ def test_the_first_page_does_not_pin_the_server_kind(tmp_path: Path) -> None:
         assert (configured.figures()["llm"].kind, configured.figures()["llm"].running) == ("sglang", None)
 
 
-def test_status_direct_reports_an_unreadable_page_instead_of_crashing(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("mode", "error"),
+    [
+        ("file", "unreadable page: sglang:e2e_request_latency_seconds has a bucket le='abc'"),
+        ("drip", "timed out after 2 s"),
+    ],
+)
+def test_status_direct_reports_a_hostile_server_instead_of_crashing_or_hanging(
+    tmp_path: Path, mode: str, error: str
+) -> None:
+    """`le="abc"` crashed `status --direct`; a server trickling its headers hung it."""
     body = tmp_path / "page.txt"
     body.write_text(E2E_PAGE.format(low=5, bound="abc", mid=7, top=9))
-    with SlowEndpoint("file", "--body", str(body)) as server:
-        service = f'services:\n  - {{name: llm, manager: command, start_command: [/bin/true], stop_command: [/bin/true], health_url: "{server.url("/health")}"}}\n'
+    with SlowEndpoint(mode, "--body", str(body), "--interval", "0.2") as server:
+        service = (
+            "services:\n  - {name: llm, manager: command, start_command: [/bin/true], stop_command: [/bin/true],"
+            f' health_url: "{server.url("/health")}"}}\n'
+        )
         config, _port = write_agent_config(tmp_path, mode="observe", policy=DEFAULT_POLICY + service)
+        began = time.monotonic()
         result = subprocess.run(
             [sys.executable, "-m", "agent.cli", "status", "--direct", "--json", "--config", str(config)],
             capture_output=True,
             text=True,
             timeout=60,
         )
+        took = time.monotonic() - began
     assert result.returncode in (0, 2), result.stderr
     (listed,) = json.loads(result.stdout)["services"]
-    assert (
-        listed["metrics"]["metrics_error"]
-        == "unreadable page: sglang:e2e_request_latency_seconds has a bucket le='abc'"
-    )
+    assert listed["metrics"]["metrics_error"] == error
+    assert took < 20, took
