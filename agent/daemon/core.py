@@ -23,6 +23,7 @@ import structlog
 from agent.backend import load_checked_config
 from agent.backend.base import GpuEvent
 from agent.config import AgentConfig, ConfigError
+from agent.daemon.allocator import return_large_buffers
 from agent.daemon.bounded import BoundedRunner
 from agent.daemon.collector import GpuCollector
 from agent.daemon.intake import EventIntake
@@ -352,6 +353,7 @@ class Daemon:
 
     def run(self) -> int:
         self.install_signal_handlers()
+        return_large_buffers()
         try:
             self.start_services()
             snapshot = self.loop_once()

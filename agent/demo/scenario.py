@@ -30,6 +30,7 @@ from typing import Any
 from agent import api
 from agent.demo import standin
 from agent.demo.alertmanager import DemoAlertmanager, find_alertmanager
+from agent.host import safe_json
 from agent.policy.names import POWER_LIMIT
 
 SERVICE_PID_FILE = "sglang.pid"  # the stand-in inference server's, in the demo directory
@@ -408,7 +409,7 @@ def _alert_arrival(demo: Demo, rule: str) -> str:
 
 
 def _plan_summary(demo: Demo) -> str:
-    document = json.loads(demo.cli("plan", "--json", ok_codes=(0, 2)))
+    document = safe_json.loads(demo.cli("plan", "--json", ok_codes=(0, 2)))
     drifting = [i for i in document["items"] if i["status"] != "in_sync" and i["status"] != "not_applicable"]
     lines = [f"   {len(drifting)} of {len(document['items'])} items differ from the policy, for example:"]
     lines += [

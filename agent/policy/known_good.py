@@ -20,7 +20,7 @@ from typing import Any
 import structlog
 
 from agent.config import AgentConfig, Mode, SimulatedConfig
-from agent.host import file_reads
+from agent.host import file_reads, safe_json
 from agent.policy.names import FAN_CURVE, LOCKED_CLOCKS
 
 log = structlog.get_logger("gpu-agent")
@@ -62,7 +62,7 @@ def recorded_items(state_dir: str | Path) -> frozenset[str]:
 
 def _read(state_dir: Path) -> dict[str, Any] | None:
     try:
-        document = json.loads(file_reads.read_text(state_dir / RECORD_NAME, _RECORD_LIMIT_BYTES))
+        document = safe_json.loads(file_reads.read_text(state_dir / RECORD_NAME, _RECORD_LIMIT_BYTES))
     except (OSError, ValueError):
         return None
     return document if isinstance(document, dict) else None

@@ -60,7 +60,7 @@ import structlog
 
 from agent import trust
 from agent.events import Event, event_from_json, event_json
-from agent.host import file_reads
+from agent.host import file_reads, safe_json
 from agent.rules.model import ActionOutcome, Decision, Outcome
 from agent.state import RemediationCount
 from agent.store.acks import ALL, Acknowledgements, Circuit
@@ -303,7 +303,7 @@ def _stored_event(row: tuple[Any, ...]) -> StoredEvent:
     """A row of `SELECT key, <_EVENT_FIELDS>, handled FROM events`."""
     key, *values, handled = row
     document = dict(zip(_EVENT_FIELDS, values, strict=True))
-    document["data"] = json.loads(document["data"])
+    document["data"] = safe_json.loads(document["data"])
     return StoredEvent(event_from_json(document, key), bool(handled))
 
 
@@ -532,7 +532,7 @@ class Store(BootTables, Acknowledgements):
                 finished_seconds=row[1],
                 rule=row[2],
                 action=row[3],
-                params=json.loads(row[4]),
+                params=safe_json.loads(row[4]),
                 target_key=row[5],
                 gpu=row[6],
                 uuid=row[7],
@@ -546,7 +546,7 @@ class Store(BootTables, Acknowledgements):
                 dry_run=bool(row[15]),
                 counted=bool(row[16]),
                 acked=bool(row[17]),
-                steps=tuple(json.loads(row[18])),
+                steps=tuple(safe_json.loads(row[18])),
             )
             for row in rows
         ]
@@ -579,7 +579,7 @@ class Store(BootTables, Acknowledgements):
             row = db.execute("SELECT steps FROM remediations WHERE id = ?", (row_id,)).fetchone()
             if row is None:
                 return
-            steps = [*json.loads(row[0]), step]
+            steps = [*safe_json.loads(row[0]), step]
             db.execute(
                 "UPDATE remediations SET steps = ?, detail = ? WHERE id = ?", (_dumps(steps), "; ".join(steps), row_id)
             )
@@ -627,7 +627,9 @@ class Store(BootTables, Acknowledgements):
             (Outcome.RUNNING.value,),
         )
         return [
-            JournalEntry(row_id, started, rule, action, target_key, gpu, service, tuple(json.loads(steps)), boot_id)
+            JournalEntry(
+                row_id, started, rule, action, target_key, gpu, service, tuple(safe_json.loads(steps)), boot_id
+            )
             for row_id, started, rule, action, target_key, gpu, service, steps, boot_id in rows
         ]
 

@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from agent.events import CLEARS, Event
-from agent.host import file_reads
+from agent.host import file_reads, safe_json
 
 FILE_NAME = "episodes.json"
 _CONDITIONS = frozenset(kind for kinds in CLEARS.values() for kind in kinds)
@@ -31,7 +31,7 @@ class Episodes:
         self._lock = threading.Lock()
         self._numbers: dict[str, int] = {}
         with contextlib.suppress(OSError, ValueError):
-            loaded = json.loads(file_reads.read_text(self.path, _FILE_LIMIT_BYTES))
+            loaded = safe_json.loads(file_reads.read_text(self.path, _FILE_LIMIT_BYTES))
             if isinstance(loaded, dict):
                 self._numbers = {str(k): int(v) for k, v in loaded.items()}
 
