@@ -58,8 +58,11 @@ def wait_until_idle(
         left = deadline - now
         if url is None:
             return DrainWait("unreadable", now - began, None, "no metrics URL")
+        # The last reading, at the deadline, still gets a real chance to answer (up to 1 s past it):
+        # "still running N requests" is what the operator needs to read, not a scrape cut at 0 s.
+        scrape_seconds = max(min(service.probe_timeout_seconds, left), min(service.probe_timeout_seconds, 1.0))
         try:
-            reading = scrape(url, service.kind, max(min(service.probe_timeout_seconds, left), 0.01), DEFAULT_MAX_BYTES)
+            reading = scrape(url, service.kind, scrape_seconds, DEFAULT_MAX_BYTES)
         except ScrapeError as exc:
             return DrainWait("unreadable", clock() - began, running, str(exc))
         running = reading.running

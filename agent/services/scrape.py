@@ -371,14 +371,16 @@ def _histograms_by_series(samples: Sequence[Sample], family: str) -> dict[Series
             sums[key] = value
         if len(buckets) > MAX_SERIES_PER_FAMILY:
             raise ScrapeError(f"{UNREADABLE}: {family} has more than {MAX_SERIES_PER_FAMILY} label sets")
+    for by_bound in buckets.values():
+        bounds = tuple(sorted(by_bound))
+        problem = _unreadable_series(family, bounds, [by_bound[b] for b in bounds])
+        if problem:
+            raise ScrapeError(f"{UNREADABLE}: {problem}")
     if not all(math.isfinite(v) and v >= 0 for v in (*counts.values(), *sums.values())):
         raise ScrapeError(f"{UNREADABLE}: {family} has a count or sum that is not a finite number")
     found: dict[SeriesKey, Histogram] = {}
     for key, by_bound in buckets.items():
         bounds = tuple(sorted(by_bound))
-        problem = _unreadable_series(family, bounds, [by_bound[b] for b in bounds])
-        if problem:
-            raise ScrapeError(f"{UNREADABLE}: {problem}")
         if not bounds or not math.isinf(bounds[-1]):
             continue  # no +Inf bucket: not a histogram quantiles can be drawn from
         found[key] = Histogram(

@@ -350,7 +350,7 @@ def test_a_histogram_that_cannot_be_believed_is_an_unreadable_page(text: str, wh
     with pytest.raises(ScrapeError, match=r"^unreadable page: sglang:e2e_request_latency_seconds has .*") as caught:
         parse_reading(text, "sglang")
     assert why in str(caught.value)
-    assert parse_reading(page(GOOD), "sglang").histograms["e2e"].bucket_counts == (4, 8, 10)
+    assert parse_reading(page(GOOD), "sglang").histograms["e2e"][()].bucket_counts == (4, 8, 10)
 
 
 def test_gauges_that_are_not_finite_numbers_are_absent() -> None:
@@ -395,7 +395,8 @@ def test_too_many_buckets_or_label_sets_are_unreadable_pages() -> None:
     many = {f"{i}": str(i) for i in range(1, MAX_HISTOGRAM_BUCKETS + 1)} | {"+Inf": "1000"}
     with pytest.raises(ScrapeError, match=f"has {MAX_HISTOGRAM_BUCKETS + 1} buckets, more than the"):
         parse_reading(page(many), "sglang")
-    series = [f'{E2E}_bucket{{le="+Inf",tp_rank="{i}"}} 1' for i in range(MAX_SERIES_PER_FAMILY + 1)]
+    # engines, not TP ranks: a TP rank's copies of one batch are read once
+    series = [f'{E2E}_bucket{{le="+Inf",engine="{i}"}} 1' for i in range(MAX_SERIES_PER_FAMILY + 1)]
     with pytest.raises(ScrapeError, match=f"more than {MAX_SERIES_PER_FAMILY} label sets"):
         parse_reading(f"# TYPE {E2E} histogram\n" + "\n".join(series) + "\n", "sglang")
 
@@ -411,7 +412,9 @@ def test_the_window_keeps_a_bounded_number_of_points_of_bounded_size() -> None:
         for step in range(3000):
             counts = tuple(float(step * 1000 + i) for i in range(len(bounds)))
             histogram = Histogram(bounds, counts, counts[-1], 1.0)
-            window.add(ServerReading(step * 0.1, "sglang", dict.fromkeys(("e2e", "ttft", "itl"), histogram), waiting=1))
+            window.add(
+                ServerReading(step * 0.1, "sglang", dict.fromkeys(("e2e", "ttft", "itl"), {(): histogram}), waiting=1)
+            )
         kept = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(before, "filename"))
     finally:
         tracemalloc.stop()
