@@ -276,5 +276,5 @@ def test_a_bucket_bound_that_is_no_number_is_a_scrape_error() -> None:
         'vllm:e2e_request_latency_seconds_bucket{engine="0",le="soon"} 1\n'
         'vllm:e2e_request_latency_seconds_bucket{engine="0",le="+Inf"} 1\n'
     )
-    with pytest.raises(ScrapeError, match="unreadable page: .* has a bucket le='soon'"):
+    with pytest.raises(ScrapeError, match=r"unreadable page: .* has a bucket le='soon'"):
         parse_reading(page, kind="vllm")

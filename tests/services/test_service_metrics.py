@@ -413,7 +413,9 @@ def test_the_window_keeps_a_bounded_number_of_points_of_bounded_size() -> None:
             counts = tuple(float(step * 1000 + i) for i in range(len(bounds)))
             histogram = Histogram(bounds, counts, counts[-1], 1.0)
             window.add(
-                ServerReading(step * 0.1, "sglang", dict.fromkeys(("e2e", "ttft", "itl"), {(): histogram}), waiting=1)
+                ServerReading(
+                    step * 0.1, "sglang", {kind: {(): histogram} for kind in ("e2e", "ttft", "itl")}, waiting=1
+                )
             )
         kept = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(before, "filename"))
     finally:
