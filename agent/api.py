@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import socketserver
+import tempfile
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -83,21 +84,39 @@ class _RequestHandler(socketserver.StreamRequestHandler):
 
 
 class ApiServer:
+    """The socket at `path`, 0600 (0660 and group `group` when one is given), served on a thread.
+
+    The socket is bound in a private directory beside `path`, given its group there, and renamed
+    into place: it appears at `path` complete, nothing on the way follows a link someone planted at
+    `path`, and an old server on the same path keeps answering until the new socket replaces it
+    (a reload)."""
+
     def __init__(self, path: str | Path, handlers: Mapping[str, Handler], group: str | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()  # a stale socket from a killed agent
-        old_umask = os.umask(0o177)  # created 0600: no window where others could connect
+        gid = None if group is None else grp.getgrnam(group).gr_gid
+        staging = Path(tempfile.mkdtemp(prefix=".", dir=self.path.parent))  # 0700, ours alone
+        staged = staging / "s"
+        # Created with its final mode: no window where others could connect. Group read/write is
+        # what api.group asks for.
+        old_umask = os.umask(0o177 if gid is None else 0o117)
         try:
-            self._server = _Server(str(self.path), _RequestHandler)
+            self._server = _Server(str(staged), _RequestHandler)
+            try:
+                if gid is not None:
+                    os.chown(staged, -1, gid, follow_symlinks=False)
+                bound = os.lstat(staged)
+                # Replaces whatever is at `path` (a stale socket from a killed agent, a link) without following it.
+                os.replace(staged, self.path)
+            except BaseException:
+                self._server.server_close()
+                raise
         finally:
             os.umask(old_umask)
+            staged.unlink(missing_ok=True)
+            staging.rmdir()
+        self._inode = (bound.st_dev, bound.st_ino)
         self._server.handlers = handlers
-        if group is not None:
-            os.chown(self.path, -1, grp.getgrnam(group).gr_gid)
-            # Group read/write is what api.group asks for.
-            os.chmod(self.path, 0o660)  # nosec B103
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, name="api", daemon=True
         )
@@ -108,8 +127,11 @@ class ApiServer:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+        # A newer server may have taken the path over (a reload that changed api.group): leave its socket.
         with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+            found = os.lstat(self.path)
+            if (found.st_dev, found.st_ino) == self._inode:
+                self.path.unlink()
 
 
 def call(path: str | Path, method: str, params: Mapping[str, Any] | None = None, timeout_seconds: float = 5.0) -> Any:

@@ -183,3 +183,7 @@ class NodeSnapshot:
     expected_gpus: int | None = None  # how many GPUs this node should show (set by the publisher)
     recent_remediations: tuple[RecentRemediation, ...] = ()
     rules_sources: tuple[str, ...] = ()  # `/usr/share/.../10-xid.yaml`, `... (overrides ...)`, `...: masked (...)`
+    # the last reload (set by the publisher): why it was refused ("" when it was applied), and the
+    # settings whose change only a restart applies, so the running config was kept whole
+    reload_error: str = ""
+    config_pending_restart: tuple[str, ...] = ()

@@ -93,6 +93,18 @@ def attention(snapshot: NodeSnapshot, mode: str) -> list[str]:
         if snapshot.item_modes.get(plan.item, mode) == "enforce":
             where = "" if plan.gpu is None else f" on GPU {plan.gpu}"
             reasons.append(f"policy drift: {plan.item}{where} (want {plan.desired}, have {plan.actual})")
+    reasons += reload_attention(snapshot)
+    return reasons
+
+
+def reload_attention(snapshot: NodeSnapshot) -> list[str]:
+    """A config on disk the daemon does not run: a reload it refused, or a change only a restart applies.
+    The running config stays whole in both cases, so what the operator edited is not in effect."""
+    reasons: list[str] = []
+    if snapshot.config_pending_restart:
+        reasons.append("config change needs a restart: " + ", ".join(snapshot.config_pending_restart))
+    if snapshot.reload_error:
+        reasons.append(f"config reload failed (running the previous config): {snapshot.reload_error}")
     return reasons
 
 
