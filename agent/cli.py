@@ -256,7 +256,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         _print(textview.dumps(document))
     else:
         colour = textview.use_colour(sys.stdout)
-        _print(textview.status_text(document, width=textview.screen_width(), colour=colour))
+        _print(textview.status_text(document, width=textview.screen_width(sys.stdout), colour=colour))
     return textview.status_exit_code(document)
 
 
