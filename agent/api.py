@@ -13,15 +13,10 @@ import json
 import os
 import socket
 import socketserver
-import tempfile
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
-
-import structlog
-
-log = structlog.get_logger("gpu-agent")
 
 MAX_REQUEST_BYTES = 64 * 1024
 REQUEST_TIMEOUT_SECONDS = 5.0
@@ -54,7 +49,9 @@ def handle_request(line: bytes, handlers: Mapping[str, Handler]) -> dict[str, An
     except ApiError as exc:
         return {"ok": False, "error": str(exc)}
     except Exception as exc:  # a handler's bug answers this client with an error, never kills its thread silently
-        log.exception("API method failed", method=method)
+        import structlog  # the server's: `gpu-agent status` imports this module for `call` alone
+
+        structlog.get_logger("gpu-agent").exception("API method failed", method=method)
         return {"ok": False, "error": f"internal error in {method}: {type(exc).__name__}"}
 
 
@@ -94,6 +91,8 @@ class ApiServer:
     def __init__(self, path: str | Path, handlers: Mapping[str, Handler], group: str | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        import tempfile  # the server's alone: `gpu-agent status` imports this module for `call`
+
         gid = None if group is None else grp.getgrnam(group).gr_gid
         staging = Path(tempfile.mkdtemp(prefix=".", dir=self.path.parent))  # 0700, ours alone
         staged = staging / "s"

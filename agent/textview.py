@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import textwrap
 import time
 from collections.abc import Sequence
@@ -89,7 +88,14 @@ def screen_width(stream: IO[str]) -> int | None:
     nobody could scroll sideways to the rest of a cut line."""
     if not stream.isatty():
         return None
-    return max(_MIN_SCREEN_COLUMNS, shutil.get_terminal_size((80, 24)).columns)
+    # shutil.get_terminal_size's order ($COLUMNS, then the terminal) without shutil's imports
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdecimal() and int(columns) > 0:
+        return max(_MIN_SCREEN_COLUMNS, int(columns))
+    try:
+        return max(_MIN_SCREEN_COLUMNS, os.get_terminal_size(stream.fileno()).columns)
+    except (OSError, ValueError):
+        return 80
 
 
 def fit(line: str, width: int | None) -> list[str]:
