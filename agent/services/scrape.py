@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import http.client
 import math
+import re
 import time
 import urllib.parse
 from collections import deque
@@ -246,7 +247,86 @@ def _select_lines(text: str, wanted: frozenset[str]) -> str:
     return "\n".join(kept) + "\n"
 
 
-def _sum_histogram(samples: Sequence[tuple[str, dict[str, str], float]], family: str) -> Histogram | None:
+#: One sample of a page: its name, labels and value.
+SampleRow = tuple[str, dict[str, str], float]
+
+# A sample line as servers write them: no escapes in label values, a plain number. Anything else
+# (escapes, odd spacing, a bad line) goes to prometheus_client's parser, which judges it.
+_LABEL_PAIR = r'[a-zA-Z_][a-zA-Z0-9_]*="[^"\\]*"'
+_SAMPLE_LINE = re.compile(
+    r"([a-zA-Z_:][a-zA-Z0-9_:]*)"
+    rf"(?:\{{((?:{_LABEL_PAIR}(?:,{_LABEL_PAIR})*,?)?)\}})?"
+    r"[ \t]+([-+]?(?:[0-9]+\.?[0-9]*(?:[eE][-+]?[0-9]+)?|\.[0-9]+(?:[eE][-+]?[0-9]+)?|Inf|NaN))"
+    r"(?:[ \t]+-?[0-9]+)?[ \t]*"
+)
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="([^"]*)"')
+
+
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+#: The sample names prometheus_client's parser files under a family of each type.
+_TYPE_SUFFIXES: dict[str, tuple[str, ...]] = {
+    "counter": ("",),
+    "gauge": ("",),
+    "summary": ("_count", "_sum", ""),
+    "histogram": ("_count", "_sum", "_bucket"),
+}
+
+
+def _parse_families(text: str) -> dict[str, list[SampleRow]]:
+    """Family name -> its samples, as prometheus_client's parser files them (a counter under its
+    name without `_total`, its samples with it). A page as servers write it (each family's HELP
+    and TYPE, then its samples, plain label values and numbers) is read here at a fraction of that
+    parser's cost (every service is scraped every loop); any other page goes to that parser, which
+    judges it. ScrapeError when the text is not Prometheus text."""
+    parsed: dict[str, list[SampleRow]] = {}
+    opened: set[str] = set()
+    name, kind = "", "untyped"
+    allowed: tuple[str, ...] = ("",)
+    for line in text.splitlines():
+        if not line:
+            continue
+        if line.startswith("#"):
+            parts = line.split(None, 3)
+            if len(parts) < 3 or parts[1] not in ("HELP", "TYPE") or not _METRIC_NAME.fullmatch(parts[2]):
+                return _parse_families_slowly(text)
+            if parts[2] != name:
+                if parts[2] in opened:  # a family seen before: the parser keeps only its last block
+                    return _parse_families_slowly(text)
+                opened.add(parts[2])
+                name, kind, allowed = parts[2], "untyped", ("",)
+            if parts[1] == "TYPE":
+                if len(parts) < 4:
+                    return _parse_families_slowly(text)
+                kind = parts[3].strip()
+                allowed = _TYPE_SUFFIXES.get(kind, ("",))
+            continue
+        match = _SAMPLE_LINE.fullmatch(line)
+        if match is None or not name:  # not plain, or a sample with no HELP or TYPE before it
+            return _parse_families_slowly(text)
+        sample, labels, value = match.groups()
+        if not sample.startswith(name) or sample[len(name) :] not in allowed:
+            return _parse_families_slowly(text)  # the parser makes it a family of its own
+        family = name
+        if kind == "counter":
+            if name.endswith("_total"):
+                family = name[: -len("_total")]
+            else:
+                sample += "_total"
+        parsed.setdefault(family, []).append((sample, dict(_LABEL.findall(labels)) if labels else {}, float(value)))
+    return parsed
+
+
+def _parse_families_slowly(text: str) -> dict[str, list[SampleRow]]:
+    try:
+        return {
+            family.name: [(s.name, s.labels, float(s.value)) for s in family.samples]
+            for family in text_string_to_metric_families(text)
+        }
+    except (ValueError, IndexError, KeyError) as exc:
+        raise ScrapeError(f"not Prometheus text: {exc}") from None
+
+
+def _sum_histogram(samples: Sequence[SampleRow], family: str) -> Histogram | None:
     by_series: dict[tuple[tuple[str, str], ...], dict[float, float]] = {}
     counts: dict[tuple[tuple[str, str], ...], float] = {}
     sums: dict[tuple[tuple[str, str], ...], float] = {}
@@ -282,19 +362,16 @@ def parse_reading(text: str, kind: str | None = None, timestamp_seconds: float |
     if families is None:
         return ServerReading(now, kind)
     wanted = families.names()
-    try:
-        parsed = {f.name: f for f in text_string_to_metric_families(_select_lines(text, wanted))}
-    except (ValueError, IndexError, KeyError) as exc:
-        raise ScrapeError(f"not Prometheus text: {exc}") from None
+    parsed = _parse_families(_select_lines(text, wanted))
 
     found: dict[str, str] = {}
 
-    def samples_of(figure: str, candidates: tuple[str, ...]) -> tuple[str, list[tuple[str, dict[str, str], float]]]:
+    def samples_of(figure: str, candidates: tuple[str, ...]) -> tuple[str, list[SampleRow]]:
         for name in candidates:
-            family = parsed.get(name) or parsed.get(name + "_total")
-            if family is not None and family.samples:
+            samples = parsed.get(name) or parsed.get(name + "_total")
+            if samples:
                 found[figure] = name
-                return name, [(s.name, s.labels, float(s.value)) for s in family.samples]
+                return name, samples
         return "", []
 
     def summed(figure: str, candidates: tuple[str, ...], suffix: str = "") -> float | None:
