@@ -149,11 +149,11 @@ def commands_for(node: Node, report: Report) -> dict[str, list[str]]:
     return commands
 
 
-def timed(argv: Sequence[str], env: dict[str, str]) -> tuple[float, int]:
+def timed(argv: Sequence[str], env: dict[str, str], cwd: Path) -> tuple[float, int]:
     """(wall seconds, exit code) of one process, output discarded: what a shell's `time` shows."""
     started = time.perf_counter()
     done = subprocess.run(
-        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=REPO_ROOT, timeout=120, check=False
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=cwd, timeout=120, check=False
     )
     return time.perf_counter() - started, done.returncode
 
@@ -170,16 +170,18 @@ def time_commands(
         source = None
     if source != "daemon":
         raise RuntimeError(f"`status` did not answer from the daemon (source {source}): {answered.stderr[-500:]}")
-    env = agent_env({"PYTHONPATH": str(agent_tree)} if agent_tree is not None else None)
+    # `python -m` puts the working directory first on sys.path: the tree to time is where it runs.
+    tree = (agent_tree or REPO_ROOT).resolve()
+    env = agent_env({"PYTHONPATH": str(tree)})
     names = list(commands)
     exits: dict[str, set[int]] = {name: set() for name in names}
     for name in names:  # warm the page cache: the first start of anything is an outlier
-        timed(commands[name], env)
+        timed(commands[name], env, tree)
     times: dict[str, list[float]] = {name: [] for name in names}
     for done in range(runs):
         shift = done % len(names)
         for name in names[shift:] + names[:shift]:
-            seconds, code = timed(commands[name], env)
+            seconds, code = timed(commands[name], env, tree)
             times[name].append(seconds)
             exits[name].add(code)
     return times, {name: sorted(codes) for name, codes in exits.items()}
