@@ -55,6 +55,47 @@ def handle_request(line: bytes, handlers: Mapping[str, Handler]) -> dict[str, An
         return {"ok": False, "error": f"internal error in {method}: {type(exc).__name__}"}
 
 
+class ServingThread:
+    """`server` served on a daemon thread that sleeps until a client comes or `stop()` is called.
+
+    socketserver's `serve_forever` wakes every poll interval to look at its stop flag: on an idle
+    daemon, ten times a second for each server (about a quarter of the daemon's CPU on an H200).
+    Here a pipe wakes the loop instead, so it stops at once and costs nothing while idle."""
+
+    def __init__(self, server: socketserver.TCPServer, name: str) -> None:
+        self.server = server
+        self._wake_read, self._wake_write = os.pipe2(os.O_CLOEXEC)
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _serve(self) -> None:
+        import selectors
+
+        with selectors.PollSelector() as selector:
+            selector.register(self.server.fileno(), selectors.EVENT_READ)
+            selector.register(self._wake_read, selectors.EVENT_READ)
+            while True:
+                ready = [key.fileobj for key, _ in selector.select()]
+                if self._wake_read in ready:
+                    return
+                # what serve_forever does once select() says a client is waiting
+                self.server._handle_request_noblock()  # type: ignore[attr-defined]
+                self.server.service_actions()
+
+    def stop(self, timeout_seconds: float = 5.0) -> None:
+        """Stop serving (a request being handled finishes on its own thread) and close the socket."""
+        with contextlib.suppress(OSError):
+            os.write(self._wake_write, b"x")
+        if self._thread.is_alive():
+            self._thread.join(timeout_seconds)
+        self.server.server_close()
+        for fd in (self._wake_read, self._wake_write):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
     # socketserver's default backlog of 5 turns a burst of `gpu-agent status` callers (a monitoring
@@ -116,16 +157,13 @@ class ApiServer:
             staging.rmdir()
         self._inode = (bound.st_dev, bound.st_ino)
         self._server.handlers = handlers
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, name="api", daemon=True
-        )
+        self._serving = ServingThread(self._server, "api")
 
     def start(self) -> None:
-        self._thread.start()
+        self._serving.start()
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self._serving.stop()
         # A newer server may have taken the path over (a reload that changed api.group): leave its socket.
         with contextlib.suppress(FileNotFoundError):
             found = os.lstat(self.path)
