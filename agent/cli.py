@@ -309,6 +309,8 @@ def api_socket_without_yaml(raw: bytes) -> str | None:
     `api: {socket: PATH}`), read without importing the YAML parser (`status` starts in a third of the
     time); None for anything else (quotes, escapes, anchors, merge keys, several documents, an `api`
     key in any other place): then the YAML parser reads it. The default socket when there is no `api`."""
+    if not raw.isascii():  # a byte-order mark, another encoding, names beyond ASCII: the parser's
+        return None
     content = _COMMENT.sub(b"", raw)
     if _YAML_MACHINERY.search(content) or b"\\" in content:
         return None

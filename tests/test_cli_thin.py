@@ -122,15 +122,21 @@ CONFIGS: list[bytes] = [
     b"api: {socket: relative.sock}\n",
     b"api:\n  socket: /tmp/a.sock\n  socket: /tmp/b.sock\n",
     b"mode: observe # api: {socket: /tmp/commented.sock}\n",
+    b"\xef\xbb\xbfapi: {socket: /tmp/byte-order-mark.sock}\n",
+    "api: {socket: /tmp/sock\u00e9t.sock}\n".encode(),
+    b"api: {socket: /tmp/a.sock}\r\n",
+    b"api:\n\tsocket: /tmp/tab.sock\n",
+    b"api:\n  socket: /tmp/a.sock\n# a comment at the margin\n  group: adm\nmode: observe\n",
 ]
 
 
-def parsed_socket(raw: bytes) -> str | None:
-    """What the YAML parser makes of `api.socket`: the path, or None when it refuses the file."""
+def parsed_socket(raw: bytes) -> str:
+    """The socket `status` asks through the YAML parser: `api.socket`, or the default one when
+    there is none or the parser refuses the file (the direct read then reports why)."""
     try:
         data = safe_yaml.load_bytes(raw, "agent.yaml").data
     except safe_yaml.ConfigError:
-        return None
+        return DEFAULT_SOCKET_PATH
     api = data.get("api") if isinstance(data, dict) else None
     socket = api.get("socket") if isinstance(api, dict) else None
     return str(socket) if isinstance(socket, str) else DEFAULT_SOCKET_PATH
