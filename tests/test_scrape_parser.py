@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+from prometheus_client import parser as prometheus_parser
 
 from agent.demo.standin import Traffic
 from agent.services import scrape
@@ -62,7 +63,7 @@ def test_every_page_reads_the_same_as_prometheus_client_reads_it(name: str, monk
 def test_pages_as_servers_write_them_need_no_prometheus_client(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The stand-in writes its page as sglang and vLLM do (prometheus_client's exposition)."""
     calls: list[str] = []
-    monkeypatch.setattr(scrape, "text_string_to_metric_families", lambda t: calls.append(t) or iter(()))
+    monkeypatch.setattr(prometheus_parser, "text_string_to_metric_families", lambda t: calls.append(t) or iter(()))
     assert parse_reading(PAGES[name], None, timestamp_seconds=1.0).histograms
     assert calls == []
 

@@ -48,8 +48,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from prometheus_client.parser import text_string_to_metric_families
-
 ServerKind = Literal["sglang", "vllm", "generic"]
 LatencyKind = Literal["e2e", "ttft", "itl"]
 
@@ -317,6 +315,8 @@ def _parse_families(text: str) -> dict[str, list[SampleRow]]:
 
 
 def _parse_families_slowly(text: str) -> dict[str, list[SampleRow]]:
+    from prometheus_client.parser import text_string_to_metric_families  # only for pages out of the plain shape
+
     try:
         return {
             family.name: [(s.name, s.labels, float(s.value)) for s in family.samples]
