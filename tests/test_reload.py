@@ -139,6 +139,7 @@ def test_a_state_dir_change_is_refused_whole_and_shown_until_a_restart(tmp_path:
         snapshot = daemon.publisher.get()
         assert snapshot is not None
         assert "config change needs a restart: state_dir" in status_line(snapshot)
+        assert "all healthy" not in status_line(snapshot)
         # the next loop's snapshot still says so
         daemon.loop_once()
         snapshot = daemon.publisher.get()

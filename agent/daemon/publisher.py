@@ -144,11 +144,12 @@ def status_line(snapshot: NodeSnapshot) -> str:
     drift = len(drifted(snapshot))
     problem = node_problem(snapshot)
     parts = [f"PROBLEM: {problem.detail}"] if problem is not None else []
-    parts += reload_attention(snapshot)
+    config = reload_attention(snapshot)  # the config on disk is not the one running: never "all healthy"
+    parts += config
     parts.append(f"{total} GPUs")
     if unhealthy or degraded:
         parts.append(f"{unhealthy} unhealthy, {degraded} degraded")
-    elif problem is None:
+    elif problem is None and not config:
         parts.append("all healthy")
     if snapshot.stale_gpus:
         parts.append(f"{len(snapshot.stale_gpus)} stale")
