@@ -15,6 +15,9 @@ from agent.services.text import status_line, unattributed_lines
 JSON_SCHEMA_VERSION = 1
 
 
+_MIN_WRAP_COLUMNS = 8  # a wrapping table column is never narrower than this
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(line for block in table_blocks(headers, rows) for line in block)
 
@@ -49,9 +52,6 @@ def table_blocks(
             ]
         )
     return blocks
-
-
-_MIN_WRAP_COLUMNS = 8
 
 
 def dumps(document: dict[str, Any]) -> str:
