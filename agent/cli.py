@@ -6,14 +6,13 @@ import argparse
 import contextlib
 import errno
 import os
+import re
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 from agent import __version__
-from agent.backend.errors import NO_DRIVER_KINDS, GpuError
-from agent.config_errors import ConfigError, ConfigProblem
 from agent.defaults import DEFAULT_CONFIG_PATH, DEFAULT_SOCKET_PATH
 
 if TYPE_CHECKING:  # the heavy modules (pydantic models, the policy engine) load only for commands that use them
@@ -126,6 +125,7 @@ def _check_rules_dirs_exist(path: Path, missing: Sequence[Path], *, from_config:
     """A rules directory named that does not exist is a typo the daemon would run with, without its
     rules: an error. Only the default directory for the admin's overrides may be absent."""
     from agent.config import parse_yaml, read_trusted_text
+    from agent.config_errors import ConfigError, ConfigProblem
     from agent.defaults import DEFAULT_RULES_DIR
 
     wrong = [d for d in missing if str(d) != DEFAULT_RULES_DIR]
@@ -143,6 +143,7 @@ def _check_rules_dirs_exist(path: Path, missing: Sequence[Path], *, from_config:
 
 def _check_hooks(rules: Sequence[Rule]) -> None:
     """The hooks the rules would run, checked now rather than refused at 3 a.m. when a fault needs them."""
+    from agent.config_errors import ConfigError, ConfigProblem
     from agent.rules.model import ActionKind
     from agent.trust import executable_problem
 
@@ -163,6 +164,7 @@ def _check_hooks(rules: Sequence[Rule]) -> None:
 
 def _check_drain_hooks(config: AgentConfig, file: str) -> None:
     """The services' drain hooks, checked as the rules' hooks are: refused now, not mid-restart."""
+    from agent.config_errors import ConfigError, ConfigProblem
     from agent.trust import executable_problem
 
     problems: list[ConfigProblem] = []
@@ -246,6 +248,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
     that no longer validates does not stop it: it then restores fans and locked clocks on every GPU
     through the backend the daemon last ran with (agent.policy.known_good), or NVML."""
     from agent import documents, render, textview
+    from agent.config_errors import ConfigError
     from agent.policy import known_good
     from agent.policy.base import ApplyOutcome
     from agent.policy.registry import RESTORABLE_NAMES
@@ -306,12 +309,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         _print(textview.dumps(document))
     else:
         colour = textview.use_colour(sys.stdout)
-        _print(textview.status_text(document, width=textview.screen_width(), colour=colour))
+        _print(textview.status_text(document, width=textview.screen_width(sys.stdout), colour=colour))
     return textview.status_exit_code(document)
 
 
 def _socket_path(args: argparse.Namespace) -> str:
-    from agent import safe_yaml
+    from agent.defaults import MAX_YAML_BYTES
     from agent.trust import TooLargeError, UntrustedError, read_trusted
 
     path, _ = _config_path(args)
@@ -320,12 +323,82 @@ def _socket_path(args: argparse.Namespace) -> str:
     # The same trust check and bounded loader as the daemon's: a config that would be refused
     # (or a parser bomb) must neither point status at another socket nor take the command down.
     try:
-        data = safe_yaml.load_bytes(read_trusted(path, limit_bytes=safe_yaml.MAX_YAML_BYTES), str(path)).data
-    except (OSError, UntrustedError, TooLargeError, ConfigError):
+        raw = read_trusted(path, limit_bytes=MAX_YAML_BYTES)
+    except (OSError, UntrustedError, TooLargeError):
         return DEFAULT_SOCKET_PATH  # the direct read then reports the config problem properly
+    socket_path = api_socket_without_yaml(raw)
+    if socket_path is not None:
+        return socket_path
+    from agent import safe_yaml
+    from agent.config_errors import ConfigError
+
+    try:
+        data = safe_yaml.load_bytes(raw, str(path)).data
+    except ConfigError:
+        return DEFAULT_SOCKET_PATH
     api = data.get("api") if isinstance(data, dict) else None
     socket = api.get("socket") if isinstance(api, dict) else None
     return str(socket) if isinstance(socket, str) else DEFAULT_SOCKET_PATH
+
+
+#: What `api_socket_without_yaml` reads: a top-level `api:` key, its block's lines, a plain path.
+_API_KEY = re.compile(rb"^api[ \t]*:(?P<rest>.*)$", re.MULTILINE)
+_ANY_API_KEY = re.compile(rb"(?:^|[\s{,'\"?])api['\"]?[ \t]*:", re.MULTILINE)
+_PLAIN = rb"(?P<value>[A-Za-z0-9_./+-]+)"
+_BLOCK_PAIR = re.compile(rb"(?P<indent>[ ]+)(?P<key>[a-z_]+)[ ]*:[ ]+" + _PLAIN + rb"[ ]*(?:[ ]#.*)?")
+_FLOW_PAIR = re.compile(rb"[ ]*(?P<key>[a-z_]+)[ ]*:[ ]+" + _PLAIN + rb"[ ]*")
+_FLOW = re.compile(rb"[ ]*\{(?P<pairs>[^{}]*)\}[ ]*(?:[ ]#.*)?")
+_COMMENT_OR_BLANK = re.compile(rb"[ ]*(?:#.*)?")
+_COMMENT = re.compile(rb"(?:^|[ \t])#.*$", re.MULTILINE)
+# anchors, aliases, tags, merge keys, directives, document markers, complex keys: the parser's business
+_YAML_MACHINERY = re.compile(
+    rb"(?:^|[\s,\[{:?-])(?:[&*!][^\s,\]}\"']|<<)|^(?:%|---|\.\.\.|[ ]*\?(?:[ ]|$))", re.MULTILINE
+)
+
+
+def api_socket_without_yaml(raw: bytes) -> str | None:
+    """`api.socket` of a config in the shapes configs are written in (the shipped file's block, or
+    `api: {socket: PATH}`), read without importing the YAML parser, the largest import `status` had
+    left; None for anything else (quotes, escapes, anchors, merge keys, several documents, an `api`
+    key in any other place): then the YAML parser reads it. The default socket when there is no `api`."""
+    if not raw.isascii():  # a byte-order mark, another encoding, names beyond ASCII: the parser's
+        return None
+    content = _COMMENT.sub(b"", raw)
+    if _YAML_MACHINERY.search(content) or b"\\" in content:
+        return None
+    keys = list(_API_KEY.finditer(raw))
+    if len(_ANY_API_KEY.findall(raw)) != len(keys) or len(keys) > 1:
+        return None
+    if not keys:
+        return DEFAULT_SOCKET_PATH
+    match = keys[0]
+    rest = match.group("rest")
+    pairs: dict[bytes, bytes] = {}
+    if _COMMENT_OR_BLANK.fullmatch(rest):
+        indent = None
+        for line in raw[match.end() + 1 :].split(b"\n"):
+            if _COMMENT_OR_BLANK.fullmatch(line):
+                continue
+            if not line.startswith(b" "):
+                break  # the next top-level key
+            pair = _BLOCK_PAIR.fullmatch(line)
+            if pair is None or indent not in (None, pair.group("indent")) or pair.group("key") in pairs:
+                return None
+            indent = pair.group("indent")
+            pairs[pair.group("key")] = pair.group("value")
+    else:
+        flow = _FLOW.fullmatch(rest)
+        if flow is None:
+            return None
+        for text in flow.group("pairs").split(b","):
+            pair = _FLOW_PAIR.fullmatch(text)
+            if pair is None or pair.group("key") in pairs:
+                return None
+            pairs[pair.group("key")] = pair.group("value")
+    value = pairs.get(b"socket")
+    if value is None:
+        return DEFAULT_SOCKET_PATH
+    return value.decode() if value.startswith(b"/") else None
 
 
 def direct_status(config: AgentConfig, note: str) -> dict[str, object]:
@@ -335,6 +408,7 @@ def direct_status(config: AgentConfig, note: str) -> dict[str, object]:
     import time
 
     from agent import documents
+    from agent.backend.errors import GpuError
     from agent.collect import sample_all
     from agent.host.paths import HostPaths
     from agent.services.watch import read_once
@@ -440,6 +514,8 @@ def cmd_xid_parse(args: argparse.Namespace) -> int:
 def _identities_if_available(args: argparse.Namespace) -> dict[int, GpuIdentity]:
     """This host's GPUs, to map bus ids to GPUs, when a config and a backend are at hand; else {}."""
     from agent.backend import load_checked_config, open_backend
+    from agent.backend.errors import GpuError
+    from agent.config_errors import ConfigError
 
     path, _ = _config_path(args)
     if path is None:
@@ -579,15 +655,44 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # -- parser --------------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's, sized without importing shutil (argparse imports it to size even an unused formatter)."""
+
+    def __init__(self, prog: str) -> None:
+        columns = os.environ.get("COLUMNS", "")
+        if columns.isdecimal() and int(columns) > 0:
+            width = int(columns)
+        else:
+            try:
+                width = os.get_terminal_size(sys.__stdout__.fileno() if sys.__stdout__ else 1).columns
+            except (OSError, ValueError):
+                width = 80
+        super().__init__(prog, width=max(width, 20) - 2)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every parser of the tree (subparsers take their parent's class) with the formatter above:
+    argparse builds a formatter for each argument it adds."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+#: `inject`'s line in `gpu-agent --help`; its fault parsers (which import the backend types) are
+#: built only when the command is `inject` (or for the whole tree: completion).
+INJECT_HELP = "inject a fault into a simulated node (and a running daemon on it)"
+
+
+def build_parser(*, fault_parsers: bool = True) -> argparse.ArgumentParser:
+    common = _Parser(add_help=False)
     common.add_argument(
         "--config", metavar="PATH", help=f"config file (default {DEFAULT_CONFIG_PATH}, or $GPU_AGENT_CONFIG)"
     )
-    as_json = argparse.ArgumentParser(add_help=False)
+    as_json = _Parser(add_help=False)
     as_json.add_argument("--json", action="store_true", help="machine-readable output (stable, versioned by `schema`)")
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="gpu-agent",
         description="Keep a GPU inference node in its declared state, watch it, and repair what is safe to repair.",
     )
@@ -679,9 +784,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_xid_parse)
 
-    from agent.demo.inject import add_parsers
+    if fault_parsers:
+        from agent.demo.inject import add_parsers
 
-    add_parsers(sub, common)
+        add_parsers(cast("argparse._SubParsersAction[argparse.ArgumentParser]", sub), common)
+    else:
+        sub.add_parser("inject", help=INJECT_HELP)
     sub.choices["inject"].set_defaults(func=cmd_inject)
     p = sub.add_parser(
         "demo", help="the daemon on a simulated node with a fault scenario (changes nothing on this machine)"
@@ -693,29 +801,43 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    if arguments == ["--version"]:  # the answer needs no parser
+        _print(f"gpu-agent {__version__}")
+        return EXIT_OK
+    # Options before the command are only --help and --version: the first word is the command.
+    command = next((word for word in arguments if not word.startswith("-")), None)
+    args = build_parser(fault_parsers=command == "inject").parse_args(arguments)
     if args.command not in ("run", "status"):  # run configures its own; status stays lean (no store)
         from agent.logs import configure_cli_logging
 
         configure_cli_logging()
     try:
         code: int = args.func(args)
-    except ConfigError as exc:
-        for problem in exc.problems:
-            print(problem, file=sys.stderr)
-        return EXIT_ERROR
-    except GpuError as exc:
-        if exc.kind in NO_DRIVER_KINDS:
-            print(f"gpu-agent: {exc.args[0]}", file=sys.stderr)
-        else:
-            print(f"gpu-agent: {exc}", file=sys.stderr)
-        return EXIT_ERROR
     except CliError as exc:
         print(f"gpu-agent: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except BrokenPipeError:
         return EXIT_OK
+    except Exception as exc:
+        return _failure(exc)
     return code
+
+
+def _failure(exc: Exception) -> int:
+    """A config or GPU error as its lines on stderr and exit 1; anything else is a bug, raised again.
+    (The error types are imported here: `status` and `--version` start without them.)"""
+    from agent.backend.errors import NO_DRIVER_KINDS, GpuError
+    from agent.config_errors import ConfigError
+
+    if isinstance(exc, ConfigError):
+        for problem in exc.problems:
+            print(problem, file=sys.stderr)
+        return EXIT_ERROR
+    if isinstance(exc, GpuError):
+        print(f"gpu-agent: {exc.args[0] if exc.kind in NO_DRIVER_KINDS else exc}", file=sys.stderr)
+        return EXIT_ERROR
+    raise exc
 
 
 if __name__ == "__main__":

@@ -141,6 +141,10 @@ class ApiConfig(StrictModel):
             raise ValueError("must be an absolute path")
         if len(value.encode("utf-8", "surrogateescape")) > UNIX_SOCKET_PATH_MAX_BYTES:
             raise ValueError(f"is longer than the {UNIX_SOCKET_PATH_MAX_BYTES} bytes a Unix socket path may have")
+        # The socket is bound as DIR/.XXXXXXXX/s first (agent.api), then renamed to its name.
+        if len(os.path.dirname(value).encode("utf-8", "surrogateescape")) + 12 > UNIX_SOCKET_PATH_MAX_BYTES:
+            limit = UNIX_SOCKET_PATH_MAX_BYTES - 12
+            raise ValueError(f"its directory is longer than {limit} bytes (the socket is created in a folder there)")
         if os.path.isdir(value):
             raise ValueError(f"{value} is a directory; name the socket file, e.g. {value.rstrip('/')}/agent.sock")
         return value

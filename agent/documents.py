@@ -4,16 +4,18 @@ The daemon serves them over its socket and the CLI prints them. JSON carries `sc
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent.events import event_json as event_json  # `render.event_json`: the CLI's events --json
 from agent.policy.base import ItemPlan, ItemResult
 from agent.policy.engine import ApplyReport, NodePlan
 from agent.services.export import status_document, unattributed_document
 from agent.state import GpuSample, NodeSnapshot, ServiceStatus
-from agent.store.database import StoredRemediation
 from agent.verdict import attention_items, drifted, node_problem, throttled_reasons
 from agent.watch.clock_events import decode
+
+if TYPE_CHECKING:  # the store (sqlite3) only for `events --json`
+    from agent.store.database import StoredRemediation
 
 
 def _gpu(gpu: int | None) -> str:

@@ -5,50 +5,49 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from agent.policy.base import ItemPlan, ItemResult, PlanStatus
+from agent.policy.base import ItemResult, PlanStatus
 from agent.policy.engine import NodePlan
 from agent.printable import printable
 from agent.store.database import StoredEvent, StoredRemediation
-from agent.textview import table
+from agent.textview import fit, table_blocks
 
 
 def _gpu(gpu: int | None) -> str:
     return "-" if gpu is None else str(gpu)
 
 
-def _why(plan: ItemPlan) -> str:
-    if plan.changes and plan.status is PlanStatus.DRIFT:
-        return "; ".join(plan.changes)
-    return plan.detail
+#: `plan` fits this many columns (more on a wider terminal): DESIRED and ACTUAL wrap, and each
+#: change or detail gets its own line under its item.
+PLAN_WIDTH_COLUMNS = 100
+_PLAN_HEADERS = ["ITEM", "GPU", "STATUS", "MODE", "DESIRED", "ACTUAL"]
 
 
-def plan_text(plan: NodePlan) -> str:
+def plan_text(plan: NodePlan, width: int = PLAN_WIDTH_COLUMNS) -> str:
     if not plan.items:
         return "nothing to enforce: the policy sets no item that applies to this node"
     rows = [
-        [
-            p.item,
-            _gpu(p.gpu),
-            p.status.value,
-            plan.item_modes.get(p.item, plan.mode).value,
-            p.desired,
-            p.actual,
-            _why(p),
-        ]
+        [p.item, _gpu(p.gpu), p.status.value, plan.item_modes.get(p.item, plan.mode).value, p.desired, p.actual]
         for p in plan.items
     ]
+    header, *blocks = table_blocks(_PLAN_HEADERS, rows, width, wrap=(4, 5))
+    lines = list(header)
+    for p, block in zip(plan.items, blocks):
+        lines += block
+        why = list(p.changes) if p.changes and p.status is PlanStatus.DRIFT else [p.detail] if p.detail else []
+        for text in why:
+            lines += fit(f"    -> {text}", width)
     summary = {0: "in sync", 1: "errors", 2: "drift"}[plan.exit_code]
-    body = table(["ITEM", "GPU", "STATUS", "MODE", "DESIRED", "ACTUAL", "CHANGE / DETAIL"], rows)
     unmatched = [str(g) for g, n in sorted(plan.profiles.items()) if n is None]
     note = f"\nno GPU profile matches GPU {', '.join(unmatched)}" if unmatched else ""
-    return f"{body}{note}\n\nplan: {summary}"
+    return "\n".join(lines) + f"{note}\n\nplan: {summary}"
 
 
 def results_text(results: Sequence[ItemResult]) -> str:
     if not results:
         return "nothing to do"
     rows = [[r.plan.item, _gpu(r.plan.gpu), r.outcome.value, r.detail or r.plan.detail] for r in results]
-    return table(["ITEM", "GPU", "OUTCOME", "DETAIL"], rows)
+    blocks = table_blocks(["ITEM", "GPU", "OUTCOME", "DETAIL"], rows, PLAN_WIDTH_COLUMNS, wrap=(3,))
+    return "\n".join(line for block in blocks for line in block)
 
 
 def _when(seconds: float) -> str:

@@ -23,9 +23,10 @@ from typing import Any
 import yaml
 from yaml.events import AliasEvent, CollectionEndEvent, CollectionStartEvent, NodeEvent
 
+from agent import defaults
 from agent.config_errors import ConfigError, ConfigProblem
 
-MAX_YAML_BYTES = 1024 * 1024
+MAX_YAML_BYTES = defaults.MAX_YAML_BYTES
 MAX_DEPTH = 64
 
 PathKey = tuple[str | int, ...]

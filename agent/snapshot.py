@@ -108,7 +108,6 @@ class DaemonParts:
     rules_sources: tuple[str, ...] = ()  # the rules files read or masked, and where from
     rules_loaded: int | None = None  # rules the remediator runs; None: remediation off (rules_dirs: [])
     slo_breaches: tuple[SloBreachNow, ...] = ()
-    config_attention: tuple[str, ...] = ()  # what the config reload left to do, one verdict line each
     collect_duration_seconds: float = 0.0
 
 
@@ -176,5 +175,4 @@ def build_snapshot(
         rules_loaded=parts.rules_loaded,
         rules_dirs=tuple(config.remediation.rules_dirs) if parts.rules_loaded is not None else (),
         slo_breaches=parts.slo_breaches,
-        config_attention=parts.config_attention,
     )

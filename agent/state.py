@@ -202,6 +202,7 @@ class NodeSnapshot:
     rules_loaded: int | None = None
     rules_dirs: tuple[str, ...] = ()
     slo_breaches: tuple[SloBreachNow, ...] = ()  # services over a latency objective now
-    # What the running config leaves an operator to do (a reload that failed, a change that waits
-    # for a restart), one verdict line each, shown as written; () while there is nothing.
-    config_attention: tuple[str, ...] = ()
+    # the last reload (set by the publisher): why it was refused ("" when it was applied), and the
+    # settings whose change only a restart applies, so the running config was kept whole
+    reload_error: str = ""
+    config_pending_restart: tuple[str, ...] = ()

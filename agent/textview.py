@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+import textwrap
 import time
 from collections.abc import Sequence
 from typing import IO, Any
@@ -17,15 +17,45 @@ from agent.services.text import service_figures_line, unattributed_lines
 JSON_SCHEMA_VERSION = 1
 
 
+_MIN_WRAP_COLUMNS = 8  # a wrapping table column is never narrower than this
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    return "\n".join(line for block in table_blocks(headers, rows) for line in block)
+
+
+def table_blocks(
+    headers: Sequence[str], rows: Sequence[Sequence[str]], width: int | None = None, wrap: Sequence[int] = ()
+) -> list[list[str]]:
+    """The header line, then each row's lines: when the table is wider than `width`, the `wrap`
+    columns share what the others leave and their text wraps within them (nothing is cut)."""
     # Escaped before measuring: a cell's escapes are part of its width.
     rows = [[printable(cell) for cell in row] for row in rows]
     widths = [len(h) for h in headers]
     for row in rows:
         widths = [max(w, len(cell)) for w, cell in zip(widths, row)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
-    return "\n".join(lines)
+    gaps = 2 * (len(widths) - 1)
+    if width is not None and wrap and sum(widths) + gaps > width:
+        room = width - gaps - sum(w for i, w in enumerate(widths) if i not in wrap)
+        # Narrow columns keep their width; the rest share what is left evenly.
+        for count, column in enumerate(sorted(wrap, key=lambda i: widths[i])):
+            share = max(_MIN_WRAP_COLUMNS, room // (len(wrap) - count))
+            widths[column] = min(widths[column], share)
+            room -= widths[column]
+    blocks = [["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]]
+    for row in rows:
+        cells = [
+            textwrap.wrap(cell, w, break_on_hyphens=False) or [""] if i in wrap else [cell]
+            for i, (cell, w) in enumerate(zip(row, widths))
+        ]
+        height = max(len(c) for c in cells)
+        blocks.append(
+            [
+                "  ".join((c[n] if n < len(c) else "").ljust(w) for c, w in zip(cells, widths)).rstrip()
+                for n in range(height)
+            ]
+        )
+    return blocks
 
 
 def dumps(document: dict[str, Any]) -> str:
@@ -40,14 +70,15 @@ def _fmt(value: object, unit: str = "", digits: int = 0) -> str:
     return f"{value}{unit}"
 
 
-STATUS_WIDTH_COLUMNS = 100  # the status screen fits this; wider only when the terminal is
 EXIT_HEALTHY = 0
 EXIT_COULD_NOT_TELL = 1
 EXIT_ATTENTION = 2
 
 _NAME_COLUMNS = 16  # "NVIDIA RTX PRO 6~": the reason column needs the room more
-_ATTENTION_LINES = 8
+_MIN_NAME_COLUMNS = 8
+_ATTENTION_LINES = 8  # on a terminal; a pipe or a file gets every line
 _MIN_REASON_COLUMNS = 12
+_MIN_SCREEN_COLUMNS = 40
 _COLOURS = {"healthy": "32", "degraded": "33", "unhealthy": "31", "LOST": "31", "problem": "1;31", "reboot": "1;33"}
 
 
@@ -56,8 +87,28 @@ def use_colour(stream: IO[str]) -> bool:
     return stream.isatty() and not os.environ.get("NO_COLOR")
 
 
-def screen_width() -> int:
-    return max(STATUS_WIDTH_COLUMNS, shutil.get_terminal_size((STATUS_WIDTH_COLUMNS, 24)).columns)
+def screen_width(stream: IO[str]) -> int | None:
+    """The terminal's width when `stream` is one; None (every line whole) for a pipe or a file, where
+    nobody could scroll sideways to the rest of a cut line."""
+    if not stream.isatty():
+        return None
+    # shutil.get_terminal_size's order ($COLUMNS, then the terminal) without shutil's imports
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdecimal() and int(columns) > 0:
+        return max(_MIN_SCREEN_COLUMNS, int(columns))
+    try:
+        return max(_MIN_SCREEN_COLUMNS, os.get_terminal_size(stream.fileno()).columns)
+    except (OSError, ValueError):
+        return 80
+
+
+def fit(line: str, width: int | None) -> list[str]:
+    """`line` as a screen `width` columns wide shows it: wrapped at spaces, the continuation indented
+    under its text; whole when there is no width (a pipe, a file)."""
+    if width is None or len(line) <= width:
+        return [line]
+    indent = " " * (len(line) - len(line.lstrip(" ")) + 2)
+    return textwrap.wrap(line, width, subsequent_indent=indent, break_on_hyphens=False) or [line]
 
 
 def status_exit_code(document: dict[str, Any]) -> int:
@@ -89,6 +140,7 @@ def _gib(used: int | None, total: int | None) -> str:
 
 
 def _clip(text: str, width: int) -> str:
+    """A table cell cut to its column (only cells are ever cut: the same text is in a line below)."""
     return text if len(text) <= width else text[: max(0, width - 1)] + "~"
 
 
@@ -101,73 +153,88 @@ class _Paint:
         return f"\033[{code}m{text}\033[0m" if self.enabled and code else text
 
 
+class _Screen:
+    """Lines for a screen `width` wide (None: no limit): each line wrapped, never cut, then painted."""
+
+    def __init__(self, width: int | None, paint: _Paint) -> None:
+        self.width = width
+        self.paint = paint
+        self.lines: list[str] = []
+
+    def add(self, *lines: str, key: str = "") -> None:
+        for line in lines:
+            self.lines.extend(self.paint(part, key) if key else part for part in fit(line, self.width))
+
+    def add_fitted(self, lines: Sequence[str]) -> None:
+        """Lines already made to fit (the GPU table)."""
+        self.lines.extend(lines)
+
+
 def status_text(
     document: dict[str, Any], *, now: float | None = None, width: int | None = None, colour: bool = False
 ) -> str:
     """The operator's one screen of a status document (daemon or direct): the verdict first, then the
-    GPUs, policy, Xids, services, remediations and events with how long ago they happened."""
+    GPUs, policy, Xids, services, remediations and events with how long ago they happened.
+
+    `width`: the terminal's columns. Lines wrap at it and only the GPU table's cells are cut (their
+    text is in the verdict's lines too); None (a pipe, a file) keeps every line whole."""
     now = time.time() if now is None else now
-    width = STATUS_WIDTH_COLUMNS if width is None else width
     # Every string in it may carry a process name or kernel text: escaped before any colour is added.
     document = printable_document(document)
     paint = _Paint(colour)
+    screen = _Screen(width, paint)
     verdict = document.get("verdict") or {}
     header = (
         f"gpu-agent {document['version']} ({document['source']}); backend {document['backend']}, "
         f"driver {document['driver_version'] or '-'}"
         + (f", up {_duration(document['uptime_seconds'])}" if document["source"] == "daemon" else "")
     )
-    lines = [_clip(header, width)]
+    screen.add(header)
     if document.get("note"):
-        lines.append(_clip(document["note"], width))
+        screen.add(document["note"])
     problem = verdict.get("problem")
     if problem:
-        lines.append(paint(_clip(f"PROBLEM: {problem['detail']}", width), "problem"))
+        screen.add(f"PROBLEM: {problem['detail']}", key="problem")
     if verdict.get("reboot_recommended"):
-        lines.append(paint(_clip(f"REBOOT RECOMMENDED: {verdict['reboot_recommended']}", width), "reboot"))
-    lines.append("")
-    lines.extend(_gpu_table(document, width, paint))
-    lines.extend(_clip(_telemetry_line(g), width) for g in document["gpus"] if g["up"])
-    lines.extend(_policy_lines(document, width))
-    lines.extend(_clip(line, width) for line in _readiness_lines(document["policy"]["items"]))
+        screen.add(f"REBOOT RECOMMENDED: {verdict['reboot_recommended']}", key="reboot")
+    screen.add("")
+    screen.add_fitted(_gpu_table(document, width, paint))
+    screen.add(*(_telemetry_line(g) for g in document["gpus"] if g["up"]))
+    screen.add(*_policy_lines(document))
+    screen.add(*_readiness_lines(document["policy"]["items"]))
     if document["xids"]:
-        lines += ["", "Xids:"]
-        lines.extend(
-            _clip(
-                f"  GPU {_or_dash(x['gpu'])} Xid {x['xid']} x{x['count']}, last {ago(x['last_seen_seconds'], now)}",
-                width,
+        screen.add("", "Xids:")
+        screen.add(
+            *(
+                f"  GPU {_or_dash(x['gpu'])} Xid {x['xid']} x{x['count']}, last {ago(x['last_seen_seconds'], now)}"
+                for x in document["xids"]
             )
-            for x in document["xids"]
         )
     services = service_lines(document)
     if services:
-        lines.append("")
-        lines.extend(_clip(line, width) for line in services)
-    lines.extend(_clip(line, width) for line in _rules_lines(document.get("rules") or []))
+        screen.add("", *services)
+    screen.add(*_rules_lines(document.get("rules") or []))
     recent_remediations = document.get("recent_remediations") or []
     if recent_remediations:
-        lines += ["", "remediations:"]
-        lines.extend(
-            _clip(f"  {ago(r['started_seconds'], now):>8}  {_remediation(r)}", width) for r in recent_remediations[-5:]
-        )
+        screen.add("", "remediations:")
+        screen.add(*(f"  {ago(r['started_seconds'], now):>8}  {_remediation(r)}" for r in recent_remediations[-5:]))
     recent = document["recent_events"][-5:]
     if recent:
-        lines += ["", "recent events:"]
-        lines.extend(
-            _clip(f"  {ago(e['timestamp_seconds'], now):>8}  [{e['severity']}] {e['message']}", width) for e in recent
-        )
+        screen.add("", "recent events:")
+        screen.add(*(f"  {ago(e['timestamp_seconds'], now):>8}  [{e['severity']}] {e['message']}" for e in recent))
     attention = verdict.get("attention")
-    lines.append("")
+    screen.add("")
     if attention is None:
-        lines.append("verdict: unknown (the daemon sent no verdict)")
+        screen.add("verdict: unknown (the daemon sent no verdict)")
     elif attention:
-        lines.append(paint(f"ATTENTION NEEDED ({len(attention)}):", "problem"))
-        lines.extend(_clip(f"  - {line}", width) for line in attention[:_ATTENTION_LINES])
-        if len(attention) > _ATTENTION_LINES:
-            lines.append(f"  ... and {len(attention) - _ATTENTION_LINES} more (status --json lists all)")
+        shown = attention if width is None else attention[:_ATTENTION_LINES]
+        screen.add(f"ATTENTION NEEDED ({len(attention)}):", key="problem")
+        screen.add(*(f"  - {line}" for line in shown))
+        if len(attention) > len(shown):
+            screen.add(f"  ... and {len(attention) - len(shown)} more (status --json lists all)")
     else:
-        lines.append(paint("all healthy", "healthy"))
-    return "\n".join(lines)
+        screen.add("all healthy", key="healthy")
+    return "\n".join(screen.lines)
 
 
 def _rules_lines(sources: list[str]) -> list[str]:
@@ -246,7 +313,7 @@ def _or_dash(value: object) -> str:
     return "-" if value is None else str(value)
 
 
-def _gpu_table(document: dict[str, Any], width: int, paint: _Paint) -> list[str]:
+def _gpu_table(document: dict[str, Any], width: int | None, paint: _Paint) -> list[str]:
     if not document["gpus"]:
         return ["no GPUs"]
     headers = ["GPU", "NAME", "HEALTH", "TEMP", "POWER", "MEMORY", "UTIL", "SM MHZ", "REASON"]
@@ -265,7 +332,7 @@ def _gpu_table(document: dict[str, Any], width: int, paint: _Paint) -> list[str]
         rows.append(
             [
                 str(g["index"]),
-                _clip(g["name"] or "?", _NAME_COLUMNS),
+                _clip(g["name"] or "?", _NAME_COLUMNS) if width is not None else g["name"] or "?",
                 ("STALE " if g.get("stale") else "") + state,
                 _fmt(g["temperature_celsius"], " C"),
                 f"{_fmt(g['power_usage_watts'], '', 0)}/{_fmt(g['power_limit_watts'], ' W', 0)}",
@@ -278,9 +345,17 @@ def _gpu_table(document: dict[str, Any], width: int, paint: _Paint) -> list[str]
     widths = [len(h) for h in headers]
     for row in rows:
         widths = [max(w, len(cell)) for w, cell in zip(widths, row)]
-    # Every column but the last keeps its width; the reason gets what is left of the screen.
-    fixed = sum(widths[:-1]) + 2 * (len(widths) - 1)
-    widths[-1] = max(_MIN_REASON_COLUMNS, min(widths[-1], width - fixed))
+    if width is not None:
+        # Every column but the name and the reason keeps its width; the reason gets what is left of
+        # the screen, and on a narrow one the name gives up room first.
+        name_column = headers.index("NAME")
+        fixed = sum(widths[:-1]) + 2 * (len(widths) - 1)
+        short_by = fixed + min(widths[-1], _MIN_REASON_COLUMNS) - width
+        if short_by > 0:
+            narrower = max(_MIN_NAME_COLUMNS, widths[name_column] - short_by)
+            fixed -= widths[name_column] - narrower
+            widths[name_column] = narrower
+        widths[-1] = max(_MIN_REASON_COLUMNS, min(widths[-1], width - fixed))
     health_column = headers.index("HEALTH")
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
     for row, state in zip(rows, states):
@@ -290,16 +365,13 @@ def _gpu_table(document: dict[str, Any], width: int, paint: _Paint) -> list[str]
     return lines
 
 
-def _policy_lines(document: dict[str, Any], width: int) -> list[str]:
+def _policy_lines(document: dict[str, Any]) -> list[str]:
     items = document["policy"]["items"]
     off = [i for i in items if i["status"] not in ("in_sync", "not_applicable")]
     lines = ["", f"policy: {len(items) - len(off)}/{len(items)} items in sync"]
     lines.extend(
-        _clip(
-            f"  {i['item']}{'' if i['gpu'] is None else ' GPU ' + str(i['gpu'])} ({i['mode']}): {i['status']} "
-            f"(want {i['desired']}, have {i['actual']}){' - ' + i['detail'] if i['detail'] else ''}",
-            width,
-        )
+        f"  {i['item']}{'' if i['gpu'] is None else ' GPU ' + str(i['gpu'])} ({i['mode']}): {i['status']} "
+        f"(want {i['desired']}, have {i['actual']}){' - ' + i['detail'] if i['detail'] else ''}"
         for i in off
     )
     return lines

@@ -157,7 +157,7 @@ def attention_items(snapshot: NodeSnapshot, mode: str = "observe") -> list[Atten
             f"no remediation rules loaded from {', '.join(snapshot.rules_dirs)}: faults are reported, never acted on"
             " (remediation.rules_dirs: [] turns remediation off)",
         )
-    for line in snapshot.config_attention:
+    for line in reload_attention(snapshot):
         add(AttentionCause.CONFIG, line)
     return found
 
@@ -169,6 +169,17 @@ def attention(snapshot: NodeSnapshot, mode: str = "observe") -> list[str]:
 
 def _cuda_too_old(plan: ItemPlan) -> str:
     return dict(plan.facts).get(CUDA_TOO_OLD_FACT, "") if plan.status is PlanStatus.DRIFT else ""
+
+
+def reload_attention(snapshot: NodeSnapshot) -> list[str]:
+    """A config on disk the daemon does not run: a reload it refused, or a change only a restart applies.
+    The running config stays whole in both cases, so what the operator edited is not in effect."""
+    reasons: list[str] = []
+    if snapshot.config_pending_restart:
+        reasons.append("config change needs a restart: " + ", ".join(snapshot.config_pending_restart))
+    if snapshot.reload_error:
+        reasons.append(f"config reload failed (running the previous config): {snapshot.reload_error}")
+    return reasons
 
 
 def reboot_recommended(state_dir: str | Path, paths: HostPaths) -> str | None:

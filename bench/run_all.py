@@ -27,7 +27,15 @@ from typing import Any
 
 from bench.common import BACKENDS, DEFAULT_PROFILE, REPO_ROOT, SCHEMA, agent_env
 
-BENCHMARKS = ("collect_cost", "daemon_footprint", "scrape_latency", "detection_latency", "startup", "status_wall")
+BENCHMARKS = (
+    "collect_cost",
+    "daemon_footprint",
+    "scrape_latency",
+    "detection_latency",
+    "startup",
+    "status_wall",
+    "cli_speed",
+)
 
 # Arguments for --quick; a full run takes each benchmark's defaults.
 QUICK: dict[str, list[str]] = {
@@ -37,6 +45,7 @@ QUICK: dict[str, list[str]] = {
     "detection_latency": ["--injections", "3", "--service-rounds", "2", "--action-grace", "1.5"],
     "startup": ["--runs", "2"],
     "status_wall": ["--runs", "2"],
+    "cli_speed": ["--runs", "2", "--cpu-seconds", "3", "--warmup", "1"],
 }
 
 
@@ -87,6 +96,20 @@ def key_figures(name: str, document: dict[str, Any]) -> list[tuple[str, Any, str
             median = _figure(document, "wall_ms", command, "median")
             if median is not None:
                 rows.append((f"{command} wall, median", median, "ms"))
+    elif name == "cli_speed":
+        for command in ("status_daemon", "status_direct", "version", "help", "reference_read", "python_bare"):
+            median = _figure(document, "wall_ms", command, "median")
+            if median is not None:
+                rows.append((f"{command} wall, median", median, "ms"))
+        for ratio, value in (_figure(document, "ratios") or {}).items():
+            rows.append((ratio.replace("_over_", " / "), value, "x"))
+        rows.append(
+            (
+                "daemon CPU, 1 s loop, two services",
+                _figure(document, "daemon_two_services", "cpu_percent_of_one_core"),
+                "% of a core",
+            )
+        )
     return rows
 
 

@@ -22,7 +22,16 @@ import pytest
 from nvml_replay import Replay, install_replay
 
 from agent.backend.nvml import NvmlBackend
-from bench import collect_cost, daemon_footprint, detection_latency, run_all, scrape_latency, startup, status_wall
+from bench import (
+    cli_speed,
+    collect_cost,
+    daemon_footprint,
+    detection_latency,
+    run_all,
+    scrape_latency,
+    startup,
+    status_wall,
+)
 from bench.common import SCHEMA, percentile, summarize
 
 
@@ -223,6 +232,29 @@ def test_status_wall(tmp_path: Path) -> None:
     assert results["exit_codes"]["status_daemon"] == [0]
     assert results["exit_codes"]["status_direct"] == [0]
     assert results["ratios"]["daemon_over_python_bare"] > 1
+
+
+def test_cli_speed(tmp_path: Path) -> None:
+    sane = {
+        "status against the daemon / python3 -c pass": (1.0, 200.0),
+        "status --direct / the reference read": (0.1, 200.0),
+        "--version / python3 -c pass": (0.5, 100.0),
+        "--help / python3 -c pass": (0.5, 100.0),
+        "daemon CPU, 1 s loop, two services (% of one core)": (0.001, 100.0),
+    }
+    args = ["--profile", "h200", "--runs", "1", "--cpu-seconds", "2", "--warmup", "0.5"]
+    document = run_benchmark(tmp_path, cli_speed, args, sane)
+    results = document["results"]
+    assert {"python_bare", "reference_read", "version", "help", "status_daemon", "status_direct"} <= set(
+        results["wall_ms"]
+    )
+    assert results["exit_codes"]["version"] == results["exit_codes"]["help"] == [0]
+    assert results["exit_codes"]["status_daemon"] in ([0], [2])
+    assert results["daemon_two_services"]["services"] == {
+        "sglang-0": {"up": True, "scraped": True},
+        "sglang-1": {"up": True, "scraped": True},
+    }
+    assert results["daemon_two_services"]["cpu_percent_of_one_core"] > 0
 
 
 def test_run_all_merges(tmp_path: Path) -> None:

@@ -105,6 +105,26 @@ def test_plan_on_the_simulated_h200_shows_the_right_drift(tmp_path: Path) -> Non
     assert text.stdout.rstrip().endswith("plan: drift")
 
 
+def test_plan_fits_100_columns_and_shows_every_change_whole(tmp_path: Path) -> None:
+    config = write_config(tmp_path, profile="mixed")
+    text = config.read_text().replace(
+        "nouveau: blacklisted}",
+        "nouveau: blacklisted, triton_cache: {path: /var/cache/triton, owner: root, group: root, mode: '0755',"
+        " services: [sglang]}}",
+    )
+    config.write_text(text + "services:\n  - {name: sglang, unit: sglang.service, health_url: 'http://127.0.0.1:1/'}\n")
+    _, doc = plan_json(config)
+    result = gpu_agent("plan", "--config", str(config))
+    lines = result.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 100, result.stdout
+    for item in doc["items"]:
+        for change in item["changes"] if item["status"] == "drift" else []:
+            assert f"    -> {change}" in lines or len(f"    -> {change}") > 100, change
+    # the long desired state wraps inside its column: every word is there
+    triton = next(i for i in doc["items"] if i["item"] == "triton_cache")
+    assert all(word in result.stdout for word in triton["desired"].split())
+
+
 def test_design_example_policy_on_a_mixed_node(tmp_path: Path) -> None:
     config = write_config(tmp_path, profile="mixed")
     code, doc = plan_json(config)

@@ -120,7 +120,7 @@ def test_reload_of_an_untrusted_config_keeps_the_running_one(tmp_path: Path) -> 
     config_path.chmod(0o664)
     assert daemon.reload() is False
     assert daemon.config.mode.value == "enforce"
-    assert "refused" in daemon.publisher.status_note and str(config_path) in daemon.publisher.status_note
+    assert "refused" in daemon.publisher.reload_error and str(config_path) in daemon.publisher.reload_error
     config_path.chmod(0o644)
     assert daemon.reload() is True
     assert daemon.config.mode.value == "observe"

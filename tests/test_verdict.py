@@ -97,8 +97,8 @@ def test_no_rules_loaded_from_configured_dirs_is_attention_unless_remediation_is
     assert attention(replace(none_loaded, rules_loaded=None, rules_dirs=())) == []  # off, or a direct read
 
 
-def test_the_config_hook_lines_are_shown_as_written() -> None:
-    snapshot = replace(healthy(), config_attention=("config change needs a restart: state_dir",))
+def test_what_a_reload_left_is_a_config_line() -> None:
+    snapshot = replace(healthy(), config_pending_restart=("state_dir",))
     assert attention(snapshot) == ["config change needs a restart: state_dir"]
     assert causes(snapshot) == [AttentionCause.CONFIG]
     assert systemd_status_line(snapshot).endswith("; ATTENTION: config change needs a restart: state_dir")

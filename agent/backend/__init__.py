@@ -7,9 +7,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agent.backend.base import GpuBackend
-
-if TYPE_CHECKING:  # the config (pydantic) is not needed to import the backend types
+if TYPE_CHECKING:  # `agent.backend.errors` alone stays light: `gpu-agent status` imports it
+    from agent.backend.base import GpuBackend
     from agent.config import AgentConfig
 
 

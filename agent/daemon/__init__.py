@@ -18,8 +18,10 @@ watchdog pinger. Only the loop builds snapshots; everyone else reads the last pu
 
 systemd: READY=1 after the first full collection; STATUS= one line per loop; WATCHDOG=1 only
 while the loop keeps completing; STOPPING=1 on the way out. SIGTERM/SIGINT stop (fans go back to
-automatic on every exit path); SIGHUP reloads config and rules, keeping the old ones if the new
-ones are invalid, and swaps the backend's write guard to the new mode.
+automatic on every exit path); SIGHUP reloads config and rules all or nothing: moved listeners are
+bound before the old ones close, a change only a restart applies (state_dir, backend, host_root) or
+a listener that cannot be bound keeps the running config whole and is shown until a reload
+succeeds; an applied reload swaps the backend's write guard to the new mode.
 """
 
 from agent.daemon.core import Daemon

@@ -28,7 +28,7 @@ from agent.daemon.bounded import BoundedRunner
 from agent.daemon.collector import GpuCollector
 from agent.daemon.intake import EventIntake
 from agent.daemon.policy_loop import PolicyLoop
-from agent.daemon.publisher import Publisher, systemd_status_line
+from agent.daemon.publisher import ListenerError, Publisher, systemd_status_line
 from agent.daemon.remediator import LoadedRules, Remediator, load_rules_dir
 from agent.daemon.sd_notify import SdNotifier
 from agent.daemon.session import BackendSession
@@ -61,6 +61,20 @@ log = structlog.get_logger("gpu-agent")
 # How long the policy step waits for the next-boot check (it runs on a worker of its own): a slow
 # check is taken by a later pass instead of holding up the fan curve.
 BOOT_CHECK_WAIT_SECONDS = 5.0
+
+
+#: Settings a running daemon cannot take: the backend is opened once, every host path and the node's
+#: identity are resolved under host_root at start, the event store, the action journal and the
+#: node memory live in state_dir. A reload that changes one is refused whole.
+RESTART_SETTINGS: tuple[str, ...] = ("backend", "simulated", "host_root", "state_dir")
+
+
+def restart_fields(running: AgentConfig, new: AgentConfig) -> tuple[str, ...]:
+    """The settings `new` changes that only a restart applies (`simulated` only matters on that backend)."""
+    changed = [name for name in RESTART_SETTINGS if getattr(running, name) != getattr(new, name)]
+    if "simulated" in changed and "simulated" not in (running.backend, new.backend):
+        changed.remove("simulated")
+    return tuple(changed)
 
 
 class Daemon:
@@ -115,9 +129,6 @@ class Daemon:
         self.inference = self._new_inference(config)
         self.udev = UdevWakeup(self.collector.rescan.set, self.host.paths)
         self.kmsg = KmsgSource(self.host.paths, self._on_kernel_xid, start_monotonic_seconds=time.monotonic())
-        # What the running config leaves an operator to do after a reload (it failed, or a change waits
-        # for a restart): one verdict line each, in every snapshot until a reload clears it.
-        self.config_attention: tuple[str, ...] = ()
         self._closers: list[Callable[[], None]] = []
         self.loop_hook: Callable[[], None] | None = None  # tests: runs inside each loop iteration
 
@@ -187,7 +198,6 @@ class Daemon:
             rules_sources=self.remediator.rules_sources,
             rules_loaded=self.remediator.rules_loaded(),
             slo_breaches=self.inference.breaches(),
-            config_attention=self.config_attention,
             collect_duration_seconds=duration_seconds,
         )
 
@@ -251,11 +261,23 @@ class Daemon:
     # -- reload --------------------------------------------------------------------------------
 
     def reload(self) -> bool:
-        """SIGHUP: a valid new config replaces the old; an invalid one is logged and ignored."""
+        """SIGHUP: a new config is applied whole or not at all. One that is invalid, changes a setting
+        only a restart applies, or moves a listener that cannot be bound is logged, kept out, and shown
+        (status, STATUS=) until a later reload succeeds: the running config stays as it was."""
         loaded = self._load_new_config()
         if loaded is None:
             return False
         new, rules = loaded
+        pending = restart_fields(self.config, new)
+        if pending:
+            log.error("config change needs a restart; keeping the running config whole", settings=list(pending))
+            self.publisher.note_reload(pending_restart=pending)
+            return False
+        try:
+            moved = self.publisher.rebind(self.config, new, self.timing.stall_seconds(new.interval_seconds))
+        except ListenerError as exc:
+            self._reload_failed(f"{exc}; still serving on the previous address")
+            return False
         old_services = self.config.services
         # While the running config's write guard still allows it: fans it drove and `new` does not go
         # back to automatic, or nothing would ever follow their curve again.
@@ -270,8 +292,8 @@ class Daemon:
         if new.services != old_services:
             self._restart_prober(new)
             self._restart_inference(new)
-        self.publisher.status_note = ""
-        log.info("config reloaded", path=str(self.config_path), mode=new.mode.value)
+        self.publisher.note_reload()
+        log.info("config reloaded", path=str(self.config_path), mode=new.mode.value, moved=moved)
         return True
 
     def _load_new_config(self) -> tuple[AgentConfig, LoadedRules] | None:
@@ -282,15 +304,14 @@ class Daemon:
             new = load_checked_config(self.config_path)
             rules = load_rules_dir(new)
         except ConfigError as exc:
-            message = "; ".join(str(p) for p in exc.problems)
-            log.error("config reload failed; keeping the running config", error=message)
-            self.publisher.status_note = f"; config reload failed (running the previous config): {message}"[:300]
-            self.publisher.notifier.status(f"config reload failed, running the previous config: {message}"[:400])
-            return None
-        if new.backend != self.config.backend or new.host_root != self.config.host_root:
-            log.error("config reload: backend and host_root changes need a restart; keeping the running config")
+            self._reload_failed("; ".join(str(p) for p in exc.problems))
             return None
         return new, rules
+
+    def _reload_failed(self, message: str) -> None:
+        log.error("config reload failed; keeping the running config", error=message)
+        self.publisher.note_reload(error=message[:300])
+        self.publisher.notifier.status(f"config reload failed, running the previous config: {message}"[:400])
 
     def _record_known_good(self, changed_before: frozenset[str] = frozenset()) -> None:
         """For `gpu-agent restore` without a valid config: this backend and the items the agent may

@@ -1,13 +1,17 @@
 """The publisher: the last snapshot, for everyone who reads it (the metrics endpoint, the status
 API), and one line of it for systemd's STATUS=. Only the loop builds snapshots; readers on other
-threads get the last published one."""
+threads get the last published one.
+
+It owns the two listeners. A reload that moves one binds the new one before the old one closes;
+when the new one cannot be bound, nothing changes and the reload is refused (`ListenerError`)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent import __version__
 from agent.config import AgentConfig
@@ -17,11 +21,24 @@ from agent.state import NodeSnapshot
 from agent.store.node_memory import expected_gpu_count
 from agent.verdict import AttentionCause, attention_items, drifted, node_problem
 
+if TYPE_CHECKING:
+    from agent.api import ApiServer
+    from agent.metrics.server import MetricsServer
+
+
+class ListenerError(Exception):
+    """A listener a reload asked for could not be bound; the running ones are kept."""
+
 
 class Publisher:
     def __init__(self, notifier: SdNotifier) -> None:
         self.notifier = notifier
-        self.status_note = ""  # appended to STATUS= until the next successful reload
+        # What the last reload left: why it was refused, or the settings that wait for a restart.
+        # Stamped on every published snapshot until a reload succeeds.
+        self.reload_error = ""
+        self.pending_restart: tuple[str, ...] = ()
+        self.metrics: MetricsServer | None = None
+        self.api: ApiServer | None = None
         self._snapshot: NodeSnapshot | None = None
         self._lock = threading.Lock()
 
@@ -39,19 +56,72 @@ class Publisher:
         # Node memory (agent.store.node_memory) keeps a GPU that left the bus in the snapshot, down, until it answers
         # or is acknowledged gone: the snapshot's GPUs are the ones this node should have.
         snapshot = replace(snapshot, expected_gpus=expected_gpu_count(snapshot) or None)
+        snapshot = self._stamped(snapshot)
         self.set(snapshot)
-        self.notifier.status(systemd_status_line(snapshot) + self.status_note)
+        self.notifier.status(systemd_status_line(snapshot))
         return snapshot
+
+    def note_reload(self, *, error: str = "", pending_restart: tuple[str, ...] = ()) -> None:
+        """What the last reload left (nothing: it was applied); readers see it at once, not a loop later."""
+        self.reload_error = error
+        self.pending_restart = pending_restart
+        snapshot = self.get()
+        if snapshot is not None:
+            self.set(self._stamped(snapshot))
+
+    def _stamped(self, snapshot: NodeSnapshot) -> NodeSnapshot:
+        return replace(snapshot, reload_error=self.reload_error, config_pending_restart=self.pending_restart)
 
     def serve(self, config: AgentConfig, stale_after_seconds: float) -> list[Callable[[], None]]:
         """The metrics endpoint and the status API; what closes them."""
         from agent.api import ApiServer
         from agent.metrics.server import serve_metrics
 
-        metrics = serve_metrics(config.metrics.listen, self.get, stale_after_seconds=stale_after_seconds)
-        api = ApiServer(config.api.socket, self.api_handlers(), group=config.api.group)
-        api.start()
-        return [metrics.close, api.close]
+        self.metrics = serve_metrics(config.metrics.listen, self.get, stale_after_seconds=stale_after_seconds)
+        self.api = ApiServer(config.api.socket, self.api_handlers(), group=config.api.group)
+        self.api.start()
+        return [self.close]
+
+    def rebind(self, old: AgentConfig, new: AgentConfig, stale_after_seconds: float) -> list[str]:
+        """The listeners `new` moves, bound anew before the old ones close; what moved, for the log.
+        Raises ListenerError, with the running listeners untouched, when one cannot be bound."""
+        from agent.api import ApiServer
+        from agent.metrics.server import serve_metrics
+
+        if self.metrics is None or self.api is None:
+            return []  # not serving (an embedded daemon): nothing to move
+        metrics: MetricsServer | None = None
+        api: ApiServer | None = None
+        binding = ""
+        try:
+            if new.metrics.listen != old.metrics.listen:
+                binding = f"metrics.listen {new.metrics.listen}"
+                metrics = serve_metrics(new.metrics.listen, self.get, stale_after_seconds=stale_after_seconds)
+            if (new.api.socket, new.api.group) != (old.api.socket, old.api.group):
+                binding = f"api.socket {new.api.socket}"
+                api = ApiServer(new.api.socket, self.api_handlers(), group=new.api.group)
+                api.start()
+        except (OSError, KeyError) as exc:
+            if metrics is not None:
+                metrics.close()
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ListenerError(f"cannot bind {binding}: {reason}") from None
+        moved: list[str] = []
+        if metrics is not None:
+            self.metrics.close()
+            self.metrics = metrics
+            moved.append(f"metrics.listen {old.metrics.listen} -> {new.metrics.listen}")
+        if api is not None:
+            self.api.close()
+            self.api = api
+            moved.append(f"api.socket {old.api.socket} -> {new.api.socket}")
+        return moved
+
+    def close(self) -> None:
+        for server in (self.metrics, self.api):
+            if server is not None:
+                with contextlib.suppress(Exception):
+                    server.close()
 
     def api_handlers(self) -> dict[str, Callable[[Any], Any]]:
         from agent.documents import snapshot_document

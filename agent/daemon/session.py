@@ -45,6 +45,7 @@ class BackendSession:
         self._opening: Future[GpuBackend] | None = None  # an open_backend still running in the library lane
         self._faults: list[str] = []  # this loop's evidence that the NVML session is gone
         self._events: NvmlEventSource | None = None
+        self._driver_version: str | None = None  # of the open session
 
     def begin_loop(self, config: AgentConfig, wait_seconds: float) -> GpuBackend | None:
         """A loop starts: the open backend, opened first if needed; None while it cannot be opened."""
@@ -103,15 +104,19 @@ class BackendSession:
             with contextlib.suppress(GpuError, StaleGpu):
                 self.runner.run("library", backend.shutdown)
         self.backend = None
+        self._driver_version = None
 
     def driver_version(self) -> str | None:
+        """The open session's driver version, read once: a new driver comes with a new session
+        (the old one answers VERSION_MISMATCH and is reopened), so it is not asked every loop."""
         if self.backend is None:
             return None
-        try:
-            version: str = self.runner.run("library", self.backend.driver_version)
-        except (GpuError, StaleGpu):
-            return None
-        return version
+        if self._driver_version is None:
+            try:
+                self._driver_version = self.runner.run("library", self.backend.driver_version)
+            except (GpuError, StaleGpu):
+                return None
+        return self._driver_version
 
     def statuses(self) -> list[CollectorStatus]:
         """The NVML event wait while the session is open; the backend itself while it is not."""

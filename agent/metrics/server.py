@@ -14,6 +14,7 @@ import structlog
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 
+from agent.api import ServingThread
 from agent.metrics.collector import SnapshotCollector, SnapshotGetter
 from agent.state import NodeSnapshot
 from agent.verdict import attention_items, node_problem
@@ -125,10 +126,8 @@ class MetricsServer:
         bound = self._server.server_address
         self.host: str = str(bound[0])
         self.port: int = int(bound[1])
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, name="metrics-http", daemon=True
-        )
-        self._thread.start()
+        self._serving = ServingThread(self._server, "metrics-http")
+        self._serving.start()
 
     def _health(self) -> tuple[int, dict[str, object]]:
         """200 while snapshots keep coming; 503 before the first one, once the last is too old, or while
@@ -163,9 +162,7 @@ class MetricsServer:
         return f"http://{host}:{self.port}"
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
+        self._serving.stop()
 
 
 def serve_metrics(

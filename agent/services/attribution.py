@@ -98,6 +98,36 @@ def listening_pid(port: int) -> int | None:
     return None
 
 
+class Listeners:
+    """Who listens on each port, remembered while that process lives: finding it scans every
+    process's sockets (tens of ms of CPU on a busy host, per service, every attribution), while a
+    service's listener lives as long as the service. A process that is gone (or a pid reused by
+    another: its start time differs) is looked for again."""
+
+    def __init__(self, scan: Callable[[int], int | None] = listening_pid) -> None:
+        self._scan = scan
+        self._known: dict[int, tuple[int, float]] = {}  # port -> (pid, its start time)
+
+    def __call__(self, port: int) -> int | None:
+        known = self._known.get(port)
+        if known is not None and _start_time(known[0]) == known[1]:
+            return known[0]
+        pid = self._scan(port)
+        started = None if pid is None else _start_time(pid)
+        if pid is None or started is None:
+            self._known.pop(port, None)
+        else:
+            self._known[port] = (pid, started)
+        return pid
+
+
+def _start_time(pid: int) -> float | None:
+    try:
+        return float(psutil.Process(pid).create_time())
+    except psutil.Error:
+        return None
+
+
 def process_tree(pid: int) -> set[int]:
     """The process and all its descendants; empty when it is gone."""
     try:

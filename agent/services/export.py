@@ -21,12 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict
-from typing import Any
-
-from prometheus_client.core import GaugeMetricFamily, Metric
+from typing import TYPE_CHECKING, Any
 
 from agent.services.attribution import GpuAttribution
 from agent.services.scrape import LATENCY_KINDS, QUANTILES, ServiceFigures
+
+if TYPE_CHECKING:  # prometheus_client for the exporter; `status` documents need none of it
+    from prometheus_client.core import Metric
 
 
 def service_metric_families(
@@ -35,6 +36,8 @@ def service_metric_families(
     uuids: Mapping[int, str] | None = None,
     slo_seconds: Mapping[str, Mapping[str, float]] | None = None,
 ) -> list[Metric]:
+    from prometheus_client.core import GaugeMetricFamily, Metric
+
     # A summary's quantiles, as client-side summaries give them over a sliding window; without
     # _count/_sum, which for a server's requests are its own histograms' to give.
     latency = Metric(

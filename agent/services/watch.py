@@ -31,7 +31,7 @@ from agent.config import AgentConfig, ServiceConfig
 from agent.events import Event, EventKind
 from agent.host.paths import HostPaths
 from agent.policy.engine import match_profile
-from agent.services.attribution import GpuAttribution, attribute_gpu_processes, command_service_pids
+from agent.services.attribution import GpuAttribution, Listeners, attribute_gpu_processes, command_service_pids
 from agent.services.efficiency import EnergyHistory, service_gpus, window_tokens_per_joule
 from agent.services.latency_cause import CauseFinding, SloWatch, attribute_cause
 from agent.services.scrape import (
@@ -231,6 +231,7 @@ class GpuAttributor:
         self.interval_seconds = interval_seconds
         self.paths = HostPaths.at(config.host_root)
         self._latest: GpuAttribution | None = None
+        self._listeners = Listeners()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()  # a process exited: map again now, not at the next interval
@@ -249,7 +250,7 @@ class GpuAttributor:
             except GpuError:
                 continue  # a lost or failing GPU: the collectors report it
         needs_tree = any(s.manager == "command" for s in self.config.services)
-        command_pids = command_service_pids(self.config.services) if needs_tree else {}
+        command_pids = command_service_pids(self.config.services, self._listeners) if needs_tree else {}
         found = attribute_gpu_processes(processes, uuids, self.config.services, self.paths, command_pids)
         with self._lock:
             self._latest = found

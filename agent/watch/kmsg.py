@@ -25,6 +25,7 @@ What it reads, in order:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -96,6 +97,8 @@ class KmsgSource:
         self._parser = KernelLogParser()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # written by stop(): the device wait sleeps until a record or this, not a poll timeout
+        self._wake: tuple[int, int] | None = None
         self._state_lock = threading.Lock()
         self._ok = False
         self._detail = "not started"
@@ -106,14 +109,23 @@ class KmsgSource:
     def start(self) -> None:
         if self._thread is not None:
             raise RuntimeError("KmsgSource already started")
+        self._wake = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._thread = threading.Thread(target=self._run, name="xid-kmsg", daemon=True)
         self._thread.start()
 
     def stop(self, timeout_seconds: float = 2.0) -> None:
-        """Stop the thread (it notices within POLL_SECONDS) and end a journalctl it runs."""
+        """Stop the thread (at once on the kernel log device, within POLL_SECONDS on a file or the
+        journal) and end a journalctl it runs."""
         self._stop.set()
+        if self._wake is not None:
+            with contextlib.suppress(OSError):
+                os.write(self._wake[1], b"x")
         if self._thread is not None:
             self._thread.join(timeout_seconds)
+            if self._wake is not None and not self._thread.is_alive():
+                for fd in self._wake:
+                    os.close(fd)
+                self._wake = None
 
     def status(self) -> tuple[bool, str]:
         """(ok, detail): ok while a kernel log is being followed; detail says which, or what is wrong."""
@@ -170,11 +182,14 @@ class KmsgSource:
         self._set_status(True, f"reading {self._path} (kernel ring buffer)")
         poller = select.poll()
         poller.register(fd, select.POLLIN)
+        if self._wake is not None:
+            poller.register(self._wake[0], select.POLLIN)
         while not self._stop.is_set():
             try:
                 record = os.read(fd, READ_BUFFER_BYTES)
             except BlockingIOError:
-                poller.poll(POLL_SECONDS * 1000)
+                # No timeout: an idle node's kernel log costs no wake-ups (stop() writes to the pipe).
+                poller.poll(None if self._wake is not None else POLL_SECONDS * 1000)
                 continue
             except BrokenPipeError:  # records the kernel overwrote before they were read
                 log.warning("kernel log: records were overwritten before they could be read")

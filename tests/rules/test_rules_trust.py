@@ -121,7 +121,7 @@ def test_a_reload_with_a_bomb_for_a_rules_file_keeps_the_running_rules(tmp_path:
         good.write_text(bomb)
         assert daemon.reload() is False
         assert [rule.name for rule in daemon.remediator.rules] == ["one"]
-        assert f"{good}:" in daemon.publisher.status_note
+        assert f"{good}:" in daemon.publisher.reload_error
     rules_file(good, "two")
     assert daemon.reload() is True
     assert [rule.name for rule in daemon.remediator.rules] == ["two"]

@@ -14,6 +14,7 @@ from agent.demo.standin import StandinServer, free_port
 from agent.host.paths import HostPaths
 from agent.services.attribution import (
     GpuProcessInfo,
+    Listeners,
     attribute_gpu_processes,
     command_service_pids,
     listening_pid,
@@ -93,6 +94,28 @@ def test_a_command_service_owns_the_tree_of_the_process_on_its_port(tmp_path: Pa
     assert found.memory_bytes == {"standin": {2: 12 * GIB}}
     assert [p.pid for p in found.unattributed] == [os.getpid()]
     assert listening_pid(free_port()) is None
+
+
+def test_the_listener_of_a_port_is_looked_for_again_only_when_it_is_gone(tmp_path: Path) -> None:
+    """Finding who listens on a port scans every process's sockets: done once while that process lives."""
+    scans: list[int] = []
+
+    def scan(port: int) -> int | None:
+        scans.append(port)
+        return listening_pid(port)
+
+    listeners = Listeners(scan)
+    with StandinServer(tmp_path) as server:
+        assert server.proc is not None
+        first = server.proc.pid
+        assert [listeners(server.port) for _ in range(3)] == [first] * 3
+        assert scans == [server.port]
+        port = server.port
+    # the server is gone: looked for again, and nobody listens
+    assert listeners(port) is None
+    assert scans == [port, port]
+    assert listeners(port) is None
+    assert scans == [port, port, port]  # nothing to remember
 
 
 def test_process_tree_includes_descendants() -> None:
