@@ -11,7 +11,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
-from agent import __version__
 from agent.backend.errors import NO_DRIVER_KINDS, GpuError
 from agent.config_errors import ConfigError, ConfigProblem
 from agent.defaults import DEFAULT_CONFIG_PATH, DEFAULT_SOCKET_PATH
@@ -482,6 +481,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # -- parser --------------------------------------------------------------------------------------
 
 
+class _VersionAction(argparse.Action):
+    """--version, reading the version only when asked (in a git checkout it runs git)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_args: object) -> None:
+        from agent.version import current
+
+        info = current()
+        sys.stdout.write(f"gpu-agent {info.version}\nrevision {info.revision}\n")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -494,7 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gpu-agent",
         description="Keep a GPU inference node in its declared state, watch it, and repair what is safe to repair.",
     )
-    parser.add_argument("--version", action="version", version=f"gpu-agent {__version__}")
+    parser.add_argument("--version", action=_VersionAction, help="print the version and the commit it was built from")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("run", parents=[common], help="the daemon, in the foreground (systemd Type=notify)")

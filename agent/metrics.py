@@ -34,7 +34,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from agent import __version__
 from agent.backend.base import RecoveryAction
 from agent.clock_events import CLOCK_EVENT_REASONS
 from agent.events import HealthState
@@ -44,6 +43,7 @@ from agent.rules.model import Outcome
 from agent.service_export import service_metric_families
 from agent.state import GpuSample, NodeSnapshot, XidCount
 from agent.verdict import THROTTLE_PROBLEM_REASONS, NodeProblem, is_drift, node_problem
+from agent.version import current as current_build
 from agent.watch import xid_catalog
 
 log = structlog.get_logger("gpu-agent")
@@ -428,14 +428,19 @@ def _last_xid(out: _Families, snap: NodeSnapshot) -> None:
 class SnapshotCollector(Collector):
     """Renders the latest snapshot; before the first one only build info and `gpu_agent_up 0`."""
 
-    def __init__(self, get_snapshot: SnapshotGetter, version: str = __version__) -> None:
+    def __init__(self, get_snapshot: SnapshotGetter, version: str | None = None, revision: str | None = None) -> None:
+        built = current_build()
         self._get_snapshot = get_snapshot
-        self._version = version
+        self._build_labels = {
+            "version": built.version if version is None else version,
+            "revision": built.revision if revision is None else revision,
+        }
 
     def collect(self) -> Iterator[Metric]:
         snapshot = self._get_snapshot()
         out = _Families()
-        out.gauge("gpu_agent_build_info", "gpu-agent version; always 1.", {"version": self._version}, 1)
+        built = "gpu-agent version and the commit it was built from; always 1."
+        out.gauge("gpu_agent_build_info", built, self._build_labels, 1)
         out.gauge(
             "gpu_agent_up",
             "1 once the agent has completed a collection loop and serves its snapshot, 0 before.",

@@ -34,6 +34,7 @@ from agent.clock_events import CLOCK_EVENT_REASONS
 from agent.collect import sample_all
 from agent.metrics import MetricsServer, SnapshotCollector, parse_listen, serve_metrics
 from agent.state import GpuSample, NodeSnapshot
+from agent.version import current
 
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (apt-get install prometheus)")
@@ -83,7 +84,7 @@ def full() -> Samples:
 
 
 def test_identity_and_agent_series(full: Samples) -> None:
-    assert value(full, "gpu_agent_build_info", version=__version__) == 1
+    assert value(full, "gpu_agent_build_info", version=__version__, revision=current().revision) == 1
     assert value(full, "gpu_agent_up") == 1
     assert value(full, "gpu_agent_backend_info", backend="simulated", driver_version=DRIVER_VERSION) == 1
     assert value(full, "gpu_agent_start_time_seconds") == STARTED_SECONDS
@@ -278,7 +279,7 @@ def test_unknown_recovery_action_gets_its_own_series() -> None:
 def test_no_snapshot_yet_only_build_info_and_up_zero() -> None:
     samples = samples_of(render(None))
     assert samples == {
-        ("gpu_agent_build_info", frozenset({("version", __version__)})): 1.0,
+        ("gpu_agent_build_info", frozenset({("version", __version__), ("revision", current().revision)})): 1.0,
         ("gpu_agent_up", frozenset()): 0.0,
     }
 

@@ -24,7 +24,7 @@ import pytest
 from helpers import wait_until
 from hosttree import make_host_tree
 from systemd_sandbox import SystemdSandbox, missing_requirements
-from test_packaging import REPO, RULES, VERSION, build_packages
+from test_packaging import PKG_VERSION, REPO, RULES, VERSION, build_packages
 
 from agent.standin import free_port
 
@@ -123,14 +123,14 @@ def test_install_enables_and_starts_the_shipped_config(sandbox: SystemdSandbox) 
     # No NVIDIA driver in the sandbox: the shipped nvml config runs and says so.
     assert "libnvidia-ml.so.1 not found" in journal(sandbox)
     venv = sandbox.run(["readlink", "/opt/gpu-agent/venv"]).stdout.strip()
-    assert re.fullmatch(r"/opt/gpu-agent/env-0\.1\.0-1~bookworm\.\w+", venv), venv
+    assert re.fullmatch(rf"/opt/gpu-agent/env-{re.escape(PKG_VERSION)}-1~bookworm\.\w+", venv), venv
     # Bytecode compiled at install: the service may not write /opt (ProtectSystem=strict), and a
     # daemon that compiles its modules at start keeps ~16 MB more RSS (docs/performance.md).
     sources = list(next(sandbox.path(venv).glob("lib/python3*/site-packages/agent")).rglob("*.py"))
     uncompiled = [p for p in sources if not list((p.parent / "__pycache__").glob(f"{p.stem}.cpython-*.pyc"))]
     assert sources and not uncompiled, uncompiled[:5]
     version = sandbox.run(["gpu-agent", "--version"]).stdout
-    assert version.strip() == f"gpu-agent {VERSION}"
+    assert version.splitlines()[0] == f"gpu-agent {VERSION}"
     # The shipped rules live under /usr/share; /etc/gpu-agent/rules.d is the admin's, empty.
     shipped_rules = sorted(p.name for p in sandbox.path("/usr/share/gpu-agent/rules.d").iterdir())
     assert shipped_rules == RULES
@@ -284,7 +284,7 @@ def test_upgrade_with_a_config_it_rejects_keeps_the_running_daemon(simulated: Sy
     assert proc.returncode == 0, output[-3000:]
     assert "interval_seconds" in output and "gpu-agent keeps running the previous version" in output, output[-3000:]
     status = simulated.run(["dpkg-query", "-W", "-f", "${Status} ${Version}", "gpu-agent"]).stdout
-    assert status == f"install ok installed {VERSION}-2~bookworm"
+    assert status == f"install ok installed {PKG_VERSION}-2~bookworm"
     assert simulated.run(["readlink", "/opt/gpu-agent/venv"]).stdout.strip() == old_env
     assert active(simulated) and main_pid(simulated) == old_pid
     logged = simulated.run(["journalctl", "--no-pager", "-t", "gpu-agent", "-p", "err", "-o", "cat"]).stdout
@@ -293,7 +293,7 @@ def test_upgrade_with_a_config_it_rejects_keeps_the_running_daemon(simulated: Sy
     simulated.write_file("/etc/gpu-agent/agent.yaml", good)
     simulated.run(["/opt/gpu-agent/lib/install-env", "build"], timeout=300)
     simulated.systemctl("restart", UNIT)
-    assert f"{VERSION}-2~bookworm" in simulated.run(["readlink", "/opt/gpu-agent/venv"]).stdout
+    assert f"{PKG_VERSION}-2~bookworm" in simulated.run(["readlink", "/opt/gpu-agent/venv"]).stdout
 
 
 def test_upgrade_keeps_config_then_remove_and_purge_leave_nothing(simulated: SystemdSandbox) -> None:
@@ -302,11 +302,11 @@ def test_upgrade_keeps_config_then_remove_and_purge_leave_nothing(simulated: Sys
     old_pid = main_pid(simulated)
     old_env = simulated.run(["readlink", "/opt/gpu-agent/venv"]).stdout.strip()
     apt_install(simulated, upgrade)
-    assert simulated.run(["dpkg-query", "-W", "-f", "${Version}", "gpu-agent"]).stdout == f"{VERSION}-3~bookworm"
+    assert simulated.run(["dpkg-query", "-W", "-f", "${Version}", "gpu-agent"]).stdout == f"{PKG_VERSION}-3~bookworm"
     # The changed conffile is kept (the shipped one did not change between the releases).
     assert simulated.path("/etc/gpu-agent/agent.yaml").read_text() == config
     new_env = simulated.run(["readlink", "/opt/gpu-agent/venv"]).stdout.strip()
-    assert new_env != old_env and f"{VERSION}-3~bookworm" in new_env
+    assert new_env != old_env and f"{PKG_VERSION}-3~bookworm" in new_env
     assert sorted(p.name for p in simulated.path("/opt/gpu-agent").glob("env-*")) == [Path(new_env).name]
     wait_for("the daemon restarted", lambda: active(simulated) and main_pid(simulated) not in (0, old_pid))
     # It runs from the new environment (its compiled modules are mapped from there).

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import gzip
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -34,7 +35,8 @@ def _load_build() -> ModuleType:
 
 build = _load_build()
 TARGETS = build.TARGETS
-VERSION: str = build.project_version()
+VERSION: str = build.project_version()  # PEP 440: the wheel's, `gpu-agent --version`
+PKG_VERSION: str = build.package_version()  # the .deb and .rpm upstream version
 DEB_TARGETS = sorted(name for name, t in TARGETS.items() if t.packager == "deb")
 RULES = sorted(p.name for p in (REPO / "rules").glob("*.yaml"))
 
@@ -51,7 +53,7 @@ def build_packages(release: int = 1, targets: tuple[str, ...] | None = None) -> 
     env = {k: v for k, v in os.environ.items() if k != "SOURCE_DATE_EPOCH"}
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return {name: out / TARGETS[name].filename(VERSION, release) for name in names}
+    return {name: out / TARGETS[name].filename(PKG_VERSION, release) for name in names}
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +157,7 @@ def test_deb_control(packages: dict[str, Path], target: str) -> None:
     fields = run("dpkg-deb", "--field", packages[target])
     control = dict(re.findall(r"^([\w-]+): (.*)$", fields, re.MULTILINE))
     assert control["Package"] == "gpu-agent"
-    assert control["Version"] == f"{VERSION}-{t.release(1)}"
+    assert control["Version"] == f"{PKG_VERSION}-{t.release(1)}"
     assert control["Architecture"] == "amd64"
     assert control["Section"] == "admin"
     depends = [d.strip() for d in control["Depends"].split(",")]
@@ -207,7 +209,7 @@ def test_deb_ships_the_repository_files(packages: dict[str, Path], tmp_path: Pat
     assert man == (REPO / "packaging" / "gpu-agent.8").read_bytes()
     wheels = tmp_path / "opt/gpu-agent/wheels"
     assert (wheels / "ABI").read_text() == "cp312\n"
-    assert (wheels / "VERSION").read_text() == f"{VERSION}-1~noble\n"
+    assert (wheels / "VERSION").read_text() == f"{PKG_VERSION}-1~noble\n"
     lock = (wheels / "requirements.txt").read_text().splitlines()[1:]
     locked = sorted(line.split("==")[0] for line in lock)
     assert locked == sorted(build.Wheel.parse(p).project for p in wheels.glob("*.whl"))
@@ -255,7 +257,7 @@ def test_rpm_metadata_and_requires(packages: dict[str, Path]) -> None:
     rpm = packages["el10"]
     header = rpm_query(rpm, "--queryformat", "%{NAME} %{VERSION} %{RELEASE} %{ARCH}\n%{LICENSE}")
     first, license_tag = header.split("\n", 1)
-    assert first == f"gpu-agent {VERSION} 1.el10 x86_64"
+    assert first == f"gpu-agent {PKG_VERSION} 1.el10 x86_64"
     assert license_tag.startswith("Apache-2.0 AND ")
     assert "LGPL-2.1-or-later" in license_tag and "(MIT OR Apache-2.0)" in license_tag
     requires = {line.strip() for line in rpm_query(rpm, "--requires").splitlines()}
@@ -342,7 +344,7 @@ def test_rpm_installs_its_layout_into_an_empty_root(packages: dict[str, Path], t
     assert (root / "usr/lib/systemd/system/gpu-agent.service").read_bytes() == (
         REPO / "systemd" / "gpu-agent.service"
     ).read_bytes()
-    assert run("rpm", "--root", root, "-q", "gpu-agent").strip() == f"gpu-agent-{VERSION}-1.el10.x86_64"
+    assert run("rpm", "--root", root, "-q", "gpu-agent").strip() == f"gpu-agent-{PKG_VERSION}-1.el10.x86_64"
     # Every file as packaged: digests, modes, owners.
     assert run("rpm", "--root", root, "-V", "--nodeps", "gpu-agent") == ""
     run("rpm", "--root", root, "--nodeps", "--noscripts", "-e", "gpu-agent")
@@ -438,7 +440,7 @@ def test_install_env_builds_upgrades_and_removes(extracted: Path) -> None:
     assert link.is_symlink() and envs(extracted) == [Path(os.readlink(link)).name]
     python = link / "bin" / "python"
     version = run(python, "-I", "-m", "agent.cli", "--version")
-    assert version.strip() == f"gpu-agent {VERSION}"
+    assert version.splitlines()[0] == f"gpu-agent {VERSION}"
 
     # A second build (an upgrade) switches the link; prune drops the old environment.
     old = os.readlink(link)
@@ -725,9 +727,29 @@ def test_every_dependency_is_pinned() -> None:
         assert name in build.BUNDLED_LICENSES
 
 
-def test_changelog_matches_the_version() -> None:
+def test_changelog_has_an_entry_per_release_and_one_for_this_build() -> None:
+    entries = build.versioned_entries(build.changelog_entries(), VERSION, 1_764_547_200)
+    releases = [str(e["semver"]) for e in build.changelog_entries()]
+    text = build.debian_changelog(entries, TARGETS["debian12"], "1~bookworm")
+    headers = re.findall(r"^gpu-agent \((.+?)\) bookworm; urgency=medium$", text, re.MULTILINE)
+    if ".dev" in VERSION:  # a commit that is no release: its own entry, naming the commit
+        assert headers == [f"{PKG_VERSION}-1~bookworm", *(f"{r}-1" for r in releases)]
+        assert build.project_info().revision in " ".join(text.split())
+    else:
+        assert headers == [f"{PKG_VERSION}-1~bookworm", *(f"{r}-1" for r in releases[1:])]
+    assert len(
+        re.findall(r"^ -- .+ <.+>  \w{3}, \d{2} \w{3} \d{4} \d{2}:\d{2}:\d{2} \+0000$", text, re.MULTILINE)
+    ) == len(headers)
+    rpm = json.loads(build.rpm_changelog(entries, "1.el10"))
+    assert [e["semver"] for e in rpm] == [h.replace("~bookworm", ".el10") for h in headers]
+
+
+def test_a_release_build_needs_its_changelog_entry() -> None:
     entries = build.changelog_entries()
-    assert str(entries[0]["semver"]) == VERSION
-    text = build.debian_changelog(entries, TARGETS["debian12"], f"{VERSION}-1~bookworm")
-    assert text.startswith(f"gpu-agent ({VERSION}-1~bookworm) bookworm; urgency=medium\n\n  * ")
-    assert re.search(r"^ -- .+ <.+>  \w{3}, \d{2} \w{3} \d{4} \d{2}:\d{2}:\d{2} \+0000$", text, re.MULTILINE)
+    newest = str(entries[0]["semver"])
+    assert build.versioned_entries(entries, newest, 0)[0]["semver"] == newest
+    major, minor, patch = (int(n) for n in newest.split("."))
+    with pytest.raises(build.BuildError, match="needs the newest entry"):
+        build.versioned_entries(entries, f"{major}.{minor}.{patch + 1}", 0)
+    with pytest.raises(build.BuildError, match="raise NEXT_RELEASE"):
+        build.versioned_entries(entries, f"{newest}.dev5+gabcdef0", 0)
