@@ -26,7 +26,12 @@ def _version_module() -> ModuleType:
 
 
 VERSION = _version_module()
-INFO = VERSION.from_git(HERE)
+try:
+    INFO = VERSION.from_git(HERE)
+except (VERSION.VersionError, OSError):
+    # No history (an export, a shallow clone): installable, as NEXT_RELEASE.dev0 of an unknown
+    # commit. scripts/build-packages refuses such a checkout.
+    INFO = VERSION.BuildInfo(f"{VERSION.NEXT_RELEASE}.dev0", VERSION.UNKNOWN_REVISION)
 
 
 class BuildPyWithVersion(build_py):
