@@ -495,6 +495,21 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
+class _CompleteValuesAction(argparse.Action):
+    """--complete-values KIND (hidden): the values shell completion offers, one a line
+    (agent/completion.py, dynamic_values)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, _namespace: object, values: object, *_args: object) -> None:
+        from agent.completion import dynamic_values
+
+        for value in dynamic_values(str(values)):
+            sys.stdout.write(value + "\n")
+        parser.exit()
+
+
+COMPLETION_KINDS = ("ack-targets", "gpus")  # agent/completion.py, DYNAMIC_KINDS
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -508,6 +523,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Keep a GPU inference node in its declared state, watch it, and repair what is safe to repair.",
     )
     parser.add_argument("--version", action=_VersionAction, help="print the version and the commit it was built from")
+    parser.add_argument(
+        "--complete-values", action=_CompleteValuesAction, choices=COMPLETION_KINDS, help=argparse.SUPPRESS
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("run", parents=[common], help="the daemon, in the foreground (systemd Type=notify)")
