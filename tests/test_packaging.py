@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -94,6 +95,7 @@ def expected_files(target: str) -> set[str]:
         "/usr/share/gpu-agent/grafana/gpu-agent-dashboard.json",
         "/usr/share/gpu-agent/prometheus/gpu-agent-alerts.yaml",
         "/opt/gpu-agent/lib/legacy-rules.sha256",
+        *(f"/opt/gpu-agent/lib/legacy-rules/{p.name}" for p in (REPO / "packaging/legacy-rules").glob("*.yaml")),
         "/usr/share/bash-completion/completions/gpu-agent",
         "/usr/share/gpu-agent/prometheus/gpu-agent-dcgm-compat.yaml",
         "/usr/share/gpu-agent/prometheus/gpu-agent-recording.yaml",
@@ -116,14 +118,57 @@ def expected_files(target: str) -> set[str]:
     return files
 
 
-def test_two_builds_give_the_same_bytes(packages: dict[str, Path], tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "SOURCE_DATE_EPOCH"}
-    argv = [sys.executable, str(REPO / "packaging" / "build.py"), "--out", str(tmp_path)]
-    proc = subprocess.run([*argv, "--target", "debian12", "--target", "el10"], capture_output=True, text=True, env=env)
-    assert proc.returncode == 0, proc.stderr
-    for target in ("debian12", "el10"):
-        again = tmp_path / packages[target].name
-        assert again.read_bytes() == packages[target].read_bytes(), target
+def _clone_of_this_tree(directory: Path) -> Path:
+    """A fresh clone of HEAD with the working tree's uncommitted changes applied: the same
+    commit, the same version (agent/version.py), in another directory."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["git", "clone", "-q", "--no-hardlinks", str(REPO), str(directory)], check=True)
+    diff = subprocess.run(["git", "-C", str(REPO), "diff", "HEAD", "--binary"], capture_output=True, check=True)
+    if diff.stdout:
+        subprocess.run(["git", "-C", str(directory), "apply", "-"], input=diff.stdout, check=True)
+    return directory
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare (a host name of its own)"
+)
+def test_two_builds_are_identical_across_host_name_umask_directory_and_time(tmp_path: Path) -> None:
+    """Two clones of this tree in different directories, built under umask 022 and 027, on two
+    host names (a UTS namespace each), in two time zones, seconds apart: the same bytes."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SOURCE_DATE_EPOCH", "TZ")}
+    built = {}
+    for label, directory, umask, host, zone in (
+        ("a", tmp_path / "a" / "gpu-agent", "022", "builder-one", "UTC"),
+        ("b", tmp_path / "b" / "elsewhere" / "checkout", "027", "another-host.example.org", "Asia/Tokyo"),
+    ):
+        clone = _clone_of_this_tree(directory)
+        out = tmp_path / f"out-{label}"
+        build_argv = [
+            sys.executable,
+            "packaging/build.py",
+            "--out",
+            str(out),
+            "--target",
+            "debian12",
+            "--target",
+            "el10",
+        ]
+        script = f"umask {umask} && hostname {host} && cd {clone} && exec {shlex.join(build_argv)}"
+        proc = subprocess.run(
+            ["unshare", "--uts", "sh", "-c", script],
+            capture_output=True,
+            text=True,
+            env={**env, "TZ": zone},
+            timeout=900,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        built[label] = {p.name: p.read_bytes() for p in out.iterdir() if p.suffix in (".deb", ".rpm")}
+    assert len(built["a"]) == 2 and built["a"].keys() == built["b"].keys()
+    for name in built["a"]:
+        assert built["a"][name] == built["b"][name], name
+    rpm = next(out.glob("*.rpm"))
+    if shutil.which("rpm"):
+        assert run("rpm", "-qp", "--queryformat", "%{BUILDHOST}", rpm) == "reproducible"
 
 
 # -- .deb ----------------------------------------------------------------------------------------
@@ -182,10 +227,9 @@ def test_deb_conffiles_and_scripts(packages: dict[str, Path], tmp_path: Path) ->
     conffiles = (tmp_path / "conffiles").read_text().split()
     # Only agent.yaml: an upgrade replaces the shipped rules (/usr/share) and never prompts.
     assert conffiles == ["/etc/gpu-agent/agent.yaml"]
-    for script in ("postinst", "prerm", "postrm"):
+    for script in ("preinst", "postinst", "prerm", "postrm"):
         assert (tmp_path / script).read_bytes() == (REPO / "packaging" / "deb" / script).read_bytes()
         assert os.access(tmp_path / script, os.X_OK)
-    assert not (tmp_path / "preinst").exists()
 
 
 @needs("dpkg-deb")
@@ -303,6 +347,7 @@ def test_rpm_contents_and_scriptlets(packages: dict[str, Path]) -> None:
     } <= dirs
     scripts = rpm_query(rpm, "--scripts")
     scriptlets = (
+        ("preinstall", "pre"),
         ("postinstall", "post"),
         ("preuninstall", "preun"),
         ("postuninstall", "postun"),
@@ -501,7 +546,7 @@ def test_install_env_migrate_rules_drops_unchanged_old_defaults_and_keeps_change
     shutil.copy(REPO / "packaging/legacy-rules.sha256", prefix / "lib/legacy-rules.sha256")
     admin.mkdir(parents=True)
     # What the earlier package installed as conffiles (rules/ at b8c3c15), not today's defaults.
-    legacy = Path(__file__).parent / "fixtures/legacy-rules"
+    legacy = REPO / "packaging/legacy-rules"
     for old in legacy.glob("*.yaml"):
         shutil.copy(old, admin / old.name)
     (admin / "20-thermal.yaml").write_text((legacy / "20-thermal.yaml").read_text() + "# tuned here\n")
@@ -510,6 +555,32 @@ def test_install_env_migrate_rules_drops_unchanged_old_defaults_and_keeps_change
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in admin.iterdir()) == ["20-thermal.yaml", "60-site.yaml"]
     assert f"kept {admin / '20-thermal.yaml'} (changed here)" in proc.stderr
+
+
+def test_install_env_restore_legacy_rules_undoes_the_migration(tmp_path: Path) -> None:
+    """Forward (migrate-rules) and back (restore-legacy-rules): the old layout's directory again,
+    the admin's change, addition and mask as they were."""
+    prefix, admin = tmp_path / "opt/gpu-agent", tmp_path / "etc/gpu-agent/rules.d"
+    (prefix / "lib").mkdir(parents=True)
+    shutil.copy(REPO / "packaging/install-env", prefix / "lib/install-env")
+    shutil.copy(REPO / "packaging/legacy-rules.sha256", prefix / "lib/legacy-rules.sha256")
+    shutil.copytree(REPO / "packaging/legacy-rules", prefix / "lib/legacy-rules")
+    admin.mkdir(parents=True)
+    legacy = REPO / "packaging/legacy-rules"
+    for old in legacy.glob("*.yaml"):
+        shutil.copy(old, admin / old.name)
+    (admin / "20-thermal.yaml").write_text((legacy / "20-thermal.yaml").read_text() + "# tuned here\n")
+    (admin / "40-memory.yaml").unlink()
+    (admin / "40-memory.yaml").symlink_to("/dev/null")  # what preinst makes of a deleted one
+    (admin / "60-site.yaml").write_text("rules: []\n")
+    before = {p.name: (os.readlink(p) if p.is_symlink() else p.read_text()) for p in admin.iterdir()}
+    assert install_env(tmp_path, "migrate-rules").returncode == 0
+    assert sorted(p.name for p in admin.iterdir()) == ["20-thermal.yaml", "40-memory.yaml", "60-site.yaml"]
+    proc = install_env(tmp_path, "restore-legacy-rules")
+    assert proc.returncode == 0, proc.stderr
+    after = {p.name: (os.readlink(p) if p.is_symlink() else p.read_text()) for p in admin.iterdir()}
+    assert after == before
+    assert all(oct((admin / name).stat().st_mode & 0o777) == "0o644" for name in ("10-xid.yaml", "30-service.yaml"))
 
 
 def test_wrapper_points_at_install_env_when_the_environment_is_missing(tmp_path: Path) -> None:
@@ -538,21 +609,18 @@ SCRIPT_CASES = {
         "systemctl daemon-reload",
         "systemctl --quiet is-enabled gpu-agent.service",
         "systemctl start gpu-agent.service",
-        "install-env prune",
     ],
+    # The restart of an upgrade is %posttrans's, once the old package's files are gone.
     ("rpm/post", "2", True): [
         "install-env build",
         "restorecon -R /opt/gpu-agent",
         "systemctl daemon-reload",
-        "systemctl try-restart gpu-agent.service",
-        "install-env prune",
     ],
     # In a chroot or an image build (no systemd running): the preset decides, nothing starts.
     ("rpm/post", "1", False): [
         "install-env build",
         "restorecon -R /opt/gpu-agent",
         "systemctl --no-reload preset gpu-agent.service",
-        "install-env prune",
     ],
     ("rpm/preun", "0", True): ["systemctl --no-reload disable --now gpu-agent.service", "install-env remove"],
     ("rpm/preun", "1", True): [],
@@ -573,36 +641,69 @@ SCRIPT_CASES = {
     ],
     ("deb/postinst", "configure", False): [*DEB_CONFIGURED, "install-env prune"],
     ("deb/prerm", "remove", True): ["deb-systemd-invoke stop gpu-agent.service", "install-env remove"],
-    ("deb/prerm", "upgrade 0.1.0-2~bookworm", True): [],
+    ("deb/prerm", "upgrade 0.2.1-1~bookworm", True): [],
+    # Back to a package that installed the rules in /etc as conffiles: their unchanged copies return.
+    ("deb/prerm", "upgrade 0.1.0-2~bookworm", True): ["install-env restore-legacy-rules"],
     ("deb/postrm", "remove", True): ["deb-systemd-helper purge gpu-agent.service", "systemctl --system daemon-reload"],
     ("deb/postrm", "upgrade 0.1.0-2~bookworm", True): [],
 }
 
 
 def run_script(
-    tmp_path: Path, script: str, arguments: str, systemd: bool, build_status: int = 0
+    tmp_path: Path,
+    script: str,
+    arguments: str,
+    systemd: bool,
+    build_status: int = 0,
+    *,
+    current_status: int = 0,
+    query_output: str = "",
 ) -> tuple[subprocess.CompletedProcess[str], list[str]]:
     """Run a maintainer script with stand-ins on PATH recording the commands it runs;
-    build_status: what the stand-in `install-env build` exits with (3: config rejected)."""
+    build_status: what the stand-in `install-env build` exits with (3: config rejected),
+    current_status: `install-env is-current` (1: the new environment did not take over),
+    query_output: what `rpm -q` and `dpkg-query -W` print (the installed package's files).
+    The rules directory is tmp_path/rules.d, the package's state directory tmp_path/state."""
     calls = tmp_path / "calls"
     stubs = tmp_path / "bin"
     stubs.mkdir()
+    (tmp_path / "query-output").write_text(query_output)
+    exits = {"build": build_status, "is-current": current_status}
     for name in ("systemctl", "deb-systemd-helper", "deb-systemd-invoke", "install-env", "restorecon", "logger"):
-        status = f'[ "$1" = build ] && exit {build_status}\n' if name == "install-env" else ""
+        status = (
+            "".join(f'[ "$1" = {cmd} ] && exit {code}\n' for cmd, code in exits.items())
+            if name == "install-env"
+            else ""
+        )
         (stubs / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\n{status}exit 0\n')
+        (stubs / name).chmod(0o755)
+    for name in ("rpm", "dpkg-query"):
+        (stubs / name).write_text(
+            f'#!/bin/sh\nprintf "%s\\n" "{name} $*" >> {calls}\ncat {tmp_path / "query-output"}\n'
+        )
         (stubs / name).chmod(0o755)
     run_dir = tmp_path / "run-systemd-system"
     if systemd:
         run_dir.mkdir()
+    rules, state = tmp_path / "rules.d", tmp_path / "state"
+    rules.mkdir(exist_ok=True)
+    state.mkdir(exist_ok=True)
     text = (REPO / "packaging" / script).read_text()
     text = text.replace("/opt/gpu-agent/lib/install-env", str(stubs / "install-env"))
+    text = text.replace("/opt/gpu-agent/lib/legacy-rules.sha256", str(REPO / "packaging/legacy-rules.sha256"))
     text = text.replace("/run/systemd/system", str(run_dir))
+    text = text.replace("rules=/etc/gpu-agent/rules.d\n", f"rules={rules}\n")
+    text = text.replace("state=/opt/gpu-agent\n", f"state={state}\n")
     # Nothing of the real machine may be reached (the purge case is tested separately; the
     # config's path is only named in a message).
-    assert "/etc/" not in text.replace("/etc/gpu-agent /var/lib/gpu-agent", "").replace(
+    code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    assert "/etc/" not in code.replace("/etc/gpu-agent /var/lib/gpu-agent", "").replace(
         "/etc/gpu-agent/agent.yaml (", ""
     )
-    assert "/run/" not in text.replace(str(run_dir), "")
+    assert "/run/" not in code.replace(str(run_dir), "")
+    assert "/opt/gpu-agent" not in code.replace("restorecon -R /opt/gpu-agent", "").replace(
+        "/opt/gpu-agent/lib/install-env", ""
+    )
     script_file = tmp_path / "script"
     script_file.write_text(text)
     env = {"PATH": f"{stubs}:/usr/bin:/bin", "LANG": "C.UTF-8"}
@@ -653,18 +754,94 @@ def test_a_failed_environment_build_fails_the_script(tmp_path: Path, script: str
     assert recorded == ["install-env build"]
 
 
-def test_posttrans_puts_back_the_rules_an_admin_changed(tmp_path: Path) -> None:
+def test_rpm_post_leaves_the_restart_of_an_upgrade_to_posttrans(tmp_path: Path) -> None:
+    proc, recorded = run_script(tmp_path, "rpm/post", "2", systemd=True)
+    assert proc.returncode == 0, proc.stderr
+    assert not any("restart" in call for call in recorded), recorded
+    assert (tmp_path / "state/.restart-pending").is_file()
+
+
+def test_rpm_pre_masks_the_rules_an_admin_deleted_under_the_old_layout(tmp_path: Path) -> None:
     rules = tmp_path / "rules.d"
     rules.mkdir()
-    (rules / "20-thermal.yaml.rpmsave").write_text("changed\n")
-    (rules / "99-own.yaml.rpmsave").write_text("never shipped\n")
-    text = (REPO / "packaging" / "rpm" / "posttrans").read_text()
-    text = text.replace("/etc/gpu-agent/rules.d", str(rules))
-    text = text.replace("/opt/gpu-agent/lib/legacy-rules.sha256", str(REPO / "packaging" / "legacy-rules.sha256"))
-    proc = subprocess.run(["sh", "-c", text], capture_output=True, text=True)
+    (rules / "10-xid.yaml").write_text("kept\n")
+    (rules / "30-service.yaml").symlink_to("/dev/null")
+    owned = "".join(f"{rules}/{name}\n" for name in ("10-xid.yaml", "20-thermal.yaml", "30-service.yaml"))
+    owned += "/usr/bin/gpu-agent\n"
+    proc, recorded = run_script(tmp_path, "rpm/pre", "2", True, query_output=owned)
     assert proc.returncode == 0, proc.stderr
-    assert sorted(p.name for p in rules.iterdir()) == ["20-thermal.yaml", "99-own.yaml.rpmsave"]
-    assert f"kept {rules / '20-thermal.yaml'}" in proc.stderr
+    assert recorded == ["rpm -q --qf [%{FILENAMES}\\n] gpu-agent"]
+    assert os.readlink(rules / "20-thermal.yaml") == "/dev/null"
+    assert (rules / "10-xid.yaml").read_text() == "kept\n"
+    assert sorted(p.name for p in rules.iterdir()) == ["10-xid.yaml", "20-thermal.yaml", "30-service.yaml"]
+    assert f"{rules}/20-thermal.yaml was deleted here: masked it" in proc.stderr
+    assert (tmp_path / "state/.legacy-rules-upgrade").is_file()
+
+
+def test_rpm_pre_leaves_a_package_with_the_rules_under_usr_share_alone(tmp_path: Path) -> None:
+    proc, _ = run_script(tmp_path, "rpm/pre", "2", True, query_output="/usr/share/gpu-agent/rules.d/10-xid.yaml\n")
+    assert proc.returncode == 0, proc.stderr
+    assert list((tmp_path / "rules.d").iterdir()) == []
+    assert not (tmp_path / "state/.legacy-rules-upgrade").exists()
+
+
+def test_deb_preinst_masks_the_rules_an_admin_deleted_under_the_old_layout(tmp_path: Path) -> None:
+    rules = tmp_path / "rules.d"
+    rules.mkdir()
+    (rules / "10-xid.yaml").write_text("kept\n")
+    conffiles = (
+        " /etc/gpu-agent/agent.yaml 0123\n"
+        f" {rules}/10-xid.yaml 4567\n"
+        f" {rules}/20-thermal.yaml 89ab\n"
+        f" {rules}/40-memory.yaml cdef obsolete\n"
+    )
+    proc, recorded = run_script(tmp_path, "deb/preinst", "upgrade 0.1.0-1~bookworm", True, query_output=conffiles)
+    assert proc.returncode == 0, proc.stderr
+    assert recorded == ["dpkg-query -W -f=${Conffiles}\\n gpu-agent"]
+    # 20-thermal: a conffile of the installed package, missing: deleted by the admin. 40-memory:
+    # already moved by an earlier upgrade (obsolete), so its absence says nothing.
+    assert sorted(p.name for p in rules.iterdir()) == ["10-xid.yaml", "20-thermal.yaml"]
+    assert os.readlink(rules / "20-thermal.yaml") == "/dev/null"
+    # A first install: no installed package to ask about.
+    (tmp_path / "fresh").mkdir()
+    fresh, recorded = run_script(tmp_path / "fresh", "deb/preinst", "install", True)
+    assert fresh.returncode == 0 and recorded == []
+
+
+POSTTRANS_CASES = {
+    # (the new environment took over, a restart pending, an upgrade from the old layout): calls
+    (True, True, True): [
+        "install-env is-current",
+        "install-env migrate-rules",
+        "systemctl try-restart gpu-agent.service",
+        "install-env prune",
+    ],
+    (True, False, False): ["install-env is-current", "install-env migrate-rules", "install-env prune"],
+    # The new version rejected the config: the old daemon keeps its rules in /etc.
+    (False, False, True): ["install-env is-current", "install-env restore-legacy-rules"],
+    (False, False, False): ["install-env is-current"],
+}
+
+
+@pytest.mark.parametrize(("took_over", "pending", "legacy"), list(POSTTRANS_CASES))
+def test_rpm_posttrans(tmp_path: Path, took_over: bool, pending: bool, legacy: bool) -> None:
+    rules, state = tmp_path / "rules.d", tmp_path / "state"
+    for directory in (rules, state):
+        directory.mkdir()
+    # What rpm leaves of the old package's %config rules: the changed one and the mask saved.
+    (rules / "20-thermal.yaml.rpmsave").write_text("changed\n")
+    (rules / "30-service.yaml.rpmsave").symlink_to("/dev/null")
+    (rules / "99-own.yaml.rpmsave").write_text("never shipped\n")
+    if pending:
+        (state / ".restart-pending").touch()
+    if legacy:
+        (state / ".legacy-rules-upgrade").touch()
+    proc, recorded = run_script(tmp_path, "rpm/posttrans", "0", True, current_status=0 if took_over else 1)
+    assert proc.returncode == 0, proc.stderr
+    assert recorded == POSTTRANS_CASES[(took_over, pending, legacy)]
+    assert sorted(p.name for p in rules.iterdir()) == ["20-thermal.yaml", "30-service.yaml", "99-own.yaml.rpmsave"]
+    assert os.readlink(rules / "30-service.yaml") == "/dev/null"
+    assert list(state.iterdir()) == []
 
 
 def test_deb_purge_removes_config_and_state(tmp_path: Path) -> None:
