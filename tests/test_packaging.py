@@ -54,7 +54,11 @@ def build_packages(release: int = 1, targets: tuple[str, ...] | None = None) -> 
     env = {k: v for k, v in os.environ.items() if k != "SOURCE_DATE_EPOCH"}
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return {name: out / TARGETS[name].filename(PKG_VERSION, release) for name in names}
+    built = {name: out / TARGETS[name].filename(PKG_VERSION, release) for name in names}
+    # The version is the checkout's when the build ran: a commit made since this module was imported
+    # (VERSION above) would name other files.
+    assert all(path.is_file() for path in built.values()), f"not built: {built} ({proc.stdout[-2000:]})"
+    return built
 
 
 @pytest.fixture(scope="module")
@@ -430,6 +434,7 @@ def extracted(packages: dict[str, Path], tmp_path: Path) -> Path:
 
 
 def install_env(root: Path, action: str, python: str = "/usr/bin/python3") -> subprocess.CompletedProcess[str]:
+    """Run the package's install-env under `root` (`action`: its arguments, split at spaces)."""
     env = {
         **os.environ,
         "GPU_AGENT_PREFIX": str(root / "opt/gpu-agent"),
@@ -438,7 +443,7 @@ def install_env(root: Path, action: str, python: str = "/usr/bin/python3") -> su
         "GPU_AGENT_RULES_DIR": str(root / "etc/gpu-agent/rules.d"),
     }
     return subprocess.run(
-        [root / "opt/gpu-agent/lib/install-env", action], capture_output=True, text=True, env=env, timeout=300
+        [root / "opt/gpu-agent/lib/install-env", *action.split()], capture_output=True, text=True, env=env, timeout=300
     )
 
 
@@ -580,6 +585,10 @@ def test_install_env_restore_legacy_rules_undoes_the_migration(tmp_path: Path) -
     assert proc.returncode == 0, proc.stderr
     after = {p.name: (os.readlink(p) if p.is_symlink() else p.read_text()) for p in admin.iterdir()}
     assert after == before
+    # A dpkg downgrade: the mask goes too (dpkg records the file, and keeps it deleted).
+    proc = install_env(tmp_path, "restore-legacy-rules --unmask")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in admin.iterdir()) == sorted(set(before) - {"40-memory.yaml"})
     assert all(oct((admin / name).stat().st_mode & 0o777) == "0o644" for name in ("10-xid.yaml", "30-service.yaml"))
 
 
@@ -643,7 +652,7 @@ SCRIPT_CASES = {
     ("deb/prerm", "remove", True): ["deb-systemd-invoke stop gpu-agent.service", "install-env remove"],
     ("deb/prerm", "upgrade 0.2.1-1~bookworm", True): [],
     # Back to a package that installed the rules in /etc as conffiles: their unchanged copies return.
-    ("deb/prerm", "upgrade 0.1.0-2~bookworm", True): ["install-env restore-legacy-rules"],
+    ("deb/prerm", "upgrade 0.1.0-2~bookworm", True): ["install-env restore-legacy-rules --unmask"],
     ("deb/postrm", "remove", True): ["deb-systemd-helper purge gpu-agent.service", "systemctl --system daemon-reload"],
     ("deb/postrm", "upgrade 0.1.0-2~bookworm", True): [],
 }
@@ -775,7 +784,9 @@ def test_rpm_pre_masks_the_rules_an_admin_deleted_under_the_old_layout(tmp_path:
     assert (rules / "10-xid.yaml").read_text() == "kept\n"
     assert sorted(p.name for p in rules.iterdir()) == ["10-xid.yaml", "20-thermal.yaml", "30-service.yaml"]
     assert f"{rules}/20-thermal.yaml was deleted here: masked it" in proc.stderr
-    assert (tmp_path / "state/.legacy-rules-upgrade").is_file()
+    # Every mask of such a rule, made now or before, for %posttrans to put back after rpm removed it.
+    listed = (tmp_path / "state/.legacy-rules-upgrade").read_text().split()
+    assert listed == [f"{rules}/20-thermal.yaml", f"{rules}/30-service.yaml"]
 
 
 def test_rpm_pre_leaves_a_package_with_the_rules_under_usr_share_alone(tmp_path: Path) -> None:
@@ -835,12 +846,17 @@ def test_rpm_posttrans(tmp_path: Path, took_over: bool, pending: bool, legacy: b
     if pending:
         (state / ".restart-pending").touch()
     if legacy:
-        (state / ".legacy-rules-upgrade").touch()
+        # %pre's list of masks: 40-memory's, which rpm removed with the old package's files.
+        (state / ".legacy-rules-upgrade").write_text(f"{rules / '40-memory.yaml'}\n")
     proc, recorded = run_script(tmp_path, "rpm/posttrans", "0", True, current_status=0 if took_over else 1)
     assert proc.returncode == 0, proc.stderr
     assert recorded == POSTTRANS_CASES[(took_over, pending, legacy)]
-    assert sorted(p.name for p in rules.iterdir()) == ["20-thermal.yaml", "30-service.yaml", "99-own.yaml.rpmsave"]
+    masks = ["40-memory.yaml"] if legacy else []
+    assert sorted(p.name for p in rules.iterdir()) == sorted(
+        ["20-thermal.yaml", "30-service.yaml", *masks, "99-own.yaml.rpmsave"]
+    )
     assert os.readlink(rules / "30-service.yaml") == "/dev/null"
+    assert all(os.readlink(rules / name) == "/dev/null" for name in masks)
     assert list(state.iterdir()) == []
 
 
