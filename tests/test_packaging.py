@@ -451,7 +451,7 @@ def install_env(root: Path, action: str, python: str = "/usr/bin/python3") -> su
 @pytest.mark.parametrize("target", DEB_TARGETS)
 def test_bundled_wheels_run_on_the_target_python(packages: dict[str, Path], tmp_path: Path, target: str) -> None:
     """Each package's wheel set is complete and importable on its distribution's Python version
-    (Ubuntu 22.04: 3.10, Ubuntu 24.04 and EL10: 3.12, Debian 12: 3.11), wherever this machine has
+    (Ubuntu 22.04: 3.10, Ubuntu 24.04 and EL10: 3.12, Debian 12: 3.11, Debian 13: 3.13), wherever this machine has
     that interpreter."""
     python = python_for(TARGETS[target].python)
     if python is None:
