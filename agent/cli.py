@@ -12,7 +12,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
-from agent import __version__
 from agent.defaults import DEFAULT_CONFIG_PATH, DEFAULT_SOCKET_PATH
 
 if TYPE_CHECKING:  # the heavy modules (pydantic models, the policy engine) load only for commands that use them
@@ -684,6 +683,39 @@ class _Parser(argparse.ArgumentParser):
 INJECT_HELP = "inject a fault into a simulated node (and a running daemon on it)"
 
 
+def _print_version() -> None:
+    from agent.version import current
+
+    info = current()
+    sys.stdout.write(f"gpu-agent {info.version}\nrevision {info.revision}\n")
+
+
+class _VersionAction(argparse.Action):
+    """--version, reading the version only when asked (in a git checkout it runs git)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_args: object) -> None:
+        _print_version()
+        parser.exit()
+
+
+class _CompleteValuesAction(argparse.Action):
+    """--complete-values KIND (hidden): the values shell completion offers, one a line
+    (agent/completion.py, dynamic_values)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, _namespace: object, values: object, *_args: object) -> None:
+        from agent.completion import dynamic_values
+
+        for value in dynamic_values(str(values)):
+            sys.stdout.write(value + "\n")
+        parser.exit()
+
+
+COMPLETION_KINDS = ("ack-targets", "gpus")  # agent/completion.py, DYNAMIC_KINDS
+
+
 def build_parser(*, fault_parsers: bool = True) -> argparse.ArgumentParser:
     common = _Parser(add_help=False)
     common.add_argument(
@@ -696,7 +728,10 @@ def build_parser(*, fault_parsers: bool = True) -> argparse.ArgumentParser:
         prog="gpu-agent",
         description="Keep a GPU inference node in its declared state, watch it, and repair what is safe to repair.",
     )
-    parser.add_argument("--version", action="version", version=f"gpu-agent {__version__}")
+    parser.add_argument("--version", action=_VersionAction, help="print the version and the commit it was built from")
+    parser.add_argument(
+        "--complete-values", action=_CompleteValuesAction, choices=COMPLETION_KINDS, help=argparse.SUPPRESS
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("run", parents=[common], help="the daemon, in the foreground (systemd Type=notify)")
@@ -803,7 +838,7 @@ def build_parser(*, fault_parsers: bool = True) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = sys.argv[1:] if argv is None else list(argv)
     if arguments == ["--version"]:  # the answer needs no parser
-        _print(f"gpu-agent {__version__}")
+        _print_version()
         return EXIT_OK
     # Options before the command are only --help and --version: the first word is the command.
     command = next((word for word in arguments if not word.startswith("-")), None)

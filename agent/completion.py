@@ -2,19 +2,35 @@
 completes without anyone editing a script. The packages install both (packaging/build.py):
 
     python -m agent.completion bash|zsh
+
+Values complete where values go: choices from the parser, paths for PATH/FILE/DIR, durations for
+DURATION (`events --since`), and what only the node knows, read when TAB is pressed through
+`gpu-agent --complete-values KIND` (hidden; the config of a `--config` on the line, else
+$GPU_AGENT_CONFIG, else the default): the `ack` selectors the store has something to re-arm for,
+and the GPU indices the store knows (`--gpu`). Nothing is written: the store is opened read-only.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sqlite3
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 PROG = "gpu-agent"
 # Options whose value is a path: completed from the file system, not from a word list.
 DIRECTORY_METAVARS = ("DIR",)
 FILE_METAVARS = ("PATH", "FILE")
+# Options whose value is a duration: offered examples (any `90s`, `30m`, `1h`, `7d` is taken).
+DURATION_METAVARS = ("DURATION",)
+DURATIONS = ("30m", "1h", "6h", "1d", "7d")
+# Values only the node knows, read at TAB time (`gpu-agent --complete-values KIND`).
+DYNAMIC_OPTIONS = {"--gpu": "gpus"}
+DYNAMIC_POSITIONALS = {"selector": "ack-targets"}  # `gpu-agent ack SELECTOR`
+DYNAMIC_KINDS = ("ack-targets", "gpus")
 
 
 @dataclass
@@ -27,6 +43,8 @@ class Command:
     choices: dict[str, list[str]] = field(default_factory=dict)  # option -> its values
     directories: list[str] = field(default_factory=list)  # options taking a directory
     files: list[str] = field(default_factory=list)  # options taking a file
+    dynamic: dict[str, str] = field(default_factory=dict)  # option -> the KIND of its values
+    positional: str | None = None  # the KIND of the values of its positional argument
 
 
 def commands(parser: argparse.ArgumentParser, path: str = PROG) -> Iterator[Command]:
@@ -40,10 +58,18 @@ def commands(parser: argparse.ArgumentParser, path: str = PROG) -> Iterator[Comm
                 command.subcommands[name] = helps.get(name, "")
                 nested.append((name, sub))
             continue
+        if action.help == argparse.SUPPRESS:
+            continue
+        if not action.option_strings and action.dest in DYNAMIC_POSITIONALS:
+            command.positional = DYNAMIC_POSITIONALS[action.dest]
         for option in action.option_strings:
             command.options[option] = action.help or ""
             if action.choices is not None:
                 command.choices[option] = [str(c) for c in action.choices]
+            elif option in DYNAMIC_OPTIONS:
+                command.dynamic[option] = DYNAMIC_OPTIONS[option]
+            elif action.metavar in DURATION_METAVARS:
+                command.choices[option] = list(DURATIONS)
             elif action.metavar in DIRECTORY_METAVARS:
                 command.directories.append(option)
             elif action.metavar in FILE_METAVARS:
@@ -69,10 +95,38 @@ def bash_script(parser: argparse.ArgumentParser) -> str:
             value_cases.append(f'        "{command.path}|{option}") COMPREPLY=($(compgen -d -- "$cur")); return ;;')
         for option in command.files:
             value_cases.append(f'        "{command.path}|{option}") COMPREPLY=($(compgen -f -- "$cur")); return ;;')
-    word_cases = [f'        "{c.path}") words="{_words(c)}" ;;' for c in found]
+        for option, kind in command.dynamic.items():
+            reply = f'COMPREPLY=($(compgen -W "$(_gpu_agent_values {kind})" -- "$cur"))'
+            value_cases.append(f'        "{command.path}|{option}") {reply}; return ;;')
+    word_cases = []
+    for c in found:
+        dynamic = f"; [[ $cur != -* ]] && _gpu_agent_positional {c.positional} && return" if c.positional else ""
+        word_cases.append(f'        "{c.path}") words="{_words(c)}"{dynamic} ;;')
     return "\n".join(
         [
             f"# bash completion for {PROG}, generated from its argparse parser (agent/completion.py)",
+            "# What only the node knows (KIND: ack-targets, gpus), from the gpu-agent being completed,",
+            "# with the config of a --config on the line.",
+            "_gpu_agent_values() {",
+            "    local i config=",
+            "    for ((i = 1; i < COMP_CWORD; i++)); do",
+            "        if [[ ${COMP_WORDS[i]} == --config ]]; then",
+            "            config=${COMP_WORDS[i+1]}",
+            "            [[ $config == = ]] && config=${COMP_WORDS[i+2]}",
+            "        fi",
+            "    done",
+            '    GPU_AGENT_CONFIG=${config:-$GPU_AGENT_CONFIG} "${COMP_WORDS[0]}" --complete-values "$1" 2>/dev/null',
+            "}",
+            "# A positional value that may hold ':' (gpu:0, service:sglang), which bash splits words at.",
+            "_gpu_agent_positional() {",
+            "    local word=$cur",
+            "    if [[ $cur == : ]]; then word=$prev:",
+            "    elif [[ $prev == : ]]; then word=${COMP_WORDS[COMP_CWORD-2]}:$cur",
+            "    fi",
+            '    COMPREPLY=($(compgen -W "$(_gpu_agent_values "$1")" -- "$word"))',
+            '    [[ $word == *:* ]] && COMPREPLY=("${COMPREPLY[@]#"${word%"${word##*:}"}"}")',
+            "    return 0",
+            "}",
             "_gpu_agent() {",
             "    local cur=${COMP_WORDS[COMP_CWORD]} prev=${COMP_WORDS[COMP_CWORD-1]}",
             "    # '=' breaks words in bash: --opt=VALUE arrives as --opt, =, VALUE",
@@ -124,16 +178,29 @@ def zsh_script(parser: argparse.ArgumentParser) -> str:
             value_cases.append(f"    ({_zsh_quote(command.path + '|' + option)}) _files -/; return ;;")
         for option in command.files:
             value_cases.append(f"    ({_zsh_quote(command.path + '|' + option)}) _files; return ;;")
+        for option, kind in command.dynamic.items():
+            case = _zsh_quote(command.path + "|" + option)
+            value_cases.append(f"    ({case}) values=({_zsh_values(kind)}); compadd -a values; return ;;")
     word_cases = []
     for command in found:
         items = [_zsh_item(n, h) for n, h in {**command.subcommands, **command.options}.items()]
-        word_cases.append(f"    ({_zsh_quote(command.path)}) items=({' '.join(items)}) ;;")
+        dynamic = ""
+        if command.positional:
+            read_values = _zsh_values(command.positional)
+            dynamic = f"[[ $PREFIX != -* ]] && {{ values=({read_values}); compadd -a values; return; }}; "
+        word_cases.append(f"    ({_zsh_quote(command.path)}) {dynamic}items=({' '.join(items)}) ;;")
     return "\n".join(
         [
             f"#compdef {PROG}",
             f"# zsh completion for {PROG}, generated from its argparse parser (agent/completion.py)",
-            "local p=gpu-agent i",
-            "local -a items",
+            "local p=gpu-agent i config=",
+            "local -a items values",
+            "for ((i = 2; i < CURRENT; i++)); do",
+            "  case ${words[i]} in",
+            "    (--config) config=${words[i+1]} ;;",
+            "    (--config=*) config=${words[i]#--config=} ;;",
+            "  esac",
+            "done",
             "for ((i = 2; i < CURRENT; i++)); do",
             f'  case "$p ${{words[i]}}" in ({paths}) p="$p ${{words[i]}}" ;; esac',
             "done",
@@ -151,6 +218,57 @@ def zsh_script(parser: argparse.ArgumentParser) -> str:
             "",
         ]
     )
+
+
+def _zsh_values(kind: str) -> str:
+    command = f"GPU_AGENT_CONFIG=${{config:-$GPU_AGENT_CONFIG}} ${{words[1]}} --complete-values {kind} 2>/dev/null"
+    return f'${{(f)"$({command})"}}'
+
+
+def dynamic_values(kind: str, config_path: str | None = None) -> list[str]:
+    """The values of KIND this node has (`gpu-agent --complete-values KIND`), from the store of
+    the config at `config_path` ($GPU_AGENT_CONFIG, else the default), opened read-only; nothing
+    when there is no config or store, or it cannot be read (completion never fails loudly).
+      ack-targets  `all`, then the rules, `gpu:INDEX`, `gpu:UUID` and `service:NAME` whose
+                   attempts ran out or circuit is open, and the missing GPUs not acknowledged
+      gpus         the GPU indices the store has seen on this node"""
+    from agent.config import load_config
+    from agent.config_errors import ConfigError
+    from agent.defaults import DEFAULT_CONFIG_PATH
+
+    path = config_path or os.environ.get("GPU_AGENT_CONFIG") or DEFAULT_CONFIG_PATH
+    try:
+        database = Path(load_config(Path(path)).state_dir) / "gpu-agent.db"
+        if not database.is_file():
+            return []
+        connection = sqlite3.connect(f"{database.as_uri()}?mode=ro", uri=True, timeout=1)
+    except (ConfigError, OSError, sqlite3.Error, ValueError):
+        return []
+    try:
+        if kind == "gpus":
+            rows = connection.execute("SELECT DISTINCT gpu FROM gpu_inventory WHERE gpu >= 0 ORDER BY gpu").fetchall()
+            return [str(row[0]) for row in rows]
+        owed = "SELECT rule, gpu, uuid, service FROM circuits UNION SELECT rule, gpu, uuid, service FROM remediations"
+        owed += " WHERE counted = 1 AND acked = 0"
+        found: dict[str, None] = {"all": None}
+        for rule, gpu, uuid, service in connection.execute(owed).fetchall():
+            found[str(rule)] = None
+            for value in (
+                f"gpu:{gpu}" if gpu is not None else None,
+                uuid and f"gpu:{uuid}",
+                service and f"service:{service}",
+            ):
+                if value:
+                    found[value] = None
+        missing = "SELECT DISTINCT gpu, uuid FROM gpu_inventory WHERE present = 0 AND acked = 0"
+        for gpu, uuid in connection.execute(missing).fetchall():
+            found[f"gpu:{gpu}"] = None
+            found[f"gpu:{uuid}"] = None
+        return list(found)
+    except sqlite3.Error:
+        return []
+    finally:
+        connection.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import gzip
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -29,6 +31,8 @@ import zipfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import yaml
 
@@ -39,7 +43,8 @@ NFPM_VERSION = "2.48.0"
 DEFAULT_MAINTAINER = "gpu-agent maintainers <gpu-agent@example.org>"
 # The URL tag and Homepage field; GPU_AGENT_HOMEPAGE gives the real one when the project has it.
 DEFAULT_HOMEPAGE = "https://gpu-agent.example.org/"
-# manylinux tags every target's glibc satisfies (Ubuntu 22.04 has 2.35, Debian 12 2.36, EL10 2.39).
+# manylinux tags every target's glibc satisfies (Ubuntu 22.04 has 2.35, Debian 12 2.36, EL10 2.39,
+# Debian 13 2.41).
 PLATFORMS = (
     "manylinux_2_28_x86_64",
     "manylinux_2_17_x86_64",
@@ -108,6 +113,10 @@ TARGETS = {
         # Debian 12 is this project's build and test host: the e2e test installs this one in a
         # real systemd. It works on a Debian 12 server as well.
         Target("debian12", "deb", "3.11", "~bookworm", "/lib/systemd/system", "bookworm", "Debian 12"),
+        # Debian 13's python3 is 3.13: its own package, which sorts above the Debian 12 one
+        # (~trixie > ~bookworm), so a dist-upgrade with both in the repository upgrades the agent
+        # in place, onto an environment built on the new python, instead of removing it.
+        Target("debian13", "deb", "3.13", "~trixie", "/usr/lib/systemd/system", "trixie", "Debian 13"),
     )
 }
 
@@ -116,12 +125,37 @@ class BuildError(Exception):
     pass
 
 
+def _version_module() -> ModuleType:
+    # agent/version.py by path: it imports nothing of the agent (nor its dependencies).
+    spec = importlib.util.spec_from_file_location("gpu_agent_version", REPO / "agent" / "version.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+VERSIONING = _version_module()
+
+
+@functools.cache
+def project_info() -> Any:
+    """The checkout's version and commit (agent/version.py): a tag vX.Y.Z is X.Y.Z, any other
+    commit NEXT.devN+gSHORT. BuildError without git history (an export, a shallow clone)."""
+    try:
+        return VERSIONING.from_git(REPO)
+    except (VERSIONING.VersionError, OSError) as exc:
+        raise BuildError(f"no version for {REPO}: {exc}") from exc
+
+
 def project_version() -> str:
-    text = (REPO / "agent" / "__init__.py").read_text(encoding="utf-8")
-    found = re.search(r'^__version__ = "([^"]+)"', text, re.MULTILINE)
-    if found is None:
-        raise BuildError("agent/__init__.py has no __version__")
-    return found.group(1)
+    """The PEP 440 version: the wheel's, and what `gpu-agent --version` prints."""
+    return str(project_info().version)
+
+
+def package_version() -> str:
+    """The upstream version of the .deb and .rpm (`0.2.0~dev12+g1a2b3c4`: sorts below 0.2.0)."""
+    return str(project_info().package_version)
 
 
 def normalize(name: str) -> str:
@@ -192,7 +226,26 @@ def build_project_wheel(work: Path) -> Path:
     wheels = list(out.glob("gpu_agent-*.whl"))
     if len(wheels) != 1:
         raise BuildError(f"expected one gpu_agent wheel in {out}, found {wheels}")
+    normalize_wheel(wheels[0])
     return wheels[0]
+
+
+def normalize_wheel(path: Path) -> None:
+    """Rewrite the wheel with the same members in the same order, but every file 0644 and every
+    time SOURCE_DATE_EPOCH's: setuptools takes the modes from the checkout, so a checkout made
+    under umask 027 would otherwise give different bytes (its RECORD holds no modes)."""
+    epoch = max(source_date_epoch(), 315532800)  # zip times start in 1980
+    when = dt.datetime.fromtimestamp(epoch, dt.timezone.utc).timetuple()[:6]
+    with zipfile.ZipFile(path) as original:
+        members = [(info.filename, original.read(info)) for info in original.infolist()]
+    staged = path.with_suffix(".normalized")
+    with zipfile.ZipFile(staged, "w") as normalized:
+        for name, data in members:
+            info = zipfile.ZipInfo(name, date_time=when)
+            info.external_attr = (0o40755 if name.endswith("/") else 0o100644) << 16
+            info.create_system = 3  # unix: the modes above count
+            normalized.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
+    staged.replace(path)
 
 
 def pinned() -> dict[str, str]:
@@ -387,10 +440,44 @@ def _as_datetime(value: object) -> dt.datetime:
     return when if when.tzinfo else when.replace(tzinfo=dt.timezone.utc)
 
 
-def debian_changelog(entries: Sequence[dict[str, object]], target: Target, full_version: str) -> str:
+def _release_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(n) for n in version.split("."))
+
+
+def versioned_entries(entries: Sequence[dict[str, object]], version: str, when: int) -> list[dict[str, object]]:
+    """The changelog of a build of `version` (PEP 440): the releases of packaging/changelog.yaml,
+    newest first, and for a build that is no release an entry of its own naming the commit, dated
+    `when` (SOURCE_DATE_EPOCH). A release build needs its entry in the file."""
+    releases = [str(e["semver"]) for e in entries]
+    if [_release_tuple(v) for v in releases] != sorted((_release_tuple(v) for v in releases), reverse=True):
+        raise BuildError("packaging/changelog.yaml: entries must be newest first, one per release")
+    base, _, dev = version.partition(".dev")
+    if not dev:
+        if releases[0] != version:
+            raise BuildError(f"packaging/changelog.yaml: the release {version} needs the newest entry")
+        return [dict(e) for e in entries]
+    if _release_tuple(releases[0]) >= _release_tuple(base):
+        raise BuildError(
+            f"packaging/changelog.yaml: {releases[0]} is not below {base}: raise NEXT_RELEASE in agent/version.py"
+        )
+    info = project_info()
+    note = f"Development build {version} of commit {info.revision}, not a release."
+    build = {
+        "semver": version,
+        "date": dt.datetime.fromtimestamp(when, dt.timezone.utc),
+        "packager": os.environ.get("GPU_AGENT_MAINTAINER", DEFAULT_MAINTAINER),
+        "changes": [{"note": note}],
+    }
+    return [build, *(dict(e) for e in entries)]
+
+
+def debian_changelog(entries: Sequence[dict[str, object]], target: Target, release: str) -> str:
+    """One block per entry of versioned_entries(): the newest with this package's release, the
+    others as they were published (`X.Y.Z-1`)."""
     blocks = []
     for index, entry in enumerate(entries):
-        version = full_version if index == 0 else f"{entry['semver']}-1"
+        upstream = VERSIONING.debian_version(str(entry["semver"]))
+        version = f"{upstream}-{release}" if index == 0 else f"{upstream}-1"
         notes = entry.get("changes") or []
         assert isinstance(notes, list)
         lines = [f"{NAME} ({version}) {target.codename}; urgency=medium", ""]
@@ -403,11 +490,12 @@ def debian_changelog(entries: Sequence[dict[str, object]], target: Target, full_
     return "\n\n".join(blocks) + "\n"
 
 
-def rpm_changelog(entries: Sequence[dict[str, object]], full_version: str) -> str:
-    """nfpm's changelog format, the newest entry carrying the package's version-release."""
+def rpm_changelog(entries: Sequence[dict[str, object]], release: str) -> str:
+    """nfpm's changelog format: each entry with its version-release, the newest with this package's."""
     staged = [dict(entry) for entry in entries]
-    staged[0]["semver"] = full_version
-    for entry in staged:
+    for index, entry in enumerate(staged):
+        upstream = VERSIONING.debian_version(str(entry["semver"]))
+        entry["semver"] = f"{upstream}-{release}" if index == 0 else f"{upstream}-1"
         entry["date"] = _as_datetime(entry["date"]).isoformat()
     return json.dumps(staged, indent=1) + "\n"
 
@@ -423,7 +511,7 @@ def stage_target(
     shutil.rmtree(stage, ignore_errors=True)
     (stage / "wheels").mkdir(parents=True)
     release = target.release(release_number)
-    full_version = f"{version}-{release}"
+    full_version = f"{package_version()}-{release}"
     for wheel in wheels:
         shutil.copy2(wheel.path, stage / "wheels" / wheel.path.name)
     (stage / "wheels" / "requirements.txt").write_text(lock_file(wheels), encoding="utf-8")
@@ -432,12 +520,10 @@ def stage_target(
     man = (PACKAGING / "gpu-agent.8").read_bytes()
     (stage / "gpu-agent.8.gz").write_bytes(gzip.compress(man, compresslevel=9, mtime=0))
     (stage / "copyright").write_text(copyright_file(wheels, target.packager == "deb"), encoding="utf-8")
-    entries = changelog_entries()
-    if str(entries[0]["semver"]) != version:
-        raise BuildError(f"packaging/changelog.yaml: newest entry is {entries[0]['semver']}, agent is {version}")
-    changelog = debian_changelog(entries, target, full_version).encode()
+    entries = versioned_entries(changelog_entries(), version, source_date_epoch())
+    changelog = debian_changelog(entries, target, release).encode()
     (stage / "changelog.Debian.gz").write_bytes(gzip.compress(changelog, compresslevel=9, mtime=0))
-    (stage / "changelog.yaml").write_text(rpm_changelog(entries, full_version), encoding="utf-8")
+    (stage / "changelog.yaml").write_text(rpm_changelog(entries, release), encoding="utf-8")
     (stage / "completion").mkdir()
     for name, text in completion_scripts().items():
         (stage / "completion" / name).write_text(text, encoding="utf-8")
@@ -445,7 +531,7 @@ def stage_target(
     values = {
         "REPO": str(REPO),
         "STAGE": str(stage),
-        "VERSION": version,
+        "VERSION": package_version(),
         "RELEASE": release,
         "UNIT_DIR": target.unit_dir,
         "PY": target.python,
@@ -479,7 +565,7 @@ def build(targets: Sequence[Target], out: Path, work: Path, release_number: int)
         stage, values = stage_target(work, target, by_abi[target.abi], version, release_number)
         recipe = stage / "nfpm.yaml"
         recipe.write_text(render_recipe(values), encoding="utf-8")
-        package = out / target.filename(version, release_number)
+        package = out / target.filename(package_version(), release_number)
         package.unlink(missing_ok=True)
         run([nfpm, "pkg", "--packager", target.packager, "--config", recipe, "--target", package])
         built.append(package)

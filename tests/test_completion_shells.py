@@ -9,13 +9,18 @@ from __future__ import annotations
 import argparse
 import re
 import shutil
+import sqlite3
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from agent.cli import build_parser
-from agent.completion import bash_script, commands, zsh_script
+from agent.completion import DURATIONS, bash_script, commands, zsh_script
+from agent.store import Store
+
+REPO = Path(__file__).resolve().parent.parent
 
 BASH_COMPLETION = Path("/usr/share/bash-completion/bash_completion")
 SHELL_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "TERM": "dumb"}
@@ -72,7 +77,13 @@ PARSERS = parser_commands()
 
 
 def options(path: str) -> set[str]:
-    return {option for action in PARSERS[path]._actions for option in action.option_strings}
+    """The options completion offers: every one but the hidden (--complete-values)."""
+    return {
+        option
+        for action in PARSERS[path]._actions
+        if action.help != argparse.SUPPRESS
+        for option in action.option_strings
+    }
 
 
 def subcommands(path: str) -> set[str]:
@@ -88,6 +99,70 @@ def choices(path: str, option: str) -> set[str]:
     action = next(a for a in PARSERS[path]._actions if option in a.option_strings)
     assert action.choices is not None
     return {str(c) for c in action.choices}
+
+
+# -- the node's own values: a store with something to re-arm, and a gpu-agent on PATH ------------------
+
+NODE_BIN = Path("/nonexistent")  # set by the `node` fixture: where the shells find `gpu-agent`
+ACK_TARGETS = {
+    "all",
+    "xid-79-reset",
+    "gpu:1",
+    "gpu:GPU-1111",
+    "service-unhealthy-restart",
+    "service:sglang",
+    "gpu:3",
+    "gpu:GPU-3333",
+}
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A config whose store has an open circuit (Xid 79 on GPU 1), a service rule whose attempts ran
+    out, and a missing GPU 3; `gpu-agent` on the shells' PATH runs this checkout. Returns the config."""
+    global NODE_BIN
+    directory = tmp_path_factory.mktemp("node")
+    state = directory / "state"
+    Store.open(state).close()
+    with sqlite3.connect(state / "gpu-agent.db") as db:
+        db.execute(
+            "INSERT INTO circuits VALUES ('xid-79-reset', 'gpu:GPU-1111', 1, 'GPU-1111', NULL, 1.0, 'attempts ran out')"
+        )
+        db.execute(
+            "INSERT INTO remediations (ts, finished, rule, action, params, target_key, gpu, uuid, service, event_key,"
+            " attempt, step, outcome, reason, detail, dry_run, counted, acked) VALUES (1, 2,"
+            " 'service-unhealthy-restart', 'restart_service', '{}', 'service:sglang', NULL, NULL, 'sglang', 'k', 1, 0,"
+            " 'failed', '', '', 0, 1, 0)"
+        )
+        for gpu, uuid, present in ((0, "GPU-0000", 1), (1, "GPU-1111", 1), (3, "GPU-3333", 0)):
+            db.execute(
+                "INSERT INTO gpu_inventory VALUES ('boot', ?, '0000:00:00.0', 'NVIDIA H200', ?, 1, 1, ?, 0)",
+                (uuid, gpu, present),
+            )
+    config = directory / "agent.yaml"
+    config.write_text(f"mode: observe\nbackend: simulated\nstate_dir: {state}\n")
+    NODE_BIN = directory / "bin"
+    NODE_BIN.mkdir()
+    wrapper = NODE_BIN / "gpu-agent"
+    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={REPO} exec {sys.executable} -m agent.cli "$@"\n')
+    wrapper.chmod(0o755)
+    return config
+
+
+def test_the_hidden_option_reads_the_store(node: Path) -> None:
+    argv = [str(NODE_BIN / "gpu-agent"), "--complete-values", "ack-targets"]
+    proc = subprocess.run(argv, capture_output=True, text=True, env={**SHELL_ENV, "GPU_AGENT_CONFIG": str(node)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0] == "all" and set(proc.stdout.split()) == ACK_TARGETS
+    gpus = subprocess.run(
+        [*argv[:2], "gpus"], capture_output=True, text=True, env={**SHELL_ENV, "GPU_AGENT_CONFIG": str(node)}
+    )
+    assert gpus.stdout.split() == ["0", "1", "3"]
+    # No config, no store: nothing, quietly.
+    missing = subprocess.run(
+        argv, capture_output=True, text=True, env={**SHELL_ENV, "GPU_AGENT_CONFIG": "/nonexistent"}
+    )
+    assert (missing.returncode, missing.stdout, missing.stderr) == (0, "", "")
 
 
 # -- zsh ------------------------------------------------------------------------------------------
@@ -109,7 +184,7 @@ def zsh_setup(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def zsh_complete(setup: Path, line: str, *, may_be_empty: bool = False) -> set[str]:
     """What a real interactive zsh offers when TAB is pressed at the end of `line`."""
-    env = {**SHELL_ENV, "HOME": str(setup.parent / "home")}
+    env = {**SHELL_ENV, "HOME": str(setup.parent / "home"), "PATH": f"{NODE_BIN}:{SHELL_ENV['PATH']}"}
     driver = setup.parent / "driver.zsh"
     proc = subprocess.run(
         ["zsh", "-f", str(driver), str(setup), line], capture_output=True, text=True, env=env, timeout=60
@@ -160,6 +235,18 @@ def test_zsh_completes_the_value_after_option_equals(zsh_setup: Path, tmp_path: 
     assert zsh_complete(zsh_setup, "gpu-agent status --json=", may_be_empty=True) == set()
 
 
+def test_zsh_completes_values_where_values_go(zsh_setup: Path, node: Path) -> None:
+    assert zsh_complete(zsh_setup, "gpu-agent events --since ") == set(DURATIONS)
+    assert zsh_complete(zsh_setup, f"gpu-agent ack --config {node} ") == ACK_TARGETS
+    assert zsh_complete(zsh_setup, f"gpu-agent ack --config={node} service") == {
+        "service-unhealthy-restart",
+        "service:sglang",
+    }
+    assert zsh_complete(zsh_setup, f"gpu-agent inject xid --config {node} --gpu ") == {"0", "1", "3"}
+    # Options still complete where an option is being typed.
+    assert zsh_complete(zsh_setup, f"gpu-agent ack --config {node} --h") == {"--help"}
+
+
 # -- bash ------------------------------------------------------------------------------------------
 
 # bash-completion's loader, as an interactive bash runs it on the first TAB after `gpu-agent`:
@@ -189,13 +276,14 @@ def bash_user_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def bash_words(line: str) -> list[str]:
-    """COMP_WORDS as bash splits `line`: at spaces, and '=' (in COMP_WORDBREAKS) a word of its own;
-    an interactive bash gives `--opt=` as (--opt, =) and `--opt=v` as (--opt, =, v)."""
+    """COMP_WORDS as bash splits `line`: at spaces, and '=' and ':' (in COMP_WORDBREAKS) words of
+    their own; an interactive bash gives `--opt=` as (--opt, =), `--opt=v` as (--opt, =, v) and
+    `gpu:` as (gpu, :)."""
     return [
         piece
         for part in line.split(" ")
-        for piece in (re.split("(=)", part) if "=" in part else [part])
-        if piece != "" or "=" not in part
+        for piece in (re.split("([=:])", part) if re.search("[=:]", part) else [part])
+        if piece != "" or not re.search("[=:]", part)
     ]
 
 
@@ -209,6 +297,7 @@ def bash_complete(user_dir: Path, line: str) -> tuple[str, set[str]]:
         line=f"'{line}'",
     )
     env = {**SHELL_ENV, "HOME": str(user_dir), "BASH_COMPLETION_USER_DIR": str(user_dir)}
+    env["PATH"] = f"{NODE_BIN}:{SHELL_ENV['PATH']}"
     proc = subprocess.run(
         ["bash", "--norc", "--noprofile", "-c", program], capture_output=True, text=True, env=env, timeout=60
     )
@@ -238,6 +327,21 @@ def test_bash_completes_the_value_after_option_equals(bash_user_dir: Path, tmp_p
     assert offered == {f"{tmp_path}/agent.yaml"}
     _, offered = bash_complete(bash_user_dir, "gpu-agent status --json=")
     assert offered == set()
+
+
+def test_bash_completes_values_where_values_go(bash_user_dir: Path, node: Path) -> None:
+    _, offered = bash_complete(bash_user_dir, "gpu-agent events --since ")
+    assert offered == set(DURATIONS)
+    _, offered = bash_complete(bash_user_dir, f"gpu-agent ack --config {node} ")
+    assert offered == ACK_TARGETS
+    # ':' splits words in bash: what follows `gpu:` is offered without it, as bash inserts it.
+    assert bash_words("gpu-agent ack gpu:") == ["gpu-agent", "ack", "gpu", ":"]
+    _, offered = bash_complete(bash_user_dir, f"gpu-agent ack --config {node} gpu:")
+    assert offered == {"1", "GPU-1111", "3", "GPU-3333"}
+    _, offered = bash_complete(bash_user_dir, f"gpu-agent ack --config {node} gpu:GPU-3")
+    assert offered == {"GPU-3333"}
+    _, offered = bash_complete(bash_user_dir, f"gpu-agent inject xid --config {node} --gpu ")
+    assert offered == {"0", "1", "3"}
 
 
 def test_the_command_walk_matches_the_completion_model() -> None:

@@ -14,6 +14,7 @@ reads is a fake one inside the sandbox.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import pytest
 from helpers import wait_until
 from hosttree import make_host_tree
 from systemd_sandbox import SystemdSandbox, missing_requirements
-from test_packaging import REPO, RULES, VERSION, build_packages
+from test_packaging import PKG_VERSION, REPO, RULES, VERSION, build_packages
 
 from agent.demo.standin import free_port
 
@@ -123,14 +124,14 @@ def test_install_enables_and_starts_the_shipped_config(sandbox: SystemdSandbox) 
     # No NVIDIA driver in the sandbox: the shipped nvml config runs and says so.
     assert "libnvidia-ml.so.1 not found" in journal(sandbox)
     venv = sandbox.run(["readlink", "/opt/gpu-agent/venv"]).stdout.strip()
-    assert re.fullmatch(r"/opt/gpu-agent/env-0\.1\.0-1~bookworm\.\w+", venv), venv
+    assert re.fullmatch(rf"/opt/gpu-agent/env-{re.escape(PKG_VERSION)}-1~bookworm\.\w+", venv), venv
     # Bytecode compiled at install: the service may not write /opt (ProtectSystem=strict), and a
     # daemon that compiles its modules at start keeps ~16 MB more RSS (docs/performance.md).
     sources = list(next(sandbox.path(venv).glob("lib/python3*/site-packages/agent")).rglob("*.py"))
     uncompiled = [p for p in sources if not list((p.parent / "__pycache__").glob(f"{p.stem}.cpython-*.pyc"))]
     assert sources and not uncompiled, uncompiled[:5]
     version = sandbox.run(["gpu-agent", "--version"]).stdout
-    assert version.strip() == f"gpu-agent {VERSION}"
+    assert version.splitlines()[0] == f"gpu-agent {VERSION}"
     # The shipped rules live under /usr/share; /etc/gpu-agent/rules.d is the admin's, empty.
     shipped_rules = sorted(p.name for p in sandbox.path("/usr/share/gpu-agent/rules.d").iterdir())
     assert shipped_rules == RULES
@@ -284,7 +285,7 @@ def test_upgrade_with_a_config_it_rejects_keeps_the_running_daemon(simulated: Sy
     assert proc.returncode == 0, output[-3000:]
     assert "interval_seconds" in output and "gpu-agent keeps running the previous version" in output, output[-3000:]
     status = simulated.run(["dpkg-query", "-W", "-f", "${Status} ${Version}", "gpu-agent"]).stdout
-    assert status == f"install ok installed {VERSION}-2~bookworm"
+    assert status == f"install ok installed {PKG_VERSION}-2~bookworm"
     assert simulated.run(["readlink", "/opt/gpu-agent/venv"]).stdout.strip() == old_env
     assert active(simulated) and main_pid(simulated) == old_pid
     logged = simulated.run(["journalctl", "--no-pager", "-t", "gpu-agent", "-p", "err", "-o", "cat"]).stdout
@@ -293,7 +294,7 @@ def test_upgrade_with_a_config_it_rejects_keeps_the_running_daemon(simulated: Sy
     simulated.write_file("/etc/gpu-agent/agent.yaml", good)
     simulated.run(["/opt/gpu-agent/lib/install-env", "build"], timeout=300)
     simulated.systemctl("restart", UNIT)
-    assert f"{VERSION}-2~bookworm" in simulated.run(["readlink", "/opt/gpu-agent/venv"]).stdout
+    assert f"{PKG_VERSION}-2~bookworm" in simulated.run(["readlink", "/opt/gpu-agent/venv"]).stdout
 
 
 def test_upgrade_keeps_config_then_remove_and_purge_leave_nothing(simulated: SystemdSandbox) -> None:
@@ -302,11 +303,11 @@ def test_upgrade_keeps_config_then_remove_and_purge_leave_nothing(simulated: Sys
     old_pid = main_pid(simulated)
     old_env = simulated.run(["readlink", "/opt/gpu-agent/venv"]).stdout.strip()
     apt_install(simulated, upgrade)
-    assert simulated.run(["dpkg-query", "-W", "-f", "${Version}", "gpu-agent"]).stdout == f"{VERSION}-3~bookworm"
+    assert simulated.run(["dpkg-query", "-W", "-f", "${Version}", "gpu-agent"]).stdout == f"{PKG_VERSION}-3~bookworm"
     # The changed conffile is kept (the shipped one did not change between the releases).
     assert simulated.path("/etc/gpu-agent/agent.yaml").read_text() == config
     new_env = simulated.run(["readlink", "/opt/gpu-agent/venv"]).stdout.strip()
-    assert new_env != old_env and f"{VERSION}-3~bookworm" in new_env
+    assert new_env != old_env and f"{PKG_VERSION}-3~bookworm" in new_env
     assert sorted(p.name for p in simulated.path("/opt/gpu-agent").glob("env-*")) == [Path(new_env).name]
     wait_for("the daemon restarted", lambda: active(simulated) and main_pid(simulated) not in (0, old_pid))
     # It runs from the new environment (its compiled modules are mapped from there).
@@ -332,33 +333,99 @@ def test_upgrade_keeps_config_then_remove_and_purge_leave_nothing(simulated: Sys
     assert active(simulated, "sglang.service")
 
 
-def test_upgrade_from_the_rules_as_conffiles_layout(
-    sandbox: SystemdSandbox, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    """The package of the commit before the rules moved (the first commit whose rules were
-    conffiles, rebuilt from git), an admin's edit of one rule, then this package: apt never
-    prompts, the unchanged old copies leave /etc, the changed one stays as the override."""
-    base = "b8c3c15"  # the last commit whose packages installed the rules in /etc/gpu-agent/rules.d
+LEGACY_COMMIT = "b8c3c15"  # the last commit whose packages installed the rules in /etc/gpu-agent/rules.d
+ADMIN_RULES = "/etc/gpu-agent/rules.d"
+SITE_RULES = "rules: []\n"  # an admin's own file: read, and kept through every path
+
+
+@pytest.fixture(scope="module")
+def legacy_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Debian 12 package of the commit before the rules moved, rebuilt from git."""
     source = tmp_path_factory.mktemp("old-source")
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", base], capture_output=True, check=False)
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", LEGACY_COMMIT], capture_output=True, check=False)
     if archive.returncode != 0:
-        pytest.skip(f"commit {base} is not in this checkout's history")
+        pytest.skip(f"commit {LEGACY_COMMIT} is not in this checkout's history")
     subprocess.run(["tar", "-x", "-C", str(source)], input=archive.stdout, check=True)
     out = tmp_path_factory.mktemp("old-packages")
     argv = [sys.executable, str(source / "packaging/build.py"), "--target", "debian12", "--out", str(out)]
     built = subprocess.run([*argv, "--work", str(out / "work")], capture_output=True, text=True, timeout=900)
     assert built.returncode == 0, built.stderr[-3000:]
-    apt_install(sandbox, next(out.glob("*.deb")))
-    thermal = sandbox.path("/etc/gpu-agent/rules.d/20-thermal.yaml")
+    return next(out.glob("*.deb"))
+
+
+def admin_rules(sandbox: SystemdSandbox) -> dict[str, str]:
+    """/etc/gpu-agent/rules.d: each file's text, each link's target as `-> TARGET`."""
+    found = {}
+    for path in sorted(sandbox.path(ADMIN_RULES).iterdir()):
+        found[path.name] = f"-> {os.readlink(path)}" if path.is_symlink() else path.read_text()
+    return found
+
+
+def listed_rules(sandbox: SystemdSandbox) -> list[str]:
+    """The rules files `gpu-agent check-config` says count, one line each (after the summary)."""
+    checked = sandbox.run(["gpu-agent", "check-config"]).stdout
+    return [line.strip() for line in checked.splitlines()[1:]]
+
+
+def expected_listing(changed: str, masked: str, added: str) -> list[str]:
+    shipped = "/usr/share/gpu-agent/rules.d"
+    lines = []
+    for name in sorted([*RULES, added]):
+        if name == changed:
+            lines.append(f"{ADMIN_RULES}/{name} (overrides {shipped}/{name})")
+        elif name == added:
+            lines.append(f"{ADMIN_RULES}/{name}")
+        elif name != masked:
+            lines.append(f"{shipped}/{name}")
+    return [*lines, f"{ADMIN_RULES}/{masked}: masked (disables {shipped}/{masked})"]
+
+
+def test_upgrade_from_the_rules_as_conffiles_layout_and_back(sandbox: SystemdSandbox, legacy_package: Path) -> None:
+    """The package of the commit before the rules moved, an admin's edit of one rule, deletion of
+    another and a file of their own; then this package, back to the old one, and forward again:
+    apt never prompts, and every step keeps exactly the rules the admin had. (The service is not
+    waited for: the shipped config's port, 9481, is the host's here, and may be taken.)"""
+    # From a clean slate (the tests before purge the package; run alone, the fixture installed it).
+    sandbox.run([*APT_ENV, "apt-get", "purge", "-y", "-q", "gpu-agent"], check=False, timeout=300)
+    sandbox.run(["rm", "-rf", f"/etc/systemd/system/{UNIT}.d"])
+    apt_install(sandbox, legacy_package)
+    thermal = sandbox.path(f"{ADMIN_RULES}/20-thermal.yaml")
     assert thermal.is_file()  # the old layout
     changed = thermal.read_text() + "# tuned on this node\n"
-    sandbox.write_file("/etc/gpu-agent/rules.d/20-thermal.yaml", changed)
-    # stdin closed: a conffile prompt would fail the install, as it stopped `apt-get install -y`.
+    sandbox.write_file(f"{ADMIN_RULES}/20-thermal.yaml", changed)
+    sandbox.run(["rm", f"{ADMIN_RULES}/40-memory.yaml"])
+    sandbox.write_file(f"{ADMIN_RULES}/70-site.yaml", SITE_RULES)
+    old_rules = admin_rules(sandbox)
+    old_checked = sandbox.run(["gpu-agent", "check-config"]).stdout
+    assert "40-memory.yaml" not in old_rules and old_rules["20-thermal.yaml"] == changed
+    new_layout = {"20-thermal.yaml": changed, "40-memory.yaml": "-> /dev/null", "70-site.yaml": SITE_RULES}
+    listing = expected_listing("20-thermal.yaml", "40-memory.yaml", "70-site.yaml")
+
+    # Forward. stdin closed: a conffile prompt would fail the install, as it stopped `apt-get install -y`.
+    sandbox.copy_in(build_packages(release=4, targets=("debian12",))["debian12"], DEB)
+    proc = sandbox.run([*APT_ENV, "apt-get", "install", "-y", "-q", DEB], check=False, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert f"kept {ADMIN_RULES}/20-thermal.yaml (changed here)" in output
+    assert f"{ADMIN_RULES}/40-memory.yaml was deleted here: masked it" in output
+    assert admin_rules(sandbox) == new_layout
+    assert listed_rules(sandbox) == listing
+
+    # Back: the old package again, its rules as the admin left them.
+    sandbox.copy_in(legacy_package, DEB)
+    argv = [*APT_ENV, "apt-get", "install", "-y", "-q", "--allow-downgrades", DEB]
+    proc = sandbox.run(argv, check=False, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    status = sandbox.run(["dpkg-query", "-W", "-f", "${Status} ${Version}", "gpu-agent"]).stdout
+    assert status.startswith("install ok installed 0.1.0-1~bookworm"), status
+    # The deleted rule stays deleted (dpkg keeps it so; its mask went, which dpkg cannot unpack over).
+    assert admin_rules(sandbox) == old_rules
+    assert sandbox.run(["gpu-agent", "check-config"]).stdout == old_checked
+
+    # And forward again: the deletion becomes the mask again.
     sandbox.copy_in(build_packages(release=4, targets=("debian12",))["debian12"], DEB)
     proc = sandbox.run([*APT_ENV, "apt-get", "install", "-y", "-q", DEB], check=False, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    assert "kept /etc/gpu-agent/rules.d/20-thermal.yaml (changed here)" in proc.stdout + proc.stderr
-    assert sorted(p.name for p in sandbox.path("/etc/gpu-agent/rules.d").iterdir()) == ["20-thermal.yaml"]
-    assert thermal.read_text() == changed
-    checked = sandbox.run(["gpu-agent", "check-config"]).stdout
-    assert "/etc/gpu-agent/rules.d/20-thermal.yaml (overrides /usr/share/gpu-agent/rules.d/20-thermal.yaml)" in checked
+    assert f"{ADMIN_RULES}/40-memory.yaml was deleted here: masked it" in proc.stdout + proc.stderr
+    assert admin_rules(sandbox) == new_layout
+    assert listed_rules(sandbox) == listing

@@ -27,7 +27,7 @@ import pytest
 from helpers import wait_until
 from hosttree import make_host_tree
 from systemd_sandbox import cached_rootfs
-from test_packaging import BUILD_OUT, VERSION, build_packages
+from test_packaging import BUILD_OUT, PKG_VERSION, VERSION, build_packages
 
 from agent.demo.standin import free_port
 
@@ -183,7 +183,7 @@ def test_install_without_recommends_configures_and_skips_the_service(root: Chroo
     assert proc.returncode == 0, output[-4000:]
     # Configured (not half-configured), its Recommends left out, and the scripts said why nothing started.
     assert installed(root, "gpu-agent")
-    assert root.run(["dpkg-query", "-W", "-f", "${Version}", "gpu-agent"]).stdout == f"{VERSION}-1~bookworm"
+    assert root.run(["dpkg-query", "-W", "-f", "${Version}", "gpu-agent"]).stdout == f"{PKG_VERSION}-1~bookworm"
     assert not installed(root, "systemd") and not installed(root, "python3-systemd")
     assert SKIPPED_START in output, output[-4000:]
     started = programs_started(trace)
@@ -195,7 +195,7 @@ def test_install_without_recommends_configures_and_skips_the_service(root: Chroo
 
 
 def test_the_agent_runs_by_hand_without_python3_systemd(root: Chroot, tmp_path: Path) -> None:
-    assert root.run(["gpu-agent", "--version"]).stdout.strip() == f"gpu-agent {VERSION}"
+    assert root.run(["gpu-agent", "--version"]).stdout.splitlines()[0] == f"gpu-agent {VERSION}"
     # The environment sees the system site-packages, where python3-systemd would be: it is not.
     no_module = root.run(["/opt/gpu-agent/venv/bin/python", "-I", "-c", "import systemd.journal"], check=False)
     assert no_module.returncode == 1 and "No module named 'systemd'" in no_module.stderr
@@ -233,13 +233,13 @@ def test_upgrade_then_purge_without_systemd(root: Chroot, tmp_path: Path) -> Non
     output = upgrade.stdout + upgrade.stderr
     assert upgrade.returncode == 0, output[-4000:]
     assert installed(root, "gpu-agent")
-    assert root.run(["dpkg-query", "-W", "-f", "${Version}", "gpu-agent"]).stdout == f"{VERSION}-2~bookworm"
+    assert root.run(["dpkg-query", "-W", "-f", "${Version}", "gpu-agent"]).stdout == f"{PKG_VERSION}-2~bookworm"
     assert SKIPPED_START in output, output[-4000:]
     new_env = root.run(["readlink", "/opt/gpu-agent/venv"]).stdout.strip()
-    assert new_env != old_env and f"{VERSION}-2~bookworm" in new_env
+    assert new_env != old_env and f"{PKG_VERSION}-2~bookworm" in new_env
     # The old environment is pruned: nothing runs from it that systemd would have restarted.
     assert root.run(["sh", "-c", "ls -d /opt/gpu-agent/env-*"]).stdout.split() == [new_env]
-    assert root.run(["gpu-agent", "--version"]).stdout.strip() == f"gpu-agent {VERSION}"
+    assert root.run(["gpu-agent", "--version"]).stdout.splitlines()[0] == f"gpu-agent {VERSION}"
 
     purge_trace = tmp_path / "purge.trace"
     purge = root.traced(["apt-get", "purge", "-y", "-q", "gpu-agent"], purge_trace)

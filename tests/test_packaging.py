@@ -7,8 +7,10 @@ from __future__ import annotations
 import functools
 import gzip
 import importlib.util
+import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -34,7 +36,8 @@ def _load_build() -> ModuleType:
 
 build = _load_build()
 TARGETS = build.TARGETS
-VERSION: str = build.project_version()
+VERSION: str = build.project_version()  # PEP 440: the wheel's, `gpu-agent --version`
+PKG_VERSION: str = build.package_version()  # the .deb and .rpm upstream version
 DEB_TARGETS = sorted(name for name, t in TARGETS.items() if t.packager == "deb")
 RULES = sorted(p.name for p in (REPO / "rules").glob("*.yaml"))
 
@@ -51,7 +54,11 @@ def build_packages(release: int = 1, targets: tuple[str, ...] | None = None) -> 
     env = {k: v for k, v in os.environ.items() if k != "SOURCE_DATE_EPOCH"}
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return {name: out / TARGETS[name].filename(VERSION, release) for name in names}
+    built = {name: out / TARGETS[name].filename(PKG_VERSION, release) for name in names}
+    # The version is the checkout's when the build ran: a commit made since this module was imported
+    # (VERSION above) would name other files.
+    assert all(path.is_file() for path in built.values()), f"not built: {built} ({proc.stdout[-2000:]})"
+    return built
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +99,7 @@ def expected_files(target: str) -> set[str]:
         "/usr/share/gpu-agent/grafana/gpu-agent-dashboard.json",
         "/usr/share/gpu-agent/prometheus/gpu-agent-alerts.yaml",
         "/opt/gpu-agent/lib/legacy-rules.sha256",
+        *(f"/opt/gpu-agent/lib/legacy-rules/{p.name}" for p in (REPO / "packaging/legacy-rules").glob("*.yaml")),
         "/usr/share/bash-completion/completions/gpu-agent",
         "/usr/share/gpu-agent/prometheus/gpu-agent-dcgm-compat.yaml",
         "/usr/share/gpu-agent/prometheus/gpu-agent-recording.yaml",
@@ -114,14 +122,57 @@ def expected_files(target: str) -> set[str]:
     return files
 
 
-def test_two_builds_give_the_same_bytes(packages: dict[str, Path], tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "SOURCE_DATE_EPOCH"}
-    argv = [sys.executable, str(REPO / "packaging" / "build.py"), "--out", str(tmp_path)]
-    proc = subprocess.run([*argv, "--target", "debian12", "--target", "el10"], capture_output=True, text=True, env=env)
-    assert proc.returncode == 0, proc.stderr
-    for target in ("debian12", "el10"):
-        again = tmp_path / packages[target].name
-        assert again.read_bytes() == packages[target].read_bytes(), target
+def _clone_of_this_tree(directory: Path) -> Path:
+    """A fresh clone of HEAD with the working tree's uncommitted changes applied: the same
+    commit, the same version (agent/version.py), in another directory."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["git", "clone", "-q", "--no-hardlinks", str(REPO), str(directory)], check=True)
+    diff = subprocess.run(["git", "-C", str(REPO), "diff", "HEAD", "--binary"], capture_output=True, check=True)
+    if diff.stdout:
+        subprocess.run(["git", "-C", str(directory), "apply", "-"], input=diff.stdout, check=True)
+    return directory
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare (a host name of its own)"
+)
+def test_two_builds_are_identical_across_host_name_umask_directory_and_time(tmp_path: Path) -> None:
+    """Two clones of this tree in different directories, built under umask 022 and 027, on two
+    host names (a UTS namespace each), in two time zones, seconds apart: the same bytes."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SOURCE_DATE_EPOCH", "TZ")}
+    built = {}
+    for label, directory, umask, host, zone in (
+        ("a", tmp_path / "a" / "gpu-agent", "022", "builder-one", "UTC"),
+        ("b", tmp_path / "b" / "elsewhere" / "checkout", "027", "another-host.example.org", "Asia/Tokyo"),
+    ):
+        clone = _clone_of_this_tree(directory)
+        out = tmp_path / f"out-{label}"
+        build_argv = [
+            sys.executable,
+            "packaging/build.py",
+            "--out",
+            str(out),
+            "--target",
+            "debian12",
+            "--target",
+            "el10",
+        ]
+        script = f"umask {umask} && hostname {host} && cd {clone} && exec {shlex.join(build_argv)}"
+        proc = subprocess.run(
+            ["unshare", "--uts", "sh", "-c", script],
+            capture_output=True,
+            text=True,
+            env={**env, "TZ": zone},
+            timeout=900,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        built[label] = {p.name: p.read_bytes() for p in out.iterdir() if p.suffix in (".deb", ".rpm")}
+    assert len(built["a"]) == 2 and built["a"].keys() == built["b"].keys()
+    for name in built["a"]:
+        assert built["a"][name] == built["b"][name], name
+    rpm = next(out.glob("*.rpm"))
+    if shutil.which("rpm"):
+        assert run("rpm", "-qp", "--queryformat", "%{BUILDHOST}", rpm) == "reproducible"
 
 
 # -- .deb ----------------------------------------------------------------------------------------
@@ -155,7 +206,7 @@ def test_deb_control(packages: dict[str, Path], target: str) -> None:
     fields = run("dpkg-deb", "--field", packages[target])
     control = dict(re.findall(r"^([\w-]+): (.*)$", fields, re.MULTILINE))
     assert control["Package"] == "gpu-agent"
-    assert control["Version"] == f"{VERSION}-{t.release(1)}"
+    assert control["Version"] == f"{PKG_VERSION}-{t.release(1)}"
     assert control["Architecture"] == "amd64"
     assert control["Section"] == "admin"
     depends = [d.strip() for d in control["Depends"].split(",")]
@@ -180,10 +231,9 @@ def test_deb_conffiles_and_scripts(packages: dict[str, Path], tmp_path: Path) ->
     conffiles = (tmp_path / "conffiles").read_text().split()
     # Only agent.yaml: an upgrade replaces the shipped rules (/usr/share) and never prompts.
     assert conffiles == ["/etc/gpu-agent/agent.yaml"]
-    for script in ("postinst", "prerm", "postrm"):
+    for script in ("preinst", "postinst", "prerm", "postrm"):
         assert (tmp_path / script).read_bytes() == (REPO / "packaging" / "deb" / script).read_bytes()
         assert os.access(tmp_path / script, os.X_OK)
-    assert not (tmp_path / "preinst").exists()
 
 
 @needs("dpkg-deb")
@@ -207,7 +257,7 @@ def test_deb_ships_the_repository_files(packages: dict[str, Path], tmp_path: Pat
     assert man == (REPO / "packaging" / "gpu-agent.8").read_bytes()
     wheels = tmp_path / "opt/gpu-agent/wheels"
     assert (wheels / "ABI").read_text() == "cp312\n"
-    assert (wheels / "VERSION").read_text() == f"{VERSION}-1~noble\n"
+    assert (wheels / "VERSION").read_text() == f"{PKG_VERSION}-1~noble\n"
     lock = (wheels / "requirements.txt").read_text().splitlines()[1:]
     locked = sorted(line.split("==")[0] for line in lock)
     assert locked == sorted(build.Wheel.parse(p).project for p in wheels.glob("*.whl"))
@@ -255,7 +305,7 @@ def test_rpm_metadata_and_requires(packages: dict[str, Path]) -> None:
     rpm = packages["el10"]
     header = rpm_query(rpm, "--queryformat", "%{NAME} %{VERSION} %{RELEASE} %{ARCH}\n%{LICENSE}")
     first, license_tag = header.split("\n", 1)
-    assert first == f"gpu-agent {VERSION} 1.el10 x86_64"
+    assert first == f"gpu-agent {PKG_VERSION} 1.el10 x86_64"
     assert license_tag.startswith("Apache-2.0 AND ")
     assert "LGPL-2.1-or-later" in license_tag and "(MIT OR Apache-2.0)" in license_tag
     requires = {line.strip() for line in rpm_query(rpm, "--requires").splitlines()}
@@ -301,6 +351,7 @@ def test_rpm_contents_and_scriptlets(packages: dict[str, Path]) -> None:
     } <= dirs
     scripts = rpm_query(rpm, "--scripts")
     scriptlets = (
+        ("preinstall", "pre"),
         ("postinstall", "post"),
         ("preuninstall", "preun"),
         ("postuninstall", "postun"),
@@ -342,7 +393,7 @@ def test_rpm_installs_its_layout_into_an_empty_root(packages: dict[str, Path], t
     assert (root / "usr/lib/systemd/system/gpu-agent.service").read_bytes() == (
         REPO / "systemd" / "gpu-agent.service"
     ).read_bytes()
-    assert run("rpm", "--root", root, "-q", "gpu-agent").strip() == f"gpu-agent-{VERSION}-1.el10.x86_64"
+    assert run("rpm", "--root", root, "-q", "gpu-agent").strip() == f"gpu-agent-{PKG_VERSION}-1.el10.x86_64"
     # Every file as packaged: digests, modes, owners.
     assert run("rpm", "--root", root, "-V", "--nodeps", "gpu-agent") == ""
     run("rpm", "--root", root, "--nodeps", "--noscripts", "-e", "gpu-agent")
@@ -383,6 +434,7 @@ def extracted(packages: dict[str, Path], tmp_path: Path) -> Path:
 
 
 def install_env(root: Path, action: str, python: str = "/usr/bin/python3") -> subprocess.CompletedProcess[str]:
+    """Run the package's install-env under `root` (`action`: its arguments, split at spaces)."""
     env = {
         **os.environ,
         "GPU_AGENT_PREFIX": str(root / "opt/gpu-agent"),
@@ -391,7 +443,7 @@ def install_env(root: Path, action: str, python: str = "/usr/bin/python3") -> su
         "GPU_AGENT_RULES_DIR": str(root / "etc/gpu-agent/rules.d"),
     }
     return subprocess.run(
-        [root / "opt/gpu-agent/lib/install-env", action], capture_output=True, text=True, env=env, timeout=300
+        [root / "opt/gpu-agent/lib/install-env", *action.split()], capture_output=True, text=True, env=env, timeout=300
     )
 
 
@@ -399,7 +451,7 @@ def install_env(root: Path, action: str, python: str = "/usr/bin/python3") -> su
 @pytest.mark.parametrize("target", DEB_TARGETS)
 def test_bundled_wheels_run_on_the_target_python(packages: dict[str, Path], tmp_path: Path, target: str) -> None:
     """Each package's wheel set is complete and importable on its distribution's Python version
-    (Ubuntu 22.04: 3.10, Ubuntu 24.04 and EL10: 3.12, Debian 12: 3.11), wherever this machine has
+    (Ubuntu 22.04: 3.10, Ubuntu 24.04 and EL10: 3.12, Debian 12: 3.11, Debian 13: 3.13), wherever this machine has
     that interpreter."""
     python = python_for(TARGETS[target].python)
     if python is None:
@@ -438,7 +490,7 @@ def test_install_env_builds_upgrades_and_removes(extracted: Path) -> None:
     assert link.is_symlink() and envs(extracted) == [Path(os.readlink(link)).name]
     python = link / "bin" / "python"
     version = run(python, "-I", "-m", "agent.cli", "--version")
-    assert version.strip() == f"gpu-agent {VERSION}"
+    assert version.splitlines()[0] == f"gpu-agent {VERSION}"
 
     # A second build (an upgrade) switches the link; prune drops the old environment.
     old = os.readlink(link)
@@ -499,7 +551,7 @@ def test_install_env_migrate_rules_drops_unchanged_old_defaults_and_keeps_change
     shutil.copy(REPO / "packaging/legacy-rules.sha256", prefix / "lib/legacy-rules.sha256")
     admin.mkdir(parents=True)
     # What the earlier package installed as conffiles (rules/ at b8c3c15), not today's defaults.
-    legacy = Path(__file__).parent / "fixtures/legacy-rules"
+    legacy = REPO / "packaging/legacy-rules"
     for old in legacy.glob("*.yaml"):
         shutil.copy(old, admin / old.name)
     (admin / "20-thermal.yaml").write_text((legacy / "20-thermal.yaml").read_text() + "# tuned here\n")
@@ -508,6 +560,36 @@ def test_install_env_migrate_rules_drops_unchanged_old_defaults_and_keeps_change
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in admin.iterdir()) == ["20-thermal.yaml", "60-site.yaml"]
     assert f"kept {admin / '20-thermal.yaml'} (changed here)" in proc.stderr
+
+
+def test_install_env_restore_legacy_rules_undoes_the_migration(tmp_path: Path) -> None:
+    """Forward (migrate-rules) and back (restore-legacy-rules): the old layout's directory again,
+    the admin's change, addition and mask as they were."""
+    prefix, admin = tmp_path / "opt/gpu-agent", tmp_path / "etc/gpu-agent/rules.d"
+    (prefix / "lib").mkdir(parents=True)
+    shutil.copy(REPO / "packaging/install-env", prefix / "lib/install-env")
+    shutil.copy(REPO / "packaging/legacy-rules.sha256", prefix / "lib/legacy-rules.sha256")
+    shutil.copytree(REPO / "packaging/legacy-rules", prefix / "lib/legacy-rules")
+    admin.mkdir(parents=True)
+    legacy = REPO / "packaging/legacy-rules"
+    for old in legacy.glob("*.yaml"):
+        shutil.copy(old, admin / old.name)
+    (admin / "20-thermal.yaml").write_text((legacy / "20-thermal.yaml").read_text() + "# tuned here\n")
+    (admin / "40-memory.yaml").unlink()
+    (admin / "40-memory.yaml").symlink_to("/dev/null")  # what preinst makes of a deleted one
+    (admin / "60-site.yaml").write_text("rules: []\n")
+    before = {p.name: (os.readlink(p) if p.is_symlink() else p.read_text()) for p in admin.iterdir()}
+    assert install_env(tmp_path, "migrate-rules").returncode == 0
+    assert sorted(p.name for p in admin.iterdir()) == ["20-thermal.yaml", "40-memory.yaml", "60-site.yaml"]
+    proc = install_env(tmp_path, "restore-legacy-rules")
+    assert proc.returncode == 0, proc.stderr
+    after = {p.name: (os.readlink(p) if p.is_symlink() else p.read_text()) for p in admin.iterdir()}
+    assert after == before
+    # A dpkg downgrade: the mask goes too (dpkg records the file, and keeps it deleted).
+    proc = install_env(tmp_path, "restore-legacy-rules --unmask")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in admin.iterdir()) == sorted(set(before) - {"40-memory.yaml"})
+    assert all(oct((admin / name).stat().st_mode & 0o777) == "0o644" for name in ("10-xid.yaml", "30-service.yaml"))
 
 
 def test_wrapper_points_at_install_env_when_the_environment_is_missing(tmp_path: Path) -> None:
@@ -536,21 +618,18 @@ SCRIPT_CASES = {
         "systemctl daemon-reload",
         "systemctl --quiet is-enabled gpu-agent.service",
         "systemctl start gpu-agent.service",
-        "install-env prune",
     ],
+    # The restart of an upgrade is %posttrans's, once the old package's files are gone.
     ("rpm/post", "2", True): [
         "install-env build",
         "restorecon -R /opt/gpu-agent",
         "systemctl daemon-reload",
-        "systemctl try-restart gpu-agent.service",
-        "install-env prune",
     ],
     # In a chroot or an image build (no systemd running): the preset decides, nothing starts.
     ("rpm/post", "1", False): [
         "install-env build",
         "restorecon -R /opt/gpu-agent",
         "systemctl --no-reload preset gpu-agent.service",
-        "install-env prune",
     ],
     ("rpm/preun", "0", True): ["systemctl --no-reload disable --now gpu-agent.service", "install-env remove"],
     ("rpm/preun", "1", True): [],
@@ -571,36 +650,69 @@ SCRIPT_CASES = {
     ],
     ("deb/postinst", "configure", False): [*DEB_CONFIGURED, "install-env prune"],
     ("deb/prerm", "remove", True): ["deb-systemd-invoke stop gpu-agent.service", "install-env remove"],
-    ("deb/prerm", "upgrade 0.1.0-2~bookworm", True): [],
+    ("deb/prerm", "upgrade 0.2.1-1~bookworm", True): [],
+    # Back to a package that installed the rules in /etc as conffiles: their unchanged copies return.
+    ("deb/prerm", "upgrade 0.1.0-2~bookworm", True): ["install-env restore-legacy-rules --unmask"],
     ("deb/postrm", "remove", True): ["deb-systemd-helper purge gpu-agent.service", "systemctl --system daemon-reload"],
     ("deb/postrm", "upgrade 0.1.0-2~bookworm", True): [],
 }
 
 
 def run_script(
-    tmp_path: Path, script: str, arguments: str, systemd: bool, build_status: int = 0
+    tmp_path: Path,
+    script: str,
+    arguments: str,
+    systemd: bool,
+    build_status: int = 0,
+    *,
+    current_status: int = 0,
+    query_output: str = "",
 ) -> tuple[subprocess.CompletedProcess[str], list[str]]:
     """Run a maintainer script with stand-ins on PATH recording the commands it runs;
-    build_status: what the stand-in `install-env build` exits with (3: config rejected)."""
+    build_status: what the stand-in `install-env build` exits with (3: config rejected),
+    current_status: `install-env is-current` (1: the new environment did not take over),
+    query_output: what `rpm -q` and `dpkg-query -W` print (the installed package's files).
+    The rules directory is tmp_path/rules.d, the package's state directory tmp_path/state."""
     calls = tmp_path / "calls"
     stubs = tmp_path / "bin"
     stubs.mkdir()
+    (tmp_path / "query-output").write_text(query_output)
+    exits = {"build": build_status, "is-current": current_status}
     for name in ("systemctl", "deb-systemd-helper", "deb-systemd-invoke", "install-env", "restorecon", "logger"):
-        status = f'[ "$1" = build ] && exit {build_status}\n' if name == "install-env" else ""
+        status = (
+            "".join(f'[ "$1" = {cmd} ] && exit {code}\n' for cmd, code in exits.items())
+            if name == "install-env"
+            else ""
+        )
         (stubs / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\n{status}exit 0\n')
+        (stubs / name).chmod(0o755)
+    for name in ("rpm", "dpkg-query"):
+        (stubs / name).write_text(
+            f'#!/bin/sh\nprintf "%s\\n" "{name} $*" >> {calls}\ncat {tmp_path / "query-output"}\n'
+        )
         (stubs / name).chmod(0o755)
     run_dir = tmp_path / "run-systemd-system"
     if systemd:
         run_dir.mkdir()
+    rules, state = tmp_path / "rules.d", tmp_path / "state"
+    rules.mkdir(exist_ok=True)
+    state.mkdir(exist_ok=True)
     text = (REPO / "packaging" / script).read_text()
     text = text.replace("/opt/gpu-agent/lib/install-env", str(stubs / "install-env"))
+    text = text.replace("/opt/gpu-agent/lib/legacy-rules.sha256", str(REPO / "packaging/legacy-rules.sha256"))
     text = text.replace("/run/systemd/system", str(run_dir))
+    text = text.replace("rules=/etc/gpu-agent/rules.d\n", f"rules={rules}\n")
+    text = text.replace("state=/opt/gpu-agent\n", f"state={state}\n")
     # Nothing of the real machine may be reached (the purge case is tested separately; the
     # config's path is only named in a message).
-    assert "/etc/" not in text.replace("/etc/gpu-agent /var/lib/gpu-agent", "").replace(
+    code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    assert "/etc/" not in code.replace("/etc/gpu-agent /var/lib/gpu-agent", "").replace(
         "/etc/gpu-agent/agent.yaml (", ""
     )
-    assert "/run/" not in text.replace(str(run_dir), "")
+    assert "/run/" not in code.replace(str(run_dir), "")
+    assert "/opt/gpu-agent" not in code.replace("restorecon -R /opt/gpu-agent", "").replace(
+        "/opt/gpu-agent/lib/install-env", ""
+    )
     script_file = tmp_path / "script"
     script_file.write_text(text)
     env = {"PATH": f"{stubs}:/usr/bin:/bin", "LANG": "C.UTF-8"}
@@ -651,18 +763,101 @@ def test_a_failed_environment_build_fails_the_script(tmp_path: Path, script: str
     assert recorded == ["install-env build"]
 
 
-def test_posttrans_puts_back_the_rules_an_admin_changed(tmp_path: Path) -> None:
+def test_rpm_post_leaves_the_restart_of_an_upgrade_to_posttrans(tmp_path: Path) -> None:
+    proc, recorded = run_script(tmp_path, "rpm/post", "2", systemd=True)
+    assert proc.returncode == 0, proc.stderr
+    assert not any("restart" in call for call in recorded), recorded
+    assert (tmp_path / "state/.restart-pending").is_file()
+
+
+def test_rpm_pre_masks_the_rules_an_admin_deleted_under_the_old_layout(tmp_path: Path) -> None:
     rules = tmp_path / "rules.d"
     rules.mkdir()
-    (rules / "20-thermal.yaml.rpmsave").write_text("changed\n")
-    (rules / "99-own.yaml.rpmsave").write_text("never shipped\n")
-    text = (REPO / "packaging" / "rpm" / "posttrans").read_text()
-    text = text.replace("/etc/gpu-agent/rules.d", str(rules))
-    text = text.replace("/opt/gpu-agent/lib/legacy-rules.sha256", str(REPO / "packaging" / "legacy-rules.sha256"))
-    proc = subprocess.run(["sh", "-c", text], capture_output=True, text=True)
+    (rules / "10-xid.yaml").write_text("kept\n")
+    (rules / "30-service.yaml").symlink_to("/dev/null")
+    owned = "".join(f"{rules}/{name}\n" for name in ("10-xid.yaml", "20-thermal.yaml", "30-service.yaml"))
+    owned += "/usr/bin/gpu-agent\n"
+    proc, recorded = run_script(tmp_path, "rpm/pre", "2", True, query_output=owned)
     assert proc.returncode == 0, proc.stderr
-    assert sorted(p.name for p in rules.iterdir()) == ["20-thermal.yaml", "99-own.yaml.rpmsave"]
-    assert f"kept {rules / '20-thermal.yaml'}" in proc.stderr
+    assert recorded == ["rpm -q --qf [%{FILENAMES}\\n] gpu-agent"]
+    assert os.readlink(rules / "20-thermal.yaml") == "/dev/null"
+    assert (rules / "10-xid.yaml").read_text() == "kept\n"
+    assert sorted(p.name for p in rules.iterdir()) == ["10-xid.yaml", "20-thermal.yaml", "30-service.yaml"]
+    assert f"{rules}/20-thermal.yaml was deleted here: masked it" in proc.stderr
+    # Every mask of such a rule, made now or before, for %posttrans to put back after rpm removed it.
+    listed = (tmp_path / "state/.legacy-rules-upgrade").read_text().split()
+    assert listed == [f"{rules}/20-thermal.yaml", f"{rules}/30-service.yaml"]
+
+
+def test_rpm_pre_leaves_a_package_with_the_rules_under_usr_share_alone(tmp_path: Path) -> None:
+    proc, _ = run_script(tmp_path, "rpm/pre", "2", True, query_output="/usr/share/gpu-agent/rules.d/10-xid.yaml\n")
+    assert proc.returncode == 0, proc.stderr
+    assert list((tmp_path / "rules.d").iterdir()) == []
+    assert not (tmp_path / "state/.legacy-rules-upgrade").exists()
+
+
+def test_deb_preinst_masks_the_rules_an_admin_deleted_under_the_old_layout(tmp_path: Path) -> None:
+    rules = tmp_path / "rules.d"
+    rules.mkdir()
+    (rules / "10-xid.yaml").write_text("kept\n")
+    conffiles = (
+        " /etc/gpu-agent/agent.yaml 0123\n"
+        f" {rules}/10-xid.yaml 4567\n"
+        f" {rules}/20-thermal.yaml 89ab\n"
+        f" {rules}/40-memory.yaml cdef obsolete\n"
+    )
+    proc, recorded = run_script(tmp_path, "deb/preinst", "upgrade 0.1.0-1~bookworm", True, query_output=conffiles)
+    assert proc.returncode == 0, proc.stderr
+    assert recorded == ["dpkg-query -W -f=${Conffiles}\\n gpu-agent"]
+    # 20-thermal: a conffile of the installed package, missing: deleted by the admin. 40-memory:
+    # already moved by an earlier upgrade (obsolete), so its absence says nothing.
+    assert sorted(p.name for p in rules.iterdir()) == ["10-xid.yaml", "20-thermal.yaml"]
+    assert os.readlink(rules / "20-thermal.yaml") == "/dev/null"
+    # A first install: no installed package to ask about.
+    (tmp_path / "fresh").mkdir()
+    fresh, recorded = run_script(tmp_path / "fresh", "deb/preinst", "install", True)
+    assert fresh.returncode == 0 and recorded == []
+
+
+POSTTRANS_CASES = {
+    # (the new environment took over, a restart pending, an upgrade from the old layout): calls
+    (True, True, True): [
+        "install-env is-current",
+        "install-env migrate-rules",
+        "systemctl try-restart gpu-agent.service",
+        "install-env prune",
+    ],
+    (True, False, False): ["install-env is-current", "install-env migrate-rules", "install-env prune"],
+    # The new version rejected the config: the old daemon keeps its rules in /etc.
+    (False, False, True): ["install-env is-current", "install-env restore-legacy-rules"],
+    (False, False, False): ["install-env is-current"],
+}
+
+
+@pytest.mark.parametrize(("took_over", "pending", "legacy"), list(POSTTRANS_CASES))
+def test_rpm_posttrans(tmp_path: Path, took_over: bool, pending: bool, legacy: bool) -> None:
+    rules, state = tmp_path / "rules.d", tmp_path / "state"
+    for directory in (rules, state):
+        directory.mkdir()
+    # What rpm leaves of the old package's %config rules: the changed one and the mask saved.
+    (rules / "20-thermal.yaml.rpmsave").write_text("changed\n")
+    (rules / "30-service.yaml.rpmsave").symlink_to("/dev/null")
+    (rules / "99-own.yaml.rpmsave").write_text("never shipped\n")
+    if pending:
+        (state / ".restart-pending").touch()
+    if legacy:
+        # %pre's list of masks: 40-memory's, which rpm removed with the old package's files.
+        (state / ".legacy-rules-upgrade").write_text(f"{rules / '40-memory.yaml'}\n")
+    proc, recorded = run_script(tmp_path, "rpm/posttrans", "0", True, current_status=0 if took_over else 1)
+    assert proc.returncode == 0, proc.stderr
+    assert recorded == POSTTRANS_CASES[(took_over, pending, legacy)]
+    masks = ["40-memory.yaml"] if legacy else []
+    assert sorted(p.name for p in rules.iterdir()) == sorted(
+        ["20-thermal.yaml", "30-service.yaml", *masks, "99-own.yaml.rpmsave"]
+    )
+    assert os.readlink(rules / "30-service.yaml") == "/dev/null"
+    assert all(os.readlink(rules / name) == "/dev/null" for name in masks)
+    assert list(state.iterdir()) == []
 
 
 def test_deb_purge_removes_config_and_state(tmp_path: Path) -> None:
@@ -725,9 +920,29 @@ def test_every_dependency_is_pinned() -> None:
         assert name in build.BUNDLED_LICENSES
 
 
-def test_changelog_matches_the_version() -> None:
+def test_changelog_has_an_entry_per_release_and_one_for_this_build() -> None:
+    entries = build.versioned_entries(build.changelog_entries(), VERSION, 1_764_547_200)
+    releases = [str(e["semver"]) for e in build.changelog_entries()]
+    text = build.debian_changelog(entries, TARGETS["debian12"], "1~bookworm")
+    headers = re.findall(r"^gpu-agent \((.+?)\) bookworm; urgency=medium$", text, re.MULTILINE)
+    if ".dev" in VERSION:  # a commit that is no release: its own entry, naming the commit
+        assert headers == [f"{PKG_VERSION}-1~bookworm", *(f"{r}-1" for r in releases)]
+        assert build.project_info().revision in " ".join(text.split())
+    else:
+        assert headers == [f"{PKG_VERSION}-1~bookworm", *(f"{r}-1" for r in releases[1:])]
+    assert len(
+        re.findall(r"^ -- .+ <.+>  \w{3}, \d{2} \w{3} \d{4} \d{2}:\d{2}:\d{2} \+0000$", text, re.MULTILINE)
+    ) == len(headers)
+    rpm = json.loads(build.rpm_changelog(entries, "1.el10"))
+    assert [e["semver"] for e in rpm] == [h.replace("~bookworm", ".el10") for h in headers]
+
+
+def test_a_release_build_needs_its_changelog_entry() -> None:
     entries = build.changelog_entries()
-    assert str(entries[0]["semver"]) == VERSION
-    text = build.debian_changelog(entries, TARGETS["debian12"], f"{VERSION}-1~bookworm")
-    assert text.startswith(f"gpu-agent ({VERSION}-1~bookworm) bookworm; urgency=medium\n\n  * ")
-    assert re.search(r"^ -- .+ <.+>  \w{3}, \d{2} \w{3} \d{4} \d{2}:\d{2}:\d{2} \+0000$", text, re.MULTILINE)
+    newest = str(entries[0]["semver"])
+    assert build.versioned_entries(entries, newest, 0)[0]["semver"] == newest
+    major, minor, patch = (int(n) for n in newest.split("."))
+    with pytest.raises(build.BuildError, match="needs the newest entry"):
+        build.versioned_entries(entries, f"{major}.{minor}.{patch + 1}", 0)
+    with pytest.raises(build.BuildError, match="raise NEXT_RELEASE"):
+        build.versioned_entries(entries, f"{newest}.dev5+gabcdef0", 0)

@@ -8,11 +8,11 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from agent import __version__
 from agent.metrics import gpu, node, telemetry
 from agent.metrics.families import Families, gpu_uuids
 from agent.services.export import service_metric_families
 from agent.state import NodeSnapshot
+from agent.version import current as current_build
 
 SnapshotGetter = Callable[[], "NodeSnapshot | None"]
 
@@ -20,14 +20,19 @@ SnapshotGetter = Callable[[], "NodeSnapshot | None"]
 class SnapshotCollector(Collector):
     """Renders the latest snapshot; before the first one only build info and `gpu_agent_up 0`."""
 
-    def __init__(self, get_snapshot: SnapshotGetter, version: str = __version__) -> None:
+    def __init__(self, get_snapshot: SnapshotGetter, version: str | None = None, revision: str | None = None) -> None:
+        built = current_build()
         self._get_snapshot = get_snapshot
-        self._version = version
+        self._build_labels = {
+            "version": built.version if version is None else version,
+            "revision": built.revision if revision is None else revision,
+        }
 
     def collect(self) -> Iterator[Metric]:
         snapshot = self._get_snapshot()
         out = Families()
-        out.gauge("gpu_agent_build_info", "gpu-agent version; always 1.", {"version": self._version}, 1)
+        built = "gpu-agent version and the commit it was built from; always 1."
+        out.gauge("gpu_agent_build_info", built, self._build_labels, 1)
         out.gauge(
             "gpu_agent_up",
             "1 once the agent has completed a collection loop and serves its snapshot, 0 before.",

@@ -35,6 +35,7 @@ from agent.metrics.collector import SnapshotCollector
 from agent.metrics.server import MetricsServer, parse_listen, serve_metrics
 from agent.state import GpuSample, NodeSnapshot
 from agent.verdict import attention, attention_items
+from agent.version import current
 from agent.watch.clock_events import CLOCK_EVENT_REASONS
 
 PROMTOOL = shutil.which("promtool")
@@ -85,7 +86,7 @@ def full() -> Samples:
 
 
 def test_identity_and_agent_series(full: Samples) -> None:
-    assert value(full, "gpu_agent_build_info", version=__version__) == 1
+    assert value(full, "gpu_agent_build_info", version=__version__, revision=current().revision) == 1
     assert value(full, "gpu_agent_up") == 1
     assert value(full, "gpu_agent_backend_info", backend="simulated", driver_version=DRIVER_VERSION) == 1
     assert value(full, "gpu_agent_start_time_seconds") == STARTED_SECONDS
@@ -280,7 +281,7 @@ def test_unknown_recovery_action_gets_its_own_series() -> None:
 def test_no_snapshot_yet_only_build_info_and_up_zero() -> None:
     samples = samples_of(render(None))
     assert samples == {
-        ("gpu_agent_build_info", frozenset({("version", __version__)})): 1.0,
+        ("gpu_agent_build_info", frozenset({("version", __version__), ("revision", current().revision)})): 1.0,
         ("gpu_agent_up", frozenset()): 0.0,
     }
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
-from snapshots import VERSION, inference_fields, node_snapshot, telemetry_gpus
+from snapshots import REVISION, VERSION, inference_fields, node_snapshot, telemetry_gpus
 
 from agent.metrics.collector import SnapshotCollector
 from agent.state import NodeSnapshot
@@ -43,7 +43,7 @@ def golden_snapshot() -> NodeSnapshot:
 
 def render_golden() -> str:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(SnapshotCollector(golden_snapshot, version=VERSION))
+    registry.register(SnapshotCollector(golden_snapshot, version=VERSION, revision=REVISION))
     return generate_latest(registry).decode()
 
 

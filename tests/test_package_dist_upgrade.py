@@ -1,0 +1,95 @@
+"""A Debian 12 -> 13 dist-upgrade keeps the agent: with the gpu-agent repository's suite switched
+along with Debian's (bookworm -> trixie), apt upgrades the Debian 12 package to the Debian 13 one
+(`~trixie` sorts above `~bookworm`) instead of removing it for its `python3 (<< 3.12)`, and the
+new package builds its environment on python3.13.
+
+The root is the cached Debian 12 root of the other e2e tests (tests/systemd_sandbox.py) through an
+overlay, entered with chroot (tests/test_package_nosystemd.py's Chroot: no systemd runs, so the
+scripts leave the service alone); Debian's archive provides both releases, and a local apt
+repository (a directory with a Packages file per suite, written here) the two gpu-agent packages
+that scripts/build-packages made.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from systemd_sandbox import DEFAULT_MIRROR, cached_rootfs
+from test_package_nosystemd import Chroot
+from test_packaging import PKG_VERSION, VERSION, build_packages
+
+TOOLS = ("unshare", "chroot", "mount", "debootstrap", "dpkg-deb")
+_MISSING = [tool for tool in TOOLS if shutil.which(tool) is None]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root (an overlay mount and chroot)"),
+    pytest.mark.skipif(bool(_MISSING), reason=f"needs {', '.join(_MISSING)} (scripts/install-test-deps)"),
+]
+
+REPO_IN_ROOT = "/mnt/gpu-agent-repo"
+MIRROR = os.environ.get("GPU_AGENT_DEBIAN_MIRROR", DEFAULT_MIRROR)
+
+
+def packages_index(deb: Path, filename: str) -> str:
+    """The deb's Packages stanza (what apt-ftparchive writes), from its control file."""
+    control = subprocess.run(["dpkg-deb", "--field", str(deb)], capture_output=True, text=True, check=True).stdout
+    data = deb.read_bytes()
+    extra = f"Filename: {filename}\nSize: {len(data)}\nSHA256: {hashlib.sha256(data).hexdigest()}\n"
+    return control.rstrip("\n") + "\n" + extra + "\n"
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A flat apt repository per suite: bookworm/ with the Debian 12 package, trixie/ with the 13."""
+    built = build_packages()
+    directory = tmp_path_factory.mktemp("apt-repo")
+    for suite, target in (("bookworm", "debian12"), ("trixie", "debian13")):
+        (directory / suite).mkdir()
+        shutil.copy(built[target], directory / suite / built[target].name)
+        index = packages_index(built[target], f"./{built[target].name}")
+        (directory / suite / "Packages").write_text(index)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory, repository: Path) -> Iterator[Chroot]:
+    yield Chroot(cached_rootfs(), tmp_path_factory.mktemp("dist-upgrade-root"), [(repository, REPO_IN_ROOT, True)])
+
+
+def sources(root: Chroot, suite: str) -> None:
+    text = f"deb {MIRROR} {suite} main\ndeb [trusted=yes allow-insecure=yes] file:{REPO_IN_ROOT}/{suite} ./\n"
+    root.run(["sh", "-c", f"rm -f /etc/apt/sources.list.d/*; printf '{text}' > /etc/apt/sources.list"])
+    root.run(["apt-get", "update", "-q"], timeout=600)
+
+
+def test_dist_upgrade_from_bookworm_to_trixie_keeps_the_agent(root: Chroot) -> None:
+    sources(root, "bookworm")
+    root.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", "gpu-agent"], timeout=900)
+    assert root.run(["dpkg-query", "-W", "-f", "${Version}", "gpu-agent"]).stdout == f"{PKG_VERSION}-1~bookworm"
+    assert "-1~bookworm." in root.run(["readlink", "/opt/gpu-agent/venv"]).stdout
+
+    sources(root, "trixie")
+    env = ["env", "DEBIAN_FRONTEND=noninteractive"]
+    options = ["-o", "Dpkg::Options::=--force-confdef", "-o", "Dpkg::Options::=--force-confold"]
+    upgrade = root.run([*env, "apt-get", "full-upgrade", "-y", "-q", *options], check=False, timeout=1800)
+    output = upgrade.stdout + upgrade.stderr
+    assert upgrade.returncode == 0, output[-4000:]
+    assert "Removing gpu-agent" not in output, output[-4000:]
+    assert root.run(["dpkg-query", "-W", "-f", "${Status} ${Version}", "gpu-agent"]).stdout == (
+        f"install ok installed {PKG_VERSION}-1~trixie"
+    )
+    python = root.run(["python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"]).stdout.strip()
+    assert python == "3.13"
+    venv = root.run(["readlink", "/opt/gpu-agent/venv"]).stdout.strip()
+    assert "-1~trixie." in venv
+    # Only the new environment is left, and the agent runs from it on python 3.13.
+    assert root.run(["sh", "-c", "ls -d /opt/gpu-agent/env-*"]).stdout.split() == [venv]
+    assert root.run(["gpu-agent", "--version"]).stdout.splitlines()[0] == f"gpu-agent {VERSION}"
+    assert root.run(["sh", "-c", f"ls -d {venv}/lib/python3.13/site-packages/agent"]).returncode == 0
+    assert "ok (observe mode, nvml backend" in root.run(["gpu-agent", "check-config"]).stdout
