@@ -18,7 +18,7 @@ import pytest
 
 from agent.cli import build_parser
 from agent.completion import DURATIONS, bash_script, commands, zsh_script
-from agent.store import Store
+from agent.store.database import Store
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -24,7 +24,7 @@ from helpers import wait_until
 from agent import api
 from agent.config import load_config
 from agent.daemon import Daemon
-from agent.daemon.publisher import status_line
+from agent.daemon.publisher import systemd_status_line
 from agent.daemon.sd_notify import SdNotifier
 
 WAIT_SECONDS = 10.0
@@ -114,7 +114,7 @@ def test_a_listener_that_cannot_be_bound_keeps_everything_as_it_was(tmp_path: Pa
         assert f"config reload failed (running the previous config): cannot bind metrics.listen 127.0.0.1:{busy}" in (
             result.stdout
         )
-        assert "config reload failed" in status_line(snapshot)
+        assert "config reload failed" in systemd_status_line(snapshot)
         # a later reload that binds clears it
         edit(config_path, f"127.0.0.1:{busy}", f"127.0.0.1:{port}")
         assert daemon.reload() is True
@@ -138,8 +138,8 @@ def test_a_state_dir_change_is_refused_whole_and_shown_until_a_restart(tmp_path:
         assert "config change needs a restart: state_dir" in document["verdict"]["attention"]
         snapshot = daemon.publisher.get()
         assert snapshot is not None
-        assert "config change needs a restart: state_dir" in status_line(snapshot)
-        assert "all healthy" not in status_line(snapshot)
+        assert "config change needs a restart: state_dir" in systemd_status_line(snapshot)
+        assert "all healthy" not in systemd_status_line(snapshot)
         # the next loop's snapshot still says so
         daemon.loop_once()
         snapshot = daemon.publisher.get()
