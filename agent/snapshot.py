@@ -21,7 +21,7 @@ from agent.host.boottime import boottime_seconds
 from agent.host.paths import HostPaths
 from agent.policy.base import ItemPlan
 from agent.services.attribution import GpuAttribution
-from agent.services.scrape import ServiceFigures
+from agent.services.window import ServiceFigures
 from agent.state import (
     CollectorStatus,
     GpuSample,

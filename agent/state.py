@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     # Annotations only: the snapshot types stay importable without psutil, the config models or the
     # Prometheus parser (bench/h200_telemetry_compare.py runs where only nvidia-ml-py is installed).
     from agent.services.attribution import GpuAttribution
-    from agent.services.scrape import ServiceFigures
+    from agent.services.window import ServiceFigures
 
 
 @dataclass(frozen=True)

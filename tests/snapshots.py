@@ -26,7 +26,7 @@ from agent.collect import sample_all
 from agent.events import EventKind, Health, HealthState, Severity, SuggestedAction
 from agent.policy.base import ItemPlan, PlanStatus
 from agent.services.attribution import GpuAttribution, GpuProcessInfo
-from agent.services.scrape import LatencyFigures, ServiceFigures
+from agent.services.window import LatencyFigures, ServiceFigures
 from agent.state import (
     CollectorStatus,
     GpuSample,

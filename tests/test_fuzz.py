@@ -32,7 +32,8 @@ from agent.daemon import Daemon
 from agent.daemon.sd_notify import SdNotifier
 from agent.host import safe_json
 from agent.rules.config import Rule, load_rules
-from agent.services.scrape import LatencyWindow, ScrapeError, histogram_quantile, parse_reading
+from agent.services.scrape import ScrapeError, parse_reading
+from agent.services.window import LatencyWindow, histogram_quantile
 
 FILE = "/etc/gpu-agent/agent.yaml"
 # A deadline per example: a parser bomb shows up as time (the 391-byte alias bomb took minutes

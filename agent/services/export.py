@@ -24,7 +24,8 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from agent.services.attribution import GpuAttribution
-from agent.services.scrape import LATENCY_KINDS, QUANTILES, ServiceFigures
+from agent.services.scrape import LATENCY_KINDS
+from agent.services.window import QUANTILES, ServiceFigures
 
 if TYPE_CHECKING:  # prometheus_client for the exporter; `status` documents need none of it
     from prometheus_client.core import Metric

@@ -19,7 +19,7 @@ A server preallocates ~90 % of memory for its KV cache, so only the last percent
 A KV cache past ~95 % makes the scheduler hold new requests back (no room for their tokens): the
 queue grows although the GPUs are clean and fast, which is capacity, not load alone. Queue time
 "rises" when the newer half of the window waited at least 1.5 times longer on average than the
-older half (agent.services.scrape.QueueTimeTrend).
+older half (agent.services.window.QueueTimeTrend).
 The order is the priority when several hold: an Xid is a fault, thermal and power reasons explain
 a clock drop better than the drop itself, a full KV cache explains the queue behind it, and a
 queue that grows on clean GPUs is load.
@@ -37,7 +37,7 @@ from typing import Any
 from agent.config import ServiceSlo
 from agent.events import Event, EventKind, Severity, SuggestedAction
 from agent.policy.names import FAN_CURVE
-from agent.services.scrape import QueueTimeTrend, ServiceFigures
+from agent.services.window import QueueTimeTrend, ServiceFigures
 from agent.state import GpuSample, SloBreachNow
 from agent.watch.clock_events import decode
 

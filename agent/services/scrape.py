@@ -1,5 +1,4 @@
-"""An inference server's own view of its latency: scrape its Prometheus `/metrics`, keep the
-cumulative histograms over a sliding window, and turn their deltas into quantiles.
+"""An inference server's own view of itself: scrape its Prometheus `/metrics` into one `ServerReading`.
 
 Scraping
 --------
@@ -36,30 +35,17 @@ them exporting with `--enable-metrics-for-all-schedulers`) are copies of one bat
 (REPLICA_LABELS). Usage ratios take the fullest series. The text parser names a counter family
 without its `_total` suffix when a TYPE line declares it; both spellings are looked up.
 
-Windows
--------
-`LatencyWindow` keeps each scrape's cumulative counters (histogram buckets, count and sum, the
-token counter) per series, each made monotonic across its own resets the way PromQL's
-`increase()` does: a counter that went down started again from zero, so its new value is all
-increase, and one engine restarting leaves the others' series alone. Each series is differenced
-newest point against oldest inside the window and the increases are added; quantiles interpolate
-linearly inside the bucket that holds the rank, as `histogram_quantile` does. The window also
-keeps the waiting queue, the KV cache usage and the generated-token total per scrape, and splits
-the queue-time histogram into the window's older and newer half (`QueueTimeTrend`). A series keeps
-at most MAX_WINDOW_POINTS points, so what one service keeps is bounded; deltas that are not finite
-leave their figure out with an "unreadable page" error.
+The window over these readings, the quantiles and the figures are agent.services.window.
 """
 
 from __future__ import annotations
 
-import bisect
 import functools
 import itertools
 import math
 import re
 import time
 import urllib.parse
-from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -75,8 +61,6 @@ ServerKind = Literal["sglang", "vllm", "generic"]
 LatencyKind = Literal["e2e", "ttft", "itl", "queue"]
 
 LATENCY_KINDS: tuple[LatencyKind, ...] = ("e2e", "ttft", "itl", "queue")
-QUANTILES: tuple[float, ...] = (0.5, 0.95, 0.99)
-DEFAULT_WINDOW_SECONDS = 300.0
 DEFAULT_MAX_BYTES = 8 * 1024 * 1024
 DEFAULT_TIMEOUT_SECONDS = 2.0
 # What one service may keep (the window's memory bound): a real server's histograms have a few
@@ -85,9 +69,6 @@ DEFAULT_TIMEOUT_SECONDS = 2.0
 MAX_HISTOGRAM_BUCKETS = 128
 MAX_SERIES_PER_FAMILY = 256
 MAX_SELECTED_LINES = 20_000
-# Points per counter series: a window of 300 s scraped every 0.5 s or slower keeps them all; a
-# faster scrape keeps the newest ones (the figures say the shorter span they cover).
-MAX_WINDOW_POINTS = 600
 UNREADABLE = "unreadable page"
 
 
@@ -533,320 +514,3 @@ def scrape(
     """Fetch and parse one server's `/metrics`; ScrapeError when it cannot."""
     text = fetch_text(url, timeout_seconds, max_bytes)
     return parse_reading(text, kind)
-
-
-# -- quantiles -----------------------------------------------------------------------------------
-
-
-def histogram_quantile(q: float, bounds: Sequence[float], bucket_counts: Sequence[float]) -> float | None:
-    """The q-quantile of cumulative buckets, as PromQL's histogram_quantile: linear inside the
-    bucket holding the rank (the first bucket starts at 0); a rank in the +Inf bucket gives the
-    largest finite bound. None when there are no observations or no +Inf bucket, and when the
-    buckets cannot be believed (`readable_buckets`): a quantile of them would be made up."""
-    if not bounds or not math.isinf(bounds[-1]) or not 0.0 <= q <= 1.0 or len(bounds) != len(bucket_counts):
-        return None
-    if not readable_buckets(bounds, bucket_counts):
-        return None
-    counts = list(bucket_counts)
-    total = counts[-1]
-    if total <= 0:
-        return None
-    rank = q * total
-    index = next((i for i, c in enumerate(counts) if c >= rank), len(counts) - 1)
-    if index == len(bounds) - 1:
-        return bounds[-2] if len(bounds) >= 2 else None
-    upper = bounds[index]
-    if index == 0:
-        if upper <= 0:
-            return upper
-        lower, below = 0.0, 0.0
-    else:
-        lower, below = bounds[index - 1], counts[index - 1]
-    in_bucket = counts[index] - below
-    if in_bucket <= 0:
-        return upper
-    found = lower + (upper - lower) * (rank - below) / in_bucket
-    return found if math.isfinite(found) else None  # bounds near the float limit: no made-up figure
-
-
-def readable_buckets(bounds: Sequence[float], bucket_counts: Sequence[float]) -> bool:
-    """Finite, non-negative counts that never go down, under bounds that are numbers and go up."""
-    return (
-        all(math.isfinite(c) and c >= 0 for c in bucket_counts)
-        and all(later >= earlier for earlier, later in itertools.pairwise(bucket_counts))
-        and not any(math.isnan(b) for b in bounds)
-        and all(later > earlier for earlier, later in itertools.pairwise(bounds))
-    )
-
-
-# -- the window ----------------------------------------------------------------------------------
-
-
-class _CounterSeries:
-    """One series' cumulative counters made monotonic across its resets, with their timestamps."""
-
-    def __init__(self) -> None:
-        self.shape: tuple[float, ...] | None = None
-        self.points: deque[tuple[float, tuple[float, ...]]] = deque()
-        self.last_raw: tuple[float, ...] | None = None
-        self.resets = 0
-
-    def add(self, timestamp_seconds: float, raw: tuple[float, ...], shape: tuple[float, ...] = ()) -> None:
-        if shape != self.shape or self.last_raw is None or len(raw) != len(self.last_raw) or not self.points:
-            # New bucket boundaries cannot be differenced against the old ones: start over.
-            self.shape = shape
-            self.points.clear()
-            self.points.append((timestamp_seconds, raw))
-            self.last_raw = raw
-            return
-        previous = self.points[-1][1]
-        reset = any(now < before for now, before in zip(raw, self.last_raw))
-        if reset:
-            self.resets += 1
-            adjusted = tuple(p + r for p, r in zip(previous, raw))
-        else:
-            adjusted = tuple(p + (r - last) for p, r, last in zip(previous, raw, self.last_raw))
-        self.points.append((timestamp_seconds, adjusted))
-        self.last_raw = raw
-        while len(self.points) > MAX_WINDOW_POINTS:
-            self.points.popleft()
-
-    def prune(self, oldest_seconds: float) -> None:
-        while self.points and self.points[0][0] < oldest_seconds:
-            self.points.popleft()
-
-    def delta(self) -> tuple[float, tuple[float, ...]] | None:
-        """(seconds covered, increase per counter) between the oldest and newest point kept."""
-        if len(self.points) < 2:
-            return None
-        (t0, first), (t1, last) = self.points[0], self.points[-1]
-        return t1 - t0, tuple(b - a for a, b in zip(first, last))
-
-    def split(self, middle_seconds: float) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
-        """The increase before and after `middle_seconds` (the newest point at or before it divides)."""
-        if len(self.points) < 2:
-            return None
-        first, last = self.points[0][1], self.points[-1][1]
-        after = bisect.bisect_right(self.points, middle_seconds, key=lambda point: point[0])
-        divide = self.points[after - 1][1] if after > 0 else first
-        return tuple(b - a for a, b in zip(first, divide)), tuple(b - a for a, b in zip(divide, last))
-
-
-SeriesGroup = dict[SeriesKey, _CounterSeries]
-
-
-def _added_increase(group: SeriesGroup) -> tuple[float, float, tuple[float, ...], tuple[float, ...]] | None:
-    """(start, end, bucket bounds, increase) of a histogram's series added up, each series
-    differenced on its own so that one engine restarting resets only its own series; series with
-    other bucket boundaries than the first are left out (they cannot be added bucket by bucket)."""
-    shape: tuple[float, ...] | None = None
-    start, end = math.inf, -math.inf
-    total: list[float] = []
-    for series in group.values():
-        found = series.delta()
-        if found is None or series.shape is None:
-            continue
-        if shape is None:
-            shape, total = series.shape, [0.0] * len(found[1])
-        if series.shape != shape:
-            continue
-        total = [t + d for t, d in zip(total, found[1])]
-        start, end = min(start, series.points[0][0]), max(end, series.points[-1][0])
-    if shape is None:
-        return None
-    return start, end, shape, tuple(total)
-
-
-@dataclass(frozen=True)
-class LatencyFigures:
-    """One latency histogram over the window."""
-
-    requests: float  # observations in the window
-    mean_seconds: float | None
-    quantiles: dict[float, float | None]  # 0.5 / 0.95 / 0.99 -> seconds
-
-
-#: Queue time "rises" when the newer half of the window waits this many times longer on average.
-QUEUE_TIME_RISE_RATIO = 1.5
-
-
-@dataclass(frozen=True)
-class QueueTimeTrend:
-    """The server's mean queue time in the older and the newer half of the window."""
-
-    earlier_mean_seconds: float | None
-    later_mean_seconds: float | None
-
-    @property
-    def rose(self) -> bool:
-        earlier, later = self.earlier_mean_seconds, self.later_mean_seconds
-        return (
-            earlier is not None and later is not None and later > earlier and later >= earlier * QUEUE_TIME_RISE_RATIO
-        )
-
-
-@dataclass(frozen=True)
-class ServiceFigures:
-    """What a service's server says about itself over the window: the figures status and metrics show."""
-
-    service: str
-    kind: str
-    timestamp_seconds: float
-    window_seconds: float  # the span the deltas cover (shorter than asked right after start)
-    latency: dict[str, LatencyFigures] = field(default_factory=dict)  # LATENCY_KINDS
-    running: float | None = None
-    waiting: float | None = None
-    kv_cache_usage_ratio: float | None = None
-    generation_tokens_per_second: float | None = None
-    waiting_history: tuple[tuple[float, float], ...] = ()  # (timestamp, waiting) inside the window
-    kv_cache_usage_history: tuple[tuple[float, float], ...] = ()  # (timestamp, usage) inside the window
-    queue_time_trend: QueueTimeTrend | None = None
-    # (scrape time, generated tokens since the window's first scrape): every series' increase added
-    # up, resets included; what tokens per joule is drawn from (agent.services.efficiency)
-    generated_tokens_history: tuple[tuple[float, float], ...] = ()
-    tokens_per_joule: float | None = None  # filled in by whoever knows the GPUs' energy
-    resets: int = 0  # counter resets (server restarts) seen so far, on the series that saw most
-    error: str = ""  # the last scrape's error; figures are from earlier scrapes
-
-    def quantile(self, kind: str, q: float) -> float | None:
-        figures = self.latency.get(kind)
-        return None if figures is None else figures.quantiles.get(q)
-
-
-class LatencyWindow:
-    """A service's scrapes over the last `window_seconds`; `figures()` turns them into quantiles,
-    gauges and rates. One per service; fed by whoever scrapes (not thread-safe by itself)."""
-
-    def __init__(self, service: str, window_seconds: float = DEFAULT_WINDOW_SECONDS) -> None:
-        self.service = service
-        self.window_seconds = window_seconds
-        self._histograms: dict[str, SeriesGroup] = {}
-        self._tokens: SeriesGroup = {}
-        self._waiting: deque[tuple[float, float]] = deque()
-        self._kv_cache_usage: deque[tuple[float, float]] = deque()
-        self._generated_tokens: deque[tuple[float, float]] = deque()  # (time, cumulative increase)
-        self._generated_so_far = 0.0
-        self._last: ServerReading | None = None
-        self._error = ""
-
-    def add(self, reading: ServerReading) -> None:
-        now = reading.timestamp_seconds
-        for kind, by_series in reading.histograms.items():
-            group = self._histograms.setdefault(kind, {})
-            for key, histogram in by_series.items():
-                raw = (histogram.count, histogram.sum, *histogram.bucket_counts)
-                group.setdefault(key, _CounterSeries()).add(now, raw, histogram.bounds)
-        increase = 0.0
-        for key, value in reading.generation_tokens.items():
-            series = self._tokens.setdefault(key, _CounterSeries())
-            before = series.points[-1][1][0] if series.points else None
-            series.add(now, (value,))
-            if before is not None and len(series.points) >= 2:
-                increase += series.points[-1][1][0] - before
-        if reading.generation_tokens:
-            self._generated_so_far += increase
-            self._generated_tokens.append((now, self._generated_so_far))
-        if reading.waiting is not None:
-            self._waiting.append((now, reading.waiting))
-        if reading.kv_cache_usage_ratio is not None:
-            self._kv_cache_usage.append((now, reading.kv_cache_usage_ratio))
-        oldest = now - self.window_seconds
-        for group in (*self._histograms.values(), self._tokens):
-            for key in list(group):
-                group[key].prune(oldest)
-                if not group[key].points:  # a series gone for a whole window (an engine removed)
-                    del group[key]
-        for history in (self._waiting, self._kv_cache_usage, self._generated_tokens):
-            while history and history[0][0] < oldest:
-                history.popleft()
-            while len(history) > MAX_WINDOW_POINTS:
-                history.popleft()
-        self._last = reading
-        self._error = ""
-
-    def forget(self) -> None:
-        """Drop every point kept: what they say cannot be turned into figures."""
-        self._histograms.clear()
-        self._tokens.clear()
-        self._waiting.clear()
-        self._kv_cache_usage.clear()
-        self._generated_tokens.clear()
-        self._generated_so_far = 0.0
-        self._last = None
-
-    def add_error(self, error: str) -> None:
-        """A failed scrape: the figures keep the last good data and carry the error."""
-        self._error = error
-
-    def _queue_time_trend(self) -> QueueTimeTrend | None:
-        group = self._histograms.get("queue", {})
-        found = _added_increase(group)
-        if found is None:
-            return None
-        start, end, shape, _ = found
-        middle = (start + end) / 2
-        earlier = [0.0, 0.0]  # count, sum
-        later = [0.0, 0.0]
-        for series in group.values():
-            halves = series.split(middle) if series.shape == shape else None
-            if halves is None:
-                continue
-            for accumulated, half in ((earlier, halves[0]), (later, halves[1])):
-                accumulated[0] += half[0]
-                accumulated[1] += half[1]
-
-        def mean(count_and_sum: list[float]) -> float | None:
-            return count_and_sum[1] / count_and_sum[0] if count_and_sum[0] > 0 else None
-
-        return QueueTimeTrend(mean(earlier), mean(later))
-
-    def figures(self) -> ServiceFigures | None:
-        last = self._last
-        if last is None:
-            # Never read: only the error says why (a server without metrics enabled, a hang).
-            return ServiceFigures(self.service, "", 0.0, 0.0, error=self._error) if self._error else None
-        latency: dict[str, LatencyFigures] = {}
-        unreadable: list[str] = []
-        covered = 0.0
-        for kind, group in self._histograms.items():
-            found = _added_increase(group)
-            if found is None:
-                continue
-            start, end, shape, increase = found
-            count, total, buckets = increase[0], increase[1], increase[2:]
-            if not (math.isfinite(count) and math.isfinite(total) and readable_buckets(shape, buckets)):
-                # Finite pages can still add up to this (a counter near the float limit): no figure.
-                unreadable.append(f"{kind} histogram over the window")
-                continue
-            covered = max(covered, end - start)
-            latency[kind] = LatencyFigures(
-                requests=count,
-                mean_seconds=total / count if count > 0 else None,
-                quantiles={q: histogram_quantile(q, shape, buckets) for q in QUANTILES},
-            )
-        tokens_per_second: float | None = None
-        tokens = _added_increase(self._tokens)
-        if tokens is not None and tokens[1] > tokens[0] and math.isfinite(tokens[3][0]):
-            seconds = tokens[1] - tokens[0]
-            tokens_per_second = tokens[3][0] / seconds
-            covered = max(covered, seconds)
-        elif last.generation_throughput is not None:
-            tokens_per_second = last.generation_throughput
-        series = [s for group in (*self._histograms.values(), self._tokens) for s in group.values()]
-        return ServiceFigures(
-            service=self.service,
-            kind=last.kind,
-            timestamp_seconds=last.timestamp_seconds,
-            window_seconds=covered,
-            latency=latency,
-            running=last.running,
-            waiting=last.waiting,
-            kv_cache_usage_ratio=last.kv_cache_usage_ratio,
-            generation_tokens_per_second=tokens_per_second,
-            waiting_history=tuple(self._waiting),
-            kv_cache_usage_history=tuple(self._kv_cache_usage),
-            queue_time_trend=self._queue_time_trend(),
-            generated_tokens_history=tuple(self._generated_tokens),
-            resets=max((s.resets for s in series), default=0),
-            error=self._error or (f"{UNREADABLE}: " + ", ".join(unreadable) if unreadable else ""),
-        )

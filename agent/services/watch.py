@@ -34,17 +34,8 @@ from agent.policy.engine import match_profile
 from agent.services.attribution import GpuAttribution, Listeners, attribute_gpu_processes, command_service_pids
 from agent.services.efficiency import EnergyHistory, service_gpus, window_tokens_per_joule
 from agent.services.latency_cause import CauseFinding, SloWatch, attribute_cause
-from agent.services.scrape import (
-    DEFAULT_MAX_BYTES,
-    DEFAULT_WINDOW_SECONDS,
-    UNREADABLE,
-    LatencyWindow,
-    ScrapeError,
-    ServerReading,
-    ServiceFigures,
-    fetch_text,
-    parse_reading,
-)
+from agent.services.scrape import DEFAULT_MAX_BYTES, UNREADABLE, ScrapeError, ServerReading, fetch_text, parse_reading
+from agent.services.window import DEFAULT_WINDOW_SECONDS, LatencyWindow, ServiceFigures
 from agent.state import GpuSample, SloBreachNow
 
 log = structlog.get_logger("gpu-agent")

@@ -12,7 +12,8 @@ from agent.collect import sample_gpu
 from agent.config import ServiceSlo
 from agent.demo.standin import StandinServer
 from agent.services.latency_cause import attribute_cause, check_slo, regression_event
-from agent.services.scrape import LatencyWindow, ServiceFigures, scrape
+from agent.services.scrape import scrape
+from agent.services.window import LatencyWindow, ServiceFigures
 from agent.state import GpuSample
 
 

@@ -24,7 +24,7 @@ from agent.rules.engine import EXHAUSTED_STEP, evaluate
 from agent.rules.model import ActionKind, ActionOutcome, Decision, Outcome, Target
 from agent.rules.params import AlertmanagerParams
 from agent.services.latency_cause import CauseFinding, SloBreach, regression_event
-from agent.services.scrape import ServiceFigures
+from agent.services.window import ServiceFigures
 from agent.state import NodeSnapshot, ServiceStatus
 from agent.store.database import Store
 from agent.watch import xid_catalog

@@ -22,8 +22,9 @@ from service_pages import CASES, SCRAPE_SECONDS, Case
 from agent.config import AgentConfig
 from agent.demo.standin import StandinServer
 from agent.services import scrape as scrape_module
-from agent.services.scrape import QUANTILES, LatencyWindow, ScrapeError, ServiceFigures, fetch_text, parse_reading
+from agent.services.scrape import ScrapeError, fetch_text, parse_reading
 from agent.services.watch import LatencyRegressionWatch
+from agent.services.window import QUANTILES, LatencyWindow, ServiceFigures
 from agent.state import GpuSample
 
 PROMTOOL = shutil.which("promtool")

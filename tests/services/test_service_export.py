@@ -15,8 +15,8 @@ from snapshots import inference_fields, node_snapshot
 from agent.documents import snapshot_document
 from agent.services.attribution import GpuAttribution, GpuProcessInfo
 from agent.services.export import service_metric_families, status_document, unattributed_document
-from agent.services.scrape import LatencyFigures, ServiceFigures
 from agent.services.text import service_figures_line, unattributed_lines
+from agent.services.window import LatencyFigures, ServiceFigures
 from agent.textview import status_text
 
 GIB = 2**30

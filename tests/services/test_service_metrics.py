@@ -19,17 +19,15 @@ from agent.demo.standin import StandinServer, free_port, wait_listening
 from agent.services.scrape import (
     MAX_HISTOGRAM_BUCKETS,
     MAX_SERIES_PER_FAMILY,
-    MAX_WINDOW_POINTS,
     Histogram,
-    LatencyWindow,
     ScrapeError,
     ServerReading,
     detect_kind,
     fetch_text,
-    histogram_quantile,
     parse_reading,
     scrape,
 )
+from agent.services.window import MAX_WINDOW_POINTS, LatencyWindow, histogram_quantile
 
 INF = math.inf
 #: Recorded /metrics pages of the two servers (Prometheus text, kept as data files).

@@ -18,8 +18,8 @@ from agent.collect import sample_all
 from agent.config import AgentConfig, ServiceConfig
 from agent.demo.standin import StandinServer, free_port
 from agent.events import Event, EventKind, Severity
-from agent.services.scrape import LatencyFigures, ServiceFigures
 from agent.services.watch import InferenceMonitor, LatencyRegressionWatch, ServiceScraper, expected_clocks_mhz
+from agent.services.window import LatencyFigures, ServiceFigures
 from agent.state import GpuSample
 
 
