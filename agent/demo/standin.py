@@ -31,7 +31,11 @@ so stopping the service frees the GPU the way it does on a real node.
 `gpu_cache_usage_perc`): histograms with the servers' own bucket boundaries, counters, gauges and
 the process families a Python server carries. Traffic is simulated at `--request-rate` requests
 per second with at most `--max-running` in flight (the rest wait in a queue, as a saturated server
-does). Latency follows the simulated GPUs it runs on (`--sim-state-dir`): a GPU whose clock drops
+does), or, with `--concurrency N`, by N clients in a closed loop, each sending its next request when
+the last one finished (a benchmark's load, as `sglang.bench_serving --max-concurrency` drives it):
+then the request rate, and the tokens per second with it, follow the GPUs' speed. The counters are
+brought up to the moment of each `/metrics` request, so two scrapes difference exactly.
+Latency follows the simulated GPUs it runs on (`--sim-state-dir`): a GPU whose clock drops
 (a thermal slowdown halves it, a power cap trims it) makes every token slower by the same ratio,
 the slowest of its GPUs setting the pace as in tensor parallelism.
 
@@ -161,11 +165,19 @@ class Traffic:
     """
 
     def __init__(
-        self, flavor: str, request_rate: float, max_running: int, legacy_names: bool = False, dp_ranks: int = 1
+        self,
+        flavor: str,
+        request_rate: float,
+        max_running: int,
+        legacy_names: bool = False,
+        dp_ranks: int = 1,
+        concurrency: int | None = None,
     ) -> None:
         self.flavor = flavor
         self.dp_ranks = dp_ranks  # sglang's scheduler families come once per data-parallel rank
         self.request_rate = request_rate
+        self.concurrency = concurrency  # closed loop: this many clients, each waiting for its answer
+        self.last_tick_monotonic: float | None = None
         self.max_running = max_running
         self.legacy_names = legacy_names
         self.random = random.Random(13)  # noqa: S311  # nosec B311 (simulated latencies, not security)
@@ -197,15 +209,33 @@ class Traffic:
     def healthy_e2e_seconds() -> float:
         return BASE_TTFT_SECONDS + BASE_ITL_SECONDS * (OUTPUT_TOKENS - 1)
 
+    def advance_to(self, now_monotonic: float, slowdown: float) -> None:
+        """Let the traffic run up to `now_monotonic` at the pace `slowdown` sets."""
+        with self.lock:
+            last = self.last_tick_monotonic
+            self.last_tick_monotonic = now_monotonic
+        if last is not None and now_monotonic > last:
+            self.tick(now_monotonic - last, slowdown)
+
+    def _arrivals(self, seconds: float, service_seconds: float) -> float:
+        """Requests arriving in `seconds`: the fixed rate, or in a closed loop one per client whose
+        request was served (the clients beyond `max_running` stay waiting)."""
+        if self.concurrency is None:
+            return self.request_rate * seconds
+        in_service = min(self.concurrency, self.max_running)
+        self.waiting = max(0.0, float(self.concurrency - self.max_running))
+        return in_service / service_seconds * seconds
+
     def tick(self, seconds: float, slowdown: float) -> None:
         with self.lock:
             self.slowdown = slowdown
             service_seconds = self.healthy_e2e_seconds() * slowdown
             capacity_per_second = self.max_running / service_seconds
-            self.waiting += self.request_rate * seconds
+            arriving = self._arrivals(seconds, service_seconds)
+            self.waiting += arriving
             serve = min(self.waiting, capacity_per_second * seconds)
             self.waiting -= serve
-            self.running = min(float(self.max_running), self.request_rate * service_seconds)
+            self.running = min(float(self.max_running), arriving / seconds * service_seconds if seconds > 0 else 0.0)
             queue_delay = self.waiting / capacity_per_second
             self.served_fraction += serve
             served = int(self.served_fraction)
@@ -377,15 +407,16 @@ class Traffic:
 
 def run_traffic(traffic: Traffic, slowdown: Callable[[], float], stop: threading.Event, tick_seconds: float) -> None:
     """Advance the simulated traffic every tick at the pace the GPUs allow now."""
-    last = time.monotonic()
+    traffic.advance_to(time.monotonic(), slowdown())
     while not stop.wait(tick_seconds):
-        now = time.monotonic()
-        traffic.tick(now - last, slowdown())
-        last = now
+        traffic.advance_to(time.monotonic(), slowdown())
 
 
 def make_handler(
-    behaviour: Behaviour, stop: threading.Event, traffic: Traffic | None = None
+    behaviour: Behaviour,
+    stop: threading.Event,
+    traffic: Traffic | None = None,
+    slowdown: Callable[[], float] = lambda: 1.0,
 ) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -435,6 +466,7 @@ def make_handler(
 
         def _answer_ok(self, path: str) -> None:
             if path == "/metrics" and traffic is not None:
+                traffic.advance_to(time.monotonic(), slowdown())  # counters as of this very request
                 self._answer(200, traffic.render().encode(), "text/plain; version=0.0.4; charset=utf-8")
             elif path == "/v1/models":
                 model = {"id": MODEL_NAME, "object": "model", "owned_by": "standin"}
@@ -576,6 +608,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metric-names", choices=("current", "legacy"), default="current")
     parser.add_argument("--request-rate", type=float, default=8.0, help="simulated requests per second")
     parser.add_argument("--max-running", type=int, default=32, help="requests served at once; the rest wait")
+    parser.add_argument(
+        "--concurrency", type=int, help="closed loop: this many clients instead of --request-rate (a benchmark)"
+    )
     parser.add_argument("--dp-ranks", type=int, default=1, help="sglang: scheduler families per data-parallel rank")
     args = parser.parse_args(argv)
     if args.stop:
@@ -584,6 +619,8 @@ def main(argv: list[str] | None = None) -> int:
         return stop_server(args.pid_file)
     if args.port is None:
         parser.error("--port is required")
+    if args.concurrency is not None and args.concurrency < 1:
+        parser.error("--concurrency must be at least 1")
     if args.daemon:
         if args.pid_file is None:
             parser.error("--daemon needs --pid-file")
@@ -598,8 +635,15 @@ def main(argv: list[str] | None = None) -> int:
         args.max_running,
         legacy_names=args.metric_names == "legacy",
         dp_ranks=args.dp_ranks,
+        concurrency=args.concurrency,
     )
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(behaviour, stop, traffic))
+    sim = (
+        SimGpus(args.sim_state_dir, args.sim_profile, [int(g) for g in args.gpus.split(",")])
+        if args.sim_state_dir
+        else None
+    )
+    pace = sim.slowdown if sim is not None else (lambda: 1.0)
+    server = ThreadingHTTPServer((args.host, args.port), make_handler(behaviour, stop, traffic, pace))
     server.daemon_threads = True
 
     def shut_down(status: int) -> None:
@@ -619,14 +663,8 @@ def main(argv: list[str] | None = None) -> int:
             if behaviour.mode() == "exit":
                 shut_down(CRASH_EXIT_STATUS)
 
-    sim = (
-        SimGpus(args.sim_state_dir, args.sim_profile, [int(g) for g in args.gpus.split(",")])
-        if args.sim_state_dir
-        else None
-    )
     if sim is not None:
         sim.attach()
-    pace = sim.slowdown if sim is not None else (lambda: 1.0)
     threading.Thread(target=run_traffic, args=(traffic, pace, stop, TRAFFIC_TICK_SECONDS), daemon=True).start()
     if args.pid_file is not None:
         write_pid(args.pid_file)
