@@ -582,9 +582,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_xid_parse)
 
     from agent.demo.inject import add_parsers
+    from agent.tune.cli import add_parsers as add_tune_parsers
 
     add_parsers(sub, common)
     sub.choices["inject"].set_defaults(func=cmd_inject)
+    add_tune_parsers(sub, common, _socket_path)
     p = sub.add_parser(
         "demo", help="the daemon on a simulated node with a fault scenario (changes nothing on this machine)"
     )

@@ -97,6 +97,24 @@ class _Paint:
         return f"\033[{code}m{text}\033[0m" if self.enabled and code else text
 
 
+def _tune_line(tune: dict[str, Any], now: float) -> str:
+    """The last `gpu-agent tune`, in one line."""
+    unit = "W" if tune.get("kind") == "power" else "MHz"
+    when = ago(tune["finished_seconds"] or tune["started_seconds"], now)
+    line = f"last tune: {tune['kind']} sweep {tune['id']} of {tune['service']} ({when}): {tune['state']}"
+    if tune.get("recommended") is not None:
+        changes = [
+            f"{change * 100:+.1f} % {what}"
+            for change, what in (
+                (tune.get("tokens_per_joule_change_ratio"), "tokens/J"),
+                (tune.get("tokens_per_second_change_ratio"), "tokens/s"),
+            )
+            if change is not None
+        ]
+        line += f", recommends {tune['recommended']:g} {unit}" + (f" ({', '.join(changes)})" if changes else "")
+    return line + " (gpu-agent tune --last)"
+
+
 def status_text(
     document: dict[str, Any], *, now: float | None = None, width: int | None = None, colour: bool = False
 ) -> str:
@@ -144,6 +162,9 @@ def status_text(
         lines.extend(
             _clip(f"  {ago(r['started_seconds'], now):>8}  {_remediation(r)}", width) for r in recent_remediations[-5:]
         )
+    last_tune = document.get("last_tune")
+    if last_tune:
+        lines += ["", _clip(_tune_line(last_tune, now), width)]
     recent = document["recent_events"][-5:]
     if recent:
         lines += ["", "recent events:"]

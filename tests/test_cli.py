@@ -275,7 +275,7 @@ def test_demo_plays_the_scenario_on_a_live_daemon(tmp_path: Path) -> None:
     result = gpu_agent("demo", "--dir", str(tmp_path / "demo"), "--exit-after-scenario")
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
-    steps = [out.index(f"== {n}.") for n in range(1, 6)]
+    steps = [out.index(f"== {n}.") for n in range(1, 7)]
     assert steps == sorted(steps) and steps[-1] < out.index("scenario done")
     assert "power_limit drifted (650 W, want 600 W) and was corrected" in out
     # The health line lists every thermal reason the GPU reports at that moment (sw alone, or with hw).
@@ -283,6 +283,8 @@ def test_demo_plays_the_scenario_on_a_live_daemon(tmp_path: Path) -> None:
     assert "sw_thermal_slowdown" in health and "check_mechanicals" in health, health
     assert "likely cause: GPU 2 thermal slowdown" in out
     assert "rule xid-restart-service restarted sglang" in out
+    assert "600 W (current)" in out and "450 W" in out and "\n   recommended: " in out
+    assert "power_limit_watts: " in out and "restored: GPU 0 power limit 600 W" in out
     pid_file = tmp_path / "demo/sglang.pid"  # the stand-in service is stopped with the demo
     pid = standin.read_pid(pid_file)
     assert pid is None or not standin.running(pid)

@@ -38,6 +38,7 @@ from agent.host.paths import HostPaths
 from agent.policy import known_good
 from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
+from agent.policy.holds import PolicyHolds
 from agent.policy.registry import RESTORABLE_NAMES
 from agent.rules.actions import ActionContext, AlertTracker
 from agent.services.health import HealthProber, ProberThread
@@ -47,6 +48,7 @@ from agent.snapshot import DaemonParts, NodeWatchers, build_snapshot
 from agent.state import CollectorStatus, GpuSample, NodeSnapshot
 from agent.store.attempt_clock import AttemptClock, boottime_seconds
 from agent.store.node_memory import NodeMemory, read_boot_id
+from agent.tune.runner import TuneRunner
 from agent.watch.devices import UdevWakeup
 from agent.watch.kernel_log import KernelXid
 from agent.watch.kmsg import KmsgSource
@@ -79,7 +81,8 @@ class Daemon:
         self.session = BackendSession(self.runner, self._on_nvml_event)
         self.collector = GpuCollector(self.runner, self.timing, clock, self.session.note_fault)
         self.watchers = NodeWatchers(lambda: self.collector.identities, clock)
-        self.policy = PolicyLoop(config, self.host, self.runner, self.session.note_fault)
+        self.holds = PolicyHolds()  # items a tune sweep drives: the policy loop plans them, never writes them
+        self.policy = PolicyLoop(config, self.host, self.runner, self.session.note_fault, self.holds)
         self.remediator = Remediator(
             config,
             self._action_context,
@@ -99,6 +102,19 @@ class Daemon:
         self.prober = self._new_prober(config)
         self.prober_thread: ProberThread | None = None
         self.inference = self._new_inference(config)
+        self.tune = TuneRunner(
+            lambda: self.config,
+            lambda: self.session.backend,
+            lambda: self.remediator.store,
+            lambda: self.remediator.worker,
+            self.holds,
+            lambda: self.prober.statuses(),
+            lambda: self.inference.figures(),
+            lambda: len(self.collector.identities),
+            clock,
+        )
+        self.publisher.extra_handlers = self.tune.handlers()
+        self.publisher.last_tune = self.tune.last
         self.udev = UdevWakeup(self.collector.rescan.set, self.host.paths)
         self.kmsg = KmsgSource(self.host.paths, self._on_kernel_xid, start_monotonic_seconds=time.monotonic())
         self._closers: list[Callable[[], None]] = []
@@ -117,6 +133,8 @@ class Daemon:
         self.intake.note(events)
         snapshot = self._snapshot(now, samples, time.monotonic() - started)
         self._save_memory(now)
+        self.tune.history.observe(self.config, now, samples, snapshot.service_figures)
+        self.tune.history.flush(self.remediator.store)
         self.remediator.remediate(snapshot, events, now)
         snapshot = self.publisher.publish(snapshot)
         self.watchdog.beat()
@@ -209,7 +227,7 @@ class Daemon:
         return ActionContext(
             config=self.config,
             backend=backend,
-            policy=PolicyEngine(self.config, backend, self.host),
+            policy=PolicyEngine(self.config, backend, self.host, self.holds),
             host=self.host,
             managers=build_managers(self.config, self.host),
             prober=self.prober,
@@ -316,6 +334,7 @@ class Daemon:
         self._closers.append(self.kmsg.stop)
         self.remediator.start()
         self._closers.append(self.remediator.stop)
+        self.tune.recover()  # before the first loop: the policy loop never sees a half-done sweep's GPUs unheld
         # Closed in reverse: after the prober stops, before the store closes, the last streaks are kept.
         self._closers.append(lambda: self._save_memory(self.clock()))
         self.prober_thread = ProberThread(self.prober)

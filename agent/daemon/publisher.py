@@ -22,6 +22,8 @@ class Publisher:
     def __init__(self, notifier: SdNotifier) -> None:
         self.notifier = notifier
         self.status_note = ""  # appended to STATUS= until the next successful reload
+        self.extra_handlers: dict[str, Callable[[Any], Any]] = {}  # API methods of other parts (tune)
+        self.last_tune: Callable[[], dict[str, Any] | None] = lambda: None  # `status` shows it
         self._snapshot: NodeSnapshot | None = None
         self._lock = threading.Lock()
 
@@ -60,9 +62,17 @@ class Publisher:
             snapshot = self.get()
             if snapshot is None:
                 return {"starting": True}
-            return snapshot_document(snapshot, source="daemon")
+            document = snapshot_document(snapshot, source="daemon")
+            last_tune = self.last_tune()
+            if last_tune is not None:
+                document["last_tune"] = last_tune
+            return document
 
-        return {"status": status, "ping": lambda _p: {"pid": threading.get_native_id(), "version": __version__}}
+        return {
+            **self.extra_handlers,
+            "status": status,
+            "ping": lambda _p: {"pid": threading.get_native_id(), "version": __version__},
+        }
 
 
 def status_line(snapshot: NodeSnapshot) -> str:

@@ -19,6 +19,7 @@ from agent.backend.base import GpuBackend, GpuIdentity
 from agent.backend.errors import GpuError, WriteRefused
 from agent.config import AgentConfig, GpuProfile, Mode
 from agent.policy.base import GpuContext, HostContext, ItemPlan, ItemResult, Outcome, PlanStatus
+from agent.policy.holds import PolicyHolds
 from agent.policy.item import Change, PolicyItem, enforce, plan_item, result_without_write
 from agent.policy.registry import GPU_ITEMS, NODE_ITEMS, RESTORABLE_ITEMS, RESTORABLE_NAMES
 
@@ -96,11 +97,14 @@ class ApplyReport:
 class PolicyEngine:
     """Holds the config, the backend and the host; keeps per-GPU contexts between loops."""
 
-    def __init__(self, config: AgentConfig, backend: GpuBackend, host: HostContext) -> None:
+    def __init__(
+        self, config: AgentConfig, backend: GpuBackend, host: HostContext, holds: PolicyHolds | None = None
+    ) -> None:
         self.config = config
         self.backend = backend
         self.host = replace(host, backend=backend)
         self.state = NodeState()
+        self.holds = holds or PolicyHolds()  # items someone else drives for now: planned, never written
 
     # -- enumeration ---------------------------------------------------------------------------
 
@@ -172,6 +176,9 @@ class PolicyEngine:
         assert entry.enforce is not None  # only an unidentified GPU has none, and its plan is an ERROR
         if self.config.item_mode(plan.item) is not Mode.ENFORCE:
             return ItemResult(plan, Outcome.SKIPPED, "observe mode: drift reported, nothing changed")
+        held = self.holds.held(plan.item, plan.gpu)
+        if held is not None:
+            return ItemResult(plan, Outcome.SKIPPED, f"held: {held}")
         if dry_run:
             return ItemResult(plan, Outcome.SKIPPED, "dry run: would " + "; ".join(plan.changes))
         return entry.enforce()

@@ -64,6 +64,7 @@ from agent.store.acks import ALL, Acknowledgements, Circuit
 from agent.store.attempt_clock import ClockReading
 from agent.store.boot import BootTables, ClockEventTotal, InventoryGpu, ProbeStreak, XidMark
 from agent.store.db import StoreError
+from agent.store.tunes import HistoryRow, TuneHistoryTables, TuneRow, TuneTables
 
 log = structlog.get_logger("gpu-agent")
 
@@ -77,6 +78,7 @@ __all__ = [
     "RETENTION_SECONDS",
     "Circuit",
     "ClockEventTotal",
+    "HistoryRow",
     "InventoryGpu",
     "JournalEntry",
     "ProbeStreak",
@@ -84,6 +86,7 @@ __all__ = [
     "StoreError",
     "StoredEvent",
     "StoredRemediation",
+    "TuneRow",
     "XidMark",
 ]
 
@@ -224,6 +227,29 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             up INTEGER,
             consecutive_failures INTEGER NOT NULL,
             PRIMARY KEY (boot_id, service)
+        )""",
+    ),
+    # The advisor's journal (agent.store.tunes): a sweep is written down, with the settings it will
+    # put back, before its first change; and the per-setting history the passive advice reads.
+    (
+        """CREATE TABLE tunes (
+            id INTEGER PRIMARY KEY,
+            started REAL NOT NULL,
+            finished REAL,
+            state TEXT NOT NULL,
+            document TEXT NOT NULL
+        )""",
+        "CREATE INDEX tunes_running ON tunes (state) WHERE state = 'running'",
+        """CREATE TABLE tune_history (
+            service TEXT NOT NULL,
+            gpu_model TEXT NOT NULL,
+            setting TEXT NOT NULL,
+            seconds REAL NOT NULL,
+            tokens REAL NOT NULL,
+            joules REAL NOT NULL,
+            e2e_p95_max REAL,
+            last_seen REAL NOT NULL,
+            PRIMARY KEY (service, gpu_model, setting)
         )""",
     ),
 )
@@ -388,7 +414,7 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, default=_json_default, sort_keys=True)
 
 
-class Store(BootTables, Acknowledgements):
+class Store(BootTables, Acknowledgements, TuneTables, TuneHistoryTables):
     """See the module docstring. Build it with `Store.open(state_dir)`. Node memory is
     `agent.store.boot`, circuits and acknowledgements `agent.store.acks`, the shared connection
     `agent.store.db`."""
