@@ -141,6 +141,7 @@ def test_the_table_and_the_default_tolerance(tmp_path: Path) -> None:
         )
         assert backend.power_limit_watts(0) == 700.0
         code_last, out_last, _ = tune(agent, "--last")
+        _, last_json, _ = tune(agent, "--last", "--json")
         code_passive, out_passive, _ = tune(agent, "power", "--service", "sglang", "--passive", "--json")
         _, passive_text, _ = tune(agent, "power", "--service", "sglang", "--passive")
     assert code == 0, out + err
@@ -152,6 +153,9 @@ def test_the_table_and_the_default_tolerance(tmp_path: Path) -> None:
     # 550 W gives up about 11 % of the tokens/s: outside the default 5 %, so the current limit stays best.
     assert "recommended: 700 W" in out and "power_limit_watts: 700" in out
     assert code_last == 0 and out_last == out
+    # The policy says 700 W and re-plans every second; held off GPU 0, it never put 700 W back mid-step.
+    capped = json.loads(last_json)["steps"][1]
+    assert capped["setting"] == 550 and capped["mean_power_watts"] < 560, capped
     # The daemon kept what the node did at each limit it ran at, the sweep's included; nothing changes.
     report = json.loads(out_passive)
     assert code_passive == 0 and report["changed"] is False

@@ -81,7 +81,9 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser, socket_path: SocketPa
         ("power", "W", "sweep the power limit (nvidia-smi -pl)"),
         ("clocks", "MHz", "sweep locked graphics clocks (nvidia-smi -lgc N,N)"),
     ):
-        p = kinds.add_parser(kind, parents=[common], help=help_text, description=description)
+        p = kinds.add_parser(kind, help=help_text, description=description)
+        # Given here or before KIND: a default here would overwrite the one parsed before it.
+        p.add_argument("--config", metavar="PATH", default=argparse.SUPPRESS, help="config file (as for tune)")
         p.add_argument("--service", required=True, metavar="NAME", help="the configured service to measure")
         p.add_argument("--from", dest="start", type=_positive, metavar=unit, help=f"first setting ({unit})")
         p.add_argument("--to", dest="stop", type=_positive, metavar=unit, help=f"last setting ({unit})")
@@ -91,6 +93,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser, socket_path: SocketPa
         p.add_argument(
             "--tolerance",
             type=float,
+            metavar="RATIO",
             default=DEFAULT_THROUGHPUT_TOLERANCE,
             help="tokens/s the recommendation may give up against the best seen"
             f" (default {DEFAULT_THROUGHPUT_TOLERANCE})",
@@ -98,12 +101,14 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser, socket_path: SocketPa
         p.add_argument(
             "--min-request-rate",
             type=float,
+            metavar="PER_SECOND",
             default=DEFAULT_MIN_REQUEST_RATE,
             help=f"requests/s below which traffic is too thin (default {DEFAULT_MIN_REQUEST_RATE:g})",
         )
         p.add_argument(
             "--max-traffic-change",
             type=float,
+            metavar="RATIO",
             default=DEFAULT_MAX_TRAFFIC_CHANGE,
             help=f"how far the offered load may move between steps (default {DEFAULT_MAX_TRAFFIC_CHANGE})",
         )
@@ -120,7 +125,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser, socket_path: SocketPa
                 action="store_true",
                 help="no changes: what the node's history says about the limits it has run at",
             )
-        p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
         p.set_defaults(func=lambda args: cmd_tune(args, socket_path))
 
 
