@@ -7,6 +7,7 @@ from pathlib import Path
 
 from hosttree import make_host_tree
 
+from agent.api import handle_request
 from agent.backend.sim import SimulatedBackend
 from agent.config import AgentConfig
 from agent.policy.base import HostContext, Outcome
@@ -17,6 +18,7 @@ from agent.store.tunes import HistoryRow
 from agent.tune.model import StepReading, TuneDocument, TuneRequest
 from agent.tune.passive import passive_report
 from agent.tune.recommend import recommend, thin_traffic, uneven_traffic
+from agent.tune.runner import PRIVILEGED_METHODS
 
 
 def request(**values: object) -> TuneRequest:
@@ -155,3 +157,17 @@ def test_passive_advice_from_history(tmp_path: Path) -> None:
     strict = passive_report("sglang", rows, slo_e2e_p95_seconds=0.75)
     assert strict["verdicts"] == ["NVIDIA H200: no lower limit looked free against 700 W"]
     assert report["changed"] is False
+
+
+def test_only_a_trusted_peer_may_start_or_abort_a_sweep() -> None:
+    """A group given read access to the socket (api.group) reads status but cannot change the node."""
+    handlers = {"tune_start": lambda _p: {"id": 1}, "status": lambda _p: {"ok": 1}}
+    untrusted = lambda method: method not in PRIVILEGED_METHODS  # noqa: E731
+    refused = handle_request(b'{"method": "tune_start", "params": {}}', handlers, untrusted)
+    assert refused == {
+        "ok": False,
+        "error": "tune_start changes the node: only root or the agent's own user may call it",
+    }
+    assert handle_request(b'{"method": "status"}', handlers, untrusted) == {"ok": True, "result": {"ok": 1}}
+    assert handle_request(b'{"method": "tune_start"}', handlers, lambda _m: True)["ok"] is True
+    assert {"tune_start", "tune_abort"} == PRIVILEGED_METHODS

@@ -48,7 +48,7 @@ from agent.snapshot import DaemonParts, NodeWatchers, build_snapshot
 from agent.state import CollectorStatus, GpuSample, NodeSnapshot
 from agent.store.attempt_clock import AttemptClock, boottime_seconds
 from agent.store.node_memory import NodeMemory, read_boot_id
-from agent.tune.runner import TuneRunner
+from agent.tune.runner import PRIVILEGED_METHODS, TuneRunner
 from agent.watch.devices import UdevWakeup
 from agent.watch.kernel_log import KernelXid
 from agent.watch.kmsg import KmsgSource
@@ -114,6 +114,7 @@ class Daemon:
             clock,
         )
         self.publisher.extra_handlers = self.tune.handlers()
+        self.publisher.privileged_methods = PRIVILEGED_METHODS
         self.publisher.last_tune = self.tune.last
         self.udev = UdevWakeup(self.collector.rescan.set, self.host.paths)
         self.kmsg = KmsgSource(self.host.paths, self._on_kernel_xid, start_monotonic_seconds=time.monotonic())

@@ -23,6 +23,7 @@ class Publisher:
         self.notifier = notifier
         self.status_note = ""  # appended to STATUS= until the next successful reload
         self.extra_handlers: dict[str, Callable[[Any], Any]] = {}  # API methods of other parts (tune)
+        self.privileged_methods: frozenset[str] = frozenset()  # of those, the ones that change the node
         self.last_tune: Callable[[], dict[str, Any] | None] = lambda: None  # `status` shows it
         self._snapshot: NodeSnapshot | None = None
         self._lock = threading.Lock()
@@ -51,7 +52,9 @@ class Publisher:
         from agent.metrics.server import serve_metrics
 
         metrics = serve_metrics(config.metrics.listen, self.get, stale_after_seconds=stale_after_seconds)
-        api = ApiServer(config.api.socket, self.api_handlers(), group=config.api.group)
+        api = ApiServer(
+            config.api.socket, self.api_handlers(), group=config.api.group, privileged=self.privileged_methods
+        )
         api.start()
         return [metrics.close, api.close]
 

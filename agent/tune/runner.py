@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -20,7 +20,6 @@ from agent.api import ApiError
 from agent.backend.base import GpuBackend
 from agent.backend.errors import GpuError
 from agent.config import AgentConfig, Mode, ServiceConfig
-from agent.daemon.action_worker import ActionWorker
 from agent.policy.holds import PolicyHolds
 from agent.services.scrape import ServiceFigures
 from agent.state import ServiceStatus
@@ -29,8 +28,13 @@ from agent.tune.model import POLICY_ITEMS, TuneDocument, TuneRequest
 from agent.tune.passive import PowerHistory, passive_report
 from agent.tune.sweep import RecoveryJob, TuneJob, hold_owner
 
+if TYPE_CHECKING:  # the daemon imports this module: only the type, never the import
+    from agent.daemon.action_worker import ActionWorker
+
 log = structlog.get_logger("gpu-agent")
 
+#: The API methods that change the node: only root or the agent's own user may call them.
+PRIVILEGED_METHODS = frozenset({"tune_start", "tune_abort"})
 MAX_STEPS = 64
 MIN_DWELL_SECONDS = 1.0
 MAX_DWELL_SECONDS = 3600.0
