@@ -210,6 +210,8 @@ def test_a_decided_action_aborts_a_running_task_and_runs_after_it(store: Store) 
     worker.submit_task(task)
     assert task.started.wait(5)
     assert worker.busy() == "test task is running"
+    worker.submit(decision("alert", rule="alert", action=ActionKind.ALERTMANAGER), clock())
+    assert not task.aborted.wait(0.5), "an alert waits for the task: a sweep's own cap raises alerts"
     worker.submit(decision(), clock())
     assert task.aborted.wait(5) and task.reason == "remediation reset needs the node"
     assert ran.wait(5), "the action ran once the task gave the node back"

@@ -2,8 +2,10 @@
 take a minute; the loop must not wait for it), journaled in the store from before they start.
 
 Tasks (`submit_task`: a tune sweep, its recovery) run in the same queue, one job at a time: a
-decided action that arrives while a task runs aborts it (`Task.abort`), so a fault never waits for
-an experiment. `submit` writes the journal row (outcome "running", counted as an attempt, its event handled) on
+decided action that changes the node (restart, reset, reboot, a hook) arriving while a task runs
+aborts it (`Task.abort`), so a repair never waits for an experiment; an alert or a webhook waits
+for the task to end (a sweep's own power cap raises latency alerts, which must not end it).
+`submit` writes the journal row (outcome "running", counted as an attempt, its event handled) on
 the caller's thread and only then queues the action: an action the agent never recorded never
 runs, and one it recorded counts against the caps even if the agent dies a moment later. The
 handler journals each step as it completes (ctx.journal). `stop` gives a running action a bounded
@@ -26,11 +28,15 @@ from agent.config import AgentConfig
 from agent.rules.actions import ActionContext, execute
 from agent.rules.actions.steps import services_left_down
 from agent.rules.model import ActionOutcome, Decision, Outcome
+from agent.rules.params import NODE_CHANGING_ACTIONS, ActionKind
 from agent.services.managers import ServiceError, ServiceManager
 from agent.store.attempt_clock import AttemptClock, ClockReading, effective_wall_seconds
 from agent.store.database import JournalEntry, Store, StoreError
 
 log = structlog.get_logger("gpu-agent")
+
+#: Decided actions that abort a running task: those that change the node, and hooks (which may).
+TASK_ABORTING_ACTIONS = NODE_CHANGING_ACTIONS | {ActionKind.RUN_HOOK}
 
 #: How long `stop` waits for a running action: well below systemd's stop timeout (TimeoutStopSec,
 #: 90 s by default) so the journal note is written before systemd would kill the agent.
@@ -98,7 +104,7 @@ class ActionWorker:
             self._queued += 1
             task = self._task
         self.queue.put(_Job(decision, row_id))
-        if task is not None:
+        if task is not None and decision.action is not None and decision.action.kind in TASK_ABORTING_ACTIONS:
             task.abort(f"remediation {decision.rule} needs the node")
 
     def submit_task(self, task: Task) -> None:
