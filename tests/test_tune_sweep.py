@@ -232,6 +232,10 @@ def test_abort_puts_the_limit_back(tmp_path: Path) -> None:
             {"kind": "power", "service": "sglang", "start": 700, "stop": 400, "step": 100, "dwell_seconds": 4},
         )
         wait_until(lambda: backend.power_limit_watts(0) == 600.0, 30, "the second step set", poll_seconds=0.05)
+        code, _, err = tune(
+            agent, "power", "--service", "sglang", "--from", "700", "--to", "500", "--step", "100", "--dwell", "2"
+        )
+        assert code == 1 and "refused: tune 1 is running (gpu-agent tune --abort stops it)" in err, err
         code, _, err = tune(agent, "--abort")
         assert code == 0 and "aborting" in err
         last = wait_until(
