@@ -8,6 +8,7 @@ from pathlib import Path
 from hosttree import make_host_tree
 
 from agent.api import handle_request
+from agent.backend.base import ClockDomain
 from agent.backend.sim import SimulatedBackend
 from agent.config import AgentConfig
 from agent.policy.base import HostContext, Outcome
@@ -19,6 +20,7 @@ from agent.tune.model import StepReading, TuneDocument, TuneRequest
 from agent.tune.passive import passive_report
 from agent.tune.recommend import recommend, thin_traffic, uneven_traffic
 from agent.tune.runner import PRIVILEGED_METHODS
+from agent.tune.sweep import read_originals, restore
 
 
 def request(**values: object) -> TuneRequest:
@@ -171,3 +173,28 @@ def test_only_a_trusted_peer_may_start_or_abort_a_sweep() -> None:
     assert handle_request(b'{"method": "status"}', handlers, untrusted) == {"ok": True, "result": {"ok": 1}}
     assert handle_request(b'{"method": "tune_start"}', handlers, lambda _m: True)["ok"] is True
     assert {"tune_start", "tune_abort"} == PRIVILEGED_METHODS
+
+
+def test_restore_puts_back_a_lock_an_unlock_and_a_limit(tmp_path: Path) -> None:
+    backend = SimulatedBackend(
+        "h200x2", tmp_path / "state", writable_items={"power_limit", "locked_clocks"}
+    )  # fmt: skip
+    backend.init()
+    backend.set_locked_clocks_mhz(0, ClockDomain.GRAPHICS, 1500, 1755)
+    clocks = read_originals(backend, "clocks", (0, 1))
+    power = read_originals(backend, "power", (0, 1))
+    for gpu in (0, 1):
+        backend.set_locked_clocks_mhz(gpu, ClockDomain.GRAPHICS, 1200, 1200)
+        backend.set_power_limit_watts(gpu, 400)
+    assert restore(backend, "clocks", clocks) == ["GPU 0 clocks locked 1500-1755 MHz", "GPU 1 clocks unlocked"]
+    assert backend.locked_clocks_mhz(0, ClockDomain.GRAPHICS) == (1500, 1755)
+    assert backend.locked_clocks_mhz(1, ClockDomain.GRAPHICS) is None
+    assert restore(backend, "power", power) == ["GPU 0 power limit 700 W", "GPU 1 power limit 700 W"]
+    assert backend.power_limit_watts(1) == 700.0
+    writable = SimulatedBackend("h200x2", tmp_path / "state", writable_items={"power_limit"})
+    writable.init()
+    writable.set_power_limit_watts(0, 400)
+    observe = SimulatedBackend("h200x2", tmp_path / "state")  # observe mode: the write guard refuses
+    observe.init()
+    (line, _) = restore(observe, "power", power)
+    assert line.startswith("GPU 0 NOT restored: ") and writable.power_limit_watts(0) == 400.0
