@@ -305,3 +305,4 @@ def test_ctrl_c_on_the_cli_aborts_and_waits_for_the_restore(tmp_path: Path) -> N
     assert "aborting: the daemon puts the original settings back" in err
     assert "aborted: aborted with Ctrl-C on the CLI" in out and "restored: GPU 0 power limit 700 W" in out
     assert "700 W (current)" in out  # the steps measured before the abort are still shown
+    assert "recommended:" not in out and "no recommendation: the sweep did not finish" in out

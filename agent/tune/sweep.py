@@ -256,12 +256,14 @@ class TuneJob:
         note = f"restored: {', '.join(restored) or 'nothing changed'}"
         with self.lock:
             steps = list(self.document.steps)
-        gpu_model = self.gpu_model(backend, self.document.gpus[0])
-        recommendation, why = recommend(self.document.request, steps, gpu_model)
-        with self.lock:
-            self.document.recommendation = recommendation
         if failed:
             state = "failed"
+        recommendation, why = None, "the sweep did not finish"
+        if state in ("done", "stopped"):  # a sweep cut short by an abort or a failure recommends nothing
+            gpu_model = self.gpu_model(backend, self.document.gpus[0])
+            recommendation, why = recommend(self.document.request, steps, gpu_model)
+        with self.lock:
+            self.document.recommendation = recommendation
         parts = [detail] if detail else []
         if recommendation is None and steps:
             parts.append(f"no recommendation: {why}")
