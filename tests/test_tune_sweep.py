@@ -44,6 +44,7 @@ services:
     stop_command: [/bin/true]
     health_url: "http://127.0.0.1:{port}/health"
     gpus: [0]
+    probe_interval_seconds: 0.2
     slo: {{e2e_p95_seconds: {slo_seconds}, min_requests: 5}}
 {interval}"""
 
@@ -177,12 +178,21 @@ def test_an_slo_breach_stops_the_descent(tmp_path: Path) -> None:
     assert code == 0 and document["recommendation"]["setting"] in [s["setting"] for s in steps[:-1]]
 
 
-def test_thin_traffic_and_observe_mode_are_refused(tmp_path: Path) -> None:
+def test_thin_traffic_a_service_down_and_observe_mode_are_refused(tmp_path: Path) -> None:
     with node(tmp_path / "thin", load=("--request-rate", "0.3")) as (agent, backend):
         code, _, err = tune(
             agent, "power", "--service", "sglang", "--from", "700", "--to", "400", "--step", "100", "--dwell", "2"
         )
         assert code == 1 and "traffic too thin to measure" in err and "floor 1/s" in err, err
+        assert backend.power_limit_watts(0) == 700.0
+    with node(tmp_path / "down") as (agent, backend):
+        (control,) = (tmp_path / "down").glob("standin-*.control")
+        control.write_text("503\n")  # up, but not serving: the prober marks it down
+        wait_until(lambda: agent.status()["services"][0]["up"] is False, 30, "the service marked down")
+        code, _, err = tune(
+            agent, "power", "--service", "sglang", "--from", "700", "--to", "400", "--step", "100", "--dwell", "2"
+        )
+        assert code == 1 and "refused: service sglang is down" in err, err
         assert backend.power_limit_watts(0) == 700.0
     with node(tmp_path / "observe", mode="observe") as (agent, backend):
         code, _, err = tune(
