@@ -122,6 +122,8 @@ def test_a_held_item_is_planned_but_never_written(tmp_path: Path) -> None:
     assert results[("power_limit", 0)].detail == "held: tune sweep 1 drives it"
     assert results[("power_limit", 1)].outcome is Outcome.APPLIED
     assert (backend.power_limit_watts(0), backend.power_limit_watts(1)) == (700.0, 600.0)
+    (held,) = [p for p in report.plan.items if (p.item, p.gpu) == ("power_limit", 0)]
+    assert held.detail.startswith("held: tune sweep 1 drives it; allowed 200-700 W")
     holds.release("tune-1")
     engine.apply()
     assert backend.power_limit_watts(0) == 600.0

@@ -153,9 +153,16 @@ class PolicyEngine:
         return entries, profiles
 
     def _node_plan(self, entries: list[_Planned], profiles: dict[int, int | None]) -> NodePlan:
-        items = tuple(entry.plan for entry in entries)
+        items = tuple(self._noting_hold(entry.plan) for entry in entries)
         modes = {p.item: self.config.item_mode(p.item) for p in items if p.item != GPU_ITEM}
         return NodePlan(self.config.mode, items, modes, profiles)
+
+    def _noting_hold(self, plan: ItemPlan) -> ItemPlan:
+        """A held item's drift says who holds it (status and metrics show why it is not put back)."""
+        held = self.holds.held(plan.item, plan.gpu)
+        if held is None or plan.status is not PlanStatus.DRIFT:
+            return plan
+        return replace(plan, detail=f"held: {held}" + (f"; {plan.detail}" if plan.detail else ""))
 
     def plan(self, only: Collection[str] | None = None) -> NodePlan:
         """Plan every configured item, or only those named (the daemon re-plans the fan curve every loop)."""
