@@ -41,13 +41,14 @@ def _config_path(args: argparse.Namespace) -> tuple[Path | None, bool]:
 
 
 def load(args: argparse.Namespace) -> AgentConfig:
-    from agent.config import AgentConfig, load_config
+    from agent.backend import load_checked_config
+    from agent.config import AgentConfig
 
     path, _ = _config_path(args)
     if path is None:
         print(f"note: {DEFAULT_CONFIG_PATH} not found; using built-in defaults (observe mode, nvml)", file=sys.stderr)
         return AgentConfig()
-    return load_config(path)
+    return load_checked_config(path)
 
 
 def make_engine(config: AgentConfig) -> PolicyEngine:
@@ -86,17 +87,19 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    from agent.config import load_config
+    from agent.backend import load_checked_config
     from agent.rules.config import load_rules
     from agent.rules.sources import describe, resolve_rules
 
     path, _ = _config_path(args)
     if path is None:
         raise CliError(f"no config: {DEFAULT_CONFIG_PATH} does not exist (give --config PATH)")
-    config = load_config(path)
+    config = load_checked_config(path)
     resolved = resolve_rules(Path(d) for d in (args.rules or config.remediation.rules_dirs))
+    _check_rules_dirs_exist(path, resolved.missing_dirs, from_config=not args.rules)
     rules = load_rules(resolved.paths, allow_reboot=config.remediation.allow_reboot)
     _check_hooks(rules)
+    _check_drain_hooks(config, str(path))
     _print(
         f"{path}: ok ({config.mode.value} mode, {config.backend} backend, {len(config.policy.gpus)} GPU profiles, "
         f"{len(config.services)} services); {len(rules)} rules from {len(resolved.files)} files:"
@@ -107,6 +110,25 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
     return EXIT_ERROR if warnings and args.strict else EXIT_OK
+
+
+def _check_rules_dirs_exist(path: Path, missing: Sequence[Path], *, from_config: bool) -> None:
+    """A rules directory named that does not exist is a typo the daemon would run with, without its
+    rules: an error. Only the default directory for the admin's overrides may be absent."""
+    from agent.config import parse_yaml, read_trusted_text
+    from agent.defaults import DEFAULT_RULES_DIR
+
+    wrong = [d for d in missing if str(d) != DEFAULT_RULES_DIR]
+    if not wrong:
+        return
+    lines = parse_yaml(read_trusted_text(path), str(path))[1] if from_config else {}
+    problems = []
+    for directory in wrong:
+        line = lines.get(("remediation", "rules_dirs")) or lines.get(("remediation", "rules_dir"))
+        where = "remediation.rules_dirs" if from_config else "--rules"
+        message = f"{directory}: no such directory (a typo? the daemon would run without these rules)"
+        problems.append(ConfigProblem(str(path), line, where, message))
+    raise ConfigError(problems)
 
 
 def _check_hooks(rules: Sequence[Rule]) -> None:
@@ -129,6 +151,20 @@ def _check_hooks(rules: Sequence[Rule]) -> None:
         raise ConfigError(problems)
 
 
+def _check_drain_hooks(config: AgentConfig, file: str) -> None:
+    """The services' drain hooks, checked as the rules' hooks are: refused now, not mid-restart."""
+    from agent.trust import executable_problem
+
+    problems: list[ConfigProblem] = []
+    for position, service in enumerate(config.services):
+        if service.drain is not None:
+            problem = executable_problem(service.drain.hook[0])
+            if problem is not None:
+                problems.append(ConfigProblem(file, None, f"services[{position}].drain.hook[0]", problem))
+    if problems:
+        raise ConfigError(problems)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from agent import documents, render, textview
 
@@ -143,6 +179,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_apply(args: argparse.Namespace) -> int:
     from agent import documents, render, textview
+    from agent.policy.base import ApplyOutcome, PlanStatus
 
     config = load(args)
     engine = make_engine(config)
@@ -157,7 +194,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
         _print(textview.dumps(documents.apply_json(report)))
     else:
         _print(render.results_text(report.results))
-        skipped = [r for r in report.results if r.outcome.value == "skipped" and r.plan.status.value == "drift"]
+        skipped = [r for r in report.results if r.outcome is ApplyOutcome.SKIPPED and r.plan.status is PlanStatus.DRIFT]
         if skipped and not args.dry_run:
             _print(f"\n{len(skipped)} drifting item(s) left unchanged: observe mode (set `mode: enforce` to apply)")
     if handed_back:
@@ -175,8 +212,10 @@ def _hand_back_fans_without_daemon(config: AgentConfig, engine: PolicyEngine) ->
     go back to automatic control instead of staying at a fixed speed. What was done, per GPU."""
     from agent import api
     from agent.policy import fan_curve
+    from agent.policy.base import ApplyOutcome
+    from agent.policy.names import FAN_CURVE
 
-    if "fan_curve" not in config.writable_items():
+    if FAN_CURVE not in config.writable_items():
         return []
     try:
         api.call(config.api.socket, "ping", timeout_seconds=2.0)
@@ -187,7 +226,7 @@ def _hand_back_fans_without_daemon(config: AgentConfig, engine: PolicyEngine) ->
     done: list[str] = []
     for gpu, ctx in sorted(engine.state.contexts.items()):
         result = fan_curve.restore(ctx)
-        if result.outcome.value in ("applied", "failed"):
+        if result.outcome in (ApplyOutcome.APPLIED, ApplyOutcome.FAILED):
             done.append(f"GPU {gpu}: {result.detail}")
     return done
 
@@ -198,6 +237,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
     through the backend the daemon last ran with (agent.policy.known_good), or NVML."""
     from agent import documents, render, textview
     from agent.policy import known_good
+    from agent.policy.base import ApplyOutcome
     from agent.policy.registry import RESTORABLE_NAMES
 
     try:
@@ -223,7 +263,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
         _print(textview.dumps({"results": [documents.result_json(r, "enforce") for r in results]}))
     else:
         _print(render.results_text(results))
-    return EXIT_ERROR if any(r.outcome.value == "failed" for r in results) else EXIT_OK
+    return EXIT_ERROR if any(r.outcome is ApplyOutcome.FAILED for r in results) else EXIT_OK
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -280,13 +320,17 @@ def _socket_path(args: argparse.Namespace) -> str:
 
 def direct_status(config: AgentConfig, note: str) -> dict[str, object]:
     """What `status` shows without a daemon: one collection and one plan, read-only, judged by the
-    same watchers and made into a snapshot by the same builder as the daemon's."""
+    same watchers, with the node memory the daemon keeps in the store (Xids, held slowdowns, GPUs
+    gone, services declared down), made into a snapshot by the same builder as the daemon's."""
     import time
 
     from agent import documents
     from agent.collect import sample_all
+    from agent.host.paths import HostPaths
     from agent.services.watch import read_once
     from agent.snapshot import DaemonParts, NodeWatchers, build_snapshot
+    from agent.store.db import StoreError
+    from agent.store.node_memory import read_boot_id, read_remembered
 
     now = time.time()
     try:
@@ -305,6 +349,16 @@ def direct_status(config: AgentConfig, note: str) -> dict[str, object]:
     finally:
         engine.backend.shutdown()
     watchers = NodeWatchers()
+    parts = DaemonParts()
+    try:
+        remembered = read_remembered(config.state_dir, read_boot_id(HostPaths.at(config.host_root)))
+    except StoreError as exc:
+        remembered = None
+        note += f"; the daemon's node memory is unreadable ({exc}): Xid history and held slowdowns not included"
+    if remembered is not None:
+        samples = remembered.samples(samples, now)
+        remembered.restore(watchers.xid, watchers.throttle)
+        parts = DaemonParts(services=remembered.services([(s.name, s.shown_unit) for s in config.services]))
     watchers.observe(samples, now)
     snapshot = build_snapshot(
         config,
@@ -313,6 +367,7 @@ def direct_status(config: AgentConfig, note: str) -> dict[str, object]:
         watchers,
         driver_version=driver,
         policy=plan.items,
+        daemon=parts,
         service_figures=figures,
         gpu_attribution=attribution,
     )
@@ -374,14 +429,13 @@ def cmd_xid_parse(args: argparse.Namespace) -> int:
 
 def _identities_if_available(args: argparse.Namespace) -> dict[int, GpuIdentity]:
     """This host's GPUs, to map bus ids to GPUs, when a config and a backend are at hand; else {}."""
-    from agent.backend import open_backend
-    from agent.config import load_config
+    from agent.backend import load_checked_config, open_backend
 
     path, _ = _config_path(args)
     if path is None:
         return {}
     try:
-        backend = open_backend(load_config(path), writable_items=())
+        backend = open_backend(load_checked_config(path), writable_items=())
     except (ConfigError, GpuError):
         return {}
     try:
@@ -444,24 +498,56 @@ def cmd_events(args: argparse.Namespace) -> int:
 
 
 def cmd_ack(args: argparse.Namespace) -> int:
+    from agent.host.paths import HostPaths
+    from agent.store.node_memory import read_boot_id
+
     config = load(args)
+    xid_marks = _xid_selector(args.selector)
     with _open_store(config) as store:
         count = store.ack(args.selector)
         gone = store.acknowledge_gone(args.selector)
+        cleared = (
+            store.clear_xid_marks(read_boot_id(HostPaths.at(config.host_root)), *xid_marks)
+            if xid_marks is not None
+            else []
+        )
+    for gpu in sorted({mark.gpu for mark in cleared}):
+        codes = ", ".join(str(mark.xid) for mark in cleared if mark.gpu == gpu)
+        _print(
+            f"{args.selector}: Xid {codes} on GPU {gpu} marked dealt with: no longer in the verdict"
+            " (the counts stay in status and /metrics)"
+        )
     if count:
-        _print(f"{args.selector}: {count} rule/target pair(s) re-armed")
+        _print(f"{args.selector}: {count} rule/target pair(s) re-armed: their attempts start afresh, circuits closed")
     for uuid in gone:
         _print(f"{uuid}: missing GPU acknowledged gone; no longer expected (until it answers again)")
-    if count or gone:
+    if count or gone or cleared:
         return EXIT_OK
     if args.selector == "all":
-        _print("all: nothing to re-arm (no rule's attempts ran out, no GPU missing)")
+        _print("all: nothing to acknowledge (no Xid in the verdict, no rule's attempts ran out, no GPU missing)")
         return EXIT_OK
-    # Most often a typo: exit 1, so a script that re-arms a rule learns it did not.
+    # Most often a typo: exit 1, so a script that acknowledges something learns it did not.
     raise CliError(
-        f"{args.selector}: nothing to re-arm: no rule whose attempts ran out and no missing GPU matches "
-        "(a rule name, gpu:INDEX, gpu:UUID, service:NAME or all; `gpu-agent events` lists the rules)"
+        f"{args.selector}: nothing to acknowledge: no Xid in the verdict, no rule whose attempts ran out and no"
+        " missing GPU matches (a rule name, gpu:INDEX, gpu:UUID, xid:CODE@GPU, service:NAME or all;"
+        " `gpu-agent events` lists the rules)"
     )
+
+
+def _xid_selector(selector: str) -> tuple[int | str | None, int | None] | None:
+    """(GPU, Xid) of the Xid marks an ack selector clears: `all` every one, `gpu:N`/`gpu:UUID`/`GPU-...`
+    a GPU's, `xid:CODE@GPU` one Xid on one GPU (GPU: index or UUID); None for rule and service selectors."""
+    if selector == "all":
+        return None, None
+    if selector.startswith("GPU-"):
+        return selector, None
+    kind, sep, value = selector.partition(":")
+    if sep and kind == "gpu" and value:
+        return (int(value), None) if value.isdecimal() else (value, None)
+    code, at, gpu = value.partition("@")
+    if sep and kind == "xid" and at and code.isdecimal() and gpu:
+        return (int(gpu) if gpu.isdecimal() else gpu), int(code)
+    return None
 
 
 def cmd_inject(args: argparse.Namespace) -> int:
@@ -544,10 +630,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "ack",
         parents=[common],
-        help="re-arm rules whose attempts ran out (circuit open); forget a missing GPU",
-        description="SELECTOR: a rule name, gpu:INDEX, gpu:UUID, service:NAME, or all. A GPU selector (or all) "
-        "also acknowledges a missing GPU as gone: it leaves status and /metrics until it answers again. "
-        "Exit codes: 0 re-armed or acknowledged (or `all` with nothing to do), 1 nothing matched (a typo?).",
+        help="mark Xids dealt with, re-arm rules whose attempts ran out, forget a missing GPU",
+        description="SELECTOR: a rule name, gpu:INDEX, gpu:UUID, xid:CODE@GPU (GPU: index or UUID), "
+        "service:NAME, or all. A GPU or Xid selector (or all) marks the GPU's Xids (or that one) dealt with: "
+        "they leave the verdict, their counts stay. A GPU selector (or all) also re-arms the rules acting on it "
+        "and acknowledges a missing GPU as gone: it leaves status and /metrics until it answers again. "
+        "Exit codes: 0 something acknowledged (or `all` with nothing to do), 1 nothing matched (a typo?).",
     )
     p.add_argument("selector")
     p.set_defaults(func=cmd_ack)

@@ -1,8 +1,8 @@
 """Reads GPU samples through the backend, one field at a time, so one failing call costs one field.
 
 NOT_SUPPORTED leaves the field None silently (a fan-less board); any other failure is recorded
-in `read_errors`; GPU_LOST stops reading that GPU and marks it down. The telemetry readers of
-issue 14 (GPM, field values, NVLink, fabric, ...) remember a NOT_SUPPORTED answer per GPU in the
+in `read_errors`; GPU_LOST stops reading that GPU and marks it down. The profiling telemetry
+readers (GPM, field values, NVLink, fabric, ...) remember a NOT_SUPPORTED answer per GPU in the
 caller's `unsupported` set and are not asked again: an older GPU costs one call, never a loop of them.
 
 Two tiers: the fast tier is read every loop; the slow tier (counters and link state, 0.2-1.3 ms

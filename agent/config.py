@@ -12,7 +12,7 @@ import itertools
 import os
 import re
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -21,11 +21,10 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agent import safe_yaml
-from agent.backend.base import GPU_RESET_ITEM
 from agent.config_errors import ConfigError as ConfigError
 from agent.config_errors import ConfigProblem as ConfigProblem
 from agent.defaults import DEFAULT_METRICS_PORT, DEFAULT_RULES_DIR, DEFAULT_RULES_DIRS, DEFAULT_SOCKET_PATH
-from agent.policy.names import ITEM_NAMES, SETTABLE_GPU_ITEM_NAMES
+from agent.policy.names import GPU_RESET_ITEM, ITEM_NAMES, SETTABLE_GPU_ITEM_NAMES
 from agent.policy.names import ItemName as ItemName
 from agent.trust import TooLargeError, UntrustedError, read_trusted
 
@@ -114,16 +113,10 @@ def listen_address(value: str) -> tuple[int, str]:
 
 
 class SimulatedConfig(StrictModel):
-    profile: str = "h200x8"  # a built-in node profile name, or a path to a profile file
+    # A built-in node profile name, or a path to a profile file. Whether it loads is the simulator's to
+    # say: agent.backend.load_checked_config reports a bad one as this key's error.
+    profile: str = "h200x8"
     privileged: bool = True  # False: setters fail with NO_PERMISSION, as NVML does for non-root
-
-    @field_validator("profile")
-    @classmethod
-    def _usable_profile(cls, profile: str) -> str:
-        # A bad profile is a config error now (check-config says so), not a traceback at `run`.
-        from agent.backend.sim.profiles import validate_profile
-
-        return validate_profile(profile)
 
 
 class MetricsConfig(StrictModel):
@@ -312,6 +305,20 @@ class ServiceSlo(StrictModel):
         return self
 
 
+class ServiceDrain(StrictModel):
+    """Before the agent stops the service (a restart, a GPU reset): run `hook` (e.g. take the node
+    out of the load balancer), then wait until the server's own running-requests gauge reads 0;
+    both within `timeout_seconds`, after which the stop goes ahead regardless."""
+
+    hook: list[str] = Field(min_length=1)  # argv, never a shell; the event as JSON on stdin
+    timeout_seconds: float = Field(default=60.0, gt=0, le=3600)
+
+    @field_validator("hook")
+    @classmethod
+    def _absolute_program(cls, argv: list[str]) -> list[str]:
+        return absolute_argv(argv)
+
+
 class ServiceConfig(StrictModel):
     name: str = Field(min_length=1)
     unit: str | None = None  # systemd unit, e.g. sglang.service
@@ -341,10 +348,16 @@ class ServiceConfig(StrictModel):
     # health: GET health_url; generate: the server's cheapest real request (sglang /health_generate,
     # vLLM a 1-token completion), which a wedged engine behind a live HTTP server fails.
     probe: Literal["health", "generate"] = "health"
+    drain: ServiceDrain | None = None  # off unless set: a restart stops the service at once
 
     @property
     def unit_name(self) -> str:
         return self.unit or f"{self.name}.service"
+
+    @property
+    def shown_unit(self) -> str:
+        """The unit status, metrics and events name: a command-managed service has none (unless given)."""
+        return self.unit_name if self.manager == "systemd" else self.unit or ""
 
     @property
     def effective_metrics_url(self) -> str | None:
@@ -386,6 +399,11 @@ class ServiceConfig(StrictModel):
             raise ValueError("probe 'generate' needs kind sglang or vllm (or none, to detect it)")
         if self.slo is not None and self.effective_metrics_url is None:
             raise ValueError("slo needs the server's metrics: set metrics_url or health_url")
+        if self.drain is not None and (self.effective_metrics_url is None or self.kind == "generic"):
+            raise ValueError(
+                "drain waits on the server's running-requests gauge: it needs metrics_url or health_url,"
+                " and kind sglang or vllm (or none, to detect it)"
+            )
         return self
 
     @model_validator(mode="after")
@@ -409,7 +427,8 @@ def _origin(url: str | None) -> str | None:
 
 class RemediationConfig(StrictModel):
     # Lowest priority first; a same-named file in a later one replaces or masks (agent/rules/sources.py).
-    rules_dirs: list[str] = Field(default_factory=lambda: list(DEFAULT_RULES_DIRS), min_length=1)
+    # [] turns remediation off on purpose; a daemon that finds no rules in the dirs given needs attention.
+    rules_dirs: list[str] = Field(default_factory=lambda: list(DEFAULT_RULES_DIRS))
     allow_reboot: bool = False  # a rule may only use the `reboot` action when the operator allows it
     alertmanager_url: str | None = None  # e.g. http://127.0.0.1:9093; the default for alertmanager actions
     reboot_command: list[str] = Field(default_factory=lambda: ["/usr/bin/systemctl", "reboot"], min_length=1)
@@ -578,7 +597,12 @@ def validate_model(model: type[ModelT], data: Any, lines: dict[PathKey, int], fi
             line = next((lines[path[:n]] for n in range(len(path), -1, -1) if path[:n] in lines), None)
             message = _message(error)
             if error["type"] == "extra_forbidden":
-                message += _suggest(path, _known_keys(model, path))
+                key = loc[-1] if loc else None
+                if isinstance(key, str) and path[-1:] != (key,):
+                    # a shorthand (`- restart_servce` for `- restart_servce: {}`): the value is the key
+                    message = f"unknown key '{key}'" + _suggest((*path, key), _known_keys(model, (*path, key)))
+                else:
+                    message += _suggest(path, _known_keys(model, path))
             from_union = any(isinstance(part, str) and "[" in part for part in loc)
             found.append((path, from_union, ConfigProblem(file, line, format_path(path), message)))
         problems: list[ConfigProblem] = []
@@ -609,13 +633,38 @@ def read_trusted_text(path: str | Path) -> str:
     return safe_yaml.decode(raw, file)
 
 
-def load_config(path: str | Path) -> AgentConfig:
-    """The config in `path`, read through `read_trusted_text` and the bounded YAML loader."""
+#: A check a caller adds on one key of the file (a check the config cannot make itself, such as whether
+#: a simulated profile loads): the key's path and a function raising ValueError for a bad value.
+KeyCheck = tuple[PathKey, Callable[[Any], object]]
+
+
+def load_config(path: str | Path, checks: Sequence[KeyCheck] = ()) -> AgentConfig:
+    """The config in `path`, read through `read_trusted_text` and the bounded YAML loader; then each of
+    `checks` on its key where the file sets it, a failure reported like the model's own (file:line)."""
     file = str(path)
     data, lines = parse_yaml(read_trusted_text(path), file)
     if data is not None and not isinstance(data, dict):
         raise ConfigError([ConfigProblem(file, 1, "", "must be a YAML mapping")])
-    return validate_model(AgentConfig, data, lines, file)
+    config = validate_model(AgentConfig, data, lines, file)
+    check_keys(data, lines, file, checks)
+    return config
+
+
+def check_keys(data: Any, lines: dict[PathKey, int], file: str, checks: Sequence[KeyCheck]) -> None:
+    problems: list[ConfigProblem] = []
+    for path, check in checks:
+        value = data
+        for part in path:
+            if not isinstance(value, Mapping) or part not in value:
+                break
+            value = value[part]
+        else:
+            try:
+                check(value)
+            except ValueError as exc:
+                problems.append(ConfigProblem(file, lines.get(path), format_path(path), str(exc)))
+    if problems:
+        raise ConfigError(problems)
 
 
 def config_from_text(text: str, file: str = "<config>") -> AgentConfig:

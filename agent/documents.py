@@ -12,7 +12,7 @@ from agent.policy.engine import ApplyReport, NodePlan
 from agent.services.export import status_document, unattributed_document
 from agent.state import GpuSample, NodeSnapshot, ServiceStatus
 from agent.store.database import StoredRemediation
-from agent.verdict import attention, drifted, node_problem, throttled_reasons
+from agent.verdict import attention_items, drifted, node_problem, throttled_reasons
 from agent.watch.clock_events import decode
 
 
@@ -63,16 +63,18 @@ def snapshot_document(snapshot: NodeSnapshot, source: str, note: str = "", mode:
         gpus.append(entry)
     policy_items = [plan_item_json(p, snapshot.item_modes.get(p.item, mode)) for p in snapshot.policy]
     problem = node_problem(snapshot)
-    needs = attention(snapshot, mode)
+    needs = attention_items(snapshot, mode)
     return {
         # the daemon's verdict: the same one STATUS=, /healthz and /metrics carry (agent/verdict.py)
         "verdict": {
             "exit_code": 2 if needs else 0,
-            "attention": needs,
+            "attention": [item.text for item in needs],
+            "causes": [item.cause.value for item in needs],  # one per attention line, in order
             "problem": None if problem is None else {"cause": problem.cause.value, "detail": problem.detail},
             "reboot_recommended": snapshot.reboot_recommended,
             "expected_gpus": snapshot.expected_gpus,
             "drift": [{"item": p.item, "gpu": p.gpu} for p in drifted(snapshot)],
+            "slo_breaches": [asdict(b) for b in snapshot.slo_breaches],
         },
         "source": source,
         "note": note,

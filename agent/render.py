@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from agent.policy.base import ItemPlan, ItemResult
+from agent.policy.base import ItemPlan, ItemResult, PlanStatus
 from agent.policy.engine import NodePlan
 from agent.store.database import StoredEvent, StoredRemediation
 from agent.textview import table
@@ -16,7 +16,7 @@ def _gpu(gpu: int | None) -> str:
 
 
 def _why(plan: ItemPlan) -> str:
-    if plan.changes and plan.status.value == "drift":
+    if plan.changes and plan.status is PlanStatus.DRIFT:
         return "; ".join(plan.changes)
     return plan.detail
 

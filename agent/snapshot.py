@@ -28,6 +28,7 @@ from agent.state import (
     RecentRemediation,
     RemediationCount,
     ServiceStatus,
+    SloBreachNow,
 )
 from agent.verdict import reboot_recommended
 from agent.watch.devices import DeviceWatcher
@@ -98,6 +99,9 @@ class DaemonParts:
     recent_events: tuple[Event, ...] = ()
     recent_remediations: tuple[RecentRemediation, ...] = ()
     rules_sources: tuple[str, ...] = ()  # the rules files read or masked, and where from
+    rules_loaded: int | None = None  # rules the remediator runs; None: remediation off (rules_dirs: [])
+    slo_breaches: tuple[SloBreachNow, ...] = ()
+    config_attention: tuple[str, ...] = ()  # what the config reload left to do, one verdict line each
     collect_duration_seconds: float = 0.0
 
 
@@ -161,4 +165,8 @@ def build_snapshot(
         reboot_recommended=reboot_recommended(config.state_dir, HostPaths.at(config.host_root)),
         recent_remediations=parts.recent_remediations,
         rules_sources=parts.rules_sources,
+        rules_loaded=parts.rules_loaded,
+        rules_dirs=tuple(config.remediation.rules_dirs) if parts.rules_loaded is not None else (),
+        slo_breaches=parts.slo_breaches,
+        config_attention=parts.config_attention,
     )

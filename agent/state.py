@@ -81,7 +81,7 @@ class GpuSample:
     power_violation_ns: int | None = None
     thermal_violation_ns: int | None = None
     recovery_action: int | None = None  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (R550+); None where unsupported
-    # slow tier, issue 14: the slow field-value batch, NVLink, fabric, modes, clocks, processes
+    # slow tier, profiling telemetry: the slow field-value batch, NVLink, fabric, modes, clocks, processes
     pcie_correctable_errors: int | None = None
     pcie_fatal_errors: int | None = None
     violation_reason_ns: Mapping[str, int] | None = None  # VIOLATION_REASONS label -> ns held back
@@ -151,6 +151,18 @@ class RecentRemediation:
 
 
 @dataclass(frozen=True)
+class SloBreachNow:
+    """A service missing a latency objective right now, and the cause the agent names for it."""
+
+    service: str
+    objective: str  # "e2e_p95" | "ttft_p95"
+    observed_seconds: float
+    limit_seconds: float
+    cause: str  # one of agent.services.latency_cause.CAUSES
+    cause_summary: str  # "GPU 1 thermal slowdown for 42 s at 91 C"
+
+
+@dataclass(frozen=True)
 class NodeSnapshot:
     """Everything the daemon knows after one loop. Metrics, the status API and rules read only this."""
 
@@ -183,3 +195,11 @@ class NodeSnapshot:
     expected_gpus: int | None = None  # how many GPUs this node should show (set by the publisher)
     recent_remediations: tuple[RecentRemediation, ...] = ()
     rules_sources: tuple[str, ...] = ()  # `/usr/share/.../10-xid.yaml`, `... (overrides ...)`, `...: masked (...)`
+    # How many remediation rules the daemon runs with, from `rules_dirs`; None: no daemon (a direct
+    # read), or remediation turned off (`remediation.rules_dirs: []`).
+    rules_loaded: int | None = None
+    rules_dirs: tuple[str, ...] = ()
+    slo_breaches: tuple[SloBreachNow, ...] = ()  # services over a latency objective now
+    # What the running config leaves an operator to do (a reload that failed, a change that waits
+    # for a restart), one verdict line each, shown as written; () while there is nothing.
+    config_attention: tuple[str, ...] = ()

@@ -10,7 +10,8 @@ import time
 from collections.abc import Sequence
 from typing import IO, Any
 
-from agent.services.text import status_line, unattributed_lines
+from agent.policy.names import DRIVER, NEXT_BOOT
+from agent.services.text import service_figures_line, unattributed_lines
 
 JSON_SCHEMA_VERSION = 1
 
@@ -199,9 +200,9 @@ def _readiness_lines(items: Sequence[dict[str, Any]]) -> list[str]:
     lines = []
     for item in items:
         facts = item.get("facts") or {}
-        if item["item"] == "next_boot" and facts.get("summary"):
+        if item["item"] == NEXT_BOOT and facts.get("summary"):
             lines.append(f"next boot: {facts['summary']}")
-        elif item["item"] == "driver" and facts.get("version"):
+        elif item["item"] == DRIVER and facts.get("version"):
             branch = f", {facts['branch']} branch" if facts.get("branch") else ""
             cuda = f", CUDA {facts['cuda_version']}" if facts.get("cuda_version") else ""
             lines.append(f"driver: {facts['version']}{branch}{cuda}")
@@ -217,7 +218,7 @@ def service_lines(document: dict[str, Any]) -> list[str]:
         verdict = "up" if s["up"] else "not probed yet" if s["up"] is None else f"DOWN ({s['detail']})"
         lines.append(f"service {s['name']}{unit}: {verdict}")
         if s.get("metrics"):
-            lines.append(f"  {s['name']}: {status_line(s['metrics'])}")
+            lines.append(f"  {s['name']}: {service_figures_line(s['metrics'])}")
     lines.extend(unattributed_lines(document.get("unattributed_gpu_processes") or ()))
     return lines
 

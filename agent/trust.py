@@ -262,22 +262,6 @@ def read_trusted(path: str | Path, *, limit_bytes: int = DEFAULT_LIMIT_BYTES, ag
         os.close(fd)
 
 
-def file_problem(path: str | Path, agent_uid: int | None = None) -> str | None:
-    """Why `path` must not be trusted, naming it (None: trusted). A missing file is not a trust problem.
-
-    For messages (check-config) only: code that then reads the file uses `read_trusted`, which
-    checks the descriptor it reads.
-    """
-    try:
-        fd, _real = open_trusted(path, agent_uid=agent_uid)
-    except UntrustedError as exc:
-        return str(exc)
-    except OSError:
-        return None
-    os.close(fd)
-    return None
-
-
 def directory_problem(path: str | Path, agent_uid: int | None = None) -> str | None:
     """Why directory `path` (a rules.d) must not be trusted: it, or a directory above it, could be
     changed by someone else, who could then add a file to it. None: trusted, or missing."""

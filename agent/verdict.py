@@ -9,6 +9,11 @@ node agrees with the daemon.
   power cap the agent was told to hold are normal.
 - Drift is a policy item off its desired value on a GPU that answers: `reboot_required` (set,
   waiting for the reboot) is no drift, and a lost GPU is reported as lost, not as drift.
+- Beyond the GPUs, whatever the agent knows is wrong is attention too, in every mode: a service
+  down or over its latency objective, a next boot that would not bring the GPUs back, a driver too
+  old for a service's CUDA, a daemon with no rules although rules directories are configured, and
+  what a config reload left to do. Each line has its cause (`AttentionCause`), exported as
+  `gpu_agent_attention{cause}`.
 """
 
 from __future__ import annotations
@@ -18,9 +23,13 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+from agent.config import Mode
 from agent.events import HealthState
 from agent.host.paths import HostPaths
-from agent.policy.base import ItemPlan, PlanStatus
+from agent.policy.base import CUDA_TOO_OLD_FACT, ItemPlan, PlanStatus
+
+# The report-only items with verdict lines of their own (whatever their mode), never "policy drift".
+from agent.policy.names import DRIVER, NEXT_BOOT
 from agent.rules.actions.reboot import REBOOT_FLAG_NAME
 from agent.state import NodeSnapshot
 from agent.watch.clock_events import SLOWDOWN_REASONS
@@ -75,25 +84,89 @@ def drifted(snapshot: NodeSnapshot) -> list[ItemPlan]:
     return [plan for plan in snapshot.policy if is_drift(plan, answering)]
 
 
-def attention(snapshot: NodeSnapshot, mode: str) -> list[str]:
-    """What needs an operator, one line each; empty when the node is all healthy."""
-    reasons: list[str] = []
+class AttentionCause(str, Enum):
+    """Why a verdict line is there: the `cause` label of gpu_agent_attention."""
+
+    NODE_PROBLEM = "node_problem"
+    GPU_LOST = "gpu_lost"
+    GPU_HEALTH = "gpu_health"
+    REBOOT_RECOMMENDED = "reboot_recommended"
+    POLICY_DRIFT = "policy_drift"
+    SERVICE_DOWN = "service_down"
+    SERVICE_SLO = "service_slo"
+    NEXT_BOOT = "next_boot"
+    DRIVER = "driver"
+    NO_RULES = "no_rules"
+    CONFIG = "config"
+
+
+@dataclass(frozen=True)
+class Attention:
+    cause: AttentionCause
+    text: str
+
+
+def attention_items(snapshot: NodeSnapshot, mode: str = "observe") -> list[Attention]:
+    """What needs an operator, one line each with its cause; empty when the node is all healthy."""
+    found: list[Attention] = []
+
+    def add(cause: AttentionCause, text: str) -> None:
+        found.append(Attention(cause, text))
+
     problem = node_problem(snapshot)
     if problem is not None:
-        reasons.append(problem.detail)
+        add(AttentionCause.NODE_PROBLEM, problem.detail)
     for sample in snapshot.gpus:
         health = snapshot.health.get(sample.index)
         if not sample.up:
-            reasons.append(f"GPU {sample.index} lost" + (f": {health.reason}" if health and health.reason else ""))
+            reason = f": {health.reason}" if health and health.reason else ""
+            add(AttentionCause.GPU_LOST, f"GPU {sample.index} lost{reason}")
         elif health is not None and health.state is not HealthState.HEALTHY:
-            reasons.append(f"GPU {sample.index} {health.state.value}: {health.reason}")
+            add(AttentionCause.GPU_HEALTH, f"GPU {sample.index} {health.state.value}: {health.reason}")
     if snapshot.reboot_recommended is not None:
-        reasons.append(f"reboot recommended: {snapshot.reboot_recommended}")
+        add(AttentionCause.REBOOT_RECOMMENDED, f"reboot recommended: {snapshot.reboot_recommended}")
     for plan in drifted(snapshot):
-        if snapshot.item_modes.get(plan.item, mode) == "enforce":
+        if plan.item == NEXT_BOOT or (plan.item == DRIVER and _cuda_too_old(plan)):
+            continue  # their own lines below
+        if snapshot.item_modes.get(plan.item, mode) == Mode.ENFORCE.value:
             where = "" if plan.gpu is None else f" on GPU {plan.gpu}"
-            reasons.append(f"policy drift: {plan.item}{where} (want {plan.desired}, have {plan.actual})")
-    return reasons
+            wanted = f"(want {plan.desired}, have {plan.actual})"
+            add(AttentionCause.POLICY_DRIFT, f"policy drift: {plan.item}{where} {wanted}")
+    for service in snapshot.services:
+        if service.up is False:
+            why = f": {service.detail}" if service.detail else ""
+            add(AttentionCause.SERVICE_DOWN, f"service {service.name} down{why}")
+    for breach in snapshot.slo_breaches:
+        objective = breach.objective.replace("_", " ")
+        add(
+            AttentionCause.SERVICE_SLO,
+            f"service {breach.service} over its latency objective: {objective} {breach.observed_seconds:.2f} s"
+            f" > {breach.limit_seconds:g} s; likely cause: {breach.cause_summary}",
+        )
+    for plan in snapshot.policy:
+        if plan.item == NEXT_BOOT and plan.status is PlanStatus.DRIFT:
+            summary = dict(plan.facts).get("summary") or plan.actual
+            add(AttentionCause.NEXT_BOOT, f"next boot not ready: {summary}")
+        elif plan.item == DRIVER and _cuda_too_old(plan):
+            add(AttentionCause.DRIVER, f"driver too old: {_cuda_too_old(plan)}")
+    if snapshot.rules_loaded == 0 and snapshot.rules_dirs:
+        add(
+            AttentionCause.NO_RULES,
+            f"no remediation rules loaded from {', '.join(snapshot.rules_dirs)}: faults are reported, never acted on"
+            " (remediation.rules_dirs: [] turns remediation off)",
+        )
+    for line in snapshot.config_attention:
+        add(AttentionCause.CONFIG, line)
+    return found
+
+
+def attention(snapshot: NodeSnapshot, mode: str = "observe") -> list[str]:
+    """What needs an operator, one line each; empty when the node is all healthy."""
+    return [item.text for item in attention_items(snapshot, mode)]
+
+
+def _cuda_too_old(plan: ItemPlan) -> str:
+    return dict(plan.facts).get(CUDA_TOO_OLD_FACT, "") if plan.status is PlanStatus.DRIFT else ""
 
 
 def reboot_recommended(state_dir: str | Path, paths: HostPaths) -> str | None:

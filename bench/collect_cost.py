@@ -12,7 +12,7 @@ order, so a drift in machine speed hits all of them alike):
 - nvidia-smi: `nvidia-smi --query-gpu=<the same fields> --format=csv` as a process, which is what
   nvidia-smi-based exporters run per scrape (nvml backend only; skipped when it is absent).
 
-Issue 14's telemetry is in both: the GPM sample differenced against the previous one, the field-value
+The profiling telemetry is in both: the GPM sample differenced against the previous one, the field-value
 batch of each tier, memory info v2, NVLink state, fabric, MIG, max/application clocks and processes.
 Calls a GPU answers NOT_SUPPORTED are left out of the raw loop, as the agent remembers them per GPU
 and stops asking.

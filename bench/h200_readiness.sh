@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Read-only on the H200 host: gpu-agent in observe mode (plan, status --direct) with the report-only
-# driver and next_boot items, plus the raw facts they read, for issue 17's "report what it finds".
+# driver and next_boot items, plus the raw facts they read, so the items' reports can be checked against what the host says.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Read-only on the H200: issue 14's readings against independent readers, the poll cost and the
+# Read-only on the H200: the profiling telemetry's readings against independent readers, the poll cost and the
 # daemon's footprint with the new telemetry on (observe mode, no setter).
 set -u
 python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1

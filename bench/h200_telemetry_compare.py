@@ -1,4 +1,5 @@
-"""Issue 14's telemetry on a real GPU, compared with independent readers at the same moment. Read-only.
+"""The profiling telemetry (GPM, field values, NVLink) on a real GPU, compared with independent readers
+at the same moment. Read-only.
 
 For each phase (idle, then loaded by a bf16 matmul that this script starts with PyTorch in a
 subprocess), the agent reads GPU `--gpu` through its own NVML backend and collector

@@ -27,7 +27,7 @@ state_dir: {state}
 interval_seconds: {interval}
 metrics: {{listen: "127.0.0.1:{port}"}}
 api: {{socket: {socket}}}
-remediation: {{rules_dir: {rules}}}
+remediation: {remediation}
 policy:
 {policy}
 """
@@ -131,8 +131,9 @@ def write_agent_config(
     if not root.exists():
         make_host_tree(root, kernel_sysfs=False)
     port = free_port()
-    rules = rules_dir or tmp_path / "rules.d"
-    rules.mkdir(exist_ok=True)
+    # No rules directory given: remediation off on purpose (a daemon with rules dirs but no rules in
+    # them needs attention, and would say so in every verdict).
+    remediation = f"{{rules_dir: {rules_dir}}}" if rules_dir is not None else "{rules_dirs: []}"
     config = tmp_path / "agent.yaml"
     config.write_text(
         AGENT_CONFIG.format(
@@ -144,7 +145,7 @@ def write_agent_config(
             interval=interval,
             port=port,
             socket=tmp_path / "agent.sock",
-            rules=rules,
+            remediation=remediation,
             policy=policy,
         )
     )

@@ -16,7 +16,7 @@ from agent.config import AgentConfig
 from agent.events import Event, EventKind, Severity, SuggestedAction
 from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
-from agent.rules.actions import ActionContext
+from agent.rules.actions.context import ActionContext
 from agent.services.health import HealthProber
 from agent.services.managers import ServiceManager
 

@@ -39,7 +39,7 @@ import pynvml
 import pytest
 
 FIXTURE_H200 = Path(__file__).parent / "fixtures" / "nvml-h200.json"
-#: Issue 14's telemetry answers of the same H200, idle and under a bf16 matmul load.
+#: The profiling telemetry answers of the same H200, idle and under a bf16 matmul load.
 FIXTURE_H200_TELEMETRY = Path(__file__).parent / "fixtures" / "nvml-h200-gpm-fields.json"
 
 # Helpers in pynvml that are not NVML calls (NVMLError.__str__ needs nvmlErrorString).

@@ -356,11 +356,13 @@ def inference_fields(timestamp_seconds: float = TIMESTAMP_SECONDS) -> dict[str, 
         latency={
             "e2e": LatencyFigures(120, 0.6, {0.5: 0.55, 0.95: 0.72, 0.99: 0.79}),
             "ttft": LatencyFigures(120, 0.11, {0.5: 0.1, 0.95: 0.15, 0.99: None}),
+            "queue": LatencyFigures(120, 0.01, {0.5: 0.005, 0.95: 0.02, 0.99: 0.04}),
         },
         running=9,
         waiting=2,
         kv_cache_usage_ratio=0.41,
         generation_tokens_per_second=320.5,
+        tokens_per_joule=0.52,
     )
     embeddings = ServiceFigures("embeddings", "", 0.0, 0.0, error="timed out after 2 s")
     attribution = GpuAttribution(
@@ -375,7 +377,7 @@ def inference_fields(timestamp_seconds: float = TIMESTAMP_SECONDS) -> dict[str, 
     }
 
 
-#: Issue 14's readings of the H200 under a bf16 matmul (tests/fixtures/nvml-h200-gpm-fields.json, "loaded").
+#: The profiling telemetry readings of the H200 under a bf16 matmul (tests/fixtures/nvml-h200-gpm-fields.json, "loaded").
 H200_LOADED_TELEMETRY = {
     "activity_supported": True,
     "sm_active_ratio": 0.9646,
@@ -424,7 +426,7 @@ HGX_NVLINK_TELEMETRY = {
 
 
 def telemetry_gpus() -> tuple[GpuSample, ...]:
-    """`node_gpus()` with issue 14's telemetry: GPU 0 under a bf16 matmul as the H200 answered, GPU 1
+    """`node_gpus()` with the profiling telemetry: GPU 0 under a bf16 matmul as the H200 answered, GPU 1
     with NVLink (a link down, errors) and an unfinished fabric registration, no GPM on the RTX."""
     gpu0, gpu1, gpu2, gpu3 = node_gpus()
     return (

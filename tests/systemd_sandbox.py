@@ -65,13 +65,28 @@ class SandboxError(RuntimeError):
     pass
 
 
-def missing_requirements() -> str | None:
+def root_is_a_mount_point(mountinfo: str) -> bool:
+    """Whether `/` is a mount point in this mount namespace (`/proc/self/mountinfo`, field 5): in a
+    plain chroot it is not, and `unshare --propagation private` cannot change its propagation."""
+    return any(len(fields) > 4 and fields[4] == "/" for fields in (line.split() for line in mountinfo.splitlines()))
+
+
+def missing_requirements(mountinfo: Path = Path("/proc/self/mountinfo")) -> str | None:
     """Why a sandbox cannot run here (a pytest skip reason), or None."""
     if os.geteuid() != 0:
         return "the systemd sandbox needs root (debootstrap, unshare, mounts)"
     missing = [tool for tool in TOOLS if shutil.which(tool, path=_ENV["PATH"]) is None]
     if missing:
         return f"the systemd sandbox needs {', '.join(missing)} (apt-get install -y debootstrap util-linux)"
+    try:
+        mounts = mountinfo.read_text()
+    except OSError as exc:
+        return f"the systemd sandbox needs {mountinfo} to tell the mounts: {exc.strerror or exc}"
+    if not root_is_a_mount_point(mounts):
+        return (
+            "/ is not a mount point here (a chroot?): the sandbox's mount namespace cannot be made private "
+            "(run the tests where / is a mount, e.g. in a container or VM)"
+        )
     with contextlib.suppress(OSError):
         if Path("/proc/1/comm").read_text().strip() == "systemd":
             # The sandbox's systemd takes the cgroup tree as its own: the host's systemd owns it here.

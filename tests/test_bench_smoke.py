@@ -97,7 +97,7 @@ def test_collect_cost_simulated(tmp_path: Path) -> None:
     assert set(results["per_poll_ms"]) == {"agent_fast", "agent_fast_lanes", "raw_fast", "agent_full", "raw_full"}
     assert document["parameters"]["gpus"] == 2
     # 13 fast readers on a fan-less H200 (the fan count, no speeds), 13 more slow ones, per GPU;
-    # issue 14 adds per GPU: 13 fast getters + GPM + the fast field batch; 13 slow + the slow batch, memory max threshold,
+    # the profiling telemetry adds per GPU: 13 fast getters + GPM + the fast field batch; 13 slow + the slow batch, memory max threshold,
     # MIG, 3 max and 2 application clocks, processes (no NVLink or fabric on this node: left out)
     assert document["parameters"]["raw_calls_per_poll"] == {"fast": 30, "full": 76}
     assert results["ratios"]["fast_poll_over_raw"] > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from agent.backend.base import ClockDomain
 from agent.backend.errors import GpuErrorKind
 from agent.backend.sim import SimulatedBackend
 from agent.cli import XID_PARSE_MAX_LINE_BYTES, bounded_lines
+from agent.defaults import DEFAULT_RULES_DIR
 from agent.demo import standin
 
 H200_POLICY = """\
@@ -250,9 +252,9 @@ def test_status_without_a_driver_says_so_in_one_line(tmp_path: Path) -> None:
 )
 def test_check_config_exit_codes(tmp_path: Path, text: str, code: int) -> None:
     config = tmp_path / "agent.yaml"
-    config.write_text(text)
+    config.write_text(text + f"remediation: {{rules_dirs: [{Path(__file__).parent.parent / 'rules'}]}}\n")
     result = gpu_agent("check-config", "--config", str(config))
-    assert result.returncode == code
+    assert result.returncode == code, result.stderr
     if code:
         assert result.stderr.strip() == f"{config}:2 policy.gpus[0].power_limit_watts: must be > 0"
 
@@ -271,10 +273,20 @@ def test_missing_explicit_config_is_an_error(tmp_path: Path) -> None:
     assert "cannot read" in result.stderr
 
 
-def test_demo_plays_the_scenario_on_a_live_daemon(tmp_path: Path) -> None:
-    result = gpu_agent("demo", "--dir", str(tmp_path / "demo"), "--exit-after-scenario")
-    assert result.returncode == 0, result.stdout + result.stderr
-    out = result.stdout
+def demo_run(directory: Path, path: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "GPU_AGENT_CONFIG"}
+    if path is not None:
+        env["PATH"] = path
+    return subprocess.run(
+        [sys.executable, "-m", "agent.cli", "demo", "--dir", str(directory), "--exit-after-scenario"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+
+
+def assert_scenario_played(out: str) -> None:
     steps = [out.index(f"== {n}.") for n in range(1, 7)]
     assert steps == sorted(steps) and steps[-1] < out.index("scenario done")
     assert "power_limit drifted (650 W, want 600 W) and was corrected" in out
@@ -285,7 +297,36 @@ def test_demo_plays_the_scenario_on_a_live_daemon(tmp_path: Path) -> None:
     assert "rule xid-restart-service restarted sglang" in out
     assert "600 W (current)" in out and "450 W" in out and "\n   recommended: " in out
     assert "power_limit_watts: " in out and "restored: GPU 0 power limit 600 W" in out
-    pid_file = tmp_path / "demo/sglang.pid"  # the stand-in service is stopped with the demo
+
+
+@pytest.mark.skipif(
+    not (shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")),
+    reason="needs Alertmanager: apt-get install -y prometheus-alertmanager (scripts/install-test-deps)",
+)
+def test_demo_plays_the_scenario_on_a_live_daemon_twice_in_one_dir(tmp_path: Path) -> None:
+    """The demo starts a real Alertmanager when one is installed and shows the alert arrive; run
+    again into the same --dir it starts from a fresh node; without Alertmanager (nor curl) on PATH
+    the alert action is reported as not configured, and the metrics are fetched with python."""
+    directory = tmp_path / "demo"
+    first = demo_run(directory)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert_scenario_played(first.stdout)
+    assert "a real Alertmanager (" in first.stdout
+    assert "   Alertmanager received GpuAgentServiceLatencyRegression: service sglang: e2e p95" in first.stdout
+    assert "   curl -s http://127.0.0.1:" in first.stdout
+
+    (directory / "notes.txt").write_text("mine")  # not the demo's: left alone
+    bare = tmp_path / "bare-path"
+    bare.mkdir()
+    second = demo_run(directory, path=str(bare))
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert_scenario_played(second.stdout)
+    assert "no Alertmanager installed (prometheus-alertmanager)" in second.stdout
+    assert "   the alert: not configured (no Alertmanager configured: set remediation.alertmanager_url" in second.stdout
+    assert "curl" not in second.stdout
+    assert 'python3 -c "import urllib.request; print(urllib.request.urlopen(' in second.stdout
+    assert (directory / "notes.txt").read_text() == "mine"
+    pid_file = directory / "sglang.pid"  # the stand-in service is stopped with the demo
     pid = standin.read_pid(pid_file)
     assert pid is None or not standin.running(pid)
 
@@ -300,7 +341,17 @@ def test_check_config_validates_rules_with_file_and_line(tmp_path: Path) -> None
     config.write_text(f"remediation: {{rules_dir: {rules}}}\n")
     result = gpu_agent("check-config", "--config", str(config))
     assert result.returncode == 1
-    assert result.stderr.startswith(f"{rules / '10-bad.yaml'}:4 rules[0].actions[0]")
+    assert result.stderr == (
+        f"{rules / '10-bad.yaml'}:4 rules[0].actions[0]: unknown key 'restart_servce' (did you mean"
+        " 'restart_service'?)\n"
+    )
+    (rules / "10-bad.yaml").write_text(
+        "rules:\n  - name: bad\n    mach: {xid: {codez: [13]}}\n    actions: [{restart_servce: {}}]\n"
+    )
+    typos = gpu_agent("check-config", "--config", str(config))
+    assert typos.returncode == 1
+    assert "rules[0].mach: unknown key (did you mean 'match'?)" in typos.stderr
+    assert "rules[0].actions[0].restart_servce: unknown key (did you mean 'restart_service'?)" in typos.stderr
     (rules / "10-bad.yaml").write_text(
         "rules:\n  - name: good\n    match: {xid: {codes: [13]}}\n    actions: [restart_service]\n"
     )
@@ -330,13 +381,29 @@ def test_check_config_shows_where_each_rule_came_from(tmp_path: Path) -> None:
     assert f"  {admin / '20-b.yaml'}: masked (disables {shipped / '20-b.yaml'})" in result.stdout
 
 
-def test_check_config_warns_of_a_missing_rules_dir_and_fails_under_strict(tmp_path: Path) -> None:
+def test_check_config_refuses_a_rules_dir_that_does_not_exist(tmp_path: Path) -> None:
+    """A typo in remediation.rules_dirs would have the daemon run without its rules: an error naming
+    the file, line and field; `--rules` likewise."""
     config = tmp_path / "agent.yaml"
-    config.write_text(f"remediation: {{rules_dir: {tmp_path / 'rules.dd'}}}\n")
-    loose = gpu_agent("check-config", "--config", str(config))
-    assert loose.returncode == 0
-    assert f"warning: {tmp_path / 'rules.dd'}: no such directory" in loose.stderr
-    assert "warning: no rules files: remediation has nothing to do" in loose.stderr
+    config.write_text(f"mode: observe\nremediation:\n  rules_dirs: [{tmp_path / 'rules.dd'}]\n")
+    result = gpu_agent("check-config", "--config", str(config))
+    assert result.returncode == 1
+    assert result.stderr == (
+        f"{config}:3 remediation.rules_dirs: {tmp_path / 'rules.dd'}: no such directory (a typo? the daemon would"
+        " run without these rules)\n"
+    )
+    flag = gpu_agent("check-config", "--config", str(config), "--rules", str(tmp_path / "nope"))
+    assert flag.returncode == 1 and f"--rules: {tmp_path / 'nope'}: no such directory" in flag.stderr
+
+
+def test_check_config_lets_the_default_override_dir_be_absent(tmp_path: Path) -> None:
+    shipped = Path(__file__).parent.parent / "rules"
+    assert not Path(DEFAULT_RULES_DIR).exists()  # the admin has written no override here
+    config = tmp_path / "agent.yaml"
+    config.write_text(f"remediation: {{rules_dirs: [{shipped}, {DEFAULT_RULES_DIR}]}}\n")
+    result = gpu_agent("check-config", "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == f"warning: {DEFAULT_RULES_DIR}: no such directory\n"
     strict = gpu_agent("check-config", "--config", str(config), "--strict")
     assert strict.returncode == 1 and "Traceback" not in strict.stderr
 
@@ -380,9 +447,11 @@ def test_a_signal_stops_the_demo_and_everything_it_started(tmp_path: Path, signu
         else:
             pytest.fail(f"the demo ended before step 1: {demo.stderr.read() if demo.stderr else ''}")
         config = (directory / "agent.yaml").read_text()
+        # the agent's metrics, the stand-in's port and, where one is installed, the demo's Alertmanager
         ports = [int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", config)]
-        assert len(ports) == 2 and not any(_port_free(p) for p in ports)
-        assert len(_processes_mentioning(str(directory))) >= 2  # the agent and the stand-in server
+        alertmanager = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
+        assert len(ports) == (3 if alertmanager else 2) and not any(_port_free(p) for p in ports)
+        assert len(_processes_mentioning(str(directory))) >= (3 if alertmanager else 2)
         demo.send_signal(signum)
         out, err = demo.communicate(timeout=60)
     finally:
@@ -456,10 +525,13 @@ def test_ack_of_nothing_is_an_error_but_ack_all_is_not(tmp_path: Path) -> None:
     config = write_config(tmp_path)
     typo = gpu_agent("ack", "xid-restart-servce", "--config", str(config))
     assert typo.returncode == 1
-    assert typo.stderr.startswith("gpu-agent: xid-restart-servce: nothing to re-arm") and "Traceback" not in typo.stderr
+    assert (
+        typo.stderr.startswith("gpu-agent: xid-restart-servce: nothing to acknowledge")
+        and "Traceback" not in typo.stderr
+    )
     everything = gpu_agent("ack", "all", "--config", str(config))
     assert everything.returncode == 0, everything.stderr
-    assert "nothing to re-arm" in everything.stdout
+    assert "all: nothing to acknowledge" in everything.stdout
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from agent.backend import load_checked_config
 from agent.config import AgentConfig, ConfigError, Mode, config_from_text, load_config
 
 DESIGN_EXAMPLE = """\
@@ -129,6 +130,21 @@ def test_load_config_from_file(tmp_path: Path) -> None:
     path = tmp_path / "agent.yaml"
     path.write_text(DESIGN_EXAMPLE)
     assert load_config(path).policy.gpus[0].ecc == "enabled"
+
+
+def test_the_simulated_profile_is_checked_where_the_backend_is_opened(tmp_path: Path) -> None:
+    """The config itself never loads a backend: a profile that does not exist passes load_config and
+    is a file:line error of load_checked_config, which run, plan, apply, check-config and a reload use."""
+    path = tmp_path / "agent.yaml"
+    path.write_text("mode: observe\nbackend: simulated\nsimulated:\n  profile: bogus\n")
+    assert load_config(path).simulated.profile == "bogus"
+    with pytest.raises(ConfigError) as caught:
+        load_checked_config(path)
+    (problem,) = caught.value.problems
+    assert (problem.file, problem.line, problem.field) == (str(path), 4, "simulated.profile")
+    assert problem.message.startswith("unknown simulated GPU profile 'bogus'")
+    path.write_text("backend: simulated\n")  # the default profile: nothing to check
+    assert load_checked_config(path).simulated.profile == "h200x8"
 
 
 def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:

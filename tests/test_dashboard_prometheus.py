@@ -170,6 +170,7 @@ def test_dashboard_covers_what_the_brief_asks_for() -> None:
         "gpu_agent_service_requests_waiting",
         "gpu_agent_service_kv_cache_usage_ratio",
         "gpu_agent_service_generation_tokens_per_second",
+        "gpu_agent_service_tokens_per_joule",
         "gpu_agent_service_gpu_memory_bytes",
     ):
         assert name in exprs
@@ -208,6 +209,7 @@ def test_alert_rules_are_complete() -> None:
         "GpuStale",
         "InferenceLatencyAboveSlo",
         "InferenceMetricsUnreadable",
+        "InferenceKvCacheNearFull",
     } <= set(names)
 
 

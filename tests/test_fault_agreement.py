@@ -1,5 +1,6 @@
-"""One truth: for every fault the simulator can inject (and a host without the driver, and a reboot
-recommendation), a real daemon's `status` (exit code and text), `status --json`, `/metrics` (the
+"""One truth: for every fault the simulator can inject (and a host without the driver, a reboot
+recommendation, a service down or over its latency objective, a next boot that is not ready, a
+driver too old for a service's CUDA, and a daemon without rules), a real daemon's `status` (exit code and text), `status --json`, `/metrics` (the
 verdict series), STATUS= (sd_notify), `/healthz` and the alert rules (evaluated by promtool on the
 series scraped from that /metrics) all say the same thing about the node.
 
@@ -9,6 +10,7 @@ the verdicts that must fire (the rest of the verdict alerts must stay quiet).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -24,11 +26,14 @@ from typing import Any
 
 import pytest
 import yaml
-from daemon_harness import RunningAgent, running_agent
+from daemon_harness import DEFAULT_POLICY, RunningAgent, free_port, running_agent
 from helpers import wait_until
+from hosttree import make_host_tree
 from prometheus_client.parser import text_string_to_metric_families
+from test_boot_readiness import OLD, ubuntu_tree
 
 from agent.daemon.timing import LoopTiming
+from agent.demo.standin import StandinServer
 
 ROOT = Path(__file__).resolve().parent.parent
 ALERTS = ROOT / "packaging/prometheus/gpu-agent-alerts.yaml"
@@ -49,7 +54,14 @@ VERDICT_ALERTS = (
     "GpuThermalSlowdown",
     "GpuHwSlowdown",
     "GpuPowerBrake",
+    "InferenceServiceDown",
+    "InferenceLatencyAboveSlo",
+    "GpuNextBootNotReady",
+    "GpuNodeNotAsDeclared",
+    "GpuAgentConfigNeedsAttention",
 )
+#: Attention causes STATUS= carries as lines of their own ("ATTENTION: ..."); the GPU ones it counts.
+STATUS_LINE_CAUSES = {"service_down", "service_slo", "next_boot", "driver", "no_rules", "config"}
 
 pytestmark = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (apt-get install prometheus)")
 
@@ -64,6 +76,11 @@ class Fault:
     backend: str = "simulated"
     profile: str = "h200x2"
     reboot_flag: bool = False
+    config: str = ""  # more agent.yaml after the policy (services); {port}: the service's port
+    standin: bool = False  # a stand-in inference server answers on {port}
+    empty_rules: bool = False  # rules_dirs names an empty directory (else remediation is off)
+    host: Callable[[Path], None] | None = None  # adds to the host tree before the daemon starts
+    policy: str = DEFAULT_POLICY
 
 
 def gpu(document: dict[str, Any], index: int) -> dict[str, Any]:
@@ -76,6 +93,28 @@ def health(document: dict[str, Any], index: int) -> str:
 
 def not_healthy(index: int) -> Callable[[dict[str, Any]], bool]:
     return lambda d: health(d, index) != "healthy"
+
+
+def service(**fields: str) -> str:
+    """A command-managed service on GPU 0 whose health and metrics are on {port}."""
+    extra = "".join(f"    {key}: {value}\n" for key, value in fields.items())
+    return (
+        "services:\n  - name: sglang\n    manager: command\n    start_command: [/bin/true]\n"
+        '    stop_command: [/bin/true]\n    health_url: "http://127.0.0.1:{port}/health"\n    gpus: [0]\n'
+        "    probe_interval_seconds: 0.2\n    unhealthy_after_probes: 2\n" + extra
+    )
+
+
+def next_kernel_without_module(root: Path) -> None:
+    ubuntu_tree(root, module_for=OLD)  # DKMS built the module for the running kernel only
+
+
+def service_state(document: dict[str, Any]) -> bool | None:
+    return next((s["up"] for s in document["services"] if s["name"] == "sglang"), None)
+
+
+def has_cause(cause: str) -> Callable[[dict[str, Any]], bool]:
+    return lambda d: cause in d["verdict"]["causes"]
 
 
 FAULTS: dict[str, Fault] = {
@@ -125,6 +164,30 @@ FAULTS: dict[str, Fault] = {
     "reboot": Fault(("reboot",), False, lambda d: bool(d["gpus"])),
     "no driver": Fault((), True, lambda d: d["verdict"]["problem"] is not None, backend="nvml"),
     "reboot recommended": Fault((), True, lambda d: d["verdict"]["reboot_recommended"] is not None, reboot_flag=True),
+    # Nothing answers on the service's port: the probes fail, the service is declared down.
+    "service down": Fault((), True, lambda d: service_state(d) is False, config=service(metrics_url="false")),
+    # The stand-in answers, but slower than an objective of 1 ms: over its objective, with a cause.
+    "service over its objective": Fault(
+        (),
+        True,
+        has_cause("service_slo"),
+        config=service(slo="{{e2e_p95_seconds: 0.001, min_requests: 5}}"),
+        standin=True,
+    ),
+    "next boot not ready": Fault(
+        (),
+        True,
+        has_cause("next_boot"),
+        host=next_kernel_without_module,
+        policy=DEFAULT_POLICY.replace(
+            "{transparent_hugepages: never}", "{transparent_hugepages: never, next_boot: ready}"
+        ),
+    ),
+    # The simulated driver supports CUDA 13.0; the service's image wants 99.0.
+    "driver too old": Fault(
+        (), True, has_cause("driver"), config=service(metrics_url="false", cuda_version='"99.0"'), standin=True
+    ),
+    "no rules": Fault((), True, has_cause("no_rules"), empty_rules=True),
 }
 
 
@@ -169,9 +232,11 @@ def last_status_line(agent: RunningAgent) -> str:
 
 
 def verdict_view(document: dict[str, Any]) -> Any:
-    """What must not change while the views are captured."""
+    """What must not change while the views are captured (a latency figure may: its cause may not)."""
+    verdict = {k: v for k, v in document["verdict"].items() if k not in ("attention", "slo_breaches")}
     return (
-        document["verdict"],
+        verdict,
+        [(b["service"], b["objective"], b["cause"]) for b in document["verdict"]["slo_breaches"]],
         [
             (g["index"], g["up"], g["stale"], (g["health"] or {}).get("state"), g["pcie_degraded"], g["throttled"])
             for g in document["gpus"]
@@ -182,7 +247,9 @@ def verdict_view(document: dict[str, Any]) -> Any:
 # -- predictions from the status document ---------------------------------------------------------
 
 
-def expected_alerts(document: dict[str, Any]) -> dict[str, list[dict[str, str]]]:
+def expected_alerts(
+    document: dict[str, Any], samples: list[tuple[str, dict[str, str], float]]
+) -> dict[str, list[dict[str, str]]]:
     """Per verdict alert, the label sets (beyond instance/job/severity) that must fire."""
     fired: dict[str, list[dict[str, str]]] = {name: [] for name in VERDICT_ALERTS}
     for g in document["gpus"]:
@@ -206,6 +273,29 @@ def expected_alerts(document: dict[str, Any]) -> dict[str, list[dict[str, str]]]
         if "hw_power_brake_slowdown" in throttled:
             fired["GpuPowerBrake"].append({**ids, "reason": "hw_power_brake_slowdown"})
     verdict = document["verdict"]
+    for service_doc in document["services"]:
+        if service_doc["up"] is False:
+            fired["InferenceServiceDown"].append({"service": service_doc["name"], "unit": service_doc["unit"]})
+    for breach in verdict["slo_breaches"]:
+        labels = {"service": breach["service"], "kind": breach["objective"].removesuffix("_p95")}
+        p95 = next(
+            value
+            for name, series, value in samples
+            if name == "gpu_agent_service_request_latency_seconds" and series == {**labels, "quantile": "0.95"}
+        )
+        fired["InferenceLatencyAboveSlo"].append({**labels, VALUE_KEY: repr(p95)})
+    for item in document["policy"]["items"]:
+        facts = item["facts"]
+        if item["item"] == "next_boot" and item["status"] == "drift":
+            fired["GpuNextBootNotReady"].append({"kernel": facts["kernel"], "reason": facts["reason"]})
+        if item["item"] in ("driver", "vbios") and item["status"] == "drift":
+            fired["GpuNodeNotAsDeclared"].append(
+                {"item": item["item"], "gpu": "", "uuid": "", "status": "drift"}
+                if item["gpu"] is None
+                else {"item": item["item"], "gpu": str(item["gpu"]), "status": "drift"}
+            )
+    for cause in sorted({c for c in verdict["causes"] if c in ("no_rules", "config")}):
+        fired["GpuAgentConfigNeedsAttention"].append({"cause": cause})
     if verdict["problem"]:
         fired["GpuNodeProblem"].append({"cause": verdict["problem"]["cause"]})
     if verdict["reboot_recommended"]:
@@ -213,11 +303,29 @@ def expected_alerts(document: dict[str, Any]) -> dict[str, list[dict[str, str]]]
     modes = {i["item"]: i["mode"] for i in document["policy"]["items"]}
     uuids = {g["index"]: g["uuid"] for g in document["gpus"]}
     for drift in verdict["drift"]:
+        if drift["item"] in ("driver", "vbios", "next_boot"):
+            continue  # report-only items: GpuNodeNotAsDeclared and GpuNextBootNotReady say it
         labels = {"item": drift["item"], "gpu": "" if drift["gpu"] is None else str(drift["gpu"])}
         labels["uuid"] = "" if drift["gpu"] is None else uuids[drift["gpu"]]
         name = "GpuPolicyDrift" if modes[drift["item"]] == "enforce" else "GpuPolicyDriftObserved"
         fired[name].append(labels)
     return fired
+
+
+#: In a predicted alert's labels: the sample value its annotation shows (not a label).
+VALUE_KEY = "$value"
+
+
+def humanize_duration(seconds: float) -> str:
+    """Prometheus' humanizeDuration for the latencies here (under a minute)."""
+    if seconds >= 1:
+        return f"{seconds:.4g}s"
+    prefix = ""
+    for unit in ("m", "u", "n"):
+        if seconds >= 1 or seconds == 0:
+            break
+        prefix, seconds = unit, seconds * 1000
+    return f"{seconds:.4g}{prefix}s"
 
 
 def promtool_case(
@@ -226,9 +334,15 @@ def promtool_case(
     rules = {rule["alert"]: rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]}
 
     def alert(name: str, labels: dict[str, str]) -> dict[str, Any]:
+        value = labels.get(VALUE_KEY, "")
+        labels = {k: v for k, v in labels.items() if k != VALUE_KEY}
         full = {k: v for k, v in {**INSTANCE, **labels, **rules[name]["labels"]}.items() if v != ""}
         annotations = {
-            key: re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m: full.get(m.group(1), ""), text).strip()
+            key: re.sub(
+                r"\{\{ \$value \| humanizeDuration \}\}",
+                lambda _m: humanize_duration(float(value)),
+                re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m: full.get(m.group(1), ""), text),
+            ).strip()
             for key, text in rules[name]["annotations"].items()
         }
         return {"exp_labels": full, "exp_annotations": annotations}
@@ -267,7 +381,22 @@ def promtool_case(
 @pytest.mark.parametrize("name", FAULTS)
 def test_every_view_agrees_on_the_fault(tmp_path: Path, name: str) -> None:
     fault = FAULTS[name]
-    with running_agent(tmp_path, mode="observe", backend=fault.backend, profile=fault.profile) as agent:
+    if fault.host is not None:
+        make_host_tree(tmp_path / "host", kernel_sysfs=False)
+        fault.host(tmp_path / "host")
+    rules = tmp_path / "rules.d" if fault.empty_rules else None
+    if rules is not None:
+        rules.mkdir()
+    port = free_port()
+    policy = fault.policy + fault.config.format(port=port)
+    with contextlib.ExitStack() as stack:
+        if fault.standin:
+            stack.enter_context(StandinServer(tmp_path, port=port, extra_args=("--flavor", "sglang")))
+        agent = stack.enter_context(
+            running_agent(
+                tmp_path, mode="observe", backend=fault.backend, profile=fault.profile, policy=policy, rules_dir=rules
+            )
+        )
         agent.notifications.wait_for("READY", "1")
         if fault.reboot_flag:
             (agent.state_dir / "reboot-recommended").write_text(json.dumps({"reason": "Xid 79: GPU fell off the bus"}))
@@ -328,18 +457,28 @@ def test_every_view_agrees_on_the_fault(tmp_path: Path, name: str) -> None:
     reboot = {dict(k)["reason"]: v for k, v in values("gpu_agent_reboot_recommended").items()}
     assert reboot == ({verdict["reboot_recommended"]: 1.0} if verdict["reboot_recommended"] else {"": 0.0})
 
+    causes = verdict["causes"]
+    assert len(causes) == len(verdict["attention"])
+    # every attention line in the text, and gpu_agent_attention counts them by cause
+    shown = [line.removeprefix("  - ") for line in text.stdout.splitlines() if line.startswith("  - ")]
+    assert len(shown) == len(verdict["attention"]), text.stdout
+    for on_screen, line in zip(shown, verdict["attention"]):  # (a latency figure may have moved)
+        assert line.split(":")[0].startswith(on_screen.removesuffix("~").split(":")[0]), (on_screen, line)
+    attention_series = {dict(k)["cause"]: v for k, v in values("gpu_agent_attention").items()}
+    assert {c: v for c, v in attention_series.items() if v} == {c: float(causes.count(c)) for c in set(causes)}
+
     # STATUS= and /healthz
     assert status_line.startswith("PROBLEM: ") == bool(problem), status_line
-    assert ("all healthy" in status_line) == (
-        not any((g["health"] or {}).get("state") != "healthy" for g in document["gpus"]) and not problem
-    ), status_line
+    assert ("all healthy" in status_line) == (not causes), status_line
     assert ("REBOOT RECOMMENDED" in status_line) == bool(verdict["reboot_recommended"]), status_line
+    assert status_line.count("; ATTENTION: ") == sum(1 for c in causes if c in STATUS_LINE_CAUSES), status_line
     assert health_code == (503 if problem else 200), health_body
+    assert health_body["causes"] == causes, health_body
     if problem:
         assert health_body["cause"] == problem["cause"] and health_body["detail"] == problem["detail"]
 
     # the alert rules, evaluated on the scraped series, fire exactly the verdict alerts predicted
-    fired = expected_alerts(document)
+    fired = expected_alerts(document, metrics)
     severities = {
         rule["alert"]: rule["labels"]["severity"]
         for group in yaml.safe_load(ALERTS.read_text())["groups"]

@@ -45,11 +45,11 @@ from agent.daemon import Daemon, LoopTiming
 from agent.daemon.sd_notify import SdNotifier
 from agent.events import Event, EventKind, HealthState, SuggestedAction
 from agent.host.paths import HostPaths
-from agent.policy.base import HostContext, Outcome, PlanStatus
+from agent.policy.base import ApplyOutcome, HostContext, PlanStatus
 from agent.policy.engine import PolicyEngine
-from agent.rules.actions import ActionContext, execute
-from agent.rules.model import ActionKind, ActionSpec, Decision, Target
-from agent.rules.model import Outcome as ActionResult
+from agent.rules.actions.context import ActionContext
+from agent.rules.actions.dispatch import execute
+from agent.rules.model import ActionKind, ActionSpec, Decision, Outcome, Target
 from agent.state import NodeSnapshot
 from agent.watch.nvml_events import NvmlEventSource
 
@@ -221,7 +221,8 @@ class Calls:
     """The agent's backend calls, (method, gpu) in order from any thread; the operator's are left out."""
 
     history: list[tuple[str, int | None]] = field(default_factory=list)
-    unseen_writes: list[tuple[str, int | None]] = field(default_factory=list)
+    # each with the backend that took it: a step dropped with a lost session still writes on the old one
+    unseen_writes: list[tuple[SimulatedBackend, str, int | None]] = field(default_factory=list)
     wrapped_faults: dict[str, str] = field(default_factory=dict)
     ignored: list[SimulatedBackend] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -232,13 +233,17 @@ class Calls:
         with self.lock:
             self.history.append(call)
             if call[0] in SETTER_ITEMS:
-                self.unseen_writes.append(call)
+                self.unseen_writes.append((backend, *call))
 
-    def writes(self) -> list[tuple[str, int | None]]:
-        """The writes since the last look."""
+    def writes(self, backend: object) -> list[tuple[str, int | None]]:
+        """The writes made through `backend` since the last look.
+
+        Writes through another backend are forgotten: a policy step that was still running when the
+        session was lost (its backend closed and re-opened) had read a complete DRIFT plan and wrote
+        it, but its result was dropped with the old backend, so no snapshot can show that plan."""
         with self.lock:
             writes, self.unseen_writes = self.unseen_writes, []
-        return writes
+        return [(method, gpu) for (taken_by, method, gpu) in writes if taken_by is backend]
 
     def made(self, method: str) -> int:
         with self.lock:
@@ -424,7 +429,7 @@ def loop(daemon: Daemon, clock: FakeClock, calls: Calls) -> NodeSnapshot:
     snapshot = daemon.loop_once()
     # A step still running (hung) has written part of what it will report: judge it once it is taken.
     if daemon.policy.pending is None:
-        assert_no_half_read_write(snapshot, calls.writes())
+        assert_no_half_read_write(snapshot, calls.writes(daemon.session.backend))
     return snapshot
 
 
@@ -610,7 +615,7 @@ def test_exit(node: Node, calls: Calls, method: str, kind: str) -> None:
             assert any(e["event"] == "could not restore automatic fan control" and e["gpu"] == 0 for e in logs), logs
         # ExecStopPost's `gpu-agent restore` is the second line
         engine = PolicyEngine(node.config, open_backend(node.config), HostContext(HostPaths.at(node.config.host_root)))
-        assert all(r.outcome is not Outcome.FAILED for r in engine.restore())
+        assert all(r.outcome is not ApplyOutcome.FAILED for r in engine.restore())
         engine.backend.shutdown()
         assert fans_manual(node.operator, 0) == [False, False]
         shown = "left manual by the daemon; restored by gpu-agent restore"
@@ -653,14 +658,14 @@ def test_restore(node: Node, method: str, kind: str) -> None:
         assert method in LIBRARY_CALLS or method == "identity", (method, exc)
         shown = f"refused: {exc.kind.value}"
     else:
-        failed = [r for r in results if r.outcome is Outcome.FAILED]
+        failed = [r for r in results if r.outcome is ApplyOutcome.FAILED]
         assert all(r.plan.gpu == 0 for r in failed), "only the faulty GPU may fail"
         assert restored(node.operator, 1)
         shown = f"{len(failed)} item(s) failed on GPU 0" if failed else "restored"
         engine.backend.shutdown()
     node.inject(method, None)
     engine = PolicyEngine(node.config, open_backend(node.config), host)
-    assert all(r.outcome is not Outcome.FAILED for r in engine.restore())
+    assert all(r.outcome is not ApplyOutcome.FAILED for r in engine.restore())
     assert restored(node.operator, 0) and restored(node.operator, 1)
     record("restore", method, kind, shown)
 
@@ -700,13 +705,13 @@ def test_action(node: Node, calls: Calls, method: str, kind: str) -> None:
     resets = calls.made("reset_gpu")
     tolerated = kind == HANG or (method == "mig_mode" and kind == GpuErrorKind.NOT_SUPPORTED.value)
     if tolerated:
-        assert outcome.outcome is ActionResult.SUCCESS, outcome  # slower, or a board without MIG
+        assert outcome.outcome is Outcome.SUCCESS, outcome  # slower, or a board without MIG
     else:
-        assert outcome.outcome in (ActionResult.FAILED, ActionResult.REFUSED), outcome
+        assert outcome.outcome in (Outcome.FAILED, Outcome.REFUSED), outcome
         if method != "reset_gpu":
             assert resets == 0, "a GPU is never reset on a check that could not be read"
     node.inject(method, None)
-    assert execute(decision, ctx).outcome is ActionResult.SUCCESS
+    assert execute(decision, ctx).outcome is Outcome.SUCCESS
     backend.shutdown()
     record("action", method, kind, f"{outcome.outcome.value}: {outcome.detail[:80]}")
 

@@ -14,8 +14,9 @@ from daemon_harness import write_agent_config
 from test_safe_yaml import NESTED, alias_bomb, assert_cli_fails_with_one_line
 
 from agent import api
+from agent.backend import load_checked_config
 from agent.backend.sim.profiles import MAX_PROFILE_BYTES, MAX_PROFILE_DEPTH, ProfileError, load_profile
-from agent.config import ConfigError, load_config
+from agent.config import ConfigError
 
 
 @pytest.mark.parametrize("bomb", ["alias", "nested"])
@@ -83,7 +84,7 @@ def test_a_config_naming_a_nested_profile_is_one_config_error(tmp_path: Path) ->
     profile = profile_file(tmp_path, "[" * 100_000)
     config, _ = write_agent_config(tmp_path, profile=str(profile))
     with pytest.raises(ConfigError) as caught:
-        load_config(config)
+        load_checked_config(config)
     (problem,) = caught.value.problems
     assert "nested more than 64 levels deep" in problem.message, problem
 

@@ -1,4 +1,5 @@
-"""The systemd sandbox's host lock: a second run says it waits, and gives up with a message."""
+"""The systemd sandbox's host lock: a second run says it waits, and gives up with a message; where no
+sandbox can be made (a chroot whose / is not a mount point) the tests that need one skip, saying why."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from systemd_sandbox import SandboxError, lock_or_wait
+from systemd_sandbox import SandboxError, lock_or_wait, missing_requirements, root_is_a_mount_point
 
 
 def test_a_held_lock_is_waited_for_with_a_message_then_refused(
@@ -29,3 +30,24 @@ def test_the_lock_is_taken_once_the_other_run_lets_go(tmp_path: Path) -> None:
         lock_or_wait(waiter, "the sandbox", timeout_seconds=30)
         with open(path, "a+b") as third, pytest.raises(BlockingIOError):
             fcntl.flock(third, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+HOST_MOUNTS = (
+    "22 1 259:2 / / rw,relatime shared:1 - ext4 /dev/nvme0n1p2 rw\n"
+    "23 22 0:21 / /proc rw,nosuid,nodev,noexec,relatime shared:12 - proc proc rw\n"
+)
+#: In a chroot into /srv/build, the host's / is out of reach: no mount has / as its mount point.
+CHROOT_MOUNTS = "40 22 0:21 / /proc rw,nosuid,nodev,noexec,relatime - proc proc rw\n"
+
+
+def test_a_chroot_whose_root_is_no_mount_point_is_a_skip_reason(tmp_path: Path) -> None:
+    assert root_is_a_mount_point(HOST_MOUNTS)
+    assert not root_is_a_mount_point(CHROOT_MOUNTS)
+    host, chroot = tmp_path / "host-mountinfo", tmp_path / "chroot-mountinfo"
+    host.write_text(HOST_MOUNTS)
+    chroot.write_text(CHROOT_MOUNTS)
+    earlier = missing_requirements(host)
+    if earlier is not None and earlier.startswith("the systemd sandbox needs"):
+        pytest.skip(f"checked before the mounts, and missing here: {earlier}")
+    reason = missing_requirements(chroot)
+    assert reason is not None and reason.startswith("/ is not a mount point here (a chroot?)"), reason

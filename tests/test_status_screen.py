@@ -16,7 +16,7 @@ from helpers import make_event
 from snapshots import node_snapshot
 
 from agent.config import AgentConfig, Mode
-from agent.daemon.publisher import Publisher, status_line
+from agent.daemon.publisher import Publisher, systemd_status_line
 from agent.daemon.remediator import Remediator
 from agent.daemon.sd_notify import SdNotifier
 from agent.documents import snapshot_document
@@ -103,7 +103,7 @@ def test_colour_only_on_a_terminal_and_never_with_no_color(monkeypatch: pytest.M
 
 
 def test_exit_codes_like_plan() -> None:
-    healthy = node_snapshot(gpus=node_snapshot().gpus[:1], health={}, policy=(), xids=())
+    healthy = node_snapshot(gpus=node_snapshot().gpus[:1], health={}, policy=(), xids=(), services=())
     assert status_exit_code(snapshot_document(healthy, source="daemon")) == EXIT_HEALTHY
     assert status_exit_code(document()) == EXIT_ATTENTION  # the fixture node has unhealthy GPUs
     no_gpus = snapshot_document(replace(healthy, gpus=(), health={}), source="daemon")
@@ -124,7 +124,7 @@ def test_fewer_gpus_than_seen_before_is_a_problem_everywhere() -> None:
     gone = tuple(replace(g, up=False) if g.index >= 2 else g for g in full.gpus)
     fewer = publisher.publish(replace(full, gpus=gone))
     assert fewer.expected_gpus == len(full.gpus)
-    line = status_line(fewer)
+    line = systemd_status_line(fewer)
     assert line.startswith(f"PROBLEM: 2 of {len(full.gpus)} expected GPUs answer"), line
     verdict = snapshot_document(fewer, source="daemon")["verdict"]
     assert verdict["problem"]["cause"] == "gpus_missing" and verdict["exit_code"] == EXIT_ATTENTION

@@ -35,7 +35,7 @@ from agent.trust import (
     UntrustedError,
     directory_problem,
     executable_problem,
-    file_problem,
+    open_trusted,
     read_trusted,
     run_trusted,
 )
@@ -68,7 +68,8 @@ def test_a_config_others_can_write_is_refused(tmp_path: Path, mode: int) -> None
     assert f"{config} is writable by group or others (mode {mode:04o})" in message
     assert f"chmod go-w {config}" in message
     # Always, whoever the agent runs as.
-    assert file_problem(config, agent_uid=NOBODY_ID) is not None
+    with pytest.raises(UntrustedError):
+        open_trusted(config, agent_uid=NOBODY_ID)
 
 
 @as_root
@@ -77,7 +78,8 @@ def test_a_config_not_owned_by_root_is_refused_when_running_as_root(tmp_path: Pa
     os.chown(config, NOBODY_ID, NOBODY_ID)
     assert f"{config} is owned by uid {NOBODY_ID}, not root" in refusal(config)
     # An unprivileged agent (a developer's) may use its own files.
-    assert file_problem(config, agent_uid=NOBODY_ID) is None
+    fd, _real = open_trusted(config, agent_uid=NOBODY_ID)
+    os.close(fd)
 
 
 def test_a_config_in_a_directory_others_can_write_is_refused(tmp_path: Path) -> None:

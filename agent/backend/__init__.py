@@ -13,6 +13,16 @@ if TYPE_CHECKING:  # the config (pydantic) is not needed to import the backend t
     from agent.config import AgentConfig
 
 
+def load_checked_config(path: str | Path) -> AgentConfig:
+    """The config in `path` (agent.config.load_config) with the check only the simulator can make: a
+    `simulated.profile` that does not load is a ConfigError naming the file, line and key, so
+    check-config, `run` and a reload report it instead of the backend failing when it opens."""
+    from agent.backend.sim.profiles import validate_profile
+    from agent.config import load_config
+
+    return load_config(path, checks=[(("simulated", "profile"), validate_profile)])
+
+
 def open_backend(config: AgentConfig, writable_items: Iterable[str] | None = None) -> GpuBackend:
     """The configured backend, initialised. Only `writable_items` may be changed through it;
     by default the items the config puts in enforce mode."""

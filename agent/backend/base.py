@@ -12,13 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum, IntEnum
-from typing import Final, Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from agent.backend.errors import WriteRefused
-from agent.policy.names import GpuItemName
-
-#: Not a policy item: the permission to reset GPUs, granted only in enforce mode (remediation).
-GPU_RESET_ITEM: Final = "gpu_reset"
+from agent.policy.names import GPU_RESET_ITEM, GpuItemName, GpuResetName
 
 
 class ClockDomain(IntEnum):
@@ -305,7 +302,7 @@ class GpuBackend(Protocol):
     def applications_clock_mhz(self, gpu: int, domain: ClockDomain) -> int:
         """nvidia-smi --query-gpu=clocks.applications.graphics,clocks.applications.memory"""
 
-    # -- profiling-grade telemetry (issue 14) ---------------------------------------------------
+    # -- profiling-grade telemetry ---------------------------------------------------------------
     def gpm_activity(self, gpu: int) -> GpmActivity | None:
         """Takes a GPM sample and returns the activity since the previous call's sample for this GPU
         (None on the first call): one sample per loop, no sleeping. NOT_SUPPORTED without GPM
@@ -345,7 +342,7 @@ class GpuBackend(Protocol):
 
 #: The policy item each setter belongs to; a backend refuses setters outside its writable items.
 #: Typed on the item names (agent.policy.names), so a misspelt item cannot slip into the guard.
-SETTER_ITEMS: dict[str, GpuItemName | Literal["gpu_reset"]] = {
+SETTER_ITEMS: dict[str, GpuItemName | GpuResetName] = {
     "set_power_limit_watts": "power_limit",
     "set_locked_clocks_mhz": "locked_clocks",
     "reset_locked_clocks": "locked_clocks",

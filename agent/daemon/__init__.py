@@ -24,7 +24,6 @@ ones are invalid, and swaps the backend's write guard to the new mode.
 """
 
 from agent.daemon.core import Daemon
-from agent.daemon.publisher import status_line
 from agent.daemon.timing import LoopTiming
 
-__all__ = ["Daemon", "LoopTiming", "status_line"]
+__all__ = ["Daemon", "LoopTiming"]

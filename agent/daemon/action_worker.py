@@ -25,10 +25,11 @@ from typing import Any, Protocol
 import structlog
 
 from agent.config import AgentConfig
-from agent.rules.actions import ActionContext, execute
-from agent.rules.actions.steps import services_left_down
-from agent.rules.model import ActionOutcome, Decision, Outcome
-from agent.rules.params import NODE_CHANGING_ACTIONS, ActionKind
+from agent.rules.actions.context import ActionContext
+from agent.rules.actions.dispatch import execute
+from agent.rules.actions.steps import DRAINING, services_left_down, step
+from agent.rules.model import ActionKind, ActionOutcome, Decision, Outcome
+from agent.rules.params import NODE_CHANGING_ACTIONS
 from agent.services.managers import ServiceError, ServiceManager
 from agent.store.attempt_clock import AttemptClock, ClockReading, effective_wall_seconds
 from agent.store.database import JournalEntry, Store, StoreError
@@ -231,7 +232,7 @@ class ActionWorker:
             **target_fields(decision),
         )
         action = decision.action
-        reset_done = action is not None and action.kind.value == "reset_gpu" and outcome.outcome is Outcome.SUCCESS
+        reset_done = action is not None and action.kind is ActionKind.RESET_GPU and outcome.outcome is Outcome.SUCCESS
         if reset_done and decision.target.gpu is not None:
             self.on_reset(decision.target.gpu)
 
@@ -266,7 +267,10 @@ class ActionWorker:
                     continue
                 try:
                     if manager.is_active(service) is True:
-                        rolled_back.append(f"{name} already running")
+                        # Drained and never stopped: running, but whatever its drain hook did (out of
+                        # the load balancer) stays done until it restarts or someone undoes it.
+                        drained = step(DRAINING, name) in entry.steps
+                        rolled_back.append(f"{name} already running{' (drained, not restarted)' if drained else ''}")
                         continue
                     manager.start(service)
                 except ServiceError as exc:

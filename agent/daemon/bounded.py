@@ -89,10 +89,6 @@ class BoundedRunner:
                 since = lane.busy_since if lane is not None and lane.busy is future else started
             raise StaleGpu(key, self._clock() - since) from None
 
-    def stale_keys(self) -> list[str]:
-        with self._lock:
-            return sorted(k for k, lane in self._lanes.items() if lane.busy is not None and not lane.busy.done())
-
     def shutdown(self) -> None:
         """Let idle lanes end; never waits for a hung call."""
         with self._lock:

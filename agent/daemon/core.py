@@ -20,14 +20,14 @@ from types import FrameType
 
 import structlog
 
+from agent.backend import load_checked_config
 from agent.backend.base import GpuEvent
-from agent.config import AgentConfig, ConfigError, load_config
+from agent.config import AgentConfig, ConfigError
 from agent.daemon.bounded import BoundedRunner
 from agent.daemon.collector import GpuCollector
-from agent.daemon.drift import FAN_CURVE
 from agent.daemon.intake import EventIntake
 from agent.daemon.policy_loop import PolicyLoop
-from agent.daemon.publisher import Publisher, status_line
+from agent.daemon.publisher import Publisher, systemd_status_line
 from agent.daemon.remediator import LoadedRules, Remediator, load_rules_dir
 from agent.daemon.sd_notify import SdNotifier
 from agent.daemon.session import BackendSession
@@ -39,8 +39,10 @@ from agent.policy import known_good
 from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
 from agent.policy.holds import PolicyHolds
+from agent.policy.names import FAN_CURVE
 from agent.policy.registry import RESTORABLE_NAMES
-from agent.rules.actions import ActionContext, AlertTracker
+from agent.rules.actions.alertmanager import AlertTracker
+from agent.rules.actions.context import ActionContext
 from agent.services.health import HealthProber, ProberThread
 from agent.services.managers import build_managers
 from agent.services.watch import InferenceMonitor
@@ -118,6 +120,9 @@ class Daemon:
         self.publisher.last_tune = self.tune.last
         self.udev = UdevWakeup(self.collector.rescan.set, self.host.paths)
         self.kmsg = KmsgSource(self.host.paths, self._on_kernel_xid, start_monotonic_seconds=time.monotonic())
+        # What the running config leaves an operator to do after a reload (it failed, or a change waits
+        # for a restart): one verdict line each, in every snapshot until a reload clears it.
+        self.config_attention: tuple[str, ...] = ()
         self._closers: list[Callable[[], None]] = []
         self.loop_hook: Callable[[], None] | None = None  # tests: runs inside each loop iteration
 
@@ -144,13 +149,14 @@ class Daemon:
     def _collect(self, now: float) -> tuple[list[GpuSample], list[Event]]:
         """This loop's samples, and the events the watchers and the policy loop made of them."""
         self.memory.load(self.collector.identities, self.watchers.xid, self.watchers.throttle, self.prober)
+        self.memory.follow_acks(self.watchers.xid)
         wait_seconds = self.timing.step_wait(self.config.interval_seconds)
         backend = self.session.begin_loop(self.config, wait_seconds)
         if backend is None:
             return self.memory.remember(self.collector.unavailable(now, self.session.error), now), []
         samples = self.memory.remember(self.collector.collect(backend, now), now)
         events = self.watchers.observe(samples, now)
-        events += self.policy.step(backend, now, wait_seconds, self.collector.identities)
+        events += self.policy.step(backend, now, wait_seconds, self.collector.identities, samples)
         if self.session.end_loop():
             self.policy.forget_backend()
         return samples, events
@@ -186,6 +192,9 @@ class Daemon:
             recent_events=self.intake.recent,
             recent_remediations=self.remediator.recent(),
             rules_sources=self.remediator.rules_sources,
+            rules_loaded=self.remediator.rules_loaded(),
+            slo_breaches=self.inference.breaches(),
+            config_attention=self.config_attention,
             collect_duration_seconds=duration_seconds,
         )
 
@@ -210,6 +219,7 @@ class Daemon:
         self.publisher.set(snapshot)
 
     def _save_memory(self, now: float) -> None:
+        self.memory.follow_acks(self.watchers.xid)  # an ack since the loop began is not written over
         self.memory.save(self.watchers.xid, now, self.watchers.throttle, self.prober)
 
     # -- sources feeding the event intake ------------------------------------------------------
@@ -276,7 +286,7 @@ class Daemon:
             log.warning("reload requested but the daemon runs on a built-in config; nothing to reload")
             return None
         try:
-            new = load_config(self.config_path)
+            new = load_checked_config(self.config_path)
             rules = load_rules_dir(new)
         except ConfigError as exc:
             message = "; ".join(str(p) for p in exc.problems)
@@ -354,7 +364,7 @@ class Daemon:
         try:
             self.start_services()
             snapshot = self.loop_once()
-            self.publisher.notifier.ready(status_line(snapshot))
+            self.publisher.notifier.ready(systemd_status_line(snapshot))
             self.watchdog.start()
             self._run_loops()
             return 0

@@ -17,12 +17,11 @@ import structlog
 from agent.backend.base import GpuIdentity
 from agent.events import Event, EventKind, Severity
 from agent.policy.base import ItemPlan
+from agent.policy.names import FAN_CURVE
 
 log = structlog.get_logger("gpu-agent")
 
 ItemKey = tuple[str, int | None]
-
-FAN_CURVE = "fan_curve"
 
 
 class DriftBook:

@@ -4,27 +4,27 @@ enforce mode drift is applied. The step runs in its own lane and the loop waits 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
 from functools import partial
 
 import structlog
 
-from agent.backend.base import GPU_RESET_ITEM, GpuBackend, GpuIdentity
+from agent.backend.base import GpuBackend, GpuIdentity
 from agent.backend.errors import GpuError
 from agent.config import AgentConfig
 from agent.daemon.bounded import BoundedRunner, StaleGpu
-from agent.daemon.drift import FAN_CURVE, DriftBook, ItemKey
+from agent.daemon.drift import DriftBook, ItemKey
 from agent.daemon.session import FaultSink
 from agent.daemon.timing import due, timed
 from agent.events import Event
 from agent.policy import fan_curve
-from agent.policy.base import HostContext, ItemPlan, PlanStatus
-from agent.policy.base import Outcome as ItemOutcome
+from agent.policy.base import ApplyOutcome, HostContext, ItemPlan, PlanStatus
 from agent.policy.engine import PolicyEngine, match_profile
 from agent.policy.holds import PolicyHolds
-from agent.state import CollectorStatus
+from agent.policy.names import FAN_CURVE, GPU_RESET_ITEM
+from agent.state import CollectorStatus, GpuSample
 
 log = structlog.get_logger("gpu-agent")
 
@@ -52,6 +52,7 @@ class PolicyLoop:
         self.last_full_seconds = float("-inf")
         self.engine: PolicyEngine | None = None
         self.pending: tuple[Future[_PolicyStep], bool] | None = None  # (step still running, full pass?)
+        self._planned_readings: dict[tuple[int, str], object] = {}  # the settings read when last planned
 
     def reconfigure(self, config: AgentConfig) -> None:
         """A reload: the next loop plans every item again against the new config."""
@@ -66,10 +67,20 @@ class PolicyLoop:
         self.pending = None
 
     def step(
-        self, backend: GpuBackend, now: float, wait_seconds: float, identities: Mapping[int, GpuIdentity]
+        self,
+        backend: GpuBackend,
+        now: float,
+        wait_seconds: float,
+        identities: Mapping[int, GpuIdentity],
+        samples: Sequence[GpuSample] = (),
     ) -> list[Event]:
-        """Plan (all items every policy interval, the fan curve every loop); apply drift in enforce mode."""
-        full = due(now, self.last_full_seconds, self.config.policy_interval_seconds)
+        """Plan (all items every policy interval, the fan curve every loop); apply drift in enforce mode.
+
+        A setting the loop's samples read differently from the last plan (someone ran `nvidia-smi -pl`)
+        is planned again in this loop: the screen never shows the new reading beside the old verdict."""
+        readings = _planned_readings(samples)
+        changed = any(self._planned_readings.get(key, value) != value for key, value in readings.items())
+        full = changed or due(now, self.last_full_seconds, self.config.policy_interval_seconds)
         wants_fans = any(p.fan_curve is not None for p in self.config.policy.gpus)
         if not full and not wants_fans:
             return []
@@ -99,6 +110,7 @@ class PolicyLoop:
         if full:
             self.last_full_seconds = now
             self.plans = plans
+            self._planned_readings.update(readings)
         else:
             self.plans = _merge_plans(self.plans, plans)
         return self.drift.fixed(fixed, identities, now)
@@ -136,7 +148,7 @@ class PolicyLoop:
             except (StaleGpu, GpuError) as exc:
                 log.error("could not restore automatic fan control", gpu=gpu, error=str(exc))
                 continue
-            if result.outcome is ItemOutcome.FAILED:
+            if result.outcome is ApplyOutcome.FAILED:
                 log.error("could not restore automatic fan control", gpu=gpu, error=result.detail)
             else:
                 log.info("fans restored to automatic", gpu=gpu, outcome=result.outcome.value)
@@ -148,8 +160,8 @@ class PolicyLoop:
         # apply() only writes items whose plan was read completely and says DRIFT: an item with any
         # failed read is an ERROR plan and is skipped, never half-applied.
         report = engine.apply(only=items)
-        fixed = [r.plan for r in report.results if r.outcome is ItemOutcome.APPLIED]
-        failed = {(r.plan.item, r.plan.gpu): r.detail for r in report.results if r.outcome is ItemOutcome.FAILED}
+        fixed = [r.plan for r in report.results if r.outcome is ApplyOutcome.APPLIED]
+        failed = {(r.plan.item, r.plan.gpu): r.detail for r in report.results if r.outcome is ApplyOutcome.FAILED}
         return report.plan.items, fixed, failed
 
     def _failed(self, exc: GpuError | OSError, full: bool) -> None:
@@ -162,6 +174,23 @@ class PolicyLoop:
 
     def _record(self, status: CollectorStatus) -> None:
         self.status = status
+
+
+#: The sample fields policy items plan against (power_limit, persistence, ecc).
+_PLANNED_FIELDS = ("power_limit_watts", "persistence_enabled", "ecc_enabled", "ecc_pending")
+
+
+def _planned_readings(samples: Sequence[GpuSample]) -> dict[tuple[int, str], object]:
+    """(GPU, field) -> what the loop's samples read of the settings policy items plan against; a
+    reading that failed or is not supported is left out (it says nothing changed)."""
+    found: dict[tuple[int, str], object] = {}
+    for sample in samples:
+        if sample.up:
+            for name in _PLANNED_FIELDS:
+                value = getattr(sample, name)
+                if value is not None:
+                    found[sample.index, name] = value
+    return found
 
 
 def _unknown_plan(plan: ItemPlan, exc: Exception) -> ItemPlan:

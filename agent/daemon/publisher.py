@@ -15,7 +15,7 @@ from agent.daemon.sd_notify import SdNotifier
 from agent.events import HealthState
 from agent.state import NodeSnapshot
 from agent.store.node_memory import expected_gpu_count
-from agent.verdict import drifted, node_problem
+from agent.verdict import AttentionCause, attention_items, drifted, node_problem
 
 
 class Publisher:
@@ -43,7 +43,7 @@ class Publisher:
         # or is acknowledged gone: the snapshot's GPUs are the ones this node should have.
         snapshot = replace(snapshot, expected_gpus=expected_gpu_count(snapshot) or None)
         self.set(snapshot)
-        self.notifier.status(status_line(snapshot) + self.status_note)
+        self.notifier.status(systemd_status_line(snapshot) + self.status_note)
         return snapshot
 
     def serve(self, config: AgentConfig, stale_after_seconds: float) -> list[Callable[[], None]]:
@@ -78,23 +78,39 @@ class Publisher:
         }
 
 
-def status_line(snapshot: NodeSnapshot) -> str:
+#: Verdict lines STATUS= carries as they are; the GPU ones it counts.
+_STATUS_LINE_CAUSES = frozenset(
+    {
+        AttentionCause.SERVICE_DOWN,
+        AttentionCause.SERVICE_SLO,
+        AttentionCause.NEXT_BOOT,
+        AttentionCause.DRIVER,
+        AttentionCause.NO_RULES,
+        AttentionCause.CONFIG,
+    }
+)
+
+
+def systemd_status_line(snapshot: NodeSnapshot) -> str:
     """One line for systemd's STATUS= (what `systemctl status gpu-agent` shows); a node problem
-    (no driver, no or missing GPUs) comes first, so it is never read as health."""
+    (no driver, no or missing GPUs) comes first, so it is never read as health, and "all healthy"
+    only when the verdict has no attention line at all."""
     total = len(snapshot.gpus)
     unhealthy = sum(1 for h in snapshot.health.values() if h.state is HealthState.UNHEALTHY)
     degraded = sum(1 for h in snapshot.health.values() if h.state is HealthState.DEGRADED)
     drift = len(drifted(snapshot))
     problem = node_problem(snapshot)
+    needs = attention_items(snapshot)
     parts = [f"PROBLEM: {problem.detail}"] if problem is not None else []
     parts.append(f"{total} GPUs")
     if unhealthy or degraded:
         parts.append(f"{unhealthy} unhealthy, {degraded} degraded")
-    elif problem is None:
+    elif not needs:
         parts.append("all healthy")
     if snapshot.stale_gpus:
         parts.append(f"{len(snapshot.stale_gpus)} stale")
     parts.append(f"policy: {drift} item(s) drifted" if drift else "policy in sync")
     if snapshot.reboot_recommended is not None:
         parts.append(f"REBOOT RECOMMENDED: {snapshot.reboot_recommended}")
+    parts.extend(f"ATTENTION: {item.text}" for item in needs if item.cause in _STATUS_LINE_CAUSES)
     return "; ".join(parts)

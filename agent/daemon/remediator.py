@@ -18,7 +18,8 @@ from agent.daemon.action_worker import ActionWorker, target_fields
 from agent.daemon.alert_delivery import AlertDelivery
 from agent.daemon.timing import due
 from agent.events import Event
-from agent.rules.actions import ActionContext, AlertTracker
+from agent.rules.actions.alertmanager import AlertTracker
+from agent.rules.actions.context import ActionContext
 from agent.rules.config import Rule, load_rules
 from agent.rules.engine import evaluate, gpus_by_service
 from agent.rules.model import ActionOutcome, Decision, Outcome
@@ -52,6 +53,7 @@ class Remediator:
         self.store: Store | None = None
         self.rules: list[Rule] = []
         self.rules_sources: tuple[str, ...] = ()
+        self.rules_read = False  # the rules dirs were read (start, reload): `rules` is what they gave
         self.episodes = Episodes(config.state_dir)
         self.alerts = AlertTracker()
         self.alert_delivery = AlertDelivery(self.alerts)
@@ -97,6 +99,12 @@ class Remediator:
         self.config = config
         self.rules = loaded.rules
         self.rules_sources = loaded.sources
+        self.rules_read = True
+
+    def rules_loaded(self) -> int | None:
+        """How many rules run, for the verdict; None before the dirs were read or with remediation
+        turned off (`remediation.rules_dirs: []`)."""
+        return len(self.rules) if self.rules_read and self.config.remediation.rules_dirs else None
 
     def remediate(self, snapshot: NodeSnapshot, events: Sequence[Event], now: float) -> None:
         """Store new events, evaluate the rules (pure), queue the actions: the loop never waits on one."""
@@ -249,6 +257,9 @@ class LoadedRules:
 def load_rules_dir(config: AgentConfig) -> LoadedRules:
     """Rules from rules_dirs (agent/rules/sources.py: shipped defaults, admin overrides and masks);
     missing dirs are logged, an invalid file is a ConfigError."""
+    if not config.remediation.rules_dirs:
+        log.info("remediation is off: remediation.rules_dirs is empty")
+        return LoadedRules([], ())
     resolved = resolve_rules(Path(d) for d in config.remediation.rules_dirs)
     for warning in resolved.warnings():
         log.warning("rules not as expected", problem=warning)

@@ -178,7 +178,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser], common
         elif name == "throttle":
             p.add_argument("--reason", action="append", choices=sorted(REASON_BITS), default=[])
         elif name == "temperature":
-            p.add_argument("--celsius", type=int, default=90)
+            p.add_argument("--celsius", type=int, help="the temperature to read (required unless --clear)")
         elif name == "ecc":
             p.add_argument("--corrected", type=int, default=0)
             p.add_argument("--uncorrected", type=int, default=0)
@@ -209,6 +209,8 @@ def inject(config: AgentConfig, args: argparse.Namespace) -> str:
         raise InjectError("inject only works on a simulated node (backend: simulated); it never touches a real GPU")
     if args.fault == "throttle" and not args.clear and not args.reason:
         raise InjectError("give at least one --reason, or --clear")
+    if args.fault == "temperature" and not args.clear and args.celsius is None:
+        raise InjectError("give the temperature with --celsius C, or --clear")
     sim = SimulatedBackend(config.simulated.profile, Path(config.state_dir), counter_clock=time.monotonic)
     sim.init()
     try:

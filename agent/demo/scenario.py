@@ -30,6 +30,8 @@ from typing import Any
 
 from agent import api
 from agent.demo import standin
+from agent.demo.alertmanager import DemoAlertmanager, find_alertmanager
+from agent.policy.names import POWER_LIMIT
 
 SERVICE_PID_FILE = "sglang.pid"  # the stand-in inference server's, in the demo directory
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -45,7 +47,7 @@ interval_seconds: 1
 policy_interval_seconds: 5
 metrics: {{listen: "127.0.0.1:{metrics_port}"}}
 api: {{socket: {socket}}}
-remediation: {{rules_dirs: [{rules_dir}]}}
+remediation: {{rules_dirs: [{rules_dir}]{alertmanager}}}
 policy:
   node:
     transparent_hugepages: {{enabled: never, defrag: never}}
@@ -104,7 +106,32 @@ def default_rules_dir() -> Path:
     raise FileNotFoundError("default rules not found (rules/ in the checkout or /usr/share/gpu-agent/rules.d)")
 
 
-def write_demo_config(directory: Path) -> Path:
+#: What a demo leaves in its directory; a new demo there starts from none of it.
+DEMO_ENTRIES = ("host", "state", "rules.d", "alertmanager", "agent.yaml", "agent.log", "agent.sock", SERVICE_PID_FILE)
+
+
+def clear_previous_demo(directory: Path) -> None:
+    """A demo run again into the same directory starts from a fresh node: what an earlier one left
+    (the simulated GPUs' state, the node memory, the host tree, its stand-in server) goes; nothing
+    else there is touched. A demo still running there is not interfered with: an error."""
+    socket = directory / "agent.sock"
+    if socket.exists():
+        try:
+            api.call(socket, "ping", timeout_seconds=2.0)
+        except (OSError, ValueError, api.ApiError):
+            pass  # a socket an earlier demo left behind
+        else:
+            raise RuntimeError(f"a gpu-agent demo still runs in {directory}: stop it, or give another --dir")
+    standin.stop_server(directory / SERVICE_PID_FILE)
+    for name in DEMO_ENTRIES:
+        entry = directory / name
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink(missing_ok=True)
+
+
+def write_demo_config(directory: Path, alertmanager_url: str | None = None) -> Path:
     host_root, state_dir = directory / "host", directory / "state"
     build_demo_host(host_root)
     state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -130,6 +157,7 @@ def write_demo_config(directory: Path) -> Path:
             metrics_port=standin.free_port(),
             socket=directory / "agent.sock",
             rules_dir=rules_dir,
+            alertmanager=f", alertmanager_url: {json.dumps(alertmanager_url)}" if alertmanager_url else "",
             user=pwd.getpwuid(os.getuid()).pw_name,
             group=grp.getgrgid(os.getgid()).gr_name,
             service_port=service_port,
@@ -142,9 +170,10 @@ def write_demo_config(directory: Path) -> Path:
 
 
 class Demo:
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, alertmanager: DemoAlertmanager | None = None) -> None:
         self.directory = directory
-        self.config = write_demo_config(directory)
+        self.alertmanager = alertmanager
+        self.config = write_demo_config(directory, alertmanager.url if alertmanager is not None else None)
         self.socket = directory / "agent.sock"
         self.log_path = directory / "agent.log"
         self.agent: subprocess.Popen[bytes] | None = None
@@ -220,7 +249,7 @@ def _power_drift(status: dict[str, Any]) -> list[dict[str, Any]]:
     return [
         e
         for e in _events(status, "policy_drift")
-        if e["gpu"] == 0 and e["data"]["item"] == "power_limit" and e["data"]["reappeared"] >= 1
+        if e["gpu"] == 0 and e["data"]["item"] == POWER_LIMIT and e["data"]["reappeared"] >= 1
     ]
 
 
@@ -247,11 +276,20 @@ def run_demo(directory: Path | None = None, keep_running: bool = True) -> int:
     directory.mkdir(parents=True, exist_ok=True)
     previous = {signum: signal.signal(signum, _raise_stopped) for signum in STOP_SIGNALS}
     demo: Demo | None = None
+    alertmanager: DemoAlertmanager | None = None
     scenario_done = False
     try:
         say(f"gpu-agent demo: a simulated node (4x H200 SXM, 2x RTX PRO 6000) under {directory}")
-        say("nothing outside that directory is read or changed\n")
-        demo = Demo(directory)
+        say("nothing outside that directory is read or changed")
+        clear_previous_demo(directory)
+        program = find_alertmanager()
+        if program is not None:
+            alertmanager = DemoAlertmanager(program, directory / "alertmanager").start()
+            say(f"a real Alertmanager ({program}) receives the agent's alerts at {alertmanager.url}")
+        else:
+            say("no Alertmanager installed (prometheus-alertmanager): the alert actions have nowhere to go")
+        say("")
+        demo = Demo(directory, alertmanager)
         _play(demo)
         scenario_done = True
         if keep_running:
@@ -271,6 +309,8 @@ def run_demo(directory: Path | None = None, keep_running: bool = True) -> int:
             signal.signal(signum, signal.SIG_IGN)
         if demo is not None:
             demo.stop()
+        if alertmanager is not None:
+            alertmanager.stop()
         standin.stop_server(directory / SERVICE_PID_FILE)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -312,6 +352,7 @@ def _play(demo: Demo) -> None:
     demo.wait("the latency regression", lambda s: bool(_latency_regressions(s, gpu=2)), 120)
     say("   " + _latency_regressions(demo.status(), gpu=2)[-1]["message"])
     say("   (rule service-latency-regression-alert alerts with that cause; never a restart)")
+    say("   " + _alert_arrival(demo, "service-latency-regression-alert"))
     demo.cli("inject", "temperature", "--gpu", "2", "--clear")
 
     say("\n== 5. an app-level Xid 13 on GPU 1 (NVML event and kernel log)")
@@ -338,8 +379,41 @@ def _play(demo: Demo) -> None:
     say(f"   {cli} status --config {config}")
     say(f"   {cli} events --config {config}")
     say(f"   {cli} inject --help   (then e.g. {cli} inject lost --gpu 2 --config {config})")
-    say(f"   curl -s http://127.0.0.1:{port}/metrics | grep gpu_agent_")
+    metrics_url = f"http://127.0.0.1:{port}/metrics"
+    if shutil.which("curl"):
+        say(f"   curl -s {metrics_url} | grep gpu_agent_")
+    else:
+        fetch = f"import urllib.request; print(urllib.request.urlopen('{metrics_url}').read().decode())"
+        say(f'   python3 -c "{fetch}" | grep gpu_agent_')
+    if demo.alertmanager is not None:
+        if shutil.which("curl"):
+            say(f"   curl -s {demo.alertmanager.url}/api/v2/alerts   (the alerts it received)")
+        else:
+            say(f"   the alerts it received: {demo.alertmanager.url}/api/v2/alerts")
     say(f"   agent log: {demo.log_path}")
+
+
+def _alert_arrival(demo: Demo, rule: str) -> str:
+    """The alert `rule` sent, as the demo's Alertmanager received it; without one, the action's
+    outcome (not configured: there is nowhere to send it)."""
+    alertmanager = demo.alertmanager
+    if alertmanager is None:
+        demo.wait(
+            f"the {rule} decision",
+            lambda s: any(r["rule"] == rule for r in s["recent_remediations"]),
+            60,
+        )
+        decided = [r for r in demo.status()["recent_remediations"] if r["rule"] == rule][-1]
+        return f"the alert: {decided['outcome'].replace('_', ' ')} ({decided['detail']})"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        arrived = [a for a in alertmanager.alerts() if (a.get("labels") or {}).get("rule") == rule]
+        if arrived:
+            labels, annotations = arrived[-1]["labels"], arrived[-1].get("annotations") or {}
+            summary = annotations.get("summary") or annotations.get("description") or ""
+            return f"Alertmanager received {labels.get('alertname')}: {summary}"
+        time.sleep(0.25)
+    raise RuntimeError(f"the {rule} alert never reached Alertmanager at {alertmanager.url}; see {demo.log_path}")
 
 
 def _plan_summary(demo: Demo) -> str:

@@ -26,6 +26,9 @@ With `--sim-state-dir`, the process registers its pid as a compute process on `-
 simulated backend whose state lives there (as a real server holds its GPUs) and removes it on exit,
 so stopping the service frees the GPU the way it does on a real node.
 
+`--dp-ranks N` repeats sglang's scheduler families per data-parallel rank, `--tp-ranks N` per TP
+rank of each (every scheduler exporting, as `--enable-metrics-for-all-schedulers` makes sglang do).
+
 `GET /metrics` exports the families of the server it stands in for (`--flavor sglang|vllm`; with
 `--metric-names legacy`, vLLM's names from before 0.11: `time_per_output_token_seconds`,
 `gpu_cache_usage_perc`): histograms with the servers' own bucket boundaries, counters, gauges and
@@ -38,6 +41,11 @@ brought up to the moment of each `/metrics` request, so two scrapes difference e
 Latency follows the simulated GPUs it runs on (`--sim-state-dir`): a GPU whose clock drops
 (a thermal slowdown halves it, a power cap trims it) makes every token slower by the same ratio,
 the slowest of its GPUs setting the pace as in tensor parallelism.
+
+`--drain-file F` models a drained node: while F exists no new request arrives (the load balancer
+sends it none) and the running ones finish within `--drain-seconds` (default 5), so the running
+gauge falls to 0. A starting stand-in removes F (a started server re-registers with the load
+balancer), so a drain hook that creates F makes the whole drain-restart cycle observable.
 
 Only the standard library is used (plus the repository's simulated backend when asked for), so it
 also runs under a bare `python3`, e.g. inside the systemd sandbox.
@@ -109,6 +117,9 @@ SGLANG_TTFT_BOUNDS: Bounds = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40
 SGLANG_E2E_BOUNDS: Bounds = (*SGLANG_TTFT_BOUNDS, 600, 1200, 1800, 2400)
 _SGLANG_ITL_LOW: Bounds = (0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.06, 0.08, 0.1)
 SGLANG_ITL_BOUNDS: Bounds = (*_SGLANG_ITL_LOW, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8)
+_SGLANG_QUEUE_LOW: Bounds = (0.0, 0.1, 0.2, 0.5, 1, 2, 3, 4, 5, 10, 15, 20, 30, 40, 50, 60, 70, 80, 90, 100, 200)
+SGLANG_QUEUE_BOUNDS: Bounds = (*_SGLANG_QUEUE_LOW, 300, 400, 500, 600, 700, 800, 900, 1000, 1200, 1400, 1600, 1800)
+SGLANG_QUEUE_BOUNDS = (*SGLANG_QUEUE_BOUNDS, 2000, 2500, 3000)
 _VLLM_TTFT_LOW: Bounds = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10)
 VLLM_TTFT_BOUNDS: Bounds = (*_VLLM_TTFT_LOW, 20, 40, 80, 160, 640, 2560)
 _VLLM_ITL_LOW: Bounds = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 7.5, 10)
@@ -172,8 +183,14 @@ class Traffic:
         legacy_names: bool = False,
         dp_ranks: int = 1,
         concurrency: int | None = None,
+        drain_seconds: float = 5.0,
+        tp_ranks: int = 1,
     ) -> None:
         self.flavor = flavor
+        # with --enable-metrics-for-all-schedulers every TP rank exports its group's batch again
+        self.tp_ranks = tp_ranks
+        self.drain_seconds = drain_seconds
+        self.drain_from: float | None = None  # requests running when a drain began
         self.dp_ranks = dp_ranks  # sglang's scheduler families come once per data-parallel rank
         self.request_rate = request_rate
         self.concurrency = concurrency  # closed loop: this many clients, each waiting for its answer
@@ -193,14 +210,15 @@ class Traffic:
         self.started = time.time()
         self.generation_tokens_per_second = 0.0
         if flavor == "sglang":
-            ttft, itl, e2e, queue = SGLANG_TTFT_BOUNDS, SGLANG_ITL_BOUNDS, SGLANG_E2E_BOUNDS, SGLANG_E2E_BOUNDS
+            ttft, itl, e2e, queue = SGLANG_TTFT_BOUNDS, SGLANG_ITL_BOUNDS, SGLANG_E2E_BOUNDS, SGLANG_QUEUE_BOUNDS
         else:
             ttft, itl, e2e, queue = VLLM_TTFT_BOUNDS, VLLM_ITL_BOUNDS, VLLM_REQUEST_BOUNDS, VLLM_REQUEST_BOUNDS
         self.ttft = _Histogram(ttft)
         self.itl = _Histogram(itl)
         self.e2e = _Histogram(e2e)
-        self.queue_time = _Histogram(queue)
-        self.decode_time = _Histogram(queue)
+        # sglang's queue time is a scheduler family: each data-parallel rank observes its own requests
+        self.queue_times = [_Histogram(queue) for _ in range(dp_ranks if flavor == "sglang" else 1)]
+        self.decode_time = _Histogram(VLLM_REQUEST_BOUNDS if flavor == "vllm" else SGLANG_E2E_BOUNDS)
         self.prompt_hist = _Histogram(TOKEN_BOUNDS)
         self.generation_hist = _Histogram(TOKEN_BOUNDS)
         self.stages = {stage: _Histogram(SGLANG_E2E_BOUNDS) for stage in SGLANG_STAGES}
@@ -209,13 +227,13 @@ class Traffic:
     def healthy_e2e_seconds() -> float:
         return BASE_TTFT_SECONDS + BASE_ITL_SECONDS * (OUTPUT_TOKENS - 1)
 
-    def advance_to(self, now_monotonic: float, slowdown: float) -> None:
+    def advance_to(self, now_monotonic: float, slowdown: float, draining: bool = False) -> None:
         """Let the traffic run up to `now_monotonic` at the pace `slowdown` sets."""
         with self.lock:
             last = self.last_tick_monotonic
             self.last_tick_monotonic = now_monotonic
         if last is not None and now_monotonic > last:
-            self.tick(now_monotonic - last, slowdown)
+            self.tick(now_monotonic - last, slowdown, draining)
 
     def _arrivals(self, seconds: float, service_seconds: float) -> float:
         """Requests arriving in `seconds`: the fixed rate, or in a closed loop one per client whose
@@ -226,16 +244,25 @@ class Traffic:
         self.waiting = max(0.0, float(self.concurrency - self.max_running))
         return in_service / service_seconds * seconds
 
-    def tick(self, seconds: float, slowdown: float) -> None:
+    def tick(self, seconds: float, slowdown: float, draining: bool = False) -> None:
         with self.lock:
             self.slowdown = slowdown
             service_seconds = self.healthy_e2e_seconds() * slowdown
             capacity_per_second = self.max_running / service_seconds
-            arriving = self._arrivals(seconds, service_seconds)
+            if draining and self.drain_from is None:
+                self.drain_from = self.running
+            elif not draining:
+                self.drain_from = None
+            # Draining, the load balancer sends nothing new: what runs finishes within drain_seconds.
+            arriving = 0.0 if draining else self._arrivals(seconds, service_seconds)
             self.waiting += arriving
             serve = min(self.waiting, capacity_per_second * seconds)
             self.waiting -= serve
-            self.running = min(float(self.max_running), arriving / seconds * service_seconds if seconds > 0 else 0.0)
+            if self.drain_from is not None:
+                self.running = max(0.0, self.running - self.drain_from * seconds / self.drain_seconds)
+            else:
+                in_flight = arriving / seconds * service_seconds if seconds > 0 else 0.0
+                self.running = min(float(self.max_running), in_flight)
             queue_delay = self.waiting / capacity_per_second
             self.served_fraction += serve
             served = int(self.served_fraction)
@@ -254,7 +281,7 @@ class Traffic:
         decode = itl_mean * (OUTPUT_TOKENS - 1)
         self.ttft.observe(ttft)
         self.e2e.observe(ttft + decode)
-        self.queue_time.observe(queue_delay)
+        self.queue_times[self.requests % len(self.queue_times)].observe(queue_delay)
         self.decode_time.observe(decode)
         self.prompt_hist.observe(PROMPT_TOKENS)
         self.generation_hist.observe(OUTPUT_TOKENS)
@@ -276,9 +303,12 @@ class Traffic:
 
     def _sglang_lines(self) -> list[str]:
         request = f'model_name="{MODEL_NAME}"'
+        # (data-parallel rank, labels) of every scheduler that exports: one per DP rank, or with
+        # all schedulers every TP rank of it, numbered globally as sglang numbers them
         ranks = [
-            f'dp_rank="{r}",engine_type="unified",model_name="{MODEL_NAME}",pp_rank="0",tp_rank="0"'
+            (r, f'dp_rank="{r}",engine_type="unified",{request},pp_rank="0",tp_rank="{r * self.tp_ranks + t}"')
             for r in range(self.dp_ranks)
+            for t in range(self.tp_ranks)
         ]
         out: list[str] = []
 
@@ -287,8 +317,8 @@ class Traffic:
 
         def gauge(name: str, text: str, value: float, split: bool = False) -> None:
             # each data-parallel rank reports its own share of the load (`split`); ratios are alike
-            share = value / len(ranks) if split else value
-            family(name, "gauge", text, [f"{name}{{{labels}}} {_number(share)}" for labels in ranks])
+            share = value / self.dp_ranks if split else value
+            family(name, "gauge", text, [f"{name}{{{labels}}} {_number(share)}" for _, labels in ranks])
 
         running = round(self.running)
         gauge("sglang:num_running_reqs", "The number of running requests.", running, split=True)
@@ -315,14 +345,17 @@ class Traffic:
             ("sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.", self.ttft),
             ("sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", self.itl),
             ("sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds", self.e2e),
-            ("sglang:queue_time_seconds", "Histogram of queueing time in seconds.", self.queue_time),
             ("sglang:prompt_tokens_histogram", "Histogram of prompt token length.", self.prompt_hist),
             ("sglang:generation_tokens_histogram", "Histogram of generation token length.", self.generation_hist),
         )
         for name, text, histogram in histograms:
             family(name, "histogram", text, histogram.lines(name, request))
+        queue: list[str] = []
+        for rank, labels in ranks:
+            queue += self.queue_times[rank].lines("sglang:queue_time_seconds", labels)
+        family("sglang:queue_time_seconds", "histogram", "Histogram of queueing time in seconds.", queue)
         stages: list[str] = []
-        for labels in ranks:
+        for _, labels in ranks:
             for stage, histogram in self.stages.items():
                 stages += histogram.lines("sglang:per_stage_req_latency_seconds", f'{labels},stage="{stage}"')
         family("sglang:per_stage_req_latency_seconds", "histogram", "The latency of each stage of requests.", stages)
@@ -373,7 +406,7 @@ class Traffic:
             (
                 "vllm:request_queue_time_seconds",
                 "Time spent in WAITING phase for request.",
-                self.queue_time,
+                self.queue_times[0],
             ),
             (
                 "vllm:request_decode_time_seconds",
@@ -405,11 +438,17 @@ class Traffic:
         ]
 
 
-def run_traffic(traffic: Traffic, slowdown: Callable[[], float], stop: threading.Event, tick_seconds: float) -> None:
+def run_traffic(
+    traffic: Traffic,
+    slowdown: Callable[[], float],
+    stop: threading.Event,
+    tick_seconds: float,
+    draining: Callable[[], bool] = lambda: False,
+) -> None:
     """Advance the simulated traffic every tick at the pace the GPUs allow now."""
-    traffic.advance_to(time.monotonic(), slowdown())
+    traffic.advance_to(time.monotonic(), slowdown(), draining())
     while not stop.wait(tick_seconds):
-        traffic.advance_to(time.monotonic(), slowdown())
+        traffic.advance_to(time.monotonic(), slowdown(), draining())
 
 
 def make_handler(
@@ -417,6 +456,7 @@ def make_handler(
     stop: threading.Event,
     traffic: Traffic | None = None,
     slowdown: Callable[[], float] = lambda: 1.0,
+    draining: Callable[[], bool] = lambda: False,
 ) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -466,7 +506,7 @@ def make_handler(
 
         def _answer_ok(self, path: str) -> None:
             if path == "/metrics" and traffic is not None:
-                traffic.advance_to(time.monotonic(), slowdown())  # counters as of this very request
+                traffic.advance_to(time.monotonic(), slowdown(), draining())  # counters as of this request
                 self._answer(200, traffic.render().encode(), "text/plain; version=0.0.4; charset=utf-8")
             elif path == "/v1/models":
                 model = {"id": MODEL_NAME, "object": "model", "owned_by": "standin"}
@@ -568,28 +608,56 @@ def stop_server(pid_file: Path, timeout_seconds: float = 10.0) -> int:
     return 1
 
 
+#: How much of what a server that died during start wrote to stderr `--daemon` passes on.
+START_STDERR_TAIL_BYTES = 2048
+
+
 def daemonize(pid_file: Path, timeout_seconds: float = 20.0) -> None:
-    """Fork; the parent exits 0 once the child wrote the pid file (1 if it died first), the child
-    returns, detached from the caller's session and output."""
+    """Fork; the parent exits 0 once the child wrote the pid file (1 if it died first, passing on
+    the tail of what it wrote to stderr: why it could not start), the child returns, detached from
+    the caller's session; its stderr goes to the parent until `detach_stderr`."""
     with contextlib.suppress(FileNotFoundError):
         pid_file.unlink()
+    errors_read, errors_write = os.pipe()
     child = os.fork()
     if child == 0:
         os.setsid()
+        os.close(errors_read)
         devnull = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1, 2):
+        for fd in (0, 1):
             os.dup2(devnull, fd)
+        os.dup2(errors_write, 2)
+        os.close(errors_write)
+        os.close(devnull)
         return
+    os.close(errors_write)
+    os.set_blocking(errors_read, False)
+    written = bytearray()
     deadline = time.monotonic() + timeout_seconds
     while time.monotonic() < deadline:
+        with contextlib.suppress(BlockingIOError):
+            while chunk := os.read(errors_read, 65536):
+                written += chunk
+                del written[:-START_STDERR_TAIL_BYTES]
         if os.waitpid(child, os.WNOHANG)[0] == child:
-            print("standin: server exited during start", file=sys.stderr)
+            with contextlib.suppress(BlockingIOError):
+                while chunk := os.read(errors_read, 65536):
+                    written += chunk
+            tail = bytes(written[-START_STDERR_TAIL_BYTES:]).decode("utf-8", "replace").strip()
+            print("standin: server exited during start" + (f": {tail}" if tail else ""), file=sys.stderr)
             sys.exit(1)
         if read_pid(pid_file) == child:
             sys.exit(0)
         time.sleep(0.02)
     print(f"standin: server not listening after {timeout_seconds:g} s", file=sys.stderr)
     sys.exit(1)
+
+
+def detach_stderr() -> None:
+    """A daemonized server that started: its stderr goes nowhere from now on."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -612,6 +680,13 @@ def main(argv: list[str] | None = None) -> int:
         "--concurrency", type=int, help="closed loop: this many clients instead of --request-rate (a benchmark)"
     )
     parser.add_argument("--dp-ranks", type=int, default=1, help="sglang: scheduler families per data-parallel rank")
+    parser.add_argument(
+        "--tp-ranks", type=int, default=1, help="sglang: TP ranks exporting each batch (all schedulers' metrics)"
+    )
+    parser.add_argument("--drain-file", type=Path, help="while it exists, no new requests arrive (a drained node)")
+    parser.add_argument(
+        "--drain-seconds", type=float, default=5.0, help="how long the running requests take to finish when drained"
+    )
     args = parser.parse_args(argv)
     if args.stop:
         if args.pid_file is None:
@@ -636,6 +711,8 @@ def main(argv: list[str] | None = None) -> int:
         legacy_names=args.metric_names == "legacy",
         dp_ranks=args.dp_ranks,
         concurrency=args.concurrency,
+        drain_seconds=args.drain_seconds,
+        tp_ranks=args.tp_ranks,
     )
     sim = (
         SimGpus(args.sim_state_dir, args.sim_profile, [int(g) for g in args.gpus.split(",")])
@@ -643,7 +720,9 @@ def main(argv: list[str] | None = None) -> int:
         else None
     )
     pace = sim.slowdown if sim is not None else (lambda: 1.0)
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(behaviour, stop, traffic, pace))
+    drain_file: Path | None = args.drain_file
+    draining = (lambda: drain_file.exists()) if drain_file is not None else (lambda: False)
+    server = ThreadingHTTPServer((args.host, args.port), make_handler(behaviour, stop, traffic, pace, draining))
     server.daemon_threads = True
 
     def shut_down(status: int) -> None:
@@ -664,10 +743,23 @@ def main(argv: list[str] | None = None) -> int:
                 shut_down(CRASH_EXIT_STATUS)
 
     if sim is not None:
-        sim.attach()
-    threading.Thread(target=run_traffic, args=(traffic, pace, stop, TRAFFIC_TICK_SECONDS), daemon=True).start()
+        try:
+            sim.attach()
+        except Exception as exc:  # a lost GPU, say: the reason is what the start command reports
+            print(f"standin: cannot run on simulated GPUs {args.gpus}: {exc}", file=sys.stderr)
+            server.server_close()
+            return 1
+    if drain_file is not None:
+        # A server that starts takes requests again (as its node re-registers with the load balancer).
+        with contextlib.suppress(FileNotFoundError):
+            drain_file.unlink()
+    threading.Thread(
+        target=run_traffic, args=(traffic, pace, stop, TRAFFIC_TICK_SECONDS, draining), daemon=True
+    ).start()
     if args.pid_file is not None:
         write_pid(args.pid_file)
+    if args.daemon:
+        detach_stderr()
     threading.Thread(target=watch_for_exit, daemon=True).start()
     try:
         server.serve_forever(poll_interval=0.05)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from agent.config import Mode
 from agent.metrics.families import Families, flag, gpu_label, gpu_uuids
 from agent.policy.base import PlanStatus
+from agent.policy.names import DRIVER, NEXT_BOOT
 from agent.rules.model import Outcome
 from agent.state import NodeSnapshot
 from agent.store.node_memory import expected_gpu_count
-from agent.verdict import NodeProblem, is_drift, node_problem
+from agent.verdict import AttentionCause, NodeProblem, attention_items, is_drift, node_problem
 
 
 def backend(out: Families, snap: NodeSnapshot) -> None:
@@ -31,6 +33,15 @@ def backend(out: Families, snap: NodeSnapshot) -> None:
             "than expected), 0 for the others.",
             {"cause": cause.value},
             float(problem is not None and problem.cause is cause),
+        )
+    needs = attention_items(snap)
+    for attention_cause in AttentionCause:
+        out.gauge(
+            "gpu_agent_attention",
+            "Lines of the agent's verdict that need an operator (gpu-agent status: ATTENTION NEEDED), by cause; "
+            "0 for every cause: all healthy.",
+            {"cause": attention_cause.value},
+            sum(1 for item in needs if item.cause is attention_cause),
         )
     out.gauge(
         "gpu_agent_reboot_recommended",
@@ -100,7 +111,7 @@ def policy(out: Families, snap: NodeSnapshot) -> None:
             "gpu_agent_policy_enforced",
             "1 when the agent repairs drift of this item (enforce mode), 0 when it only reports it (observe).",
             {"item": item},
-            float(mode == "enforce"),
+            float(mode == Mode.ENFORCE.value),
         )
 
 
@@ -108,7 +119,7 @@ def readiness(out: Families, snap: NodeSnapshot) -> None:
     """What the report-only items found: the driver, and whether the next boot brings the GPUs back."""
     for plan in snap.policy:
         facts = dict(plan.facts)
-        if plan.item == "next_boot" and plan.status in (PlanStatus.IN_SYNC, PlanStatus.DRIFT):
+        if plan.item == NEXT_BOOT and plan.status in (PlanStatus.IN_SYNC, PlanStatus.DRIFT):
             out.gauge(
                 "gpu_agent_boot_ready",
                 "1 when the kernel that boots next has the NVIDIA module (signed under Secure Boot) and an "
@@ -116,7 +127,7 @@ def readiness(out: Families, snap: NodeSnapshot) -> None:
                 {"kernel": facts.get("kernel", ""), "reason": facts.get("reason", "")},
                 float(plan.status is PlanStatus.IN_SYNC),
             )
-        if plan.item == "driver" and "version" in facts:
+        if plan.item == DRIVER and "version" in facts:
             out.gauge(
                 "gpu_agent_driver_info",
                 "The loaded NVIDIA driver, its branch where the installed package tells it, and the newest "

@@ -16,7 +16,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from agent.metrics.collector import SnapshotCollector, SnapshotGetter
 from agent.state import NodeSnapshot
-from agent.verdict import node_problem
+from agent.verdict import attention_items, node_problem
 
 log = structlog.get_logger("gpu-agent")
 
@@ -132,12 +132,20 @@ class MetricsServer:
 
     def _health(self) -> tuple[int, dict[str, object]]:
         """200 while snapshots keep coming; 503 before the first one, once the last is too old, or while
-        the node has a problem (no driver, no or missing GPUs)."""
+        the node has a problem (no driver, no or missing GPUs). The body carries the verdict's
+        attention lines (a service down, a next boot not ready, ...): worth a look, not a reason to
+        take the node out of rotation."""
         snapshot = self._get_snapshot()
         if snapshot is None:
             return 503, {"status": "starting", "detail": "no snapshot yet"}
         age_seconds = max(0.0, self._clock() - snapshot.timestamp_seconds)
-        body: dict[str, object] = {"status": "ok", "snapshot_age_seconds": round(age_seconds, 3)}
+        needs = attention_items(snapshot)
+        body: dict[str, object] = {
+            "status": "ok",
+            "snapshot_age_seconds": round(age_seconds, 3),
+            "attention": [item.text for item in needs],
+            "causes": [item.cause.value for item in needs],
+        }
         if self._stale_after_seconds is not None and age_seconds > self._stale_after_seconds:
             body["status"] = "stale"
             body["detail"] = f"last snapshot is {age_seconds:.0f} s old (limit {self._stale_after_seconds:g} s)"

@@ -50,12 +50,16 @@ class PlanStatus(str, Enum):
     ERROR = "error"  # unreadable, or the desired value is impossible on this device
 
 
-class Outcome(str, Enum):
+class ApplyOutcome(str, Enum):
     APPLIED = "applied"
     UNCHANGED = "unchanged"  # nothing to do
     SKIPPED = "skipped"  # observe mode, not applicable, or the plan was an error
     REBOOT_REQUIRED = "reboot_required"
     FAILED = "failed"
+
+
+#: The `driver` item's fact naming the services whose `cuda_version` the loaded driver is too old for.
+CUDA_TOO_OLD_FACT = "cuda_too_old"
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,7 @@ class ItemPlan:
 @dataclass(frozen=True)
 class ItemResult:
     plan: ItemPlan
-    outcome: Outcome
+    outcome: ApplyOutcome
     detail: str = ""
 
 

@@ -26,7 +26,7 @@ from agent.host.driver import (
     fabric_manager_matches,
     version_tuple,
 )
-from agent.policy.base import HostContext, ItemPlan, PlanStatus
+from agent.policy.base import CUDA_TOO_OLD_FACT, HostContext, ItemPlan, PlanStatus
 from agent.policy.item import HostItem, Planned, planned
 from agent.policy.report_only import OperatorTask, refuse
 
@@ -114,9 +114,12 @@ class DriverItem(HostItem[DriverWant, OperatorTask]):
             tasks.append(OperatorTask(f"install NVIDIA driver {policy.min_version} or newer (loaded: {version})", _WHY))
         if policy.branch is not None and branch is not None and branch != policy.branch:
             tasks.append(OperatorTask(f"install the {policy.branch} driver branch (installed: {branch})", _WHY))
-        for service, needs in want.services_cuda:
-            if cuda is not None and not cuda_supported(cuda, needs):
-                tasks.append(OperatorTask(f"{service} needs CUDA {needs}; driver {version} supports CUDA {cuda}", _WHY))
+        too_old = [
+            f"{service} needs CUDA {needs}; driver {version} supports CUDA {cuda}"
+            for service, needs in want.services_cuda
+            if cuda is not None and not cuda_supported(cuda, needs)
+        ]
+        tasks += [OperatorTask(text, _WHY) for text in too_old]
         if _nvswitch_present(ctx):
             matches = fabric_manager_matches(version, packages.fabric_manager)
             if matches is None:
@@ -124,7 +127,14 @@ class DriverItem(HostItem[DriverWant, OperatorTask]):
             elif not matches:
                 installed = packages.fabric_manager[1] if packages.fabric_manager else "?"
                 tasks.append(OperatorTask(f"install nvidia-fabricmanager {version} (installed: {installed})", _WHY))
-        facts = (("version", version), ("branch", branch or ""), ("cuda_version", cuda or ""))
+        facts: tuple[tuple[str, str], ...] = (
+            ("version", version),
+            ("branch", branch or ""),
+            ("cuda_version", cuda or ""),
+        )
+        if too_old:
+            # the verdict's "driver too old" line (agent/verdict.py), whatever the item's mode
+            facts += ((CUDA_TOO_OLD_FACT, "; ".join(too_old)),)
         notes = []
         if policy.branch is not None and branch is None:
             notes.append("the branch cannot be told from the installed packages")

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from agent.backend.base import GpuBackend, GpuIdentity
 from agent.backend.errors import GpuError, WriteRefused
 from agent.config import AgentConfig, GpuProfile, Mode
-from agent.policy.base import GpuContext, HostContext, ItemPlan, ItemResult, Outcome, PlanStatus
+from agent.policy.base import ApplyOutcome, GpuContext, HostContext, ItemPlan, ItemResult, PlanStatus
 from agent.policy.holds import PolicyHolds
 from agent.policy.item import Change, PolicyItem, enforce, plan_item, result_without_write
 from agent.policy.registry import GPU_ITEMS, NODE_ITEMS, RESTORABLE_ITEMS, RESTORABLE_NAMES
@@ -87,10 +87,10 @@ class ApplyReport:
     @property
     def exit_code(self) -> int:
         """`gpu-agent apply`: 0 when everything is in sync or applied, 1 otherwise."""
-        bad = {Outcome.FAILED}
+        bad = {ApplyOutcome.FAILED}
         if any(r.outcome in bad for r in self.results) or self.plan.has_error:
             return 1
-        unapplied = [r for r in self.results if r.outcome is Outcome.SKIPPED and r.plan.status is PlanStatus.DRIFT]
+        unapplied = [r for r in self.results if r.outcome is ApplyOutcome.SKIPPED and r.plan.status is PlanStatus.DRIFT]
         return 1 if unapplied and not self.dry_run else 0
 
 
@@ -182,12 +182,12 @@ class PolicyEngine:
             return no_write
         assert entry.enforce is not None  # only an unidentified GPU has none, and its plan is an ERROR
         if self.config.item_mode(plan.item) is not Mode.ENFORCE:
-            return ItemResult(plan, Outcome.SKIPPED, "observe mode: drift reported, nothing changed")
+            return ItemResult(plan, ApplyOutcome.SKIPPED, "observe mode: drift reported, nothing changed")
         held = self.holds.held(plan.item, plan.gpu)
         if held is not None:
-            return ItemResult(plan, Outcome.SKIPPED, f"held: {held}")
+            return ItemResult(plan, ApplyOutcome.SKIPPED, f"held: {held}")
         if dry_run:
-            return ItemResult(plan, Outcome.SKIPPED, "dry run: would " + "; ".join(plan.changes))
+            return ItemResult(plan, ApplyOutcome.SKIPPED, "dry run: would " + "; ".join(plan.changes))
         return entry.enforce()
 
     # -- restore ---------------------------------------------------------------------------------
@@ -200,7 +200,7 @@ class PolicyEngine:
         results: list[ItemResult] = [
             ItemResult(
                 _unreadable(gpu, error),
-                Outcome.FAILED,
+                ApplyOutcome.FAILED,
                 f"GPU {gpu} could not be identified, so nothing on it was restored: {error}",
             )
             for gpu, error in sorted(self.state.unreadable.items())
@@ -242,4 +242,6 @@ def _guarded_restore(item: str, gpu: int, restore: Callable[[], ItemResult]) -> 
     try:
         return restore()
     except (GpuError, WriteRefused) as exc:
-        return ItemResult(ItemPlan(item, gpu, PlanStatus.ERROR, "default", "?", str(exc)), Outcome.FAILED, str(exc))
+        return ItemResult(
+            ItemPlan(item, gpu, PlanStatus.ERROR, "default", "?", str(exc)), ApplyOutcome.FAILED, str(exc)
+        )

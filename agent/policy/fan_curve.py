@@ -20,6 +20,7 @@ from agent.config import FanCurve
 from agent.policy.base import GpuContext, ItemPlan, ItemResult, PlanStatus
 from agent.policy.gpu_item import ProfileGpuItem, not_applicable_plan, run_restore
 from agent.policy.item import Planned, RestorableGpuItem, compared, planned
+from agent.policy.names import FAN_CURVE
 
 _NO_FANS = "has no fans: no fan curve to enforce"
 # A fan at a manual speed reads back within a point or two of what was set; closer is in sync.
@@ -56,13 +57,13 @@ def _target(ctx: GpuContext, curve: FanCurve, celsius: int) -> _Target:
     once it is `hysteresis_celsius` below the temperature that set the current one, so a GPU
     hovering around a point does not make the fans hunt."""
     percent = _curve_percent(curve, celsius)
-    held = ctx.item_state.get("fan_curve")
+    held = ctx.item_state.get(FAN_CURVE)
     if isinstance(held, _Target) and held.curve == curve:
         cooled_enough = celsius <= held.set_at_celsius - curve.hysteresis_celsius
         if percent == held.percent or (percent < held.percent and not cooled_enough):
             return held
     target = _Target(curve, percent, celsius)
-    ctx.item_state["fan_curve"] = target
+    ctx.item_state[FAN_CURVE] = target
     return target
 
 
@@ -182,7 +183,7 @@ def _manual(ctx: GpuContext, fan: int) -> bool | None:
 
 
 ITEM: Final = FanCurveItem(
-    "fan_curve",
+    FAN_CURVE,
     lambda profile: profile.fan_curve,
     missing="has no software-controllable fans: no fan curve to enforce",
 )

@@ -20,7 +20,7 @@ from typing import Any, Final, TypeVar
 
 from agent.backend.errors import GpuError, GpuErrorKind
 from agent.config import GpuProfile
-from agent.policy.base import GpuContext, ItemPlan, ItemResult, Outcome, PlanStatus, describe_error
+from agent.policy.base import ApplyOutcome, GpuContext, ItemPlan, ItemResult, PlanStatus, describe_error
 from agent.policy.item import Change, GpuItem, Planned, planned
 from agent.policy.names import GpuItemName
 
@@ -129,15 +129,15 @@ def run_restore(
     done = guarded_read(item.name, ctx, default, item.missing, read)
     plan = done.plan
     if plan.status is PlanStatus.ERROR:
-        return ItemResult(plan, Outcome.FAILED, plan.detail)
+        return ItemResult(plan, ApplyOutcome.FAILED, plan.detail)
     if plan.status is not PlanStatus.DRIFT:
-        outcome = Outcome.UNCHANGED if plan.status is PlanStatus.IN_SYNC else Outcome.SKIPPED
+        outcome = ApplyOutcome.UNCHANGED if plan.status is PlanStatus.IN_SYNC else ApplyOutcome.SKIPPED
         return ItemResult(plan, outcome, plan.detail)
     try:
         summary = item.apply(ctx, done.changes)
     except GpuError as exc:
-        return ItemResult(plan, Outcome.FAILED, describe_error(exc))
+        return ItemResult(plan, ApplyOutcome.FAILED, describe_error(exc))
     after = guarded_read(item.name, ctx, default, item.missing, read)
     if settled(after):
-        return ItemResult(plan, Outcome.APPLIED, summary)
-    return ItemResult(plan, Outcome.FAILED, f"{summary}, but GPU {ctx.gpu} still reads {after.plan.actual}")
+        return ItemResult(plan, ApplyOutcome.APPLIED, summary)
+    return ItemResult(plan, ApplyOutcome.FAILED, f"{summary}, but GPU {ctx.gpu} still reads {after.plan.actual}")

@@ -19,7 +19,7 @@ from typing import Final, Generic, Literal, Protocol, TypeVar, runtime_checkable
 
 from agent.backend.errors import GpuError, WriteRefused
 from agent.config import AgentConfig, GpuProfile, NodePolicy
-from agent.policy.base import GpuContext, HostContext, ItemPlan, ItemResult, Outcome, PlanStatus, describe_error
+from agent.policy.base import ApplyOutcome, GpuContext, HostContext, ItemPlan, ItemResult, PlanStatus, describe_error
 from agent.policy.names import GpuItemName, ItemName, NodeItemName
 
 Scope = Literal["gpu", "node"]
@@ -141,11 +141,11 @@ class HostItem(NodeItem[W, C]):
 
 
 # What a plan that needs no write leads to.
-_NO_WRITE_OUTCOMES: dict[PlanStatus, Outcome] = {
-    PlanStatus.IN_SYNC: Outcome.UNCHANGED,
-    PlanStatus.NOT_APPLICABLE: Outcome.UNCHANGED,
-    PlanStatus.REBOOT_REQUIRED: Outcome.REBOOT_REQUIRED,
-    PlanStatus.ERROR: Outcome.SKIPPED,
+_NO_WRITE_OUTCOMES: dict[PlanStatus, ApplyOutcome] = {
+    PlanStatus.IN_SYNC: ApplyOutcome.UNCHANGED,
+    PlanStatus.NOT_APPLICABLE: ApplyOutcome.UNCHANGED,
+    PlanStatus.REBOOT_REQUIRED: ApplyOutcome.REBOOT_REQUIRED,
+    PlanStatus.ERROR: ApplyOutcome.SKIPPED,
 }
 
 
@@ -194,13 +194,13 @@ def enforce(item: PolicyItem[T, W, C], target: T, want: W, done: Planned[C]) -> 
     try:
         summary = item.apply(target, done.changes)
     except (ChangeFailed, WriteRefused, GpuError, OSError) as exc:
-        return ItemResult(done.plan, Outcome.FAILED, write_failure(exc))
+        return ItemResult(done.plan, ApplyOutcome.FAILED, write_failure(exc))
     verified = plan_item(item, target, want).plan
     if verified.status is PlanStatus.IN_SYNC:
-        return ItemResult(done.plan, Outcome.APPLIED, summary)
+        return ItemResult(done.plan, ApplyOutcome.APPLIED, summary)
     if verified.status is PlanStatus.REBOOT_REQUIRED:
-        return ItemResult(done.plan, Outcome.REBOOT_REQUIRED, "; ".join(filter(None, [summary, verified.detail])))
+        return ItemResult(done.plan, ApplyOutcome.REBOOT_REQUIRED, "; ".join(filter(None, [summary, verified.detail])))
     why = f" ({verified.detail})" if verified.detail else ""
     return ItemResult(
-        verified, Outcome.FAILED, f"applied but still {verified.status.value}: actual {verified.actual}{why}"
+        verified, ApplyOutcome.FAILED, f"applied but still {verified.status.value}: actual {verified.actual}{why}"
     )

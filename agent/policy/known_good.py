@@ -20,12 +20,13 @@ from typing import Any
 import structlog
 
 from agent.config import AgentConfig, Mode, SimulatedConfig
+from agent.policy.names import FAN_CURVE, LOCKED_CLOCKS
 
 log = structlog.get_logger("gpu-agent")
 
 RECORD_NAME = "known-good.json"
 #: Always restored by a fallback restore: a fan left manual or clocks left locked are what hurts.
-FALLBACK_ITEMS = frozenset({"fan_curve", "locked_clocks"})
+FALLBACK_ITEMS = frozenset({FAN_CURVE, LOCKED_CLOCKS})
 _MAX_CONFIG_BYTES = 1 << 20
 _STATE_DIR_LINE = re.compile(r"^state_dir:\s*['\"]?([^'\"#\s]+)['\"]?\s*(?:#.*)?$", re.MULTILINE)
 

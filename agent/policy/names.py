@@ -8,7 +8,7 @@ agent, so the config and the backend can use it without importing the items them
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Final, Literal, get_args
 
 #: GPU settings the agent writes through the backend's setters.
 SettableGpuItemName = Literal["power_limit", "locked_clocks", "fan_curve", "persistence", "ecc"]
@@ -17,10 +17,20 @@ ReportOnlyItemName = Literal["vbios", "driver", "next_boot"]
 GpuItemName = Literal[SettableGpuItemName, "vbios"]
 NodeItemName = Literal["transparent_hugepages", "triton_cache", "nouveau", "driver", "next_boot"]
 ItemName = Literal[GpuItemName, NodeItemName]
+#: Not a policy item: the permission to reset GPUs, granted only in enforce mode (remediation). It sits
+#: beside the items because the backend's write guard holds it with them.
+GpuResetName = Literal["gpu_reset"]
+GPU_RESET_ITEM: Final[GpuResetName] = "gpu_reset"
 
 #: In the order `gpu-agent plan` lists them.
 GPU_ITEM_NAMES: tuple[GpuItemName, ...] = (*get_args(SettableGpuItemName), "vbios")
 SETTABLE_GPU_ITEM_NAMES: tuple[SettableGpuItemName, ...] = get_args(SettableGpuItemName)
-REPORT_ONLY_ITEM_NAMES: tuple[ReportOnlyItemName, ...] = get_args(ReportOnlyItemName)
 NODE_ITEM_NAMES: tuple[NodeItemName, ...] = get_args(NodeItemName)
 ITEM_NAMES: tuple[ItemName, ...] = (*GPU_ITEM_NAMES, *NODE_ITEM_NAMES)
+
+#: The names other parts compare plans and writable items against (mypy checks each against the lists above).
+POWER_LIMIT: Final[SettableGpuItemName] = "power_limit"
+LOCKED_CLOCKS: Final[SettableGpuItemName] = "locked_clocks"
+FAN_CURVE: Final[SettableGpuItemName] = "fan_curve"
+DRIVER: Final[NodeItemName] = "driver"
+NEXT_BOOT: Final[NodeItemName] = "next_boot"

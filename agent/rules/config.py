@@ -69,7 +69,7 @@ import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
@@ -87,6 +87,7 @@ from agent.config import (
 from agent.events import EventKind, Severity, SuggestedAction
 from agent.rules.model import ActionSpec
 from agent.rules.params import (
+    PARAMS_BY_KIND,
     ActionKind,
     ActionParams,
     AlertmanagerParams,
@@ -316,6 +317,13 @@ class ActionStep(StrictModel):
     def spec(self) -> ActionSpec:
         options: ActionParams = getattr(self, self.kind.value)
         return ActionSpec(self.kind, options)
+
+
+# A step's keys are the ActionKind values, each holding that kind's parameter model: checked at import.
+if {name: get_args(field.annotation) for name, field in ActionStep.model_fields.items()} != {
+    kind.value: (PARAMS_BY_KIND[kind], type(None)) for kind in ActionKind
+}:
+    raise ImportError("ActionStep's fields must be the ActionKind values, each `<its params model> | None`")
 
 
 # -- rules -----------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """What flows between the pure rule engine and the one place that acts.
 
 engine.evaluate(...) -> list[Decision]; a Decision whose `action` is set is handed to
-actions.execute(...), which returns an ActionOutcome; both are recorded in the store.
+actions.dispatch.execute(...), which returns an ActionOutcome; both are recorded in the store.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from agent.rules.params import ActionKind as ActionKind
 
 
 class Outcome(str, Enum):
-    """How a Decision went. (agent.policy.base.Outcome is another thing: how a policy item's apply went.)"""
+    """How a Decision went. (How a policy item's apply went is agent.policy.base.ApplyOutcome.)"""
 
     SUCCESS = "success"
     FAILED = "failed"
@@ -25,6 +25,7 @@ class Outcome(str, Enum):
     SUPPRESSED = "suppressed"  # cooldown, attempts exhausted, circuit open
     RUNNING = "running"  # journaled before the action starts; replaced by how it went once it ends
     INTERRUPTED = "interrupted"  # the agent stopped or died mid-action; what was rolled back is in the detail
+    NOT_CONFIGURED = "not_configured"  # the action has nowhere to go (no Alertmanager set): nothing was tried
 
 
 @dataclass(frozen=True)

@@ -134,3 +134,6 @@ PARAMS_BY_KIND: dict[ActionKind, type[ActionParams]] = {
         RebootParams,
     )
 }
+# ActionKind is the one list of kinds: a kind without a parameter model fails here, at import.
+if set(PARAMS_BY_KIND) != set(ActionKind):
+    raise ImportError(f"action kinds without a parameter model: {sorted(set(ActionKind) - set(PARAMS_BY_KIND))}")

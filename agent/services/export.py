@@ -2,11 +2,12 @@
 JSON of `gpu-agent status` (its text lines: `agent.services.text`). Pure functions of
 `ServiceFigures` and `GpuAttribution`, so the exporter and the status view stay one call each.
 
-    gpu_agent_service_request_latency_seconds{service,kind="e2e|ttft|itl",quantile="0.5|0.95|0.99"}
+    gpu_agent_service_request_latency_seconds{service,kind="e2e|ttft|itl|queue",quantile="0.5|0.95|0.99"}
     gpu_agent_service_requests_running{service}
     gpu_agent_service_requests_waiting{service}
     gpu_agent_service_kv_cache_usage_ratio{service}
     gpu_agent_service_generation_tokens_per_second{service}
+    gpu_agent_service_tokens_per_joule{service}    generated tokens / energy of its GPUs, same window
     gpu_agent_service_metrics_up{service}          1 when the last scrape of its /metrics worked
     gpu_agent_service_latency_slo_seconds{service,kind="e2e|ttft"}   the p95 objective (services[].slo)
     gpu_agent_service_gpu_memory_bytes{service,gpu,uuid}
@@ -48,6 +49,10 @@ def service_metric_families(
             ("gpu_agent_service_requests_waiting", "Requests waiting in the server's queue now."),
             ("gpu_agent_service_kv_cache_usage_ratio", "The server's KV cache usage (0-1; the fullest pool)."),
             ("gpu_agent_service_generation_tokens_per_second", "Generated tokens per second over the window."),
+            (
+                "gpu_agent_service_tokens_per_joule",
+                "Generated tokens per joule the service's GPUs used, over the same window.",
+            ),
             ("gpu_agent_service_metrics_up", "1 when the last scrape of the server's /metrics worked."),
         )
     }
@@ -63,6 +68,7 @@ def service_metric_families(
             "gpu_agent_service_requests_waiting": found.waiting,
             "gpu_agent_service_kv_cache_usage_ratio": found.kv_cache_usage_ratio,
             "gpu_agent_service_generation_tokens_per_second": found.generation_tokens_per_second,
+            "gpu_agent_service_tokens_per_joule": found.tokens_per_joule,
             "gpu_agent_service_metrics_up": 0.0 if found.error else 1.0,
         }
         for name, value in values.items():
@@ -113,6 +119,7 @@ def status_document(figures: ServiceFigures) -> dict[str, Any]:
         "requests_waiting": figures.waiting,
         "kv_cache_usage_ratio": figures.kv_cache_usage_ratio,
         "generation_tokens_per_second": figures.generation_tokens_per_second,
+        "tokens_per_joule": None if figures.tokens_per_joule is None else round(figures.tokens_per_joule, 4),
         "metrics_error": figures.error or None,
     }
 

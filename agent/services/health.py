@@ -206,7 +206,7 @@ class HealthProber:
             key=f"{kind.value}:{service.name}",
             data={
                 "service": service.name,
-                "unit": service.unit_name,
+                "unit": service.shown_unit,
                 "health_url": service.health_url,
                 "consecutive_failures": tracked.consecutive_failures,
                 "detail": result.detail,
@@ -226,7 +226,7 @@ class HealthProber:
             return [
                 ServiceStatus(
                     name=t.service.name,
-                    unit=t.service.unit_name,
+                    unit=t.service.shown_unit,
                     up=t.up,
                     consecutive_failures=t.consecutive_failures,
                     last_latency_seconds=t.last_latency_seconds,

@@ -10,13 +10,19 @@ of the GPU samples, the Xid events and the server's queue over the window, and n
 | `thermal_slowdown` | hw_slowdown / hw_thermal_slowdown / sw_thermal_slowdown active |
 | `power_cap` | sw_power_cap / hw_power_brake_slowdown active |
 | `clocks_below_expected` | busy, no slowdown reason, under 90 % of the expected (locked) clock in half the samples |
+| `kv_cache_full` | the server's KV cache at >= 95 % while its waiting queue grew or its queue time rose |
 | `memory_near_full` | memory used >= 98 % of total |
-| `queueing` | the GPUs were clean and the server's waiting queue grew over the window |
+| `queueing` | the GPUs were clean and the server's waiting queue grew or its queue time rose |
 | `unknown` | none of the above: the GPUs look clean and nothing queued |
 
 A server preallocates ~90 % of memory for its KV cache, so only the last percents count as full.
+A KV cache past ~95 % makes the scheduler hold new requests back (no room for their tokens): the
+queue grows although the GPUs are clean and fast, which is capacity, not load alone. Queue time
+"rises" when the newer half of the window waited at least 1.5 times longer on average than the
+older half (agent.services.scrape.QueueTimeTrend).
 The order is the priority when several hold: an Xid is a fault, thermal and power reasons explain
-a clock drop better than the drop itself, and a queue that grows on clean GPUs is load.
+a clock drop better than the drop itself, a full KV cache explains the queue behind it, and a
+queue that grows on clean GPUs is load.
 `regression_event` wraps the verdict into a `service_latency_regression` event whose `data` holds
 the evidence; `SloWatch` emits it once per breach (again when the cause changes), never per loop.
 """
@@ -30,19 +36,22 @@ from typing import Any
 
 from agent.config import ServiceSlo
 from agent.events import Event, EventKind, Severity, SuggestedAction
-from agent.services.scrape import ServiceFigures
-from agent.state import GpuSample
+from agent.policy.names import FAN_CURVE
+from agent.services.scrape import QueueTimeTrend, ServiceFigures
+from agent.state import GpuSample, SloBreachNow
 from agent.watch.clock_events import decode
 
 THERMAL_REASONS = frozenset({"hw_slowdown", "hw_thermal_slowdown", "sw_thermal_slowdown"})
 POWER_REASONS = frozenset({"sw_power_cap", "hw_power_brake_slowdown"})
 CLOCK_BELOW_EXPECTED_RATIO = 0.9
 MEMORY_NEAR_FULL_RATIO = 0.98
+KV_CACHE_FULL_RATIO = 0.95
 CAUSES = (
     "xid",
     "thermal_slowdown",
     "power_cap",
     "clocks_below_expected",
+    "kv_cache_full",
     "memory_near_full",
     "queueing",
     "unknown",
@@ -188,6 +197,20 @@ def _queue_grew(history: Sequence[tuple[float, float]]) -> tuple[bool, float, fl
     return peak > first and peak > 0, first, peak
 
 
+def _round(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 4)
+
+
+def _queue_story(grew: bool, first: float, peak: float, queue_time: QueueTimeTrend | None) -> str:
+    """`waiting requests grew from 0 to 40` or `queue time rose from 0.05 s to 2.10 s` (or both)."""
+    told = [f"waiting requests grew from {first:g} to {peak:g}"] if grew else []
+    if queue_time is not None and queue_time.rose:
+        told.append(
+            f"queue time rose from {queue_time.earlier_mean_seconds:.2f} s to {queue_time.later_mean_seconds:.2f} s"
+        )
+    return " and ".join(told)
+
+
 def attribute_cause(
     samples: Iterable[GpuSample],
     *,
@@ -196,18 +219,28 @@ def attribute_cause(
     waiting_history: Sequence[tuple[float, float]] = (),
     expected_clock_mhz: Mapping[int, int] | None = None,
     window_start_seconds: float | None = None,
+    kv_cache_usage_history: Sequence[tuple[float, float]] = (),
+    queue_time: QueueTimeTrend | None = None,
+    queue_time_p95_seconds: float | None = None,
 ) -> CauseFinding:
     """The most likely cause of a latency regression, from the window's GPU samples (several per
-    GPU, oldest first or not), the Xid events seen, and the server's (timestamp, waiting) queue.
+    GPU, oldest first or not), the Xid events seen, and the server's own view: its (timestamp,
+    waiting) queue, its (timestamp, KV cache usage) and its queue time over the window.
 
     `gpus`: the service's GPUs (None: every GPU sampled); `expected_clock_mhz`: the clock each GPU
     should run at when busy (the locked clock of its policy profile); `window_start_seconds`: Xid
-    events before it are ignored.
+    events before it are ignored; `queue_time`: the mean queue time of the window's older and
+    newer half; `queue_time_p95_seconds`: its p95 over the window (evidence only).
     """
     wanted = None if gpus is None else set(gpus)
     windows = _gpu_windows(samples, wanted)
     grew, first_waiting, peak_waiting = _queue_grew(waiting_history)
-    queue = {"waiting_first": first_waiting, "waiting_peak": peak_waiting}
+    queue: dict[str, Any] = {"waiting_first": first_waiting, "waiting_peak": peak_waiting}
+    queue_time_rose = queue_time is not None and queue_time.rose
+    if queue_time is not None:
+        queue["queue_time_mean_earlier_seconds"] = _round(queue_time.earlier_mean_seconds)
+        queue["queue_time_mean_later_seconds"] = _round(queue_time.later_mean_seconds)
+        queue["queue_time_p95_seconds"] = _round(queue_time_p95_seconds)
     base: dict[str, Any] = {
         "gpus": sorted(windows),
         "queue": queue,
@@ -255,6 +288,16 @@ def attribute_cause(
             summary = f"GPU {window.gpu} ran at {min(low)} MHz, below the expected {expected} MHz, with no reason given"
             return CauseFinding("clocks_below_expected", window.gpu, window.uuid, summary, evidence)
 
+    kv_peak = max((usage for _, usage in kv_cache_usage_history), default=None)
+    if kv_peak is not None and kv_peak >= KV_CACHE_FULL_RATIO and (grew or queue_time_rose):
+        evidence = {
+            **base,
+            "kv_cache_usage_peak_ratio": round(kv_peak, 4),
+            "kv_cache_usage_last_ratio": round(kv_cache_usage_history[-1][1], 4),
+        }
+        summary = f"KV cache {kv_peak:.0%} full, {_queue_story(grew, first_waiting, peak_waiting, queue_time)}"
+        return CauseFinding("kv_cache_full", None, None, summary, evidence)
+
     full = max(windows.values(), key=lambda w: w.max_memory_ratio or 0.0, default=None)
     if full is not None and (full.max_memory_ratio or 0.0) >= MEMORY_NEAR_FULL_RATIO:
         ratio = full.max_memory_ratio or 0.0
@@ -262,8 +305,8 @@ def attribute_cause(
         summary = f"GPU {full.gpu} memory {ratio:.1%} full"
         return CauseFinding("memory_near_full", full.gpu, full.uuid, summary, evidence)
 
-    if grew:
-        summary = f"queueing: waiting requests grew from {first_waiting:g} to {peak_waiting:g} on clean GPUs"
+    if grew or queue_time_rose:
+        summary = f"queueing: {_queue_story(grew, first_waiting, peak_waiting, queue_time)} on clean GPUs"
         return CauseFinding("queueing", None, None, summary, base)
     return CauseFinding("unknown", None, None, "no GPU cause seen and nothing queued", base)
 
@@ -304,7 +347,7 @@ def regression_event(
             "kv_cache_usage_ratio": figures.kv_cache_usage_ratio,
             "evidence": finding.evidence,
             # A thermal cause is what the fan curve is for: point the operator at it.
-            **({"see_policy": "fan_curve"} if thermal else {}),
+            **({"see_policy": FAN_CURVE} if thermal else {}),
         },
         suggested_action=SuggestedAction.CHECK_MECHANICALS if thermal else SuggestedAction.ALERT,
     )
@@ -316,6 +359,7 @@ class SloWatch:
 
     def __init__(self) -> None:
         self._breached: dict[str, str] = {}  # service -> cause of the breach in progress
+        self._now: dict[str, tuple[list[SloBreach], CauseFinding]] = {}  # service -> its breach, for the verdict
 
     def update(
         self,
@@ -329,9 +373,19 @@ class SloWatch:
         breaches = check_slo(slo, figures)
         if not breaches or figures is None:
             self._breached.pop(service, None)
+            self._now.pop(service, None)
             return []
         finding = attribute()
+        self._now[service] = (breaches, finding)
         if self._breached.get(service) == finding.cause:
             return []
         self._breached[service] = finding.cause
         return [regression_event(service, breaches, finding, figures, now)]
+
+    def breaches(self) -> tuple[SloBreachNow, ...]:
+        """Every objective missed at the last update, with the cause named for its service."""
+        return tuple(
+            SloBreachNow(service, b.objective, b.observed_seconds, b.limit_seconds, finding.cause, finding.summary)
+            for service, (missed, finding) in sorted(self._now.items())
+            for b in missed
+        )

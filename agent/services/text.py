@@ -15,8 +15,10 @@ def _count(value: float | None) -> str:
     return "-" if value is None else f"{value:g}"
 
 
-def status_line(document: Mapping[str, Any]) -> str:
-    """A `status_document` as one line: `p95 e2e 0.72 s, TTFT 0.15 s; running 9 / waiting 0; 320 tokens/s`."""
+def service_figures_line(document: Mapping[str, Any]) -> str:
+    """A `status_document` as one line:
+    `p95 e2e 0.72 s, TTFT 0.15 s, queue 0.02 s; running 9 / waiting 0; 320 tokens/s (0.52/J)`
+    (the queue part and the tokens per joule only where the server and the GPUs give them)."""
     latency = document["latency_seconds"]
     error = document["metrics_error"]
     if not latency and error:
@@ -24,9 +26,13 @@ def status_line(document: Mapping[str, Any]) -> str:
     rate = document["generation_tokens_per_second"]
     e2e = latency.get("e2e", {}).get("0.95")
     ttft = latency.get("ttft", {}).get("0.95")
+    queue = f", queue {_seconds(latency['queue'].get('0.95'))}" if "queue" in latency else ""
+    efficiency = document.get("tokens_per_joule")
+    per_joule = "" if efficiency is None else f" ({efficiency:.2f}/J)"  # tokens per joule; the screen is 100 wide
     line = (
-        f"p95 e2e {_seconds(e2e)}, TTFT {_seconds(ttft)}; running {_count(document['requests_running'])}"
+        f"p95 e2e {_seconds(e2e)}, TTFT {_seconds(ttft)}{queue}; running {_count(document['requests_running'])}"
         f" / waiting {_count(document['requests_waiting'])}; {'-' if rate is None else f'{rate:.0f}'} tokens/s"
+        f"{per_joule}"
     )
     return f"{line} (last scrape: {error})" if error else line
 

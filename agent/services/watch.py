@@ -18,7 +18,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
+import psutil
 import structlog
 
 from agent.backend.base import GpuBackend, GpuIdentity, GpuProcess
@@ -28,6 +30,7 @@ from agent.events import Event, EventKind
 from agent.host.paths import HostPaths
 from agent.policy.engine import match_profile
 from agent.services.attribution import GpuAttribution, attribute_gpu_processes, command_service_pids
+from agent.services.efficiency import EnergyHistory, service_gpus, window_tokens_per_joule
 from agent.services.latency_cause import CauseFinding, SloWatch, attribute_cause
 from agent.services.scrape import (
     DEFAULT_MAX_BYTES,
@@ -37,13 +40,15 @@ from agent.services.scrape import (
     ServiceFigures,
     scrape,
 )
-from agent.state import GpuSample
+from agent.state import GpuSample, SloBreachNow
 
 log = structlog.get_logger("gpu-agent")
 
 #: How often GPU processes are mapped to services: processes come and go with restarts, not loops.
 ATTRIBUTION_INTERVAL_SECONDS = 30.0
 ATTRIBUTION_RETRY_SECONDS = 1.0
+#: GPU energy readings are kept this much longer than the window, so its oldest scrape is covered.
+ENERGY_MARGIN_SECONDS = 60.0
 
 
 class ServiceScraper:
@@ -168,10 +173,17 @@ class LatencyRegressionWatch:
                     waiting_history=found.waiting_history if found is not None else (),
                     expected_clock_mhz=expected_clocks_mhz(self.config, samples),
                     window_start_seconds=window_start,
+                    kv_cache_usage_history=found.kv_cache_usage_history if found is not None else (),
+                    queue_time=found.queue_time_trend if found is not None else None,
+                    queue_time_p95_seconds=found.quantile("queue", 0.95) if found is not None else None,
                 )
 
             events += self._slo.update(service.name, service.slo, found, attribute, now)
         return events
+
+    def breaches(self) -> tuple[SloBreachNow, ...]:
+        """The services over an objective at the last evaluation, for the verdict."""
+        return self._slo.breaches()
 
 
 class GpuAttributor:
@@ -191,6 +203,7 @@ class GpuAttributor:
         self._latest: GpuAttribution | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a process exited: map again now, not at the next interval
         self._thread = threading.Thread(target=self._loop, name="gpu-attribution", daemon=True)
 
     def attribute_once(self) -> GpuAttribution | None:
@@ -222,19 +235,43 @@ class GpuAttributor:
             except Exception:  # a bug here must not end attribution for good
                 log.exception("GPU process attribution crashed")
             # No backend yet (the daemon opens it on its first loop) or a failure: try again soon.
-            self._stop.wait(self.interval_seconds if found is not None else ATTRIBUTION_RETRY_SECONDS)
+            self._wake.wait(self.interval_seconds if found is not None else ATTRIBUTION_RETRY_SECONDS)
+            self._wake.clear()
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread.is_alive():
             self._thread.join(1.0)  # a hung NVML call is left behind in its daemon thread
 
     def latest(self) -> GpuAttribution | None:
+        """The last mapping, without the processes that have exited since (they are off the GPU:
+        NVML no longer lists them); one gone wakes the thread to map the GPUs again now."""
         with self._lock:
-            return self._latest
+            found = self._latest
+        if found is None:
+            return None
+        alive = without_exited(found, self._exists)
+        if alive is not found:
+            self._wake.set()
+        return alive
+
+    @staticmethod
+    def _exists(pid: int) -> bool:
+        # NVML's pids are this PID namespace's, as the process table attribution walks (psutil).
+        return bool(psutil.pid_exists(pid))
+
+
+def without_exited(found: GpuAttribution, exists: Callable[[int], bool]) -> GpuAttribution:
+    """`found` without the processes `exists` says are gone; `found` itself when none is."""
+    pids = {service: tuple(pid for pid in held if exists(pid)) for service, held in found.pids.items()}
+    unattributed = tuple(process for process in found.unattributed if exists(process.pid))
+    if pids == found.pids and unattributed == found.unattributed:
+        return found
+    return replace(found, pids=pids, unattributed=unattributed)
 
 
 class InferenceMonitor:
@@ -243,7 +280,8 @@ class InferenceMonitor:
     - `start()` / `stop()`: the scrape and attribution threads;
     - `on_loop(samples, events)` once per loop: the window's GPU history, and the
       `service_latency_regression` events to add to the loop's events;
-    - `figures()` and `attribution()` for the snapshot (metrics, status).
+    - `figures()` and `attribution()` for the snapshot (metrics, status); the figures carry
+      tokens per joule, from the GPUs' energy kept here.
     """
 
     def __init__(
@@ -253,9 +291,12 @@ class InferenceMonitor:
         interval_seconds: float,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        self.config = config
         self.scraper = ServiceScraper(config.services, interval_seconds)
         self.watch = LatencyRegressionWatch(config, clock=clock)
         self.attributor = GpuAttributor(config, get_backend)
+        # Longer than the window by a margin: the window's oldest scrape needs a reading before it.
+        self.energy = EnergyHistory(DEFAULT_WINDOW_SECONDS + ENERGY_MARGIN_SECONDS)
 
     def start(self) -> None:
         self.scraper.start()
@@ -267,10 +308,25 @@ class InferenceMonitor:
 
     def on_loop(self, samples: Sequence[GpuSample], events: Sequence[Event]) -> list[Event]:
         self.watch.observe(samples, events)
+        self.energy.add(samples)
         return self.watch.evaluate(self.scraper.figures())
 
     def figures(self) -> dict[str, ServiceFigures]:
-        return self.scraper.figures()
+        found = self.scraper.figures()
+        attribution = self.attributor.latest()
+        known = self.energy.gpus()
+        efficient: dict[str, ServiceFigures] = {}
+        for service in self.config.services:
+            figures = found.get(service.name)
+            if figures is None:
+                continue
+            gpus = service_gpus(service, attribution, known)
+            ratio = window_tokens_per_joule(figures.generated_tokens_history, self.energy, gpus)
+            efficient[service.name] = replace(figures, tokens_per_joule=ratio)
+        return efficient
+
+    def breaches(self) -> tuple[SloBreachNow, ...]:
+        return self.watch.breaches()
 
     def attribution(self) -> GpuAttribution | None:
         return self.attributor.latest()

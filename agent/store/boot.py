@@ -11,6 +11,8 @@ import structlog
 
 from agent.state import XidCount
 from agent.store.db import Database
+from agent.watch.throttle import ClockEventTotal
+from agent.watch.xid import XidMark
 
 log = structlog.get_logger("gpu-agent")
 
@@ -27,28 +29,6 @@ class InventoryGpu:
     last_seen_seconds: float  # when it last answered
     present: bool = True  # answering at the daemon's last look
     acked: bool = False  # acknowledged gone: not expected any more
-
-
-@dataclass(frozen=True)
-class XidMark:
-    """What one (GPU, Xid) contributes to that GPU's health while inside the health window."""
-
-    gpu: int
-    xid: int
-    action: str  # SuggestedAction value
-    reason: str
-    seen_seconds: float
-
-
-@dataclass(frozen=True)
-class ClockEventTotal:
-    """How long one clock-event reason held one board on this boot, and since when while it holds."""
-
-    gpu: int
-    uuid: str
-    reason: str
-    seconds: float
-    active_since_seconds: float | None = None  # a slowdown active at the last save: when it started
 
 
 @dataclass(frozen=True)
@@ -147,6 +127,29 @@ class BootTables(Database):
                 "INSERT INTO xid_marks (boot_id, gpu, xid, action, reason, seen) VALUES (?, ?, ?, ?, ?, ?)",
                 [(boot_id, m.gpu, m.xid, m.action, m.reason, m.seen_seconds) for m in marks],
             )
+
+    def clear_xid_marks(self, boot_id: str, gpu: int | str | None = None, xid: int | None = None) -> list[XidMark]:
+        """Take Xids out of the health window (`gpu-agent ack`): every mark, or those of one GPU (its
+        index, or its UUID as the inventory knows it), or of one Xid on it. The marks taken out;
+        the counters stay. A running daemon follows (agent.store.node_memory)."""
+        with self._transaction() as db:
+            if isinstance(gpu, str):
+                row = db.execute(
+                    "SELECT gpu FROM gpu_inventory WHERE boot_id = ? AND uuid = ?", (boot_id, gpu)
+                ).fetchone()
+                if row is None:
+                    return []
+                gpu = int(row[0])
+            rows = db.execute(
+                "SELECT gpu, xid, action, reason, seen FROM xid_marks WHERE boot_id = ?"
+                " AND (? IS NULL OR gpu = ?) AND (? IS NULL OR xid = ?) ORDER BY gpu, xid",
+                (boot_id, gpu, gpu, xid, xid),
+            ).fetchall()
+            db.execute(
+                "DELETE FROM xid_marks WHERE boot_id = ? AND (? IS NULL OR gpu = ?) AND (? IS NULL OR xid = ?)",
+                (boot_id, gpu, gpu, xid, xid),
+            )
+        return [XidMark(*row) for row in rows]
 
     def clock_event_totals(self, boot_id: str) -> list[ClockEventTotal]:
         rows = self._query(

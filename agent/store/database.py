@@ -62,9 +62,9 @@ from agent.rules.model import ActionOutcome, Decision, Outcome
 from agent.state import RemediationCount
 from agent.store.acks import ALL, Acknowledgements, Circuit
 from agent.store.attempt_clock import ClockReading
-from agent.store.boot import BootTables, ClockEventTotal, InventoryGpu, ProbeStreak, XidMark
+from agent.store.boot import BootTables, InventoryGpu, ProbeStreak
 from agent.store.db import StoreError
-from agent.store.tunes import HistoryRow, TuneHistoryTables, TuneRow, TuneTables
+from agent.store.tunes import TUNES_MIGRATION, TuneHistoryTables, TuneTables
 
 log = structlog.get_logger("gpu-agent")
 
@@ -77,8 +77,6 @@ __all__ = [
     "MIGRATIONS",
     "RETENTION_SECONDS",
     "Circuit",
-    "ClockEventTotal",
-    "HistoryRow",
     "InventoryGpu",
     "JournalEntry",
     "ProbeStreak",
@@ -86,8 +84,6 @@ __all__ = [
     "StoreError",
     "StoredEvent",
     "StoredRemediation",
-    "TuneRow",
-    "XidMark",
 ]
 
 DB_NAME = "gpu-agent.db"
@@ -229,29 +225,7 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             PRIMARY KEY (boot_id, service)
         )""",
     ),
-    # The advisor's journal (agent.store.tunes): a sweep is written down, with the settings it will
-    # put back, before its first change; and the per-setting history the passive advice reads.
-    (
-        """CREATE TABLE tunes (
-            id INTEGER PRIMARY KEY,
-            started REAL NOT NULL,
-            finished REAL,
-            state TEXT NOT NULL,
-            document TEXT NOT NULL
-        )""",
-        "CREATE INDEX tunes_running ON tunes (state) WHERE state = 'running'",
-        """CREATE TABLE tune_history (
-            service TEXT NOT NULL,
-            gpu_model TEXT NOT NULL,
-            setting TEXT NOT NULL,
-            seconds REAL NOT NULL,
-            tokens REAL NOT NULL,
-            joules REAL NOT NULL,
-            e2e_p95_max REAL,
-            last_seen REAL NOT NULL,
-            PRIMARY KEY (service, gpu_model, setting)
-        )""",
-    ),
+    TUNES_MIGRATION,  # the advisor's journal and per-limit history (agent.store.tunes)
 )
 
 
@@ -597,8 +571,15 @@ class Store(BootTables, Acknowledgements, TuneTables, TuneHistoryTables):
             )
 
     def finish_remediation(self, row_id: int, outcome: ActionOutcome) -> None:
-        """A journaled action ended: its outcome, detail and end time replace "running"."""
-        self._close_journal_entry(row_id, outcome.outcome, outcome.detail, outcome.finished_seconds)
+        """A journaled action ended: its outcome, detail and end time replace "running". One that had
+        nowhere to go (not configured) tried nothing: no attempt of its rule."""
+        self._close_journal_entry(
+            row_id,
+            outcome.outcome,
+            outcome.detail,
+            outcome.finished_seconds,
+            counted=outcome.outcome in COUNTED_OUTCOMES,
+        )
 
     def close_interrupted(self, row_id: int, detail: str, finished_seconds: float, started: bool = True) -> None:
         """A journaled action an earlier run left unfinished, rolled back or finished by recovery; or one

@@ -16,13 +16,19 @@ operator acknowledges it gone (`gpu-agent ack gpu:UUID`); then it is dropped fro
 `expected_gpu_count(snapshot)` is the number of GPUs the node should have: the snapshot's GPUs,
 remembered missing ones included, acknowledged ones not. The publisher exports it as
 `gpu_agent_gpus_expected`.
+
+`read_remembered` is the same memory read once, read-only, for `gpu-agent status --direct`: the
+one-off read then judges the node with what the daemon knows (an Xid seen an hour ago, a slowdown
+held for minutes, a GPU gone, a service declared down), and reaches the daemon's verdict.
 """
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import structlog
 
@@ -31,18 +37,19 @@ from agent.backend.errors import GpuErrorKind
 from agent.host.paths import BOOT_ID_PATH as BOOT_ID_PATH
 from agent.host.paths import HostPaths
 from agent.services.health import HealthProber
-from agent.state import GpuSample, NodeSnapshot, XidCount
+from agent.state import GpuSample, NodeSnapshot, ServiceStatus, XidCount
+from agent.store.boot import BootTables
 from agent.store.database import (
+    BUSY_TIMEOUT_SECONDS,
+    DB_NAME,
     RETENTION_SECONDS,
-    ClockEventTotal,
     InventoryGpu,
     ProbeStreak,
     Store,
     StoreError,
-    XidMark,
 )
-from agent.watch.throttle import ThrottleWatcher
-from agent.watch.xid import XidWatcher
+from agent.watch.throttle import ClockEventTotal, ThrottleWatcher
+from agent.watch.xid import XidMark, XidWatcher
 
 log = structlog.get_logger("gpu-agent")
 
@@ -73,6 +80,124 @@ def _missing_sample(gpu: InventoryGpu, index: int, now: float) -> GpuSample:
         timestamp_seconds=now,
         read_errors={MISSING_READ_ERROR: GpuErrorKind.GPU_LOST.value},
     )
+
+
+def _inventory_row(known: InventoryGpu | None, sample: GpuSample, now: float) -> InventoryGpu | None:
+    """The inventory row for a sampled GPU if it needs writing; None if the stored one will do."""
+    if known is None:
+        return InventoryGpu(sample.uuid, sample.pci_bus_id, sample.name, sample.index, now, now, present=sample.up)
+    fresh = replace(
+        known,
+        pci_bus_id=sample.pci_bus_id or known.pci_bus_id,
+        model=sample.name or known.model,
+        index=sample.index,
+        present=sample.up,
+        acked=known.acked and not sample.up,  # answering again: expected again
+        last_seen_seconds=now if sample.up else known.last_seen_seconds,
+    )
+    if replace(fresh, last_seen_seconds=known.last_seen_seconds) != known:
+        return fresh
+    if sample.up and now - known.last_seen_seconds >= LAST_SEEN_EVERY_SECONDS:
+        return fresh
+    return None
+
+
+def with_missing(
+    samples: Sequence[GpuSample], stored: dict[str, InventoryGpu], now: float
+) -> tuple[list[GpuSample], list[InventoryGpu]]:
+    """`samples` with the remembered GPUs that did not answer added (down) and the acknowledged ones
+    that still do not answer left out, by index; and the inventory rows that need writing."""
+    changed: list[InventoryGpu] = []
+    kept: list[GpuSample] = []
+    for sample in samples:
+        known = stored.get(sample.uuid) if sample.uuid else None
+        if known is not None and known.acked and not sample.up:
+            continue  # acknowledged gone: NVML may still count it, the operator does not
+        if sample.uuid:
+            update = _inventory_row(known, sample, now)
+            if update is not None:
+                changed.append(update)
+        kept.append(sample)
+    seen = {sample.uuid for sample in samples}
+    used = {sample.index for sample in kept}
+    for gpu in stored.values():
+        if gpu.uuid in seen or gpu.acked:
+            continue
+        # Its old index, unless another GPU answers there now (NVML renumbers): then a free one.
+        index = gpu.index if gpu.index not in used else max(used, default=-1) + 1
+        used.add(index)
+        kept.append(_missing_sample(gpu, index, now))
+        if gpu.present:
+            changed.append(replace(gpu, present=False))
+    return sorted(kept, key=lambda sample: sample.index), changed
+
+
+@dataclass(frozen=True)
+class RememberedNode:
+    """The daemon's memory of this boot, as `read_remembered` found it."""
+
+    inventory: list[InventoryGpu]
+    xid_counts: list[XidCount]
+    xid_marks: list[XidMark]
+    clock_events: list[ClockEventTotal]
+    streaks: list[ProbeStreak]
+
+    def samples(self, samples: Sequence[GpuSample], now: float) -> list[GpuSample]:
+        """A one-off read's samples as the daemon would see them: a GPU that answers too little to be
+        identified named as remembered at its index (the daemon's collector keeps identities), and
+        remembered missing GPUs added."""
+        by_index = {gpu.index: gpu for gpu in self.inventory if not gpu.acked}
+        named = [
+            replace(sample, uuid=known.uuid, name=sample.name or known.model, pci_bus_id=known.pci_bus_id)
+            if not sample.uuid and (known := by_index.get(sample.index)) is not None
+            else sample
+            for sample in samples
+        ]
+        return with_missing(named, {gpu.uuid: gpu for gpu in self.inventory}, now)[0]
+
+    def restore(self, xid: XidWatcher, throttle: ThrottleWatcher) -> None:
+        """The watchers as the daemon left them: Xid counters and health window, held slowdowns."""
+        xid.restore(self.xid_counts, self.xid_marks)
+        throttle.restore(self.clock_events)
+
+    def services(self, declared: Sequence[tuple[str, str]]) -> tuple[ServiceStatus, ...]:
+        """The configured services (name, unit) in the state the daemon's probes declared them."""
+        streaks = {streak.service: streak for streak in self.streaks}
+        found = []
+        for name, unit in declared:
+            streak = streaks.get(name)
+            if streak is None:
+                found.append(ServiceStatus(name, unit, None))
+                continue
+            failed = streak.consecutive_failures
+            detail = f"declared down by the daemon's probes ({failed} failed in a row)" if streak.up is False else ""
+            found.append(ServiceStatus(name, unit, streak.up, failed, None, detail))
+        return tuple(found)
+
+
+def read_remembered(state_dir: str | Path, boot_id: str) -> RememberedNode | None:
+    """The daemon's node memory of `boot_id`, read-only (nothing created, migrated or pruned: the
+    daemon owns the store); None when there is no store. An unreadable one raises StoreError."""
+    path = Path(state_dir) / DB_NAME
+    if not path.is_file():
+        return None
+    try:
+        connection = sqlite3.connect(
+            f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_SECONDS, check_same_thread=False
+        )
+    except (sqlite3.Error, OSError) as exc:
+        raise StoreError(f"cannot open {path}: {exc}") from exc
+    tables = BootTables(path, connection)
+    try:
+        return RememberedNode(
+            tables.inventory(boot_id),
+            tables.xid_counts(boot_id),
+            tables.xid_marks(boot_id),
+            tables.clock_event_totals(boot_id),
+            tables.probe_streaks(boot_id),
+        )
+    finally:
+        tables.close()
 
 
 class NodeMemory:
@@ -150,28 +275,7 @@ class NodeMemory:
         except StoreError as exc:
             log.error("node memory unreadable", error=str(exc))
             stored = self._inventory
-        changed: list[InventoryGpu] = []
-        kept: list[GpuSample] = []
-        for sample in samples:
-            known = stored.get(sample.uuid) if sample.uuid else None
-            if known is not None and known.acked and not sample.up:
-                continue  # acknowledged gone: NVML may still count it, the operator does not
-            if sample.uuid:
-                update = self._update(known, sample, now)
-                if update is not None:
-                    changed.append(update)
-            kept.append(sample)
-        seen = {sample.uuid for sample in samples}
-        used = {sample.index for sample in kept}
-        for gpu in stored.values():
-            if gpu.uuid in seen or gpu.acked:
-                continue
-            # Its old index, unless another GPU answers there now (NVML renumbers): then a free one.
-            index = gpu.index if gpu.index not in used else max(used, default=-1) + 1
-            used.add(index)
-            kept.append(_missing_sample(gpu, index, now))
-            if gpu.present:
-                changed.append(replace(gpu, present=False))
+        kept, changed = with_missing(samples, stored, now)
         if changed:
             try:
                 store.remember_gpus(self.boot_id, changed)
@@ -180,27 +284,24 @@ class NodeMemory:
             else:
                 stored.update((gpu.uuid, gpu) for gpu in changed)
         self._inventory = stored
-        return sorted(kept, key=lambda sample: sample.index)
+        return kept
 
-    @staticmethod
-    def _update(known: InventoryGpu | None, sample: GpuSample, now: float) -> InventoryGpu | None:
-        """The inventory row for a sampled GPU if it needs writing; None if the stored one will do."""
-        if known is None:
-            return InventoryGpu(sample.uuid, sample.pci_bus_id, sample.name, sample.index, now, now, present=sample.up)
-        fresh = replace(
-            known,
-            pci_bus_id=sample.pci_bus_id or known.pci_bus_id,
-            model=sample.name or known.model,
-            index=sample.index,
-            present=sample.up,
-            acked=known.acked and not sample.up,  # answering again: expected again
-            last_seen_seconds=now if sample.up else known.last_seen_seconds,
-        )
-        if replace(fresh, last_seen_seconds=known.last_seen_seconds) != known:
-            return fresh
-        if sample.up and now - known.last_seen_seconds >= LAST_SEEN_EVERY_SECONDS:
-            return fresh
-        return None
+    def follow_acks(self, xid: XidWatcher) -> None:
+        """Xids an operator marked dealt with (`gpu-agent ack` took them out of the stored health
+        window since the last save) leave the watcher's window too, before this loop's verdict."""
+        store = self._store()
+        if store is None or not self._loaded or not self._saved_marks:
+            return
+        try:
+            stored = store.xid_marks(self.boot_id)
+        except StoreError as exc:
+            log.error("node memory unreadable", error=str(exc))
+            return
+        gone = {(m.gpu, m.xid) for m in self._saved_marks} - {(m.gpu, m.xid) for m in stored}
+        if gone:
+            xid.forget(gone)
+            log.info("Xids acknowledged as dealt with", marks=sorted(gone))
+        self._saved_marks = stored
 
     def save(
         self,

@@ -17,6 +17,31 @@ from agent.store.db import Database
 
 RUNNING = "running"
 
+#: The schema of the advisor's journal: a sweep is written down, with the settings it will
+#: put back, before its first change; and the per-setting history the passive advice reads.
+#: (agent.store.database's MIGRATIONS takes it as schema 5.)
+TUNES_MIGRATION: tuple[str, ...] = (
+    """CREATE TABLE tunes (
+        id INTEGER PRIMARY KEY,
+        started REAL NOT NULL,
+        finished REAL,
+        state TEXT NOT NULL,
+        document TEXT NOT NULL
+    )""",
+    "CREATE INDEX tunes_running ON tunes (state) WHERE state = 'running'",
+    """CREATE TABLE tune_history (
+        service TEXT NOT NULL,
+        gpu_model TEXT NOT NULL,
+        setting TEXT NOT NULL,
+        seconds REAL NOT NULL,
+        tokens REAL NOT NULL,
+        joules REAL NOT NULL,
+        e2e_p95_max REAL,
+        last_seen REAL NOT NULL,
+        PRIMARY KEY (service, gpu_model, setting)
+    )""",
+)
+
 
 @dataclass(frozen=True)
 class TuneRow:

@@ -87,7 +87,6 @@ class KmsgSource:
         self._state_lock = threading.Lock()
         self._ok = False
         self._detail = "not started"
-        self._overwritten_records = 0
         self._last_device_sequence: int | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -108,12 +107,6 @@ class KmsgSource:
         """(ok, detail): ok while a kernel log is being followed; detail says which, or what is wrong."""
         with self._state_lock:
             return self._ok, self._detail
-
-    @property
-    def overwritten_records(self) -> int:
-        """Records the kernel overwrote before we read them (EPIPE on /dev/kmsg)."""
-        with self._state_lock:
-            return self._overwritten_records
 
     def _set_status(self, ok: bool, detail: str) -> None:
         with self._state_lock:
@@ -171,9 +164,7 @@ class KmsgSource:
             except BlockingIOError:
                 poller.poll(POLL_SECONDS * 1000)
                 continue
-            except BrokenPipeError:
-                with self._state_lock:
-                    self._overwritten_records += 1
+            except BrokenPipeError:  # records the kernel overwrote before they were read
                 log.warning("kernel log: records were overwritten before they could be read")
                 continue
             except OSError as exc:

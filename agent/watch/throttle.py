@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 
 from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
 from agent.state import GpuSample
-from agent.store.database import ClockEventTotal
 from agent.watch.boards import BoardStates, sample_event
 from agent.watch.clock_events import SLOWDOWN_REASONS, decode
 from agent.watch.health import combine
@@ -44,6 +43,17 @@ _CRITICAL_REASONS = frozenset({"hw_thermal_slowdown", "hw_power_brake_slowdown"}
 #: The power limiter holding clocks under a configured limit: expected, and healthy.
 EXPECTED_REASONS = frozenset({"sw_power_cap"})
 MARGIN_HYSTERESIS_CELSIUS = 2
+
+
+@dataclass(frozen=True)
+class ClockEventTotal:
+    """How long one clock-event reason held one board on this boot, and since when while it holds."""
+
+    gpu: int
+    uuid: str
+    reason: str
+    seconds: float
+    active_since_seconds: float | None = None  # a slowdown active at the last save: when it started
 
 
 @dataclass

@@ -28,7 +28,6 @@ from typing import Any
 from agent.backend.base import GpuEvent, GpuEventKind, GpuIdentity
 from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
 from agent.state import XidCount
-from agent.store.database import XidMark
 from agent.watch import xid_catalog
 from agent.watch.kernel_log import RECOVERY_ACTION_XID, KernelXid, normalise_pci_bus_id
 
@@ -53,6 +52,17 @@ _RECOVERY_SEVERITY = {
     SuggestedAction.ALERT: Severity.WARNING,
     SuggestedAction.NONE: Severity.INFO,
 }
+
+
+@dataclass(frozen=True)
+class XidMark:
+    """What one (GPU, Xid) contributes to that GPU's health while inside the health window."""
+
+    gpu: int
+    xid: int
+    action: str  # SuggestedAction value
+    reason: str
+    seen_seconds: float
 
 
 @dataclass(frozen=True)
@@ -409,6 +419,13 @@ class XidWatcher:
                 self._marks.setdefault(
                     (stored.gpu, stored.xid), _Mark(stored.xid, action, stored.reason, stored.seen_seconds)
                 )
+
+    def forget(self, marks: set[tuple[int, int]]) -> None:
+        """Drop these (GPU, Xid) marks from the health window: an operator dealt with them
+        (`gpu-agent ack`); the counters stay."""
+        with self._lock:
+            for key in marks:
+                self._marks.pop(key, None)
 
     def clear(self, gpu: int) -> None:
         """Forget a GPU's Xid health and open faults (after a successful reset); counters stay."""

@@ -9,10 +9,10 @@ reboot, a GPU that falls off the bus, calls that fail or hang, and an event queu
 Where things are
 ----------------
 - `profiles`   the GPU model and node profile (pydantic), built-in and file profiles,
-               `load_profile`, `list_profiles`, `validate_profile` (the config's check)
+               `load_profile`, `list_profiles`, `validate_profile` (the check of the config's profile)
 - `physics`    readings derived from model and state (power, temperature, clocks, throttle
                reasons, fans, GPM activity) and `advance`: simulated time passing
-- `telemetry`  the profiling-grade readings of issue 14 as data (`GpuTelemetry`)
+- `telemetry`  the profiling-grade readings (GPM, field values, NVLink, ...) as data (`GpuTelemetry`)
 - `faults`     fault injection and the simulated world (argument checks, state changes)
 - `state`      what a GPU remembers (`GpuState`) and the shared state file (`StateFile`)
 - `calls`      the checks every call passes, in NVML's order (init, index, lost, reset,
@@ -28,8 +28,9 @@ A *GPU model* describes one board; a *node profile* lists the boards of one mach
 ones live in `agent/backend/profiles/models/NAME.json` and `agent/backend/profiles/nodes/NAME.json`;
 `list_profiles()` names the built-in node profiles (h200, h200x2, h200x8, rtx-pro-6000,
 rtx-pro-6000x2, mixed). A path to a JSON file works wherever a profile name does. A bad
-profile is a `ProfileError` (a ValueError) naming the file and the field; the config validates
-`simulated.profile` with `validate_profile`, so `gpu-agent check-config` reports it.
+profile is a `ProfileError` (a ValueError) naming the file and the field; `load_checked_config`
+(agent.backend) checks `simulated.profile` with `validate_profile`, so `gpu-agent check-config`
+reports it.
 
 Node profile (built-in file or your own)::
 
@@ -121,7 +122,7 @@ extra readings, `total_energy_joules` and `telemetry`. Injection needs neither i
 writable item; a nonsensical injection (a GPU index the profile lacks, retired pages on a board
 that remaps rows) is a ValueError.
 
-Profiling-grade telemetry (issue 14), `telemetry(gpu) -> GpuTelemetry`: the protocol's
+Profiling-grade telemetry, `telemetry(gpu) -> GpuTelemetry`: the protocol's
 `gpm_activity`, `fast_fields`, `slow_fields`, `nvlink_states`, `fabric_info`,
 `applications_clock_mhz` and `memory_info` (v2) are thin wrappers over it, each under its own call
 name so `fail_call`/`hang_call` can target it; `gpm_activity` differences against the previous

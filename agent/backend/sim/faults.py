@@ -16,10 +16,10 @@ import math
 from collections.abc import Iterator
 from typing import TypeVar
 
-from agent.backend.base import FabricState, GpuEvent, GpuEventKind, RecoveryAction
+from agent.backend.base import NVLINK_ERROR_COUNTERS, FabricState, GpuEvent, GpuEventKind, RecoveryAction
 from agent.backend.errors import GpuErrorKind
 from agent.backend.sim.profiles import NodeProfile
-from agent.backend.sim.state import NVLINK_COUNTERS, PROTOCOL_METHODS, GpuState, MachineState
+from agent.backend.sim.state import PROTOCOL_METHODS, GpuState, MachineState
 from agent.watch.kernel_log import MAX_XID  # the codes the agent reads from the kernel log
 
 # nvmlEventType* bits
@@ -161,8 +161,8 @@ class FaultInjection(abc.ABC):
 
     def add_nvlink_errors(self, gpu: int, link: int, counter: str, count: int) -> None:
         """Count NVLink errors on one link: counter crc_flit, crc_data, replay or recovery."""
-        if counter not in NVLINK_COUNTERS:
-            raise ValueError(f"unknown NVLink counter '{counter}' (one of: {', '.join(NVLINK_COUNTERS)})")
+        if counter not in NVLINK_ERROR_COUNTERS:
+            raise ValueError(f"unknown NVLink counter '{counter}' (one of: {', '.join(NVLINK_ERROR_COUNTERS)})")
         if count < 0:
             raise ValueError("NVLink error counters only grow")
         with self._gpu_mutation(gpu) as state:

@@ -42,7 +42,7 @@ REASON_HW_THERMAL = 0x40
 REASON_HW_POWER_BRAKE = 0x80
 
 #: Which clock-event reasons make each violation counter (nvmlDeviceGetViolationStatus) grow.
-VIOLATION_REASONS = {
+VIOLATION_POLICY_BITS = {
     ViolationPolicy.POWER: REASON_SW_POWER_CAP,
     ViolationPolicy.THERMAL: REASON_SW_THERMAL | REASON_HW_THERMAL,
     ViolationPolicy.SYNC_BOOST: REASON_SYNC_BOOST,
@@ -252,7 +252,7 @@ def advance(readings: Readings, seconds: float) -> None:
     state = readings.state
     nanoseconds = round(seconds * 1e9)
     reasons = readings.reasons()
-    for policy, bits in VIOLATION_REASONS.items():
+    for policy, bits in VIOLATION_POLICY_BITS.items():
         if reasons & bits:
             state.violation_ns[policy.name] += nanoseconds
     for name, bit in REASON_FIELD_BITS.items():

@@ -188,7 +188,7 @@ class GpuModel(_Strict):
     load_utilization_gpu_percent: Count
     load_utilization_memory_percent: Count
     load_memory_fraction: Annotated[StrictFloat, Field(gt=0, le=1)]
-    # Profiling-grade telemetry (issue 14); absent keys describe a board without the feature.
+    # Profiling-grade telemetry; absent keys describe a board without the feature.
     memory_temperature_idle_c: Count | None = None  # HBM temperature field; None: NOT_SUPPORTED (GDDR)
     memory_temperature_load_c: Count | None = None
     gpm: Gpm | None = None  # None: nvmlGpmQueryDeviceSupport says unsupported
@@ -466,7 +466,8 @@ def load_profile(profile: str | Path) -> NodeProfile:
 def validate_profile(profile: str) -> str:
     """`profile` unchanged when it names a usable profile (built-in or file); ProfileError otherwise.
 
-    For the config's `simulated.profile`, so a bad profile is a config error at load time.
+    For the config's `simulated.profile` (agent.backend.load_checked_config), so a bad profile is a
+    config error at load time.
     """
     load_profile(profile)
     return profile

@@ -21,7 +21,14 @@ from typing import Annotated, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from agent.backend.base import GpuBackend, GpuEvent, RecoveryAction, ViolationPolicy
+from agent.backend.base import (
+    NVLINK_ERROR_COUNTERS,
+    VIOLATION_REASONS,
+    GpuBackend,
+    GpuEvent,
+    RecoveryAction,
+    ViolationPolicy,
+)
 from agent.backend.errors import GpuErrorKind
 from agent.backend.sim.profiles import GpuModel, NodeProfile
 
@@ -32,10 +39,6 @@ STATE_VERSION: Literal[2] = 2
 PROTOCOL_METHODS = frozenset(
     name for name, value in vars(GpuBackend).items() if callable(value) and not name.startswith("_")
 )
-#: The clock-event reasons NVML keeps a duration field for (NVML_FI_DEV_CLOCKS_EVENT_REASON_*, ns).
-REASON_DURATION_FIELDS = ("sw_power_cap", "sync_boost", "sw_thermal", "hw_thermal", "hw_power_brake")
-#: The NVLink error counters kept per link (NVML_FI_DEV_NVLINK_*_ERROR_COUNT_L<n>).
-NVLINK_COUNTERS = ("crc_flit", "crc_data", "replay", "recovery")
 
 _Calls = TypeVar("_Calls", bound=Mapping[str, object])
 
@@ -73,8 +76,8 @@ HangCalls = Annotated[dict[str, float], AfterValidator(_protocol_calls)]
 #: GpuState's counter maps by field: the keys each must have exactly, and what the error calls them.
 _COUNTER_NAMES: dict[str, tuple[frozenset[str], str]] = {
     "violation_ns": (frozenset(p.name for p in ViolationPolicy), "violation"),
-    "reason_ns": (frozenset(REASON_DURATION_FIELDS), "reason"),
-    "nvlink_errors": (frozenset(NVLINK_COUNTERS), "NVLink"),
+    "reason_ns": (frozenset(VIOLATION_REASONS), "reason"),
+    "nvlink_errors": (frozenset(NVLINK_ERROR_COUNTERS), "NVLink"),
 }
 
 
@@ -93,7 +96,7 @@ class GpuState(_State):
     mig_pending: bool
     energy_mj: int
     violation_ns: dict[str, int] = Field(default_factory=lambda: {p.name: 0 for p in ViolationPolicy})
-    reason_ns: dict[str, int] = Field(default_factory=lambda: dict.fromkeys(REASON_DURATION_FIELDS, 0))
+    reason_ns: dict[str, int] = Field(default_factory=lambda: dict.fromkeys(VIOLATION_REASONS, 0))
     gpm: GpmCounters = Field(default_factory=GpmCounters)
     ecc_volatile_corrected: int = 0
     ecc_volatile_uncorrected: int = 0
@@ -145,7 +148,7 @@ class GpuState(_State):
             mig_current=model.mig_default,
             mig_pending=model.mig_default,
             energy_mj=model.energy_at_boot_mj,
-            nvlink_errors={c: [0] * nvlink_links for c in NVLINK_COUNTERS},
+            nvlink_errors={c: [0] * nvlink_links for c in NVLINK_ERROR_COUNTERS},
         )
 
     def fits(self, model: GpuModel, nvlink_links: int) -> bool:

@@ -1,4 +1,4 @@
-"""Profiling-grade readings of a simulated GPU (issue 14), as data with the real H200's shapes.
+"""Profiling-grade readings of a simulated GPU (GPM, field values, NVLink, fabric), as data with the real H200's shapes.
 
 Not yet in the backend protocol: `SimulatedBackend.telemetry(gpu)` returns a `GpuTelemetry`
 snapshot, and the protocol methods that expose these readings will be thin wrappers over it.

@@ -1,6 +1,6 @@
 """The one place that acts: carries out the Decisions the rule engine made.
 
-`execute(decision, ctx)` runs one decision and says how it went (an `ActionOutcome`); it never
+`dispatch.execute(decision, ctx)` runs one decision and says how it went (an `ActionOutcome`); it never
 raises, so one broken action cannot take the daemon down. It blocks: restart_service and reset_gpu
 wait until the services answer again (up to `ready_timeout_seconds`, 600 s by default, since a
 large model loads for minutes), so the daemon calls it from a worker, not from its collection loop.
@@ -31,26 +31,3 @@ Where each action lives
   http_client.py: POST with a total deadline, no redirects, no secrets in errors.
 - reboot.py: recommend_reboot (flag file + alert) and reboot (`remediation.allow_reboot` only).
 """
-
-from agent.rules.actions.alertmanager import Alert, AlertTracker, alert_for, post_alert, resolve_alert
-from agent.rules.actions.base import ActionError, event_payload
-from agent.rules.actions.context import ActionContext
-from agent.rules.actions.dispatch import execute
-from agent.rules.actions.hooks import hook_env
-from agent.rules.actions.http_client import RequestTimedOut, post_json, redacted_url
-
-__all__ = [
-    "ActionContext",
-    "ActionError",
-    "Alert",
-    "AlertTracker",
-    "RequestTimedOut",
-    "alert_for",
-    "event_payload",
-    "execute",
-    "hook_env",
-    "post_alert",
-    "post_json",
-    "redacted_url",
-    "resolve_alert",
-]

@@ -28,6 +28,10 @@ def failed(detail: str) -> Result:
     return Result(Outcome.FAILED, detail)
 
 
+def not_configured(detail: str) -> Result:
+    return Result(Outcome.NOT_CONFIGURED, detail)
+
+
 def success(detail: str) -> Result:
     return Result(Outcome.SUCCESS, detail)
 

@@ -56,6 +56,8 @@ HANDLERS: dict[ActionKind, Handler[Any]] = {
         Handler(RebootParams, reboot.reboot),
     )
 }
+if set(HANDLERS) != set(ActionKind):
+    raise ImportError(f"action kinds without a handler: {sorted(set(ActionKind) - set(HANDLERS))}")
 
 
 def execute(decision: Decision, ctx: ActionContext) -> ActionOutcome:

@@ -8,7 +8,7 @@ Either request ends within its total deadline (agent/rules/actions/http_client.p
 from __future__ import annotations
 
 from agent.rules.actions.alertmanager import alert_for
-from agent.rules.actions.base import ActionError, Result, event_payload, failed, success
+from agent.rules.actions.base import ActionError, Result, event_payload, failed, not_configured, success
 from agent.rules.actions.context import ActionContext
 from agent.rules.actions.http_client import post_json, redacted_url
 from agent.rules.model import Decision
@@ -31,7 +31,9 @@ def alertmanager_url(url: str | None, ctx: ActionContext) -> str | None:
 def alertmanager(decision: Decision, params: AlertmanagerParams, ctx: ActionContext) -> Result:
     url = alertmanager_url(params.url, ctx)
     if url is None:
-        return failed("no Alertmanager: set remediation.alertmanager_url or params.url")
+        # Not a failure of the alert: there is no Alertmanager to send it to (the alerts that page on
+        # failed remediations must not fire for every fault of a node that has none).
+        return not_configured("no Alertmanager configured: set remediation.alertmanager_url or the step's url")
     alert = alert_for(decision, ctx.hostname, params)
     try:
         ctx.alerts.fire(url, alert)

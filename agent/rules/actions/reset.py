@@ -2,10 +2,10 @@
 
 Refused for Xid 79 / a lost GPU (a reset cannot bring it back: reboot territory), for MIG enabled
 or pending (a reset destroys the instances or changes the mode), for a GPU whose index now names
-another uuid. Otherwise: stop the services using the GPU; wait (bounded) until NVML lists no
-compute process on it, else start the services again and refuse, naming each process left and
-the configured service it belongs to, if any; reset; re-apply the node policy
-(a reset returns settings to defaults); start the services; wait until healthy. The outcome's
+another uuid. Otherwise: drain the services using the GPU that declare `drain`, stop them; wait
+(bounded) until NVML lists no compute process on it, else start the services again and refuse,
+naming each process left and the configured service it belongs to, if any; reset; re-apply the
+node policy (a reset returns settings to defaults); start the services; wait until healthy. The outcome's
 detail lists every step.
 """
 
@@ -19,27 +19,33 @@ from agent.backend.base import GpuProcess
 from agent.backend.errors import GpuError, GpuErrorKind, WriteRefused
 from agent.config import ServiceConfig
 from agent.events import EventKind
-from agent.policy.base import Outcome as ItemOutcome
+from agent.policy.base import ApplyOutcome
 from agent.rules.actions.base import Result, failed, gpu_of, refused, uuid_of, xid_of
 from agent.rules.actions.context import ActionContext
-from agent.rules.actions.service_actions import managers_for, ready_timeout, services_for_gpu, start_again
+from agent.rules.actions.service_actions import (
+    drain_service,
+    drain_timeout,
+    managers_for,
+    ready_timeout,
+    services_for_gpu,
+    start_again,
+)
 from agent.rules.actions.steps import GPU_RESET, POLICY_APPLIED, STOPPED, STOPPING, step
 from agent.rules.model import Decision, Outcome
 from agent.rules.params import ResetGpuParams
 from agent.services.attribution import attribute_gpu_processes, command_of_pid, command_service_pids
 from agent.services.managers import ServiceError
+from agent.watch.kernel_log import FALLEN_OFF_BUS_XID
 
 log = structlog.get_logger("gpu-agent")
 
-#: Xid 79, "GPU has fallen off the bus": a reset cannot bring it back, only a reboot (or a repair).
-XID_FALLEN_OFF_BUS = 79
-
 
 def _reset_refusal(decision: Decision, gpu: int, ctx: ActionContext) -> str | None:
-    """Why the GPU must not be reset, or None."""
+    """Why the GPU must not be reset, or None. A GPU that fell off the bus (Xid 79) or is lost cannot be
+    brought back by a reset, only by a reboot (or a repair)."""
     event = decision.event
-    if event.kind is EventKind.GPU_LOST or xid_of(event) == XID_FALLEN_OFF_BUS:
-        return f"Xid {XID_FALLEN_OFF_BUS} / GPU lost: a reset cannot recover GPU {gpu}; it needs a reboot"
+    if event.kind is EventKind.GPU_LOST or xid_of(event) == FALLEN_OFF_BUS_XID:
+        return f"Xid {FALLEN_OFF_BUS_XID} / GPU lost: a reset cannot recover GPU {gpu}; it needs a reboot"
     try:
         identity = ctx.backend.identity(gpu)
     except GpuError as exc:
@@ -111,7 +117,8 @@ def reset_gpu(decision: Decision, params: ResetGpuParams, ctx: ActionContext) ->
     for service in services:
         if ctx.prober is not None:
             budget = ctx.drain_timeout_seconds + 2 * service.command_timeout_seconds + ready_timeout(service, None)
-            ctx.prober.expect_down(service.name, budget)
+            ctx.prober.expect_down(service.name, drain_timeout(service) + budget)
+        drain_service(service, decision, ctx, steps)
         ctx.journal(step(STOPPING, service.name))
         try:
             managers[service.name].stop(service)
@@ -166,14 +173,14 @@ def _reset_idle_gpu(gpu: int, ctx: ActionContext, steps: list[str]) -> Outcome:
     except GpuError as exc:
         steps.append(f"policy re-apply failed: {exc}")
         return Outcome.FAILED
-    failures = [r for r in report.results if r.outcome is ItemOutcome.FAILED]
+    failures = [r for r in report.results if r.outcome is ApplyOutcome.FAILED]
     if failures:
         listed = "; ".join(
             f"{r.plan.item}{'' if r.plan.gpu is None else f' GPU {r.plan.gpu}'}: {r.detail}" for r in failures
         )
         steps.append(f"policy re-applied with {len(failures)} failure(s): {listed}")
         return Outcome.FAILED
-    applied = sum(1 for r in report.results if r.outcome is ItemOutcome.APPLIED)
+    applied = sum(1 for r in report.results if r.outcome is ApplyOutcome.APPLIED)
     steps.append(f"{POLICY_APPLIED} ({applied} item(s) set)")
     ctx.journal(POLICY_APPLIED)
     return Outcome.SUCCESS

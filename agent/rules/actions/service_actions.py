@@ -1,17 +1,21 @@
 """restart_service, and the service handling the GPU reset shares: which services, their managers,
-waiting until they answer again."""
+draining them before they stop, waiting until they answer again."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 
 from agent.config import AgentConfig, ServiceConfig
-from agent.rules.actions.base import ActionError, Result, failed, gpu_of, refused
+from agent.rules.actions.base import ActionError, Result, event_payload, failed, gpu_of, refused
 from agent.rules.actions.context import ActionContext
-from agent.rules.actions.steps import RESTARTED, RESTARTING, STARTED, step
+from agent.rules.actions.hooks import hook_env
+from agent.rules.actions.steps import DRAINED, DRAINING, RESTARTED, RESTARTING, STARTED, step
 from agent.rules.model import Decision, Outcome
 from agent.rules.params import RestartServiceParams
+from agent.services.drain import wait_until_idle
 from agent.services.managers import ServiceError, ServiceManager
+from agent.trust import UntrustedError, run_trusted
 
 
 def services_for_gpu(config: AgentConfig, gpu: int) -> list[ServiceConfig]:
@@ -55,6 +59,43 @@ def verify_healthy(service: ServiceConfig, override_seconds: float | None, ctx: 
     if result.ok:
         return True, f"{service.name} healthy after {ctx.clock() - began:.1f} s"
     return False, f"{service.name} not healthy within {timeout:g} s ({result.detail})"
+
+
+def drain_timeout(service: ServiceConfig) -> float:
+    """How long draining may hold the service's stop back (0 without `drain`)."""
+    return 0.0 if service.drain is None else service.drain.timeout_seconds
+
+
+def drain_service(service: ServiceConfig, decision: Decision, ctx: ActionContext, steps: list[str]) -> None:
+    """Before a service with `drain` is stopped: run its hook (through the trusted hook runner, the
+    event as JSON on stdin), then wait until its server runs no request; both within the drain
+    timeout. Journaled `draining NAME` before the hook and `drained NAME` after the wait. Whatever
+    the hook or the wait does, the stop goes ahead: a drain only ever delays it."""
+    drain = service.drain
+    if drain is None:
+        return
+    ctx.journal(step(DRAINING, service.name))
+    began = ctx.clock()
+    program = drain.hook[0]
+    stdin = json.dumps(event_payload(decision, ctx.hostname), default=str).encode()
+    env = {**hook_env(decision), "GPU_AGENT_SERVICE": service.name}
+    try:
+        result = run_trusted(drain.hook, drain.timeout_seconds, stdin=stdin, env=env)
+    except UntrustedError as exc:
+        steps.append(f"drain hook of {service.name} refused: {exc}")
+    except OSError as exc:
+        steps.append(f"cannot run the drain hook {program} of {service.name}: {exc.strerror or exc}")
+    else:
+        if result.timed_out:
+            steps.append(f"drain hook {program} of {service.name} timed out after {drain.timeout_seconds:g} s")
+        else:
+            steps.append(f"drain hook {program} of {service.name} {result.describe()}")
+    left = max(drain.timeout_seconds - (ctx.clock() - began), 0.0)
+    waited = wait_until_idle(
+        service, left, clock=ctx.clock, sleep=ctx.sleep, cancel=ctx.cancel, poll_seconds=ctx.drain_poll_seconds
+    )
+    steps.append(waited.describe(service.name))
+    ctx.journal(step(DRAINED, service.name))
 
 
 def _managed(
@@ -101,7 +142,8 @@ def restart_service(decision: Decision, params: RestartServiceParams, ctx: Actio
     for service in services:
         if ctx.prober is not None:
             budget = service.command_timeout_seconds + ready_timeout(service, params.ready_timeout_seconds)
-            ctx.prober.expect_down(service.name, budget)
+            ctx.prober.expect_down(service.name, drain_timeout(service) + budget)
+        drain_service(service, decision, ctx, steps)
         ctx.journal(step(RESTARTING, service.name))  # before: a restart cut short may leave it stopped
         if not _managed(managers[service.name].restart, "restart", service, ctx, steps):
             ok = False

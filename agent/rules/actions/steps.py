@@ -1,16 +1,19 @@
 """The steps actions journal as they complete, named so recovery can read back what was left undone.
 
-A step is "<verb> <name>": `stopping sglang`, `stopped sglang`, `restarting sglang`, `started
-sglang`, `reset GPU 0`. Taking a service down is journaled before it is asked (`stopping`,
-`restarting`): an agent killed while the stop command runs has still said so. A service with such a
-step and no later `started`/`restarted` one may be down: at start, recovery starts it again
-(agent.daemon.action_worker).
+A step is "<verb> <name>": `draining sglang`, `drained sglang`, `stopping sglang`, `stopped sglang`,
+`restarting sglang`, `started sglang`, `reset GPU 0`. Taking a service down is journaled before it is
+asked (`draining`, `stopping`, `restarting`): an agent killed while the drain hook or the stop
+command runs has still said so. A service with such a step and no later `started`/`restarted` one
+may be down (or drained and not restarted): at start, recovery starts it again if it is not
+running (agent.daemon.action_worker).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+DRAINING = "draining"
+DRAINED = "drained"
 STOPPING = "stopping"
 STOPPED = "stopped"
 RESTARTING = "restarting"
@@ -19,7 +22,7 @@ RESTARTED = "restarted"
 GPU_RESET = "reset GPU"
 POLICY_APPLIED = "policy re-applied"
 
-_DOWN = (STOPPING, STOPPED, RESTARTING)
+_DOWN = (DRAINING, DRAINED, STOPPING, STOPPED, RESTARTING)
 _UP = (STARTED, RESTARTED)
 
 

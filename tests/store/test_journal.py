@@ -1,0 +1,244 @@
+"""The remediation journal (agent.store.database, agent.daemon.action_worker) and the attempt clock
+(agent.store.attempt_clock): an action is on record before it runs, recovery rolls back what a killed
+run left down, and cooldowns count only time that really elapsed."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+from helpers import FakeClock, make_event, wait_until
+
+from agent.config import AgentConfig, ServiceConfig
+from agent.daemon.action_worker import ActionWorker, ClockHistory
+from agent.rules.actions.steps import services_left_down
+from agent.rules.model import ActionKind, ActionOutcome, ActionSpec, Decision, Outcome, Target
+from agent.services.managers import CommandManager
+from agent.store.attempt_clock import AttemptClock, ClockReading, elapsed_seconds
+from agent.store.database import Store
+
+BOOT = "boot-a"
+GPU0 = Target(0, "GPU-0")
+
+
+def decision(key: str = "e1", rule: str = "reset", action: ActionKind = ActionKind.RESET_GPU) -> Decision:
+    event = make_event(key=key)
+    return Decision(rule, event, GPU0, ActionSpec(action), 0, 1, "because", dry_run=False)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    opened = Store.open(tmp_path / "state")
+    yield opened  # type: ignore[misc]
+    opened.close()
+
+
+def test_an_action_is_on_record_counted_and_its_event_handled_before_it_runs(store: Store) -> None:
+    clock = FakeClock()
+    chosen = decision()
+    row_id = store.begin_remediation(chosen, AttemptClock(BOOT, clock.monotonic).reading(clock()))
+    assert store.handled(chosen.event.key)
+    (row,) = store.remediations()
+    assert row.outcome is Outcome.RUNNING and row.counted
+    assert store.attempts("reset", GPU0.key, 0.0) == [clock()]
+    store.journal_step(row_id, "stopped sglang")
+    store.journal_step(row_id, "reset GPU 0")
+    (entry,) = store.running_remediations()
+    assert entry.steps == ("stopped sglang", "reset GPU 0") and entry.action == "reset_gpu"
+    store.finish_remediation(row_id, ActionOutcome(chosen, Outcome.SUCCESS, "all done", clock(), clock() + 3))
+    store.close_interrupted(row_id, "late", clock() + 4)  # closed already: changes nothing, counts nothing
+    (row,) = store.remediations()
+    assert (row.outcome, row.detail, row.steps) == (Outcome.SUCCESS, "all done", ("stopped sglang", "reset GPU 0"))
+    assert store.running_remediations() == []
+    assert [(c.outcome, c.count) for c in store.remediation_counts()] == [("success", 1)]
+
+
+def test_services_left_down_reads_the_steps_back() -> None:
+    assert services_left_down(["stopped a", "stopped b", "reset GPU 0", "started a"]) == ["b"]
+    assert services_left_down(["restarting a"]) == ["a"]
+    assert services_left_down(["restarting a", "restarted a"]) == []
+
+
+# -- recovery: a real command-managed "service" (shell scripts that log) ---------------------------
+
+
+def command_service(tmp_path: Path, active: bool) -> tuple[ServiceConfig, Path]:
+    log = tmp_path / "service.log"
+    script = tmp_path / "svc.sh"
+    script.write_text(f'#!/bin/sh\necho "$1" >> {log}\n[ "$1" != status ] || exit {0 if active else 3}\n')
+    os.chmod(script, 0o755)
+    service = ServiceConfig(
+        name="sglang",
+        manager="command",
+        start_command=[str(script), "start"],
+        stop_command=[str(script), "stop"],
+        status_command=[str(script), "status"],
+    )
+    return service, log
+
+
+def recovering_worker(store: Store, service: ServiceConfig) -> ActionWorker:
+    config = AgentConfig(services=[service])
+    clock = FakeClock()
+    return ActionWorker(
+        lambda: None, lambda: store, lambda _gpu: None, clock, AttemptClock(BOOT, clock.monotonic),
+        lambda: (config, {service.name: CommandManager()}),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("active", [False, True], ids=["down", "already-up"])
+def test_recovery_starts_a_service_an_interrupted_reset_left_stopped(
+    tmp_path: Path, store: Store, active: bool
+) -> None:
+    service, log = command_service(tmp_path, active)
+    clock = FakeClock()
+    row_id = store.begin_remediation(decision(), AttemptClock(BOOT, clock.monotonic).reading(clock()))
+    store.journal_step(row_id, "stopped sglang")  # then the agent was killed
+    worker = recovering_worker(store, service)
+    worker.recover(store)
+    worker.start()
+    wait_until(lambda: not store.running_remediations(), 10, "the interrupted row closed")
+    worker.stop(5)
+    (row,) = store.remediations()
+    assert row.outcome is Outcome.INTERRUPTED and row.counted
+    assert "last step: stopped sglang" in row.detail
+    if active:
+        assert log.read_text().split() == ["status"] and "sglang already running" in row.detail
+    else:
+        assert log.read_text().split() == ["status", "start"] and "started sglang again" in row.detail
+
+
+def test_a_queued_action_not_yet_started_at_stop_is_closed_not_run(tmp_path: Path, store: Store) -> None:
+    ran = threading.Event()
+    clock = FakeClock()
+    worker = ActionWorker(
+        lambda: ran.set(),  # type: ignore[arg-type,func-returns-value]
+        lambda: store, lambda _gpu: None, clock, AttemptClock(BOOT, clock.monotonic),
+    )  # fmt: skip
+    worker.submit(decision(), clock())
+    worker.cancel.set()
+    worker.start()
+    worker.stop(5)
+    assert not ran.is_set()
+    (row,) = store.remediations()
+    assert row.outcome is Outcome.INTERRUPTED and "not started" in row.detail
+    assert not row.counted, "an action that never ran is no attempt"
+
+
+# -- the attempt clock ------------------------------------------------------------------------------
+
+
+def history_after(clock: FakeClock, store: Store, boot_now: str = BOOT) -> ClockHistory:
+    return ClockHistory(store, AttemptClock(boot_now, clock.monotonic).reading(clock()))
+
+
+def test_a_wall_clock_stepped_back_past_the_cooldown_does_not_skip_it(store: Store) -> None:
+    clock = FakeClock()
+    store.begin_remediation(decision(), AttemptClock(BOOT, clock.monotonic).reading(clock()))
+    clock.advance(10)
+    clock.step_wall(-400)  # more than a 300 s cooldown back
+    last = history_after(clock, store).last_attempt("reset", GPU0.key)
+    assert last is not None and clock() - last == pytest.approx(10.0)  # 290 s of cooldown left, not 0
+    clock.step_wall(+7200)  # a forward step is not elapsed time either, within a boot
+    last = history_after(clock, store).last_attempt("reset", GPU0.key)
+    assert last is not None and clock() - last == pytest.approx(10.0)
+    clock.advance(300)
+    last = history_after(clock, store).last_attempt("reset", GPU0.key)
+    assert last is not None and clock() - last == pytest.approx(310.0)
+
+
+def test_window_counts_attempts_by_elapsed_time(store: Store) -> None:
+    clock = FakeClock()
+    store.begin_remediation(decision("e1"), AttemptClock(BOOT, clock.monotonic).reading(clock()))
+    clock.advance(100)
+    store.begin_remediation(decision("e2"), AttemptClock(BOOT, clock.monotonic).reading(clock()))
+    clock.step_wall(-5000)
+    history = history_after(clock, store)
+    assert len(history.attempts("reset", GPU0.key, clock() - 3600)) == 2  # both still in a 1 h window
+    assert len(history.attempts("reset", GPU0.key, clock() - 50)) == 1
+
+
+def test_across_a_reboot_only_the_wall_clock_relates_readings_and_never_backwards() -> None:
+    then = ClockReading(1000.0, "boot-a", 50.0)
+    assert elapsed_seconds(then, ClockReading(1500.0, "boot-b", 5.0)) == 500.0
+    assert elapsed_seconds(then, ClockReading(600.0, "boot-b", 5.0)) == 0.0
+    assert elapsed_seconds(then, ClockReading(600.0, "boot-a", 80.0)) == 30.0
+    assert elapsed_seconds(ClockReading(1000.0, "", 50.0), ClockReading(900.0, "", 80.0)) == 0.0  # unknown boot
+    assert elapsed_seconds(ClockReading(1000.0, "boot-a", None), ClockReading(1200.0, "boot-a", 80.0)) == 200.0
+
+
+def test_the_history_of_a_finished_action_still_counts_it(store: Store) -> None:
+    clock = FakeClock()
+    chosen = decision()
+    row_id = store.begin_remediation(chosen, AttemptClock(BOOT, clock.monotonic).reading(clock()))
+    store.finish_remediation(row_id, ActionOutcome(chosen, Outcome.FAILED, "no", clock(), clock()))
+    clock.advance(5)
+    assert len(history_after(clock, store).attempts("reset", GPU0.key, 0.0)) == 1
+
+
+def test_an_action_with_nowhere_to_go_is_no_attempt(store: Store) -> None:
+    """An alert with no Alertmanager configured tried nothing: it is on record as not configured,
+    and does not use up its rule's attempts (nor open its circuit)."""
+    clock = FakeClock()
+    chosen = decision(rule="page", action=ActionKind.ALERTMANAGER)
+    row_id = store.begin_remediation(chosen, AttemptClock(BOOT, clock.monotonic).reading(clock()))
+    outcome = ActionOutcome(chosen, Outcome.NOT_CONFIGURED, "no Alertmanager configured", clock(), clock())
+    store.finish_remediation(row_id, outcome)
+    (row,) = store.remediations()
+    assert (row.outcome, row.counted) == (Outcome.NOT_CONFIGURED, False)
+    assert store.attempts("page", GPU0.key, 0.0) == []
+    assert [(c.outcome, c.count) for c in store.remediation_counts()] == [("not_configured", 1)]
+
+
+class _WaitingTask:
+    """A task (a tune sweep's stand-in) that runs until it is aborted, and says why."""
+
+    name = "test task"
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.aborted = threading.Event()
+        self.reason = ""
+
+    def run(self) -> None:
+        self.started.set()
+        self.aborted.wait(10)
+
+    def abort(self, reason: str) -> None:
+        self.reason = reason
+        self.aborted.set()
+
+
+def test_a_decided_action_aborts_a_running_task_and_runs_after_it(store: Store) -> None:
+    """A fault never waits for an experiment: the remediation aborts the sweep, then runs."""
+    ran = threading.Event()
+    clock = FakeClock()
+    worker = ActionWorker(
+        lambda: ran.set(),  # type: ignore[arg-type,func-returns-value]
+        lambda: store, lambda _gpu: None, clock, AttemptClock(BOOT, clock.monotonic),
+    )  # fmt: skip
+    task = _WaitingTask()
+    worker.start()
+    worker.submit_task(task)
+    assert task.started.wait(5)
+    assert worker.busy() == "test task is running"
+    worker.submit(decision("alert", rule="alert", action=ActionKind.ALERTMANAGER), clock())
+    assert not task.aborted.wait(0.5), "an alert waits for the task: a sweep's own cap raises alerts"
+    worker.submit(decision(), clock())
+    assert task.aborted.wait(5) and task.reason == "remediation reset needs the node"
+    assert ran.wait(5), "the action ran once the task gave the node back"
+    wait_until(lambda: worker.busy() is None, 5, "the worker idle again")
+    worker.stop(5)
+
+
+def test_stopping_the_worker_aborts_its_task(store: Store) -> None:
+    clock = FakeClock()
+    worker = ActionWorker(lambda: None, lambda: store, lambda _gpu: None, clock, AttemptClock(BOOT, clock.monotonic))
+    task = _WaitingTask()
+    worker.start()
+    worker.submit_task(task)
+    assert task.started.wait(5)
+    worker.stop(5)
+    assert task.reason == "the agent is stopping"

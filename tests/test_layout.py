@@ -1,0 +1,265 @@
+"""The shape of the `agent` package, held by reading its source (nothing is imported).
+
+Every import counts: at module level, inside a function and under `if TYPE_CHECKING:`, since a
+cycle or a reach across layers closed by an in-function import is still one. `from P import N`
+depends on the package P itself (its `__init__` runs and N may be one of its re-exports) and, where
+N is a submodule, on P.N too.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+AGENT = REPO / "agent"
+
+#: agent/ keeps a small top level: the rest lives in packages named for what they are.
+MAX_TOP_LEVEL_MODULES = 20
+#: About 700 lines: beyond that a module holds more than one job and is split by job.
+MAX_MODULE_LINES = 750
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str  # dotted: agent.watch.xid; a package is its __init__: agent.watch
+    path: Path
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules_of(root: Path) -> dict[str, Module]:
+    found = {}
+    for path in sorted((root / "agent").rglob("*.py")):
+        name = module_name(path, root)
+        found[name] = Module(name, path)
+    return found
+
+
+def imported_names(module: Module) -> Iterator[tuple[str, str | None]]:
+    """(module, name) for every import in `module`'s source, anywhere in it; name is None for `import M`."""
+    package = module.name if module.path.name == "__init__.py" else module.name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(module.path.read_text(), str(module.path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, None
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*parts, base] if base else parts)
+            for alias in node.names:
+                yield base, alias.name
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the agent modules it imports (see the module docstring for what counts)."""
+    modules = modules_of(root)
+
+    def owner(name: str) -> str | None:
+        """The agent module `name` is, or is in (agent.x.y.Thing -> agent.x.y)."""
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for module in modules.values():
+        for base, name in imported_names(module):
+            targets = {owner(base)}
+            if name is not None and f"{base}.{name}" in modules:
+                targets.add(f"{base}.{name}")
+            graph[module.name] |= {t for t in targets if t is not None and t != module.name}
+    return graph
+
+
+@cache
+def agent_graph() -> dict[str, set[str]]:
+    return import_graph(REPO)
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work: list[tuple[str, Iterator[str]]] = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, successors = work[-1]
+            for successor in successors:
+                if successor not in index:
+                    index[successor] = low[successor] = len(index)
+                    stack.append(successor)
+                    on_stack.add(successor)
+                    work.append((successor, iter(sorted(graph[successor]))))
+                    break
+                if successor in on_stack:
+                    low[node] = min(low[node], index[successor])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for successor in graph[todo.pop()]:
+            if successor not in seen:
+                seen.add(successor)
+                todo.append(successor)
+    return seen
+
+
+def in_package(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def reaches_across(graph: dict[str, set[str]], sources: list[str], forbidden: list[str]) -> list[str]:
+    """'A -> B' for every module A in `sources` (packages or modules) that imports a module B in
+    `forbidden`, directly or through other agent modules."""
+    return [
+        f"{name} -> {target}"
+        for name in sorted(graph)
+        if any(in_package(name, s) for s in sources)
+        for target in sorted(reachable(graph, name))
+        if any(in_package(target, f) for f in forbidden)
+    ]
+
+
+# -- the rules ------------------------------------------------------------------------------------
+
+
+def test_the_agent_has_no_import_cycle() -> None:
+    assert cycles(agent_graph()) == []
+
+
+def test_the_top_level_of_agent_stays_small() -> None:
+    top_level = sorted(p.name for p in AGENT.glob("*.py") if p.name != "__init__.py")
+    assert len(top_level) <= MAX_TOP_LEVEL_MODULES, top_level
+
+
+def test_no_module_is_over_the_size_of_one_job() -> None:
+    sizes = {m.name: len(m.path.read_text().splitlines()) for m in modules_of(REPO).values()}
+    assert {name: lines for name, lines in sizes.items() if lines > MAX_MODULE_LINES} == {}
+
+
+def test_watchers_emit_events_and_never_reach_the_store() -> None:
+    assert reaches_across(agent_graph(), ["agent.watch"], ["agent.store"]) == []
+
+
+def test_the_config_never_reaches_a_backend() -> None:
+    config = ["agent.config", "agent.config_errors", "agent.defaults", "agent.safe_yaml"]
+    assert reaches_across(agent_graph(), config, ["agent.backend"]) == []
+
+
+def test_the_daemon_never_reaches_the_cli_text() -> None:
+    cli_text = ["agent.cli", "agent.render", "agent.textview"]
+    assert reaches_across(agent_graph(), ["agent.daemon"], cli_text) == []
+
+
+def test_only_the_nvml_backend_imports_pynvml() -> None:
+    importers = sorted(
+        module.name
+        for module in modules_of(REPO).values()
+        if any(in_package(base, "pynvml") for base, _ in imported_names(module))
+    )
+    assert importers != [] and all(in_package(name, "agent.backend.nvml") for name in importers), importers
+
+
+def test_every_source_path_the_docs_name_exists() -> None:
+    documents = [REPO / "README.md", REPO / "bench" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    named = {
+        (document.relative_to(REPO).as_posix(), path)
+        for document in documents
+        for path in re.findall(r"(?<![\w/])(?:agent|tests|bench)/[\w/]*\.py\b", document.read_text())
+    }
+    assert {path.split("/")[0] for _, path in named} == {"agent", "tests", "bench"}, "the pattern no longer matches"
+    assert sorted((doc, path) for doc, path in named if not (REPO / path).is_file()) == []
+
+
+# -- the checks themselves, on small trees ----------------------------------------------------------
+
+
+def write_tree(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def test_a_cycle_closed_inside_a_function_is_a_cycle(tmp_path: Path) -> None:
+    root = write_tree(
+        tmp_path,
+        {
+            "agent/__init__.py": "",
+            "agent/a.py": "from agent.b import thing\n",
+            "agent/b.py": "def thing():\n    from agent import a\n",
+            "agent/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from agent.a import x\n",
+        },
+    )
+    graph = import_graph(root)
+    assert graph["agent.c"] == {"agent.a"}
+    assert cycles(graph) == [["agent.a", "agent.b"]]
+
+
+def test_a_package_that_reexports_a_submodule_importing_it_is_a_cycle(tmp_path: Path) -> None:
+    root = write_tree(
+        tmp_path,
+        {
+            "agent/__init__.py": "",
+            "agent/p/__init__.py": "from agent.p.dispatch import execute\n",
+            "agent/p/dispatch.py": "from agent.p import hooks\n",
+            "agent/p/hooks.py": "from . import base\n",
+            "agent/p/base.py": "",
+        },
+    )
+    graph = import_graph(root)
+    assert graph["agent.p.hooks"] == {"agent.p", "agent.p.base"}
+    assert cycles(graph) == [["agent.p", "agent.p.dispatch", "agent.p.hooks"]]
+
+
+def test_a_reach_across_counts_imports_through_other_modules(tmp_path: Path) -> None:
+    root = write_tree(
+        tmp_path,
+        {
+            "agent/__init__.py": "",
+            "agent/watch/__init__.py": "",
+            "agent/watch/xid.py": "import agent.state\n",
+            "agent/state.py": "def f():\n    from agent.store.database import Store\n",
+            "agent/store/__init__.py": "",
+            "agent/store/database.py": "",
+        },
+    )
+    assert reaches_across(import_graph(root), ["agent.watch"], ["agent.store"]) == [
+        "agent.watch.xid -> agent.store.database"
+    ]
