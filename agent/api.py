@@ -24,6 +24,8 @@ from typing import Any
 
 import structlog
 
+from agent.host import safe_json
+
 log = structlog.get_logger("gpu-agent")
 
 MAX_REQUEST_BYTES = 64 * 1024
@@ -42,11 +44,9 @@ def handle_request(
     """Parse and dispatch one request line; never raises (every failure is an error response).
     `may_call(method)` False: the peer may not call that method."""
     try:
-        request = json.loads(line)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        request = safe_json.loads(line)
+    except safe_json.JsonError as exc:  # 64 KB of `[` too: the line's size bounds the rest
         return {"ok": False, "error": f"invalid JSON: {exc}"}
-    except RecursionError:  # 64 KB of `[`: json recurses once per level; the line's size bounds the rest
-        return {"ok": False, "error": "invalid JSON: nested too deep"}
     if not isinstance(request, dict):
         return {"ok": False, "error": "request must be a JSON object"}
     method = request.get("method")
@@ -154,7 +154,7 @@ def call(path: str | Path, method: str, params: Mapping[str, Any] | None = None,
             if not chunk:
                 break
             data += chunk
-    response = json.loads(data)
+    response = safe_json.loads(data)
     if not response.get("ok"):
         raise ApiError(str(response.get("error")))
     return response["result"]

@@ -73,8 +73,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     from agent.logs import configure_logging
 
     configure_logging(args.log_level, args.log_format)
+    from agent.trust import state_directory_problem
+
     path, _ = _config_path(args)
     config = load(args)
+    # What the daemon reads back from these (its verdicts, journal, flags) and who may talk to it.
+    for directory, what in (
+        (config.state_dir, "state_dir"),
+        (Path(config.api.socket).parent, "api.socket's directory"),
+    ):
+        problem = state_directory_problem(directory, what)
+        if problem is not None:
+            raise CliError(f"refusing to start: {problem}")
     try:
         return Daemon(config, path).run()
     except OSError as exc:

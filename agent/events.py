@@ -43,6 +43,8 @@ class EventKind(str, Enum):
     SERVICE_HEALTHY = "service_healthy"
     SERVICE_LATENCY_REGRESSION = "service_latency_regression"  # a service's own p95 misses its SLO
     POLICY_DRIFT = "policy_drift"
+    # An action interrupted on an earlier boot: what it had stopped is reported, never started again.
+    REMEDIATION_INTERRUPTED = "remediation_interrupted"
 
 
 #: Which condition events a clearing event ends (for alert resolution and fault episodes).

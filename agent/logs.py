@@ -22,6 +22,8 @@ from typing import Any
 
 import structlog
 
+from agent.printable import printable
+
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 _PRIORITY = {"critical": 2, "error": 3, "warning": 4, "info": 6, "debug": 7}
@@ -109,11 +111,25 @@ class _StdlibToStructlog(logging.Handler):
         structlog.get_logger("gpu-agent").log(record.levelno, record.getMessage(), **fields)
 
 
+def escape_text(keep_newlines: bool = False) -> Callable[[object, str, MutableMapping[str, Any]], Any]:
+    """A processor putting every string field of a log line through `printable`: a process name or
+    kernel text with a terminal escape cannot act on a terminal, nor a newline forge a second line.
+    The journal's native protocol frames each field by its length, so there a newline may stay."""
+
+    def escape(_logger: object, _name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+        for key, value in event_dict.items():
+            if isinstance(value, str):
+                event_dict[key] = printable(value, keep_newlines)
+        return event_dict
+
+    return escape
+
+
 def configure_cli_logging() -> None:
     """One-shot commands (`events --json`, `plan`, ...): stdout is the answer, so the agent's own log
     lines go to stderr, and only warnings and worse (not "state database migrated")."""
     structlog.configure(
-        processors=[structlog.processors.add_log_level, structlog.dev.ConsoleRenderer(colors=False)],
+        processors=[escape_text(), structlog.processors.add_log_level, structlog.dev.ConsoleRenderer(colors=False)],
         wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=False,
@@ -125,7 +141,12 @@ def configure_logging(level: str = "info", output: str = "auto") -> str:
     if output == "auto":
         output = "journal" if under_journal() else ("console" if sys.stderr.isatty() else "json")
     renderer: Any
-    processors: list[Any] = [structlog.processors.add_log_level, structlog.processors.format_exc_info]
+    # Escaped before the traceback is formatted: its own line breaks stay.
+    processors: list[Any] = [
+        escape_text(keep_newlines=output == "journal"),
+        structlog.processors.add_log_level,
+        structlog.processors.format_exc_info,
+    ]
     if output == "journal":
         renderer = JournalRenderer()
     elif output == "console":

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from agent.policy.base import ItemPlan, ItemResult, PlanStatus
 from agent.policy.engine import NodePlan
+from agent.printable import printable
 from agent.store.database import StoredEvent, StoredRemediation
 from agent.textview import table
 
@@ -62,14 +63,17 @@ def history_text(events: Sequence[StoredEvent], remediations: Sequence[StoredRem
         # Watchers already start their messages with the GPU ("GPU 0 (0000:3B:00.0): Xid 79 ..."); say it once.
         where = "" if e.gpu is None or e.message.startswith(f"GPU {e.gpu}") else f"GPU {e.gpu} "
         lines.append(
-            (e.timestamp_seconds, f"{_when(e.timestamp_seconds)}  event  [{e.severity.value}] {where}{e.message}")
+            (
+                e.timestamp_seconds,
+                printable(f"{_when(e.timestamp_seconds)}  event  [{e.severity.value}] {where}{e.message}"),
+            )
         )
     for r in remediations:
         target = r.service or (f"GPU {r.gpu}" if r.gpu is not None else "node")
         text = f"{r.rule}: {r.action} on {target} -> {r.outcome.value}"
         if r.detail or r.reason:
             text += f" ({r.detail or r.reason})"
-        lines.append((r.started_seconds, f"{_when(r.started_seconds)}  action {text}"))
+        lines.append((r.started_seconds, printable(f"{_when(r.started_seconds)}  action {text}")))
     if not lines:
         return "no events or remediations in that period"
     return "\n".join(text for _, text in sorted(lines))

@@ -17,6 +17,7 @@ from agent.backend.base import GpuIdentity
 from agent.backend.errors import GpuError
 from agent.config import AgentConfig
 from agent.events import Event, Health, HealthState
+from agent.host.boottime import boottime_seconds
 from agent.host.paths import HostPaths
 from agent.policy.base import ItemPlan
 from agent.services.attribution import GpuAttribution
@@ -47,11 +48,17 @@ class NodeWatchers:
     watcher is fed by the NVML event wait and the kernel log (a one-off read has neither)."""
 
     def __init__(
-        self, identities: Callable[[], Mapping[int, GpuIdentity]] = dict, clock: Callable[[], float] = time.time
+        self,
+        identities: Callable[[], Mapping[int, GpuIdentity]] = dict,
+        clock: Callable[[], float] = time.time,
+        boottime: Callable[[], float] = boottime_seconds,
+        process_owner: Callable[[int], str | None] = lambda pid: None,
     ) -> None:
-        self.throttle = ThrottleWatcher()
+        # Durations and windows run on `boottime` (monotonic, one reading per boot), times on `clock`.
+        # `process_owner`: the configured service a faulting process belongs to (whose Xid it is).
+        self.throttle = ThrottleWatcher(clock=boottime)
         self.devices = DeviceWatcher()
-        self.xid = XidWatcher(identities, clock=clock)
+        self.xid = XidWatcher(identities, clock=clock, window_clock=boottime, process_owner=process_owner)
         self.pcie = PcieWatcher()
         polled: list[PollWatcher] = [
             self.throttle,
@@ -151,6 +158,7 @@ def build_snapshot(
         remediations=parts.remediations,
         clock_event_seconds=watchers.throttle.clock_event_seconds(),
         throttle_active_since=watchers.throttle.active_since(),
+        throttle_held_seconds=watchers.throttle.held_seconds(),
         xids=tuple(watchers.xid.counts()),
         collectors=parts.collectors,
         recent_events=parts.recent_events,

@@ -178,6 +178,8 @@ class NodeSnapshot:
     item_modes: dict[str, str] = field(default_factory=dict)
     clock_event_seconds: dict[tuple[int, str], float] = field(default_factory=dict)  # (gpu, reason) -> total
     throttle_active_since: dict[tuple[int, str], float] = field(default_factory=dict)  # slowdown reasons active now
+    # How long each of those has been held, on CLOCK_BOOTTIME: what a rule's held_seconds compares with.
+    throttle_held_seconds: dict[tuple[int, str], float] = field(default_factory=dict)
     xids: tuple[XidCount, ...] = ()
     services: tuple[ServiceStatus, ...] = ()
     remediations: tuple[RemediationCount, ...] = ()

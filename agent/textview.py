@@ -11,12 +11,15 @@ from collections.abc import Sequence
 from typing import IO, Any
 
 from agent.policy.names import DRIVER, NEXT_BOOT
+from agent.printable import printable, printable_document
 from agent.services.text import service_figures_line, unattributed_lines
 
 JSON_SCHEMA_VERSION = 1
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    # Escaped before measuring: a cell's escapes are part of its width.
+    rows = [[printable(cell) for cell in row] for row in rows]
     widths = [len(h) for h in headers]
     for row in rows:
         widths = [max(w, len(cell)) for w, cell in zip(widths, row)]
@@ -123,6 +126,8 @@ def status_text(
     GPUs, policy, Xids, services, remediations and events with how long ago they happened."""
     now = time.time() if now is None else now
     width = STATUS_WIDTH_COLUMNS if width is None else width
+    # Every string in it may carry a process name or kernel text: escaped before any colour is added.
+    document = printable_document(document)
     paint = _Paint(colour)
     verdict = document.get("verdict") or {}
     header = (

@@ -23,6 +23,7 @@ the check changes nothing: what was checked is what is read or run.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -333,3 +334,67 @@ def run_trusted(
         )
     finally:
         os.close(fd)
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISLNK, "a symlink"),
+    ):
+        if test(mode):
+            return name
+    return f"mode {mode:o}"
+
+
+def state_directory_problem(path: str | Path, what: str, agent_uid: int | None = None) -> str | None:
+    """Why directory `path` must not hold the agent's state (state_dir) or its socket: it is not a
+    directory, or it or a directory above it could be changed by someone else (who could then plant
+    the file the agent reads back, or a FIFO that hangs it). A missing one is judged by the nearest
+    directory above it that exists, the one it will be created in. `what` names it for the message
+    (`state_dir`, `the api.socket directory`). None: trusted."""
+    given = Path(os.path.abspath(path))
+    existing = given
+    while True:
+        try:
+            info = os.lstat(existing)
+            break
+        except (FileNotFoundError, NotADirectoryError):
+            if existing.parent == existing:
+                return None
+            existing = existing.parent
+    if stat.S_ISLNK(info.st_mode):
+        with contextlib.suppress(OSError):
+            info = os.stat(existing)
+    if not stat.S_ISDIR(info.st_mode):
+        return f"{what} {given}: {existing} is {_kind(info.st_mode)}, not a directory"
+    problem = directory_problem(existing, agent_uid)
+    if problem is None:
+        return None
+    return f"{what} {given} is not safe: {problem}; gpu-agent keeps its state and socket where only root can write"
+
+
+def state_file_problem(path: str | Path, agent_uid: int | None = None) -> str | None:
+    """Why a file of the agent's own state (the database and its -wal and -shm files) must not be
+    opened: a FIFO or device in its place (an open would hang or never end), a symlink, or a file
+    someone else owns or could write. Judged on a descriptor opened O_NONBLOCK | O_NOFOLLOW, before
+    SQLite opens it. None: fine, or missing (it will be created)."""
+    uid = os.geteuid() if agent_uid is None else agent_uid
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return f"{path} is a symlink: gpu-agent opens its own state only where it is"
+        return f"{path}: {exc.strerror or exc}"
+    try:
+        info = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(info.st_mode):
+        return f"{path} is {_kind(info.st_mode)}, not a regular file: remove it"
+    return _file_problem(info, str(path), uid)

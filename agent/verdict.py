@@ -18,13 +18,13 @@ node agrees with the daemon.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
 from agent.config import Mode
 from agent.events import HealthState
+from agent.host import file_reads, safe_json
 from agent.host.paths import HostPaths
 from agent.policy.base import CUDA_TOO_OLD_FACT, ItemPlan, PlanStatus
 
@@ -39,6 +39,8 @@ from agent.watch.throttle import EXPECTED_REASONS
 THROTTLE_PROBLEM_REASONS: tuple[str, ...] = tuple(sorted(SLOWDOWN_REASONS - EXPECTED_REASONS))
 #: The GPU that could not be read at all is planned as item "gpu"; it is a lost GPU, not drift.
 _UNREADABLE_GPU_ITEM = "gpu"
+# The flag is a few lines of JSON (agent.rules.actions.reboot writes it).
+_FLAG_LIMIT_BYTES = 64 * 1024
 
 
 class NodeProblem(str, Enum):
@@ -173,7 +175,7 @@ def reboot_recommended(state_dir: str | Path, paths: HostPaths) -> str | None:
     """The reason in `state_dir/reboot-recommended`; None without one, or when it was written before
     the last boot (that reboot happened: the flag is spent)."""
     try:
-        flag = json.loads((Path(state_dir) / REBOOT_FLAG_NAME).read_text(encoding="utf-8"))
+        flag = safe_json.loads(file_reads.read_text(Path(state_dir) / REBOOT_FLAG_NAME, _FLAG_LIMIT_BYTES))
     except FileNotFoundError:
         return None
     except (OSError, ValueError):

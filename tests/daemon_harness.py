@@ -11,12 +11,15 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hosttree import make_host_tree
+
+from agent.host.paths import BOOT_ID_PATH
 
 AGENT_CONFIG = """\
 mode: {mode}
@@ -126,10 +129,15 @@ def write_agent_config(
     policy: str = DEFAULT_POLICY,
     rules_dir: Path | None = None,
     backend: str = "simulated",  # "nvml" on a test machine: a host without the NVIDIA driver
+    extra: str = "",  # more top-level YAML, e.g. "policy_interval_seconds: 1\n"
 ) -> tuple[Path, int]:
     root = tmp_path / "host"
     if not root.exists():
         make_host_tree(root, kernel_sysfs=False)
+        # Every Linux host has one; the journal rolls back only what an earlier run on this boot left.
+        boot_id = root / BOOT_ID_PATH.lstrip("/")
+        boot_id.parent.mkdir(parents=True, exist_ok=True)
+        boot_id.write_text(f"{uuid.uuid4()}\n")
     port = free_port()
     # No rules directory given: remediation off on purpose (a daemon with rules dirs but no rules in
     # them needs attention, and would say so in every verdict).
@@ -148,6 +156,7 @@ def write_agent_config(
             remediation=remediation,
             policy=policy,
         )
+        + extra
     )
     return config, port
 

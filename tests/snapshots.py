@@ -141,7 +141,10 @@ def lost_sample(index: int, name: str = H200_NAME) -> GpuSample:
 
 
 def h200_snapshot(at: float = TIMESTAMP_SECONDS, gpus: int = 4, **fields: Any) -> NodeSnapshot:
-    """A node of `gpus` healthy H200s at `at`, up for an hour; keyword arguments are further fields."""
+    """A node of `gpus` healthy H200s at `at`, up for an hour; keyword arguments are further fields.
+    Slowdowns given as `throttle_active_since` are held since then unless `throttle_held_seconds` says."""
+    if "throttle_active_since" in fields and "throttle_held_seconds" not in fields:
+        fields["throttle_held_seconds"] = {key: at - since for key, since in fields["throttle_active_since"].items()}
     return NodeSnapshot(
         timestamp_seconds=at,
         started_seconds=at - 3600.0,

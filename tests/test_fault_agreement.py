@@ -29,8 +29,8 @@ import yaml
 from daemon_harness import DEFAULT_POLICY, RunningAgent, free_port, running_agent
 from helpers import wait_until
 from hosttree import make_host_tree
+from policy.test_boot_readiness import OLD, ubuntu_tree
 from prometheus_client.parser import text_string_to_metric_families
-from test_boot_readiness import OLD, ubuntu_tree
 
 from agent.daemon.timing import LoopTiming
 from agent.demo.standin import StandinServer

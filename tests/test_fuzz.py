@@ -1,6 +1,7 @@
-"""Property-based fuzzing of what the agent reads from people and from clients: agent.yaml, rules.d and
-the status socket. Whatever comes in, the answer is a valid result or a clear error (a ConfigError whose
-every problem names the file, and the line when there is one; an error response on the socket), never a
+"""Property-based fuzzing of what the agent reads from people, clients and servers: agent.yaml, rules.d,
+the status socket, inference servers' /metrics pages and JSON answers. Whatever comes in, the answer
+is a valid result or a clear error (a ConfigError whose every problem names the file, and the line
+when there is one; an error response on the socket; a service's `unreadable page`), never a
 traceback, a crash or a hang. The kernel-log parser has its own properties in test_kernel_log_parser.py.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import socket
 import tempfile
 import threading
@@ -28,7 +30,9 @@ from agent import api, safe_yaml
 from agent.config import AgentConfig, ConfigError, config_from_text, load_config
 from agent.daemon import Daemon
 from agent.daemon.sd_notify import SdNotifier
+from agent.host import safe_json
 from agent.rules.config import Rule, load_rules
+from agent.services.scrape import LatencyWindow, ScrapeError, histogram_quantile, parse_reading
 
 FILE = "/etc/gpu-agent/agent.yaml"
 # A deadline per example: a parser bomb shows up as time (the 391-byte alias bomb took minutes
@@ -480,3 +484,94 @@ def test_oversized_silent_and_concurrent_clients(
 @given(st.binary(max_size=300))
 def test_arbitrary_bytes_in_a_rules_file(data: bytes) -> None:
     check_arbitrary_bytes(data, "10-bytes.yaml", lambda path: load_rules([path]))
+
+
+# -- what inference servers answer ------------------------------------------------------------------
+
+SGLANG_PAGE = (Path(__file__).parent / "fixtures" / "service-metrics" / "sglang-two-ranks.txt").read_text()
+E2E = "sglang:e2e_request_latency_seconds"
+NUMBERS = st.sampled_from(["0", "1", "7", "-1", "NaN", "+Inf", "-Inf", "1e308", "1.7e308", "abc", "", "0x10", "1_0"])
+
+
+@st.composite
+def hostile_pages(draw: st.DrawFn) -> str:
+    """A real sglang page with some numbers, `le` values and lines swapped for hostile ones."""
+    lines = SGLANG_PAGE.splitlines()
+    for _ in range(draw(st.integers(min_value=1, max_value=6))):
+        index = draw(st.integers(min_value=0, max_value=len(lines) - 1))
+        line = lines[index]
+        operation = draw(st.sampled_from(["value", "le", "drop", "duplicate", "junk"]))
+        if operation == "value" and " " in line and not line.startswith("#"):
+            lines[index] = line.rsplit(" ", 1)[0] + " " + draw(NUMBERS)
+        elif operation == "le" and 'le="' in line:
+            head, _, rest = line.partition('le="')
+            lines[index] = head + 'le="' + draw(NUMBERS) + '"' + rest.partition('"')[2]
+        elif operation == "drop":
+            lines[index] = ""
+        elif operation == "duplicate":
+            lines.insert(index, line)
+        else:
+            lines[index] = draw(st.text(max_size=40))
+    return "\n".join(lines) + "\n"
+
+
+def check_readings(pages: list[str]) -> None:
+    """Every page parses or is a ScrapeError; the window over what parsed gives figures whose every
+    number is finite, never an exception."""
+    window = LatencyWindow("llm")
+    for step, text in enumerate(pages):
+        try:
+            window.add(parse_reading(text, "sglang", timestamp_seconds=step * 5.0))
+        except ScrapeError as exc:
+            window.add_error(str(exc))
+        figures = window.figures()
+        assert figures is not None
+        for latency in figures.latency.values():
+            assert all(q is None or math.isfinite(q) for q in latency.quantiles.values()), latency
+        for gauge in (figures.running, figures.waiting, figures.kv_cache_usage_ratio):
+            assert gauge is None or math.isfinite(gauge)
+
+
+@FUZZ
+@given(st.lists(hostile_pages(), min_size=1, max_size=4))
+def test_hostile_server_pages_are_figures_or_an_unreadable_page(pages: list[str]) -> None:
+    check_readings([SGLANG_PAGE, *pages])
+
+
+@FUZZ
+@given(st.lists(st.text(max_size=300), min_size=1, max_size=3))
+def test_arbitrary_text_as_a_metrics_page(pages: list[str]) -> None:
+    check_readings(pages)
+
+
+@st.composite
+def histograms(draw: st.DrawFn) -> tuple[tuple[float, ...], list[float]]:
+    """Bounds that go up to +Inf and as many counts, of any float at all."""
+    finite = draw(st.lists(st.floats(allow_nan=False, allow_infinity=False), max_size=7, unique=True))
+    bounds = (*sorted(finite), math.inf)
+    return bounds, draw(st.lists(st.floats(), min_size=len(bounds), max_size=len(bounds)))
+
+
+@FUZZ
+@given(histograms(), st.floats(min_value=0, max_value=1))
+def test_histogram_quantile_is_a_bound_or_none_never_an_exception(
+    histogram: tuple[tuple[float, ...], list[float]], q: float
+) -> None:
+    bounds, counts = histogram
+    found = histogram_quantile(q, bounds, counts)
+    assert found is None or (math.isfinite(found) and min(0.0, bounds[0]) <= found <= max(bounds[:-1]))
+
+
+@FUZZ
+@given(
+    st.binary(max_size=400)
+    | st.builds(lambda n, c: c * n, st.integers(0, 5000), st.sampled_from([b"[", b"{", b'{"a":']))
+)
+def test_any_bytes_as_json_are_a_value_or_a_json_error(data: bytes) -> None:
+    """Never a RecursionError, a UnicodeDecodeError or a ValueError of another kind."""
+    try:
+        value = safe_json.loads(data)
+    except safe_json.JsonError as exc:
+        assert str(exc)
+    else:
+        json.dumps(value)  # a plain JSON value, nested no deeper than the bound

@@ -95,5 +95,5 @@ def test_a_deeply_nested_api_request_gets_an_error_response() -> None:
     line = b"[" * (api.MAX_REQUEST_BYTES - 1) + b"\n"
     assert api.handle_request(line, {"ping": lambda _p: "pong"}) == {
         "ok": False,
-        "error": "invalid JSON: nested too deep",
+        "error": "invalid JSON: nested more than 64 levels deep",
     }

@@ -173,3 +173,49 @@ def test_an_xid_is_acted_on_before_the_next_loop(tmp_path: Path) -> None:
         wait_until(record.exists, 15, "the hook run before the next loop")
         assert time.monotonic() - injected_at < 15
         assert record.read_text().startswith("31 GPU-")
+
+
+def test_another_users_app_xid_restarts_nothing_and_the_services_own_does(tmp_path: Path) -> None:
+    """Any local CUDA user can make an Xid 13 on a GPU sglang uses; only sglang's own process's Xid
+    restarts sglang. The process is told by the kernel log's pid, read before the rule looks."""
+    port = free_port()
+    pid_file = tmp_path / "standin.pid"
+    start = [sys.executable, standin.__file__, "--daemon", "--port", str(port), "--pid-file", str(pid_file)]
+    stop = [sys.executable, standin.__file__, "--stop", "--pid-file", str(pid_file)]
+    subprocess.run(start, check=True, timeout=30)
+    first_pid = int(pid_file.read_text())
+    rules = write_rules(
+        tmp_path / "rules.d",
+        """rules:
+  - name: xid-restart-service
+    match: {xid: {catalog_action: restart_service}}
+    actions: [restart_service]
+    cooldown_seconds: 0
+    max_attempts: 5
+    window_seconds: 3600
+""",
+    )
+    services = (
+        f"services:\n  - name: sglang\n    manager: command\n    gpus: [0]\n"
+        f"    health_url: http://127.0.0.1:{port}/health\n"
+        f"    start_command: {json.dumps(start)}\n    stop_command: {json.dumps(stop)}\n"
+        "    ready_timeout_seconds: 20\n"
+    )
+    try:
+        with running_agent(tmp_path, rules_dir=rules, policy=POLICY + services) as agent:
+            agent.notifications.wait_for("READY", "1")
+            someone = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            try:
+                inject = ("inject", "xid", "13", "--gpu", "0", "--source", "kmsg", "--process", "python3")
+                assert gpu_agent(agent.config_path, *inject, "--pid", str(someone.pid)).returncode == 0
+                wait_until(lambda: decided(agent.log(), "xid-restart-service"), WAIT_SECONDS, "the decision")
+            finally:
+                someone.kill()
+                someone.wait()
+            suppressed = [json.loads(line) for line in agent.log().splitlines() if '"action suppressed"' in line]
+            assert f"pid {someone.pid} (python3) belongs to no configured service" in suppressed[0]["reason"]
+            assert standin.read_pid(pid_file) == first_pid  # not restarted
+            assert gpu_agent(agent.config_path, *inject, "--gpu", "0", "--pid", str(first_pid)).returncode == 0
+            wait_until(lambda: standin.read_pid(pid_file) not in (None, first_pid), WAIT_SECONDS, "restart")
+    finally:
+        subprocess.run(stop, timeout=30, check=False)

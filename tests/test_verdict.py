@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from snapshots import h200_snapshot
 
-from agent.daemon.publisher import status_line
+from agent.daemon.publisher import systemd_status_line
 from agent.documents import snapshot_document
 from agent.policy.base import CUDA_TOO_OLD_FACT, ItemPlan, PlanStatus
 from agent.state import NodeSnapshot, ServiceStatus, SloBreachNow
@@ -25,7 +25,7 @@ def causes(snapshot: NodeSnapshot) -> list[AttentionCause]:
 
 def test_a_healthy_node_needs_nothing() -> None:
     assert attention(healthy()) == []
-    assert "all healthy" in status_line(healthy())
+    assert "all healthy" in systemd_status_line(healthy())
     assert snapshot_document(healthy(), source="daemon")["verdict"]["exit_code"] == 0
 
 
@@ -64,8 +64,8 @@ def test_a_next_boot_that_is_not_ready_is_attention_in_observe_mode_too() -> Non
     for mode in ("observe", "enforce"):
         snapshot = replace(healthy(), policy=(plan,), item_modes={"next_boot": mode})
         assert attention(snapshot) == [f"next boot not ready: {summary}"], mode
-        assert "ATTENTION: next boot not ready" in status_line(snapshot)
-        assert "all healthy" not in status_line(snapshot)
+        assert "ATTENTION: next boot not ready" in systemd_status_line(snapshot)
+        assert "all healthy" not in systemd_status_line(snapshot)
 
 
 def test_a_driver_too_old_for_a_service_is_attention_and_not_also_drift() -> None:
@@ -101,4 +101,4 @@ def test_the_config_hook_lines_are_shown_as_written() -> None:
     snapshot = replace(healthy(), config_attention=("config change needs a restart: state_dir",))
     assert attention(snapshot) == ["config change needs a restart: state_dir"]
     assert causes(snapshot) == [AttentionCause.CONFIG]
-    assert status_line(snapshot).endswith("; ATTENTION: config change needs a restart: state_dir")
+    assert systemd_status_line(snapshot).endswith("; ATTENTION: config change needs a restart: state_dir")

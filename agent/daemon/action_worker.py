@@ -10,8 +10,11 @@ the caller's thread and only then queues the action: an action the agent never r
 runs, and one it recorded counts against the caps even if the agent dies a moment later. The
 handler journals each step as it completes (ctx.journal). `stop` gives a running action a bounded
 time (below systemd's stop timeout) and then notes in the journal where it was; `recover`, the
-worker's first job at start, rolls back what an earlier run left half-done (a service a reset
-stopped, or a restart cut short, is started again) and closes those rows as "interrupted".
+worker's first job at start, rolls back what an earlier run on this boot left half-done (a service
+a reset stopped, or a restart cut short, is started again) and closes those rows as "interrupted".
+An entry of an earlier boot (or of a boot that cannot be told) is not rolled back: the reboot ended
+that action, and what runs now is this boot's. What it had stopped is reported as a
+`remediation_interrupted` event and in the closed row, and nothing is started.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any, Protocol
 import structlog
 
 from agent.config import AgentConfig
+from agent.events import Event, EventKind, Severity
 from agent.rules.actions.context import ActionContext
 from agent.rules.actions.dispatch import execute
 from agent.rules.actions.steps import DRAINING, services_left_down, step
@@ -259,6 +263,9 @@ class ActionWorker:
         config, managers = self.managers() if self.managers is not None else (None, {})
         services = {s.name: s for s in config.services} if config is not None else {}
         for entry in entries:
+            if not entry.boot_id or entry.boot_id != self.attempt_clock.boot_id:
+                self._report_earlier_boot(entry)
+                continue
             rolled_back: list[str] = []
             for name in services_left_down(entry.steps):
                 service, manager = services.get(name), managers.get(name)
@@ -287,6 +294,48 @@ class ActionWorker:
                 detail=detail,
             )
             self._close(entry.row_id, detail)
+
+    def _report_earlier_boot(self, entry: JournalEntry) -> None:
+        """An action a reboot interrupted: reported, closed, nothing started."""
+        stopped = services_left_down(entry.steps)
+        where = entry.steps[-1] if entry.steps else "before its first step"
+        left = f"; it had stopped {', '.join(stopped)}, left as this boot has it" if stopped else ""
+        detail = f"interrupted on an earlier boot (last step: {where}); not rolled back{left}"
+        log.warning(
+            "action interrupted on an earlier boot",
+            rule=entry.rule,
+            action=entry.action,
+            target=entry.target_key,
+            boot_id=entry.boot_id,
+            detail=detail,
+        )
+        event = Event(
+            kind=EventKind.REMEDIATION_INTERRUPTED,
+            severity=Severity.WARNING if stopped else Severity.INFO,
+            gpu=entry.gpu,
+            uuid=None,
+            message=f"{entry.action} by rule {entry.rule} on {entry.target_key}: {detail}",
+            timestamp_seconds=self.clock(),
+            source="remediation",
+            key=f"remediation_interrupted:{entry.row_id}",
+            data={
+                "rule": entry.rule,
+                "action": entry.action,
+                "target": entry.target_key,
+                "boot_id": entry.boot_id or None,
+                "last_step": entry.steps[-1] if entry.steps else None,
+                "services_stopped": stopped,
+            },
+        )
+        store = self.store()
+        if store is not None:
+            try:
+                # A report: nothing for the rules to act on again.
+                if store.record_event(event):
+                    store.mark_handled(event.key)
+            except StoreError as exc:
+                log.error("could not record an interrupted action", error=str(exc))
+        self._close(entry.row_id, detail)
 
 
 class ClockHistory:

@@ -23,6 +23,7 @@ import structlog
 from agent.backend import load_checked_config
 from agent.backend.base import GpuEvent
 from agent.config import AgentConfig, ConfigError
+from agent.daemon.allocator import return_large_buffers
 from agent.daemon.bounded import BoundedRunner
 from agent.daemon.collector import GpuCollector
 from agent.daemon.intake import EventIntake
@@ -34,6 +35,7 @@ from agent.daemon.session import BackendSession
 from agent.daemon.timing import LoopTiming
 from agent.daemon.watchdog import Watchdog
 from agent.events import Event
+from agent.host.boottime import boottime_seconds
 from agent.host.paths import HostPaths
 from agent.policy import known_good
 from agent.policy.base import HostContext
@@ -43,12 +45,13 @@ from agent.policy.names import FAN_CURVE
 from agent.policy.registry import RESTORABLE_NAMES
 from agent.rules.actions.alertmanager import AlertTracker
 from agent.rules.actions.context import ActionContext
+from agent.services.attribution import service_of_pid
 from agent.services.health import HealthProber, ProberThread
 from agent.services.managers import build_managers
 from agent.services.watch import InferenceMonitor
 from agent.snapshot import DaemonParts, NodeWatchers, build_snapshot
 from agent.state import CollectorStatus, GpuSample, NodeSnapshot
-from agent.store.attempt_clock import AttemptClock, boottime_seconds
+from agent.store.attempt_clock import AttemptClock
 from agent.store.node_memory import NodeMemory, read_boot_id
 from agent.tune.runner import PRIVILEGED_METHODS, TuneRunner
 from agent.watch.devices import UdevWakeup
@@ -56,6 +59,10 @@ from agent.watch.kernel_log import KernelXid
 from agent.watch.kmsg import KmsgSource
 
 log = structlog.get_logger("gpu-agent")
+
+# How long the policy step waits for the next-boot check (it runs on a worker of its own): a slow
+# check is taken by a later pass instead of holding up the fan curve.
+BOOT_CHECK_WAIT_SECONDS = 5.0
 
 
 class Daemon:
@@ -77,12 +84,17 @@ class Daemon:
         self.stop_requested = threading.Event()
         self.wake = threading.Event()  # set by event sources, signals: the loop reacts before its next tick
         self.reload_requested = threading.Event()
-        self.host = HostContext(HostPaths.at(config.host_root))
+        self.host = HostContext(HostPaths.at(config.host_root), boot_check_wait_seconds=BOOT_CHECK_WAIT_SECONDS)
         self.runner = BoundedRunner(self.timing.call_timeout_seconds)
         self.intake = EventIntake(self.wake)
         self.session = BackendSession(self.runner, self._on_nvml_event)
         self.collector = GpuCollector(self.runner, self.timing, clock, self.session.note_fault)
-        self.watchers = NodeWatchers(lambda: self.collector.identities, clock)
+        self.watchers = NodeWatchers(
+            lambda: self.collector.identities,
+            clock,
+            boottime,
+            lambda pid: service_of_pid(pid, self.config.services, self.host.paths),
+        )
         self.holds = PolicyHolds()  # items a tune sweep drives: the policy loop plans them, never writes them
         self.policy = PolicyLoop(config, self.host, self.runner, self.session.note_fault, self.holds)
         self.remediator = Remediator(
@@ -361,6 +373,7 @@ class Daemon:
 
     def run(self) -> int:
         self.install_signal_handlers()
+        return_large_buffers()
         try:
             self.start_services()
             snapshot = self.loop_once()

@@ -31,6 +31,7 @@ from typing import Any
 from agent import api
 from agent.demo import standin
 from agent.demo.alertmanager import DemoAlertmanager, find_alertmanager
+from agent.host import safe_json
 from agent.policy.names import POWER_LIMIT
 
 SERVICE_PID_FILE = "sglang.pid"  # the stand-in inference server's, in the demo directory
@@ -356,7 +357,9 @@ def _play(demo: Demo) -> None:
     demo.cli("inject", "temperature", "--gpu", "2", "--clear")
 
     say("\n== 5. an app-level Xid 13 on GPU 1 (NVML event and kernel log)")
-    say("   " + demo.cli("inject", "xid", "13", "--gpu", "1", "--pid", "4242", "--process", "python3"))
+    # The kernel log names the faulting process: the stand-in server's own, so it is sglang's fault.
+    server_pid = (demo.directory / SERVICE_PID_FILE).read_text().strip()
+    say("   " + demo.cli("inject", "xid", "13", "--gpu", "1", "--pid", server_pid, "--process", "python3"))
     demo.wait("the service restart", lambda s: _remediated(s, "xid-restart-service"), 90)
     say("   rule xid-restart-service restarted sglang (stop, start, health check): success")
     counted = [f"Xid {x['xid']} x{x['count']}" for x in demo.status()["xids"] if x["gpu"] == 1]
@@ -417,7 +420,7 @@ def _alert_arrival(demo: Demo, rule: str) -> str:
 
 
 def _plan_summary(demo: Demo) -> str:
-    document = json.loads(demo.cli("plan", "--json", ok_codes=(0, 2)))
+    document = safe_json.loads(demo.cli("plan", "--json", ok_codes=(0, 2)))
     drifting = [i for i in document["items"] if i["status"] != "in_sync" and i["status"] != "not_applicable"]
     lines = [f"   {len(drifting)} of {len(document['items'])} items differ from the policy, for example:"]
     lines += [

@@ -70,6 +70,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import FrameType, TracebackType
 
+from agent.host import safe_json
+
 MODES = ("ok", "503", "hang", "exit")
 CRASH_EXIT_STATUS = 3
 TRAFFIC_TICK_SECONDS = 0.25
@@ -481,7 +483,7 @@ def make_handler(
             if not self._serving():
                 return
             try:
-                model = json.loads(request or b"{}").get("model")
+                model = safe_json.loads(request or b"{}").get("model")
             except (ValueError, AttributeError):
                 model = None
             if model != MODEL_NAME:

@@ -18,13 +18,19 @@ an initramfs that still loads nouveau. This module answers, for the kernel that 
 
 Everything is read under `host_root`; host tools (`grubby`, `mokutil`, `lsinitramfs`, `lsinitrd`)
 run only when `host_root` is `/`. Nothing here writes.
+
+Whoever can write /boot or a module tree can put anything there, and a disk can hang: every file
+is opened as a regular file only (agent.host.file_reads: a FIFO or `nvidia.ko` -> `/dev/zero` is
+refused before a byte is read), small files are read up to a bound, and archives are read by what
+they actually hold, never by what a header claims (a cpio name is at most PATH_MAX bytes; the
+bytes decompressed from a module or an initramfs are capped). The whole check runs on a worker of
+its own with a deadline (agent.policy.next_boot), so a hung read costs that worker, not the policy.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gzip
-import io
 import lzma
 import os
 import re
@@ -33,8 +39,9 @@ import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Protocol, cast
+from typing import IO, BinaryIO, Protocol, cast
 
+from agent.host import file_reads
 from agent.host.paths import HostPaths
 
 SECURE_BOOT_VAR = "/sys/firmware/efi/efivars/SecureBoot-8be4df61-93ca-11d2-aa0d-00e098032b8c"
@@ -43,6 +50,13 @@ MODULE_NAMES = ("nvidia.ko", "nvidia.ko.xz", "nvidia.ko.gz", "nvidia.ko.zst")
 # depmod's default search order: an override in updates/ wins over the distro's kernel/ tree.
 MODULE_SUBDIRS = ("updates", "extra", "weak-updates", "kernel")
 _CHUNK_BYTES = 1 << 20
+# grubenv is one 1 KiB block; a BLS entry, /proc and efivars answers are a few lines.
+_SMALL_FILE_LIMIT_BYTES = 64 * 1024
+# cpio names are paths: the kernel refuses longer than PATH_MAX when it unpacks the archive.
+_CPIO_NAME_LIMIT_BYTES = 4096
+# An uncompressed nvidia.ko is ~100 MB, an initramfs a few hundred MB: far past these is a bomb.
+_MODULE_LIMIT_BYTES = 1 << 30
+_INITRAMFS_LIMIT_BYTES = 4 << 30
 _TOOL_TIMEOUT_SECONDS = 60.0
 _CPIO_MAGICS = (b"070701", b"070702")
 _GZIP_MAGIC = b"\x1f\x8b"
@@ -77,8 +91,9 @@ class NextKernel:
 @dataclass(frozen=True)
 class ModuleFound:
     path: str  # host path, e.g. /lib/modules/6.8.0-50-generic/updates/dkms/nvidia.ko.zst
-    version: str | None  # None: could not be read (compressed and no decompressor)
+    version: str | None  # None: could not be read (compressed and no decompressor, or `unreadable`)
     signed: bool | None
+    unreadable: str | None = None  # why the file could not be read
 
 
 @dataclass(frozen=True)
@@ -139,7 +154,7 @@ def version_key(release: str) -> tuple[tuple[int, int | str], ...]:
 def running_driver_version(paths: HostPaths) -> str | None:
     """The loaded NVIDIA kernel module's version from /proc/driver/nvidia/version."""
     try:
-        text = paths.read_text("/proc/driver/nvidia/version")
+        text = paths.read_text("/proc/driver/nvidia/version", _SMALL_FILE_LIMIT_BYTES)
     except OSError:
         return None
     match = _PROC_VERSION.search(text)
@@ -148,7 +163,7 @@ def running_driver_version(paths: HostPaths) -> str | None:
 
 def running_kernel(paths: HostPaths) -> str | None:
     try:
-        return paths.read_text("/proc/sys/kernel/osrelease").strip() or None
+        return paths.read_text("/proc/sys/kernel/osrelease", _SMALL_FILE_LIMIT_BYTES).strip() or None
     except OSError:
         return None
 
@@ -168,7 +183,7 @@ def _installed_kernels(paths: HostPaths) -> list[str]:
 def _read_grubenv(paths: HostPaths, *candidates: str) -> dict[str, str]:
     for candidate in candidates:
         try:
-            text = paths.read_text(candidate)
+            text = paths.read_text(candidate, _SMALL_FILE_LIMIT_BYTES)
         except (OSError, UnicodeDecodeError):
             continue
         return dict(line.split("=", 1) for line in text.splitlines() if "=" in line and not line.startswith("#"))
@@ -187,7 +202,7 @@ def _bls_entries(paths: HostPaths) -> dict[str, str]:
         if not name.endswith(".conf"):
             continue
         try:
-            text = (directory / name).read_text(encoding="utf-8")
+            text = file_reads.read_text(directory / name, _SMALL_FILE_LIMIT_BYTES)
         except (OSError, UnicodeDecodeError):
             continue
         fields = dict(
@@ -224,23 +239,39 @@ def next_boot_kernel(paths: HostPaths, run: ToolRunner | None) -> NextKernel | N
 
 
 def _open_module(path: Path) -> _Stream | None:
-    """The module's uncompressed bytes as a stream; None when it cannot be decompressed here."""
+    """The module's uncompressed bytes as a stream; None when it cannot be decompressed here.
+    NotRegularFile when the path (or what its link names) is not a regular file."""
     name = path.name
-    if name.endswith(".xz"):
-        return lzma.open(path, "rb")
-    if name.endswith(".gz"):
-        return gzip.open(path, "rb")
-    if name.endswith(".zst"):
-        return _ZstdStream.start(["-dcq", str(path)], stdin=None)
-    return open(path, "rb")
+    raw = file_reads.open_regular(path)
+    decompressed: _Stream | None
+    try:
+        if name.endswith(".xz"):
+            decompressed = lzma.LZMAFile(raw)  # noqa: SIM115 - closed by _Layered
+        elif name.endswith(".gz"):
+            decompressed = gzip.GzipFile(fileobj=raw, mode="rb")
+        elif name.endswith(".zst"):
+            decompressed = _ZstdStream.start(["-dcq"], stdin=raw.fileno())
+        else:
+            return raw
+    except BaseException:
+        raw.close()
+        raise
+    if decompressed is None:
+        raw.close()
+        return None
+    return _Layered(decompressed, raw)
 
 
 def _scan_module(stream: _Stream) -> tuple[str | None, bool]:
     """(version from .modinfo, signed?) reading in chunks: a module is ~100 MB uncompressed."""
     version: str | None = None
     tail = b""
+    total = 0
     with contextlib.closing(stream):
         while chunk := stream.read(_CHUNK_BYTES):
+            total += len(chunk)
+            if total > _MODULE_LIMIT_BYTES:
+                raise UnreadableArchive(f"more than {_MODULE_LIMIT_BYTES} bytes uncompressed")
             window = tail + chunk
             if version is None and (match := _MODULE_VERSION.search(window)):
                 version = match.group(1).decode("ascii", "replace")
@@ -254,15 +285,19 @@ def find_nvidia_module(paths: HostPaths, kernel: str) -> ModuleFound | None:
         for subdir in MODULE_SUBDIRS:
             for found in sorted(_walk_for(root / subdir, MODULE_NAMES)):
                 host_path = "/" + str(found.relative_to(paths.root)).lstrip("/")
-                stream = _open_module(found)
-                if stream is None:
-                    return ModuleFound(host_path, None, None)
                 try:
+                    stream = _open_module(found)
+                    if stream is None:
+                        return ModuleFound(host_path, None, None)
                     version, signed = _scan_module(stream)
-                except (OSError, lzma.LZMAError, EOFError, UnreadableArchive):
-                    return ModuleFound(host_path, None, None)
+                except (OSError, lzma.LZMAError, EOFError, UnreadableArchive) as exc:
+                    return ModuleFound(host_path, None, None, unreadable=_reason(exc))
                 return ModuleFound(host_path, version, signed)
     return None
+
+
+def _reason(exc: BaseException) -> str:
+    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
 
 
 def _walk_for(root: Path, names: tuple[str, ...]) -> Iterator[Path]:
@@ -281,7 +316,7 @@ def secure_boot_enabled(paths: HostPaths, run: ToolRunner | None) -> bool | None
     """True/False from the SecureBoot EFI variable (4 attribute bytes, then the value); a host
     without EFI boots without Secure Boot. None when it cannot be told."""
     try:
-        data = paths.path(SECURE_BOOT_VAR).read_bytes()
+        data = paths.read_bytes(SECURE_BOOT_VAR, _SMALL_FILE_LIMIT_BYTES)
     except FileNotFoundError:
         if not paths.exists("/sys/firmware/efi"):
             return False
@@ -332,22 +367,45 @@ class _ZstdStream:
         self._process.wait()
 
 
+class _Layered:
+    """A decompressor over a file it does not own: closing it closes both."""
+
+    def __init__(self, outer: _Stream, inner: _Stream) -> None:
+        self._outer = outer
+        self._inner = inner
+
+    def read(self, size: int = -1) -> bytes:
+        return self._outer.read(size)
+
+    def close(self) -> None:
+        try:
+            self._outer.close()
+        finally:
+            self._inner.close()
+
+
 class _Peekable:
     """A forward-only stream with a small look-ahead (decompressor streams cannot seek)."""
 
-    def __init__(self, stream: _Stream) -> None:
+    def __init__(self, stream: _Stream, limit_bytes: int | None = None) -> None:
         self._stream = stream
         self._buffer = b""
+        self._taken = 0
+        self._limit_bytes = limit_bytes
 
-    def consumed_from(self, raw: io.RawIOBase) -> int:
+    def consumed_from(self, raw: BinaryIO) -> int:
         """The offset in `raw` up to which this stream has been consumed."""
         return raw.tell() - len(self._buffer)
 
     def peek(self, size: int) -> bytes:
         while len(self._buffer) < size:
-            chunk = self._stream.read(max(size - len(self._buffer), 4096))
+            # Never more than a chunk at a time: the size may be a header's claim, not what is there.
+            chunk = self._stream.read(min(max(size - len(self._buffer), 4096), _CHUNK_BYTES))
             if not chunk:
                 break
+            self._taken += len(chunk)
+            if self._limit_bytes is not None and self._taken > self._limit_bytes:
+                raise UnreadableArchive(f"more than {self._limit_bytes} bytes uncompressed")
             self._buffer += chunk
         return self._buffer[:size]
 
@@ -379,6 +437,8 @@ def _cpio_members(stream: _Peekable, wanted: Callable[[str], bool]) -> Iterator[
         mode = int(header[14:22], 16)
         size = int(header[54:62], 16)
         name_size = int(header[94:102], 16)
+        if name_size > _CPIO_NAME_LIMIT_BYTES:
+            raise UnreadableArchive(f"a cpio header claims a name of {name_size} bytes")
         name = stream.read(name_size).rstrip(b"\x00").decode("utf-8", "replace")
         stream.skip((-(110 + name_size)) % 4)
         if name == "TRAILER!!!":
@@ -395,7 +455,8 @@ def _cpio_members(stream: _Peekable, wanted: Callable[[str], bool]) -> Iterator[
 def initramfs_members(path: Path, wanted: Callable[[str], bool]) -> Iterator[tuple[str, bytes | None]]:
     """Every member of an initramfs: concatenated archives (early microcode uncompressed, then the
     main one, usually compressed to the end of the file)."""
-    with open(path, "rb", buffering=0) as raw:  # unbuffered: a zstd child reads on from our offset
+    # unbuffered: a zstd child reads on from our offset
+    with file_reads.open_regular(path) as raw:
         stream = _Peekable(raw)
         while True:
             stream.skip_zeros()
@@ -419,7 +480,7 @@ def initramfs_members(path: Path, wanted: Callable[[str], bool]) -> Iterator[tup
             if decompressed is None:
                 raise UnreadableArchive("zstd-compressed and no zstd decompressor installed")
             with contextlib.closing(decompressed):
-                inner = _Peekable(decompressed)
+                inner = _Peekable(decompressed, _INITRAMFS_LIMIT_BYTES)
                 while inner.peek(6):
                     yield from _cpio_members(inner, wanted)
                     inner.skip_zeros()
@@ -524,6 +585,8 @@ def check_next_boot(
     secure_boot = secure_boot_enabled(paths, run)
     if module is None:
         problems.append(f"nvidia {driver} module missing" if driver else "nvidia module missing")
+    elif module.unreadable is not None:
+        notes.append(f"{module.path}: cannot be read: {module.unreadable}")
     elif module.version is None:
         notes.append(f"{module.path}: version and signature not readable here")
     else:

@@ -22,6 +22,8 @@ from agent.host.boot import ToolRunner
 from agent.host.paths import HostPaths
 
 DPKG_STATUS = "/var/lib/dpkg/status"
+# A host with thousands of packages has a status file of a few MB; far more is not dpkg's.
+_DPKG_STATUS_LIMIT_BYTES = 64 * 1024 * 1024
 _RPM_QUERY = ["rpm", "-qa", "--qf", "%{NAME} %{VERSION}\n", "nvidia-driver*", "cuda-drivers*", "nvidia-fabric*"]
 
 
@@ -54,7 +56,7 @@ def version_tuple(version: str) -> tuple[int, ...]:
 
 def _dpkg_installed(paths: HostPaths) -> dict[str, str]:
     try:
-        text = paths.read_text(DPKG_STATUS)
+        text = paths.read_text(DPKG_STATUS, _DPKG_STATUS_LIMIT_BYTES)
     except (OSError, UnicodeDecodeError):
         return {}
     installed: dict[str, str] = {}

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.host import safe_fs
+from agent.host import file_reads, safe_fs
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 
@@ -30,8 +30,15 @@ class HostPaths:
             raise ValueError(f"host path must be absolute: {absolute!r}")
         return self.root / absolute.lstrip("/")
 
-    def read_text(self, absolute: str) -> str:
-        return self.path(absolute).read_text(encoding="utf-8")
+    def read_text(
+        self, absolute: str, limit_bytes: int = file_reads.DEFAULT_LIMIT_BYTES, errors: str = "strict"
+    ) -> str:
+        """A regular file's text, at most `limit_bytes` (agent.host.file_reads: a FIFO, a device or a
+        larger file is an OSError, never a hang or a partial answer)."""
+        return file_reads.read_text(self.path(absolute), limit_bytes, errors)
+
+    def read_bytes(self, absolute: str, limit_bytes: int = file_reads.DEFAULT_LIMIT_BYTES) -> bytes:
+        return file_reads.read_bytes(self.path(absolute), limit_bytes)
 
     def exists(self, absolute: str) -> bool:
         return self.path(absolute).exists()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from agent.printable import printable
 from agent.state import GpuSample, NodeSnapshot
 
 _MHZ_TO_HERTZ = 1e6
@@ -79,7 +80,8 @@ class Families:
             kind = CounterMetricFamily if counter else GaugeMetricFamily
             family = self._families[name] = kind(name, documentation, labels=list(labels))
         if value is not None:
-            family.add_metric(list(labels.values()), value)
+            # Label values can carry a reason or name from outside: no terminal escape reaches a scraper's screen.
+            family.add_metric([printable(label) for label in labels.values()], value)
 
     def __iter__(self) -> Iterator[Metric]:
         return (family for family in self._families.values() if family.samples)

@@ -120,6 +120,10 @@ class HostContext:
     #: For node items that read the driver (report-only); the engine sets it. Setters stay behind
     #: the backend's write guard like every other write.
     backend: GpuBackend | None = None
+    #: How long a plan waits for the next-boot check, which runs on a worker of its own
+    #: (agent.policy.next_boot). One-shot commands wait for the answer; the daemon waits briefly:
+    #: its policy step also drives the fans.
+    boot_check_wait_seconds: float = 60.0
 
     @property
     def is_real_root(self) -> bool:

@@ -18,6 +18,7 @@ from typing import Final
 
 from agent.backend.errors import GpuError
 from agent.config import AgentConfig, DriverPolicy, NodePolicy
+from agent.host import file_reads
 from agent.host.boot import host_tool_runner, running_driver_version
 from agent.host.driver import (
     cuda_supported,
@@ -51,6 +52,7 @@ NVIDIA_PCI_VENDOR = "0x10de"
 #: `nvidia-nvswitch` character device (/proc/devices) even where there is no switch, as on a
 #: single-GPU H200 VM, so only the PCI devices themselves tell.
 NVSWITCH_PCI_CLASS = "0x0680"
+_ATTRIBUTE_LIMIT_BYTES = 4096
 
 
 def _nvswitch_present(ctx: HostContext) -> bool:
@@ -61,8 +63,8 @@ def _nvswitch_present(ctx: HostContext) -> bool:
         return False
     for entry in entries:
         try:
-            vendor = (entry / "vendor").read_text().strip()
-            pci_class = (entry / "class").read_text().strip()
+            vendor = file_reads.read_text(entry / "vendor", _ATTRIBUTE_LIMIT_BYTES).strip()
+            pci_class = file_reads.read_text(entry / "class", _ATTRIBUTE_LIMIT_BYTES).strip()
         except OSError:
             continue
         if vendor == NVIDIA_PCI_VENDOR and pci_class.startswith(NVSWITCH_PCI_CLASS):

@@ -20,6 +20,7 @@ from typing import Any
 import structlog
 
 from agent.config import AgentConfig, Mode, SimulatedConfig
+from agent.host import file_reads, safe_json
 from agent.policy.names import FAN_CURVE, LOCKED_CLOCKS
 
 log = structlog.get_logger("gpu-agent")
@@ -28,6 +29,7 @@ RECORD_NAME = "known-good.json"
 #: Always restored by a fallback restore: a fan left manual or clocks left locked are what hurts.
 FALLBACK_ITEMS = frozenset({FAN_CURVE, LOCKED_CLOCKS})
 _MAX_CONFIG_BYTES = 1 << 20
+_RECORD_LIMIT_BYTES = 1 << 20
 _STATE_DIR_LINE = re.compile(r"^state_dir:\s*['\"]?([^'\"#\s]+)['\"]?\s*(?:#.*)?$", re.MULTILINE)
 
 
@@ -60,7 +62,7 @@ def recorded_items(state_dir: str | Path) -> frozenset[str]:
 
 def _read(state_dir: Path) -> dict[str, Any] | None:
     try:
-        document = json.loads((state_dir / RECORD_NAME).read_text(encoding="utf-8"))
+        document = safe_json.loads(file_reads.read_text(state_dir / RECORD_NAME, _RECORD_LIMIT_BYTES))
     except (OSError, ValueError):
         return None
     return document if isinstance(document, dict) else None

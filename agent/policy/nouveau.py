@@ -102,7 +102,7 @@ def _observe(paths: HostPaths) -> _Observed:
     modeset_in: str | None = None
     for conf in _modprobe_files(paths):
         # A stray Latin-1 comment must not hide the lines that matter.
-        for line in paths.path(conf).read_text(encoding="utf-8", errors="replace").splitlines():
+        for line in paths.read_text(conf, errors="replace").splitlines():
             words = line.split("#", 1)[0].split()
             if tuple(words) == BLACKLIST and blacklist_in is None:
                 blacklist_in = conf
@@ -168,7 +168,10 @@ def _stale_initramfs(host: HostContext, command: tuple[str, ...]) -> tuple[str, 
     """With the blacklist in place, the image the next boot uses is read (agent.host.boot, cached
     until /boot changes): one that still carries nouveau without the blacklist is rebuilt for that
     kernel. An image that cannot be read or found is not a reason to rebuild (next_boot reports it)."""
-    verdict = next_boot.readiness(host)
+    try:
+        verdict = next_boot.readiness(host)
+    except next_boot.BootCheckFailed:
+        return None
     if verdict.kernel is None or verdict.initramfs is None or verdict.initramfs.verdict != "nouveau included":
         return None
     kernel = verdict.kernel.release

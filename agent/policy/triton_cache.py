@@ -159,7 +159,7 @@ def _observe(ctx: HostContext, want: TritonCacheWant) -> _Observed:
         if "/" in unit or unit.startswith(".") or not unit:
             raise _Unusable(parts[0], f"{unit!r} is not a systemd unit name")
         try:
-            current = ctx.paths.path(dropin_path(unit)).read_text(encoding="utf-8", errors="replace")
+            current = ctx.paths.read_text(dropin_path(unit), errors="replace")
         except FileNotFoundError:
             current = None
         except OSError as exc:

@@ -7,7 +7,8 @@ Event-driven conditions (xid, gpu_lost, ecc_uncorrected, row_remap, policy_drift
 events passed in, each event once (duplicate keys are folded, events the history calls handled are
 skipped), oldest first. State conditions read the snapshot and synthesize an event:
 
-- `throttle`: a slowdown reason active for at least `held_seconds` is one fault per episode, keyed
+- `throttle`: a slowdown reason held for at least `held_seconds` (the snapshot's `throttle_held_seconds`,
+  measured on CLOCK_BOOTTIME, so a wall-clock step is not time held) is one fault per episode, keyed
   `throttle:<uuid>:<reason>:<active_since>/<rule>` (the rule name is part of the key because two
   rules with different hold times each see the episode once).
 - `service_unhealthy`: a service with at least `probes` failed probes in a row is a fault on every
@@ -24,6 +25,12 @@ as is), one decision per service, `Target(gpu, uuid, service)`: attempts are the
 service, so an Xid storm on eight GPUs of one tensor-parallel server restarts it once. Every step
 of the ladder aims at that target (`reset_gpu` resets `target.gpu`). A `service_unhealthy` fault
 targets `Target(service=...)`; a fault without GPU or service targets the node, `Target()`.
+
+Whose fault: an app-level Xid (catalog action restart_service: 13, 31, 43, ...) is the faulting
+process's own, so a service is restarted for it only when that process is the service's (the
+event's `process_service`, read from the process when the kernel log named its pid). Another
+user's CUDA process, or a process the kernel log did not name, restarts nothing: the decision is
+kept without an action and says whose process it was.
 
 Storm protection, per (rule, target key), counting the decisions of this call as attempts too
 ------------------------------------------------------------------------------------------------
@@ -59,6 +66,7 @@ from agent.rules.config import Rule
 from agent.rules.model import ActionKind, ActionSpec, Decision, Target
 from agent.rules.params import RestartServiceParams
 from agent.state import NodeSnapshot
+from agent.watch import xid_catalog
 
 EXHAUSTED_STEP = -1
 #: `Event.source` of the events the engine synthesizes from the snapshot.
@@ -127,6 +135,8 @@ class _Call:
             return [Target(service=str(fault.event.data["service"]))]
         if rule.restarts_services:
             services = self._services(rule, fault.gpu)
+            if _app_level(fault.event):
+                services = [name for name in services if name == fault.event.data.get("process_service")]
             if services:
                 return [Target(fault.gpu, fault.uuid, service) for service in services]
         return [Target(fault.gpu, fault.uuid)]
@@ -166,7 +176,7 @@ class _Call:
         if count >= rule.max_attempts:
             tally.exhausted = True
             return self._exhausted(fault, target, count)
-        spec, problem = self._resolve(rule.actions[step].spec(), target, rule)
+        spec, problem = self._resolve(rule.actions[step].spec(), target, rule, fault.event)
         if spec is None:
             return suppressed(problem)
         tally.decided += 1
@@ -186,18 +196,20 @@ class _Call:
             return [Decision(rule.name, fault.event, target, None, EXHAUSTED_STEP, count + 1, why, rule.dry_run)]
         decisions: list[Decision] = []
         for step in rule.on_exhausted:
-            spec, problem = self._resolve(step.spec(), target, rule)
+            spec, problem = self._resolve(step.spec(), target, rule, fault.event)
             reason = why if spec is not None else f"{why}; {problem}"
             decisions.append(
                 Decision(rule.name, fault.event, target, spec, EXHAUSTED_STEP, count + 1, reason, rule.dry_run)
             )
         return decisions
 
-    def _resolve(self, spec: ActionSpec, target: Target, rule: Rule) -> tuple[ActionSpec | None, str]:
+    def _resolve(self, spec: ActionSpec, target: Target, rule: Rule, event: Event) -> tuple[ActionSpec | None, str]:
         """The step's action aimed at the target, or (None, why it cannot run)."""
         options = spec.options
         if isinstance(options, RestartServiceParams):
             service = options.service or target.service
+            if _app_level(event) and (service is None or service != event.data.get("process_service")):
+                return None, f"restart_service: {_not_a_service(event)}: no service restarted"
             if service is None:
                 return None, f"restart_service: no service uses GPU {target.gpu} (services[].gpus in agent.yaml)"
             spec = ActionSpec(spec.kind, options.model_copy(update={"service": service}))
@@ -259,6 +271,24 @@ def _event_matches(rule: Rule, event: Event) -> bool:
     return False  # a state condition: read from the snapshot, not from events
 
 
+def _app_level(event: Event) -> bool:
+    """An Xid whose fault is the application's own context (catalog action restart_service)."""
+    code = event.data.get("xid")
+    if event.kind is not EventKind.XID or not isinstance(code, int):
+        return False
+    return xid_catalog.verdict(code).action is SuggestedAction.RESTART_SERVICE
+
+
+def _not_a_service(event: Event) -> str:
+    pid, process = event.data.get("pid"), event.data.get("process")
+    if pid is None:
+        return "the faulting process is unknown (no kernel-log line named its pid)"
+    owner = event.data.get("process_service")
+    name = f" ({process})" if process else ""
+    whose = f"belongs to service {owner}, not one this rule restarts" if owner else "belongs to no configured service"
+    return f"the faulting process pid {pid}{name} {whose}"
+
+
 def _pending_events(events: Sequence[Event], history: AttemptHistory) -> list[Event]:
     unique: dict[str, Event] = {}
     for event in events:
@@ -274,7 +304,8 @@ def _throttle_faults(rule: Rule, snapshot: NodeSnapshot, now_seconds: float) -> 
     uuids = {s.index: s.uuid for s in snapshot.gpus if s.uuid}
     faults: list[_Fault] = []
     for (gpu, reason), since in sorted(snapshot.throttle_active_since.items()):
-        held_seconds = now_seconds - since
+        # Held time comes from the watcher's boot clock: now - since would count a wall-clock step.
+        held_seconds = snapshot.throttle_held_seconds.get((gpu, reason), 0.0)
         if reason not in condition.reasons or not rule.watches_gpu(gpu) or held_seconds < condition.held_seconds:
             continue
         uuid = uuids.get(gpu)

@@ -11,7 +11,8 @@ Two ways to tell a process's service, tried in this order:
    and its descendants: sglang's tensor-parallel workers, vLLM's engine core) is the service's.
 
 What matches no service is listed as unattributed, with its unit and command name, so `status`
-and the reset sequence's "processes remain" check can say who holds a GPU.
+and the reset sequence's "processes remain" check can say who holds a GPU. `service_of_pid` answers
+the same question for one process: whose process an app-level Xid's faulting pid is.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ import psutil
 from agent.backend.base import GpuProcess
 from agent.config import ServiceConfig
 from agent.host.paths import HostPaths
+from agent.printable import printable
+
+# /proc/PID/comm is 16 bytes, a cgroup line a path; far more is not what /proc gives.
+_PROC_LIMIT_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,7 @@ class GpuAttribution:
 def unit_of_pid(pid: int, paths: HostPaths) -> str | None:
     """The innermost systemd service unit in the process's cgroup path; None outside any."""
     try:
-        text = paths.read_text(f"/proc/{pid}/cgroup")
+        text = paths.read_text(f"/proc/{pid}/cgroup", _PROC_LIMIT_BYTES)
     except (OSError, UnicodeDecodeError):
         return None
     for line in text.splitlines():
@@ -59,13 +64,14 @@ def unit_of_pid(pid: int, paths: HostPaths) -> str | None:
             continue
         for part in reversed(path.split("/")):
             if part.endswith(".service"):
-                return part
+                return printable(part)
     return None
 
 
 def command_of_pid(pid: int, paths: HostPaths) -> str:
     try:
-        return paths.read_text(f"/proc/{pid}/comm").strip()
+        # A process names itself: escaped where it enters.
+        return printable(paths.read_text(f"/proc/{pid}/comm", _PROC_LIMIT_BYTES).strip())
     except (OSError, UnicodeDecodeError):
         return ""
 
@@ -118,6 +124,28 @@ def command_service_pids(
     return found
 
 
+def _owner(pid: int, unit: str | None, by_unit: Mapping[str, str], command_pids: Mapping[str, set[int]]) -> str | None:
+    owner = by_unit.get(unit) if unit is not None else None
+    if owner is None:
+        owner = next((name for name, tree in command_pids.items() if pid in tree), None)
+    return owner
+
+
+def service_of_pid(
+    pid: int,
+    services: Sequence[ServiceConfig],
+    paths: HostPaths,
+    command_pids: Mapping[str, set[int]] | None = None,
+) -> str | None:
+    """The configured service process `pid` belongs to (its systemd unit, or the process tree of a
+    `manager: command` service); None for anyone else's process or one that is gone."""
+    by_unit = {s.unit_name: s.name for s in services if s.manager == "systemd"}
+    unit = unit_of_pid(pid, paths)
+    if unit is not None and unit in by_unit:
+        return by_unit[unit]
+    return _owner(pid, None, {}, command_service_pids(services) if command_pids is None else command_pids)
+
+
 def attribute_gpu_processes(
     gpu_processes: Mapping[int, Sequence[GpuProcess]],
     uuids: Mapping[int, str],
@@ -137,9 +165,7 @@ def attribute_gpu_processes(
     for gpu, processes in sorted(gpu_processes.items()):
         for process in processes:
             unit = unit_of_pid(process.pid, paths)
-            owner = by_unit.get(unit) if unit is not None else None
-            if owner is None:
-                owner = next((name for name, tree in (command_pids or {}).items() if process.pid in tree), None)
+            owner = _owner(process.pid, unit, by_unit, command_pids or {})
             if owner is None:
                 info = GpuProcessInfo(
                     process.pid,

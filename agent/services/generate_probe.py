@@ -7,23 +7,24 @@ process): `/health` keeps answering while no token comes out. This probe makes t
 - vLLM: the served model from `GET /v1/models`, then `POST /v1/completions` with `max_tokens: 1`.
 
 With no kind configured, sglang's endpoint is tried first and a 404 falls through to vLLM's
-requests. The whole probe shares one deadline; the answer has `http_probe`'s shape
-(healthy, what happened), so the prober can use either.
+requests. The whole probe shares one deadline, covering connect, headers and body of every request
+(`agent.host.http_read`); answers are read up to 64 KB and parsed depth-bounded
+(`agent.host.safe_json`). The answer has `http_probe`'s shape (healthy, what happened), so the
+prober can use either.
 """
 
 from __future__ import annotations
 
-import http.client
 import json
 import time
-import urllib.error
 import urllib.parse
 import urllib.request
 from typing import Any
 
-# A probe must reach the local server itself, never an HTTP proxy from the environment.
-_NO_PROXY_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-_BODY_READ_BYTES = 64 * 1024
+from agent.host import http_read, safe_json
+
+#: A one-token answer or a model list is a few hundred bytes; more is not a healthy server.
+_BODY_MAX_BYTES = 64 * 1024
 
 
 class _ProbeFailed(Exception):
@@ -43,26 +44,20 @@ def _request(url: str, deadline: float, timeout_seconds: float, payload: dict[st
         headers["Content-Type"] = "application/json"
     request = urllib.request.Request(url, data=data, headers=headers)  # noqa: S310 (config allows http(s) only)
     try:
-        with _NO_PROXY_OPENER.open(request, timeout=left) as response:
-            return bytes(response.read(_BODY_READ_BYTES))
-    except urllib.error.HTTPError as exc:
-        raise _ProbeFailed(f"HTTP {exc.code} from {urllib.parse.urlsplit(url).path}", exc.code) from None
-    except urllib.error.URLError as exc:
-        reason = exc.reason
-        if isinstance(reason, TimeoutError):
-            raise _ProbeFailed(f"timed out after {timeout_seconds:g} s") from None
-        detail = (reason.strerror or str(reason)).lower() if isinstance(reason, OSError) else str(reason)
-        raise _ProbeFailed(detail) from None
-    except TimeoutError:
+        answer = http_read.exchange(request, left, _BODY_MAX_BYTES)
+    except http_read.HttpTimedOut:
         raise _ProbeFailed(f"timed out after {timeout_seconds:g} s") from None
-    except (OSError, http.client.HTTPException) as exc:
-        raise _ProbeFailed(f"{type(exc).__name__}: {exc}") from None
+    except http_read.HttpReadError as exc:
+        raise _ProbeFailed(exc.detail) from None
+    if not 200 <= answer.status < 300:
+        raise _ProbeFailed(f"HTTP {answer.status} from {urllib.parse.urlsplit(url).path}", answer.status)
+    return answer.body
 
 
 def _served_model(origin: str, deadline: float, timeout_seconds: float) -> str:
     body = _request(origin + "/v1/models", deadline, timeout_seconds)
     try:
-        models = json.loads(body)["data"]
+        models = safe_json.loads(body)["data"]
         model = models[0]["id"]
     except (ValueError, KeyError, IndexError, TypeError):
         raise _ProbeFailed("/v1/models lists no model") from None
@@ -76,7 +71,7 @@ def _vllm_completion(origin: str, deadline: float, timeout_seconds: float) -> st
     payload = {"model": model, "prompt": "ping", "max_tokens": 1, "temperature": 0}
     body = _request(origin + "/v1/completions", deadline, timeout_seconds, payload)
     try:
-        choices = json.loads(body)["choices"]
+        choices = safe_json.loads(body)["choices"]
     except (ValueError, KeyError, TypeError):
         raise _ProbeFailed("/v1/completions answered without choices") from None
     if not choices:

@@ -18,11 +18,8 @@ which would otherwise turn one restart into a restart storm while the model load
 
 from __future__ import annotations
 
-import http.client
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -30,6 +27,7 @@ import structlog
 
 from agent.config import ServiceConfig
 from agent.events import Event, EventKind, Severity, SuggestedAction
+from agent.host import http_read
 from agent.services.generate_probe import generate_probe
 from agent.services.managers import ServiceError, ServiceManager
 from agent.state import ServiceStatus
@@ -64,31 +62,14 @@ class _Tracked:
     expected_down_until: float = 0.0
 
 
-# A probe must reach the local server itself, never an HTTP proxy from the environment.
-_NO_PROXY_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
 def http_probe(url: str, timeout_seconds: float) -> tuple[bool, str]:
-    """GET url: (healthy, what happened)."""
-    request = urllib.request.Request(url, headers={"User-Agent": "gpu-agent"})  # noqa: S310 (config allows http(s) only)
+    """GET url within `timeout_seconds` in all (connect, headers, body): (healthy, what happened).
+    The local server itself is asked, never a proxy; a redirect is an answer, not followed."""
     try:
-        with _NO_PROXY_OPENER.open(request, timeout=timeout_seconds) as response:
-            response.read(_BODY_READ_BYTES)
-            status = int(response.status)
-    except urllib.error.HTTPError as exc:
-        return False, f"HTTP {exc.code}"
-    except urllib.error.URLError as exc:
-        reason = exc.reason
-        if isinstance(reason, TimeoutError):
-            return False, f"timed out after {timeout_seconds:g} s"
-        if isinstance(reason, OSError):
-            return False, (reason.strerror or str(reason)).lower()
-        return False, str(reason)
-    except TimeoutError:
-        return False, f"timed out after {timeout_seconds:g} s"
-    except (OSError, http.client.HTTPException) as exc:
-        return False, f"{type(exc).__name__}: {exc}"
-    return 200 <= status < 300, f"HTTP {status}"
+        answer = http_read.get(url, timeout_seconds, _BODY_READ_BYTES, truncate=True)
+    except http_read.HttpReadError as exc:
+        return False, exc.detail
+    return 200 <= answer.status < 300, f"HTTP {answer.status}"
 
 
 class HealthProber:
@@ -132,10 +113,14 @@ class HealthProber:
         service = self._tracked[name].service
         if service.health_url is not None:
             started = time.monotonic()
-            if service.probe == "generate" and service.origin is not None:
-                ok, detail = generate_probe(service.origin, service.kind, service.probe_timeout_seconds)
-            else:
-                ok, detail = http_probe(service.health_url, service.probe_timeout_seconds)
+            try:
+                if service.probe == "generate" and service.origin is not None:
+                    ok, detail = generate_probe(service.origin, service.kind, service.probe_timeout_seconds)
+                else:
+                    ok, detail = http_probe(service.health_url, service.probe_timeout_seconds)
+            except Exception as exc:  # whatever the answer did to the probe, it is a failed probe, counted
+                log.exception("service probe crashed", service=name)
+                ok, detail = False, f"unreadable answer: {type(exc).__name__}"
             latency: float | None = time.monotonic() - started
         else:
             latency = None

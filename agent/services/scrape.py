@@ -3,11 +3,15 @@ cumulative histograms over a sliding window, and turn their deltas into quantile
 
 Scraping
 --------
-`scrape(url, ...)` GETs the page with a total deadline (not a per-read timeout: a server that
-drips one byte a second is cut off too) and a size cap (a 50 MB page is an error, never read
-whole), following a redirect only to the same scheme, host and port, parses it with
-prometheus-client's text parser (its OpenMetrics parser for a page ending in `# EOF`) and returns
-one `ServerReading`. Only the
+`scrape(url, ...)` GETs the page with a total deadline covering connect, headers and body (not a
+per-read timeout: a server that drips its headers or body one byte a second is cut off too;
+`agent.host.http_read`) and a size cap (a 50 MB page is an error, never read whole), following a
+redirect only to the same scheme, host and port, parses it with prometheus-client's text parser
+(its OpenMetrics parser for a page ending in `# EOF`) and returns one `ServerReading`. A page that
+cannot be believed is a ScrapeError starting "unreadable page": a histogram with NaN, infinite,
+negative or non-cumulative counts, an `le` that is not a number, more than MAX_HISTOGRAM_BUCKETS
+buckets or MAX_SERIES_PER_FAMILY label sets, more than MAX_SELECTED_LINES lines of the families
+read. Only the
 lines of the families we read are handed to the parser, which keeps a real sglang page (hundreds
 of lines of process and per-stage families) well under a millisecond or two of parsing.
 
@@ -41,14 +45,16 @@ increase, and one engine restarting leaves the others' series alone. Each series
 newest point against oldest inside the window and the increases are added; quantiles interpolate
 linearly inside the bucket that holds the rank, as `histogram_quantile` does. The window also
 keeps the waiting queue, the KV cache usage and the generated-token total per scrape, and splits
-the queue-time histogram into the window's older and newer half (`QueueTimeTrend`).
+the queue-time histogram into the window's older and newer half (`QueueTimeTrend`). A series keeps
+at most MAX_WINDOW_POINTS points, so what one service keeps is bounded; deltas that are not finite
+leave their figure out with an "unreadable page" error.
 """
 
 from __future__ import annotations
 
 import bisect
 import functools
-import http.client
+import itertools
 import math
 import re
 import time
@@ -63,6 +69,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent.host import http_read
+
 ServerKind = Literal["sglang", "vllm", "generic"]
 LatencyKind = Literal["e2e", "ttft", "itl", "queue"]
 
@@ -71,7 +79,16 @@ QUANTILES: tuple[float, ...] = (0.5, 0.95, 0.99)
 DEFAULT_WINDOW_SECONDS = 300.0
 DEFAULT_MAX_BYTES = 8 * 1024 * 1024
 DEFAULT_TIMEOUT_SECONDS = 2.0
-_READ_CHUNK_BYTES = 64 * 1024
+# What one service may keep (the window's memory bound): a real server's histograms have a few
+# dozen buckets and a few label sets per family. More is refused as an unreadable page, before
+# the parser builds an object per line.
+MAX_HISTOGRAM_BUCKETS = 128
+MAX_SERIES_PER_FAMILY = 256
+MAX_SELECTED_LINES = 20_000
+# Points per counter series: a window of 300 s scraped every 0.5 s or slower keeps them all; a
+# faster scrape keeps the newest ones (the figures say the shorter span they cover).
+MAX_WINDOW_POINTS = 600
+UNREADABLE = "unreadable page"
 
 
 @dataclass(frozen=True)
@@ -140,10 +157,8 @@ MAX_REDIRECTS = 3
 _REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 
 
-class _Redirected(Exception):
-    def __init__(self, location: str) -> None:
-        super().__init__(location)
-        self.location = location
+# Prometheus text first; an OpenMetrics answer (a proxy that insists) is read all the same.
+_ACCEPT = "text/plain;version=0.0.4;q=1,application/openmetrics-text;version=1.0.0;q=0.5"
 
 
 def _origin_of(parts: urllib.parse.SplitResult) -> tuple[str, str, int]:
@@ -152,7 +167,8 @@ def _origin_of(parts: urllib.parse.SplitResult) -> tuple[str, str, int]:
 
 
 def fetch_text(url: str, timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
-    """GET url within `timeout_seconds` in total, reading at most `max_bytes`; ScrapeError otherwise.
+    """GET url within `timeout_seconds` in total (connect, headers and body, every redirect
+    included), reading at most `max_bytes`; ScrapeError otherwise.
 
     A redirect to the same scheme, host and port is followed (at most MAX_REDIRECTS, as
     Prometheus follows vLLM's `307 /metrics -> /metrics/`); one anywhere else is an error: the
@@ -166,76 +182,25 @@ def fetch_text(url: str, timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS, max_b
     deadline = time.monotonic() + timeout_seconds
     current = url
     for _ in range(MAX_REDIRECTS + 1):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ScrapeError(f"timed out after {timeout_seconds:g} s")
         try:
-            return _get(current, deadline, timeout_seconds, max_bytes)
-        except _Redirected as redirect:
-            target = urllib.parse.urljoin(current, redirect.location)
+            answer = http_read.get(current, left, max_bytes, accept=_ACCEPT)
+        except http_read.HttpTimedOut:
+            raise ScrapeError(f"timed out after {timeout_seconds:g} s") from None
+        except http_read.HttpReadError as exc:
+            raise ScrapeError(exc.detail) from None
+        if answer.status in _REDIRECT_STATUSES and answer.location:
+            target = urllib.parse.urljoin(current, answer.location)
             if _origin_of(urllib.parse.urlsplit(target)) != origin:
-                raise ScrapeError(f"redirected to another origin ({target}): not followed") from None
+                raise ScrapeError(f"redirected to another origin ({target}): not followed")
             current = target
+            continue
+        if not 200 <= answer.status < 300:
+            raise ScrapeError(f"HTTP {answer.status}")
+        return answer.body.decode("utf-8", "replace")
     raise ScrapeError(f"more than {MAX_REDIRECTS} redirects")
-
-
-def _get(url: str, deadline: float, timeout_seconds: float, max_bytes: int) -> str:
-    """One GET of url inside the scrape's deadline; _Redirected on a 3xx with a Location."""
-    parts = urllib.parse.urlsplit(url)
-    connection_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    connection = connection_class(parts.hostname or "", parts.port, timeout=max(deadline - time.monotonic(), 0.001))
-    target = parts.path or "/"
-    if parts.query:
-        target += "?" + parts.query
-    try:
-        connection.request(
-            "GET",
-            target,
-            # Prometheus text first; an OpenMetrics answer (a proxy that insists) is read all the same.
-            headers={
-                "User-Agent": "gpu-agent",
-                "Accept": "text/plain;version=0.0.4;q=1,application/openmetrics-text;version=1.0.0;q=0.5",
-                "Accept-Encoding": "identity",
-            },
-        )
-        _remaining(deadline, timeout_seconds, connection)
-        response = connection.getresponse()
-        location = response.getheader("Location")
-        if response.status in _REDIRECT_STATUSES and location:
-            raise _Redirected(location)
-        if not 200 <= response.status < 300:
-            raise ScrapeError(f"HTTP {response.status}")
-        length = response.getheader("Content-Length")
-        if length is not None and length.isdigit() and int(length) > max_bytes:
-            raise ScrapeError(f"response is {int(length)} bytes, more than the {max_bytes} byte limit")
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            _remaining(deadline, timeout_seconds, connection)
-            # read1: at most one read from the socket, so the deadline is checked between reads.
-            chunk = response.read1(_READ_CHUNK_BYTES)
-            if not chunk:
-                break
-            size += len(chunk)
-            if size > max_bytes:
-                raise ScrapeError(f"response larger than the {max_bytes} byte limit")
-            chunks.append(chunk)
-    except (ScrapeError, _Redirected):
-        raise
-    except TimeoutError:
-        raise ScrapeError(f"timed out after {timeout_seconds:g} s") from None
-    except (OSError, http.client.HTTPException) as exc:
-        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__
-        raise ScrapeError(detail.lower() if isinstance(exc, OSError) else f"{type(exc).__name__}: {detail}") from None
-    finally:
-        connection.close()
-    return b"".join(chunks).decode("utf-8", "replace")
-
-
-def _remaining(deadline: float, timeout_seconds: float, connection: http.client.HTTPConnection) -> None:
-    """Give the next socket operation only what is left of the total deadline."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise ScrapeError(f"timed out after {timeout_seconds:g} s")
-    if connection.sock is not None:
-        connection.sock.settimeout(left)
 
 
 # -- parsing -------------------------------------------------------------------------------------
@@ -329,16 +294,20 @@ def is_openmetrics(text: str) -> bool:
 
 def _select_lines(text: str, wanted: frozenset[str]) -> str:
     """The lines of the wanted families only: the parser's cost is per line, and a real page is
-    mostly families we do not read (per-stage latencies, process metrics)."""
+    mostly families we do not read (per-stage latencies, process metrics). ScrapeError when they
+    are more lines than any real server writes."""
     # str.startswith with a tuple runs in C: a cheap first cut, confirmed on the exact name below.
     prefixes = tuple(prefix + name for name in wanted for prefix in ("", "# HELP ", "# TYPE "))
     kept: list[str] = []
     for line in text.splitlines():
         if not line.startswith(prefixes):
             continue
-        name = line.split(maxsplit=3)[2] if line.startswith("#") else _metric_name(line)
+        words = line.split(maxsplit=3)
+        name = (words[2] if len(words) > 2 else "") if line.startswith("#") else _metric_name(line)
         if name in wanted or _base_name(name) in wanted:
             kept.append(line)
+            if len(kept) > MAX_SELECTED_LINES:
+                raise ScrapeError(f"{UNREADABLE}: more than {MAX_SELECTED_LINES} lines of the families read")
     return "\n".join(kept) + "\n"
 
 
@@ -370,7 +339,20 @@ def _one_copy_per_batch(samples: Sequence[Sample]) -> list[tuple[str, SeriesKey,
     return [(name, key, labels, value) for name, key, rank, labels, value in keyed if rank == lowest[key]]
 
 
+def _unreadable_series(family: str, bounds: Sequence[float], counts: Sequence[float]) -> str:
+    """Why one series' cumulative buckets cannot be believed; "" when they can."""
+    if len(bounds) > MAX_HISTOGRAM_BUCKETS:
+        return f"{family} has {len(bounds)} buckets, more than the {MAX_HISTOGRAM_BUCKETS} read"
+    if not all(math.isfinite(c) and c >= 0 for c in counts):
+        return f"{family} has a bucket that is not a finite count"
+    if any(later < earlier for earlier, later in itertools.pairwise(counts)):
+        return f"{family} has buckets that are not cumulative"
+    return ""
+
+
 def _histograms_by_series(samples: Sequence[Sample], family: str) -> dict[SeriesKey, Histogram]:
+    """The family's series, each one batch; ScrapeError ("unreadable page") when a series' bounds,
+    counts or sum cannot be believed (NaN, Inf, a non-number `le`, buckets that go down, too many)."""
     buckets: dict[SeriesKey, dict[float, float]] = {}
     counts: dict[SeriesKey, float] = {}
     sums: dict[SeriesKey, float] = {}
@@ -379,15 +361,24 @@ def _histograms_by_series(samples: Sequence[Sample], family: str) -> dict[Series
             try:
                 bound = float(labels["le"])
             except ValueError:
-                raise ScrapeError(f"not Prometheus text: bucket bound le={labels['le']!r} of {name}") from None
+                raise ScrapeError(f"{UNREADABLE}: {family} has a bucket le={labels['le'][:40]!r}") from None
+            if math.isnan(bound):
+                raise ScrapeError(f"{UNREADABLE}: {family} has a bucket le=NaN")
             buckets.setdefault(key, {})[bound] = value
         elif name == family + "_count":
             counts[key] = value
         elif name == family + "_sum":
             sums[key] = value
+        if len(buckets) > MAX_SERIES_PER_FAMILY:
+            raise ScrapeError(f"{UNREADABLE}: {family} has more than {MAX_SERIES_PER_FAMILY} label sets")
+    if not all(math.isfinite(v) and v >= 0 for v in (*counts.values(), *sums.values())):
+        raise ScrapeError(f"{UNREADABLE}: {family} has a count or sum that is not a finite number")
     found: dict[SeriesKey, Histogram] = {}
     for key, by_bound in buckets.items():
         bounds = tuple(sorted(by_bound))
+        problem = _unreadable_series(family, bounds, [by_bound[b] for b in bounds])
+        if problem:
+            raise ScrapeError(f"{UNREADABLE}: {problem}")
         if not bounds or not math.isinf(bounds[-1]):
             continue  # no +Inf bucket: not a histogram quantiles can be drawn from
         found[key] = Histogram(
@@ -478,8 +469,10 @@ def parse_reading(text: str, kind: str | None = None, timestamp_seconds: float |
     wanted = families.names()
     try:
         parsed = _parse_families(_select_lines(text, wanted), is_openmetrics(text))
-    except (ValueError, IndexError, KeyError) as exc:
-        raise ScrapeError(f"not Prometheus text: {exc}") from None
+    except ScrapeError:
+        raise
+    except Exception as exc:  # the parsers' every complaint about untrusted text, whatever its type
+        raise ScrapeError(f"not Prometheus text: {str(exc)[:200]}") from None
 
     found: dict[str, str] = {}
 
@@ -494,7 +487,10 @@ def parse_reading(text: str, kind: str | None = None, timestamp_seconds: float |
     def per_series(figure: str, candidates: tuple[str, ...], suffix: str = "") -> dict[SeriesKey, float]:
         name, samples = samples_of(figure, candidates)
         return {
-            key: v for n, key, _, v in _one_copy_per_batch(samples) if n in (name, name + suffix) and not math.isnan(v)
+            # A gauge or counter that is not a finite number says nothing: the figure is absent.
+            key: v
+            for n, key, _, v in _one_copy_per_batch(samples)
+            if n in (name, name + suffix) and math.isfinite(v)
         }
 
     def summed(figure: str, candidates: tuple[str, ...]) -> float | None:
@@ -504,7 +500,7 @@ def parse_reading(text: str, kind: str | None = None, timestamp_seconds: float |
     def fullest(figure: str, candidates: tuple[str, ...]) -> float | None:
         # Every copy counts here: the fullest pool is the one that turns requests away.
         name, samples = samples_of(figure, candidates)
-        values = [v for n, _, v in samples if n == name and not math.isnan(v)]
+        values = [v for n, _, v in samples if n == name and math.isfinite(v)]
         return max(values) if values else None
 
     histograms: dict[str, dict[SeriesKey, Histogram]] = {}
@@ -543,17 +539,18 @@ def scrape(
 def histogram_quantile(q: float, bounds: Sequence[float], bucket_counts: Sequence[float]) -> float | None:
     """The q-quantile of cumulative buckets, as PromQL's histogram_quantile: linear inside the
     bucket holding the rank (the first bucket starts at 0); a rank in the +Inf bucket gives the
-    largest finite bound. None when there are no observations or no +Inf bucket."""
-    if not bounds or not math.isinf(bounds[-1]) or not 0.0 <= q <= 1.0:
+    largest finite bound. None when there are no observations or no +Inf bucket, and when the
+    buckets cannot be believed (`readable_buckets`): a quantile of them would be made up."""
+    if not bounds or not math.isinf(bounds[-1]) or not 0.0 <= q <= 1.0 or len(bounds) != len(bucket_counts):
+        return None
+    if not readable_buckets(bounds, bucket_counts):
         return None
     counts = list(bucket_counts)
-    for i in range(1, len(counts)):  # tolerate non-monotonic buckets, as Prometheus does
-        counts[i] = max(counts[i], counts[i - 1])
     total = counts[-1]
     if total <= 0:
         return None
     rank = q * total
-    index = next(i for i, c in enumerate(counts) if c >= rank)
+    index = next((i for i, c in enumerate(counts) if c >= rank), len(counts) - 1)
     if index == len(bounds) - 1:
         return bounds[-2] if len(bounds) >= 2 else None
     upper = bounds[index]
@@ -566,7 +563,18 @@ def histogram_quantile(q: float, bounds: Sequence[float], bucket_counts: Sequenc
     in_bucket = counts[index] - below
     if in_bucket <= 0:
         return upper
-    return lower + (upper - lower) * (rank - below) / in_bucket
+    found = lower + (upper - lower) * (rank - below) / in_bucket
+    return found if math.isfinite(found) else None  # bounds near the float limit: no made-up figure
+
+
+def readable_buckets(bounds: Sequence[float], bucket_counts: Sequence[float]) -> bool:
+    """Finite, non-negative counts that never go down, under bounds that are numbers and go up."""
+    return (
+        all(math.isfinite(c) and c >= 0 for c in bucket_counts)
+        and all(later >= earlier for earlier, later in itertools.pairwise(bucket_counts))
+        and not any(math.isnan(b) for b in bounds)
+        and all(later > earlier for earlier, later in itertools.pairwise(bounds))
+    )
 
 
 # -- the window ----------------------------------------------------------------------------------
@@ -598,6 +606,8 @@ class _CounterSeries:
             adjusted = tuple(p + (r - last) for p, r, last in zip(previous, raw, self.last_raw))
         self.points.append((timestamp_seconds, adjusted))
         self.last_raw = raw
+        while len(self.points) > MAX_WINDOW_POINTS:
+            self.points.popleft()
 
     def prune(self, oldest_seconds: float) -> None:
         while self.points and self.points[0][0] < oldest_seconds:
@@ -747,8 +757,20 @@ class LatencyWindow:
         for history in (self._waiting, self._kv_cache_usage, self._generated_tokens):
             while history and history[0][0] < oldest:
                 history.popleft()
+            while len(history) > MAX_WINDOW_POINTS:
+                history.popleft()
         self._last = reading
         self._error = ""
+
+    def forget(self) -> None:
+        """Drop every point kept: what they say cannot be turned into figures."""
+        self._histograms.clear()
+        self._tokens.clear()
+        self._waiting.clear()
+        self._kv_cache_usage.clear()
+        self._generated_tokens.clear()
+        self._generated_so_far = 0.0
+        self._last = None
 
     def add_error(self, error: str) -> None:
         """A failed scrape: the figures keep the last good data and carry the error."""
@@ -782,14 +804,19 @@ class LatencyWindow:
             # Never read: only the error says why (a server without metrics enabled, a hang).
             return ServiceFigures(self.service, "", 0.0, 0.0, error=self._error) if self._error else None
         latency: dict[str, LatencyFigures] = {}
+        unreadable: list[str] = []
         covered = 0.0
         for kind, group in self._histograms.items():
             found = _added_increase(group)
             if found is None:
                 continue
             start, end, shape, increase = found
-            covered = max(covered, end - start)
             count, total, buckets = increase[0], increase[1], increase[2:]
+            if not (math.isfinite(count) and math.isfinite(total) and readable_buckets(shape, buckets)):
+                # Finite pages can still add up to this (a counter near the float limit): no figure.
+                unreadable.append(f"{kind} histogram over the window")
+                continue
+            covered = max(covered, end - start)
             latency[kind] = LatencyFigures(
                 requests=count,
                 mean_seconds=total / count if count > 0 else None,
@@ -797,7 +824,7 @@ class LatencyWindow:
             )
         tokens_per_second: float | None = None
         tokens = _added_increase(self._tokens)
-        if tokens is not None and tokens[1] > tokens[0]:
+        if tokens is not None and tokens[1] > tokens[0] and math.isfinite(tokens[3][0]):
             seconds = tokens[1] - tokens[0]
             tokens_per_second = tokens[3][0] / seconds
             covered = max(covered, seconds)
@@ -819,5 +846,5 @@ class LatencyWindow:
             queue_time_trend=self._queue_time_trend(),
             generated_tokens_history=tuple(self._generated_tokens),
             resets=max((s.resets for s in series), default=0),
-            error=self._error,
+            error=self._error or (f"{UNREADABLE}: " + ", ".join(unreadable) if unreadable else ""),
         )

@@ -2,8 +2,10 @@
 and turning SLO breaches into `service_latency_regression` events with their cause.
 
 `ServiceScraper` runs one thread per service with a metrics URL (a hanging or huge page delays
-nobody else, and never the loop): every interval it scrapes with a deadline and a size cap and
-feeds the service's `LatencyWindow`. `figures()` is what the loop publishes.
+nobody else, and never the loop): every interval it scrapes with a deadline and a size cap, feeds
+the service's `LatencyWindow` and computes its figures there. Whatever the page does to the parser
+or the window (an exception included) is that service's error. `figures()`, the finished figures,
+is what the loop publishes.
 
 `LatencyRegressionWatch` keeps the GPU samples and Xid events of the last window, and per loop
 asks `SloWatch` whether a service misses its SLO, naming the cause from what its GPUs did.
@@ -35,10 +37,13 @@ from agent.services.latency_cause import CauseFinding, SloWatch, attribute_cause
 from agent.services.scrape import (
     DEFAULT_MAX_BYTES,
     DEFAULT_WINDOW_SECONDS,
+    UNREADABLE,
     LatencyWindow,
     ScrapeError,
+    ServerReading,
     ServiceFigures,
-    scrape,
+    fetch_text,
+    parse_reading,
 )
 from agent.state import GpuSample, SloBreachNow
 
@@ -52,7 +57,9 @@ ENERGY_MARGIN_SECONDS = 60.0
 
 
 class ServiceScraper:
-    """Scrapes every service that has a metrics URL, each on its own thread."""
+    """Scrapes every service that has a metrics URL, each on its own thread. The page is parsed and
+    its figures (quantiles, rates) computed there too: what the loop takes (`figures()`) is ready
+    data, so nothing a server writes ever runs on the loop."""
 
     def __init__(
         self,
@@ -65,7 +72,9 @@ class ServiceScraper:
         self.max_bytes = max_bytes
         self._services = {s.name: s for s in services if s.effective_metrics_url is not None}
         self._windows = {name: LatencyWindow(name, window_seconds) for name in self._services}
-        # A kind detected once is kept: detection reads every line of the page, every scrape otherwise.
+        self._figures: dict[str, ServiceFigures] = {}
+        # A detected kind is kept while its families are on the page (detection reads every line),
+        # and detected again when they are gone: the first page does not decide for good.
         self._kinds: dict[str, str | None] = {name: s.kind for name, s in self._services.items()}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -80,23 +89,45 @@ class ServiceScraper:
         assert url is not None  # only services with one are kept
         # The deadline fits inside the interval, so scrapes never pile up behind a slow server.
         timeout_seconds = min(service.probe_timeout_seconds, self.interval_seconds)
+        window = self._windows[name]
         try:
-            reading = scrape(url, self._kinds[name], timeout_seconds, self.max_bytes)
+            reading = self._read(service, url, timeout_seconds)
         except ScrapeError as exc:
-            with self._lock:
-                self._windows[name].add_error(str(exc))
+            window.add_error(str(exc))
             log.debug("service metrics scrape failed", service=name, url=url, error=str(exc))
-            return
-        if reading.kind != "generic":
-            self._kinds[name] = reading.kind
+        except Exception as exc:  # a parser bug is this service's unreadable page, not the caller's crash
+            window.add_error(f"{UNREADABLE}: {type(exc).__name__}")
+            log.exception("service metrics scrape crashed", service=name)
+        else:
+            window.add(reading)
+        try:
+            figures = window.figures()
+        except Exception as exc:  # the same for the figures drawn from what the pages said
+            log.exception("service figures failed", service=name)
+            window.forget()
+            window.add_error(f"{UNREADABLE}: {type(exc).__name__}")
+            figures = window.figures()
         with self._lock:
-            self._windows[name].add(reading)
+            if figures is None:
+                self._figures.pop(name, None)
+            else:
+                self._figures[name] = figures
+
+    def _read(self, service: ServiceConfig, url: str, timeout_seconds: float) -> ServerReading:
+        text = fetch_text(url, timeout_seconds, self.max_bytes)
+        kind = self._kinds[service.name]
+        reading = parse_reading(text, kind)
+        if service.kind is None and kind is not None and not reading.families:
+            reading = parse_reading(text, None, reading.timestamp_seconds)
+        if service.kind is None:
+            self._kinds[service.name] = reading.kind if reading.kind != "generic" else None
+        return reading
 
     def _loop(self, name: str) -> None:
         while not self._stop.is_set():
             try:
                 self.scrape_once(name)
-            except Exception:  # a parser bug must not end this service's scraping for good
+            except Exception:  # a bug must not end this service's scraping for good
                 log.exception("service metrics scrape crashed", service=name)
             self._stop.wait(self.interval_seconds)
 
@@ -112,8 +143,7 @@ class ServiceScraper:
 
     def figures(self) -> dict[str, ServiceFigures]:
         with self._lock:
-            found = {name: window.figures() for name, window in self._windows.items()}
-        return {name: figures for name, figures in found.items() if figures is not None}
+            return dict(self._figures)
 
 
 def expected_clocks_mhz(config: AgentConfig, samples: Sequence[GpuSample]) -> dict[int, int]:

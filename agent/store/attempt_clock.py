@@ -10,9 +10,10 @@ time earlier than the attempt counts as no time elapsed: a clock stepped back ca
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from agent.host.boottime import boottime_seconds
 
 
 @dataclass(frozen=True)
@@ -34,10 +35,6 @@ def effective_wall_seconds(then: ClockReading, now: ClockReading) -> float:
     """`then` placed on the current wall clock: now minus the time really elapsed since. What the rules
     engine compares with its `now` (cooldown, window), so a stepped clock moves both together."""
     return now.wall_seconds - elapsed_seconds(then, now)
-
-
-def boottime_seconds() -> float:
-    return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
 class AttemptClock:

@@ -31,6 +31,17 @@ class InventoryGpu:
     acked: bool = False  # acknowledged gone: not expected any more
 
 
+def _total_row(total: ClockEventTotal) -> tuple[object, ...]:
+    return (
+        total.gpu,
+        total.uuid,
+        total.reason,
+        total.seconds,
+        total.active_since_seconds,
+        total.active_since_boottime_seconds,
+    )
+
+
 @dataclass(frozen=True)
 class ProbeStreak:
     """A service's declared state and its current run of failed probes."""
@@ -153,7 +164,8 @@ class BootTables(Database):
 
     def clock_event_totals(self, boot_id: str) -> list[ClockEventTotal]:
         rows = self._query(
-            "SELECT gpu, uuid, reason, seconds, active_since FROM clock_event_totals WHERE boot_id = ?"
+            "SELECT gpu, uuid, reason, seconds, active_since, active_since_boottime FROM clock_event_totals"
+            " WHERE boot_id = ?"
             " ORDER BY gpu, reason",
             (boot_id,),
         )
@@ -164,9 +176,9 @@ class BootTables(Database):
         with self._transaction() as db:
             db.execute("DELETE FROM clock_event_totals WHERE boot_id = ?", (boot_id,))
             db.executemany(
-                "INSERT INTO clock_event_totals (boot_id, gpu, uuid, reason, seconds, active_since)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                [(boot_id, t.gpu, t.uuid, t.reason, t.seconds, t.active_since_seconds) for t in totals],
+                "INSERT INTO clock_event_totals (boot_id, gpu, uuid, reason, seconds, active_since,"
+                " active_since_boottime) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [(boot_id, *_total_row(t)) for t in totals],
             )
 
     def probe_streaks(self, boot_id: str) -> list[ProbeStreak]:

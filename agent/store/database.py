@@ -38,8 +38,9 @@ agent is not a reboot and must not forget, a reboot starts afresh (`start_boot` 
 every other boot). The GPU inventory (`InventoryGpu`: every GPU seen on this boot, until
 acknowledged with `gpu-agent ack gpu:UUID`), the Xid counters and last-seen times (`XidCount`),
 the Xid health window (`XidMark`) and (schema 4) the throttle watcher's time per clock-event reason
-with the start of each slowdown active now (`ClockEventTotal`) and the service prober's failure
-streaks (`ProbeStreak`). agent/store/node_memory.py reads and writes them for the daemon.
+with the start of each slowdown active now (`ClockEventTotal`; schema 5 adds that start on
+CLOCK_BOOTTIME) and the service prober's failure streaks (`ProbeStreak`). agent/store/node_memory.py
+reads and writes them for the daemon.
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ from typing import Any
 
 import structlog
 
+from agent import trust
 from agent.events import Event, event_from_json, event_json
+from agent.host import file_reads, safe_json
 from agent.rules.model import ActionOutcome, Decision, Outcome
 from agent.state import RemediationCount
 from agent.store.acks import ALL, Acknowledgements, Circuit
@@ -225,6 +228,9 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             PRIMARY KEY (boot_id, service)
         )""",
     ),
+    # How long a slowdown has been held is measured on CLOCK_BOOTTIME (a wall-clock step is not time
+    # held): its start on that clock, so a restart on the same boot keeps the hold.
+    ("ALTER TABLE clock_event_totals ADD COLUMN active_since_boottime REAL",),
     TUNES_MIGRATION,  # the advisor's journal and per-limit history (agent.store.tunes)
 )
 
@@ -270,6 +276,7 @@ class JournalEntry:
     gpu: int | None
     service: str | None
     steps: tuple[str, ...]
+    boot_id: str  # the boot it ran on; "" when unknown
 
 
 #: The events table's columns after `key`, in INSERT and SELECT order, as `event_json` names them
@@ -298,7 +305,7 @@ def _stored_event(row: tuple[Any, ...]) -> StoredEvent:
     """A row of `SELECT key, <_EVENT_FIELDS>, handled FROM events`."""
     key, *values, handled = row
     document = dict(zip(_EVENT_FIELDS, values, strict=True))
-    document["data"] = json.loads(document["data"])
+    document["data"] = safe_json.loads(document["data"])
     return StoredEvent(event_from_json(document, key), bool(handled))
 
 
@@ -402,12 +409,21 @@ class Store(BootTables, Acknowledgements, TuneTables, TuneHistoryTables):
         """Open (or create) the database; set aside an unusable one; prune old rows."""
         now = time.time() if now_seconds is None else now_seconds
         directory = Path(state_dir)
+        # What the agent reads back from here decides what it does: only where nobody else can write.
+        problem = trust.state_directory_problem(directory, "state_dir")
+        if problem is not None:
+            raise StoreError(problem)
         try:
             # 0700: events carry process names and command lines; the directory keeps the WAL files private too.
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
             raise StoreError(f"cannot create {directory}: {exc.strerror or exc}") from exc
         path = directory / DB_NAME
+        for part in (path, path.with_name(f"{DB_NAME}-wal"), path.with_name(f"{DB_NAME}-shm")):
+            # Before SQLite opens it: a FIFO there would hang the open (and SIGTERM with it).
+            problem = trust.state_file_problem(part)
+            if problem is not None:
+                raise StoreError(f"cannot open {path}: {problem}")
         try:
             connection = _connect_or_replace(path, now)
         except (_Unusable, sqlite3.Error, OSError) as exc:
@@ -518,7 +534,7 @@ class Store(BootTables, Acknowledgements, TuneTables, TuneHistoryTables):
                 finished_seconds=row[1],
                 rule=row[2],
                 action=row[3],
-                params=json.loads(row[4]),
+                params=safe_json.loads(row[4]),
                 target_key=row[5],
                 gpu=row[6],
                 uuid=row[7],
@@ -532,7 +548,7 @@ class Store(BootTables, Acknowledgements, TuneTables, TuneHistoryTables):
                 dry_run=bool(row[15]),
                 counted=bool(row[16]),
                 acked=bool(row[17]),
-                steps=tuple(json.loads(row[18])),
+                steps=tuple(safe_json.loads(row[18])),
             )
             for row in rows
         ]
@@ -565,7 +581,7 @@ class Store(BootTables, Acknowledgements, TuneTables, TuneHistoryTables):
             row = db.execute("SELECT steps FROM remediations WHERE id = ?", (row_id,)).fetchone()
             if row is None:
                 return
-            steps = [*json.loads(row[0]), step]
+            steps = [*safe_json.loads(row[0]), step]
             db.execute(
                 "UPDATE remediations SET steps = ?, detail = ? WHERE id = ?", (_dumps(steps), "; ".join(steps), row_id)
             )
@@ -608,13 +624,15 @@ class Store(BootTables, Acknowledgements, TuneTables, TuneHistoryTables):
     def running_remediations(self) -> list[JournalEntry]:
         """Journaled actions not finished: at start, what an earlier run left half-done."""
         rows = self._query(
-            "SELECT id, ts, rule, action, target_key, gpu, service, steps FROM remediations"
+            "SELECT id, ts, rule, action, target_key, gpu, service, steps, boot_id FROM remediations"
             " WHERE outcome = ? ORDER BY id",
             (Outcome.RUNNING.value,),
         )
         return [
-            JournalEntry(row_id, started, rule, action, target_key, gpu, service, tuple(json.loads(steps)))
-            for row_id, started, rule, action, target_key, gpu, service, steps in rows
+            JournalEntry(
+                row_id, started, rule, action, target_key, gpu, service, tuple(safe_json.loads(steps)), boot_id
+            )
+            for row_id, started, rule, action, target_key, gpu, service, steps, boot_id in rows
         ]
 
     def attempt_readings(self, rule: str, target_key: str) -> list[ClockReading]:
@@ -665,7 +683,7 @@ def _connect(path: Path) -> sqlite3.Connection:
     """A connection to a healthy database at the current schema, or _Unusable."""
     # Checked before connecting: closing the last connection deletes the write-ahead log, and the
     # log of a file that is not a database at all is worth keeping aside with it.
-    with contextlib.suppress(FileNotFoundError), path.open("rb") as existing:
+    with contextlib.suppress(FileNotFoundError), file_reads.open_regular(path, follow_links=False) as existing:
         header = existing.read(len(_SQLITE_HEADER))
         if header and header != _SQLITE_HEADER:
             raise _Unusable("corrupt", "not an SQLite database (bad header)")

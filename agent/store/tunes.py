@@ -19,7 +19,7 @@ RUNNING = "running"
 
 #: The schema of the advisor's journal: a sweep is written down, with the settings it will
 #: put back, before its first change; and the per-setting history the passive advice reads.
-#: (agent.store.database's MIGRATIONS takes it as schema 5.)
+#: (agent.store.database's MIGRATIONS takes it as schema 6.)
 TUNES_MIGRATION: tuple[str, ...] = (
     """CREATE TABLE tunes (
         id INTEGER PRIMARY KEY,

@@ -17,9 +17,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from agent.events import CLEARS, Event
+from agent.host import file_reads, safe_json
 
 FILE_NAME = "episodes.json"
 _CONDITIONS = frozenset(kind for kinds in CLEARS.values() for kind in kinds)
+# One number per condition key; far more than any node has.
+_FILE_LIMIT_BYTES = 4 * 1024 * 1024
 
 
 class Episodes:
@@ -28,7 +31,7 @@ class Episodes:
         self._lock = threading.Lock()
         self._numbers: dict[str, int] = {}
         with contextlib.suppress(OSError, ValueError):
-            loaded = json.loads(self.path.read_text())
+            loaded = safe_json.loads(file_reads.read_text(self.path, _FILE_LIMIT_BYTES))
             if isinstance(loaded, dict):
                 self._numbers = {str(k): int(v) for k, v in loaded.items()}
 

@@ -16,6 +16,12 @@ Pure functions over the text the caller passes; no I/O. Formats accepted (all se
 
 Only lines that the kernel wrote count: a line whose syslog sender is not ``kernel`` (say, a program
 logging a copy of an Xid line) yields nothing.
+
+A /dev/kmsg record is one unit (:meth:`KernelLogParser.feed_record`): the kernel splits records, and
+the bytes it escaped inside one (a newline in a process name arrives as ``\\x0a``) stay data of that
+record. A record counts only when its message starts with ``NVRM:`` (the driver's prefix), and an Xid in
+a record needs the driver's ``(PCI:...)`` device field: a process name (at most 15 bytes, printed at the
+start of messages such as a segfault report) can then not spell a whole Xid report.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import dataclasses
 import re
 from collections import deque
 from dataclasses import dataclass
+
+from agent.printable import printable
 
 MAX_XID = 999
 FALLEN_OFF_BUS_XID = 79  # "GPU has fallen off the bus": only a reboot (or a repair) brings the GPU back
@@ -60,6 +68,12 @@ _SYSLOG_HEADER = re.compile(
 )
 
 _XID = re.compile(r"NVRM:\s*Xid\s*(?:\((?P<device>[^)]*)\))?\s*:\s*(?P<code>[0-9]{1,9})(?=,|\s|$)", re.ASCII)
+# In a kernel record the driver's device field is required: ``(PCI:0000:3b:00)``, ``(0000:3b:00.0)``, with
+# MIG attribution after it. Even its shortest form is longer than a process name can be.
+_RECORD_XID = re.compile(
+    rf"NVRM:\s*Xid\s*\((?P<device>(?:PCI:)?{_BDF_PATTERN}(?:\s[^)]*)?)\)\s*:\s*(?P<code>[0-9]{{1,9}})(?=,|\s|$)",
+    re.ASCII,
+)
 # A line that starts like an Xid report but whose number is missing, non-numeric or out of range is
 # a truncated or corrupt report: it yields nothing rather than a guess.
 _XID_LIKE = re.compile(r"NVRM:\s*Xid\b", re.ASCII)
@@ -151,8 +165,10 @@ def parse_kmsg_record(record: bytes) -> tuple[int, float, str] | None:
 
     The record is ``PRI,SEQ,USEC,FLAGS[,...];message`` followed by continuation lines that start with a
     space and carry ``KEY=value`` metadata (dropped). The kernel escapes non-printable bytes as ``\\xNN``
-    (so a multi-line printk arrives as one record with ``\\x0a``); they are unescaped here, which makes
-    the message multi-line again. Returns None for anything that is not a record.
+    (so a multi-line printk arrives as one record with ``\\x0a``); they are unescaped here. The message
+    may then hold newlines, which are data of this one record: give it to
+    :meth:`KernelLogParser.feed_record`, never to ``feed`` (which splits lines). Returns None for anything
+    that is not a record.
     """
     first_line = record.partition(b"\n")[0]
     match = _KMSG_RECORD.match(first_line)
@@ -211,9 +227,23 @@ class KernelLogParser:
                 events.append(event)
         return events
 
-    def _feed_one(self, piece: str, timestamp_seconds: float | None) -> KernelXid | None:
+    def feed_record(self, message: str, timestamp_seconds: float | None) -> list[KernelXid]:
+        """Feed the message of one kernel record (:func:`parse_kmsg_record`); returns the Xids it completes.
+
+        The record is one unit whatever bytes it holds: a newline in it (a process name's, or a
+        multi-line printk's) never starts a new line, so text a process controls cannot start a report.
+        """
+        if not message.startswith(_NVRM):
+            # Not a driver message: it still ends any report a header began.
+            self._line_number += 1
+            self._pending = None
+            return []
+        event = self._feed_one(message, timestamp_seconds, record=True)
+        return [] if event is None else [event]
+
+    def _feed_one(self, piece: str, timestamp_seconds: float | None, record: bool = False) -> KernelXid | None:
         self._line_number += 1
-        line = _split_line(piece)
+        line = _Line(raw=piece, message=piece, timestamp_seconds=timestamp_seconds) if record else _split_line(piece)
         if line.timestamp_seconds is None and timestamp_seconds is not None:
             line = dataclasses.replace(line, timestamp_seconds=timestamp_seconds)
         pending = self._pending
@@ -226,7 +256,7 @@ class KernelLogParser:
             return None
         if _XID_LIKE.match(message) is not None:
             self._pending = None
-            xid_match = _XID.match(message)
+            xid_match = (_RECORD_XID if record else _XID).match(message)
             event = _xid_event(line, message, xid_match, pending) if xid_match is not None else None
             return self._unless_duplicate(event) if event is not None else None
         if _FALLEN_OFF_BUS in message:
@@ -291,7 +321,8 @@ def _sent_by_kernel(prefix: str) -> bool:
 
 
 def _fragment(message: str) -> str:
-    return message[len(_NVRM) :].strip()
+    text = message.strip()
+    return text[len(_NVRM) :].strip() if text.startswith(_NVRM) else text
 
 
 def _xid_event(line: _Line, message: str, match: re.Match[str], pending: _Pending | None) -> KernelXid | None:
@@ -321,24 +352,27 @@ def _xid_event(line: _Line, message: str, match: re.Match[str], pending: _Pendin
     timestamp = line.timestamp_seconds
     if timestamp is None and pending is not None:
         timestamp = pending.timestamp_seconds
+    # What a process controls (its name, text after it) leaves here escaped: nothing downstream
+    # (events, logs, status, labels) sees a raw control character or terminal escape.
     return KernelXid(
         xid=code,
         pci_bus_id=bus_id,
         pid=pid,
-        process=process,
-        text=text,
+        process=printable(process) if process is not None else None,
+        text=printable(text),
         nvlink=_decode_nvlink(text) if code in NVLINK5_XIDS else None,
-        recovery_action=recovery.group("to").strip() if recovery is not None else None,
+        recovery_action=printable(recovery.group("to").strip()) if recovery is not None else None,
         fallen_off_bus=code == FALLEN_OFF_BUS_XID,
         timestamp_seconds=timestamp,
-        raw=line.raw,
+        raw=printable(line.raw),
     )
 
 
 def _fallen_off_bus_event(line: _Line, message: str, pending: _Pending | None) -> KernelXid:
     own_bus = _GPU_BDF.search(message)
     bus_id = normalise_pci_bus_id(own_bus.group("bdf")) if own_bus is not None else None
-    text = _fragment(message)
+    # One multi-line printk (one record) reads as one sentence, like the same report over several records.
+    text = " ".join(_fragment(part) for part in _NEWLINE.split(message) if part.strip())
     raw = line.raw
     timestamp = line.timestamp_seconds
     if pending is not None:
@@ -353,12 +387,12 @@ def _fallen_off_bus_event(line: _Line, message: str, pending: _Pending | None) -
         pci_bus_id=bus_id,
         pid=None,
         process=None,
-        text=text,
+        text=printable(text),
         nvlink=None,
         recovery_action=None,
         fallen_off_bus=True,
         timestamp_seconds=timestamp,
-        raw=raw,
+        raw=printable(raw, keep_newlines=True),
     )
 
 

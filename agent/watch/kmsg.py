@@ -10,19 +10,22 @@ What it reads, in order:
   records we had not read yet (counted, logged, reading goes on). A fresh open starts at the oldest
   record still in the buffer, so records stamped before ``start_monotonic_seconds`` are skipped unless
   ``read_history``. Only records of the kernel facility count: anything root writes into /dev/kmsg is
-  stamped with the user facility, so a copied Xid line cannot pose as a driver report.
+  stamped with the user facility, so a copied Xid line cannot pose as a driver report. Each record is
+  parsed as one unit: a newline the kernel escaped inside it (from a process name) is data, not a line.
 - a regular file or a FIFO at that path (the fake kernel log of tests, ``gpu-agent demo`` and
   ``gpu-agent inject``): newline-separated records, buffered across reads, followed like ``tail -f``;
   a truncated file is read again from its start, a replaced one is reopened. Lines that are not kmsg
   records (dmesg or syslog text) go to the parser as they are.
-- when the path is missing or cannot be read: ``journalctl -k -f -o cat --since now`` (the journal's
-  kernel messages), but only when host_root is ``/``; under any other root the journal would describe
+- when the path is missing or cannot be read: ``journalctl -k -f -o json --since now`` (the journal's
+  kernel messages, one JSON object per record, so a newline inside a record stays data there too),
+  but only when host_root is ``/``; under any other root the journal would describe
   the wrong machine. With neither, the source reports itself degraded through ``status()`` and keeps
   looking for the path, so a fake log created later is picked up.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import stat
@@ -40,7 +43,16 @@ from agent.watch.kernel_log import KernelLogParser, KernelXid, parse_kmsg_record
 log = structlog.get_logger("gpu-agent")
 
 KMSG_PATH = "/dev/kmsg"
-JOURNAL_COMMAND = ("journalctl", "-k", "-f", "-o", "cat", "--since", "now")
+JOURNAL_COMMAND = (
+    "journalctl",
+    "-k",
+    "-f",
+    "-o",
+    "json",
+    "--since",
+    "now",
+    "--output-fields=MESSAGE,_SOURCE_MONOTONIC_TIMESTAMP",
+)
 # Large enough for any record (the kernel's limit is 8 KiB with its metadata); smaller buffers get EINVAL.
 READ_BUFFER_BYTES = 16 * 1024
 # A "line" longer than this in a fake log is garbage, not a record: drop it rather than grow forever.
@@ -280,8 +292,10 @@ class KmsgSource:
                 return
             line = bytes(pending[:end])
             del pending[: end + 1]
-            # -o cat prints only the message: no timestamp to filter on, --since now did that already.
-            self._emit(self._parser.feed(line.decode("utf-8", errors="replace")))
+            record = _journal_record(line)
+            if record is not None:
+                # --since now did the filtering by time; the stamp is for the Xid's own record.
+                self._emit(self._parser.feed_record(*record))
 
     # -- records ------------------------------------------------------------------------------
 
@@ -297,9 +311,7 @@ class KmsgSource:
         _, monotonic_seconds, message = parsed
         if not self._recent(monotonic_seconds):
             return
-        # The dmesg-style stamp carries the record's time into KernelXid.timestamp_seconds.
-        stamped = "\n".join(f"[{monotonic_seconds:.6f}] {piece}" for piece in message.splitlines())
-        self._emit(self._parser.feed(stamped))
+        self._emit(self._parser.feed_record(message, monotonic_seconds))
 
     def _recent(self, monotonic_seconds: float | None) -> bool:
         if self._read_history or monotonic_seconds is None:
@@ -312,3 +324,24 @@ class KmsgSource:
                 self._sink(xid)
             except Exception:  # a failing consumer must not stop the reader
                 log.exception("kernel log sink failed", xid=xid.xid, pci_bus_id=xid.pci_bus_id)
+
+
+def _journal_record(line: bytes) -> tuple[str, float | None] | None:
+    """One line of `journalctl -o json` -> (message, kernel monotonic seconds); None for anything else.
+
+    The journal keeps each kernel record whole, newlines included; MESSAGE is a string, or an array
+    of byte values when it is not valid UTF-8."""
+    try:
+        entry = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(entry, dict):
+        return None
+    message = entry.get("MESSAGE")
+    if isinstance(message, list) and all(isinstance(b, int) and 0 <= b < 256 for b in message):
+        message = bytes(message).decode("utf-8", errors="replace")
+    if not isinstance(message, str):
+        return None
+    stamp = entry.get("_SOURCE_MONOTONIC_TIMESTAMP")
+    seconds = int(stamp) / 1_000_000 if isinstance(stamp, str) and stamp.isdecimal() else None
+    return message, seconds

@@ -5,7 +5,8 @@ it goes; TEMPERATURE_MARGIN_LOW once when the temperature climbs to within `slow
 of the board's slowdown threshold (re-armed after it falls 2 C below that line again).
 
 Time per reason (`clock_event_seconds`, every reason including benign ones such as gpu_idle) is
-integrated between samples: a reason seen active in one sample is counted until the next sample.
+integrated between samples on the watcher's clock (CLOCK_BOOTTIME): a reason seen active in one
+sample is counted until the next sample, and a wall-clock step in between counts for nothing.
 Where the board keeps its own counter the total follows the counter instead:
 
 - ``power_violation_ns`` (nvmlDeviceGetViolationStatus, NVML_PERF_POLICY_POWER: "how long power
@@ -20,6 +21,11 @@ board's time per reason and the start of each slowdown active now, and `restore`
 start, so the exported counter does not go down and a held slowdown keeps its start time (a rule's
 "held 60 s" does not start again). The time between the two runs is not counted.
 
+How long a slowdown has been held (`held_seconds`, what a rule's `held_seconds` compares with, and
+the duration of THROTTLE_ENDED) is measured on `clock`, CLOCK_BOOTTIME by default: a step of the
+wall clock is not time held, and the reading survives an agent restart on the same boot. The wall
+time a slowdown started (`active_since`) is what people read and what names the episode.
+
 Counters are read on the slow tier: between two counter readings sw_power_cap is integrated, and
 each counter reading replaces that estimate with the counter's delta. A reported total never goes
 down (Prometheus would read that as a counter reset); it waits for the counter to catch up instead.
@@ -27,10 +33,11 @@ down (Prometheus would read that as a counter reset); it waits for the counter t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
+from agent.host.boottime import boottime_seconds
 from agent.state import GpuSample
 from agent.watch.boards import BoardStates, sample_event
 from agent.watch.clock_events import SLOWDOWN_REASONS, decode
@@ -54,6 +61,7 @@ class ClockEventTotal:
     reason: str
     seconds: float
     active_since_seconds: float | None = None  # a slowdown active at the last save: when it started
+    active_since_boottime_seconds: float | None = None  # the same start on CLOCK_BOOTTIME of this boot
 
 
 @dataclass
@@ -68,9 +76,10 @@ class _Total:
 
 @dataclass
 class _GpuState:
-    last_timestamp_seconds: float | None = None  # the previous sample with a reasons reading
+    last_timestamp_seconds: float | None = None  # the previous reasons reading, on the watcher's clock
     last_reasons: tuple[str, ...] = ()
-    started_seconds: dict[str, float] = field(default_factory=dict)  # active slowdown reason -> since
+    started_seconds: dict[str, float] = field(default_factory=dict)  # active slowdown reason -> since (wall)
+    started_boottime: dict[str, float] = field(default_factory=dict)  # the same starts on the watcher's clock
     totals: dict[str, _Total] = field(default_factory=dict)
     counters_ns: dict[str, int] = field(default_factory=dict)
     slowdown_celsius: int | None = None
@@ -80,14 +89,16 @@ class _GpuState:
 class ThrottleWatcher:
     name = "throttle"
 
-    def __init__(self, slowdown_margin_celsius: int = 5) -> None:
+    def __init__(self, slowdown_margin_celsius: int = 5, clock: Callable[[], float] = boottime_seconds) -> None:
         self.slowdown_margin_celsius = slowdown_margin_celsius
+        self._clock = clock
         self._gpus = BoardStates(_GpuState)
 
     def observe(self, samples: Sequence[GpuSample], now_seconds: float) -> list[Event]:
         events: list[Event] = []
+        tick = self._clock()
         for sample, state in self._gpus.answering(samples):
-            self._integrate(state, sample)
+            self._integrate(state, sample, tick)
             self._count(state, sample)
             for total in state.totals.values():
                 total.publish()
@@ -110,10 +121,26 @@ class ThrottleWatcher:
             (gpu, reason): since for gpu, state in self._gpus.items() for reason, since in state.started_seconds.items()
         }
 
+    def held_seconds(self) -> dict[tuple[int, str], float]:
+        """(gpu, slowdown reason) -> how long it has been held, on the watcher's clock, for those active now."""
+        now = self._clock()
+        return {
+            (gpu, reason): max(0.0, now - since)
+            for gpu, state in self._gpus.items()
+            for reason, since in state.started_boottime.items()
+        }
+
     def totals(self) -> list[ClockEventTotal]:
         """Every board's time per reason and, for a slowdown active now, its start: for the store."""
         return [
-            ClockEventTotal(gpu, uuid, reason, total.reported_seconds, state.started_seconds.get(reason))
+            ClockEventTotal(
+                gpu,
+                uuid,
+                reason,
+                total.reported_seconds,
+                state.started_seconds.get(reason),
+                state.started_boottime.get(reason),
+            )
             for gpu, uuid, state in sorted(self._gpus.boards(), key=lambda board: board[0])
             for reason, total in sorted(state.totals.items())
         ]
@@ -130,8 +157,11 @@ class ThrottleWatcher:
             total = state.totals.setdefault(stored.reason, _Total())
             total.counted_seconds += stored.seconds
             total.publish()
-            if stored.active_since_seconds is not None:
-                state.started_seconds.setdefault(stored.reason, stored.active_since_seconds)
+            if stored.active_since_seconds is not None and stored.reason not in state.started_seconds:
+                state.started_seconds[stored.reason] = stored.active_since_seconds
+                # A row saved without the boot-clock start (an older agent): the hold counts from now.
+                boottime = stored.active_since_boottime_seconds
+                state.started_boottime[stored.reason] = self._clock() if boottime is None else boottime
 
     def health(self, gpu: int) -> Health:
         state = self._gpus.get(gpu)
@@ -152,13 +182,14 @@ class ThrottleWatcher:
     # -- internals ------------------------------------------------------------------------
 
     @staticmethod
-    def _integrate(state: _GpuState, sample: GpuSample) -> None:
+    def _integrate(state: _GpuState, sample: GpuSample, tick: float) -> None:
+        """Time between two readings on the watcher's clock: a wall-clock step is not time slowed."""
         mask = sample.clock_event_reasons
         if mask is None:
             # Nothing is known about the reasons until the next reading: that gap is not counted.
             state.last_timestamp_seconds = None
             return
-        now = sample.timestamp_seconds
+        now = tick
         if state.last_timestamp_seconds is not None and now > state.last_timestamp_seconds:
             elapsed = now - state.last_timestamp_seconds
             for reason in state.last_reasons:
@@ -188,12 +219,15 @@ class ThrottleWatcher:
     def _transitions(self, state: _GpuState, sample: GpuSample, now_seconds: float) -> list[Event]:
         events: list[Event] = []
         active = [r for r in state.last_reasons if r in SLOWDOWN_REASONS]
+        tick = self._clock()
         for reason in active:
             if reason not in state.started_seconds:
                 state.started_seconds[reason] = sample.timestamp_seconds
+                state.started_boottime[reason] = tick
                 events.append(self._started(sample, reason, now_seconds))
         for reason in [r for r in state.started_seconds if r not in active]:
-            duration = sample.timestamp_seconds - state.started_seconds.pop(reason)
+            state.started_seconds.pop(reason)
+            duration = max(0.0, tick - state.started_boottime.pop(reason, tick))
             events.append(
                 sample_event(
                     sample,

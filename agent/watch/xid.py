@@ -14,6 +14,11 @@ replaces earlier ones: the driver is stating the GPU's current need, not adding 
 
 Counters, last-seen times and the health window outlive an agent restart: the daemon saves
 ``counts()`` and ``marks()`` in the store and hands them back to ``restore`` at start (agent/store/node_memory.py).
+
+Both windows run on ``window_clock``, CLOCK_BOOTTIME by default: a step of the wall clock (NTP, an
+operator) neither clears a fresh verdict nor holds an old one, and the readings stay comparable
+across an agent restart on the same boot (the store keeps marks per boot). Event times and the
+last-seen times people read are wall-clock time.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any
 
 from agent.backend.base import GpuEvent, GpuEventKind, GpuIdentity
 from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
+from agent.host.boottime import boottime_seconds
 from agent.state import XidCount
 from agent.watch import xid_catalog
 from agent.watch.kernel_log import RECOVERY_ACTION_XID, KernelXid, normalise_pci_bus_id
@@ -62,7 +68,7 @@ class XidMark:
     xid: int
     action: str  # SuggestedAction value
     reason: str
-    seen_seconds: float
+    seen_seconds: float  # CLOCK_BOOTTIME of the boot the mark belongs to (the watcher's window clock)
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,7 @@ class _Sighting:
     nvlink: dict[str, Any] | None
     recovery_action: str | None
     kernel_timestamp_seconds: float | None
+    process_service: str | None = None  # the configured service the faulting process belongs to
 
     def event(
         self,
@@ -112,7 +119,7 @@ class _Fault:
     """A fault already reported as an Event; later sightings inside the window fold into it."""
 
     event: Event
-    first_seen_seconds: float
+    first_seen_seconds: float  # on the window clock
     recovery_actions: set[str]
 
 
@@ -123,7 +130,7 @@ class _Mark:
     xid: int
     action: SuggestedAction
     reason: str
-    seen_seconds: float
+    seen_seconds: float  # on the window clock
 
 
 @dataclass
@@ -131,6 +138,12 @@ class _Count:
     uuid: str
     count: int
     last_seen_seconds: float
+
+
+def _within(elapsed_seconds: float, window_seconds: float) -> bool:
+    """A reading still inside its window. A negative elapsed time is a reading from another clock
+    (a mark stored as wall-clock time by an older agent): outside, not held open for good."""
+    return 0.0 <= elapsed_seconds <= window_seconds
 
 
 def _catalog_row(xid: int) -> tuple[str, str, Severity, SuggestedAction]:
@@ -143,6 +156,15 @@ def recovery_suggested_action(recovery_action: str) -> SuggestedAction:
     """Xid 154's recovery action text ("GPU Reset Required", ...) -> SuggestedAction; unknown text -> ALERT."""
     mapped = xid_catalog.action_for_recovery(recovery_action)
     return mapped if mapped is not None else SuggestedAction.ALERT
+
+
+def _by(sighting: _Sighting) -> str:
+    """Whose process faulted, for the message: ` (pid 4242 python3, service sglang)`."""
+    if sighting.pid is None:
+        return ""
+    name = f" {sighting.process}" if sighting.process else ""
+    owner = f", service {sighting.process_service}" if sighting.process_service else ", no configured service"
+    return f" (pid {sighting.pid}{name}{owner})"
 
 
 def _where(gpu: int | None, pci_bus_id: str | None) -> str:
@@ -183,7 +205,8 @@ class XidWatcher:
 
     ``identities`` returns the GPUs the agent knows (index -> identity); it is called on each sighting,
     so it should be cheap (a cached mapping) and keep the last known identity of a GPU that was lost,
-    or that GPU's kernel-log lines cannot be matched to it. ``clock`` is wall-clock seconds.
+    or that GPU's kernel-log lines cannot be matched to it. ``clock`` is wall-clock seconds (event
+    times); ``window_clock`` measures the dedupe and health windows (see the module docstring).
     """
 
     def __init__(
@@ -192,16 +215,21 @@ class XidWatcher:
         clock: Callable[[], float] = time.time,
         dedupe_window_seconds: float = DEFAULT_DEDUPE_WINDOW_SECONDS,
         health_window_seconds: float = DEFAULT_HEALTH_WINDOW_SECONDS,
+        window_clock: Callable[[], float] = boottime_seconds,
+        process_owner: Callable[[int], str | None] = lambda pid: None,
     ) -> None:
         if dedupe_window_seconds < 0 or health_window_seconds < 0:
             raise ValueError("windows must not be negative")
         self._identities = identities
         self._clock = clock
+        self._window_clock = window_clock
+        self._process_owner = process_owner
         self._dedupe_window_seconds = dedupe_window_seconds
         self._health_window_seconds = health_window_seconds
         self._lock = threading.Lock()
-        # (gpu index, or bus id when the GPU is unknown) x Xid -> the fault reported for it
-        self._faults: dict[tuple[int | str | None, int], _Fault] = {}
+        # (gpu index, or bus id when the GPU is unknown) x Xid x pid -> the fault reported for it. The pid
+        # is part of an app-level Xid's identity (two processes' faults are two faults), None otherwise.
+        self._faults: dict[tuple[int | str | None, int, int | None], _Fault] = {}
         self._marks: dict[tuple[int, int], _Mark] = {}
         self._counts: dict[tuple[int | None, int], _Count] = {}
 
@@ -242,6 +270,8 @@ class XidWatcher:
             nvlink=dataclasses.asdict(record.nvlink) if record.nvlink is not None else None,
             recovery_action=record.recovery_action,
             kernel_timestamp_seconds=record.timestamp_seconds,
+            # Read now, off the lock: the process may be gone by the time a rule looks.
+            process_service=self._process_owner(record.pid) if record.pid is not None else None,
         )
         return self._ingest(sighting)
 
@@ -253,12 +283,12 @@ class XidWatcher:
     def _ingest(self, sighting: _Sighting) -> list[Event]:
         with self._lock:
             now = self._clock()
-            self._forget_old_faults(now)
-            fault_key = (sighting.gpu if sighting.gpu is not None else sighting.pci_bus_id, sighting.xid)
-            fault = self._faults.get(fault_key)
+            tick = self._window_clock()
+            self._forget_old_faults(tick)
+            fault_key, fault = self._fault_of(sighting)
             events: list[Event] = []
             if fault is None:
-                fault = self._new_fault(sighting, now)
+                fault = self._new_fault(sighting, now, tick)
                 self._faults[fault_key] = fault
                 events.append(fault.event)
                 self._count(sighting, now, new_fault=True)
@@ -268,30 +298,50 @@ class XidWatcher:
                     # A new list rather than an append: a reader iterating the old one is not disturbed.
                     fault.event.data["sources"] = [*sources, sighting.source]
                 self._count(sighting, now, new_fault=False)
+                attributed = self._attributed(fault, sighting, now)
+                if attributed is not None:
+                    events.append(attributed)
             recovery = sighting.recovery_action
             if sighting.xid == RECOVERY_ACTION_XID and recovery is not None and recovery not in fault.recovery_actions:
                 fault.recovery_actions.add(recovery)
                 events.append(self._recovery_event(sighting, recovery, now))
-            self._mark(sighting, now)
+            self._mark(sighting, tick)
             return events
 
-    def _forget_old_faults(self, now: float) -> None:
-        # abs(): a wall clock stepped backwards must not hold a fault open until it catches up.
+    def _fault_of(self, sighting: _Sighting) -> tuple[tuple[int | str | None, int, int | None], _Fault | None]:
+        """The key this sighting's fault is kept under, and that fault if it is open. An app-level Xid is
+        its process's: keyed by pid, where NVML's sighting (no pid) folds into whichever is open, and the
+        kernel line naming the process of a fault NVML opened takes that fault over."""
+        where = sighting.gpu if sighting.gpu is not None else sighting.pci_bus_id
+        key: tuple[int | str | None, int, int | None]
+        unnamed: tuple[int | str | None, int, int | None] = (where, sighting.xid, None)
+        if _catalog_row(sighting.xid)[3] is not SuggestedAction.RESTART_SERVICE:
+            return unnamed, self._faults.get(unnamed)
+        if sighting.pid is None:
+            open_faults = [k for k in self._faults if k[:2] == unnamed[:2]]
+            key = unnamed if unnamed in self._faults or not open_faults else open_faults[0]
+            return key, self._faults.get(key)
+        key = (where, sighting.xid, sighting.pid)
+        if key not in self._faults and unnamed in self._faults:
+            self._faults[key] = self._faults.pop(unnamed)
+        return key, self._faults.get(key)
+
+    def _forget_old_faults(self, tick: float) -> None:
         expired = [
             key
             for key, fault in self._faults.items()
-            if abs(now - fault.first_seen_seconds) > self._dedupe_window_seconds
+            if not _within(tick - fault.first_seen_seconds, self._dedupe_window_seconds)
         ]
         for key in expired:
             del self._faults[key]
 
-    def _new_fault(self, sighting: _Sighting, now: float) -> _Fault:
+    def _new_fault(self, sighting: _Sighting, now: float, tick: float) -> _Fault:
         name, resolution, severity, action = _catalog_row(sighting.xid)
         verdict = "informational" if action is SuggestedAction.NONE else action.value
         event = sighting.event(
             EventKind.XID,
             severity,
-            f"Xid {sighting.xid} on {_where(sighting.gpu, sighting.pci_bus_id)}: {name} — {verdict}",
+            f"Xid {sighting.xid} on {_where(sighting.gpu, sighting.pci_bus_id)}{_by(sighting)}: {name} — {verdict}",
             str(sighting.xid),
             now,
             {
@@ -299,6 +349,7 @@ class XidWatcher:
                 "pci_bus_id": sighting.pci_bus_id,
                 "pid": sighting.pid,
                 "process": sighting.process,
+                "process_service": sighting.process_service,
                 "text": sighting.text,
                 "sources": [sighting.source],
                 "resolution": resolution,
@@ -309,7 +360,35 @@ class XidWatcher:
             },
             action,
         )
-        return _Fault(event=event, first_seen_seconds=now, recovery_actions=set())
+        return _Fault(event=event, first_seen_seconds=tick, recovery_actions=set())
+
+    def _attributed(self, fault: _Fault, sighting: _Sighting, now: float) -> Event | None:
+        """An app-level Xid first seen without its process (NVML names none) whose kernel-log line
+        now names it: a second event carrying the process, the one a service restart may act on."""
+        if sighting.pid is None or fault.event.data.get("pid") is not None:
+            return None
+        name, _, severity, action = _catalog_row(sighting.xid)
+        if action is not SuggestedAction.RESTART_SERVICE:
+            return None
+        data = {
+            **fault.event.data,
+            "pid": sighting.pid,
+            "process": sighting.process,
+            "process_service": sighting.process_service,
+            "text": sighting.text or fault.event.data.get("text", ""),
+            "kernel_timestamp_seconds": sighting.kernel_timestamp_seconds,
+        }
+        fault.event = sighting.event(
+            EventKind.XID,
+            severity,
+            f"Xid {sighting.xid} on {_where(sighting.gpu, sighting.pci_bus_id)}{_by(sighting)}: {name}"
+            f" — {action.value}",
+            f"{sighting.xid}:pid{sighting.pid}",
+            now,
+            data,
+            action,
+        )
+        return fault.event
 
     def _recovery_event(self, sighting: _Sighting, recovery: str, now: float) -> Event:
         action = recovery_suggested_action(recovery)
@@ -339,7 +418,7 @@ class XidWatcher:
         counted.count += 1 if new_fault else 0
         counted.last_seen_seconds = now
 
-    def _mark(self, sighting: _Sighting, now: float) -> None:
+    def _mark(self, sighting: _Sighting, tick: float) -> None:
         if sighting.gpu is None:
             return
         key = (sighting.gpu, sighting.xid)
@@ -347,16 +426,16 @@ class XidWatcher:
             if sighting.recovery_action is not None:
                 action = recovery_suggested_action(sighting.recovery_action)
                 self._marks[key] = _Mark(
-                    sighting.xid, action, f"Xid 154: driver recovery action {sighting.recovery_action}", now
+                    sighting.xid, action, f"Xid 154: driver recovery action {sighting.recovery_action}", tick
                 )
                 return
             previous = self._marks.get(key)
             if previous is not None:
                 # An NVML sighting of 154 carries no action: the one the kernel log named still stands.
-                previous.seen_seconds = now
+                previous.seen_seconds = tick
                 return
         name, _, _, action = _catalog_row(sighting.xid)
-        self._marks[key] = _Mark(sighting.xid, action, f"Xid {sighting.xid}: {name}", now)
+        self._marks[key] = _Mark(sighting.xid, action, f"Xid {sighting.xid}: {name}", tick)
 
     # -- readers ----------------------------------------------------------------------------
 
@@ -373,10 +452,10 @@ class XidWatcher:
     def health(self, gpu: int) -> Health:
         """The worst Xid-derived health of a GPU over the health window."""
         with self._lock:
-            now = self._clock()
+            tick = self._window_clock()
             worst: _Mark | None = None
             for (mark_gpu, _), mark in list(self._marks.items()):
-                if abs(now - mark.seen_seconds) > self._health_window_seconds:
+                if not _within(tick - mark.seen_seconds, self._health_window_seconds):
                     del self._marks[(mark_gpu, mark.xid)]
                     continue
                 if mark_gpu != gpu:

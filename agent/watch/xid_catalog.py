@@ -14,13 +14,13 @@ shipped catalog lacks gets :data:`UNKNOWN_SEVERITY` and :data:`UNKNOWN_ACTION` (
 from __future__ import annotations
 
 import functools
-import json
 import re
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
 from agent.events import SuggestedAction
+from agent.host import safe_json
 
 SEVERITIES = ("info", "warning", "critical", "fatal")
 ACTIONS = tuple(action.value for action in SuggestedAction)
@@ -204,8 +204,8 @@ def catalog() -> Catalog:
     """The shipped catalog, loaded and validated once per process."""
     text = resources.files("agent.watch").joinpath("xid_catalog.json").read_text(encoding="utf-8")
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
+        data = safe_json.loads(text)
+    except safe_json.JsonError as exc:
         raise CatalogError(f"xid_catalog.json is not valid JSON: {exc}") from exc
     return parse_catalog(data)
 

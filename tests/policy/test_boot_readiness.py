@@ -8,13 +8,19 @@ import lzma
 import os
 import shutil
 import subprocess
+import threading
+import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
+from agent.host import boot
 from agent.host.boot import (
     SECURE_BOOT_VAR,
     SIGNATURE_MAGIC,
+    UnreadableArchive,
     boot_signature,
     check_initramfs,
     check_next_boot,
@@ -30,6 +36,7 @@ DRIVER = "580.159.04"
 OLD, NEW = "6.8.0-49-generic", "6.8.0-50-generic"
 EL_OLD, EL_NEW = "6.12.0-55.9.1.el10_0.x86_64", "6.12.0-55.12.1.el10_0.x86_64"
 BLACKLIST_CONF = b"blacklist nouveau\noptions nouveau modeset=0\n"
+T = TypeVar("T")
 
 
 def newc(members: list[tuple[str, bytes]]) -> bytes:
@@ -268,3 +275,94 @@ def test_a_host_without_kernels_or_module_trees_does_not_manage_its_kernel(tmp_p
     (tmp_path / "lib/modules").mkdir(parents=True)  # kernels are managed here, but none is installed
     verdict = check_next_boot(HostPaths.at(tmp_path))
     assert verdict.problems == ("no installed kernel found in /boot",) and verdict.managed_here
+
+
+# -- containment: what is planted in /boot or the module tree ----------------------------------------
+
+
+def finishes(seconds: float, work: Callable[[], T]) -> T:
+    """`work()`'s answer, failing the test (not hanging it) when it takes longer than `seconds`."""
+    answer: list[T] = []
+    thread = threading.Thread(target=lambda: answer.append(work()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s"
+    assert answer, "raised"
+    return answer[0]
+
+
+def test_a_fifo_or_a_device_where_the_module_should_be_is_refused(tmp_path: Path) -> None:
+    ubuntu_tree(tmp_path, module_for=None)
+    modules = tmp_path / f"lib/modules/{NEW}/updates/dkms"
+    modules.mkdir(parents=True)
+    os.mkfifo(modules / "nvidia.ko")
+    verdict = finishes(10, lambda: check_next_boot(HostPaths.at(tmp_path)))
+    assert verdict.module is not None
+    assert verdict.module.unreadable is not None and "a FIFO" in verdict.module.unreadable
+    assert any("nvidia.ko: cannot be read: not a regular file (a FIFO)" in note for note in verdict.notes)
+    (modules / "nvidia.ko").unlink()
+    (modules / "nvidia.ko").symlink_to("/dev/zero")
+    verdict = finishes(10, lambda: check_next_boot(HostPaths.at(tmp_path)))
+    assert verdict.module is not None and verdict.module.unreadable is not None
+    assert "a character device" in verdict.module.unreadable
+
+
+def test_fifos_as_grubenv_bls_entry_and_initramfs_are_refused(tmp_path: Path) -> None:
+    rocky_tree(tmp_path, saved=EL_OLD)
+    (tmp_path / "boot/grub2/grubenv").unlink()
+    os.mkfifo(tmp_path / "boot/grub2/grubenv")
+    os.mkfifo(tmp_path / "boot/loader/entries/zz-planted.conf")
+    (tmp_path / f"boot/initramfs-{EL_NEW}.img").unlink()
+    os.mkfifo(tmp_path / f"boot/initramfs-{EL_NEW}.img")
+    verdict = finishes(10, lambda: check_next_boot(HostPaths.at(tmp_path)))
+    assert verdict.kernel is not None and verdict.kernel.release == EL_NEW  # grubenv unread: the newest entry
+    assert verdict.initramfs is not None and verdict.initramfs.verdict == "missing"
+
+
+def test_a_secure_boot_variable_that_never_ends_is_refused(tmp_path: Path) -> None:
+    ubuntu_tree(tmp_path)
+    (tmp_path / SECURE_BOOT_VAR.lstrip("/")).unlink()
+    (tmp_path / SECURE_BOOT_VAR.lstrip("/")).symlink_to("/dev/zero")
+    verdict = finishes(10, lambda: check_next_boot(HostPaths.at(tmp_path)))
+    assert verdict.secure_boot is None
+
+
+def cpio_header(name_size: int, size: int = 0) -> bytes:
+    fields = [1, 0o100644, 0, 0, 1, 0, size, 0, 0, 0, 0, name_size, 0]
+    return b"070701" + b"".join(f"{v:08x}".encode() for v in fields)
+
+
+@pytest.mark.parametrize("compress", ["none", "gzip"])
+def test_a_cpio_header_claiming_a_huge_name_costs_only_what_is_there(tmp_path: Path, compress: str) -> None:
+    archive = cpio_header(2 << 30) + b"etc/hostname\x00" + b"x" * 4096
+    packed = gzip.compress(archive) if compress == "gzip" else archive
+    write(tmp_path, f"/boot/initrd.img-{NEW}", packed)
+    tracemalloc.start()
+    try:
+        with pytest.raises(UnreadableArchive, match="claims a name of 2147483648 bytes"):
+            list(initramfs_members(tmp_path / f"boot/initrd.img-{NEW}", lambda name: True))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * 1024 * 1024
+
+
+def test_a_cpio_member_claiming_more_than_is_there_ends_the_read(tmp_path: Path) -> None:
+    archive = cpio_header(len(b"etc/hostname\x00"), size=3 << 30) + b"etc/hostname\x00" + b"\x00" + b"y" * 4096
+    write(tmp_path, f"/boot/initrd.img-{NEW}", archive)
+    with pytest.raises(UnreadableArchive, match="ends inside a file"):
+        list(initramfs_members(tmp_path / f"boot/initrd.img-{NEW}", lambda name: False))
+
+
+def test_decompressed_bytes_are_capped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(boot, "_INITRAMFS_LIMIT_BYTES", 1 << 20)
+    monkeypatch.setattr(boot, "_MODULE_LIMIT_BYTES", 1 << 20)
+    ubuntu_tree(tmp_path, module_for=None)
+    # Zeros compress to almost nothing: a small file that decompresses far past the cap.
+    member = cpio_header(2, size=8 << 20) + b"a\x00" + b"\x00" * (8 << 20)
+    write(tmp_path, f"/boot/initrd.img-{NEW}", gzip.compress(member))
+    write(tmp_path, f"/lib/modules/{NEW}/updates/dkms/nvidia.ko.xz", lzma.compress(b"\x00" * (8 << 20)))
+    verdict = check_next_boot(HostPaths.at(tmp_path))
+    assert verdict.module is not None and verdict.module.unreadable == f"more than {1 << 20} bytes uncompressed"
+    assert verdict.initramfs is not None and verdict.initramfs.verdict == "unverified"
+    assert "uncompressed" in verdict.initramfs.detail

@@ -6,10 +6,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
+from helpers import wait_until
 from test_boot_readiness import NEW, ubuntu_tree
 
 from agent.backend.sim import SimulatedBackend
@@ -251,6 +256,58 @@ def test_reboot_is_refused_when_the_next_boot_is_not_ready(tmp_path: Path, backe
     assert problem == f"{NEW} — nvidia 580.159.04 module missing"
     ubuntu_tree(tmp_path / "other")
     assert next_boot_problem(HostContext(HostPaths.at(tmp_path / "other"), backend=backend)) is None
+
+
+def test_a_hung_next_boot_check_is_the_items_error_and_never_holds_the_plan(
+    tmp_path: Path, backend: SimulatedBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read that hangs (a disk, a file on a dead mount) blocks the check's own worker: a plan waits
+    for it at most the context's wait, counted from the check's start, and no second check starts."""
+    ubuntu_tree(tmp_path / "root")
+    release = threading.Event()
+    started: list[float] = []
+    real_check = next_boot.check_next_boot
+
+    def hanging_check(*args: Any) -> Any:
+        started.append(time.monotonic())
+        release.wait(30)
+        return real_check(*args)
+
+    monkeypatch.setattr(next_boot, "check_next_boot", hanging_check)
+    ctx = replace(host_with(tmp_path, backend), boot_check_wait_seconds=0.3)
+    try:
+        began = time.monotonic()
+        first = next_boot.ITEM.plan(ctx, "ready").plan
+        assert 0.25 <= time.monotonic() - began < 2.0
+        assert first.status is PlanStatus.ERROR
+        assert first.detail.startswith("the next-boot check is still running")
+        began = time.monotonic()
+        again = next_boot.ITEM.plan(ctx, "ready").plan  # waited once already: answered at once
+        assert time.monotonic() - began < 0.2
+        assert again.status is PlanStatus.ERROR
+        monkeypatch.setattr(next_boot, "CHECK_DEADLINE_SECONDS", 0.5)
+        time.sleep(0.5)
+        hung = next_boot.ITEM.plan(ctx, "ready").plan
+        assert hung.status is PlanStatus.ERROR
+        assert "has not finished in" in hung.detail and "no new check starts" in hung.detail
+        assert next_boot_problem(ctx) is not None and "could not be checked" in str(next_boot_problem(ctx))
+        assert len(started) == 1
+    finally:
+        release.set()
+    wait_until(lambda: next_boot.ITEM.plan(ctx, "ready").plan.status is PlanStatus.IN_SYNC, 5.0, "the check to end")
+    assert len(started) == 1  # what the hung check found once it ended is the verdict
+
+
+def test_a_next_boot_check_that_raises_is_the_items_error(
+    tmp_path: Path, backend: SimulatedBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("parser bug")
+
+    monkeypatch.setattr(next_boot, "check_next_boot", broken)
+    ubuntu_tree(tmp_path / "root")
+    plan = next_boot.ITEM.plan(host_with(tmp_path, backend), "ready").plan
+    assert (plan.status, plan.detail) == (PlanStatus.ERROR, "the next-boot check failed: parser bug")
 
 
 # -- what the report-only items export -------------------------------------------------------------------

@@ -23,6 +23,7 @@ from helpers import action_context, make_event, wait_until
 from hosttree import NOBODY_ID, ScriptedHostContext, make_host_tree
 from pydantic import ValidationError
 from race import attempts, swapping
+from slow_endpoint import SlowEndpoint
 
 from agent.backend.base import RecoveryAction
 from agent.backend.errors import GpuErrorKind
@@ -762,43 +763,6 @@ def test_webhook_non_2xx_and_redirects_fail(tmp_path: Path) -> None:
         spec(ActionKind.WEBHOOK, {"url": "file:///etc/passwd"})
     with pytest.raises(ActionError, match=r"^not an http\(s\) URL: file:///…$"):
         post_json("file:///etc/passwd", {}, 1.0)
-
-
-class SlowEndpoint:
-    """tests/slow_endpoint.py as its own process: a server that drips its answer or never answers."""
-
-    def __init__(self, mode: str, *args: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).parents[1] / "slow_endpoint.py"), mode, *args],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert self.proc.stdout is not None
-        self.port = int(self.proc.stdout.readline())
-        self.lines: list[str] = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.strip())
-
-    def url(self, path: str = "") -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def wait_for(self, line: str, timeout_seconds: float) -> bool:
-        deadline = time.monotonic() + timeout_seconds
-        while line not in self.lines and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return line in self.lines
-
-    def __enter__(self) -> SlowEndpoint:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.proc.kill()
-        self.proc.wait()
 
 
 DEADLINE_MARGIN_SECONDS = 1.0

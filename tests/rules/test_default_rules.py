@@ -47,8 +47,9 @@ def event(
     return make_event(kind, gpu, timestamp_seconds=at, key=key, suggested_action=suggested, **data)
 
 
-def xid(code: int, gpu: int = 3, at: float = T0) -> Event:
-    return event(EventKind.XID, gpu=gpu, at=at, xid=code)
+def xid(code: int, gpu: int = 3, at: float = T0, pid: int | None = 4242, owner: str | None = "sglang") -> Event:
+    """An Xid the kernel log reported for process `pid`, a process of service `owner` (None: nobody's)."""
+    return event(EventKind.XID, gpu=gpu, at=at, xid=code, pid=pid, process="python3", process_service=owner)
 
 
 def snapshot(at: float = T0, **fields: Any) -> NodeSnapshot:
@@ -313,6 +314,20 @@ def test_app_xids_restart_three_times_an_hour_then_alert(node: Node) -> None:
     assert all(d.action is None for d in decisions[4:])
     assert node.store.ack("service:sglang") == 1
     assert actions(node.run(T0 + 5000, [xid(13, at=T0 + 5000)])) == [("xid-restart-service", "restart_service")]
+
+
+@pytest.mark.parametrize("code", [13, 31, 43])
+def test_another_users_app_xid_restarts_nothing(node: Node, code: int) -> None:
+    """Any local CUDA user can make an app-level Xid on a GPU sglang uses: it is that process's fault."""
+    (decision,) = node.run(T0, [xid(code, pid=5151, owner=None)])
+    assert decision.action is None
+    assert decision.reason == (
+        "restart_service: the faulting process pid 5151 (python3) belongs to no configured service:"
+        " no service restarted"
+    )
+    (unknown,) = node.run(T0 + 1, [xid(code, at=T0 + 1, pid=None, owner=None)])
+    assert unknown.action is None and "the faulting process is unknown" in unknown.reason
+    assert actions(node.run(T0 + 2, [xid(code, at=T0 + 2)])) == [("xid-restart-service", "restart_service")]
 
 
 def test_reset_class_xid_resets_then_recommends_a_reboot_then_alerts(node: Node) -> None:

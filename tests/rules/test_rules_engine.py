@@ -437,11 +437,11 @@ def test_ack_of_another_rule_or_gpu_changes_nothing(loop_factory: Any) -> None:
 def test_ack_by_service_for_gpu_faults_aimed_at_services(loop_factory: Any) -> None:
     rule = make_rule(match={"xid": {"codes": [13]}}, actions=["restart_service"], cooldown_seconds=0, max_attempts=1)
     loop = loop_factory([rule], {"sglang": [0, 1], "vllm": [2, 3]})
-    loop.run(T0, [xid(13, gpu=2, at=T0)])
-    loop.run(T0 + 1, [xid(13, gpu=3, at=T0 + 1)])  # opens vllm's circuit
+    loop.run(T0, [xid(13, gpu=2, at=T0, pid=7, process_service="vllm")])
+    loop.run(T0 + 1, [xid(13, gpu=3, at=T0 + 1, pid=7, process_service="vllm")])  # opens vllm's circuit
     assert loop.store.circuit_open("r", "service:vllm")
     assert loop.store.ack("service:vllm") == 1
-    assert kinds(loop.run(T0 + 2, [xid(13, gpu=3, at=T0 + 2)])) == ["restart_service"]
+    assert kinds(loop.run(T0 + 2, [xid(13, gpu=3, at=T0 + 2, pid=7, process_service="vllm")])) == ["restart_service"]
 
 
 # -- handled events ---------------------------------------------------------------------------
@@ -493,22 +493,24 @@ def test_dry_run_rule_does_not_block_a_live_reset(loop_factory: Any) -> None:
 # -- targets -------------------------------------------------------------------------------------
 
 SERVICES: ServiceGpus = {"sglang": [0, 1], "vllm": [2, 3], "embed": "all"}
-APP_RULE = {"xid": {"codes": [13]}}
+# Any Xid a rule restarts services for; not an app-level one (those restart only the faulting
+# process's service, below).
+GPU_RULE = {"xid": {"codes": [92]}}
 
 
 def test_gpu_fault_restarts_each_service_on_that_gpu(loop_factory: Any) -> None:
-    loop = loop_factory([make_rule(match=APP_RULE, actions=["restart_service", "reset_gpu"])], SERVICES)
-    decisions = loop.run(T0, [xid(13, gpu=2, at=T0)])
+    loop = loop_factory([make_rule(match=GPU_RULE, actions=["restart_service", "reset_gpu"])], SERVICES)
+    decisions = loop.run(T0, [xid(92, gpu=2, at=T0)])
     assert [d.target for d in decisions] == [Target(2, gpu_uuid(2), "embed"), Target(2, gpu_uuid(2), "vllm")]
     assert [d.action.params for d in decisions if d.action] == [{"service": "embed"}, {"service": "vllm"}]
 
 
 def test_escalation_is_counted_per_service_and_a_gpu_reset_decided_once(loop_factory: Any) -> None:
     loop = loop_factory(
-        [make_rule(match=APP_RULE, actions=["restart_service", "reset_gpu"], cooldown_seconds=0)], SERVICES
+        [make_rule(match=GPU_RULE, actions=["restart_service", "reset_gpu"], cooldown_seconds=0)], SERVICES
     )
-    loop.run(T0, [xid(13, gpu=2, at=T0)])
-    decisions = loop.run(T0 + 1, [xid(13, gpu=2, at=T0 + 1)])
+    loop.run(T0, [xid(92, gpu=2, at=T0)])
+    decisions = loop.run(T0 + 1, [xid(92, gpu=2, at=T0 + 1)])
     assert [(d.target.service, kinds([d])[0], d.step) for d in decisions] == [
         ("embed", "reset_gpu", 1),
         ("vllm", None, 1),
@@ -522,26 +524,26 @@ def test_escalation_is_counted_per_service_and_a_gpu_reset_decided_once(loop_fac
 
 def test_an_xid_storm_across_gpus_restarts_a_shared_service_once(loop_factory: Any) -> None:
     loop = loop_factory(
-        [make_rule(match=APP_RULE, actions=["restart_service"], cooldown_seconds=300)], {"sglang": "all"}
+        [make_rule(match=GPU_RULE, actions=["restart_service"], cooldown_seconds=300)], {"sglang": "all"}
     )
-    decisions = loop.run(T0, [xid(13, gpu=g, at=T0 + g / 100) for g in range(8)])
+    decisions = loop.run(T0, [xid(92, gpu=g, at=T0 + g / 100) for g in range(8)])
     assert kinds(decisions) == ["restart_service"] + [None] * 7
     assert {d.target.key for d in decisions} == {"service:sglang"}
 
 
 def test_named_service_and_unknown_gpu(loop_factory: Any) -> None:
-    named = make_rule("named", match=APP_RULE, actions=[{"restart_service": {"service": "sglang"}}])
+    named = make_rule("named", match=GPU_RULE, actions=[{"restart_service": {"service": "sglang"}}])
     loop = loop_factory([named], SERVICES)
-    assert [d.target for d in loop.run(T0, [xid(13, gpu=3, at=T0)])] == [Target(3, gpu_uuid(3), "sglang")]
-    any_service = make_rule("any", match=APP_RULE, actions=["restart_service"])
+    assert [d.target for d in loop.run(T0, [xid(92, gpu=3, at=T0)])] == [Target(3, gpu_uuid(3), "sglang")]
+    any_service = make_rule("any", match=GPU_RULE, actions=["restart_service"])
     loop = loop_factory([any_service], SERVICES)
-    decisions = loop.run(T0, [xid(13, gpu=None, at=T0)])
+    decisions = loop.run(T0, [xid(92, gpu=None, at=T0)])
     assert [d.target for d in decisions] == [Target(None, None, s) for s in ("embed", "sglang", "vllm")]
 
 
 def test_restart_with_no_service_on_the_gpu_is_suppressed(loop_factory: Any) -> None:
-    loop = loop_factory([make_rule(match=APP_RULE, actions=["restart_service"])], {"sglang": [0]})
-    (decision,) = loop.run(T0, [xid(13, gpu=1, at=T0)])
+    loop = loop_factory([make_rule(match=GPU_RULE, actions=["restart_service"])], {"sglang": [0]})
+    (decision,) = loop.run(T0, [xid(92, gpu=1, at=T0)])
     assert decision.action is None and decision.target == Target(1, gpu_uuid(1))
     assert "no service uses GPU 1" in decision.reason
 
@@ -581,11 +583,11 @@ def test_gpus_by_service_reads_agent_config() -> None:
 
 def test_output_does_not_depend_on_input_order(tmp_path: Path) -> None:
     rules = [
-        make_rule("app", match=APP_RULE, actions=["restart_service"], cooldown_seconds=0, max_attempts=3),
+        make_rule("app", match=GPU_RULE, actions=["restart_service"], cooldown_seconds=0, max_attempts=3),
         make_rule("reset", actions=["reset_gpu"], cooldown_seconds=0),
         make_rule("lost", match={"gpu_lost": {}}, actions=["recommend_reboot"]),
     ]
-    faults = [xid(13, gpu=g % 4, at=T0 + (g % 3)) for g in range(6)] + [xid(48, gpu=g, at=T0) for g in range(4)]
+    faults = [xid(92, gpu=g % 4, at=T0 + (g % 3)) for g in range(6)] + [xid(48, gpu=g, at=T0) for g in range(4)]
     faults += [event(EventKind.GPU_LOST, gpu=g, at=T0 + 2) for g in (1, 3)]
     results = []
     for seed in range(5):
@@ -594,17 +596,42 @@ def test_output_does_not_depend_on_input_order(tmp_path: Path) -> None:
         with Store.open(tmp_path / f"s{seed}", now_seconds=T0) as store:
             decisions = evaluate(snapshot(), shuffled, rules, store, T0, SERVICES)
         results.append([(d.rule, d.event.key, d.target, kinds([d]), d.reason) for d in decisions])
+        times = [d.event.timestamp_seconds for d in decisions]
+        assert times == sorted(times)  # oldest events first
     assert all(result == results[0] for result in results)
-    assert [r[0] for r in results[0]][:4] == ["app", "app", "reset", "reset"]  # oldest events first
+
+
+#: What the kernel log names for an Xid in sglang's own process.
+SGLANG_PROCESS: dict[str, Any] = {"pid": 4242, "process": "python3", "process_service": "sglang"}
+
+
+def test_app_level_xid_restarts_only_the_faulting_process_service(loop_factory: Any) -> None:
+    rules = [make_rule(match={"xid": {"codes": [13]}}, actions=["restart_service"], cooldown_seconds=0)]
+    loop = loop_factory(rules, SERVICES)
+    (mine,) = loop.run(T0, [xid(13, gpu=2, at=T0, pid=7, process="python3", process_service="vllm")])
+    assert (mine.target, kinds([mine])) == (Target(2, gpu_uuid(2), "vllm"), ["restart_service"])
+    (theirs,) = loop.run(T0 + 1, [xid(13, gpu=2, at=T0 + 1, pid=8, process="x", process_service=None)])
+    assert theirs.action is None and theirs.target == Target(2, gpu_uuid(2))
+    assert "pid 8 (x) belongs to no configured service" in theirs.reason
+    named = make_rule("named", match={"xid": {"codes": [13]}}, actions=[{"restart_service": {"service": "embed"}}])
+    loop = loop_factory([named], SERVICES)
+    (other,) = loop.run(T0, [xid(13, gpu=2, at=T0, pid=7, process="python3", process_service="vllm")])
+    assert other.action is None and "belongs to service vllm, not one this rule restarts" in other.reason
 
 
 def test_the_rest_of_a_burst_is_cooldown_not_exhaustion(loop_factory: Any) -> None:
-    loop = loop_factory([make_rule(match=APP_RULE, actions=["restart_service"], cooldown_seconds=300, max_attempts=1)])
-    assert kinds(loop.run(T0, [xid(13, at=T0)])) == ["restart_service"]
-    (burst,) = loop.run(T0 + 1, [xid(13, at=T0 + 1, key="xid45-same-crash")])
+    loop = loop_factory(
+        [
+            make_rule(
+                match={"xid": {"codes": [13, 45]}}, actions=["restart_service"], cooldown_seconds=300, max_attempts=1
+            )
+        ]
+    )
+    assert kinds(loop.run(T0, [xid(13, at=T0, **SGLANG_PROCESS)])) == ["restart_service"]
+    (burst,) = loop.run(T0 + 1, [xid(45, at=T0 + 1, **SGLANG_PROCESS)])
     assert burst.reason == "cooldown: 299 s left"
     assert loop.store.circuits() == []
-    (later,) = loop.run(T0 + 400, [xid(13, at=T0 + 400)])
+    (later,) = loop.run(T0 + 400, [xid(13, at=T0 + 400, **SGLANG_PROCESS)])
     assert (later.step, later.reason.split(":")[0]) == (
         EXHAUSTED_STEP,
         "1 attempts within 3600 s reached max_attempts 1",

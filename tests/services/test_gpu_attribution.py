@@ -18,6 +18,7 @@ from agent.services.attribution import (
     command_service_pids,
     listening_pid,
     process_tree,
+    service_of_pid,
     unit_of_pid,
 )
 
@@ -129,3 +130,25 @@ def test_a_process_that_exited_leaves_the_list_at_once(tmp_path: Path) -> None:
             child.kill()
             child.wait()
         gpus.shutdown()
+
+
+def test_service_of_pid_names_whose_process_faulted(tmp_path: Path) -> None:
+    paths = host_tree(tmp_path)
+    services = [ServiceConfig(name="sglang", unit="sglang.service"), ServiceConfig(name="vllm")]
+    assert service_of_pid(100, services, paths, command_pids={}) == "sglang"
+    assert service_of_pid(200, services, paths, command_pids={}) == "vllm"
+    assert service_of_pid(300, services, paths, command_pids={}) is None  # someone's notebook
+    assert service_of_pid(999, services, paths, command_pids={}) is None  # gone
+    with StandinServer(tmp_path) as server:
+        assert server.proc is not None
+        command = ServiceConfig.model_validate(
+            {
+                "name": "standin",
+                "manager": "command",
+                "start_command": ["/bin/true"],
+                "stop_command": ["/bin/true"],
+                "health_url": server.health_url,
+            }
+        )
+        assert service_of_pid(server.proc.pid, [command], paths) == "standin"
+        assert service_of_pid(os.getpid(), [command], paths) is None

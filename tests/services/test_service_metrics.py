@@ -10,12 +10,16 @@ import subprocess
 import sys
 import textwrap
 import time
+import tracemalloc
 from pathlib import Path
 
 import pytest
 
 from agent.demo.standin import StandinServer, free_port, wait_listening
 from agent.services.scrape import (
+    MAX_HISTOGRAM_BUCKETS,
+    MAX_SERIES_PER_FAMILY,
+    MAX_WINDOW_POINTS,
     Histogram,
     LatencyWindow,
     ScrapeError,
@@ -312,3 +316,106 @@ def test_http_errors_and_refused_connections_are_reported(tmp_path: Path) -> Non
         scrape(f"http://127.0.0.1:{server.port}/nothing-here")
     with pytest.raises(ScrapeError, match="refused"):
         scrape(f"http://127.0.0.1:{free_port()}/metrics")
+
+
+# -- pages that cannot be believed -----------------------------------------------------------------
+
+E2E = "sglang:e2e_request_latency_seconds"
+
+
+def page(buckets: dict[str, str], count: str = "10", total: str = "5", extra: str = "") -> str:
+    lines = [f"# TYPE {E2E} histogram"]
+    lines += [f'{E2E}_bucket{{le="{le}"}} {value}' for le, value in buckets.items()]
+    lines += [f"{E2E}_count {count}", f"{E2E}_sum {total}", extra]
+    return "\n".join(lines) + "\n"
+
+
+GOOD = {"0.5": "4", "1.0": "8", "+Inf": "10"}
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        (page({"0.5": "NaN", "1.0": "8", "+Inf": "10"}), "not a finite count"),
+        (page({"0.5": "4", "1.0": "+Inf", "+Inf": "+Inf"}), "not a finite count"),
+        (page({"0.5": "-1", "1.0": "8", "+Inf": "10"}), "not a finite count"),
+        (page(GOOD, count="NaN"), "count or sum that is not a finite number"),
+        (page(GOOD, total="+Inf"), "count or sum that is not a finite number"),
+        (page({"0.5": "9", "1.0": "8", "+Inf": "10"}), "buckets that are not cumulative"),
+        (page({"abc": "4", "1.0": "8", "+Inf": "10"}), "bucket le='abc'"),
+        (page({"NaN": "4", "1.0": "8", "+Inf": "10"}), "bucket le=NaN"),
+    ],
+)
+def test_a_histogram_that_cannot_be_believed_is_an_unreadable_page(text: str, why: str) -> None:
+    with pytest.raises(ScrapeError, match=r"^unreadable page: sglang:e2e_request_latency_seconds has .*") as caught:
+        parse_reading(text, "sglang")
+    assert why in str(caught.value)
+    assert parse_reading(page(GOOD), "sglang").histograms["e2e"].bucket_counts == (4, 8, 10)
+
+
+def test_gauges_that_are_not_finite_numbers_are_absent() -> None:
+    text = page(GOOD, extra="sglang:num_running_reqs +Inf\nsglang:num_queue_reqs NaN\nsglang:token_usage -Inf")
+    parsed = parse_reading(text, "sglang")
+    assert (parsed.running, parsed.waiting, parsed.kv_cache_usage_ratio) == (None, None, None)
+
+
+def test_histogram_quantile_over_data_it_cannot_believe_is_none_never_an_exception() -> None:
+    bounds = (0.5, 1.0, INF)
+    for counts in [(math.nan,) * 3, (1, math.nan, 3), (1, 2, math.inf), (5, 3, 6), (-1, 2, 3), (1, 2)]:
+        assert histogram_quantile(0.95, bounds, counts) is None, counts
+    assert histogram_quantile(0.5, (1.0, 0.5, INF), (1, 2, 3)) is None
+    assert histogram_quantile(0.5, bounds, (2, 4, 4)) == pytest.approx(0.5)
+
+
+def test_a_window_whose_deltas_overflow_says_unreadable_page_and_keeps_the_gauges() -> None:
+    """Finite pages can still add up to infinity (a counter near the float limit that resets):
+    the figure is left out and the error says why; figures() never raises."""
+    window = LatencyWindow("sglang")
+    window.add(reading(0, (1e308, 1e308, 1e308, 1e308)))
+    window.add(reading(10, (1.7e308, 1.7e308, 1.7e308, 1.7e308)))
+    window.add(reading(20, (1e308, 1e308, 1e308, 1e308)))  # a reset: the new values add on
+    figures = window.figures()
+    assert figures is not None
+    assert figures.latency == {}
+    assert figures.error == "unreadable page: e2e histogram over the window"
+    assert figures.running == 4
+
+
+def test_a_legal_page_of_120k_buckets_is_refused_before_the_parser_and_nothing_is_kept() -> None:
+    bounds = [f"{0.001 * i:.3f}" for i in range(1, 120_000)] + ["+Inf"]
+    text = page({le: str(i) for i, le in enumerate(bounds)}, count=str(len(bounds)))
+    assert 3_000_000 < len(text) < 8 * 1024 * 1024  # legal: under the page's size limit
+    started = time.monotonic()
+    with pytest.raises(ScrapeError, match=r"^unreadable page: more than 20000 lines of the families read$"):
+        parse_reading(text, "sglang")
+    assert time.monotonic() - started < 2.0
+
+
+def test_too_many_buckets_or_label_sets_are_unreadable_pages() -> None:
+    many = {f"{i}": str(i) for i in range(1, MAX_HISTOGRAM_BUCKETS + 1)} | {"+Inf": "1000"}
+    with pytest.raises(ScrapeError, match=f"has {MAX_HISTOGRAM_BUCKETS + 1} buckets, more than the"):
+        parse_reading(page(many), "sglang")
+    series = [f'{E2E}_bucket{{le="+Inf",tp_rank="{i}"}} 1' for i in range(MAX_SERIES_PER_FAMILY + 1)]
+    with pytest.raises(ScrapeError, match=f"more than {MAX_SERIES_PER_FAMILY} label sets"):
+        parse_reading(f"# TYPE {E2E} histogram\n" + "\n".join(series) + "\n", "sglang")
+
+
+def test_the_window_keeps_a_bounded_number_of_points_of_bounded_size() -> None:
+    """The largest histogram a page may carry, scraped every 0.1 s (the fastest interval) for the
+    whole window, three kinds of it: what one service keeps stays under 16 MB."""
+    bounds = (*(float(i) for i in range(1, MAX_HISTOGRAM_BUCKETS)), INF)
+    window = LatencyWindow("sglang", window_seconds=300)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        for step in range(3000):
+            counts = tuple(float(step * 1000 + i) for i in range(len(bounds)))
+            histogram = Histogram(bounds, counts, counts[-1], 1.0)
+            window.add(ServerReading(step * 0.1, "sglang", dict.fromkeys(("e2e", "ttft", "itl"), histogram), waiting=1))
+        kept = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(before, "filename"))
+    finally:
+        tracemalloc.stop()
+    figures = window.figures()
+    assert figures is not None and figures.latency["e2e"].requests > 0
+    assert figures.window_seconds == pytest.approx((MAX_WINDOW_POINTS - 1) * 0.1)
+    assert kept < 16 * 1024 * 1024, kept

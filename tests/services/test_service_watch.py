@@ -3,8 +3,15 @@ and SLO verdicts drawn from the window's GPU samples."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
+
+import pytest
+from daemon_harness import DEFAULT_POLICY, write_agent_config
+from slow_endpoint import SlowEndpoint
 
 from agent.backend import open_backend
 from agent.collect import sample_all
@@ -157,3 +164,95 @@ def test_the_monitor_names_a_thermal_slowdown_behind_a_real_servers_latency(tmp_
     assert set(attribution.memory_bytes["sglang"]) == {0}
     assert attribution.memory_bytes["sglang"][0] > 0
     assert attribution.unattributed == ()
+
+
+def served(endpoint: SlowEndpoint, name: str, **fields: object) -> ServiceConfig:
+    return ServiceConfig.model_validate(
+        {"name": name, "health_url": endpoint.url("/health"), "probe_timeout_seconds": 2.0, **fields}
+    )
+
+
+E2E_PAGE = """\
+# TYPE sglang:e2e_request_latency_seconds histogram
+sglang:e2e_request_latency_seconds_bucket{{le="0.5"}} {low}
+sglang:e2e_request_latency_seconds_bucket{{le="{bound}"}} {mid}
+sglang:e2e_request_latency_seconds_bucket{{le="+Inf"}} {top}
+sglang:e2e_request_latency_seconds_count {top}
+sglang:e2e_request_latency_seconds_sum 3
+sglang:num_running_reqs 2
+"""
+
+
+def test_a_page_that_cannot_be_believed_is_that_services_error_and_the_figures_stay(tmp_path: Path) -> None:
+    """A real server answers a good page, then one with NaN counts, then `le="abc"`: each bad
+    scrape is the service's "unreadable page" error (the crash of `gpu-agent run` and of `status
+    --direct` before), the figures of the good pages stay, and a good page clears the error."""
+    body = tmp_path / "page.txt"
+    pages = [
+        E2E_PAGE.format(low=1, bound="1.0", mid=2, top=4),
+        E2E_PAGE.format(low=3, bound="1.0", mid=5, top=8),
+        E2E_PAGE.format(low="NaN", bound="1.0", mid="NaN", top="NaN"),
+        E2E_PAGE.format(low=5, bound="abc", mid=7, top=9),
+        E2E_PAGE.format(low=5, bound="1.0", mid=7, top=12),
+    ]
+    seen = []
+    with SlowEndpoint("file", "--body", str(body)) as server:
+        scraper = ServiceScraper([served(server, "llm")], interval_seconds=1.0)
+        for text in pages:
+            body.write_text(text)
+            scraper.scrape_once("llm")
+            seen.append(scraper.figures()["llm"])
+    good, nan, abc, again = seen[1], seen[2], seen[3], seen[4]
+    assert good.error == "" and good.latency["e2e"].requests == 4
+    assert nan.error.startswith("unreadable page: sglang:e2e_request_latency_seconds has a bucket that is not")
+    assert abc.error == "unreadable page: sglang:e2e_request_latency_seconds has a bucket le='abc'"
+    assert nan.latency == abc.latency == good.latency  # the last good figures, with the error
+    assert again.error == "" and again.latency["e2e"].requests == 8
+
+
+def test_the_first_page_does_not_pin_the_server_kind(tmp_path: Path) -> None:
+    body = tmp_path / "page.txt"
+    with SlowEndpoint("file", "--body", str(body)) as server:
+        scraper = ServiceScraper([served(server, "llm")], interval_seconds=1.0)
+        body.write_text("sglang:num_running_reqs 2\n")
+        scraper.scrape_once("llm")
+        assert (scraper.figures()["llm"].kind, scraper.figures()["llm"].running) == ("sglang", 2)
+        body.write_text("vllm:num_requests_running 5\nvllm:num_requests_waiting 1\n")
+        scraper.scrape_once("llm")
+        assert (scraper.figures()["llm"].kind, scraper.figures()["llm"].running) == ("vllm", 5)
+        configured = ServiceScraper([served(server, "llm", kind="sglang")], interval_seconds=1.0)
+        configured.scrape_once("llm")
+        assert (configured.figures()["llm"].kind, configured.figures()["llm"].running) == ("sglang", None)
+
+
+@pytest.mark.parametrize(
+    ("mode", "error"),
+    [
+        ("file", "unreadable page: sglang:e2e_request_latency_seconds has a bucket le='abc'"),
+        ("drip", "timed out after 2 s"),
+    ],
+)
+def test_status_direct_reports_a_hostile_server_instead_of_crashing_or_hanging(
+    tmp_path: Path, mode: str, error: str
+) -> None:
+    """`le="abc"` crashed `status --direct`; a server trickling its headers hung it."""
+    body = tmp_path / "page.txt"
+    body.write_text(E2E_PAGE.format(low=5, bound="abc", mid=7, top=9))
+    with SlowEndpoint(mode, "--body", str(body), "--interval", "0.2") as server:
+        service = (
+            "services:\n  - {name: llm, manager: command, start_command: [/bin/true], stop_command: [/bin/true],"
+            f' health_url: "{server.url("/health")}"}}\n'
+        )
+        config, _port = write_agent_config(tmp_path, mode="observe", policy=DEFAULT_POLICY + service)
+        began = time.monotonic()
+        result = subprocess.run(
+            [sys.executable, "-m", "agent.cli", "status", "--direct", "--json", "--config", str(config)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        took = time.monotonic() - began
+    assert result.returncode in (0, 2), result.stderr
+    (listed,) = json.loads(result.stdout)["services"]
+    assert listed["metrics"]["metrics_error"] == error
+    assert took < 20, took

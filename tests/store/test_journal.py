@@ -13,6 +13,7 @@ from helpers import FakeClock, make_event, wait_until
 
 from agent.config import AgentConfig, ServiceConfig
 from agent.daemon.action_worker import ActionWorker, ClockHistory
+from agent.events import EventKind
 from agent.rules.actions.steps import services_left_down
 from agent.rules.model import ActionKind, ActionOutcome, ActionSpec, Decision, Outcome, Target
 from agent.services.managers import CommandManager
@@ -108,6 +109,32 @@ def test_recovery_starts_a_service_an_interrupted_reset_left_stopped(
         assert log.read_text().split() == ["status"] and "sglang already running" in row.detail
     else:
         assert log.read_text().split() == ["status", "start"] and "started sglang again" in row.detail
+
+
+@pytest.mark.parametrize("earlier_boot", ["boot-before", ""], ids=["earlier-boot", "unknown-boot"])
+def test_an_action_a_reboot_interrupted_is_reported_not_rolled_back(
+    tmp_path: Path, store: Store, earlier_boot: str
+) -> None:
+    service, log = command_service(tmp_path, active=False)
+    clock = FakeClock()
+    row_id = store.begin_remediation(decision(), AttemptClock(earlier_boot, clock.monotonic).reading(clock()))
+    store.journal_step(row_id, "stopped sglang")  # then the node rebooted
+    worker = recovering_worker(store, service)  # this boot: BOOT
+    worker.recover(store)
+    worker.start()
+    wait_until(lambda: not store.running_remediations(), 10, "the interrupted row closed")
+    worker.stop(5)
+    assert not log.exists(), "nothing was started, not even asked about"
+    (row,) = store.remediations()
+    assert row.outcome is Outcome.INTERRUPTED
+    assert row.detail == (
+        "interrupted on an earlier boot (last step: stopped sglang); not rolled back; it had stopped sglang,"
+        " left as this boot has it"
+    )
+    (reported,) = [e for e in store.events() if e.event.kind is EventKind.REMEDIATION_INTERRUPTED]
+    assert reported.handled
+    assert reported.event.data["services_stopped"] == ["sglang"]
+    assert reported.event.data["boot_id"] == (earlier_boot or None)
 
 
 def test_a_queued_action_not_yet_started_at_stop_is_closed_not_run(tmp_path: Path, store: Store) -> None:

@@ -44,7 +44,7 @@ def agent_run(
 ) -> tuple[NodeMemory, ThrottleWatcher, HealthProber]:
     """One run of the agent: a fresh memory, throttle watcher and prober, loaded from the store."""
     memory = NodeMemory(lambda: store, boot, clock)
-    throttle = ThrottleWatcher()
+    throttle = ThrottleWatcher(clock=clock.monotonic)
     prober = HealthProber(
         [ServiceConfig(name="sglang", health_url=url, unhealthy_after_probes=after, probe_timeout_seconds=1.0)],
         clock=clock,
@@ -63,17 +63,21 @@ def test_clock_event_time_and_an_active_slowdown_outlive_a_restart_not_a_reboot(
     with Store.open(tmp_path) as store:
         memory, throttle, prober = agent_run(store, clock, url)
         throttle.observe([thermal(0, 100.0), thermal(1, 100.0, mask=0)], 100.0)
+        clock.advance(30)
         throttle.observe([thermal(0, 130.0), thermal(1, 130.0, mask=0)], 130.0)
         assert throttle.clock_event_seconds()[(0, REASON)] == 30.0
         save(memory, throttle, prober, clock)
 
-        # The agent restarts 20 s later; the slowdown still holds.
+        # The agent restarts 20 s later; the slowdown still holds, and so does its hold on the boot clock.
+        clock.advance(20)
         memory, throttle, prober = agent_run(store, clock, url)
         assert throttle.clock_event_seconds() == {(0, REASON): 30.0}
         assert throttle.active_since() == {(0, REASON): 100.0}
+        assert throttle.held_seconds() == {(0, REASON): 50.0}
         events = throttle.observe([thermal(0, 150.0), thermal(1, 150.0, mask=0)], 150.0)
         assert [e.kind for e in events] == []  # the same slowdown, not a new one
         assert throttle.clock_event_seconds()[(0, REASON)] == 30.0  # the gap between runs is not counted
+        clock.advance(10)
         events = throttle.observe([thermal(0, 160.0, mask=0), thermal(1, 160.0, mask=0)], 160.0)
         assert [(e.kind, e.data["duration_seconds"]) for e in events] == [(EventKind.THROTTLE_ENDED, 60.0)]
         assert throttle.clock_event_seconds()[(0, REASON)] == 40.0
@@ -89,11 +93,18 @@ def test_clock_event_time_and_an_active_slowdown_outlive_a_restart_not_a_reboot(
         assert throttle.active_since() == {}
 
 
+def observe(throttle: ThrottleWatcher, clock: FakeClock, sample: GpuSample) -> None:
+    """The watcher sees `sample` when the boot clock has moved to its time (sample time t is the
+    fake clock's monotonic 1000 + t): held and counted time run on that clock."""
+    clock.advance(1000.0 + sample.timestamp_seconds - clock.monotonic())
+    throttle.observe([sample], sample.timestamp_seconds)
+
+
 def ten_seconds_of_slowdown_saved(store: Store, clock: FakeClock) -> None:
     """A first run that saw GPU 0 slowed for 10 s, saved to the store."""
     memory, throttle, prober = agent_run(store, clock, refused_url())
-    throttle.observe([thermal(0, 0.0)], 0.0)
-    throttle.observe([thermal(0, 10.0)], 10.0)
+    observe(throttle, clock, thermal(0, 0.0))
+    observe(throttle, clock, thermal(0, 10.0))
     save(memory, throttle, prober, clock)
 
 
@@ -101,9 +112,9 @@ def loaded_late(store: Store, clock: FakeClock, *seen: GpuSample) -> ThrottleWat
     """A new run whose throttle watcher observed `seen` (one sample a loop) before the store opened
     and the memory loaded."""
     memory = NodeMemory(lambda: store, BOOT, clock)
-    throttle = ThrottleWatcher()
+    throttle = ThrottleWatcher(clock=clock.monotonic)
     for sample_seen in seen:
-        throttle.observe([sample_seen], sample_seen.timestamp_seconds)
+        observe(throttle, clock, sample_seen)
     memory.load({}, xid_watcher(clock), throttle, None)
     return throttle
 
@@ -164,8 +175,8 @@ def test_written_only_when_changed(tmp_path: Path) -> None:
     url = refused_url()
     with Store.open(tmp_path) as store:
         memory, throttle, prober = agent_run(store, clock, url)
-        throttle.observe([thermal(0, 0.0)], 0.0)
-        throttle.observe([thermal(0, 10.0)], 10.0)
+        observe(throttle, clock, thermal(0, 0.0))
+        observe(throttle, clock, thermal(0, 10.0))
         prober.probe_once("sglang")
         save(memory, throttle, prober, clock)
         db = tmp_path / DB_NAME
@@ -176,7 +187,7 @@ def test_written_only_when_changed(tmp_path: Path) -> None:
         save(memory, throttle, prober, clock)  # ...stay gone: nothing changed, nothing written
         assert store.clock_event_totals(BOOT) == [] and store.probe_streaks(BOOT) == []
 
-        throttle.observe([thermal(0, 20.0)], 20.0)
+        observe(throttle, clock, thermal(0, 20.0))
         save(memory, throttle, prober, clock)
         assert [(t.gpu, t.uuid, t.reason, t.seconds) for t in store.clock_event_totals(BOOT)] == [
             (0, UUIDS[0], REASON, 20.0)

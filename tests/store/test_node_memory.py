@@ -42,7 +42,7 @@ def identities(count: int) -> dict[int, GpuIdentity]:
 
 def xid_watcher(clock: FakeClock, gpus: int = 2) -> XidWatcher:
     known = identities(gpus)
-    return XidWatcher(lambda: known, clock=clock)
+    return XidWatcher(lambda: known, clock=clock, window_clock=clock.monotonic)
 
 
 def kernel_xid(xid: int, gpu: int) -> KernelXid:

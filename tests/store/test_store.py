@@ -174,7 +174,7 @@ def test_two_corruptions_in_the_same_second_keep_both(tmp_path: Path) -> None:
 
 def test_an_unusable_state_dir_is_a_store_error(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("in the way")
-    with pytest.raises(StoreError, match="cannot create"):
+    with pytest.raises(StoreError, match="file is a regular file, not a directory"):
         Store.open(tmp_path / "file" / "state")
 
 

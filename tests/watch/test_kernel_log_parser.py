@@ -442,3 +442,38 @@ def test_generated_xid_lines_parse_back(
     assert event.text == message
     assert event.raw == line
     assert event.timestamp_seconds == (12.5 if prefix in ("[ 12.500000] ", "6,99,12500000,-;") else None)
+
+
+def test_a_kernel_record_is_one_unit_whatever_newlines_it_holds() -> None:
+    forged = b"3,40,5000000,-;NVRM: Xid (PCI:0000:3b:00): 13, pid=4242, name=\\x0aNVRM:Xid:79, Graphics Exception\n"
+    parsed = parse_kmsg_record(forged)
+    assert parsed is not None
+    _, seconds, message = parsed
+    (event,) = KernelLogParser().feed_record(message, seconds)
+    assert (event.xid, event.pid, event.pci_bus_id) == (13, 4242, "00000000:3B:00.0")
+    # The same text split into lines, as the parser used to read it, holds the forged report.
+    assert [e.xid for e in KernelLogParser().feed(message)] == [13, 79]
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "NVRM:Xid:79 [4242]: segfault at 0 ip 0000000000401000 sp 00007ffd00000000 error 4",
+        "NVRM: Xid: 79, pid=1, name=x, GPU has fallen off the bus.",
+        "NVRM: Xid (): 79, pid=1, name=x, GPU has fallen off the bus.",
+        'EXT4-fs (loop0): Unrecognized mount option "NVRM: Xid (PCI:0000:3b:00): 43, x" or missing value',
+    ],
+)
+def test_a_kernel_record_needs_the_drivers_whole_xid_report(message: str) -> None:
+    assert KernelLogParser().feed_record(message, 1.0) == []
+
+
+def test_a_kernel_record_keeps_mig_attribution() -> None:
+    message = "NVRM: Xid (PCI:0000:3b:00 GPU-I:05 GPU-CI:00): 43, pid=7, name=python3, Ch 00000008"
+    (event,) = KernelLogParser().feed_record(message, 2.0)
+    assert (event.xid, event.pci_bus_id, event.process, event.timestamp_seconds) == (
+        43,
+        "00000000:3B:00.0",
+        "python3",
+        2.0,
+    )

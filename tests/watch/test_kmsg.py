@@ -6,6 +6,7 @@ the real journal: the journal fallback runs a stand-in script given as the journ
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import sys
@@ -319,6 +320,13 @@ def test_unreadable_kmsg_is_degraded(paths: HostPaths, start: Callable[..., Read
     assert reader.source.status()[0] is False
 
 
+def journal_line(message: str, raw_message: bool = False) -> str:
+    """What `journalctl -o json --output-fields=MESSAGE,_SOURCE_MONOTONIC_TIMESTAMP` prints for a record;
+    `raw_message`: MESSAGE as the array of bytes journalctl prints for text that is not plain UTF-8."""
+    value: object = list(message.encode()) if raw_message else message
+    return json.dumps({"__CURSOR": "s=1", "MESSAGE": value, "_SOURCE_MONOTONIC_TIMESTAMP": "1500000"})
+
+
 def journal_script(tmp_path: Path, body: str) -> list[str]:
     script = tmp_path / "journal.py"
     script.write_text(textwrap.dedent(body))
@@ -332,11 +340,15 @@ def test_journal_command_is_followed_when_kmsg_is_missing(paths: HostPaths, tmp_
         f"""
         import os, sys, time
         open({str(pid_file)!r}, "w").write(str(os.getpid()))
-        print({xid_line("0000:3b:00", 13, pid=12, process="sglang")!r}, flush=True)
-        print("NVRM: loading NVIDIA UNIX Open Kernel Module", flush=True)
-        sys.stdout.write({xid_line("0000:3b:00", 31)[:20]!r}); sys.stdout.flush()
+        print({journal_line(xid_line("0000:3b:00", 13, pid=12, process="sglang"))!r}, flush=True)
+        print({journal_line("NVRM: loading NVIDIA UNIX Open Kernel Module")!r}, flush=True)
+        # A process whose name holds a newline: the journal keeps the record whole.
+        print({journal_line(xid_line("0000:3b:00", 31, pid=7, process=chr(10) + "NVRM:Xid:79"))!r}, flush=True)
+        print("not json", flush=True)
+        line = {journal_line(xid_line("0000:3b:00", 43), raw_message=True)!r}
+        sys.stdout.write(line[:20]); sys.stdout.flush()
         time.sleep(0.1)
-        print({xid_line("0000:3b:00", 31)[20:]!r}, flush=True)
+        print(line[20:], flush=True)
         time.sleep(30)
         """,
     )
@@ -344,11 +356,13 @@ def test_journal_command_is_followed_when_kmsg_is_missing(paths: HostPaths, tmp_
     source = KmsgSource(paths, delivered.append, start_monotonic_seconds=None, journal_command=argv)
     source.start()
     try:
-        wait_until(lambda: [x.xid for x in delivered] == [13, 31], WAIT_SECONDS, "Xids 13 and 31 delivered")
+        wait_until(lambda: [x.xid for x in delivered] == [13, 31, 43], WAIT_SECONDS, "Xids 13, 31, 43 delivered")
         ok, detail = source.status()
         assert ok
         assert "following" in detail and "journal.py" in detail and "No such file" in detail
         assert (delivered[0].pid, delivered[0].process) == (12, "sglang")
+        assert delivered[0].timestamp_seconds == 1.5
+        assert delivered[1].pid == 7
         pid = int(pid_file.read_text())
     finally:
         started = time.monotonic()
@@ -501,3 +515,32 @@ def test_xid_line_defaults() -> None:
     assert unknown is not None and (unknown.xid, unknown.text) == (997, "Something new")
     with pytest.raises(ValueError, match="not a PCI bus id"):
         xid_line("GPU-1234", 13)
+
+
+# -- records are split only where the kernel splits them ------------------------------------------------
+
+
+def test_a_newline_in_a_process_name_cannot_forge_a_kernel_record(
+    paths: HostPaths, start: Callable[..., Reader]
+) -> None:
+    reader = start()
+    # The kernel escapes the newline of a 12-byte process name as \x0a inside the driver's Xid 13 record.
+    append_kmsg(paths, xid_line("0000:3b:00", 13, pid=4242, process="\nNVRM:Xid:79"))
+    append_kmsg(paths, xid_line("0000:3b:00", 31, pid=4243, process="\nNVRM:Xid:43,"))
+    reader.wait_codes([13, 31])
+    assert reader.quiet() == [13, 31]
+    assert [(x.pid, x.pci_bus_id) for x in reader.xids] == [(4242, "00000000:3B:00.0"), (4243, "00000000:3B:00.0")]
+
+
+def test_a_process_name_at_the_start_of_a_kernel_record_is_not_a_driver_report(
+    paths: HostPaths, start: Callable[..., Reader]
+) -> None:
+    reader = start()
+    # The kernel's segfault report starts with the process name (at most 15 bytes).
+    append_kmsg(paths, "NVRM:Xid:79 [4242]: segfault at 0 ip 0000000000401000 sp 00007ffd00000000 error 4", level=6)
+    append_kmsg(
+        paths, 'EXT4-fs (loop0): Unrecognized mount option "NVRM: Xid (PCI:0000:3b:00): 43, x" or missing value'
+    )
+    append_kmsg(paths, xid_line("0000:3b:00", 31))
+    reader.wait_codes([31])
+    assert reader.quiet() == [31]

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from helpers import FakeClock
+from snapshots import h200_snapshot
 
 from agent.backend.base import GpuEvent, GpuEventKind, RecoveryAction
 from agent.backend.errors import GpuErrorKind
@@ -20,7 +21,11 @@ from agent.collect import sample_gpu, sample_identified
 from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
 from agent.host.paths import HostPaths
 from agent.policy.names import GPU_RESET_ITEM
+from agent.rules.config import Rule
+from agent.rules.engine import evaluate
+from agent.rules.model import Decision
 from agent.state import GpuSample
+from agent.store.database import Store
 from agent.watch.devices import DeviceWatcher, UdevWakeup, is_nvidia_pci_event
 from agent.watch.gpu_lost import GpuLostWatcher
 from agent.watch.health import ACTION_ORDER, HealthBook, HealthSource, PollWatcher, combine
@@ -88,7 +93,8 @@ def one_event(node: Node, watcher: PollWatcher, kind: EventKind, severity: Sever
 
 
 def test_thermal_slowdown_started_once_ended_with_duration(tmp_path: Path) -> None:
-    node, watcher = Node(tmp_path), ThrottleWatcher()
+    node = Node(tmp_path)
+    watcher = ThrottleWatcher(clock=node.clock.monotonic)
     assert node.observe(watcher) == []  # idle H200: gpu_idle only, a benign reason
     node.sim.set_clock_event_reasons(0, REASON_HW_THERMAL | REASON_HW_SLOWDOWN)
     node.tick(1)
@@ -124,7 +130,8 @@ def test_thermal_slowdown_started_once_ended_with_duration(tmp_path: Path) -> No
 
 
 def test_power_brake_is_critical(tmp_path: Path) -> None:
-    node, watcher = Node(tmp_path), ThrottleWatcher()
+    node = Node(tmp_path)
+    watcher = ThrottleWatcher(clock=node.clock.monotonic)
     node.sim.set_clock_event_reasons(0, REASON_HW_POWER_BRAKE)
     (event,) = node.observe(watcher)  # a condition present at the first look is reported
     assert (event.kind, event.data["reason"], event.severity) == (
@@ -136,7 +143,8 @@ def test_power_brake_is_critical(tmp_path: Path) -> None:
 
 
 def test_power_cap_under_a_power_limit_is_healthy(tmp_path: Path) -> None:
-    node, watcher = Node(tmp_path), ThrottleWatcher()
+    node = Node(tmp_path)
+    watcher = ThrottleWatcher(clock=node.clock.monotonic)
     node.sim.set_power_limit_watts(0, 300)
     node.sim.set_processes(0, [4242])  # 655 W of demand against a 300 W limit: the limiter engages
     (event,) = node.observe(watcher)
@@ -148,7 +156,8 @@ def test_power_cap_under_a_power_limit_is_healthy(tmp_path: Path) -> None:
 
 
 def test_clock_event_seconds_integrates_benign_reasons(tmp_path: Path) -> None:
-    node, watcher = Node(tmp_path), ThrottleWatcher()
+    node = Node(tmp_path)
+    watcher = ThrottleWatcher(clock=node.clock.monotonic)
     node.observe(watcher)
     node.tick(10)
     node.observe(watcher, slow=False)
@@ -169,7 +178,8 @@ def test_clock_event_seconds_integrates_benign_reasons(tmp_path: Path) -> None:
 
 
 def test_clock_event_seconds_follows_the_power_violation_counter(tmp_path: Path) -> None:
-    node, watcher = Node(tmp_path), ThrottleWatcher()
+    node = Node(tmp_path)
+    watcher = ThrottleWatcher(clock=node.clock.monotonic)
     node.sim.set_power_limit_watts(0, 300)
     node.sim.set_processes(0, [4242])
 
@@ -202,7 +212,8 @@ def test_clock_event_seconds_follows_the_power_violation_counter(tmp_path: Path)
 
 
 def test_temperature_margin_once_with_hysteresis(tmp_path: Path) -> None:
-    node, watcher = Node(tmp_path), ThrottleWatcher(slowdown_margin_celsius=5)
+    node = Node(tmp_path)
+    watcher = ThrottleWatcher(slowdown_margin_celsius=5, clock=node.clock.monotonic)
     node.observe(watcher)  # slow loop: learns the H200 slowdown threshold (89 C)
     observed: list[list[EventKind]] = []
     for celsius in (83, 84, 85, 86, 83, 82, 81, 84):
@@ -221,13 +232,54 @@ def test_temperature_margin_once_with_hysteresis(tmp_path: Path) -> None:
 
 
 def test_temperature_margin_event_content(tmp_path: Path) -> None:
-    node, watcher = Node(tmp_path), ThrottleWatcher(slowdown_margin_celsius=5)
+    node = Node(tmp_path)
+    watcher = ThrottleWatcher(slowdown_margin_celsius=5, clock=node.clock.monotonic)
     node.sim.set_temperature(0, 86)
     (event,) = node.observe(watcher)
     assert_well_formed(event, node, 0)
     assert event.severity is Severity.WARNING
     assert event.data == {"temperature_celsius": 86, "slowdown_temperature_celsius": 89, "margin_celsius": 3}
     assert "within 3 C" in event.message
+
+
+@pytest.mark.parametrize("step_seconds", [3600.0, -3600.0])
+def test_a_wall_clock_step_is_not_time_a_slowdown_was_held(tmp_path: Path, step_seconds: float) -> None:
+    """A "held 60 s" rule fires after 60 s of the boot clock, whatever NTP does to the wall clock."""
+    node = Node(tmp_path)
+    watcher = ThrottleWatcher(clock=node.clock.monotonic)
+    rule = Rule.model_validate(
+        {
+            "name": "hot",
+            "match": {"throttle": {"reasons": ["hw_thermal_slowdown"], "held_seconds": 60}},
+            "actions": ["alertmanager"],
+        }
+    )
+    node.sim.set_clock_event_reasons(0, REASON_HW_THERMAL)
+
+    def decisions() -> list[Decision]:
+        snap = h200_snapshot(
+            node.now, 1, throttle_active_since=watcher.active_since(), throttle_held_seconds=watcher.held_seconds()
+        )
+        with Store.open(tmp_path / "state", now_seconds=node.now) as store:
+            return evaluate(snap, [], [rule], store, node.now, {})
+
+    node.tick(1)
+    node.observe(watcher)
+    node.tick(1.2)
+    node.clock.step_wall(step_seconds)  # NTP or an operator steps the wall clock an hour
+    node.observe(watcher)
+    assert watcher.held_seconds() == {(0, "hw_thermal_slowdown"): pytest.approx(1.2)}
+    # nor time counted in gpu_agent_gpu_clock_event_seconds_total
+    assert watcher.clock_event_seconds()[(0, "hw_thermal_slowdown")] == pytest.approx(1.2)
+    assert decisions() == []
+    node.tick(58.8)
+    node.observe(watcher)
+    (decision,) = decisions()
+    assert decision.event.data["held_seconds"] == pytest.approx(60.0)
+    node.sim.set_clock_event_reasons(0, None)
+    node.tick(5)
+    (ended,) = node.observe(watcher)
+    assert ended.data["duration_seconds"] == pytest.approx(65.0)
 
 
 def test_no_threshold_and_no_reasons_mean_no_events(tmp_path: Path) -> None:
@@ -699,7 +751,7 @@ class _FixedSource:
 def test_health_book_across_watchers_and_other_sources(tmp_path: Path) -> None:
     node = Node(tmp_path, "h200x2")
     throttle, memory, lost, pcie, devices = (
-        ThrottleWatcher(),
+        ThrottleWatcher(clock=node.clock.monotonic),
         MemoryWatcher(),
         GpuLostWatcher(),
         PcieWatcher(),
@@ -707,7 +759,7 @@ def test_health_book_across_watchers_and_other_sources(tmp_path: Path) -> None:
     )
     watchers: list[PollWatcher] = [throttle, memory, lost, pcie, devices]
     identities = {gpu: node.sim.identity(gpu) for gpu in range(2)}  # cached, as the daemon keeps them
-    xid = XidWatcher(lambda: identities, clock=lambda: node.now)
+    xid = XidWatcher(lambda: identities, clock=lambda: node.now, window_clock=node.clock.monotonic)
     book = HealthBook([*watchers, xid])
     service = _FixedSource(Health(HealthState.DEGRADED, "service slow", SuggestedAction.RESTART_SERVICE))
     book.add(service)

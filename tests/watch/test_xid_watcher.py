@@ -24,7 +24,7 @@ from agent.watch.fake_kernel_log import append_kmsg, xid_line
 from agent.watch.kernel_log import KernelXid, parse_line
 from agent.watch.kmsg import KmsgSource
 from agent.watch.nvml_events import NvmlEventSource
-from agent.watch.xid import XidWatcher, recovery_suggested_action
+from agent.watch.xid import XidMark, XidWatcher, recovery_suggested_action
 
 WAIT_SECONDS = 1.5
 
@@ -76,7 +76,7 @@ def pipeline(tmp_path: Path) -> Iterator[Pipeline]:
     paths = HostPaths.at(tmp_path / "host")
     (tmp_path / "host" / "dev").mkdir(parents=True)
     clock = FakeClock()
-    watcher = XidWatcher(lambda: identities, clock=clock)
+    watcher = XidWatcher(lambda: identities, clock=clock, window_clock=clock.monotonic)
     result = Pipeline(backend, paths, watcher, clock, identities)
     nvml = NvmlEventSource(backend, result.on_nvml, result.lost.append, timeout_seconds=0.2, backoff_seconds=0.05)
     kmsg = KmsgSource(paths, result.on_kernel, start_monotonic_seconds=None)
@@ -205,7 +205,7 @@ IDENTITIES = {
 
 def make_watcher(clock: FakeClock | None = None, **kwargs: float) -> tuple[XidWatcher, FakeClock]:
     clock = clock or FakeClock()
-    return XidWatcher(lambda: IDENTITIES, clock=clock, **kwargs), clock
+    return XidWatcher(lambda: IDENTITIES, clock=clock, window_clock=clock.monotonic, **kwargs), clock
 
 
 def kernel(line: str) -> KernelXid:
@@ -252,6 +252,9 @@ def test_repeats_from_one_source_within_the_window_are_one_event() -> None:
     clock.advance(4)
     assert watcher.ingest_nvml(nvml(0, 31)) == []
     clock.advance(6)  # 10 s after the first sighting: still inside the window
+    # The same fault; its kernel-log line names the process NVML could not: told once, counted once.
+    (attributed,) = watcher.ingest_kernel(kernel("NVRM: Xid (PCI:0000:18:00): 31, pid=9, name=a, MMU Fault"))
+    assert (attributed.data["pid"], attributed.data["process"], attributed.data["process_service"]) == (9, "a", None)
     assert watcher.ingest_kernel(kernel("NVRM: Xid (PCI:0000:18:00): 31, pid=9, name=a, MMU Fault")) == []
     clock.advance(0.5)
     assert len(watcher.ingest_nvml(nvml(0, 31))) == 1
@@ -449,6 +452,25 @@ def test_default_health_window_is_an_hour() -> None:
     assert gpu0_health_after(watcher, clock, 3599, 2) == [HealthState.UNHEALTHY, HealthState.HEALTHY]
 
 
+@pytest.mark.parametrize("step_seconds", [7200.0, -7200.0])
+def test_a_wall_clock_step_neither_clears_a_fresh_verdict_nor_splits_a_fault(step_seconds: float) -> None:
+    watcher, clock = make_watcher()
+    watcher.ingest_nvml(nvml(0, 48))
+    clock.advance(1)
+    clock.step_wall(step_seconds)  # NTP or an operator moves the wall clock two hours
+    assert watcher.health(0).state is HealthState.UNHEALTHY
+    assert watcher.ingest_nvml(nvml(0, 48)) == []  # the same fault, inside the dedupe window
+    # The mark was renewed by that sighting: it holds an hour of the boot clock from there.
+    assert gpu0_health_after(watcher, clock, 3599, 2) == [HealthState.UNHEALTHY, HealthState.HEALTHY]
+
+
+def test_a_mark_stored_on_another_clock_expires() -> None:
+    """A mark an older agent saved as wall-clock time lies in the boot clock's future: not held for good."""
+    watcher, _ = make_watcher()
+    watcher.restore([], [XidMark(0, 48, "reset_gpu", "Xid 48: DBE", 1_800_000_000.0)])
+    assert watcher.health(0).state is HealthState.HEALTHY
+
+
 def test_clear_forgets_health_and_open_faults_but_not_counts() -> None:
     watcher, clock = make_watcher()
     watcher.ingest_nvml(nvml(0, 48))
@@ -571,3 +593,45 @@ def test_nvml_source_stop_is_prompt(tmp_path: Path) -> None:
     source.stop()
     assert time.monotonic() - started < 0.7
     assert not any(t.name == "xid-nvml" and t.is_alive() for t in threading.enumerate())
+
+
+def test_the_kernel_log_names_whose_process_faulted() -> None:
+    owners = {4242: "sglang"}
+    clock = FakeClock()
+    watcher = XidWatcher(lambda: IDENTITIES, clock=clock, window_clock=clock.monotonic, process_owner=owners.get)
+    (mine,) = watcher.ingest_kernel(
+        kernel("NVRM: Xid (PCI:0000:18:00): 13, pid=4242, name=python3, Graphics Exception")
+    )
+    assert (mine.data["pid"], mine.data["process_service"]) == (4242, "sglang")
+    assert "(pid 4242 python3, service sglang)" in mine.message
+    (theirs,) = watcher.ingest_kernel(kernel("NVRM: Xid (PCI:0000:3b:00): 13, pid=5151, name=x, Graphics Exception"))
+    assert theirs.data["process_service"] is None and "(pid 5151 x, no configured service)" in theirs.message
+
+
+def test_an_app_xid_nvml_saw_first_is_told_again_with_its_process() -> None:
+    clock = FakeClock()
+    watcher = XidWatcher(lambda: IDENTITIES, clock=clock, window_clock=clock.monotonic, process_owner=lambda pid: None)
+    (first,) = watcher.ingest_nvml(nvml(0, 13))
+    assert first.data["pid"] is None
+    clock.advance(0.01)
+    (attributed,) = watcher.ingest_kernel(kernel("NVRM: Xid (PCI:0000:18:00): 13, pid=5151, name=x, Graphics"))
+    assert attributed.key != first.key and attributed.data["pid"] == 5151
+    assert attributed.data["sources"] == ["nvml", "kmsg"]
+    (count,) = watcher.counts()
+    assert count.count == 1  # one fault
+    # A reset-class Xid is not the process's: told once, whatever the kernel log adds.
+    watcher.ingest_nvml(nvml(1, 48))
+    assert watcher.ingest_kernel(kernel("NVRM: Xid (PCI:0000:3b:00): 48, pid=5151, name=x, DBE")) == []
+
+
+def test_two_processes_app_xids_are_two_faults() -> None:
+    """Another process's Xid 13 a second earlier must not swallow the service's own."""
+    watcher, clock = make_watcher()
+    (theirs,) = watcher.ingest_kernel(kernel("NVRM: Xid (PCI:0000:18:00): 13, pid=5151, name=x, Graphics"))
+    clock.advance(1)
+    assert watcher.ingest_nvml(nvml(0, 13)) == []  # NVML names no process: the open fault
+    (mine,) = watcher.ingest_kernel(kernel("NVRM: Xid (PCI:0000:18:00): 13, pid=4242, name=python3, Graphics"))
+    assert (theirs.data["pid"], mine.data["pid"]) == (5151, 4242)
+    assert watcher.ingest_kernel(kernel("NVRM: Xid (PCI:0000:18:00): 13, pid=4242, name=python3, Graphics")) == []
+    (count,) = watcher.counts()
+    assert count.count == 2

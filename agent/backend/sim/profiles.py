@@ -15,7 +15,6 @@ import errno
 import functools
 import json
 import os
-import re
 import stat
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,6 +35,7 @@ from pydantic import (
 )
 
 from agent.backend.base import ClockDomain, TemperatureThreshold
+from agent.host import safe_json
 from agent.trust import read_at_most
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
@@ -56,7 +56,6 @@ HGX_PCI_BUS_IDS = (
 #: The limits of agent.safe_yaml, for the same reason: built-in profiles are a few KB, 7 levels deep.
 MAX_PROFILE_BYTES = 1024 * 1024
 MAX_PROFILE_DEPTH = 64
-_JSON_SPECIAL = re.compile(r'[\[\]{}"\\]')
 
 Count = Annotated[StrictInt, Field(ge=0)]
 Positive = Annotated[StrictInt, Field(ge=1)]
@@ -331,36 +330,10 @@ def _read_bounded(path: Path) -> bytes:
         os.close(fd)
 
 
-def _too_deep(text: str) -> bool:
-    """Whether JSON `text` nests more than MAX_PROFILE_DEPTH arrays/objects, brackets inside
-    strings not counted: looked at before json.loads, which recurses once per level."""
-    depth = 0
-    in_string = False
-    escaped_at = -1  # the position a backslash in a string escapes
-    for match in _JSON_SPECIAL.finditer(text):
-        position, char = match.start(), match.group()
-        if position == escaped_at:
-            continue
-        if in_string:
-            if char == "\\":
-                escaped_at = position + 1
-            elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "[{":
-            depth += 1
-            if depth > MAX_PROFILE_DEPTH:
-                return True
-        elif char in "]}":
-            depth -= 1
-    return False
-
-
 def _read_json(path: Path) -> object:
     try:
         text = _read_bounded(path).decode("utf-8")
-        if _too_deep(text):
+        if safe_json.too_deep(text, MAX_PROFILE_DEPTH):
             raise ProfileError(
                 f"cannot read simulated GPU profile {path}: nested more than {MAX_PROFILE_DEPTH} levels deep"
             )

@@ -28,7 +28,10 @@ REBOOT_ALERTNAME = "GpuAgentRebootRecommended"
 def next_boot_problem(host: HostContext) -> str | None:
     """Why the kernel that boots next would not bring the GPUs back (`6.8.0-50-generic — nvidia
     580.159.04 module missing`), or None when it is ready."""
-    verdict = next_boot.readiness(host)
+    try:
+        verdict = next_boot.readiness(host)
+    except next_boot.BootCheckFailed as exc:
+        return f"could not be checked: {exc}"
     return None if verdict.ready else verdict.summary()
 
 

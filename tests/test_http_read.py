@@ -1,0 +1,112 @@
+"""Every HTTP read from a server has one total deadline covering connect, headers and body, and a
+size bound (agent/host/http_read.py): the scrape, the health probe, the generate probe and the
+webhook POST, each against real misbehaving server processes (tests/slow_endpoint.py). A server
+that trickles its response headers one byte at a time keeps every socket read short of its
+timeout; before, the scrape and the probes waited for it as long as it dripped."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from slow_endpoint import SlowEndpoint
+
+from agent.config import ServiceConfig
+from agent.host import http_read
+from agent.rules.actions.base import ActionError
+from agent.rules.actions.http_client import post_json
+from agent.services.generate_probe import generate_probe
+from agent.services.health import HealthProber, http_probe
+from agent.services.scrape import ScrapeError, fetch_text
+
+DEADLINE_SECONDS = 1.0
+MARGIN_SECONDS = 0.8
+
+
+def _scrape(url: str) -> str:
+    try:
+        fetch_text(url + "/metrics", DEADLINE_SECONDS)
+    except ScrapeError as exc:
+        return str(exc)
+    return "answered"
+
+
+def _health(url: str) -> str:
+    return http_probe(url + "/health", DEADLINE_SECONDS)[1]
+
+
+def _generate_sglang(url: str) -> str:
+    return generate_probe(url, "sglang", DEADLINE_SECONDS)[1]
+
+
+def _generate_vllm(url: str) -> str:
+    return generate_probe(url, "vllm", DEADLINE_SECONDS)[1]
+
+
+def _webhook(url: str) -> str:
+    try:
+        post_json(url + "/hook", {"a": 1}, DEADLINE_SECONDS)
+    except ActionError as exc:
+        return str(exc)
+    return "answered"
+
+
+READERS: dict[str, Callable[[str], str]] = {
+    "scrape": _scrape,
+    "health probe": _health,
+    "generate probe (sglang)": _generate_sglang,
+    "generate probe (vllm)": _generate_vllm,
+    "webhook": _webhook,
+}
+
+
+@pytest.mark.parametrize("mode", ["drip", "silent"])
+@pytest.mark.parametrize("reader", READERS)
+def test_every_read_from_a_server_ends_at_its_total_deadline(reader: str, mode: str) -> None:
+    with SlowEndpoint(mode, "--interval", "0.2") as server:
+        answers: list[str] = []
+        started = time.monotonic()
+        # On a thread of its own, so that a reader without a total deadline fails this test
+        # instead of hanging it.
+        worker = threading.Thread(target=lambda: answers.append(READERS[reader](server.url())), daemon=True)
+        worker.start()
+        worker.join(DEADLINE_SECONDS + MARGIN_SECONDS + 2.0)
+        took = time.monotonic() - started
+        assert answers, f"no answer after {took:.1f} s"
+        assert "timed out" in answers[0], answers[0]
+        assert DEADLINE_SECONDS - 0.05 <= took < DEADLINE_SECONDS + MARGIN_SECONDS, took
+        assert server.wait_for("gone 1", timeout_seconds=5)  # the reader hung up, not left dripping
+
+
+def test_an_answer_larger_than_the_bound_is_an_error_and_a_truncated_read_stops_there(tmp_path: Path) -> None:
+    body = tmp_path / "body"
+    body.write_bytes(b"x" * 200_000)
+    with SlowEndpoint("file", "--body", str(body)) as server:
+        with pytest.raises(http_read.HttpReadError, match="more than the 65536 byte limit"):
+            http_read.get(server.url("/"), 2.0, 65536)
+        assert http_read.get(server.url("/"), 2.0, 4096, truncate=True).body == b"x" * 4096
+        assert generate_probe(server.url(), "vllm", 2.0) == (
+            False,
+            "response is 200000 bytes, more than the 65536 byte limit",
+        )
+
+
+def test_a_generate_probe_answered_with_60000_brackets_is_a_counted_failure(tmp_path: Path) -> None:
+    """The reply of 60 000 `[` raised RecursionError in the probe thread: the failure was never
+    counted and the service never declared unhealthy."""
+    body = tmp_path / "body"
+    body.write_bytes(b"[" * 60_000)
+    with SlowEndpoint("file", "--body", str(body)) as server:
+        assert generate_probe(server.url(), "vllm", 2.0) == (False, "/v1/models lists no model")
+        service = ServiceConfig.model_validate(
+            {"name": "llm", "health_url": server.url("/health"), "probe": "generate", "kind": "vllm"}
+        )
+        prober = HealthProber([service])
+        for _ in range(service.unhealthy_after_probes):
+            assert not prober.probe_once("llm").ok
+    (status,) = prober.statuses()
+    assert (status.up, status.consecutive_failures) == (False, service.unhealthy_after_probes)
+    assert [e.kind.value for e in prober.take_events()] == ["service_unhealthy"]
