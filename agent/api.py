@@ -1,8 +1,11 @@
 """The status API: one JSON request line in, one JSON response line out, over a Unix socket.
 
 Requests: {"method": "status"} | {"method": "events", "params": {"since_seconds": S, "limit": N}} |
-{"method": "ping"}. Responses: {"ok": true, "result": ...} or {"ok": false, "error": "..."}.
-The socket is root-only (0600) unless a group is configured (0660, that group).
+{"method": "ping"}; the advisor adds `tune_start`, `tune_status`, `tune_abort` and `tune_passive`
+(agent/tune/runner.py). Responses: {"ok": true, "result": ...} or {"ok": false, "error": "..."}.
+The socket is root-only (0600) unless a group is configured (0660, that group). Methods that
+change the node (`privileged`: starting or aborting a tune sweep) answer only a peer running as
+root or as the agent's own user (SO_PEERCRED), so a group given read access cannot set power limits.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import json
 import os
 import socket
 import socketserver
+import struct
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -30,8 +34,11 @@ class ApiError(Exception):
     """A request the API understood but refuses; its message goes back to the client."""
 
 
-def handle_request(line: bytes, handlers: Mapping[str, Handler]) -> dict[str, Any]:
-    """Parse and dispatch one request line; never raises (every failure is an error response)."""
+def handle_request(
+    line: bytes, handlers: Mapping[str, Handler], may_call: Callable[[str], bool] | None = None
+) -> dict[str, Any]:
+    """Parse and dispatch one request line; never raises (every failure is an error response).
+    `may_call(method)` False: the peer may not call that method."""
     try:
         request = safe_json.loads(line)
     except safe_json.JsonError as exc:  # 64 KB of `[` too: the line's size bounds the rest
@@ -44,6 +51,8 @@ def handle_request(line: bytes, handlers: Mapping[str, Handler]) -> dict[str, An
         return {"ok": False, "error": f"unknown method {method!r}; one of: {', '.join(sorted(handlers))}"}
     if not isinstance(params, dict):
         return {"ok": False, "error": "params must be a JSON object"}
+    if may_call is not None and not may_call(method):
+        return {"ok": False, "error": f"{method} changes the node: only root or the agent's own user may call it"}
     try:
         return {"ok": True, "result": handlers[method](params)}
     except ApiError as exc:
@@ -102,6 +111,7 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     # script on every node, a fleet-wide ssh loop) into EAGAIN on connect.
     request_queue_size = 128
     handlers: Mapping[str, Handler]
+    privileged: frozenset[str] = frozenset()
 
 
 class _RequestHandler(socketserver.StreamRequestHandler):
@@ -116,9 +126,22 @@ class _RequestHandler(socketserver.StreamRequestHandler):
         if len(line) > MAX_REQUEST_BYTES:
             response: dict[str, Any] = {"ok": False, "error": "request too large"}
         else:
-            response = handle_request(line, self.server.handlers)
+            uid = _peer_uid(self.connection)
+            trusted = uid is not None and uid in (0, os.geteuid())
+            privileged = self.server.privileged
+            response = handle_request(line, self.server.handlers, lambda method: trusted or method not in privileged)
         with contextlib.suppress(OSError):
             self.wfile.write(json.dumps(response, default=str).encode() + b"\n")
+
+
+def _peer_uid(connection: socket.socket) -> int | None:
+    """The connecting process's user (SO_PEERCRED: pid, uid, gid); None when it cannot be read."""
+    try:
+        credentials = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return None
+    _pid, uid, _gid = struct.unpack("3i", credentials)
+    return int(uid)
 
 
 class ApiServer:
@@ -129,7 +152,13 @@ class ApiServer:
     `path`, and an old server on the same path keeps answering until the new socket replaces it
     (a reload)."""
 
-    def __init__(self, path: str | Path, handlers: Mapping[str, Handler], group: str | None = None) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        handlers: Mapping[str, Handler],
+        group: str | None = None,
+        privileged: frozenset[str] = frozenset(),
+    ) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         import tempfile  # the server's alone: `gpu-agent status` imports this module for `call`
@@ -157,6 +186,7 @@ class ApiServer:
             staging.rmdir()
         self._inode = (bound.st_dev, bound.st_ino)
         self._server.handlers = handlers
+        self._server.privileged = privileged
         self._serving = ServingThread(self._server, "api")
 
     def start(self) -> None:

@@ -819,6 +819,8 @@ def build_parser(*, fault_parsers: bool = True) -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_xid_parse)
 
+    from agent.tune.cli import add_parsers as add_tune_parsers
+
     if fault_parsers:
         from agent.demo.inject import add_parsers
 
@@ -826,6 +828,7 @@ def build_parser(*, fault_parsers: bool = True) -> argparse.ArgumentParser:
     else:
         sub.add_parser("inject", help=INJECT_HELP)
     sub.choices["inject"].set_defaults(func=cmd_inject)
+    add_tune_parsers(sub, common, _socket_path)
     p = sub.add_parser(
         "demo", help="the daemon on a simulated node with a fault scenario (changes nothing on this machine)"
     )

@@ -170,6 +170,24 @@ class _Screen:
         self.lines.extend(lines)
 
 
+def _tune_line(tune: dict[str, Any], now: float) -> str:
+    """The last `gpu-agent tune`, in one line."""
+    unit = "W" if tune.get("kind") == "power" else "MHz"
+    when = ago(tune["finished_seconds"] or tune["started_seconds"], now)
+    line = f"last tune: {tune['kind']} sweep {tune['id']} of {tune['service']} ({when}): {tune['state']}"
+    if tune.get("recommended") is not None:
+        changes = [
+            f"{change * 100:+.1f} % {what}"
+            for change, what in (
+                (tune.get("tokens_per_joule_change_ratio"), "tokens/J"),
+                (tune.get("tokens_per_second_change_ratio"), "tokens/s"),
+            )
+            if change is not None
+        ]
+        line += f", recommends {tune['recommended']:g} {unit}" + (f" ({', '.join(changes)})" if changes else "")
+    return line + " (gpu-agent tune --last)"
+
+
 def status_text(
     document: dict[str, Any], *, now: float | None = None, width: int | None = None, colour: bool = False
 ) -> str:
@@ -218,6 +236,9 @@ def status_text(
     if recent_remediations:
         screen.add("", "remediations:")
         screen.add(*(f"  {ago(r['started_seconds'], now):>8}  {_remediation(r)}" for r in recent_remediations[-5:]))
+    last_tune = document.get("last_tune")
+    if last_tune:
+        screen.add("", _tune_line(last_tune, now))
     recent = document["recent_events"][-5:]
     if recent:
         screen.add("", "recent events:")

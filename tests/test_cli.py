@@ -307,7 +307,7 @@ def demo_run(directory: Path, path: str | None = None) -> subprocess.CompletedPr
 
 
 def assert_scenario_played(out: str) -> None:
-    steps = [out.index(f"== {n}.") for n in range(1, 6)]
+    steps = [out.index(f"== {n}.") for n in range(1, 7)]
     assert steps == sorted(steps) and steps[-1] < out.index("scenario done")
     assert "power_limit drifted (650 W, want 600 W) and was corrected" in out
     # The health line lists every thermal reason the GPU reports at that moment (sw alone, or with hw).
@@ -315,6 +315,8 @@ def assert_scenario_played(out: str) -> None:
     assert "sw_thermal_slowdown" in health and "check_mechanicals" in health, health
     assert "likely cause: GPU 2 thermal slowdown" in out
     assert "rule xid-restart-service restarted sglang" in out
+    assert "600 W (current)" in out and "450 W" in out and "\n   recommended: " in out
+    assert "power_limit_watts: " in out and "restored: GPU 0 power limit 600 W" in out
 
 
 @pytest.mark.skipif(

@@ -13,7 +13,8 @@ The parts, one job each, wired by the thin `Daemon` (core.py):
 
 Threads: one lane per GPU for time-bounded NVML reads (agent.daemon.bounded), the NVML event wait and
 the kernel-log reader feeding the Xid watcher, the service prober, the metrics and API servers,
-the action worker (a GPU reset can take a minute; the loop must not wait for it) and the
+the action worker (a GPU reset can take a minute; the loop must not wait for it; it also runs
+`gpu-agent tune` sweeps, agent/tune) and the
 watchdog pinger. Only the loop builds snapshots; everyone else reads the last published one.
 
 systemd: READY=1 after the first full collection; STATUS= one line per loop; WATCHDOG=1 only

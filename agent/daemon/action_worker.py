@@ -1,6 +1,10 @@
 """The action worker: decided actions run one after another in their own thread (a GPU reset can
 take a minute; the loop must not wait for it), journaled in the store from before they start.
 
+Tasks (`submit_task`: a tune sweep, its recovery) run in the same queue, one job at a time: a
+decided action that changes the node (restart, reset, reboot, a hook) arriving while a task runs
+aborts it (`Task.abort`), so a repair never waits for an experiment; an alert or a webhook waits
+for the task to end (a sweep's own power cap raises latency alerts, which must not end it).
 `submit` writes the journal row (outcome "running", counted as an attempt, its event handled) on
 the caller's thread and only then queues the action: an action the agent never recorded never
 runs, and one it recorded counts against the caps even if the agent dies a moment later. The
@@ -19,7 +23,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from queue import SimpleQueue
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -29,11 +33,15 @@ from agent.rules.actions.context import ActionContext
 from agent.rules.actions.dispatch import execute
 from agent.rules.actions.steps import DRAINING, services_left_down, step
 from agent.rules.model import ActionKind, ActionOutcome, Decision, Outcome
+from agent.rules.params import NODE_CHANGING_ACTIONS
 from agent.services.managers import ServiceError, ServiceManager
 from agent.store.attempt_clock import AttemptClock, ClockReading, effective_wall_seconds
 from agent.store.database import JournalEntry, Store, StoreError
 
 log = structlog.get_logger("gpu-agent")
+
+#: Decided actions that abort a running task: those that change the node, and hooks (which may).
+TASK_ABORTING_ACTIONS = NODE_CHANGING_ACTIONS | {ActionKind.RUN_HOOK}
 
 #: How long `stop` waits for a running action: well below systemd's stop timeout (TimeoutStopSec,
 #: 90 s by default) so the journal note is written before systemd would kill the agent.
@@ -49,6 +57,21 @@ class _Job:
 @dataclass(frozen=True)
 class _Recovery:
     entries: list[JournalEntry]
+
+
+class Task(Protocol):
+    """A job that is no rule's action (a tune sweep, its recovery): it journals itself, and gives up
+    where it safely can, putting back what it changed, once `abort` is called."""
+
+    name: str
+
+    def run(self) -> None: ...
+    def abort(self, reason: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class _TaskJob:
+    task: Task
 
 
 class ActionWorker:
@@ -67,9 +90,11 @@ class ActionWorker:
         self.clock = clock
         self.attempt_clock = attempt_clock
         self.managers = managers  # for recovery: the services and their managers, no GPU backend needed
-        self.queue: SimpleQueue[_Job | _Recovery | None] = SimpleQueue()
+        self.queue: SimpleQueue[_Job | _Recovery | _TaskJob | None] = SimpleQueue()
         self.cancel = threading.Event()
         self._current: _Job | None = None
+        self._task: Task | None = None  # the task running now
+        self._queued = 0  # jobs submitted and not finished, the running one included
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
@@ -80,7 +105,29 @@ class ActionWorker:
         if store is None:
             raise StoreError("no event store: an action is never run unrecorded")
         row_id = store.begin_remediation(decision, self.attempt_clock.reading(now))
+        with self._lock:
+            self._queued += 1
+            task = self._task
         self.queue.put(_Job(decision, row_id))
+        if task is not None and decision.action is not None and decision.action.kind in TASK_ABORTING_ACTIONS:
+            task.abort(f"remediation {decision.rule} needs the node")
+
+    def submit_task(self, task: Task) -> None:
+        """Queue a task behind whatever runs now."""
+        with self._lock:
+            self._queued += 1
+        self.queue.put(_TaskJob(task))
+
+    def busy(self) -> str | None:
+        """What the worker is doing or has queued, or None when idle."""
+        with self._lock:
+            if self._current is not None:
+                return f"remediation {self._current.decision.rule} is running"
+            if self._task is not None:
+                return f"{self._task.name} is running"
+            if self._queued:
+                return f"{self._queued} job(s) are queued"
+        return None
 
     def history(self, store: Store, now: float) -> ClockHistory:
         return ClockHistory(store, self.attempt_clock.reading(now))
@@ -99,6 +146,10 @@ class ActionWorker:
         """Ask the running action to give up where it safely can, wait `timeout_seconds` for it, then
         journal where it was: its row stays "running", so the next start rolls it back."""
         self.cancel.set()
+        with self._lock:
+            task = self._task
+        if task is not None:
+            task.abort("the agent is stopping")
         self.queue.put(None)
         if self._thread is None:
             return
@@ -120,10 +171,32 @@ class ActionWorker:
         while (job := self.queue.get()) is not None:
             if isinstance(job, _Recovery):
                 self._recover(job.entries)
+            elif isinstance(job, _TaskJob):
+                self._run_task(job.task)
             elif self.cancel.is_set():
                 self._close(job.row_id, "not started: the agent was stopping", started=False)
+                self._done()
             else:
                 self._run_job(job)
+                self._done()
+
+    def _done(self) -> None:
+        with self._lock:
+            self._queued -= 1
+
+    def _run_task(self, task: Task) -> None:
+        with self._lock:
+            self._task = task
+        if self.cancel.is_set():
+            task.abort("the agent is stopping")
+        try:
+            task.run()
+        except Exception:  # a task's bug must not end the worker: the remediations behind it still run
+            log.exception("task failed", task=task.name)
+        finally:
+            with self._lock:
+                self._task = None
+            self._done()
 
     def _run_job(self, job: _Job) -> None:
         decision = job.decision

@@ -40,6 +40,7 @@ from agent.host.paths import HostPaths
 from agent.policy import known_good
 from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
+from agent.policy.holds import PolicyHolds
 from agent.policy.names import FAN_CURVE
 from agent.policy.registry import RESTORABLE_NAMES
 from agent.rules.actions.alertmanager import AlertTracker
@@ -52,6 +53,7 @@ from agent.snapshot import DaemonParts, NodeWatchers, build_snapshot
 from agent.state import CollectorStatus, GpuSample, NodeSnapshot
 from agent.store.attempt_clock import AttemptClock
 from agent.store.node_memory import NodeMemory, read_boot_id
+from agent.tune.runner import PRIVILEGED_METHODS, TuneRunner
 from agent.watch.devices import UdevWakeup
 from agent.watch.kernel_log import KernelXid
 from agent.watch.kmsg import KmsgSource
@@ -107,7 +109,8 @@ class Daemon:
             boottime,
             lambda pid: service_of_pid(pid, self.config.services, self.host.paths),
         )
-        self.policy = PolicyLoop(config, self.host, self.runner, self.session.note_fault)
+        self.holds = PolicyHolds()  # items a tune sweep drives: the policy loop plans them, never writes them
+        self.policy = PolicyLoop(config, self.host, self.runner, self.session.note_fault, self.holds)
         self.remediator = Remediator(
             config,
             self._action_context,
@@ -127,6 +130,20 @@ class Daemon:
         self.prober = self._new_prober(config)
         self.prober_thread: ProberThread | None = None
         self.inference = self._new_inference(config)
+        self.tune = TuneRunner(
+            lambda: self.config,
+            lambda: self.session.backend,
+            lambda: self.remediator.store,
+            lambda: self.remediator.worker,
+            self.holds,
+            lambda: self.prober.statuses(),
+            lambda: self.inference.figures(),
+            lambda: len(self.collector.identities),
+            clock,
+        )
+        self.publisher.extra_handlers = self.tune.handlers()
+        self.publisher.privileged_methods = PRIVILEGED_METHODS
+        self.publisher.last_tune = self.tune.last
         self.udev = UdevWakeup(self.collector.rescan.set, self.host.paths)
         self.kmsg = KmsgSource(self.host.paths, self._on_kernel_xid, start_monotonic_seconds=time.monotonic())
         self._closers: list[Callable[[], None]] = []
@@ -145,6 +162,8 @@ class Daemon:
         self.intake.note(events)
         snapshot = self._snapshot(now, samples, time.monotonic() - started)
         self._save_memory(now)
+        self.tune.history.observe(self.config, now, samples, snapshot.service_figures)
+        self.tune.history.flush(self.remediator.store)
         self.remediator.remediate(snapshot, events, now)
         snapshot = self.publisher.publish(snapshot)
         self.watchdog.beat()
@@ -241,7 +260,7 @@ class Daemon:
         return ActionContext(
             config=self.config,
             backend=backend,
-            policy=PolicyEngine(self.config, backend, self.host),
+            policy=PolicyEngine(self.config, backend, self.host, self.holds),
             host=self.host,
             managers=build_managers(self.config, self.host),
             prober=self.prober,
@@ -359,6 +378,7 @@ class Daemon:
         self._closers.append(self.kmsg.stop)
         self.remediator.start()
         self._closers.append(self.remediator.stop)
+        self.tune.recover()  # before the first loop: the policy loop never sees a half-done sweep's GPUs unheld
         # Closed in reverse: after the prober stops, before the store closes, the last streaks are kept.
         self._closers.append(lambda: self._save_memory(self.clock()))
         self.prober_thread = ProberThread(self.prober)

@@ -22,6 +22,7 @@ from agent.events import Event
 from agent.policy import fan_curve
 from agent.policy.base import ApplyOutcome, HostContext, ItemPlan, PlanStatus
 from agent.policy.engine import PolicyEngine, match_profile
+from agent.policy.holds import PolicyHolds
 from agent.policy.names import FAN_CURVE, GPU_RESET_ITEM
 from agent.state import CollectorStatus, GpuSample
 
@@ -38,8 +39,10 @@ class PolicyLoop:
         host: HostContext,
         runner: BoundedRunner,
         on_fault: FaultSink,
+        holds: PolicyHolds | None = None,
     ) -> None:
         self.config = config
+        self.holds = holds or PolicyHolds()  # GPUs' items a tune sweep drives: never written meanwhile
         self.host = host
         self.runner = runner
         self.on_fault = on_fault
@@ -82,7 +85,7 @@ class PolicyLoop:
         if not full and not wants_fans:
             return []
         if self.engine is None or self.engine.backend is not backend:
-            self.engine = PolicyEngine(self.config, backend, self.host)
+            self.engine = PolicyEngine(self.config, backend, self.host, self.holds)
             self.pending = None
         try:
             if self.pending is None:  # a step dropped with its backend may still hold the lane: StaleGpu

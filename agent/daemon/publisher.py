@@ -39,6 +39,9 @@ class Publisher:
         self.pending_restart: tuple[str, ...] = ()
         self.metrics: MetricsServer | None = None
         self.api: ApiServer | None = None
+        self.extra_handlers: dict[str, Callable[[Any], Any]] = {}  # API methods of other parts (tune)
+        self.privileged_methods: frozenset[str] = frozenset()  # of those, the ones that change the node
+        self.last_tune: Callable[[], dict[str, Any] | None] = lambda: None  # `status` shows it
         self._snapshot: NodeSnapshot | None = None
         self._lock = threading.Lock()
 
@@ -78,7 +81,9 @@ class Publisher:
         from agent.metrics.server import serve_metrics
 
         self.metrics = serve_metrics(config.metrics.listen, self.get, stale_after_seconds=stale_after_seconds)
-        self.api = ApiServer(config.api.socket, self.api_handlers(), group=config.api.group)
+        self.api = ApiServer(
+            config.api.socket, self.api_handlers(), group=config.api.group, privileged=self.privileged_methods
+        )
         self.api.start()
         return [self.close]
 
@@ -99,7 +104,9 @@ class Publisher:
                 metrics = serve_metrics(new.metrics.listen, self.get, stale_after_seconds=stale_after_seconds)
             if (new.api.socket, new.api.group) != (old.api.socket, old.api.group):
                 binding = f"api.socket {new.api.socket}"
-                api = ApiServer(new.api.socket, self.api_handlers(), group=new.api.group)
+                api = ApiServer(
+                    new.api.socket, self.api_handlers(), group=new.api.group, privileged=self.privileged_methods
+                )
                 api.start()
         except (OSError, KeyError) as exc:
             if metrics is not None:
@@ -130,9 +137,17 @@ class Publisher:
             snapshot = self.get()
             if snapshot is None:
                 return {"starting": True}
-            return snapshot_document(snapshot, source="daemon")
+            document = snapshot_document(snapshot, source="daemon")
+            last_tune = self.last_tune()
+            if last_tune is not None:
+                document["last_tune"] = last_tune
+            return document
 
-        return {"status": status, "ping": lambda _p: {"pid": threading.get_native_id(), "version": __version__}}
+        return {
+            **self.extra_handlers,
+            "status": status,
+            "ping": lambda _p: {"pid": threading.get_native_id(), "version": __version__},
+        }
 
 
 #: Verdict lines STATUS= carries as they are; the GPU ones it counts.

@@ -8,7 +8,8 @@ that directory is read or changed. The scenario: the policy is enforced at start
 drifts behind the agent's back and is put back; GPU 4 overheats and throttles; GPU 2, one of the
 inference service's, overheats and the service's own p95 latency misses its SLO, which the agent
 blames on GPU 2's thermal slowdown; an app-level Xid on GPU 1 gets the inference service restarted
-by the default rule.
+by the default rule; and a short `gpu-agent tune power` sweep of GPU 0 measures what a lower power
+limit costs the service, and puts the limit back.
 """
 
 from __future__ import annotations
@@ -363,6 +364,16 @@ def _play(demo: Demo) -> None:
     say("   rule xid-restart-service restarted sglang (stop, start, health check): success")
     counted = [f"Xid {x['xid']} x{x['count']}" for x in demo.status()["xids"] if x["gpu"] == 1]
     say(f"   GPU 1 Xids counted: {', '.join(counted) or 'none'}")
+
+    say("\n== 6. is GPU 0's 600 W limit worth its power? a short sweep, measured on sglang's own numbers")
+    demo.wait("sglang serving again", lambda s: all(v["up"] for v in s["services"]), 60)
+    sweep = demo.cli(
+        *("tune", "power", "--service", "sglang", "--gpus", "0"),
+        *("--from", "600", "--to", "450", "--step", "150", "--dwell", "3"),
+        ok_codes=(0, 2),
+    )
+    say("\n".join("   " + line for line in sweep.splitlines()))
+    say("   (the sweep held the policy loop off GPU 0's limit and put 600 W back; status shows the last tune)")
 
     port = config.read_text().split('listen: "127.0.0.1:', 1)[1].split('"', 1)[0]
     wrapper = Path(__file__).resolve().parents[2] / "scripts" / "gpu-agent"

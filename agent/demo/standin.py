@@ -34,7 +34,11 @@ rank of each (every scheduler exporting, as `--enable-metrics-for-all-schedulers
 `gpu_cache_usage_perc`): histograms with the servers' own bucket boundaries, counters, gauges and
 the process families a Python server carries. Traffic is simulated at `--request-rate` requests
 per second with at most `--max-running` in flight (the rest wait in a queue, as a saturated server
-does). Latency follows the simulated GPUs it runs on (`--sim-state-dir`): a GPU whose clock drops
+does), or, with `--concurrency N`, by N clients in a closed loop, each sending its next request when
+the last one finished (a benchmark's load, as `sglang.bench_serving --max-concurrency` drives it):
+then the request rate, and the tokens per second with it, follow the GPUs' speed. The counters are
+brought up to the moment of each `/metrics` request, so two scrapes difference exactly.
+Latency follows the simulated GPUs it runs on (`--sim-state-dir`): a GPU whose clock drops
 (a thermal slowdown halves it, a power cap trims it) makes every token slower by the same ratio,
 the slowest of its GPUs setting the pace as in tensor parallelism.
 
@@ -180,6 +184,7 @@ class Traffic:
         max_running: int,
         legacy_names: bool = False,
         dp_ranks: int = 1,
+        concurrency: int | None = None,
         drain_seconds: float = 5.0,
         tp_ranks: int = 1,
     ) -> None:
@@ -190,6 +195,8 @@ class Traffic:
         self.drain_from: float | None = None  # requests running when a drain began
         self.dp_ranks = dp_ranks  # sglang's scheduler families come once per data-parallel rank
         self.request_rate = request_rate
+        self.concurrency = concurrency  # closed loop: this many clients, each waiting for its answer
+        self.last_tick_monotonic: float | None = None
         self.max_running = max_running
         self.legacy_names = legacy_names
         self.random = random.Random(13)  # noqa: S311  # nosec B311 (simulated latencies, not security)
@@ -222,6 +229,23 @@ class Traffic:
     def healthy_e2e_seconds() -> float:
         return BASE_TTFT_SECONDS + BASE_ITL_SECONDS * (OUTPUT_TOKENS - 1)
 
+    def advance_to(self, now_monotonic: float, slowdown: float, draining: bool = False) -> None:
+        """Let the traffic run up to `now_monotonic` at the pace `slowdown` sets."""
+        with self.lock:
+            last = self.last_tick_monotonic
+            self.last_tick_monotonic = now_monotonic
+        if last is not None and now_monotonic > last:
+            self.tick(now_monotonic - last, slowdown, draining)
+
+    def _arrivals(self, seconds: float, service_seconds: float) -> float:
+        """Requests arriving in `seconds`: the fixed rate, or in a closed loop one per client whose
+        request was served (the clients beyond `max_running` stay waiting)."""
+        if self.concurrency is None:
+            return self.request_rate * seconds
+        in_service = min(self.concurrency, self.max_running)
+        self.waiting = max(0.0, float(self.concurrency - self.max_running))
+        return in_service / service_seconds * seconds
+
     def tick(self, seconds: float, slowdown: float, draining: bool = False) -> None:
         with self.lock:
             self.slowdown = slowdown
@@ -232,13 +256,15 @@ class Traffic:
             elif not draining:
                 self.drain_from = None
             # Draining, the load balancer sends nothing new: what runs finishes within drain_seconds.
-            self.waiting += 0.0 if draining else self.request_rate * seconds
+            arriving = 0.0 if draining else self._arrivals(seconds, service_seconds)
+            self.waiting += arriving
             serve = min(self.waiting, capacity_per_second * seconds)
             self.waiting -= serve
             if self.drain_from is not None:
                 self.running = max(0.0, self.running - self.drain_from * seconds / self.drain_seconds)
             else:
-                self.running = min(float(self.max_running), self.request_rate * service_seconds)
+                in_flight = arriving / seconds * service_seconds if seconds > 0 else 0.0
+                self.running = min(float(self.max_running), in_flight)
             queue_delay = self.waiting / capacity_per_second
             self.served_fraction += serve
             served = int(self.served_fraction)
@@ -422,15 +448,17 @@ def run_traffic(
     draining: Callable[[], bool] = lambda: False,
 ) -> None:
     """Advance the simulated traffic every tick at the pace the GPUs allow now."""
-    last = time.monotonic()
+    traffic.advance_to(time.monotonic(), slowdown(), draining())
     while not stop.wait(tick_seconds):
-        now = time.monotonic()
-        traffic.tick(now - last, slowdown(), draining())
-        last = now
+        traffic.advance_to(time.monotonic(), slowdown(), draining())
 
 
 def make_handler(
-    behaviour: Behaviour, stop: threading.Event, traffic: Traffic | None = None
+    behaviour: Behaviour,
+    stop: threading.Event,
+    traffic: Traffic | None = None,
+    slowdown: Callable[[], float] = lambda: 1.0,
+    draining: Callable[[], bool] = lambda: False,
 ) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -480,6 +508,7 @@ def make_handler(
 
         def _answer_ok(self, path: str) -> None:
             if path == "/metrics" and traffic is not None:
+                traffic.advance_to(time.monotonic(), slowdown(), draining())  # counters as of this request
                 self._answer(200, traffic.render().encode(), "text/plain; version=0.0.4; charset=utf-8")
             elif path == "/v1/models":
                 model = {"id": MODEL_NAME, "object": "model", "owned_by": "standin"}
@@ -649,6 +678,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metric-names", choices=("current", "legacy"), default="current")
     parser.add_argument("--request-rate", type=float, default=8.0, help="simulated requests per second")
     parser.add_argument("--max-running", type=int, default=32, help="requests served at once; the rest wait")
+    parser.add_argument(
+        "--concurrency", type=int, help="closed loop: this many clients instead of --request-rate (a benchmark)"
+    )
     parser.add_argument("--dp-ranks", type=int, default=1, help="sglang: scheduler families per data-parallel rank")
     parser.add_argument(
         "--tp-ranks", type=int, default=1, help="sglang: TP ranks exporting each batch (all schedulers' metrics)"
@@ -664,6 +696,8 @@ def main(argv: list[str] | None = None) -> int:
         return stop_server(args.pid_file)
     if args.port is None:
         parser.error("--port is required")
+    if args.concurrency is not None and args.concurrency < 1:
+        parser.error("--concurrency must be at least 1")
     if args.daemon:
         if args.pid_file is None:
             parser.error("--daemon needs --pid-file")
@@ -678,10 +712,19 @@ def main(argv: list[str] | None = None) -> int:
         args.max_running,
         legacy_names=args.metric_names == "legacy",
         dp_ranks=args.dp_ranks,
+        concurrency=args.concurrency,
         drain_seconds=args.drain_seconds,
         tp_ranks=args.tp_ranks,
     )
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(behaviour, stop, traffic))
+    sim = (
+        SimGpus(args.sim_state_dir, args.sim_profile, [int(g) for g in args.gpus.split(",")])
+        if args.sim_state_dir
+        else None
+    )
+    pace = sim.slowdown if sim is not None else (lambda: 1.0)
+    drain_file: Path | None = args.drain_file
+    draining = (lambda: drain_file.exists()) if drain_file is not None else (lambda: False)
+    server = ThreadingHTTPServer((args.host, args.port), make_handler(behaviour, stop, traffic, pace, draining))
     server.daemon_threads = True
 
     def shut_down(status: int) -> None:
@@ -701,11 +744,6 @@ def main(argv: list[str] | None = None) -> int:
             if behaviour.mode() == "exit":
                 shut_down(CRASH_EXIT_STATUS)
 
-    sim = (
-        SimGpus(args.sim_state_dir, args.sim_profile, [int(g) for g in args.gpus.split(",")])
-        if args.sim_state_dir
-        else None
-    )
     if sim is not None:
         try:
             sim.attach()
@@ -713,13 +751,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"standin: cannot run on simulated GPUs {args.gpus}: {exc}", file=sys.stderr)
             server.server_close()
             return 1
-    pace = sim.slowdown if sim is not None else (lambda: 1.0)
-    drain_file: Path | None = args.drain_file
     if drain_file is not None:
         # A server that starts takes requests again (as its node re-registers with the load balancer).
         with contextlib.suppress(FileNotFoundError):
             drain_file.unlink()
-    draining = (lambda: drain_file.exists()) if drain_file is not None else (lambda: False)
     threading.Thread(
         target=run_traffic, args=(traffic, pace, stop, TRAFFIC_TICK_SECONDS, draining), daemon=True
     ).start()

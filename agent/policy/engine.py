@@ -19,6 +19,7 @@ from agent.backend.base import GpuBackend, GpuIdentity
 from agent.backend.errors import GpuError, WriteRefused
 from agent.config import AgentConfig, GpuProfile, Mode
 from agent.policy.base import ApplyOutcome, GpuContext, HostContext, ItemPlan, ItemResult, PlanStatus
+from agent.policy.holds import PolicyHolds
 from agent.policy.item import Change, PolicyItem, enforce, plan_item, result_without_write
 from agent.policy.registry import GPU_ITEMS, NODE_ITEMS, RESTORABLE_ITEMS, RESTORABLE_NAMES
 
@@ -96,11 +97,14 @@ class ApplyReport:
 class PolicyEngine:
     """Holds the config, the backend and the host; keeps per-GPU contexts between loops."""
 
-    def __init__(self, config: AgentConfig, backend: GpuBackend, host: HostContext) -> None:
+    def __init__(
+        self, config: AgentConfig, backend: GpuBackend, host: HostContext, holds: PolicyHolds | None = None
+    ) -> None:
         self.config = config
         self.backend = backend
         self.host = replace(host, backend=backend)
         self.state = NodeState()
+        self.holds = holds or PolicyHolds()  # items someone else drives for now: planned, never written
 
     # -- enumeration ---------------------------------------------------------------------------
 
@@ -149,9 +153,16 @@ class PolicyEngine:
         return entries, profiles
 
     def _node_plan(self, entries: list[_Planned], profiles: dict[int, int | None]) -> NodePlan:
-        items = tuple(entry.plan for entry in entries)
+        items = tuple(self._noting_hold(entry.plan) for entry in entries)
         modes = {p.item: self.config.item_mode(p.item) for p in items if p.item != GPU_ITEM}
         return NodePlan(self.config.mode, items, modes, profiles)
+
+    def _noting_hold(self, plan: ItemPlan) -> ItemPlan:
+        """A held item's drift says who holds it (status and metrics show why it is not put back)."""
+        held = self.holds.held(plan.item, plan.gpu)
+        if held is None or plan.status is not PlanStatus.DRIFT:
+            return plan
+        return replace(plan, detail=f"held: {held}" + (f"; {plan.detail}" if plan.detail else ""))
 
     def plan(self, only: Collection[str] | None = None) -> NodePlan:
         """Plan every configured item, or only those named (the daemon re-plans the fan curve every loop)."""
@@ -172,6 +183,9 @@ class PolicyEngine:
         assert entry.enforce is not None  # only an unidentified GPU has none, and its plan is an ERROR
         if self.config.item_mode(plan.item) is not Mode.ENFORCE:
             return ItemResult(plan, ApplyOutcome.SKIPPED, "observe mode: drift reported, nothing changed")
+        held = self.holds.held(plan.item, plan.gpu)
+        if held is not None:
+            return ItemResult(plan, ApplyOutcome.SKIPPED, f"held: {held}")
         if dry_run:
             return ItemResult(plan, ApplyOutcome.SKIPPED, "dry run: would " + "; ".join(plan.changes))
         return entry.enforce()

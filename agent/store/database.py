@@ -67,6 +67,7 @@ from agent.store.acks import ALL, Acknowledgements, Circuit
 from agent.store.attempt_clock import ClockReading
 from agent.store.boot import BootTables, InventoryGpu, ProbeStreak
 from agent.store.db import StoreError
+from agent.store.tunes import TUNES_MIGRATION, TuneHistoryTables, TuneTables
 
 log = structlog.get_logger("gpu-agent")
 
@@ -230,6 +231,7 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
     # How long a slowdown has been held is measured on CLOCK_BOOTTIME (a wall-clock step is not time
     # held): its start on that clock, so a restart on the same boot keeps the hold.
     ("ALTER TABLE clock_event_totals ADD COLUMN active_since_boottime REAL",),
+    TUNES_MIGRATION,  # the advisor's journal and per-limit history (agent.store.tunes)
 )
 
 
@@ -393,7 +395,7 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, default=_json_default, sort_keys=True)
 
 
-class Store(BootTables, Acknowledgements):
+class Store(BootTables, Acknowledgements, TuneTables, TuneHistoryTables):
     """See the module docstring. Build it with `Store.open(state_dir)`. Node memory is
     `agent.store.boot`, circuits and acknowledgements `agent.store.acks`, the shared connection
     `agent.store.db`."""

@@ -1,9 +1,23 @@
 """How a simulated GPU behaves: readings derived from its model and state, and time passing.
 
 Readings are deterministic functions of the settings and injected faults: a GPU is busy when it
-has processes, draws `load_power_mw` capped by its power limit (SwPowerCap when capped, clocks
-scaled down with it), warms in proportion to its power, runs at the locked or maximum clocks when
-busy, halves its clock under hardware slowdown (temperature at or above the slowdown threshold).
+has processes, runs at the locked or maximum clock when busy, draws the power that clock costs
+(`busy_power_mw`) capped by its power limit (SwPowerCap when capped: the clock drops to the highest
+one the limit pays for, `capped_clock_ratio`), warms in proportion to its power, and halves its
+clock under hardware slowdown (temperature at or above the slowdown threshold).
+
+Power and clocks (the shape of a DVFS board; references in docs/simulator.md): a busy GPU's power
+at clock ratio x = f / f_max is
+
+    P(x) = P_static + (P_load - P_static) * x * v(x)^2,   v(x) = v0 + (1 - v0) * x
+
+a floor that does not follow the core clock (`load_static_power_mw`: leakage, memory, board; the
+idle draw where a model does not say) plus the switching power C V^2 f, with the core voltage
+rising linearly with the clock from `voltage_offset_ratio` (v0) of its top value. P(1) is
+`load_power_mw`, so a GPU at its maximum clock draws what it always did. Work done per second is
+proportional to the clock (the stand-in server's tokens follow the clock), so tokens per joule go
+as x / P(x): low clocks waste the static floor, high clocks pay the voltage, and the best lies
+between, where P_static = 2 (P_load - P_static) x^2 v(x) (1 - v0).
 Overrides (`set_temperature`, `set_power_usage`, `set_clock_event_reasons`) replace the derived
 values. Fans on automatic follow `fan_auto_curve`. Time passes only through `advance`: energy
 grows by power x time, violation and clock-event-reason durations by the active reasons, GPM
@@ -53,6 +67,44 @@ REASON_FIELD_BITS = {
 }
 
 
+#: v0 where a model does not give `voltage_offset_ratio`: the core voltage at the lowest clocks is about
+#: half its top value on recent NVIDIA boards (published V/F curves run ~0.65-0.7 V to ~1.05-1.1 V).
+DEFAULT_VOLTAGE_OFFSET_RATIO = 0.55
+
+
+def busy_power_mw(model: GpuModel, clock_ratio: float) -> float:
+    """What a busy GPU draws at `clock_ratio` of its maximum graphics clock (P(x) above)."""
+    static_mw = _static_power_mw(model)
+    offset = _voltage_offset(model)
+    ratio = min(max(clock_ratio, 0.0), 1.0)
+    voltage = offset + (1.0 - offset) * ratio
+    return static_mw + (model.load_power_mw - static_mw) * ratio * voltage * voltage
+
+
+def capped_clock_ratio(model: GpuModel, limit_mw: float) -> float:
+    """The highest clock ratio a busy GPU can hold within `limit_mw` (0 when even the floor costs more)."""
+    if busy_power_mw(model, 1.0) <= limit_mw:
+        return 1.0
+    low, high = 0.0, 1.0
+    for _ in range(40):  # P(x) rises monotonically: bisection to well below one clock step
+        middle = (low + high) / 2
+        if busy_power_mw(model, middle) <= limit_mw:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def _static_power_mw(model: GpuModel) -> float:
+    static = model.load_static_power_mw
+    return float(model.power_usage_idle_mw if static is None else static)
+
+
+def _voltage_offset(model: GpuModel) -> float:
+    offset = model.voltage_offset_ratio
+    return DEFAULT_VOLTAGE_OFFSET_RATIO if offset is None else offset
+
+
 class Readings:
     """One GPU's readings, computed from its model and state: plausible and deterministic."""
 
@@ -65,8 +117,16 @@ class Readings:
     def busy(self) -> bool:
         return bool(self.state.processes)
 
+    def _busy_target_mhz(self) -> int:
+        """The clock a busy GPU asks for: the top of its lock, or its maximum."""
+        clocks = self.model.supported_graphics_clocks_mhz
+        return (self.state.locked_graphics_mhz or (clocks[-1], clocks[0]))[1]
+
     def demand_mw(self) -> int:
-        return self.model.load_power_mw if self.busy else self.model.power_usage_idle_mw
+        """What the GPU would draw without a power limit: its clock's power when busy, else idle."""
+        if not self.busy:
+            return self.model.power_usage_idle_mw
+        return round(busy_power_mw(self.model, self._busy_target_mhz() / self.model.max_clocks_mhz.graphics))
 
     def power_mw(self) -> int:
         if self.state.power_override_mw is not None:
@@ -120,9 +180,10 @@ class Readings:
         low, high = self.state.locked_graphics_mhz or (clocks[-1], clocks[0])
         target = high if self.busy else min(max(self.model.idle_clocks_mhz.graphics, low), high)
         reasons = self.reasons()
-        if reasons & REASON_SW_POWER_CAP:
-            # The power controller trades clock for watts roughly in proportion.
-            target = int(target * min(1.0, self.state.power_limit_mw / max(self.demand_mw(), self.power_mw(), 1)))
+        if reasons & REASON_SW_POWER_CAP and self.busy:
+            # The power controller lowers the clock until the busy draw fits under the limit.
+            reachable = capped_clock_ratio(self.model, self.state.power_limit_mw) * self.model.max_clocks_mhz.graphics
+            target = min(target, int(reachable))
         if reasons & (REASON_HW_SLOWDOWN | REASON_HW_THERMAL):
             target //= 2
         return next((c for c in clocks if c <= target), clocks[-1])

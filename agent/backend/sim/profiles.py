@@ -192,6 +192,11 @@ class GpuModel(_Strict):
     memory_temperature_load_c: Count | None = None
     gpm: Gpm | None = None  # None: nvmlGpmQueryDeviceSupport says unsupported
     nvlink_links: Count = 0  # NVLink links of the board; used only where the node connects them
+    # The power curve (agent.backend.sim.physics.busy_power_mw): the busy floor that does not follow
+    # the core clock (default: the idle draw) and the core voltage at the lowest clock as a share of
+    # its top value (default 0.55).
+    load_static_power_mw: Count | None = None
+    voltage_offset_ratio: Annotated[StrictFloat, Field(ge=0, le=1)] | None = None
 
     @field_validator("fan_auto_curve")
     @classmethod
@@ -209,6 +214,8 @@ class GpuModel(_Strict):
             raise ValueError("ecc_default without ecc_supported")
         if self.mig_default and not self.mig_supported:
             raise ValueError("mig_default without mig_supported")
+        if self.load_static_power_mw is not None and self.load_static_power_mw >= self.load_power_mw:
+            raise ValueError("load_static_power_mw must be below load_power_mw")
         if (self.memory_temperature_idle_c is None) != (self.memory_temperature_load_c is None):
             raise ValueError("memory_temperature_idle_c and memory_temperature_load_c go together")
         return self

@@ -1,0 +1,280 @@
+"""The daemon's side of `gpu-agent tune`: the API methods, the refusals, the job on the action
+worker, the recovery of a sweep an earlier run left half-done, and the last tune for `status`.
+
+Refusals (before anything is journaled or changed), each with its reason: the item the sweep turns
+(`power_limit`, `locked_clocks`) is not in enforce mode; the service is unknown, has no metrics,
+is down or not probed yet; its traffic over the daemon's latency window is below the floor;
+another tune, a remediation or a queued action is running; the GPUs asked for are not the
+service's.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from agent.api import ApiError
+from agent.backend.base import GpuBackend
+from agent.backend.errors import GpuError
+from agent.config import AgentConfig, Mode, ServiceConfig
+from agent.policy.holds import PolicyHolds
+from agent.services.window import ServiceFigures
+from agent.state import ServiceStatus
+from agent.store.database import Store, StoreError
+from agent.tune.model import POLICY_ITEMS, TuneDocument, TuneRequest
+from agent.tune.passive import PowerHistory, passive_report
+from agent.tune.sweep import RecoveryJob, TuneJob, hold_owner
+
+if TYPE_CHECKING:  # the daemon imports this module: only the type, never the import
+    from agent.daemon.action_worker import ActionWorker
+
+log = structlog.get_logger("gpu-agent")
+
+#: The API methods that change the node: only root or the agent's own user may call them.
+PRIVILEGED_METHODS = frozenset({"tune_start", "tune_abort"})
+MAX_STEPS = 64
+MIN_DWELL_SECONDS = 1.0
+MAX_DWELL_SECONDS = 3600.0
+
+
+def _gpu_model(backend: GpuBackend, gpu: int) -> str:
+    try:
+        return backend.identity(gpu).name
+    except GpuError:
+        return "*"
+
+
+class TuneRunner:
+    def __init__(
+        self,
+        config: Callable[[], AgentConfig],
+        backend: Callable[[], GpuBackend | None],
+        store: Callable[[], Store | None],
+        worker: Callable[[], ActionWorker],
+        holds: PolicyHolds,
+        services: Callable[[], list[ServiceStatus]],
+        figures: Callable[[], Mapping[str, ServiceFigures]],
+        gpu_count: Callable[[], int],
+        clock: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.store = store
+        self.worker = worker
+        self.holds = holds
+        self.services = services
+        self.figures = figures
+        self.gpu_count = gpu_count
+        self.clock = clock
+        self.job: TuneJob | None = None
+        self.history = PowerHistory()  # fed every loop by the daemon (observe), kept for --passive
+        self._lock = threading.Lock()  # one start at a time
+
+    # -- the API ------------------------------------------------------------------------------------
+
+    def handlers(self) -> dict[str, Callable[[Mapping[str, Any]], Any]]:
+        return {
+            "tune_start": self.start,
+            "tune_status": self.status,
+            "tune_abort": self.abort,
+            "tune_passive": self.passive,
+        }
+
+    def passive(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """Advice from the node's history; changes nothing (and so needs no enforce mode)."""
+        name = str(params.get("service", ""))
+        service = next((s for s in self.config().services if s.name == name), None)
+        if service is None:
+            raise ApiError(f"no service named {name!r}")
+        store = self.store()
+        if store is None:
+            raise ApiError("the state database is unavailable")
+        self.history.flush(store, force=True)
+        slo = service.slo.e2e_p95_seconds if service.slo is not None else None
+        return passive_report(name, store.history(name), slo)
+
+    def start(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """Check, journal, hold and queue a sweep; its document (state running) or ApiError(reason)."""
+        request = _request(params)
+        with self._lock:
+            config = self.config()
+            service = self._check(config, request)
+            gpus, service_gpus = self._gpus(request, service)
+            store = self.store()
+            if store is None:
+                raise ApiError("refused: the state database is unavailable, and a sweep never runs unjournaled")
+            started = self.clock()
+            slo = service.slo
+            objectives = {}
+            if slo is not None:
+                objectives = {
+                    k: v for k, v in (("e2e_p95", slo.e2e_p95_seconds), ("ttft_p95", slo.ttft_p95_seconds)) if v
+                }
+            document = TuneDocument(0, request, gpus, (), "running", started, slo=objectives, service_gpus=service_gpus)
+            try:
+                document.id = store.begin_tune(started, document.to_json())
+            except StoreError as exc:
+                raise ApiError(f"refused: cannot journal the sweep: {exc}") from exc
+            item = POLICY_ITEMS[request.kind]
+            self.holds.hold(
+                hold_owner(document.id), [(item, gpu) for gpu in gpus], f"tune sweep {document.id} drives it"
+            )
+            job = TuneJob(document, service, self.backend, self.store, self.holds, self.clock, _gpu_model)
+            self.job = job
+            self.worker().submit_task(job)
+        log.info("tune started", tune=document.id, kind=request.kind, service=service.name, gpus=list(gpus))
+        with job.lock:
+            return document.to_json()
+
+    def status(self, params: Mapping[str, Any]) -> dict[str, Any] | None:
+        """A tune's document: `id`'s, else the running one, else the last one."""
+        wanted = params.get("id")
+        job = self.job
+        if job is not None and (wanted is None or wanted == job.document.id):
+            with job.lock:
+                return job.document.to_json()
+        store = self.store()
+        if store is None:
+            return None
+        row = store.tune(int(wanted)) if wanted is not None else store.last_tune()
+        return row.document if row is not None else None
+
+    def abort(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        job = self.job
+        if job is None or job.finished.is_set():
+            raise ApiError("no tune is running")
+        job.abort(str(params.get("reason") or "aborted by gpu-agent tune --abort"))
+        return {"id": job.document.id, "aborting": True}
+
+    def last(self) -> dict[str, Any] | None:
+        """The last tune, short, for `status`."""
+        try:
+            document = self.status({})
+        except StoreError:
+            return None
+        return summary(document) if document else None
+
+    # -- recovery at start ---------------------------------------------------------------------------
+
+    def recover(self) -> None:
+        """Hold and queue the roll-back of sweeps an earlier run left running (before the first loop)."""
+        store = self.store()
+        if store is None:
+            return
+        try:
+            rows = store.running_tunes()
+        except StoreError as exc:
+            log.error("cannot read the tune journal: an interrupted sweep is not rolled back", error=str(exc))
+            return
+        documents = []
+        for row in rows:
+            document = TuneDocument.from_json(row.document)
+            item = POLICY_ITEMS[document.request.kind]
+            self.holds.hold(
+                hold_owner(document.id),
+                [(item, o.gpu) for o in document.originals],
+                f"tune sweep {document.id} is being rolled back",
+            )
+            documents.append(document)
+        if documents:
+            self.worker().submit_task(RecoveryJob(documents, self.backend, self.store, self.holds, self.clock))
+
+    # -- checks --------------------------------------------------------------------------------------
+
+    def _check(self, config: AgentConfig, request: TuneRequest) -> ServiceConfig:
+        item = POLICY_ITEMS[request.kind]
+        if config.item_mode(item) is not Mode.ENFORCE:
+            raise ApiError(
+                f"refused: {item} is in observe mode; a sweep changes it, so it needs mode: enforce"
+                f" (or policy.modes.{item}: enforce)"
+            )
+        service = next((s for s in config.services if s.name == request.service), None)
+        if service is None:
+            names = ", ".join(s.name for s in config.services) or "none"
+            raise ApiError(f"refused: no service named {request.service!r} (configured: {names})")
+        if service.effective_metrics_url is None:
+            raise ApiError(f"refused: service {service.name} has no metrics (set metrics_url or health_url)")
+        status = next((s for s in self.services() if s.name == service.name), None)
+        if status is None or status.up is None:
+            raise ApiError(f"refused: service {service.name} has not been probed yet; try again in a moment")
+        if not status.up:
+            raise ApiError(f"refused: service {service.name} is down ({status.detail or 'failing its probe'})")
+        self._check_traffic(service, request)
+        job = self.job
+        if job is not None and not job.finished.is_set():
+            raise ApiError(f"refused: tune {job.document.id} is running (gpu-agent tune --abort stops it)")
+        busy = self.worker().busy()
+        if busy is not None:
+            raise ApiError(f"refused: {busy}; a sweep waits for the node to be quiet")
+        store = self.store()
+        if store is not None and store.running_remediations():
+            raise ApiError("refused: a remediation is running")
+        return service
+
+    def _check_traffic(self, service: ServiceConfig, request: TuneRequest) -> None:
+        figures = self.figures().get(service.name)
+        e2e = figures.latency.get("e2e") if figures is not None else None
+        if figures is None or e2e is None or figures.window_seconds <= 0:
+            raise ApiError(f"refused: no request figures from service {service.name}'s metrics yet")
+        rate = e2e.requests / figures.window_seconds
+        if rate < request.min_request_rate:
+            raise ApiError(
+                f"refused: traffic too thin to measure: {rate:.2f} requests/s over the last"
+                f" {figures.window_seconds:.0f} s (floor {request.min_request_rate:g}/s)"
+            )
+
+    def _gpus(self, request: TuneRequest, service: ServiceConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The GPUs to sweep, and all of the service's (each step measures them all)."""
+        own = list(range(self.gpu_count())) if service.gpus == "all" else list(service.gpus)
+        if not own:
+            raise ApiError(f"refused: no GPUs known for service {service.name}")
+        if request.gpus is None:
+            return tuple(own), tuple(own)
+        foreign = [g for g in request.gpus if g not in own]
+        if foreign:
+            raise ApiError(
+                f"refused: GPU {foreign[0]} is not one of service {service.name}'s GPUs"
+                f" ({', '.join(map(str, own))}); its tokens/J counts only those"
+            )
+        return tuple(sorted(set(request.gpus))), tuple(own)
+
+
+def _request(params: Mapping[str, Any]) -> TuneRequest:
+    """The request from the API's params, checked; ApiError naming what is wrong."""
+    try:
+        request = TuneRequest.from_json(dict(params))
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ApiError(f"bad tune request: {exc}") from exc
+    if request.kind not in POLICY_ITEMS:
+        raise ApiError(f"bad tune request: kind must be one of {', '.join(POLICY_ITEMS)}")
+    if request.step <= 0 or request.start <= 0 or request.stop <= 0:
+        raise ApiError("bad tune request: --from, --to and --step must be positive")
+    if not MIN_DWELL_SECONDS <= request.dwell_seconds <= MAX_DWELL_SECONDS:
+        raise ApiError(f"bad tune request: --dwell must be {MIN_DWELL_SECONDS:g}-{MAX_DWELL_SECONDS:g} s")
+    if not 0 <= request.throughput_tolerance < 1 or not request.max_traffic_change > 0:
+        raise ApiError("bad tune request: tolerances must be ratios (0.05 = 5 %)")
+    if len(request.settings()) > MAX_STEPS:
+        raise ApiError(f"bad tune request: more than {MAX_STEPS} steps; use a larger --step")
+    return request
+
+
+def summary(document: dict[str, Any]) -> dict[str, Any]:
+    """The last tune in a few fields (status)."""
+    request = document.get("request", {})
+    recommendation = document.get("recommendation") or {}
+    return {
+        "id": document.get("id"),
+        "kind": request.get("kind"),
+        "service": request.get("service"),
+        "state": document.get("state"),
+        "started_seconds": document.get("started_seconds"),
+        "finished_seconds": document.get("finished_seconds"),
+        "steps": len(document.get("steps", [])),
+        "recommended": recommendation.get("setting"),
+        "tokens_per_joule_change_ratio": recommendation.get("tokens_per_joule_change_ratio"),
+        "tokens_per_second_change_ratio": recommendation.get("tokens_per_second_change_ratio"),
+        "detail": document.get("detail", ""),
+    }

@@ -1,0 +1,202 @@
+"""The advisor's pure parts and its journal: the settings a request walks, the traffic checks,
+the recommendation rule, the policy engine's holds, the passive report and the store's rows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hosttree import make_host_tree
+
+from agent.api import handle_request
+from agent.backend.base import ClockDomain
+from agent.backend.sim import SimulatedBackend
+from agent.config import AgentConfig
+from agent.policy.base import ApplyOutcome, HostContext
+from agent.policy.engine import PolicyEngine
+from agent.policy.holds import PolicyHolds
+from agent.store.database import Store
+from agent.store.tunes import HistoryRow
+from agent.tune.model import StepReading, TuneDocument, TuneRequest
+from agent.tune.passive import passive_report
+from agent.tune.recommend import recommend, thin_traffic, uneven_traffic
+from agent.tune.runner import PRIVILEGED_METHODS
+from agent.tune.sweep import read_originals, restore
+
+
+def request(**values: object) -> TuneRequest:
+    fields: dict[str, object] = {
+        "kind": "power",
+        "service": "sglang",
+        "start": 700,
+        "stop": 400,
+        "step": 100,
+        "dwell_seconds": 10,
+    }
+    fields.update(values)
+    return TuneRequest(**fields)  # type: ignore[arg-type]
+
+
+def step(
+    setting: float,
+    tps: float,
+    tpj: float,
+    *,
+    baseline: bool = False,
+    breach: bool = False,
+    rate: float = 10.0,
+    flight: float = 5.0,
+) -> StepReading:
+    return StepReading(
+        setting=setting,
+        baseline=baseline,
+        seconds=10,
+        mean_power_watts=tps / tpj,
+        mean_sm_mhz=1500,
+        tokens_per_second=tps,
+        tokens_per_joule=tpj,
+        e2e_p95_seconds=0.5 + (0.5 if breach else 0.0),
+        ttft_p95_seconds=0.1,
+        max_temperature_celsius=60,
+        throttle_reasons=("sw_power_cap",),
+        request_rate=rate,
+        requests_in_flight=flight,
+        requests=100,
+        slo_breaches=("e2e_p95 1 s > 0.8 s",) if breach else (),
+    )
+
+
+def test_settings_walk_down_or_up_and_include_the_end_on_the_grid() -> None:
+    assert request().settings() == [700, 600, 500, 400]
+    assert request(stop=450).settings() == [700, 600, 500]
+    assert request(start=1380, stop=1980, step=300, kind="clocks").settings() == [1380, 1680, 1980]
+    again = TuneRequest.from_json(request(gpus=(0, 1)).to_json())
+    assert again == request(gpus=(0, 1))
+
+
+def test_the_recommendation_is_the_best_tokens_per_joule_within_slo_and_tolerance() -> None:
+    steps = [
+        step(700, 1000, 1.50, baseline=True),
+        step(600, 970, 1.62),  # within 5 % of the best tokens/s
+        step(500, 900, 1.80),  # better tokens/J, but 10 % slower
+        step(400, 800, 1.90, breach=True),
+    ]
+    chosen, why = recommend(request(), steps, "NVIDIA H200")
+    assert chosen is not None and chosen.setting == 600, why
+    assert chosen.snippet == 'policy:\n  gpus:\n    - match: {model: "NVIDIA H200"}\n      power_limit_watts: 600'
+    assert round(chosen.tokens_per_joule_change_ratio or 0, 3) == 0.08
+    assert round(chosen.tokens_per_second_change_ratio or 0, 3) == -0.03
+    assert chosen.e2e_p95_change_seconds == 0.0
+    wider, _ = recommend(request(throughput_tolerance=0.15), steps, "NVIDIA H200")
+    assert wider is not None and wider.setting == 500
+    # A breach is never recommended however good its tokens/J.
+    loose, _ = recommend(request(throughput_tolerance=0.5), steps, "NVIDIA H200")
+    assert loose is not None and loose.setting == 500
+    none, why = recommend(request(), [step(700, 1000, 1.5, baseline=True, breach=True)], "NVIDIA H200")
+    assert none is None and "every step missed" in why
+    clocks, _ = recommend(request(kind="clocks"), [step(1500, 10, 1.0, baseline=True)], "X")
+    assert clocks is not None and "locked_clocks: {gpu_mhz: [1500, 1500]}" in clocks.snippet
+
+
+def test_thin_and_uneven_traffic() -> None:
+    assert thin_traffic(step(700, 1, 1, rate=0.4), 1.0) == "0.40 requests/s, below the floor of 1/s"
+    assert thin_traffic(step(700, 1, 1, rate=3), 1.0) is None
+    first = step(700, 1000, 1.5, rate=10, flight=5)
+    assert uneven_traffic(first, step(600, 900, 1.6, rate=10.5, flight=7), 0.25) is None  # open loop: rate kept
+    assert uneven_traffic(first, step(600, 900, 1.6, rate=7, flight=5.2), 0.25) is None  # closed loop: flight kept
+    moved = uneven_traffic(first, step(600, 900, 1.6, rate=4, flight=2), 0.25)
+    assert moved is not None and "10 -> 4 requests/s" in moved
+
+
+def test_a_held_item_is_planned_but_never_written(tmp_path: Path) -> None:
+    config = AgentConfig.model_validate(
+        {"mode": "enforce", "policy": {"gpus": [{"match": {"model": "NVIDIA H200*"}, "power_limit_watts": 600}]}}
+    )
+    backend = SimulatedBackend("h200x2", tmp_path / "state", writable_items=config.writable_items())
+    backend.init()
+    holds = PolicyHolds()
+    holds.hold("tune-1", [("power_limit", 0)], "tune sweep 1 drives it")
+    engine = PolicyEngine(config, backend, HostContext(make_host_tree(tmp_path / "host")), holds)
+    report = engine.apply()
+    results = {(r.plan.item, r.plan.gpu): r for r in report.results}
+    assert results[("power_limit", 0)].outcome is ApplyOutcome.SKIPPED
+    assert results[("power_limit", 0)].detail == "held: tune sweep 1 drives it"
+    assert results[("power_limit", 1)].outcome is ApplyOutcome.APPLIED
+    assert (backend.power_limit_watts(0), backend.power_limit_watts(1)) == (700.0, 600.0)
+    (held,) = [p for p in report.plan.items if (p.item, p.gpu) == ("power_limit", 0)]
+    assert held.detail.startswith("held: tune sweep 1 drives it; allowed 200-700 W")
+    holds.release("tune-1")
+    engine.apply()
+    assert backend.power_limit_watts(0) == 600.0
+
+
+def test_the_journal_keeps_running_sweeps_and_the_last_one(tmp_path: Path) -> None:
+    document = TuneDocument(0, request(), (0,), (), "running", 100.0)
+    with Store.open(tmp_path) as store:
+        first = store.begin_tune(100.0, document.to_json())
+        document.id, document.state = first, "done"
+        store.save_tune(first, document.to_json(), 130.0)
+        second = store.begin_tune(200.0, TuneDocument(0, request(), (0,), (), "running", 200.0).to_json())
+        assert [row.row_id for row in store.running_tunes()] == [second]
+        last = store.last_tune()
+        assert last is not None and last.row_id == second and last.document["id"] == second
+        done = store.tune(first)
+        assert done is not None and TuneDocument.from_json(done.document).state == "done"
+
+
+def test_passive_advice_from_history(tmp_path: Path) -> None:
+    model = "NVIDIA H200"
+    with Store.open(tmp_path) as store:
+        store.add_history([HistoryRow("sglang", model, "power:700", 3600, 3.6e6, 2.3e6, 0.7, 10.0)])
+        store.add_history([HistoryRow("sglang", model, "power:700", 3600, 3.6e6, 2.3e6, 0.9, 20.0)])
+        store.add_history([HistoryRow("sglang", model, "power:550", 3600, 3.5e6, 1.9e6, 0.8, 30.0)])
+        store.add_history([HistoryRow("sglang", model, "power:400", 30, 2e4, 1e4, 1.9, 40.0)])  # too short
+        rows = store.history("sglang")
+    top = next(r for r in rows if r.setting == "power:700")
+    assert (top.seconds, top.e2e_p95_max_seconds) == (7200, 0.9)
+    report = passive_report("sglang", rows, slo_e2e_p95_seconds=1.5)
+    assert [item["power_limit_watts"] for item in report["limits"]] == [700, 550, 400]
+    assert report["limits"][2]["enough"] is False
+    (verdict,) = report["verdicts"]
+    assert verdict.startswith("NVIDIA H200: 550 W looked free: +17.7% tokens/J against 700 W")
+    strict = passive_report("sglang", rows, slo_e2e_p95_seconds=0.75)
+    assert strict["verdicts"] == ["NVIDIA H200: no lower limit looked free against 700 W"]
+    assert report["changed"] is False
+
+
+def test_only_a_trusted_peer_may_start_or_abort_a_sweep() -> None:
+    """A group given read access to the socket (api.group) reads status but cannot change the node."""
+    handlers = {"tune_start": lambda _p: {"id": 1}, "status": lambda _p: {"ok": 1}}
+    untrusted = lambda method: method not in PRIVILEGED_METHODS  # noqa: E731
+    refused = handle_request(b'{"method": "tune_start", "params": {}}', handlers, untrusted)
+    assert refused == {
+        "ok": False,
+        "error": "tune_start changes the node: only root or the agent's own user may call it",
+    }
+    assert handle_request(b'{"method": "status"}', handlers, untrusted) == {"ok": True, "result": {"ok": 1}}
+    assert handle_request(b'{"method": "tune_start"}', handlers, lambda _m: True)["ok"] is True
+    assert {"tune_start", "tune_abort"} == PRIVILEGED_METHODS
+
+
+def test_restore_puts_back_a_lock_an_unlock_and_a_limit(tmp_path: Path) -> None:
+    backend = SimulatedBackend(
+        "h200x2", tmp_path / "state", writable_items={"power_limit", "locked_clocks"}
+    )  # fmt: skip
+    backend.init()
+    backend.set_locked_clocks_mhz(0, ClockDomain.GRAPHICS, 1500, 1755)
+    clocks = read_originals(backend, "clocks", (0, 1))
+    power = read_originals(backend, "power", (0, 1))
+    for gpu in (0, 1):
+        backend.set_locked_clocks_mhz(gpu, ClockDomain.GRAPHICS, 1200, 1200)
+        backend.set_power_limit_watts(gpu, 400)
+    assert restore(backend, "clocks", clocks) == ["GPU 0 clocks locked 1500-1755 MHz", "GPU 1 clocks unlocked"]
+    assert backend.locked_clocks_mhz(0, ClockDomain.GRAPHICS) == (1500, 1755)
+    assert backend.locked_clocks_mhz(1, ClockDomain.GRAPHICS) is None
+    assert restore(backend, "power", power) == ["GPU 0 power limit 700 W", "GPU 1 power limit 700 W"]
+    assert backend.power_limit_watts(1) == 700.0
+    writable = SimulatedBackend("h200x2", tmp_path / "state", writable_items={"power_limit"})
+    writable.init()
+    writable.set_power_limit_watts(0, 400)
+    observe = SimulatedBackend("h200x2", tmp_path / "state")  # observe mode: the write guard refuses
+    observe.init()
+    (line, _) = restore(observe, "power", power)
+    assert line.startswith("GPU 0 NOT restored: ") and writable.power_limit_watts(0) == 400.0
