@@ -25,7 +25,7 @@ decision). `ack` closes circuits and
 retires attempts from the counters; their rows stay in the history.
 
 One connection, shared by the threads of the process behind a lock; other processes (the CLI's
-`gpu-agent ack` while the daemon runs) get their own and wait up to `BUSY_TIMEOUT_SECONDS` for a
+`gpu-agent ack` while the daemon runs) get their own and wait up to `schema.BUSY_TIMEOUT_SECONDS` for a
 writer. A database that is not a database, fails its integrity check or was written by a newer
 schema is kept aside as `gpu-agent.db.corrupt-<unix time>` (or `.newer-<unix time>`) and a new
 one is created: losing history is better than not starting. Rows older than `RETENTION_SECONDS`
@@ -45,7 +45,6 @@ reads and writes them for the daemon.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import json
@@ -60,24 +59,23 @@ import structlog
 
 from agent import trust
 from agent.events import Event, event_from_json, event_json
-from agent.host import file_reads, safe_json
+from agent.host import safe_json
 from agent.rules.model import ActionOutcome, Decision, Outcome
 from agent.state import RemediationCount
 from agent.store.acks import ALL, Acknowledgements, Circuit
 from agent.store.attempt_clock import ClockReading
 from agent.store.boot import BootTables, InventoryGpu, ProbeStreak
 from agent.store.db import StoreError
-from agent.store.tunes import TUNES_MIGRATION, TuneHistoryTables, TuneTables
+from agent.store.schema import Unusable, connect_or_replace
+from agent.store.tunes import TuneHistoryTables, TuneTables
 
 log = structlog.get_logger("gpu-agent")
 
 __all__ = [
     "ALL",
-    "BUSY_TIMEOUT_SECONDS",
     "COUNTED_OUTCOMES",
     "DB_NAME",
     "EXHAUSTED_STEP",
-    "MIGRATIONS",
     "RETENTION_SECONDS",
     "Circuit",
     "InventoryGpu",
@@ -91,147 +89,9 @@ __all__ = [
 
 DB_NAME = "gpu-agent.db"
 RETENTION_SECONDS = 30 * 24 * 3600.0
-BUSY_TIMEOUT_SECONDS = 5.0
 EXHAUSTED_STEP = -1  # agent.rules.engine.EXHAUSTED_STEP (not imported: the store must not need the rules)
 COUNTED_OUTCOMES = frozenset(
     {Outcome.SUCCESS, Outcome.FAILED, Outcome.REFUSED, Outcome.DRY_RUN, Outcome.RUNNING, Outcome.INTERRUPTED}
-)
-
-#: Schema migrations: MIGRATIONS[n] takes a database from user_version n to n + 1. Append only.
-MIGRATIONS: tuple[tuple[str, ...], ...] = (
-    (
-        """CREATE TABLE events (
-            id INTEGER PRIMARY KEY,
-            key TEXT NOT NULL UNIQUE,
-            kind TEXT NOT NULL,
-            severity TEXT NOT NULL,
-            gpu INTEGER,
-            uuid TEXT,
-            message TEXT NOT NULL,
-            source TEXT NOT NULL,
-            suggested_action TEXT NOT NULL,
-            data TEXT NOT NULL,
-            ts REAL NOT NULL,
-            handled INTEGER NOT NULL DEFAULT 0
-        )""",
-        "CREATE INDEX events_ts ON events (ts)",
-        """CREATE TABLE remediations (
-            id INTEGER PRIMARY KEY,
-            ts REAL NOT NULL,
-            finished REAL NOT NULL,
-            rule TEXT NOT NULL,
-            action TEXT NOT NULL,
-            params TEXT NOT NULL,
-            target_key TEXT NOT NULL,
-            gpu INTEGER,
-            uuid TEXT,
-            service TEXT,
-            event_key TEXT NOT NULL,
-            attempt INTEGER NOT NULL,
-            step INTEGER NOT NULL,
-            outcome TEXT NOT NULL,
-            reason TEXT NOT NULL,
-            detail TEXT NOT NULL,
-            dry_run INTEGER NOT NULL,
-            counted INTEGER NOT NULL,
-            acked INTEGER NOT NULL DEFAULT 0
-        )""",
-        "CREATE INDEX remediations_attempts ON remediations (rule, target_key, ts)",
-        "CREATE INDEX remediations_ts ON remediations (ts)",
-        """CREATE TABLE circuits (
-            rule TEXT NOT NULL,
-            target_key TEXT NOT NULL,
-            gpu INTEGER,
-            uuid TEXT,
-            service TEXT,
-            opened_at REAL NOT NULL,
-            reason TEXT NOT NULL,
-            PRIMARY KEY (rule, target_key)
-        )""",
-        """CREATE TABLE acks (
-            id INTEGER PRIMARY KEY,
-            ts REAL NOT NULL,
-            selector TEXT NOT NULL,
-            reset INTEGER NOT NULL
-        )""",
-        """CREATE TABLE remediation_totals (
-            rule TEXT NOT NULL,
-            action TEXT NOT NULL,
-            outcome TEXT NOT NULL,
-            count INTEGER NOT NULL,
-            PRIMARY KEY (rule, action, outcome)
-        )""",
-    ),
-    (
-        # present: the GPU answered at the daemon's last look. acked: an operator said this missing GPU
-        # is gone for good (`gpu-agent ack gpu:UUID`); it is not expected until it answers again.
-        """CREATE TABLE gpu_inventory (
-            boot_id TEXT NOT NULL,
-            uuid TEXT NOT NULL,
-            pci_bus_id TEXT NOT NULL,
-            model TEXT NOT NULL,
-            gpu INTEGER NOT NULL,
-            first_seen REAL NOT NULL,
-            last_seen REAL NOT NULL,
-            present INTEGER NOT NULL,
-            acked INTEGER NOT NULL,
-            PRIMARY KEY (boot_id, uuid)
-        )""",
-        # gpu: the NVML index, -1 for an Xid whose GPU could not be named (kernel line, unknown bus id).
-        """CREATE TABLE xid_counts (
-            boot_id TEXT NOT NULL,
-            gpu INTEGER NOT NULL,
-            xid INTEGER NOT NULL,
-            uuid TEXT NOT NULL,
-            count INTEGER NOT NULL,
-            last_seen REAL NOT NULL,
-            PRIMARY KEY (boot_id, gpu, xid)
-        )""",
-        """CREATE TABLE xid_marks (
-            boot_id TEXT NOT NULL,
-            gpu INTEGER NOT NULL,
-            xid INTEGER NOT NULL,
-            action TEXT NOT NULL,
-            reason TEXT NOT NULL,
-            seen REAL NOT NULL,
-            PRIMARY KEY (boot_id, gpu, xid)
-        )""",
-    ),
-    # The remediation journal: a row is written (outcome "running") before an action starts, its
-    # steps are appended as they complete, and the clock readings let cooldowns survive restarts
-    # and wall-clock steps (agent.store.attempt_clock).
-    (
-        "ALTER TABLE remediations ADD COLUMN steps TEXT NOT NULL DEFAULT '[]'",
-        "ALTER TABLE remediations ADD COLUMN boot_id TEXT NOT NULL DEFAULT ''",
-        "ALTER TABLE remediations ADD COLUMN boottime REAL",
-        "CREATE INDEX remediations_running ON remediations (outcome) WHERE outcome = 'running'",
-    ),
-    # Node memory, continued: the throttle watcher's time per clock-event reason (a Prometheus
-    # counter that must not go down on a restart) and when each slowdown active now started (a
-    # "held 60 s" rule keeps its clock); the service prober's failure streaks and verdicts.
-    (
-        """CREATE TABLE clock_event_totals (
-            boot_id TEXT NOT NULL,
-            gpu INTEGER NOT NULL,
-            uuid TEXT NOT NULL,
-            reason TEXT NOT NULL,
-            seconds REAL NOT NULL,
-            active_since REAL,
-            PRIMARY KEY (boot_id, gpu, reason)
-        )""",
-        # up: the declared state, NULL before the first verdict.
-        """CREATE TABLE probe_streaks (
-            boot_id TEXT NOT NULL,
-            service TEXT NOT NULL,
-            up INTEGER,
-            consecutive_failures INTEGER NOT NULL,
-            PRIMARY KEY (boot_id, service)
-        )""",
-    ),
-    # How long a slowdown has been held is measured on CLOCK_BOOTTIME (a wall-clock step is not time
-    # held): its start on that clock, so a restart on the same boot keeps the hold.
-    ("ALTER TABLE clock_event_totals ADD COLUMN active_since_boottime REAL",),
-    TUNES_MIGRATION,  # the advisor's journal and per-limit history (agent.store.tunes)
 )
 
 
@@ -425,8 +285,8 @@ class Store(BootTables, Acknowledgements, TuneTables, TuneHistoryTables):
             if problem is not None:
                 raise StoreError(f"cannot open {path}: {problem}")
         try:
-            connection = _connect_or_replace(path, now)
-        except (_Unusable, sqlite3.Error, OSError) as exc:
+            connection = connect_or_replace(path, now)
+        except (Unusable, sqlite3.Error, OSError) as exc:
             raise StoreError(f"cannot open {path}: {exc}") from exc
         store = cls(path, connection)
         try:
@@ -668,92 +528,3 @@ class Store(BootTables, Acknowledgements, TuneTables, TuneHistoryTables):
 
 
 # -- opening helpers ---------------------------------------------------------------------------
-
-
-class _Unusable(Exception):
-    def __init__(self, label: str, message: str) -> None:
-        super().__init__(message)
-        self.label = label  # "corrupt" or "newer": the suffix of the file kept aside
-
-
-_SQLITE_HEADER = b"SQLite format 3\x00"
-
-
-def _connect(path: Path) -> sqlite3.Connection:
-    """A connection to a healthy database at the current schema, or _Unusable."""
-    # Checked before connecting: closing the last connection deletes the write-ahead log, and the
-    # log of a file that is not a database at all is worth keeping aside with it.
-    with contextlib.suppress(FileNotFoundError), file_reads.open_regular(path, follow_links=False) as existing:
-        header = existing.read(len(_SQLITE_HEADER))
-        if header and header != _SQLITE_HEADER:
-            raise _Unusable("corrupt", "not an SQLite database (bad header)")
-    connection = sqlite3.connect(path, timeout=BUSY_TIMEOUT_SECONDS, isolation_level=None, check_same_thread=False)
-    try:
-        check = connection.execute("PRAGMA quick_check").fetchall()
-        if check != [("ok",)]:
-            raise _Unusable("corrupt", f"integrity check failed: {'; '.join(str(row[0]) for row in check[:3])}")
-        version = connection.execute("PRAGMA user_version").fetchone()[0]
-        if version > len(MIGRATIONS):
-            raise _Unusable("newer", f"schema version {version} is newer than this agent's {len(MIGRATIONS)}")
-        mode = connection.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-        if mode != "wal":
-            raise sqlite3.OperationalError(f"cannot switch to WAL mode (got {mode})")
-        connection.execute("PRAGMA synchronous = NORMAL")  # durable in WAL mode across crashes
-    except sqlite3.DatabaseError as exc:
-        connection.close()
-        if isinstance(exc, sqlite3.OperationalError):  # locked, unreadable: not the file's fault
-            raise
-        raise _Unusable("corrupt", str(exc)) from exc
-    except _Unusable:
-        connection.close()
-        raise
-    try:
-        # A failing migration is a bug in this agent, not a damaged file: an error, never a reason to start over.
-        _migrate(connection)
-    except BaseException:
-        connection.close()
-        raise
-    return connection
-
-
-def _connect_or_replace(path: Path, now_seconds: float) -> sqlite3.Connection:
-    try:
-        return _connect(path)
-    except _Unusable as unusable:
-        aside = _set_aside(path, unusable.label, now_seconds)
-        log.error("state database unusable, kept aside; starting a new one", error=str(unusable), kept_aside=str(aside))
-        return _connect(path)
-
-
-def _migrate(connection: sqlite3.Connection) -> None:
-    while True:
-        connection.execute("BEGIN IMMEDIATE")
-        try:
-            # Read under the write lock: another process (the CLI) may have migrated since we looked.
-            version = connection.execute("PRAGMA user_version").fetchone()[0]
-            if version < len(MIGRATIONS):
-                for statement in MIGRATIONS[version]:
-                    connection.execute(statement)
-                connection.execute(f"PRAGMA user_version = {version + 1}")
-        except BaseException:
-            connection.execute("ROLLBACK")
-            raise
-        connection.execute("COMMIT")
-        if version >= len(MIGRATIONS):
-            return
-        log.info("state database migrated", schema_version=version + 1)
-
-
-def _set_aside(path: Path, label: str, now_seconds: float) -> Path:
-    aside = path.with_name(f"{path.name}.{label}-{int(now_seconds)}")
-    serial = 0
-    while aside.exists():
-        serial += 1
-        aside = path.with_name(f"{path.name}.{label}-{int(now_seconds)}.{serial}")
-    path.rename(aside)
-    # The write-ahead log belongs to the old file; applied to a new one it would corrupt it.
-    for suffix in ("-wal", "-shm"):
-        companion = path.with_name(path.name + suffix)
-        if companion.exists():
-            companion.rename(aside.with_name(aside.name + suffix))
-    return aside

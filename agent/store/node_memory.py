@@ -40,7 +40,6 @@ from agent.services.health import HealthProber
 from agent.state import GpuSample, NodeSnapshot, ServiceStatus, XidCount
 from agent.store.boot import BootTables
 from agent.store.database import (
-    BUSY_TIMEOUT_SECONDS,
     DB_NAME,
     RETENTION_SECONDS,
     InventoryGpu,
@@ -48,6 +47,7 @@ from agent.store.database import (
     Store,
     StoreError,
 )
+from agent.store.schema import BUSY_TIMEOUT_SECONDS
 from agent.watch.throttle import ClockEventTotal, ThrottleWatcher
 from agent.watch.xid import XidMark, XidWatcher
 

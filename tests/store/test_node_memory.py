@@ -13,7 +13,7 @@ from agent.backend.errors import GpuErrorKind
 from agent.events import EventKind, HealthState
 from agent.host.paths import HostPaths
 from agent.state import GpuSample, NodeSnapshot, XidCount
-from agent.store.database import DB_NAME, MIGRATIONS, RETENTION_SECONDS, InventoryGpu, Store
+from agent.store.database import DB_NAME, RETENTION_SECONDS, InventoryGpu, Store
 from agent.store.node_memory import (
     MISSING_READ_ERROR,
     PRUNE_EVERY_SECONDS,
@@ -22,6 +22,7 @@ from agent.store.node_memory import (
     expected_gpu_count,
     read_boot_id,
 )
+from agent.store.schema import MIGRATIONS
 from agent.watch.gpu_lost import GpuLostWatcher
 from agent.watch.kernel_log import KernelXid
 from agent.watch.xid import XidWatcher

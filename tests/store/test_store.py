@@ -17,7 +17,8 @@ from agent.events import Event, EventKind, Severity, SuggestedAction
 from agent.rules.model import ActionKind, ActionOutcome, ActionSpec, Decision, Outcome, Target
 from agent.state import RemediationCount
 from agent.store import database as store_module
-from agent.store.database import DB_NAME, MIGRATIONS, RETENTION_SECONDS, Store, StoreError
+from agent.store.database import DB_NAME, RETENTION_SECONDS, Store, StoreError
+from agent.store.schema import MIGRATIONS
 
 T0 = 1_780_000_000.0
 DAY = 86400.0
