@@ -188,7 +188,7 @@ def time_commands(
 
 
 def start_standins(count: int, directory: Path) -> tuple[list[subprocess.Popen[bytes]], list[int]]:
-    from agent.demo.standin import wait_listening
+    from agent.demo.standin_process import wait_listening
 
     servers: list[subprocess.Popen[bytes]] = []
     ports: list[int] = []

@@ -32,7 +32,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.demo.standin import free_port, wait_listening
+from agent.demo.standin_process import free_port, wait_listening
 from agent.services.scrape import fetch_text, parse_reading, scrape
 from agent.services.window import LatencyWindow
 from bench.common import Report, add_common_args, agent_env, print_rows, summarize, target

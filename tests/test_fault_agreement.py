@@ -33,7 +33,7 @@ from policy.test_boot_readiness import OLD, ubuntu_tree
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.daemon.timing import LoopTiming
-from agent.demo.standin import StandinServer
+from agent.demo.standin_process import StandinServer
 
 ROOT = Path(__file__).resolve().parent.parent
 ALERTS = ROOT / "packaging/prometheus/gpu-agent-alerts.yaml"

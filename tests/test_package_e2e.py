@@ -27,7 +27,7 @@ from hosttree import make_host_tree
 from systemd_sandbox import SystemdSandbox, missing_requirements
 from test_packaging import PKG_VERSION, REPO, RULES, VERSION, build_packages
 
-from agent.demo.standin import free_port
+from agent.demo.standin_process import free_port
 
 pytestmark = [
     pytest.mark.e2e,

@@ -29,7 +29,7 @@ from hosttree import make_host_tree
 from systemd_sandbox import cached_rootfs
 from test_packaging import BUILD_OUT, PKG_VERSION, VERSION, build_packages
 
-from agent.demo.standin import free_port
+from agent.demo.standin_process import free_port
 
 TOOLS = ("unshare", "chroot", "mount", "debootstrap", "strace")
 _MISSING = [tool for tool in TOOLS if shutil.which(tool) is None]

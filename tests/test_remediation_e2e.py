@@ -15,7 +15,7 @@ from daemon_harness import running_agent
 from helpers import wait_until
 
 from agent.demo import standin
-from agent.demo.standin import free_port
+from agent.demo.standin_process import free_port
 
 POLICY = "  gpus: []\n"
 #: How long a test waits for the agent to do what it is asked.

@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 from typing import IO, Any
 
-from agent.demo.standin import free_port
+from agent.demo.standin_process import free_port
 
 CONFIG = """\
 route:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from agent import api
-from agent.demo import standin
+from agent.demo import standin, standin_process
 from agent.demo.alertmanager import DemoAlertmanager, find_alertmanager
 from agent.host import safe_json
 from agent.policy.names import POWER_LIMIT
@@ -142,7 +142,7 @@ def write_demo_config(directory: Path, alertmanager_url: str | None = None) -> P
         target = rules_dir / rule_file.name
         shutil.copyfile(rule_file, target)
         os.chmod(target, 0o644)  # the loader refuses rules others can write
-    service_port = standin.free_port()
+    service_port = standin_process.free_port()
     pid_file = directory / SERVICE_PID_FILE
     server = [
         *(sys.executable, "-m", "agent.demo.standin", "--flavor", "sglang"),
@@ -155,7 +155,7 @@ def write_demo_config(directory: Path, alertmanager_url: str | None = None) -> P
         DEMO_CONFIG.format(
             host_root=host_root,
             state_dir=state_dir,
-            metrics_port=standin.free_port(),
+            metrics_port=standin_process.free_port(),
             socket=directory / "agent.sock",
             rules_dir=rules_dir,
             alertmanager=f", alertmanager_url: {json.dumps(alertmanager_url)}" if alertmanager_url else "",

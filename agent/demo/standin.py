@@ -6,49 +6,9 @@ told to misbehave.
                                  [--daemon]
     python3 -m agent.demo.standin --stop --pid-file P
 
-`--daemon` forks the server into the background and returns once it listens (its pid in the pid
-file); `--stop` sends SIGTERM to the pid in the pid file and waits until it is gone. Together they
-are the start and stop commands of a service with `manager: command`.
-
-`GET /health` (and `/health_generate`) answers 200 with body `OK` while healthy, `GET /v1/models` the
-served model as vLLM and sglang list it, `POST /v1/completions` a one-choice completion. The
-control file, re-read on every request and every 0.1 s, holds one word:
-
-    ok      healthy (also when the file is missing or empty)
-    503     answer 503 Service Unavailable (a server that is up but not serving)
-    hang    accept the connection and never answer (a wedged server)
-    exit    exit now with status 3 (a crash)
-
-Signals do the same without a file: SIGUSR1 -> 503, SIGUSR2 -> hang, SIGHUP -> ok; SIGTERM exits 0.
-`--ready-after-seconds` answers 503 for that long after start, like a server loading its weights.
-
-With `--sim-state-dir`, the process registers its pid as a compute process on `--gpus` of the
-simulated backend whose state lives there (as a real server holds its GPUs) and removes it on exit,
-so stopping the service frees the GPU the way it does on a real node.
-
-`--dp-ranks N` repeats sglang's scheduler families per data-parallel rank, `--tp-ranks N` per TP
-rank of each (every scheduler exporting, as `--enable-metrics-for-all-schedulers` makes sglang do).
-
-`GET /metrics` exports the families of the server it stands in for (`--flavor sglang|vllm`; with
-`--metric-names legacy`, vLLM's names from before 0.11: `time_per_output_token_seconds`,
-`gpu_cache_usage_perc`): histograms with the servers' own bucket boundaries, counters, gauges and
-the process families a Python server carries. Traffic is simulated at `--request-rate` requests
-per second with at most `--max-running` in flight (the rest wait in a queue, as a saturated server
-does), or, with `--concurrency N`, by N clients in a closed loop, each sending its next request when
-the last one finished (a benchmark's load, as `sglang.bench_serving --max-concurrency` drives it):
-then the request rate, and the tokens per second with it, follow the GPUs' speed. The counters are
-brought up to the moment of each `/metrics` request, so two scrapes difference exactly.
-Latency follows the simulated GPUs it runs on (`--sim-state-dir`): a GPU whose clock drops
-(a thermal slowdown halves it, a power cap trims it) makes every token slower by the same ratio,
-the slowest of its GPUs setting the pace as in tensor parallelism.
-
-`--drain-file F` models a drained node: while F exists no new request arrives (the load balancer
-sends it none) and the running ones finish within `--drain-seconds` (default 5), so the running
-gauge falls to 0. A starting stand-in removes F (a started server re-registers with the load
-balancer), so a drain hook that creates F makes the whole drain-restart cycle observable.
-
 Only the standard library is used (plus the repository's simulated backend when asked for), so it
-also runs under a bare `python3`, e.g. inside the systemd sandbox.
+also runs under a bare `python3`, e.g. inside the systemd sandbox. What it answers, how it
+misbehaves on request, its traffic and metrics: docs/simulator.md, "The stand-in server".
 """
 
 from __future__ import annotations
@@ -60,17 +20,13 @@ import math
 import os
 import random
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from types import FrameType, TracebackType
-
-from agent.host import safe_json
+from types import FrameType
 
 MODES = ("ok", "503", "hang", "exit")
 CRASH_EXIT_STATUS = 3
@@ -483,8 +439,10 @@ def make_handler(
             if not self._serving():
                 return
             try:
-                model = safe_json.loads(request or b"{}").get("model")
-            except (ValueError, AttributeError):
+                # Standard library only (this file runs under a bare python3): a body nested too deep
+                # for json is a RecursionError, one bad request, never the server's end.
+                model = json.loads(request or b"{}").get("model")
+            except (ValueError, AttributeError, RecursionError):
                 model = None
             if model != MODEL_NAME:
                 self._answer(404, json.dumps({"error": f"model {model!r} does not exist"}).encode(), "application/json")
@@ -773,80 +731,6 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.suppress(OSError):
                 args.pid_file.unlink()
     return exit_status[0]
-
-
-# -- for tests: the stand-in as a child process ---------------------------------------------------
-
-
-def free_port() -> int:
-    """A loopback TCP port nobody listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-def wait_listening(port: int, timeout_seconds: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_seconds
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            return True
-        time.sleep(0.02)
-    return False
-
-
-class StandinServer:
-    """`python inference_standin.py` as a child process with a control file in `directory`."""
-
-    def __init__(self, directory: Path, port: int | None = None, extra_args: tuple[str, ...] = ()) -> None:
-        self.directory = directory
-        self.port = port or free_port()
-        self.control_file = directory / f"standin-{self.port}.control"
-        self.extra_args = extra_args
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def health_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/health"
-
-    def argv(self) -> list[str]:
-        script = str(Path(__file__).resolve())
-        return [sys.executable, script, "--port", str(self.port), "--control-file", str(self.control_file)]
-
-    def start(self) -> StandinServer:
-        self.set_mode("ok")
-        self.proc = subprocess.Popen([*self.argv(), *self.extra_args], stdin=subprocess.DEVNULL)
-        if not wait_listening(self.port):
-            self.stop()
-            raise RuntimeError(f"stand-in did not listen on port {self.port}")
-        return self
-
-    def set_mode(self, mode: str) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}")
-        self.control_file.write_text(mode + "\n", encoding="utf-8")
-
-    def stop(self) -> int | None:
-        """SIGTERM and reap; the exit status (None when it had to be killed)."""
-        if self.proc is None:
-            return None
-        proc, self.proc = self.proc, None
-        if proc.poll() is None:
-            proc.terminate()
-        try:
-            return proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            return None
-
-    def __enter__(self) -> StandinServer:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from helpers import wait_until
 
 from agent.backend.sim import SimulatedBackend
 from agent.demo import standin
-from agent.demo.standin import free_port
+from agent.demo.standin_process import free_port
 
 POLICY = "  gpus: []\n"
 RESTART_RULE = """rules:

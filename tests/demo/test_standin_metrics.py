@@ -10,7 +10,7 @@ from pathlib import Path
 from agent.backend.sim import SimulatedBackend
 from agent.collect import sample_gpu
 from agent.config import ServiceSlo
-from agent.demo.standin import StandinServer
+from agent.demo.standin_process import StandinServer
 from agent.services.latency_cause import attribute_cause, check_slo, regression_event
 from agent.services.scrape import scrape
 from agent.services.window import LatencyWindow, ServiceFigures

@@ -30,7 +30,8 @@ from agent.backend.errors import GpuErrorKind
 from agent.backend.sim import SimulatedBackend
 from agent.config import AgentConfig, Mode, RemediationConfig, ServiceConfig
 from agent.demo import standin
-from agent.demo.standin import free_port, running
+from agent.demo.standin import running
+from agent.demo.standin_process import free_port
 from agent.events import Event, EventKind, Severity, SuggestedAction, event_json
 from agent.policy.base import HostContext
 from agent.rules.actions.alertmanager import AlertTracker

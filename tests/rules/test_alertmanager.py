@@ -16,7 +16,7 @@ from hosttree import make_host_tree
 
 from agent.backend.sim import SimulatedBackend
 from agent.config import AgentConfig, Mode, RemediationConfig
-from agent.demo.standin import free_port
+from agent.demo.standin_process import free_port
 from agent.events import Event, EventKind, Severity, SuggestedAction
 from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine

@@ -13,7 +13,7 @@ from systemd_sandbox import SystemdSandbox, missing_requirements
 from agent.backend.sim import SimulatedBackend
 from agent.config import AgentConfig, Mode, ServiceConfig
 from agent.demo import standin
-from agent.demo.standin import free_port
+from agent.demo.standin_process import free_port
 from agent.events import Event, EventKind, Severity
 from agent.policy.base import HostContext
 from agent.rules.actions.context import ActionContext

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from agent.backend.base import GpuProcess
 from agent.config import ServiceConfig
-from agent.demo.standin import StandinServer, free_port
+from agent.demo.standin_process import StandinServer, free_port
 from agent.host.paths import HostPaths
 from agent.services.attribution import (
     GpuProcessInfo,

@@ -19,7 +19,7 @@ from daemon_harness import DEFAULT_POLICY, running_agent
 from helpers import wait_until
 
 from agent.backend.sim import SimulatedBackend
-from agent.demo.standin import StandinServer, free_port
+from agent.demo.standin_process import StandinServer, free_port
 from agent.textview import status_text
 
 SERVICE = """\

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from service_pages import CASES, SCRAPE_SECONDS, Case
 
 from agent.config import AgentConfig
-from agent.demo.standin import StandinServer
+from agent.demo.standin_process import StandinServer
 from agent.services import scrape as scrape_module
 from agent.services.scrape import ScrapeError, fetch_text, parse_reading
 from agent.services.watch import LatencyRegressionWatch

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.demo.standin import StandinServer, free_port, wait_listening
+from agent.demo.standin_process import StandinServer, free_port, wait_listening
 from agent.services.scrape import (
     MAX_HISTOGRAM_BUCKETS,
     MAX_SERIES_PER_FAMILY,

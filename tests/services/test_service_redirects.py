@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.demo.standin import free_port, wait_listening
+from agent.demo.standin_process import free_port, wait_listening
 from agent.services.scrape import MAX_REDIRECTS, ScrapeError, fetch_text, scrape
 
 PAGE = '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0",model_name="m"} 7.0\n'

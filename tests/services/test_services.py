@@ -14,7 +14,8 @@ from pydantic import ValidationError
 
 from agent.config import AgentConfig, ServiceConfig
 from agent.demo import standin
-from agent.demo.standin import StandinServer, free_port, running
+from agent.demo.standin import running
+from agent.demo.standin_process import StandinServer, free_port
 from agent.events import EventKind, Severity, SuggestedAction
 from agent.host.commands import run_process
 from agent.host.paths import HostPaths

@@ -23,7 +23,7 @@ from agent import api
 from agent.backend.base import ClockDomain
 from agent.backend.sim import SimulatedBackend, load_profile
 from agent.backend.sim.physics import busy_power_mw, capped_clock_ratio
-from agent.demo.standin import StandinServer, free_port
+from agent.demo.standin_process import StandinServer, free_port
 from agent.store.database import Store
 from agent.textview import status_text
 
