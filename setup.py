@@ -5,7 +5,6 @@ pyproject.toml."""
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -20,7 +19,6 @@ def _version_module() -> ModuleType:
     spec = importlib.util.spec_from_file_location("gpu_agent_version", HERE / "agent" / "version.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 

@@ -130,7 +130,6 @@ def _version_module() -> ModuleType:
     spec = importlib.util.spec_from_file_location("gpu_agent_version", REPO / "agent" / "version.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
@@ -177,11 +176,11 @@ def source_date_epoch() -> int:
 
 
 def completion_scripts() -> dict[str, str]:
-    """bash and zsh completion written from the checkout's CLI parser (agent/completion.py)."""
+    """bash and zsh completion written from the checkout's CLI parser (agent/cli/completion.py)."""
     scripts = {}
     for shell, name in (("bash", "gpu-agent.bash"), ("zsh", "_gpu-agent")):
         proc = subprocess.run(
-            [sys.executable, "-m", "agent.completion", shell],
+            [sys.executable, "-m", "agent.cli.completion", shell],
             capture_output=True,
             text=True,
             check=False,
@@ -189,7 +188,7 @@ def completion_scripts() -> dict[str, str]:
             env={**os.environ, "PYTHONPATH": str(REPO)},
         )
         if proc.returncode != 0:
-            raise BuildError(f"agent.completion {shell} failed:\n{proc.stderr[-2000:]}")
+            raise BuildError(f"agent.cli.completion {shell} failed:\n{proc.stderr[-2000:]}")
         scripts[name] = proc.stdout
     return scripts
 

@@ -18,7 +18,7 @@ from hosttree import make_host_tree
 from agent.backend.base import ClockDomain
 from agent.backend.errors import GpuErrorKind
 from agent.backend.sim import SimulatedBackend
-from agent.cli import XID_PARSE_MAX_LINE_BYTES, bounded_lines
+from agent.cli.commands import XID_PARSE_MAX_LINE_BYTES, bounded_lines
 from agent.defaults import DEFAULT_RULES_DIR
 from agent.demo import standin
 

@@ -1,4 +1,4 @@
-"""Shell completion generated from the CLI parser (agent/completion.py), run in a real bash."""
+"""Shell completion generated from the CLI parser (agent/cli/completion.py), run in a real bash."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.cli import build_parser
-from agent.completion import bash_script, commands, zsh_script
+from agent.cli.completion import bash_script, commands, zsh_script
+from agent.cli.parser import build_parser
 
 TOP_LEVEL = sorted(next(commands(build_parser())).subcommands)
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.cli import build_parser
-from agent.completion import DURATIONS, bash_script, commands, zsh_script
+from agent.cli.completion import DURATIONS, bash_script, commands, zsh_script
+from agent.cli.parser import build_parser
 from agent.store.database import Store
 
 REPO = Path(__file__).resolve().parent.parent
@@ -345,5 +345,5 @@ def test_bash_completes_values_where_values_go(bash_user_dir: Path, node: Path) 
 
 
 def test_the_command_walk_matches_the_completion_model() -> None:
-    """The paths checked above are the ones agent/completion.py generates cases for."""
+    """The paths checked above are the ones agent/cli/completion.py generates cases for."""
     assert set(PARSERS) == {command.path for command in commands(build_parser())}

@@ -886,7 +886,7 @@ def test_deb_purge_removes_config_and_state(tmp_path: Path) -> None:
 
 
 def test_man_page_names_every_command() -> None:
-    from agent.cli import build_parser
+    from agent.cli.parser import build_parser
 
     man = (REPO / "packaging" / "gpu-agent.8").read_text()
     parser = build_parser()

@@ -1,24 +1,23 @@
 """bash and zsh completion, written from the CLI's own argparse parser, so a new command or option
 completes without anyone editing a script. The packages install both (packaging/build.py):
 
-    python -m agent.completion bash|zsh
+    python -m agent.cli.completion bash|zsh
 
 Values complete where values go: choices from the parser, paths for PATH/FILE/DIR, durations for
 DURATION (`events --since`), and what only the node knows, read when TAB is pressed through
 `gpu-agent --complete-values KIND` (hidden; the config of a `--config` on the line, else
 $GPU_AGENT_CONFIG, else the default): the `ack` selectors the store has something to re-arm for,
-and the GPU indices the store knows (`--gpu`). Nothing is written: the store is opened read-only.
+and the GPU indices the store knows (`--gpu`), both read by agent/cli/completion_values.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sqlite3
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
+
+from agent.cli.parser import build_parser
 
 PROG = "gpu-agent"
 # Options whose value is a path: completed from the file system, not from a word list.
@@ -30,7 +29,6 @@ DURATIONS = ("30m", "1h", "6h", "1d", "7d")
 # Values only the node knows, read at TAB time (`gpu-agent --complete-values KIND`).
 DYNAMIC_OPTIONS = {"--gpu": "gpus"}
 DYNAMIC_POSITIONALS = {"selector": "ack-targets"}  # `gpu-agent ack SELECTOR`
-DYNAMIC_KINDS = ("ack-targets", "gpus")
 
 
 @dataclass
@@ -104,7 +102,7 @@ def bash_script(parser: argparse.ArgumentParser) -> str:
         word_cases.append(f'        "{c.path}") words="{_words(c)}"{dynamic} ;;')
     return "\n".join(
         [
-            f"# bash completion for {PROG}, generated from its argparse parser (agent/completion.py)",
+            f"# bash completion for {PROG}, generated from its argparse parser (agent/cli/completion.py)",
             "# What only the node knows (KIND: ack-targets, gpus), from the gpu-agent being completed,",
             "# with the config of a --config on the line.",
             "_gpu_agent_values() {",
@@ -192,7 +190,7 @@ def zsh_script(parser: argparse.ArgumentParser) -> str:
     return "\n".join(
         [
             f"#compdef {PROG}",
-            f"# zsh completion for {PROG}, generated from its argparse parser (agent/completion.py)",
+            f"# zsh completion for {PROG}, generated from its argparse parser (agent/cli/completion.py)",
             "local p=gpu-agent i config=",
             "local -a items values",
             "for ((i = 2; i < CURRENT; i++)); do",
@@ -225,59 +223,11 @@ def _zsh_values(kind: str) -> str:
     return f'${{(f)"$({command})"}}'
 
 
-def dynamic_values(kind: str, config_path: str | None = None) -> list[str]:
-    """The values of KIND this node has (`gpu-agent --complete-values KIND`), from the store of
-    the config at `config_path` ($GPU_AGENT_CONFIG, else the default), opened read-only; nothing
-    when there is no config or store, or it cannot be read (completion never fails loudly).
-      ack-targets  `all`, then the rules, `gpu:INDEX`, `gpu:UUID` and `service:NAME` whose
-                   attempts ran out or circuit is open, and the missing GPUs not acknowledged
-      gpus         the GPU indices the store has seen on this node"""
-    from agent.config import load_config
-    from agent.config_errors import ConfigError
-    from agent.defaults import DEFAULT_CONFIG_PATH
-
-    path = config_path or os.environ.get("GPU_AGENT_CONFIG") or DEFAULT_CONFIG_PATH
-    try:
-        database = Path(load_config(Path(path)).state_dir) / "gpu-agent.db"
-        if not database.is_file():
-            return []
-        connection = sqlite3.connect(f"{database.as_uri()}?mode=ro", uri=True, timeout=1)
-    except (ConfigError, OSError, sqlite3.Error, ValueError):
-        return []
-    try:
-        if kind == "gpus":
-            rows = connection.execute("SELECT DISTINCT gpu FROM gpu_inventory WHERE gpu >= 0 ORDER BY gpu").fetchall()
-            return [str(row[0]) for row in rows]
-        owed = "SELECT rule, gpu, uuid, service FROM circuits UNION SELECT rule, gpu, uuid, service FROM remediations"
-        owed += " WHERE counted = 1 AND acked = 0"
-        found: dict[str, None] = {"all": None}
-        for rule, gpu, uuid, service in connection.execute(owed).fetchall():
-            found[str(rule)] = None
-            for value in (
-                f"gpu:{gpu}" if gpu is not None else None,
-                uuid and f"gpu:{uuid}",
-                service and f"service:{service}",
-            ):
-                if value:
-                    found[value] = None
-        missing = "SELECT DISTINCT gpu, uuid FROM gpu_inventory WHERE present = 0 AND acked = 0"
-        for gpu, uuid in connection.execute(missing).fetchall():
-            found[f"gpu:{gpu}"] = None
-            found[f"gpu:{uuid}"] = None
-        return list(found)
-    except sqlite3.Error:
-        return []
-    finally:
-        connection.close()
-
-
 def main(argv: list[str] | None = None) -> int:
-    from agent.cli import build_parser
-
     shell = (argv if argv is not None else sys.argv[1:]) or ["bash"]
     scripts = {"bash": bash_script, "zsh": zsh_script}
     if shell[0] not in scripts:
-        print(f"usage: python -m agent.completion {'|'.join(scripts)}", file=sys.stderr)
+        print(f"usage: python -m agent.cli.completion {'|'.join(scripts)}", file=sys.stderr)
         return 1
     sys.stdout.write(scripts[shell[0]](build_parser()))
     return 0

@@ -1,0 +1,53 @@
+"""gpu-agent command line. Read commands take --json; every command takes --config.
+
+The parts: parser.py (the argparse tree), common.py (what every command shares), status.py,
+check_config.py, commands.py (the other commands), completion.py (bash and zsh scripts written from
+the parser) and completion_values.py (the values only the node knows, read at TAB time)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from agent.cli.common import EXIT_ERROR, EXIT_OK, CliError
+from agent.cli.parser import build_parser, print_version
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    if arguments == ["--version"]:  # the answer needs no parser
+        print_version()
+        return EXIT_OK
+    # Options before the command are only --help and --version: the first word is the command.
+    command = next((word for word in arguments if not word.startswith("-")), None)
+    args = build_parser(fault_parsers=command == "inject").parse_args(arguments)
+    if args.command not in ("run", "status"):  # run configures its own; status stays lean (no store)
+        from agent.logs import configure_cli_logging
+
+        configure_cli_logging()
+    try:
+        code: int = args.func(args)
+    except CliError as exc:
+        print(f"gpu-agent: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except BrokenPipeError:
+        return EXIT_OK
+    except Exception as exc:
+        return _failure(exc)
+    return code
+
+
+def _failure(exc: Exception) -> int:
+    """A config or GPU error as its lines on stderr and exit 1; anything else is a bug, raised again.
+    (The error types are imported here: `status` and `--version` start without them.)"""
+    from agent.backend.errors import NO_DRIVER_KINDS, GpuError
+    from agent.config_errors import ConfigError
+
+    if isinstance(exc, ConfigError):
+        for problem in exc.problems:
+            print(problem, file=sys.stderr)
+        return EXIT_ERROR
+    if isinstance(exc, GpuError):
+        print(f"gpu-agent: {exc.args[0] if exc.kind in NO_DRIVER_KINDS else exc}", file=sys.stderr)
+        return EXIT_ERROR
+    raise exc

@@ -1,0 +1,68 @@
+"""What every command shares: the config a command runs with, the policy engine, the store, its output
+and its one-line failure. Every import beyond the standard library is made where it is used: `status`
+against a daemon, `--version` and `--help` load none of the heavy modules."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from agent.defaults import DEFAULT_CONFIG_PATH
+
+if TYPE_CHECKING:  # the heavy modules (pydantic models, the policy engine) load only for commands that use them
+    from agent.config import AgentConfig
+    from agent.policy.engine import PolicyEngine
+    from agent.store.database import Store
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+
+
+class CliError(Exception):
+    """A failure worth one clear line on stderr and exit 1, never a traceback."""
+
+
+def config_path(args: argparse.Namespace) -> tuple[Path | None, bool]:
+    """(path, explicit). Without --config or $GPU_AGENT_CONFIG, the default file if it exists."""
+    given = args.config or os.environ.get("GPU_AGENT_CONFIG")
+    if given:
+        return Path(given), True
+    default = Path(DEFAULT_CONFIG_PATH)
+    return (default, False) if default.exists() else (None, False)
+
+
+def load(args: argparse.Namespace) -> AgentConfig:
+    from agent.backend import load_checked_config
+    from agent.config import AgentConfig
+
+    path, _ = config_path(args)
+    if path is None:
+        print(f"note: {DEFAULT_CONFIG_PATH} not found; using built-in defaults (observe mode, nvml)", file=sys.stderr)
+        return AgentConfig()
+    return load_checked_config(path)
+
+
+def make_engine(config: AgentConfig) -> PolicyEngine:
+    from agent.backend import open_backend
+    from agent.host.paths import HostPaths
+    from agent.policy.base import HostContext
+    from agent.policy.engine import PolicyEngine
+
+    backend = open_backend(config)
+    return PolicyEngine(config, backend, HostContext(HostPaths.at(config.host_root)))
+
+
+def open_store(config: AgentConfig) -> Store:
+    from agent.store.database import Store, StoreError
+
+    try:
+        return Store.open(config.state_dir)
+    except StoreError as exc:
+        raise CliError(str(exc)) from None
+
+
+def print_text(text: str) -> None:
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")

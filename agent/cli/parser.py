@@ -1,0 +1,225 @@
+"""The argparse tree of `gpu-agent`: every command, option and help line, and the hidden
+`--complete-values` shell completion asks. Building it imports only the standard library and the
+commands' modules, whose own imports are made when a command runs."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, cast
+
+from agent.cli.check_config import cmd_check_config
+from agent.cli.commands import (
+    cmd_ack,
+    cmd_apply,
+    cmd_demo,
+    cmd_events,
+    cmd_inject,
+    cmd_plan,
+    cmd_restore,
+    cmd_run,
+    cmd_xid_explain,
+    cmd_xid_parse,
+)
+from agent.cli.completion_values import DYNAMIC_KINDS, dynamic_values
+from agent.cli.status import socket_path_of, cmd_status
+from agent.defaults import DEFAULT_CONFIG_PATH
+
+
+def positive_int(text: str) -> int:
+    """A count of 1 or more (SQLite reads a negative LIMIT as no limit at all)."""
+    if not text.isdecimal() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number, 1 or more")
+    return int(text)
+
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration_seconds(text: str) -> float:
+    """'90s', '30m', '1h', '7d' -> seconds."""
+    number, unit = text[:-1], text[-1:]
+    if unit not in _DURATION_UNITS or not number.replace(".", "", 1).isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: give a duration like 90s, 30m, 1h or 7d")
+    return float(number) * _DURATION_UNITS[unit]
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's, sized without importing shutil (argparse imports it to size even an unused formatter)."""
+
+    def __init__(self, prog: str) -> None:
+        columns = os.environ.get("COLUMNS", "")
+        if columns.isdecimal() and int(columns) > 0:
+            width = int(columns)
+        else:
+            try:
+                width = os.get_terminal_size(sys.__stdout__.fileno() if sys.__stdout__ else 1).columns
+            except (OSError, ValueError):
+                width = 80
+        super().__init__(prog, width=max(width, 20) - 2)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every parser of the tree (subparsers take their parent's class) with the formatter above:
+    argparse builds a formatter for each argument it adds."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+#: `inject`'s line in `gpu-agent --help`; its fault parsers (which import the backend types) are
+#: built only when the command is `inject` (or for the whole tree: completion).
+INJECT_HELP = "inject a fault into a simulated node (and a running daemon on it)"
+
+
+def print_version() -> None:
+    from agent.version import current
+
+    info = current()
+    sys.stdout.write(f"gpu-agent {info.version}\nrevision {info.revision}\n")
+
+
+class _VersionAction(argparse.Action):
+    """--version, reading the version only when asked (in a git checkout it runs git)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_args: object) -> None:
+        print_version()
+        parser.exit()
+
+
+class _CompleteValuesAction(argparse.Action):
+    """--complete-values KIND (hidden): the values shell completion offers, one a line
+    (agent/cli/completion_values.py)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, _namespace: object, values: object, *_args: object) -> None:
+        for value in dynamic_values(str(values)):
+            sys.stdout.write(value + "\n")
+        parser.exit()
+
+
+def build_parser(*, fault_parsers: bool = True) -> argparse.ArgumentParser:
+    common = _Parser(add_help=False)
+    common.add_argument(
+        "--config", metavar="PATH", help=f"config file (default {DEFAULT_CONFIG_PATH}, or $GPU_AGENT_CONFIG)"
+    )
+    as_json = _Parser(add_help=False)
+    as_json.add_argument("--json", action="store_true", help="machine-readable output (stable, versioned by `schema`)")
+
+    parser = _Parser(
+        prog="gpu-agent",
+        description="Keep a GPU inference node in its declared state, watch it, and repair what is safe to repair.",
+    )
+    parser.add_argument("--version", action=_VersionAction, help="print the version and the commit it was built from")
+    parser.add_argument(
+        "--complete-values", action=_CompleteValuesAction, choices=DYNAMIC_KINDS, help=argparse.SUPPRESS
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("run", parents=[common], help="the daemon, in the foreground (systemd Type=notify)")
+    p.add_argument(
+        "--log-format",
+        choices=["auto", "journal", "json", "console"],
+        default="auto",
+        help="auto: journal under systemd, console in a terminal, JSON lines otherwise",
+    )
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    p.set_defaults(func=cmd_run)
+    p = sub.add_parser(
+        "plan",
+        parents=[common, as_json],
+        help="desired vs actual per item and GPU; changes nothing",
+        description="Exit codes: 0 in sync, 2 drift (or reboot pending), 1 error.",
+    )
+    p.set_defaults(func=cmd_plan)
+    p = sub.add_parser(
+        "apply",
+        parents=[common, as_json],
+        help="enforce the policy once (enforce-mode items only)",
+        description="Exit codes: 0 ok, 1 error or drift left unapplied.",
+    )
+    p.add_argument("--dry-run", action="store_true", help="show what would change, change nothing")
+    p.set_defaults(func=cmd_apply)
+    p = sub.add_parser(
+        "restore", parents=[common, as_json], help="fans to automatic, locked clocks reset, default power limit"
+    )
+    p.set_defaults(func=cmd_restore)
+    p = sub.add_parser(
+        "status", parents=[common, as_json], help="live view from the daemon; a direct read when none runs"
+    )
+    p.add_argument("--direct", action="store_true", help="read the GPUs directly even if a daemon runs")
+    p.set_defaults(func=cmd_status)
+    p = sub.add_parser("events", parents=[common, as_json], help="event and remediation history from the store")
+    p.add_argument(
+        "--since",
+        type=parse_duration_seconds,
+        default=parse_duration_seconds("1h"),
+        metavar="DURATION",
+        help="how far back: 90s, 30m, 1h (default), 7d",
+    )
+    p.add_argument("--limit", type=positive_int, default=200, help="at most this many of each (default 200)")
+    p.set_defaults(func=cmd_events)
+    p = sub.add_parser(
+        "ack",
+        parents=[common],
+        help="mark Xids dealt with, re-arm rules whose attempts ran out, forget a missing GPU",
+        description="SELECTOR: a rule name, gpu:INDEX, gpu:UUID, xid:CODE@GPU (GPU: index or UUID), "
+        "service:NAME, or all. A GPU or Xid selector (or all) marks the GPU's Xids (or that one) dealt with: "
+        "they leave the verdict, their counts stay. A GPU selector (or all) also re-arms the rules acting on it "
+        "and acknowledges a missing GPU as gone: it leaves status and /metrics until it answers again. "
+        "Exit codes: 0 something acknowledged (or `all` with nothing to do), 1 nothing matched (a typo?).",
+    )
+    p.add_argument("selector")
+    p.set_defaults(func=cmd_ack)
+    p = sub.add_parser(
+        "check-config",
+        parents=[common],
+        help="validate the config; errors name file, line, field",
+        description="Validates agent.yaml and every rules file, and lists which rules files count. "
+        "Exit codes: 0 valid, 1 invalid (or, with --strict, warnings).",
+    )
+    p.add_argument(
+        "--rules",
+        metavar="DIR",
+        action="append",
+        help="rules directory, repeatable, lowest priority first (default: remediation.rules_dirs from the config)",
+    )
+    p.add_argument(
+        "--strict", action="store_true", help="exit 1 on warnings too: a missing rules dir, no rules, unread files"
+    )
+    p.set_defaults(func=cmd_check_config)
+
+    xid = sub.add_parser("xid", help="the Xid catalog and the kernel-log parser")
+    xid_sub = xid.add_subparsers(dest="xid_command", required=True, metavar="SUBCOMMAND")
+    p = xid_sub.add_parser("explain", parents=[as_json], help="what an Xid means and what to do")
+    p.add_argument("code", type=int)
+    p.set_defaults(func=cmd_xid_explain)
+    p = xid_sub.add_parser(
+        "parse",
+        parents=[common],
+        help="kernel-log lines on stdin -> one JSON object per Xid (gpu/uuid filled in when --config names this node)",
+    )
+    p.set_defaults(func=cmd_xid_parse)
+
+    from agent.tune.cli import add_parsers as add_tune_parsers
+
+    if fault_parsers:
+        from agent.demo.inject import add_parsers
+
+        add_parsers(cast("argparse._SubParsersAction[argparse.ArgumentParser]", sub), common)
+    else:
+        sub.add_parser("inject", help=INJECT_HELP)
+    sub.choices["inject"].set_defaults(func=cmd_inject)
+    add_tune_parsers(sub, common, socket_path_of)
+    p = sub.add_parser(
+        "demo", help="the daemon on a simulated node with a fault scenario (changes nothing on this machine)"
+    )
+    p.add_argument("--dir", metavar="DIR", help="scratch directory for the simulated node (default: a new temp dir)")
+    p.add_argument("--exit-after-scenario", action="store_true", help="stop the agent when the scenario is done")
+    p.set_defaults(func=cmd_demo)
+    return parser
