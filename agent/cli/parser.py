@@ -24,7 +24,7 @@ from agent.cli.commands import (
     cmd_xid_parse,
 )
 from agent.cli.completion_values import DYNAMIC_KINDS, dynamic_values
-from agent.cli.status import socket_path_of, cmd_status
+from agent.cli.status import cmd_status, socket_path_of
 from agent.defaults import DEFAULT_CONFIG_PATH
 
 
