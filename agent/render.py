@@ -35,7 +35,7 @@ def plan_text(plan: NodePlan, width: int = PLAN_WIDTH_COLUMNS) -> str:
         lines += block
         why = list(p.changes) if p.changes and p.status is PlanStatus.DRIFT else [p.detail] if p.detail else []
         for text in why:
-            lines += fit(f"    -> {text}", width)
+            lines += fit(printable(f"    -> {text}"), width)
     summary = {0: "in sync", 1: "errors", 2: "drift"}[plan.exit_code]
     unmatched = [str(g) for g, n in sorted(plan.profiles.items()) if n is None]
     note = f"\nno GPU profile matches GPU {', '.join(unmatched)}" if unmatched else ""
