@@ -433,8 +433,24 @@ def extracted(packages: dict[str, Path], tmp_path: Path) -> Path:
     return tmp_path
 
 
+def relocate_config(root: Path) -> Path:
+    """The extracted package's agent.yaml with its rules directories under `root`, the override
+    directory made: check-config holds every configured rules directory to existing (only the
+    default /etc/gpu-agent/rules.d may be absent, and under `root` it is no longer the default)."""
+    config = root / "etc/gpu-agent/agent.yaml"
+    text = config.read_text()
+    if str(root) not in text:
+        for rules in ("/usr/share/gpu-agent/rules.d", "/etc/gpu-agent/rules.d"):
+            text = text.replace(rules, f"{root}{rules}")
+        config.write_text(text)
+    (root / "etc/gpu-agent/rules.d").mkdir(parents=True, exist_ok=True)
+    return config
+
+
 def install_env(root: Path, action: str, python: str = "/usr/bin/python3") -> subprocess.CompletedProcess[str]:
     """Run the package's install-env under `root` (`action`: its arguments, split at spaces)."""
+    if (root / "etc/gpu-agent/agent.yaml").exists():
+        relocate_config(root)
     env = {
         **os.environ,
         "GPU_AGENT_PREFIX": str(root / "opt/gpu-agent"),
@@ -465,11 +481,7 @@ def test_bundled_wheels_run_on_the_target_python(packages: dict[str, Path], tmp_
     files = run(venv / "bin/python", "-I", "-c", code).splitlines()
     # All from the bundled wheels, none from the interpreter's own site-packages.
     assert all(f.startswith(f"{venv}/lib/python{TARGETS[target].python}/site-packages/") for f in files), files
-    config = tmp_path / "agent.yaml"
-    text = (tmp_path / "etc/gpu-agent/agent.yaml").read_text()
-    for rules in ("/usr/share/gpu-agent/rules.d", "/etc/gpu-agent/rules.d"):
-        text = text.replace(rules, f"{tmp_path}{rules}")
-    config.write_text(text)
+    config = relocate_config(tmp_path)
     checked = run(venv / "bin/python", "-I", "-m", "agent.cli", "check-config", "--config", config, "--strict")
     shipped = sum(len(yaml.safe_load((REPO / "rules" / name).read_text())["rules"]) for name in RULES)
     assert (
