@@ -125,13 +125,29 @@ def escape_text(keep_newlines: bool = False) -> Callable[[object, str, MutableMa
     return escape
 
 
+class _CurrentStream:
+    """`sys.stdout` or `sys.stderr` as it is when a line is written, not when logging was configured:
+    a caller that swaps the stream (an embedding process, a test capturing output) must not leave
+    the agent writing to one that has since been closed."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def write(self, text: str) -> int:
+        written: int = getattr(sys, self.name).write(text)
+        return written
+
+    def flush(self) -> None:
+        getattr(sys, self.name).flush()
+
+
 def configure_cli_logging() -> None:
     """One-shot commands (`events --json`, `plan`, ...): stdout is the answer, so the agent's own log
     lines go to stderr, and only warnings and worse (not "state database migrated")."""
     structlog.configure(
         processors=[escape_text(), structlog.processors.add_log_level, structlog.dev.ConsoleRenderer(colors=False)],
         wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(_CurrentStream("stderr")),  # type: ignore[arg-type]
         cache_logger_on_first_use=False,
     )
 
@@ -158,7 +174,9 @@ def configure_logging(level: str = "info", output: str = "auto") -> str:
     structlog.configure(
         processors=[*processors, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level.lower()]),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr if output == "console" else sys.stdout),
+        logger_factory=structlog.PrintLoggerFactory(
+            _CurrentStream("stderr" if output == "console" else "stdout")  # type: ignore[arg-type]
+        ),
         cache_logger_on_first_use=False,
     )
     root = logging.getLogger()

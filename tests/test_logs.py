@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import io
 import json
 import logging
 import socket
@@ -141,3 +142,20 @@ def test_named_loggers_are_the_daemons_one() -> None:
             ):
                 names = [arg.value for arg in node.args if isinstance(arg, ast.Constant)]
                 assert names == ["gpu-agent"], f"{path}:{node.lineno}: structlog.get_logger({names})"
+
+
+@pytest.mark.parametrize("output", ["json", "console", "cli"])
+def test_a_swapped_and_closed_stream_is_never_written_to(monkeypatch: pytest.MonkeyPatch, output: str) -> None:
+    """Logging configured while a caller had swapped the stream (a test capturing output, an
+    embedding process) keeps writing to the stream in place now, not to the closed one."""
+    name = "stdout" if output == "json" else "stderr"
+    first, second = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, name, first)
+    if output == "cli":
+        logs.configure_cli_logging()
+    else:
+        logs.configure_logging("info", output)
+    first.close()
+    monkeypatch.setattr(sys, name, second)
+    structlog.get_logger("gpu-agent").warning("still heard")
+    assert "still heard" in second.getvalue()
