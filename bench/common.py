@@ -312,7 +312,12 @@ def make_node(
         + f"interval_seconds: {interval_seconds:g}\n"
         + f'metrics: {{listen: "127.0.0.1:{port}"}}\n'
         + f"api: {{socket: {socket_path}}}\n"
-        + f"remediation: {{rules_dir: {rules_dir}}}\n"
+        # no rules given: remediation off, said so (an empty rules directory is a verdict line)
+        + (
+            f"remediation: {{rules_dirs: [{rules_dir}]}}\n"
+            if rules_yaml is not None
+            else "remediation: {rules_dirs: []}\n"
+        )
         + BENCH_POLICY
         + extra_yaml,
         encoding="utf-8",
