@@ -18,16 +18,18 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from agent.tune.model import (
+from agent.tune.defaults import (
     DEFAULT_MAX_TRAFFIC_CHANGE,
     DEFAULT_MIN_REQUEST_RATE,
     DEFAULT_SETTLE_SECONDS,
     DEFAULT_THROUGHPUT_TOLERANCE,
     KNOB_UNITS,
-    TuneDocument,
 )
+
+if TYPE_CHECKING:  # the sweep's models (dataclasses) only where a document is rendered: --help stays light
+    from agent.tune.model import TuneDocument
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -240,6 +242,8 @@ def _report(document: dict[str, Any], as_json: bool) -> int:
     if as_json:
         print(json.dumps(document, indent=2, sort_keys=True))
     else:
+        from agent.tune.model import TuneDocument
+
         print(render(TuneDocument.from_json(document)))
     if document.get("state") in ("failed", "aborted", "interrupted", "running"):
         return EXIT_ERROR

@@ -9,15 +9,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-TuneKind = Literal["power", "clocks"]
-#: The knob each kind turns, its unit, and the policy key it recommends.
-KNOB_UNITS: dict[str, str] = {"power": "W", "clocks": "MHz"}
-POLICY_ITEMS: dict[str, str] = {"power": "power_limit", "clocks": "locked_clocks"}
+from agent.tune.defaults import (
+    DEFAULT_MAX_TRAFFIC_CHANGE,
+    DEFAULT_MIN_REQUEST_RATE,
+    DEFAULT_SETTLE_SECONDS,
+    DEFAULT_THROUGHPUT_TOLERANCE,
+)
 
-DEFAULT_THROUGHPUT_TOLERANCE = 0.05  # the recommendation keeps tokens/s within 5 % of the best seen
-DEFAULT_MIN_REQUEST_RATE = 1.0  # requests per second below which a step measures noise
-DEFAULT_MAX_TRAFFIC_CHANGE = 0.25  # offered load may move this much between steps
-DEFAULT_SETTLE_SECONDS = 10.0  # at most this long for the clocks to settle after a change
+TuneKind = Literal["power", "clocks"]
 
 
 @dataclass(frozen=True)

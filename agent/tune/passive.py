@@ -22,7 +22,7 @@ from agent.services.window import ServiceFigures
 from agent.state import GpuSample
 from agent.store.database import Store, StoreError
 from agent.store.tunes import HistoryRow
-from agent.tune.model import DEFAULT_THROUGHPUT_TOLERANCE
+from agent.tune.defaults import DEFAULT_THROUGHPUT_TOLERANCE
 
 log = structlog.get_logger("gpu-agent")
 

@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from agent.config import ServiceSlo
 from agent.services.latency_cause import check_slo
 from agent.services.window import ServiceFigures
-from agent.tune.model import KNOB_UNITS, Recommendation, StepReading, TuneKind, TuneRequest
+from agent.tune.defaults import KNOB_UNITS
+from agent.tune.model import Recommendation, StepReading, TuneKind, TuneRequest
 
 
 def slo_breaches(slo: ServiceSlo | None, figures: ServiceFigures | None) -> tuple[str, ...]:

@@ -24,7 +24,8 @@ from agent.policy.holds import PolicyHolds
 from agent.services.window import ServiceFigures
 from agent.state import ServiceStatus
 from agent.store.database import Store, StoreError
-from agent.tune.model import POLICY_ITEMS, TuneDocument, TuneRequest
+from agent.tune.defaults import POLICY_ITEMS
+from agent.tune.model import TuneDocument, TuneRequest
 from agent.tune.passive import PowerHistory, passive_report
 from agent.tune.sweep import RecoveryJob, TuneJob, hold_owner
 

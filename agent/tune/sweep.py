@@ -20,8 +20,9 @@ from agent.backend.errors import GpuError, WriteRefused
 from agent.config import ServiceConfig
 from agent.policy.holds import PolicyHolds
 from agent.store.database import Store, StoreError
+from agent.tune.defaults import KNOB_UNITS
 from agent.tune.measure import MeasureError, measure_step, wait_settled
-from agent.tune.model import KNOB_UNITS, Original, StepReading, TuneDocument
+from agent.tune.model import Original, StepReading, TuneDocument
 from agent.tune.recommend import recommend, thin_traffic, uneven_traffic
 
 log = structlog.get_logger("gpu-agent")

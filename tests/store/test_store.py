@@ -16,7 +16,7 @@ from helpers import make_event
 from agent.events import Event, EventKind, Severity, SuggestedAction
 from agent.rules.model import ActionKind, ActionOutcome, ActionSpec, Decision, Outcome, Target
 from agent.state import RemediationCount
-from agent.store import database as store_module
+from agent.store import schema as schema_module
 from agent.store.database import DB_NAME, RETENTION_SECONDS, Store, StoreError
 from agent.store.schema import MIGRATIONS
 
@@ -88,7 +88,7 @@ def test_migrations_run_once_and_keep_the_data(tmp_path: Path, monkeypatch: pyte
     with Store.open(tmp_path, now_seconds=T0) as opened:
         opened.record_event(event("kept"))
     newer = (*MIGRATIONS, ("ALTER TABLE events ADD COLUMN note TEXT NOT NULL DEFAULT 'migrated'",))
-    monkeypatch.setattr(store_module, "MIGRATIONS", newer)
+    monkeypatch.setattr(schema_module, "MIGRATIONS", newer)
     for _ in range(2):  # the second open finds nothing left to do
         with Store.open(tmp_path, now_seconds=T0) as opened:
             assert [e.event.key for e in opened.events()] == ["kept"]
@@ -111,7 +111,7 @@ def test_a_failed_migration_is_an_error_and_leaves_the_old_schema(
     with Store.open(tmp_path, now_seconds=T0) as opened:
         opened.record_event(event("kept"))
     broken = (*MIGRATIONS, ("ALTER TABLE events ADD COLUMN note TEXT", failing))
-    monkeypatch.setattr(store_module, "MIGRATIONS", broken)
+    monkeypatch.setattr(schema_module, "MIGRATIONS", broken)
     with pytest.raises(StoreError):
         Store.open(tmp_path, now_seconds=T0)
     db = tmp_path / DB_NAME
