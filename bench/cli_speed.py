@@ -57,6 +57,7 @@ from bench.common import (
     scratch_dir,
     summarize,
     target,
+    timed_run,
 )
 from bench.daemon_footprint import CLOCK_TICKS_PER_SECOND, read_stat
 
@@ -149,15 +150,6 @@ def commands_for(node: Node, report: Report) -> dict[str, list[str]]:
     return commands
 
 
-def timed(argv: Sequence[str], env: dict[str, str], cwd: Path) -> tuple[float, int]:
-    """(wall seconds, exit code) of one process, output discarded: what a shell's `time` shows."""
-    started = time.perf_counter()
-    done = subprocess.run(
-        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=cwd, timeout=120, check=False
-    )
-    return time.perf_counter() - started, done.returncode
-
-
 def time_commands(
     node: Node, commands: dict[str, list[str]], runs: int, agent_tree: Path | None
 ) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
@@ -176,12 +168,12 @@ def time_commands(
     names = list(commands)
     exits: dict[str, set[int]] = {name: set() for name in names}
     for name in names:  # warm the page cache: the first start of anything is an outlier
-        timed(commands[name], env, tree)
+        timed_run(commands[name], env=env, cwd=tree)
     times: dict[str, list[float]] = {name: [] for name in names}
     for done in range(runs):
         shift = done % len(names)
         for name in names[shift:] + names[:shift]:
-            seconds, code = timed(commands[name], env, tree)
+            seconds, code = timed_run(commands[name], env=env, cwd=tree)
             times[name].append(seconds)
             exits[name].add(code)
     return times, {name: sorted(codes) for name, codes in exits.items()}

@@ -50,7 +50,7 @@ from agent.backend.errors import GpuError
 from agent.collect import sample_identified
 from agent.config import AgentConfig, SimulatedConfig
 from agent.daemon.bounded import BoundedRunner
-from bench.common import Report, add_common_args, percentile, print_rows, scratch_dir, summarize, target
+from bench.common import Report, add_common_args, percentile, print_rows, scratch_dir, summarize, target, timed_run
 
 Call = tuple[Callable[..., Any], tuple[Any, ...]]
 
@@ -393,7 +393,7 @@ def nvidia_smi_comparison(
         return {"skipped": f"nvidia-smi exited {first.returncode}: {first.stderr.strip()[:300]}"}
 
     def smi_run(argv: list[str]) -> Callable[[], object]:
-        return partial(subprocess.run, argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+        return partial(timed_run, argv, 60.0)
 
     times = measure_rounds(
         {
