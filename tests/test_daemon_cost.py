@@ -14,7 +14,7 @@ import pytest
 from daemon_harness import write_agent_config
 from helpers import wait_until
 
-from agent import api
+from agent import api, api_server
 from agent.config import load_config
 from agent.daemon import Daemon
 from agent.daemon.sd_notify import SdNotifier
@@ -63,7 +63,7 @@ def test_idle_servers_sleep_until_a_client_comes_or_they_are_closed(
 
     monkeypatch.setattr(selectors.PollSelector, "select", recorded)
     threads_before = set(threading.enumerate())
-    socket_server = api.ApiServer(tmp_path / "agent.sock", {"ping": lambda _p: "pong"})
+    socket_server = api_server.ApiServer(tmp_path / "agent.sock", {"ping": lambda _p: "pong"})
     socket_server.start()
     metrics = serve_metrics("127.0.0.1:0", lambda: None)
     try:

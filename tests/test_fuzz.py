@@ -26,7 +26,7 @@ from daemon_harness import write_agent_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent import api, safe_yaml
+from agent import api, api_server, safe_yaml
 from agent.config import AgentConfig, ConfigError, config_from_text, load_config
 from agent.daemon import Daemon
 from agent.daemon.sd_notify import SdNotifier
@@ -412,7 +412,7 @@ requests = (
 @FUZZ
 @given(requests)
 def test_any_request_line_gets_a_response_and_never_raises(daemon_handlers: dict[str, Any], line: bytes) -> None:
-    response = api.handle_request(line, daemon_handlers)
+    response = api_server.handle_request(line, daemon_handlers)
     assert isinstance(response["ok"], bool)
     assert response["ok"] or isinstance(response["error"], str)
     json.dumps(response, default=str)  # it can be sent
@@ -421,7 +421,7 @@ def test_any_request_line_gets_a_response_and_never_raises(daemon_handlers: dict
 @contextlib.contextmanager
 def server(directory: Path, handlers: dict[str, Any]) -> Iterator[Path]:
     path = directory / "agent.sock"
-    running = api.ApiServer(path, handlers)
+    running = api_server.ApiServer(path, handlers)
     running.start()
     try:
         yield path
@@ -463,7 +463,9 @@ def test_oversized_silent_and_concurrent_clients(
 ) -> None:
     monkeypatch.setattr(api, "REQUEST_TIMEOUT_SECONDS", 0.5)
     with server(tmp_path, daemon_handlers) as path:
-        big = json.loads(exchange(path, b'{"method": "ping", "x": "' + b"a" * (api.MAX_REQUEST_BYTES + 10) + b'"}\n'))
+        big = json.loads(
+            exchange(path, b'{"method": "ping", "x": "' + b"a" * (api_server.MAX_REQUEST_BYTES + 10) + b'"}\n')
+        )
         assert big == {"ok": False, "error": "request too large"}
         # a client that connects and says nothing holds one thread until the timeout, no one else
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:

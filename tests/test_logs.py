@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import socket
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -128,20 +129,42 @@ def test_agent_modules_log_through_structlog_not_stdlib_logging() -> None:
     )
 
 
-def test_named_loggers_are_the_daemons_one() -> None:
-    """Every module logs as "gpu-agent": the journal's SYSLOG_IDENTIFIER and the JSON lines agree."""
+def test_every_module_logs_as_the_daemon_through_agent_logger() -> None:
+    """Every module logs as "gpu-agent" (the journal's SYSLOG_IDENTIFIER and the JSON lines agree),
+    through agent/logger.py's `get_logger()`, so structlog loads only when a line is logged."""
     root = Path(__file__).resolve().parent.parent
+    configuring = {"agent/logs.py", "agent/logger.py"}
     for path in (root / "agent").rglob("*.py"):
+        relative = path.relative_to(root).as_posix()
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            if (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Attribute)
-                and node.func.attr == "get_logger"
-                and isinstance(node.func.value, ast.Name)
-                and node.func.value.id == "structlog"
-            ):
+            if isinstance(node, ast.Import | ast.ImportFrom) and relative not in configuring:
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                assert not any(n.split(".")[0] == "structlog" for n in names), f"{relative}:{node.lineno}"
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "get_logger":
                 names = [arg.value for arg in node.args if isinstance(arg, ast.Constant)]
-                assert names == ["gpu-agent"], f"{path}:{node.lineno}: structlog.get_logger({names})"
+                assert names in ([], ["gpu-agent"]) or relative == "agent/logger.py", f"{relative}:{node.lineno}"
+
+
+LAZY_PROBE = """
+import sys
+from agent.logger import get_logger, log_to_stderr_when_used
+log = get_logger()
+log_to_stderr_when_used()
+assert "structlog" not in sys.modules, "loaded before a line was logged"
+log.info("not shown: one-shot commands show warnings and worse")
+log.warning("heard on stderr", gpu=0)
+assert "structlog" in sys.modules
+"""
+
+
+def test_structlog_loads_on_the_first_line_and_the_cli_configuration_applies_then() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", LAZY_PROBE], capture_output=True, text=True, timeout=60, cwd=Path(__file__).parent.parent
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == ""
+    assert "heard on stderr" in done.stderr and "gpu=0" in done.stderr
+    assert "not shown" not in done.stderr
 
 
 @pytest.mark.parametrize("output", ["json", "console", "cli"])

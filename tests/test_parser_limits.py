@@ -13,7 +13,7 @@ import pytest
 from daemon_harness import write_agent_config
 from test_safe_yaml import NESTED, alias_bomb, assert_cli_fails_with_one_line
 
-from agent import api
+from agent import api_server
 from agent.backend import load_checked_config
 from agent.backend.sim.profiles import MAX_PROFILE_BYTES, MAX_PROFILE_DEPTH, ProfileError, load_profile
 from agent.config import ConfigError
@@ -92,8 +92,8 @@ def test_a_config_naming_a_nested_profile_is_one_config_error(tmp_path: Path) ->
 def test_a_deeply_nested_api_request_gets_an_error_response() -> None:
     """Whoever may use the socket (root, or the api.group) sends at most a 64 KB line; nested
     brackets there are an answer, not a RecursionError in the request's thread."""
-    line = b"[" * (api.MAX_REQUEST_BYTES - 1) + b"\n"
-    assert api.handle_request(line, {"ping": lambda _p: "pong"}) == {
+    line = b"[" * (api_server.MAX_REQUEST_BYTES - 1) + b"\n"
+    assert api_server.handle_request(line, {"ping": lambda _p: "pong"}) == {
         "ok": False,
         "error": "invalid JSON: nested more than 64 levels deep",
     }

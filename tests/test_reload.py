@@ -21,7 +21,7 @@ import pytest
 from daemon_harness import free_port, running_agent, write_agent_config
 from helpers import wait_until
 
-from agent import api
+from agent import api, api_server
 from agent.config import load_config
 from agent.daemon import Daemon
 from agent.daemon.publisher import systemd_status_line
@@ -195,7 +195,7 @@ def test_the_socket_group_never_follows_a_link_planted_at_its_path(
         path.symlink_to(victim)
 
     monkeypatch.setattr(api._Server, "server_activate", plant_link)
-    server = api.ApiServer(path, {"ping": lambda _p: "pong"}, group=group)
+    server = api_server.ApiServer(path, {"ping": lambda _p: "pong"}, group=group)
     server.start()
     try:
         assert stat.S_IMODE(victim.stat().st_mode) == 0o600, "chmod followed the planted link"

@@ -26,7 +26,7 @@ from helpers import wait_until
 from hosttree import NOBODY_ID, run_unprivileged
 from race import attempts, swapping
 
-from agent import api
+from agent import api, api_server
 from agent.backend.sim import SimulatedBackend
 from agent.config import ConfigError, load_config
 from agent.daemon import Daemon
@@ -352,7 +352,7 @@ def connect_as_nobody(path: Path) -> str:
 
 def test_the_socket_is_root_only_without_a_group() -> None:
     with public_directory() as directory:
-        server = api.ApiServer(directory / "agent.sock", {"ping": lambda _p: "pong"})
+        server = api_server.ApiServer(directory / "agent.sock", {"ping": lambda _p: "pong"})
         server.start()
         try:
             info = (directory / "agent.sock").stat()
@@ -371,7 +371,7 @@ def test_a_configured_group_may_use_the_socket() -> None:
     if group is None:
         pytest.skip("no group with nobody's gid on this machine")
     with public_directory() as directory:
-        server = api.ApiServer(directory / "agent.sock", {"ping": lambda _p: "pong"}, group=group)
+        server = api_server.ApiServer(directory / "agent.sock", {"ping": lambda _p: "pong"}, group=group)
         server.start()
         try:
             info = (directory / "agent.sock").stat()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # `agent.backend.errors` alone stays light: `gpu-agent status` imports it
     from agent.backend.base import GpuBackend
@@ -16,10 +16,16 @@ def load_checked_config(path: str | Path) -> AgentConfig:
     """The config in `path` (agent.config.load_config) with the check only the simulator can make: a
     `simulated.profile` that does not load is a ConfigError naming the file, line and key, so
     check-config, `run` and a reload report it instead of the backend failing when it opens."""
-    from agent.backend.sim.profiles import validate_profile
     from agent.config import load_config
 
-    return load_config(path, checks=[(("simulated", "profile"), validate_profile)])
+    return load_config(path, checks=[(("simulated", "profile"), _validate_profile)])
+
+
+def _validate_profile(value: Any) -> str:
+    # The simulator loads only for a config that names a profile: an NVML node's config never does.
+    from agent.backend.sim.profiles import validate_profile
+
+    return validate_profile(value)
 
 
 def open_backend(config: AgentConfig, writable_items: Iterable[str] | None = None) -> GpuBackend:

@@ -25,10 +25,9 @@ from dataclasses import dataclass
 from queue import SimpleQueue
 from typing import Any, Protocol
 
-import structlog
-
 from agent.config import AgentConfig
 from agent.events import Event, EventKind, Severity
+from agent.logger import get_logger
 from agent.rules.actions.context import ActionContext
 from agent.rules.actions.dispatch import execute
 from agent.rules.actions.steps import DRAINING, services_left_down, step
@@ -38,7 +37,7 @@ from agent.services.managers import ServiceError, ServiceManager
 from agent.store.attempt_clock import AttemptClock, ClockReading, effective_wall_seconds
 from agent.store.database import JournalEntry, Store, StoreError
 
-log = structlog.get_logger("gpu-agent")
+log = get_logger()
 
 #: Decided actions that abort a running task: those that change the node, and hooks (which may).
 TASK_ABORTING_ACTIONS = NODE_CHANGING_ACTIONS | {ActionKind.RUN_HOOK}

@@ -12,12 +12,11 @@ from __future__ import annotations
 import threading
 from collections import deque
 
-import structlog
-
 from agent.events import CLEARS, Event
+from agent.logger import get_logger
 from agent.rules.actions.alertmanager import AlertTracker
 
-log = structlog.get_logger("gpu-agent")
+log = get_logger()
 
 MAX_PENDING = 256
 STOP_TIMEOUT_SECONDS = 2.0

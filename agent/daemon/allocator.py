@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import ctypes
 
-import structlog
+from agent.logger import get_logger
 
-log = structlog.get_logger("gpu-agent")
+log = get_logger()
 
 _M_MMAP_THRESHOLD = -3  # glibc malloc.h
 _M_ARENA_MAX = -8

@@ -17,17 +17,16 @@ from concurrent.futures import Future
 from dataclasses import replace
 from functools import partial
 
-import structlog
-
 from agent.backend.base import GpuBackend, GpuIdentity
 from agent.backend.errors import GpuError, GpuErrorKind
 from agent.collect import carry_slow_fields, sample_identified
 from agent.daemon.bounded import BoundedRunner, StaleGpu
 from agent.daemon.session import FaultSink
 from agent.daemon.timing import LoopTiming, due, timed
+from agent.logger import get_logger
 from agent.state import CollectorStatus, GpuSample
 
-log = structlog.get_logger("gpu-agent")
+log = get_logger()
 
 
 class GpuCollector:

@@ -18,8 +18,6 @@ from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
-import structlog
-
 from agent.backend import load_checked_config
 from agent.backend.base import GpuEvent
 from agent.config import AgentConfig, ConfigError
@@ -37,6 +35,7 @@ from agent.daemon.watchdog import Watchdog
 from agent.events import Event
 from agent.host.boottime import boottime_seconds
 from agent.host.paths import HostPaths
+from agent.logger import get_logger
 from agent.policy import known_good
 from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
@@ -58,7 +57,7 @@ from agent.watch.devices import UdevWakeup
 from agent.watch.kernel_log import KernelXid
 from agent.watch.kmsg import KmsgSource
 
-log = structlog.get_logger("gpu-agent")
+log = get_logger()
 
 # How long the policy step waits for the next-boot check (it runs on a worker of its own): a slow
 # check is taken by a later pass instead of holding up the fan curve.

@@ -12,14 +12,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-import structlog
-
 from agent.backend.base import GpuIdentity
 from agent.events import Event, EventKind, Severity
+from agent.logger import get_logger
 from agent.policy.base import ItemPlan
 from agent.policy.names import FAN_CURVE
 
-log = structlog.get_logger("gpu-agent")
+log = get_logger()
 
 ItemKey = tuple[str, int | None]
 

@@ -9,11 +9,10 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-import structlog
-
 from agent.events import Event
+from agent.logger import get_logger
 
-log = structlog.get_logger("gpu-agent")
+log = get_logger()
 
 RECENT_EVENTS = 100
 

@@ -9,8 +9,6 @@ from concurrent.futures import Future
 from dataclasses import replace
 from functools import partial
 
-import structlog
-
 from agent.backend.base import GpuBackend, GpuIdentity
 from agent.backend.errors import GpuError
 from agent.config import AgentConfig
@@ -19,6 +17,7 @@ from agent.daemon.drift import DriftBook, ItemKey
 from agent.daemon.session import FaultSink
 from agent.daemon.timing import due, timed
 from agent.events import Event
+from agent.logger import get_logger
 from agent.policy import fan_curve
 from agent.policy.base import ApplyOutcome, HostContext, ItemPlan, PlanStatus
 from agent.policy.engine import PolicyEngine, match_profile
@@ -26,7 +25,7 @@ from agent.policy.holds import PolicyHolds
 from agent.policy.names import FAN_CURVE, GPU_RESET_ITEM
 from agent.state import CollectorStatus, GpuSample
 
-log = structlog.get_logger("gpu-agent")
+log = get_logger()
 
 #: What one policy step hands back: the plans, the items it fixed, and why the others failed to apply.
 _PolicyStep = tuple[tuple[ItemPlan, ...], list[ItemPlan], dict[ItemKey, str]]

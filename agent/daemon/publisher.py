@@ -22,7 +22,7 @@ from agent.store.node_memory import expected_gpu_count
 from agent.verdict import AttentionCause, attention_items, drifted, node_problem
 
 if TYPE_CHECKING:
-    from agent.api import ApiServer
+    from agent.api_server import ApiServer
     from agent.metrics.server import MetricsServer
 
 
@@ -77,7 +77,7 @@ class Publisher:
 
     def serve(self, config: AgentConfig, stale_after_seconds: float) -> list[Callable[[], None]]:
         """The metrics endpoint and the status API; what closes them."""
-        from agent.api import ApiServer
+        from agent.api_server import ApiServer
         from agent.metrics.server import serve_metrics
 
         self.metrics = serve_metrics(config.metrics.listen, self.get, stale_after_seconds=stale_after_seconds)
@@ -90,7 +90,7 @@ class Publisher:
     def rebind(self, old: AgentConfig, new: AgentConfig, stale_after_seconds: float) -> list[str]:
         """The listeners `new` moves, bound anew before the old ones close; what moved, for the log.
         Raises ListenerError, with the running listeners untouched, when one cannot be bound."""
-        from agent.api import ApiServer
+        from agent.api_server import ApiServer
         from agent.metrics.server import serve_metrics
 
         if self.metrics is None or self.api is None:

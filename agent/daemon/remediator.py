@@ -11,13 +11,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import structlog
-
 from agent.config import AgentConfig, Mode
 from agent.daemon.action_worker import ActionWorker, target_fields
 from agent.daemon.alert_delivery import AlertDelivery
 from agent.daemon.timing import due
 from agent.events import Event
+from agent.logger import get_logger
 from agent.rules.actions.alertmanager import AlertTracker
 from agent.rules.actions.context import ActionContext
 from agent.rules.config import Rule, load_rules
@@ -32,7 +31,7 @@ from agent.store.attempt_clock import AttemptClock, ClockReading
 from agent.store.database import Store, StoreError
 from agent.watch.episodes import Episodes
 
-log = structlog.get_logger("gpu-agent")
+log = get_logger()
 
 ALERT_REFRESH_SECONDS = 60.0
 STORE_RETRY_SECONDS = 30.0

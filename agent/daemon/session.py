@@ -15,17 +15,16 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from functools import partial
 
-import structlog
-
 from agent.backend import open_backend
 from agent.backend.base import GpuBackend, GpuEvent, WriteGuard
 from agent.backend.errors import NO_DRIVER_KINDS, GpuError, GpuErrorKind
 from agent.config import AgentConfig
 from agent.daemon.bounded import BoundedRunner, StaleGpu
+from agent.logger import get_logger
 from agent.state import CollectorStatus
 from agent.watch.nvml_events import NvmlEventSource
 
-log = structlog.get_logger("gpu-agent")
+log = get_logger()
 
 #: Errors meaning the NVML session itself is gone (driver unloaded or reloaded, library and kernel
 #: module now differ after an upgrade): only a fresh nvmlInit can recover, so the backend is reopened.

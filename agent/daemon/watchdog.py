@@ -7,11 +7,10 @@ import threading
 import time
 from collections.abc import Callable
 
-import structlog
-
 from agent.daemon.sd_notify import SdNotifier
+from agent.logger import get_logger
 
-log = structlog.get_logger("gpu-agent")
+log = get_logger()
 
 
 class Watchdog:

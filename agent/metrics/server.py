@@ -10,16 +10,16 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-import structlog
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 
-from agent.api import ServingThread
+from agent.api_server import ServingThread
+from agent.logger import get_logger
 from agent.metrics.collector import SnapshotCollector, SnapshotGetter
 from agent.state import NodeSnapshot
 from agent.verdict import attention_items, node_problem
 
-log = structlog.get_logger("gpu-agent")
+log = get_logger()
 
 # A client that stalls mid-request must not pin a server thread forever.
 _REQUEST_TIMEOUT_SECONDS = 10.0

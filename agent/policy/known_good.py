@@ -17,13 +17,12 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-import structlog
-
 from agent.config import AgentConfig, Mode, SimulatedConfig
 from agent.host import file_reads, safe_json
+from agent.logger import get_logger
 from agent.policy.names import FAN_CURVE, LOCKED_CLOCKS
 
-log = structlog.get_logger("gpu-agent")
+log = get_logger()
 
 RECORD_NAME = "known-good.json"
 #: Always restored by a fallback restore: a fan left manual or clocks left locked are what hurts.

@@ -23,17 +23,16 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-import structlog
-
 from agent.config import ServiceConfig
 from agent.events import Event, EventKind, Severity, SuggestedAction
 from agent.host import http_read
+from agent.logger import get_logger
 from agent.services.generate_probe import generate_probe
 from agent.services.managers import ServiceError, ServiceManager
 from agent.state import ServiceStatus
 from agent.store.database import ProbeStreak
 
-log = structlog.get_logger("gpu-agent")
+log = get_logger()
 
 #: How often `wait_healthy` probes at most: a restarted server should be seen as soon as it answers.
 READY_POLL_SECONDS = 1.0

@@ -23,13 +23,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 import psutil
-import structlog
 
 from agent.backend.base import GpuBackend, GpuIdentity, GpuProcess
 from agent.backend.errors import GpuError
 from agent.config import AgentConfig, ServiceConfig
 from agent.events import Event, EventKind
 from agent.host.paths import HostPaths
+from agent.logger import get_logger
 from agent.policy.engine import match_profile
 from agent.services.attribution import GpuAttribution, Listeners, attribute_gpu_processes, command_service_pids
 from agent.services.efficiency import EnergyHistory, service_gpus, window_tokens_per_joule
@@ -38,7 +38,7 @@ from agent.services.scrape import DEFAULT_MAX_BYTES, UNREADABLE, ScrapeError, Se
 from agent.services.window import DEFAULT_WINDOW_SECONDS, LatencyWindow, ServiceFigures
 from agent.state import GpuSample, SloBreachNow
 
-log = structlog.get_logger("gpu-agent")
+log = get_logger()
 
 #: How often GPU processes are mapped to services: processes come and go with restarts, not loops.
 ATTRIBUTION_INTERVAL_SECONDS = 30.0

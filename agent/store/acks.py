@@ -9,12 +9,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
-
+from agent.logger import get_logger
 from agent.rules.model import Target
 from agent.store.db import Database
 
-log = structlog.get_logger("gpu-agent")
+log = get_logger()
 
 ALL = "all"
 

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import structlog
-
+from agent.logger import get_logger
 from agent.state import XidCount
 from agent.store.db import Database
 from agent.watch.throttle import ClockEventTotal
 from agent.watch.xid import XidMark
 
-log = structlog.get_logger("gpu-agent")
+log = get_logger()
 
 
 @dataclass(frozen=True)

@@ -55,11 +55,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import structlog
-
 from agent import trust
 from agent.events import Event, event_from_json, event_json
 from agent.host import safe_json
+from agent.logger import get_logger
 from agent.rules.model import ActionOutcome, Decision, Outcome
 from agent.state import RemediationCount
 from agent.store.acks import ALL, Acknowledgements, Circuit
@@ -69,7 +68,7 @@ from agent.store.db import StoreError
 from agent.store.schema import Unusable, connect_or_replace
 from agent.store.tunes import TuneHistoryTables, TuneTables
 
-log = structlog.get_logger("gpu-agent")
+log = get_logger()
 
 __all__ = [
     "ALL",

@@ -30,12 +30,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import structlog
-
 from agent.backend.base import GpuIdentity
 from agent.backend.errors import GpuErrorKind
 from agent.host.paths import BOOT_ID_PATH as BOOT_ID_PATH
 from agent.host.paths import HostPaths
+from agent.logger import get_logger
 from agent.services.health import HealthProber
 from agent.state import GpuSample, NodeSnapshot, ServiceStatus, XidCount
 from agent.store.boot import BootTables
@@ -51,7 +50,7 @@ from agent.store.schema import BUSY_TIMEOUT_SECONDS
 from agent.watch.throttle import ClockEventTotal, ThrottleWatcher
 from agent.watch.xid import XidMark, XidWatcher
 
-log = structlog.get_logger("gpu-agent")
+log = get_logger()
 
 UNKNOWN_BOOT = "unknown"  # no boot id readable: one memory for every boot (a reboot is not seen)
 LAST_SEEN_EVERY_SECONDS = 60.0  # how stale an answering GPU's stored last_seen may get

@@ -8,12 +8,11 @@ import contextlib
 import sqlite3
 from pathlib import Path
 
-import structlog
-
 from agent.host import file_reads
+from agent.logger import get_logger
 from agent.store.tunes import TUNES_MIGRATION
 
-log = structlog.get_logger("gpu-agent")
+log = get_logger()
 
 # Other processes (the CLI: `gpu-agent ack` while the daemon runs) wait this long for the write lock.
 BUSY_TIMEOUT_SECONDS = 5.0

@@ -15,16 +15,15 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import structlog
-
 from agent.config import AgentConfig
+from agent.logger import get_logger
 from agent.services.window import ServiceFigures
 from agent.state import GpuSample
 from agent.store.database import Store, StoreError
 from agent.store.tunes import HistoryRow
 from agent.tune.defaults import DEFAULT_THROUGHPUT_TOLERANCE
 
-log = structlog.get_logger("gpu-agent")
+log = get_logger()
 
 FLUSH_SECONDS = 60.0
 MIN_SECONDS_PER_LIMIT = 60.0  # less time than this at a limit says nothing

@@ -14,12 +14,11 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-import structlog
-
 from agent.api import ApiError
 from agent.backend.base import GpuBackend
 from agent.backend.errors import GpuError
 from agent.config import AgentConfig, Mode, ServiceConfig
+from agent.logger import get_logger
 from agent.policy.holds import PolicyHolds
 from agent.services.window import ServiceFigures
 from agent.state import ServiceStatus
@@ -32,7 +31,7 @@ from agent.tune.sweep import RecoveryJob, TuneJob, hold_owner
 if TYPE_CHECKING:  # the daemon imports this module: only the type, never the import
     from agent.daemon.action_worker import ActionWorker
 
-log = structlog.get_logger("gpu-agent")
+log = get_logger()
 
 #: The API methods that change the node: only root or the agent's own user may call them.
 PRIVILEGED_METHODS = frozenset({"tune_start", "tune_abort"})

@@ -13,11 +13,10 @@ import threading
 import time
 from collections.abc import Callable
 
-import structlog
-
 from agent.backend.base import ClockDomain, GpuBackend
 from agent.backend.errors import GpuError, WriteRefused
 from agent.config import ServiceConfig
+from agent.logger import get_logger
 from agent.policy.holds import PolicyHolds
 from agent.store.database import Store, StoreError
 from agent.tune.defaults import KNOB_UNITS
@@ -25,7 +24,7 @@ from agent.tune.measure import MeasureError, measure_step, wait_settled
 from agent.tune.model import Original, StepReading, TuneDocument
 from agent.tune.recommend import recommend, thin_traffic, uneven_traffic
 
-log = structlog.get_logger("gpu-agent")
+log = get_logger()
 
 #: How long recovery waits for the GPU backend to open after a start before it gives up for this run.
 RECOVERY_BACKEND_WAIT_SECONDS = 120.0

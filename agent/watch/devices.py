@@ -18,13 +18,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
-
 from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
 from agent.host.paths import HostPaths
+from agent.logger import get_logger
 from agent.state import GpuSample
 
-log = structlog.get_logger("gpu-agent")
+log = get_logger()
 
 UDEV_CONTROL = "/run/udev/control"  # the socket systemd-udevd listens on: present only where udevd runs
 NVIDIA_PCI_VENDOR = "10DE"

@@ -36,12 +36,11 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import structlog
-
 from agent.host.paths import HostPaths
+from agent.logger import get_logger
 from agent.watch.kernel_log import KernelLogParser, KernelXid, parse_kmsg_record
 
-log = structlog.get_logger("gpu-agent")
+log = get_logger()
 
 KMSG_PATH = "/dev/kmsg"
 JOURNAL_COMMAND = (

@@ -13,12 +13,11 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-import structlog
-
 from agent.backend.base import GpuBackend, GpuEvent
 from agent.backend.errors import GpuError, GpuErrorKind
+from agent.logger import get_logger
 
-log = structlog.get_logger("gpu-agent")
+log = get_logger()
 T = TypeVar("T")
 
 BACKOFF_SECONDS = 1.0

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from hosttree import make_host_tree
 
-from agent.api import handle_request
+from agent.api_server import handle_request
 from agent.backend.base import ClockDomain
 from agent.backend.sim import SimulatedBackend
 from agent.config import AgentConfig

@@ -13,15 +13,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
-
 from agent.events import CLEARS, Event
+from agent.logger import get_logger
 from agent.rules.actions.base import ActionError, gpu_of, iso, service_of, uuid_of, xid_of
 from agent.rules.actions.http_client import post_json
 from agent.rules.model import Decision
 from agent.rules.params import DEFAULT_HTTP_DEADLINE_SECONDS, AlertmanagerParams
 
-log = structlog.get_logger("gpu-agent")
+log = get_logger()
 
 ALERTS_API_PATH = "/api/v2/alerts"
 

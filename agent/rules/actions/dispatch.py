@@ -6,9 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-import structlog
-
 from agent.config import Mode
+from agent.logger import get_logger
 from agent.rules.actions import hooks, notify, reboot, reset, service_actions
 from agent.rules.actions.base import ActionError, Result, failed, refused
 from agent.rules.actions.context import ActionContext
@@ -26,7 +25,7 @@ from agent.rules.params import (
     WebhookParams,
 )
 
-log = structlog.get_logger("gpu-agent")
+log = get_logger()
 
 P = TypeVar("P", bound=ActionParams)
 

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import structlog
-
 from agent.backend.base import GpuProcess
 from agent.backend.errors import GpuError, GpuErrorKind, WriteRefused
 from agent.config import ServiceConfig
 from agent.events import EventKind
+from agent.logger import get_logger
 from agent.policy.base import ApplyOutcome
 from agent.rules.actions.base import Result, failed, gpu_of, refused, uuid_of, xid_of
 from agent.rules.actions.context import ActionContext
@@ -37,7 +36,7 @@ from agent.services.attribution import attribute_gpu_processes, command_of_pid, 
 from agent.services.managers import ServiceError
 from agent.watch.kernel_log import FALLEN_OFF_BUS_XID
 
-log = structlog.get_logger("gpu-agent")
+log = get_logger()
 
 
 def _reset_refusal(decision: Decision, gpu: int, ctx: ActionContext) -> str | None:
