@@ -3,7 +3,10 @@ Standard library only: the thin `status` client imports it."""
 
 from __future__ import annotations
 
-from typing import Any
+TYPE_CHECKING = False  # typing loads only for the type checker: a tenth of `status`'s start
+if TYPE_CHECKING:
+    from typing import Any
+
 
 # C0 and C1 controls, DEL, and the format characters that reorder or hide text on a terminal
 # (bidi overrides and isolates, zero-width joiners, BOM): what a process name or kernel text must
@@ -27,6 +30,8 @@ def printable(text: str, keep_newlines: bool = False) -> str:
     helper for text that enters from outside (kernel log, /proc) and for what is rendered for humans
     (status, events, plan, logs, metric labels). `keep_newlines`: a rendered multi-line text keeps its
     own line breaks."""
+    if text.isascii() and text.isprintable():  # in C: the common case never walks the text in Python
+        return text
     if not any(ord(c) in _UNPRINTABLE for c in text):
         return text
     out = []

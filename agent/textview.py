@@ -8,11 +8,14 @@ import os
 import textwrap
 import time
 from collections.abc import Sequence
-from typing import IO, Any
 
 from agent.policy.names import DRIVER, NEXT_BOOT
 from agent.printable import printable, printable_document
 from agent.services.text import service_figures_line, unattributed_lines
+
+TYPE_CHECKING = False  # typing loads only for the type checker: a tenth of `status`'s start
+if TYPE_CHECKING:
+    from typing import IO, Any
 
 JSON_SCHEMA_VERSION = 1
 

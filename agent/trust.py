@@ -28,10 +28,11 @@ import errno
 import os
 import stat
 from collections.abc import Mapping, Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING
 
+TYPE_CHECKING = False  # typing and pathlib load only for the type checker: `status` reads its config through here
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from agent.host.commands import ProcessResult
 
 MAX_SYMLINKS = 40  # as the kernel's own limit for one path lookup
@@ -356,16 +357,16 @@ def state_directory_problem(path: str | Path, what: str, agent_uid: int | None =
     the file the agent reads back, or a FIFO that hangs it). A missing one is judged by the nearest
     directory above it that exists, the one it will be created in. `what` names it for the message
     (`state_dir`, `the api.socket directory`). None: trusted."""
-    given = Path(os.path.abspath(path))
+    given = os.path.abspath(path)
     existing = given
     while True:
         try:
             info = os.lstat(existing)
             break
         except (FileNotFoundError, NotADirectoryError):
-            if existing.parent == existing:
+            if os.path.dirname(existing) == existing:
                 return None
-            existing = existing.parent
+            existing = os.path.dirname(existing)
     if stat.S_ISLNK(info.st_mode):
         with contextlib.suppress(OSError):
             info = os.stat(existing)

@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import functools
 import importlib
-import re
-import subprocess
-from pathlib import Path
+
+TYPE_CHECKING = False  # typing itself is a tenth of `--version`'s start-up
+if TYPE_CHECKING:
+    from pathlib import Path
 
 # The version the next release from this branch gets; raise it after tagging a release (a tag at
 # or above it is handled without: the next commit counts from the tag's version).
 NEXT_RELEASE = "0.2.0"
-TAG = re.compile(r"v(\d+)\.(\d+)\.(\d+)")
+#: A release tag, `vX.Y.Z` (a pattern for re.fullmatch: `re` loads only where git is asked).
+TAG = r"v(\d+)\.(\d+)\.(\d+)"
 UNKNOWN_REVISION = "unknown"
 
 
@@ -66,6 +68,8 @@ def debian_version(version: str) -> str:
 
 
 def _numbers(version: str) -> tuple[int, int, int]:
+    import re
+
     found = re.fullmatch(r"(\d+)\.(\d+)\.(\d+)", version)
     if found is None:
         raise VersionError(f"{version!r} is not X.Y.Z")
@@ -76,6 +80,8 @@ def _numbers(version: str) -> tuple[int, int, int]:
 def _git(repo: Path, *args: str) -> str:
     # git from PATH: only a developer's checkout or a build runs this (an installed agent reads
     # agent/_build_info.py).
+    import subprocess
+
     proc = subprocess.run(  # nosec B607
         ["git", "-C", str(repo), *args], capture_output=True, text=True, check=False, timeout=30
     )
@@ -87,18 +93,20 @@ def _git(repo: Path, *args: str) -> str:
 def from_git(repo: Path, next_release: str = NEXT_RELEASE) -> BuildInfo:
     """The version of the checkout at `repo` (see the module's docstring). A shallow clone has no
     reliable commit count: VersionError (fetch the history: `git fetch --unshallow`)."""
+    import re
+
     revision = _git(repo, "rev-parse", "--verify", "HEAD^{commit}")
     if _git(repo, "rev-parse", "--is-shallow-repository") == "true":
         raise VersionError(f"{repo} is a shallow clone: its commit count is not the history's")
     dirty = _git(repo, "status", "--porcelain", "--untracked-files=no") != ""
     here = sorted(
-        (_numbers(t[1:]) for t in _git(repo, "tag", "--points-at", "HEAD").split() if TAG.fullmatch(t)),
+        (_numbers(t[1:]) for t in _git(repo, "tag", "--points-at", "HEAD").split() if re.fullmatch(TAG, t)),
         reverse=True,
     )
     if here and not dirty:
         return BuildInfo(".".join(str(n) for n in here[0]), revision)
     following = _numbers(next_release)
-    reachable = [_numbers(t[1:]) for t in _git(repo, "tag", "--merged", "HEAD").split() if TAG.fullmatch(t)]
+    reachable = [_numbers(t[1:]) for t in _git(repo, "tag", "--merged", "HEAD").split() if re.fullmatch(TAG, t)]
     if reachable:
         major, minor, patch = max(reachable)
         following = max(following, (major, minor, patch + 1))
@@ -117,6 +125,9 @@ def current() -> BuildInfo:
         pass
     else:
         return BuildInfo(str(baked.VERSION), str(baked.REVISION))
+    import subprocess
+    from pathlib import Path
+
     checkout = Path(__file__).resolve().parent.parent
     if (checkout / ".git").exists():
         try:
@@ -124,6 +135,12 @@ def current() -> BuildInfo:
         except (VersionError, OSError, subprocess.TimeoutExpired):
             pass
     return BuildInfo(f"{NEXT_RELEASE}.dev0", UNKNOWN_REVISION)
+
+
+def version_text() -> str:
+    """What `gpu-agent --version` prints."""
+    info = current()
+    return f"gpu-agent {info.version}\nrevision {info.revision}\n"
 
 
 def build_info_module(info: BuildInfo) -> str:

@@ -241,8 +241,12 @@ def agent_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+#: How /usr/bin/gpu-agent (packaging/gpu-agent) starts the CLI: main() called directly, not `-m`.
+CLI_ENTRY = "import sys; from agent.cli import main; sys.exit(main())"
+
+
 def agent_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "agent.cli", *args]
+    return [sys.executable, "-c", CLI_ENTRY, *args]
 
 
 def free_port() -> int:

@@ -9,22 +9,24 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from agent.cli.common import EXIT_ERROR, EXIT_OK, CliError
-from agent.cli.parser import build_parser, print_version
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = sys.argv[1:] if argv is None else list(argv)
-    if arguments == ["--version"]:  # the answer needs no parser
-        print_version()
-        return EXIT_OK
+    if arguments == ["--version"]:  # the answer needs no parser, nor the commands it names
+        from agent.version import version_text
+
+        sys.stdout.write(version_text())
+        return 0
+    from agent.cli.common import EXIT_ERROR, EXIT_OK, CliError
+    from agent.cli.parser import build_parser
+
     # Options before the command are only --help and --version: the first word is the command.
     command = next((word for word in arguments if not word.startswith("-")), None)
-    args = build_parser(fault_parsers=command == "inject").parse_args(arguments)
+    args = build_parser(command or "").parse_args(arguments)  # "": no command given, no whole tree
     if args.command not in ("run", "status"):  # run configures its own; status stays lean (no store)
-        from agent.logs import configure_cli_logging
+        from agent.logger import log_to_stderr_when_used
 
-        configure_cli_logging()
+        log_to_stderr_when_used()
     try:
         code: int = args.func(args)
     except CliError as exc:
@@ -41,6 +43,7 @@ def _failure(exc: Exception) -> int:
     """A config or GPU error as its lines on stderr and exit 1; anything else is a bug, raised again.
     (The error types are imported here: `status` and `--version` start without them.)"""
     from agent.backend.errors import NO_DRIVER_KINDS, GpuError
+    from agent.cli.common import EXIT_ERROR
     from agent.config_errors import ConfigError
 
     if isinstance(exc, ConfigError):

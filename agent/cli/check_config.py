@@ -28,7 +28,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         raise CliError(f"no config: {DEFAULT_CONFIG_PATH} does not exist (give --config PATH)")
     config = load_checked_config(path)
     resolved = resolve_rules(Path(d) for d in (args.rules or config.remediation.rules_dirs))
-    _check_rules_dirs_exist(path, resolved.missing_dirs, from_config=not args.rules)
+    _check_rules_dirs_exist(Path(path), resolved.missing_dirs, from_config=not args.rules)
     rules = load_rules(resolved.paths, allow_reboot=config.remediation.allow_reboot)
     _check_hooks(rules)
     _check_drain_hooks(config, str(path))

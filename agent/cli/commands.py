@@ -38,7 +38,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if problem is not None:
             raise CliError(f"refusing to start: {problem}")
     try:
-        return Daemon(config, path).run()
+        return Daemon(config, None if path is None else Path(path)).run()
     except OSError as exc:
         if exc.errno != errno.EADDRINUSE:
             raise
@@ -127,7 +127,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
     try:
         config = load(args)
     except (ConfigError, RecursionError, MemoryError, UnicodeDecodeError) as exc:
-        config, source = known_good.fallback_config(config_path(args)[0])
+        given = config_path(args)[0]
+        config, source = known_good.fallback_config(None if given is None else Path(given))
         reason = "; ".join(str(p) for p in exc.problems) if isinstance(exc, ConfigError) else type(exc).__name__
         print(f"note: the config is not valid ({reason[:300]}); restoring with {source}", file=sys.stderr)
     else:

@@ -7,11 +7,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 from agent.defaults import DEFAULT_CONFIG_PATH
 
+TYPE_CHECKING = False  # typing loads only for the type checker: a tenth of `status`'s start
 if TYPE_CHECKING:  # the heavy modules (pydantic models, the policy engine) load only for commands that use them
     from agent.config import AgentConfig
     from agent.policy.engine import PolicyEngine
@@ -25,13 +24,13 @@ class CliError(Exception):
     """A failure worth one clear line on stderr and exit 1, never a traceback."""
 
 
-def config_path(args: argparse.Namespace) -> tuple[Path | None, bool]:
-    """(path, explicit). Without --config or $GPU_AGENT_CONFIG, the default file if it exists."""
+def config_path(args: argparse.Namespace) -> tuple[str | None, bool]:
+    """(path, explicit). Without --config or $GPU_AGENT_CONFIG, the default file if it exists.
+    (A string: pathlib is a tenth of `status`'s start against a daemon.)"""
     given = args.config or os.environ.get("GPU_AGENT_CONFIG")
     if given:
-        return Path(given), True
-    default = Path(DEFAULT_CONFIG_PATH)
-    return (default, False) if default.exists() else (None, False)
+        return str(given), True
+    return (DEFAULT_CONFIG_PATH, False) if os.path.exists(DEFAULT_CONFIG_PATH) else (None, False)
 
 
 def load(args: argparse.Namespace) -> AgentConfig:

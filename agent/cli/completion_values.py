@@ -6,7 +6,6 @@ written: the store is opened read-only, and nothing heavy is imported until a va
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 #: The KINDs `--complete-values` takes.
 DYNAMIC_KINDS = ("ack-targets", "gpus")
@@ -20,6 +19,7 @@ def dynamic_values(kind: str, config_path: str | None = None) -> list[str]:
                    attempts ran out or circuit is open, and the missing GPUs not acknowledged
       gpus         the GPU indices the store has seen on this node"""
     import sqlite3
+    from pathlib import Path
 
     from agent.config import load_config
     from agent.config_errors import ConfigError

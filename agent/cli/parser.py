@@ -1,31 +1,22 @@
 """The argparse tree of `gpu-agent`: every command, option and help line, and the hidden
-`--complete-values` shell completion asks. Building it imports only the standard library and the
-commands' modules, whose own imports are made when a command runs."""
+`--complete-values` shell completion asks. Building it imports only the standard library: each
+command's module is imported when that command runs, and the parsers of `inject` and `tune` (their
+own trees) are built only when the command is theirs or the whole tree is asked for (completion)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-from collections.abc import Sequence
-from typing import Any, cast
+from collections.abc import Callable, Sequence
 
-from agent.cli.check_config import cmd_check_config
-from agent.cli.commands import (
-    cmd_ack,
-    cmd_apply,
-    cmd_demo,
-    cmd_events,
-    cmd_inject,
-    cmd_plan,
-    cmd_restore,
-    cmd_run,
-    cmd_xid_explain,
-    cmd_xid_parse,
-)
-from agent.cli.completion_values import DYNAMIC_KINDS, dynamic_values
-from agent.cli.status import cmd_status, socket_path_of
+from agent.cli.completion_values import DYNAMIC_KINDS
 from agent.defaults import DEFAULT_CONFIG_PATH
+from agent.tune.defaults import TUNE_HELP
+
+TYPE_CHECKING = False  # typing loads only for the type checker: a tenth of `status`'s start
+if TYPE_CHECKING:
+    from typing import Any
 
 
 def positive_int(text: str) -> int:
@@ -75,13 +66,6 @@ class _Parser(argparse.ArgumentParser):
 INJECT_HELP = "inject a fault into a simulated node (and a running daemon on it)"
 
 
-def print_version() -> None:
-    from agent.version import current
-
-    info = current()
-    sys.stdout.write(f"gpu-agent {info.version}\nrevision {info.revision}\n")
-
-
 class _VersionAction(argparse.Action):
     """--version, reading the version only when asked (in a git checkout it runs git)."""
 
@@ -89,8 +73,28 @@ class _VersionAction(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
 
     def __call__(self, parser: argparse.ArgumentParser, *_args: object) -> None:
-        print_version()
+        from agent.version import version_text
+
+        sys.stdout.write(version_text())
         parser.exit()
+
+
+def _command(module: str, name: str) -> Callable[[argparse.Namespace], int]:
+    """The function `name` of `agent.cli.<module>` running the command, imported when it runs."""
+
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+
+        handler: Callable[[argparse.Namespace], int] = getattr(importlib.import_module(f"agent.cli.{module}"), name)
+        return handler(args)
+
+    return run
+
+
+def _socket_path_of(args: argparse.Namespace) -> str:
+    from agent.cli.status import socket_path_of
+
+    return socket_path_of(args)
 
 
 class _CompleteValuesAction(argparse.Action):
@@ -98,12 +102,15 @@ class _CompleteValuesAction(argparse.Action):
     (agent/cli/completion_values.py)."""
 
     def __call__(self, parser: argparse.ArgumentParser, _namespace: object, values: object, *_args: object) -> None:
+        from agent.cli.completion_values import dynamic_values
+
         for value in dynamic_values(str(values)):
             sys.stdout.write(value + "\n")
         parser.exit()
 
 
-def build_parser(*, fault_parsers: bool = True) -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The tree for running `command` (the first word given), or the whole tree when None."""
     common = _Parser(add_help=False)
     common.add_argument(
         "--config", metavar="PATH", help=f"config file (default {DEFAULT_CONFIG_PATH}, or $GPU_AGENT_CONFIG)"
@@ -129,14 +136,14 @@ def build_parser(*, fault_parsers: bool = True) -> argparse.ArgumentParser:
         help="auto: journal under systemd, console in a terminal, JSON lines otherwise",
     )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
-    p.set_defaults(func=cmd_run)
+    p.set_defaults(func=_command("commands", "cmd_run"))
     p = sub.add_parser(
         "plan",
         parents=[common, as_json],
         help="desired vs actual per item and GPU; changes nothing",
         description="Exit codes: 0 in sync, 2 drift (or reboot pending), 1 error.",
     )
-    p.set_defaults(func=cmd_plan)
+    p.set_defaults(func=_command("commands", "cmd_plan"))
     p = sub.add_parser(
         "apply",
         parents=[common, as_json],
@@ -144,16 +151,16 @@ def build_parser(*, fault_parsers: bool = True) -> argparse.ArgumentParser:
         description="Exit codes: 0 ok, 1 error or drift left unapplied.",
     )
     p.add_argument("--dry-run", action="store_true", help="show what would change, change nothing")
-    p.set_defaults(func=cmd_apply)
+    p.set_defaults(func=_command("commands", "cmd_apply"))
     p = sub.add_parser(
         "restore", parents=[common, as_json], help="fans to automatic, locked clocks reset, default power limit"
     )
-    p.set_defaults(func=cmd_restore)
+    p.set_defaults(func=_command("commands", "cmd_restore"))
     p = sub.add_parser(
         "status", parents=[common, as_json], help="live view from the daemon; a direct read when none runs"
     )
     p.add_argument("--direct", action="store_true", help="read the GPUs directly even if a daemon runs")
-    p.set_defaults(func=cmd_status)
+    p.set_defaults(func=_command("status", "cmd_status"))
     p = sub.add_parser("events", parents=[common, as_json], help="event and remediation history from the store")
     p.add_argument(
         "--since",
@@ -163,7 +170,7 @@ def build_parser(*, fault_parsers: bool = True) -> argparse.ArgumentParser:
         help="how far back: 90s, 30m, 1h (default), 7d",
     )
     p.add_argument("--limit", type=positive_int, default=200, help="at most this many of each (default 200)")
-    p.set_defaults(func=cmd_events)
+    p.set_defaults(func=_command("commands", "cmd_events"))
     p = sub.add_parser(
         "ack",
         parents=[common],
@@ -175,7 +182,7 @@ def build_parser(*, fault_parsers: bool = True) -> argparse.ArgumentParser:
         "Exit codes: 0 something acknowledged (or `all` with nothing to do), 1 nothing matched (a typo?).",
     )
     p.add_argument("selector")
-    p.set_defaults(func=cmd_ack)
+    p.set_defaults(func=_command("commands", "cmd_ack"))
     p = sub.add_parser(
         "check-config",
         parents=[common],
@@ -192,34 +199,39 @@ def build_parser(*, fault_parsers: bool = True) -> argparse.ArgumentParser:
     p.add_argument(
         "--strict", action="store_true", help="exit 1 on warnings too: a missing rules dir, no rules, unread files"
     )
-    p.set_defaults(func=cmd_check_config)
+    p.set_defaults(func=_command("check_config", "cmd_check_config"))
 
     xid = sub.add_parser("xid", help="the Xid catalog and the kernel-log parser")
     xid_sub = xid.add_subparsers(dest="xid_command", required=True, metavar="SUBCOMMAND")
     p = xid_sub.add_parser("explain", parents=[as_json], help="what an Xid means and what to do")
     p.add_argument("code", type=int)
-    p.set_defaults(func=cmd_xid_explain)
+    p.set_defaults(func=_command("commands", "cmd_xid_explain"))
     p = xid_sub.add_parser(
         "parse",
         parents=[common],
         help="kernel-log lines on stdin -> one JSON object per Xid (gpu/uuid filled in when --config names this node)",
     )
-    p.set_defaults(func=cmd_xid_parse)
+    p.set_defaults(func=_command("commands", "cmd_xid_parse"))
 
-    from agent.tune.cli import add_parsers as add_tune_parsers
+    if command in (None, "inject"):
+        from typing import cast
 
-    if fault_parsers:
         from agent.demo.inject import add_parsers
 
         add_parsers(cast("argparse._SubParsersAction[argparse.ArgumentParser]", sub), common)
     else:
         sub.add_parser("inject", help=INJECT_HELP)
-    sub.choices["inject"].set_defaults(func=cmd_inject)
-    add_tune_parsers(sub, common, socket_path_of)
+    sub.choices["inject"].set_defaults(func=_command("commands", "cmd_inject"))
+    if command in (None, "tune"):
+        from agent.tune.cli import add_parsers as add_tune_parsers
+
+        add_tune_parsers(sub, common, _socket_path_of)
+    else:
+        sub.add_parser("tune", help=TUNE_HELP)
     p = sub.add_parser(
         "demo", help="the daemon on a simulated node with a fault scenario (changes nothing on this machine)"
     )
     p.add_argument("--dir", metavar="DIR", help="scratch directory for the simulated node (default: a new temp dir)")
     p.add_argument("--exit-after-scenario", action="store_true", help="stop the agent when the scenario is done")
-    p.set_defaults(func=cmd_demo)
+    p.set_defaults(func=_command("commands", "cmd_demo"))
     return parser

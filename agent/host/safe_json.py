@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+
+TYPE_CHECKING = False  # typing loads only for the type checker: a tenth of `status`'s start
+if TYPE_CHECKING:
+    from typing import Any
 
 #: Deeper than any document the agent reads or writes (they nest a handful of levels).
 MAX_DEPTH = 64

@@ -26,6 +26,7 @@ from agent.tune.defaults import (
     DEFAULT_SETTLE_SECONDS,
     DEFAULT_THROUGHPUT_TOLERANCE,
     KNOB_UNITS,
+    TUNE_HELP,
 )
 
 if TYPE_CHECKING:  # the sweep's models (dataclasses) only where a document is rendered: --help stays light
@@ -71,7 +72,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser, socket_path: SocketPa
     tune = sub.add_parser(
         "tune",
         parents=[common],
-        help="measure power limits or locked clocks against the service",
+        help=TUNE_HELP,
         description=description,
     )
     tune.add_argument("--abort", action="store_true", help="abort the running sweep (its settings are put back)")

@@ -3,6 +3,9 @@ parsers from them without the sweep's models."""
 
 from __future__ import annotations
 
+#: `tune`'s line in `gpu-agent --help`, also when its own parsers are not built.
+TUNE_HELP = "measure power limits or locked clocks against the service"
+
 #: The knob each kind turns, its unit, and the policy key it recommends.
 KNOB_UNITS: dict[str, str] = {"power": "W", "clocks": "MHz"}
 POLICY_ITEMS: dict[str, str] = {"power": "power_limit", "clocks": "locked_clocks"}
