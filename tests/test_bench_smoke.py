@@ -14,6 +14,8 @@ import json
 import math
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -32,7 +34,7 @@ from bench import (
     startup,
     status_wall,
 )
-from bench.common import SCHEMA, percentile, summarize
+from bench.common import REPO_ROOT, SCHEMA, make_node, percentile, summarize
 
 
 def sane_number(value: Any, low: float, high: float, what: str) -> None:
@@ -255,6 +257,31 @@ def test_cli_speed(tmp_path: Path) -> None:
         "sglang-1": {"up": True, "scraped": True},
     }
     assert results["daemon_two_services"]["cpu_percent_of_one_core"] > 0
+
+
+def test_daemon_profile_charges_the_daemons_threads(tmp_path: Path) -> None:
+    node = make_node(tmp_path / "node", "simulated", "h200", interval_seconds=0.2)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.daemon_profile",
+            "--config",
+            str(node.config_path),
+            "--seconds",
+            "2",
+            "--warmup",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "daemon exited 0" in done.stdout
+    by_thread = done.stdout.split("by thread")[1].split("inclusive")[0]
+    assert "MainThread" in by_thread and "gpu-agent-gpu0" in by_thread, done.stdout
 
 
 def test_run_all_merges(tmp_path: Path) -> None:
