@@ -461,7 +461,7 @@ def test_a_real_server_answers_every_request_with_one_json_line(api_socket: Path
 def test_oversized_silent_and_concurrent_clients(
     daemon_handlers: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(api, "REQUEST_TIMEOUT_SECONDS", 0.5)
+    monkeypatch.setattr(api_server, "REQUEST_TIMEOUT_SECONDS", 0.5)
     with server(tmp_path, daemon_handlers) as path:
         big = json.loads(
             exchange(path, b'{"method": "ping", "x": "' + b"a" * (api_server.MAX_REQUEST_BYTES + 10) + b'"}\n')

@@ -187,14 +187,14 @@ def test_the_socket_group_never_follows_a_link_planted_at_its_path(
     victim.write_text("secret\n")
     victim.chmod(0o600)
     path = tmp_path / "agent.sock"
-    activate = api._Server.server_activate
+    activate = api_server._Server.server_activate
 
-    def plant_link(server: api._Server) -> None:
+    def plant_link(server: api_server._Server) -> None:
         activate(server)
         path.unlink(missing_ok=True)
         path.symlink_to(victim)
 
-    monkeypatch.setattr(api._Server, "server_activate", plant_link)
+    monkeypatch.setattr(api_server._Server, "server_activate", plant_link)
     server = api_server.ApiServer(path, {"ping": lambda _p: "pong"}, group=group)
     server.start()
     try:
