@@ -372,8 +372,9 @@ def _histograms_by_series(samples: Sequence[Sample], family: str) -> dict[Series
     buckets: dict[SeriesKey, dict[float, float]] = {}
     counts: dict[SeriesKey, float] = {}
     sums: dict[SeriesKey, float] = {}
+    bucket, count, sum_ = family + "_bucket", family + "_count", family + "_sum"
     for name, key, labels, value in _one_copy_per_batch(samples):
-        if name == family + "_bucket" and "le" in labels:
+        if name == bucket and "le" in labels:
             try:
                 bound = float(labels["le"])
             except ValueError:
@@ -381,9 +382,9 @@ def _histograms_by_series(samples: Sequence[Sample], family: str) -> dict[Series
             if math.isnan(bound):
                 raise ScrapeError(f"{UNREADABLE}: {family} has a bucket le=NaN")
             buckets.setdefault(key, {})[bound] = value
-        elif name == family + "_count":
+        elif name == count:
             counts[key] = value
-        elif name == family + "_sum":
+        elif name == sum_:
             sums[key] = value
         if len(buckets) > MAX_SERIES_PER_FAMILY:
             raise ScrapeError(f"{UNREADABLE}: {family} has more than {MAX_SERIES_PER_FAMILY} label sets")
