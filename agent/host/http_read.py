@@ -269,8 +269,10 @@ class _Worker:
 
     def _serve(self) -> None:
         while (attempt := self._inbox.get()) is not None:
-            attempt.run()
-            attempt.done.release()
+            try:
+                attempt.run()
+            finally:  # whatever escapes run(), the caller is not kept waiting for the deadline
+                attempt.done.release()
 
     def submit(self, attempt: _Attempt) -> None:
         self._inbox.put(attempt)
