@@ -9,7 +9,10 @@ worker thread that the caller waits for until the deadline; at the deadline the 
 connection's socket down (which ends a read or write blocked in the worker at once) and reports a
 timeout. So connect, headers and body share one deadline. Only a name lookup, which nothing can
 interrupt, may outlive the deadline, in the worker and bounded by the resolver's own timeouts; the
-caller has returned by then.
+caller has returned by then. A worker whose request was answered in time is kept for the next
+request (a few are kept idle); one left behind at a deadline serves no other and ends with its
+request. A request without a proxy is sent on an http.client connection of its own, with the
+headers urllib would send; one through a proxy from the environment goes through urllib's opener.
 
 The body is read a chunk at a time up to `max_bytes`: a larger answer is an error (or, with
 `truncate`, cut there), never read whole. Redirects are not followed (they would carry our headers,
@@ -23,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import http.client
+import queue
 import socket
 import ssl
 import threading
@@ -33,6 +37,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 _READ_CHUNK_BYTES = 64 * 1024
+#: Sent on one http.client connection of our own; anything else (a proxy) goes through urllib.
+_DIRECT_SCHEMES = frozenset({"http", "https"})
 
 
 class HttpReadError(Exception):
@@ -171,8 +177,49 @@ class _Attempt:
         self.exchange = _Exchange()
         self.answer: HttpAnswer | None = None
         self.error: HttpReadError | None = None
+        # Held until the worker has set `answer` or `error` (a bare lock: cheaper than an Event).
+        self.done = threading.Lock()
+        self.done.acquire()
 
     def run(self) -> None:
+        try:
+            if self.proxies or self.request.type not in _DIRECT_SCHEMES or "@" in self.request.host:
+                self.answer = self._through_urllib()
+            else:
+                self.answer = self._direct()
+        except HttpReadError as exc:
+            self.error = exc
+        except Exception as exc:  # whatever the exchange raised is this request's failure, not the worker's
+            self.error = HttpReadError(_describe(exc, self.deadline_seconds))
+
+    def _direct(self) -> HttpAnswer:
+        """The request on one http.client connection, as urllib's handlers would send it (the same
+        headers, `Connection: close`), without building an opener of ten handlers for each one."""
+        request = self.request
+        connection: _TrackedHTTPConnection | _TrackedHTTPSConnection
+        if request.type == "https":
+            connection = _TrackedHTTPSConnection(request.host, timeout=self.deadline_seconds, context=_tls_context())
+        else:
+            connection = _TrackedHTTPConnection(request.host, timeout=self.deadline_seconds)
+        connection.exchange = self.exchange
+        headers = {name.title(): value for name, value in request.header_items()}
+        headers.setdefault("Host", request.host)
+        if request.data is not None:
+            headers.setdefault("Content-Type", "application/x-www-form-urlencoded")
+        headers["Connection"] = "close"
+        try:
+            connection.request(request.get_method(), request.selector, request.data, headers)
+            with connection.getresponse() as response:
+                if 200 <= response.status < 300:
+                    return HttpAnswer(int(response.status), self._body(response))
+                # Any other status is the answer (urllib's HTTPError, redirects not followed).
+                return HttpAnswer(int(response.status), b"", response.getheader("Location"))
+        finally:
+            connection.close()
+
+    def _through_urllib(self) -> HttpAnswer:
+        """Through urllib's opener: proxies from the environment, and whatever URL the direct
+        path does not take."""
         handlers: list[urllib.request.BaseHandler] = [
             _NoRedirect(),
             _HTTPHandler(self.exchange),
@@ -184,14 +231,10 @@ class _Attempt:
         try:
             # The socket timeout too: a worker the caller has given up on ends on its own.
             with opener.open(self.request, timeout=self.deadline_seconds) as response:
-                self.answer = HttpAnswer(int(response.status), self._body(response))
+                return HttpAnswer(int(response.status), self._body(response))
         except urllib.error.HTTPError as exc:
-            self.answer = HttpAnswer(int(exc.code), b"", exc.headers.get("Location") if exc.headers else None)
             exc.close()
-        except HttpReadError as exc:
-            self.error = exc
-        except Exception as exc:  # whatever the exchange raised is this request's failure, not the worker's
-            self.error = HttpReadError(_describe(exc, self.deadline_seconds))
+            return HttpAnswer(int(exc.code), b"", exc.headers.get("Location") if exc.headers else None)
 
     def _body(self, response: http.client.HTTPResponse) -> bytes:
         if self.truncate and self.max_bytes == 0:
@@ -213,6 +256,53 @@ class _Attempt:
         raise HttpReadError(f"response larger than the {self.max_bytes} byte limit")
 
 
+class _Worker:
+    """A thread that runs one request after another. A caller that gets its answer in time hands
+    the worker back for the next request; one whose deadline passed leaves it behind, told to end
+    once its request does (the socket is shut, so that is soon): a hung request never holds up
+    the next one, which gets a worker of its own."""
+
+    def __init__(self) -> None:
+        self._inbox: queue.SimpleQueue[_Attempt | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name="gpu-agent-http", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while (attempt := self._inbox.get()) is not None:
+            try:
+                attempt.run()
+            finally:  # whatever escapes run(), the caller is not kept waiting for the deadline
+                attempt.done.release()
+
+    def submit(self, attempt: _Attempt) -> None:
+        self._inbox.put(attempt)
+
+    def end(self) -> None:
+        """End after the request in hand, if any."""
+        self._inbox.put(None)
+
+
+#: Workers waiting for a request; a few callers (the scrapes, the probes) ask at once at most.
+_IDLE_WORKERS_KEPT = 4
+_idle_workers: list[_Worker] = []
+_idle_lock = threading.Lock()
+
+
+def _take_worker() -> _Worker:
+    with _idle_lock:
+        if _idle_workers:
+            return _idle_workers.pop()
+    return _Worker()
+
+
+def _keep_worker(worker: _Worker) -> None:
+    with _idle_lock:
+        if len(_idle_workers) < _IDLE_WORKERS_KEPT:
+            _idle_workers.append(worker)
+            return
+    worker.end()
+
+
 def exchange(
     request: urllib.request.Request,
     deadline_seconds: float,
@@ -226,12 +316,13 @@ def exchange(
     `max_bytes`). Any status is an answer; the body is read for 2xx only. Raises HttpTimedOut past
     the deadline, HttpReadError for every other failure."""
     attempt = _Attempt(request, deadline_seconds, max_bytes, proxies, truncate)
-    worker = threading.Thread(target=attempt.run, name="gpu-agent-http", daemon=True)
-    worker.start()
-    worker.join(deadline_seconds)
-    if worker.is_alive():
+    worker = _take_worker()
+    worker.submit(attempt)
+    if not attempt.done.acquire(timeout=max(deadline_seconds, 0.0)):
         attempt.exchange.cut()
+        worker.end()  # left behind: it ends when its request does, and serves no other
         raise HttpTimedOut(f"timed out after {deadline_seconds:g} s")
+    _keep_worker(worker)
     if attempt.error is not None:
         raise attempt.error
     assert attempt.answer is not None  # the worker sets one or the other

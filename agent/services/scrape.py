@@ -273,10 +273,37 @@ def is_openmetrics(text: str) -> bool:
     return tail.endswith("# EOF") and (len(tail) == len("# EOF") or tail[-len("\n# EOF")] == "\n")
 
 
+#: Besides "\n", what ends a line for str.splitlines, or parts words for str.split, in ASCII text.
+_ODD_SEPARATORS = ("\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x1f")
+_SUFFIXES = "(?:_bucket|_count|_sum|_total|_created)?"
+
+
+@functools.lru_cache(maxsize=8)
+def _selection(wanted: frozenset[str]) -> re.Pattern[str]:
+    """The lines `_select_lines` keeps, each after the "\n" that ends the line before: a HELP or
+    TYPE line naming a wanted family, or a sample of one (its name then `{`, a blank or the end of
+    the line). The leading "\n" lets the search jump from line to line in C."""
+    names = "|".join(re.escape(name) for name in sorted(wanted, key=len, reverse=True))
+    return re.compile(
+        rf"\n((?:# (?:HELP|TYPE) (?:{names}){_SUFFIXES}(?=[ \t\n])|(?:{names}){_SUFFIXES}(?=[{{ \t\n]))[^\n]*)"
+    )
+
+
 def _select_lines(text: str, wanted: frozenset[str]) -> str:
     """The lines of the wanted families only: the parser's cost is per line, and a real page is
     mostly families we do not read (per-stage latencies, process metrics). ScrapeError when they
     are more lines than any real server writes."""
+    if text.isascii() and not any(odd in text for odd in _ODD_SEPARATORS):
+        # Lines end at "\n" only and words at a blank or tab: the pattern keeps what the loop of
+        # `_select_lines_one_by_one` keeps (tests/services/test_service_corpus.py compares them).
+        kept = _selection(wanted).findall("\n" + text + "\n")
+        if len(kept) > MAX_SELECTED_LINES:
+            raise ScrapeError(f"{UNREADABLE}: more than {MAX_SELECTED_LINES} lines of the families read")
+        return "\n".join(kept) + "\n"
+    return _select_lines_one_by_one(text, wanted)
+
+
+def _select_lines_one_by_one(text: str, wanted: frozenset[str]) -> str:
     # str.startswith with a tuple runs in C: a cheap first cut, confirmed on the exact name below.
     prefixes = tuple(prefix + name for name in wanted for prefix in ("", "# HELP ", "# TYPE "))
     kept: list[str] = []
@@ -292,7 +319,10 @@ def _select_lines(text: str, wanted: frozenset[str]) -> str:
     return "\n".join(kept) + "\n"
 
 
-Sample = tuple[str, Mapping[str, str], float]
+#: A series' key and its rank among the copies of one batch (the replica labels' values).
+Series = tuple[SeriesKey, tuple[str, ...]]
+#: A sample's name, labels and value, and its series where the reader has worked it out already.
+Sample = tuple[str, Mapping[str, str], float, Series | None]
 
 
 def _rank_order(rank: tuple[str, ...]) -> tuple[tuple[int, str], ...]:
@@ -302,17 +332,22 @@ def _rank_order(rank: tuple[str, ...]) -> tuple[tuple[int, str], ...]:
 _REPLICA_ORDER = tuple(sorted(REPLICA_LABELS))
 
 
+def _series_of(labels: Mapping[str, str]) -> Series:
+    """The labels' series key (sorted, without `le` and the replica labels) and replica rank."""
+    # dict copy and pop run in C: this is per label set, hundreds per page
+    rest = dict(labels)
+    rest.pop("le", None)
+    rank = tuple([rest.pop(label) for label in _REPLICA_ORDER if label in rest])
+    return tuple(sorted(rest.items())), rank
+
+
 def _one_copy_per_batch(samples: Sequence[Sample]) -> list[tuple[str, SeriesKey, Mapping[str, str], float]]:
     """Each sample with its series key; of the copies a replica label tells apart (the same
     batch on every TP rank), only the lowest rank's samples are kept."""
     keyed: list[tuple[str, SeriesKey, tuple[str, ...], Mapping[str, str], float]] = []
     lowest: dict[SeriesKey, tuple[str, ...]] = {}
-    for name, labels, value in samples:
-        # dict copy and pop run in C: this is per sample, hundreds per page
-        rest = dict(labels)
-        rest.pop("le", None)
-        rank = tuple([rest.pop(label) for label in _REPLICA_ORDER if label in rest])
-        key = tuple(sorted(rest.items()))
+    for name, labels, value, series in samples:
+        key, rank = _series_of(labels) if series is None else series
         keyed.append((name, key, rank, labels, value))
         held = lowest.get(key)
         if held is None or (held != rank and _rank_order(rank) < _rank_order(held)):
@@ -337,8 +372,9 @@ def _histograms_by_series(samples: Sequence[Sample], family: str) -> dict[Series
     buckets: dict[SeriesKey, dict[float, float]] = {}
     counts: dict[SeriesKey, float] = {}
     sums: dict[SeriesKey, float] = {}
+    bucket, count, sum_ = family + "_bucket", family + "_count", family + "_sum"
     for name, key, labels, value in _one_copy_per_batch(samples):
-        if name == family + "_bucket" and "le" in labels:
+        if name == bucket and "le" in labels:
             try:
                 bound = float(labels["le"])
             except ValueError:
@@ -346,9 +382,9 @@ def _histograms_by_series(samples: Sequence[Sample], family: str) -> dict[Series
             if math.isnan(bound):
                 raise ScrapeError(f"{UNREADABLE}: {family} has a bucket le=NaN")
             buckets.setdefault(key, {})[bound] = value
-        elif name == family + "_count":
+        elif name == count:
             counts[key] = value
-        elif name == family + "_sum":
+        elif name == sum_:
             sums[key] = value
         if len(buckets) > MAX_SERIES_PER_FAMILY:
             raise ScrapeError(f"{UNREADABLE}: {family} has more than {MAX_SERIES_PER_FAMILY} label sets")
@@ -373,7 +409,10 @@ def _histograms_by_series(samples: Sequence[Sample], family: str) -> dict[Series
     return found
 
 
-_SAMPLE_LINE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})?[ \t]+(\S+)(?:[ \t]+-?[0-9]+)?[ \t]*")
+#: A sample line as servers write it, after the "\n" that ends the line before: its name, labels and
+#: value (a timestamp is allowed and ignored). The selected lines all begin after a "\n" with that
+#: prefixed, so every match is one whole line and a line that does not match is not matched at all.
+_SAMPLE_LINES = re.compile(r"\n([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}\n]*)\})?[ \t]+(\S+)(?:[ \t]+-?[0-9]+)?[ \t]*(?=\n)")
 _PLAIN_LABELS = re.compile(
     r'(?:[ \t]*[a-zA-Z_][a-zA-Z0-9_]*[ \t]*=[ \t]*"[^"\\]*"[ \t]*,)*'
     r'(?:[ \t]*[a-zA-Z_][a-zA-Z0-9_]*[ \t]*=[ \t]*"[^"\\]*"[ \t]*)?'
@@ -387,24 +426,28 @@ class _NotPlain(Exception):
 
 def _plain_samples(selected: str) -> dict[str, list[Sample]]:
     """The selected lines' samples by family, for the text format as servers write it (no escapes
-    in label values): a regular expression per line instead of prometheus-client's character-by-
-    character reader, which costs ~30 µs a line with sglang's six labels (a DP=8 page's queue-time
-    histograms alone are ~300 lines). _NotPlain for anything else."""
+    in label values): one regular expression over the lines instead of prometheus-client's
+    character-by-character reader, which costs ~30 µs a line with sglang's six labels (a DP=8
+    page's queue-time histograms alone are ~300 lines). _NotPlain for anything else."""
+    lines = "\n" + selected
+    samples = _SAMPLE_LINES.findall(lines)
+    # Every line that is not a comment must have matched. Blank lines are counted one for each run
+    # of them (the selection keeps none): too few, which makes a page read by prometheus-client.
+    if len(samples) != lines.count("\n") - 1 - lines.count("\n#") - lines.count("\n\n"):
+        raise _NotPlain("a sample line not as servers write it")
     by_family: dict[str, list[Sample]] = {}
-    for line in selected.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        match = _SAMPLE_LINE.fullmatch(line)
-        if match is None:
-            raise _NotPlain(line)
-        name, labels, value = match.groups()
+    for name, labels, value in samples:
         try:
             number = float(value)
         except ValueError:
-            raise _NotPlain(line) from None
-        by_family.setdefault(_base_name(name), []).append((name, _plain_labels(labels or ""), number))
+            raise _NotPlain(value[:80]) from None
+        mapping, series = _plain_labels(labels)
+        by_family.setdefault(_family_of(name), []).append((name, mapping, number, series))
     return by_family
 
+
+#: The family a sample name belongs to; the names of the selected lines are a few dozen at most.
+_family_of = functools.lru_cache(maxsize=256)(_base_name)
 
 #: Label sets cached, and the longest one cached: a bound of ~2 MB however hostile the pages (a
 #: real sglang page at DP=8 has ~500 label sets of ~120 characters).
@@ -412,16 +455,17 @@ _CACHED_LABEL_SETS = 4096
 _CACHED_LABELS_MAX_CHARS = 512
 
 
-def _plain_labels(text: str) -> Mapping[str, str]:
-    """`a="1",b="2"` -> a read-only mapping. A server writes the same label sets every scrape, so
-    each short one is read once."""
+def _plain_labels(text: str) -> tuple[Mapping[str, str], Series]:
+    """`a="1",b="2"` -> a read-only mapping and its series. A server writes the same label sets
+    every scrape, so each short one is read once."""
     return _cached_labels(text) if len(text) <= _CACHED_LABELS_MAX_CHARS else _read_labels(text)
 
 
-def _read_labels(text: str) -> Mapping[str, str]:
+def _read_labels(text: str) -> tuple[Mapping[str, str], Series]:
     if text and _PLAIN_LABELS.fullmatch(text) is None:
         raise _NotPlain(text[:80])
-    return MappingProxyType(dict(_LABEL.findall(text)))
+    labels = dict(_LABEL.findall(text))
+    return MappingProxyType(labels), _series_of(labels)
 
 
 _cached_labels = functools.lru_cache(maxsize=_CACHED_LABEL_SETS)(_read_labels)
@@ -437,7 +481,7 @@ def _parse_families(selected: str, openmetrics: bool) -> dict[str, list[Sample]]
     else:
         # Its parser wants the terminator, which the line selection dropped.
         families = list(openmetrics_families(selected + "# EOF\n"))  # type: ignore[no-untyped-call]
-    return {f.name: [(s.name, s.labels, float(s.value)) for s in f.samples] for f in families}
+    return {f.name: [(s.name, s.labels, float(s.value), None) for s in f.samples] for f in families}
 
 
 def parse_reading(text: str, kind: str | None = None, timestamp_seconds: float | None = None) -> ServerReading:
@@ -483,7 +527,7 @@ def parse_reading(text: str, kind: str | None = None, timestamp_seconds: float |
     def fullest(figure: str, candidates: tuple[str, ...]) -> float | None:
         # Every copy counts here: the fullest pool is the one that turns requests away.
         name, samples = samples_of(figure, candidates)
-        values = [v for n, _, v in samples if n == name and math.isfinite(v)]
+        values = [v for n, _, v, _ in samples if n == name and math.isfinite(v)]
         return max(values) if values else None
 
     histograms: dict[str, dict[SeriesKey, Histogram]] = {}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import operator
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,13 @@ def histogram_quantile(q: float, bounds: Sequence[float], bucket_counts: Sequenc
         return None
     if not readable_buckets(bounds, bucket_counts):
         return None
+    return _readable_quantile(q, bounds, bucket_counts)
+
+
+def _readable_quantile(q: float, bounds: Sequence[float], bucket_counts: Sequence[float]) -> float | None:
+    """histogram_quantile of buckets `readable_buckets` has passed."""
+    if not bounds or not math.isinf(bounds[-1]) or not 0.0 <= q <= 1.0 or len(bounds) != len(bucket_counts):
+        return None
     counts = list(bucket_counts)
     total = counts[-1]
     if total <= 0:
@@ -66,11 +74,13 @@ def histogram_quantile(q: float, bounds: Sequence[float], bucket_counts: Sequenc
 
 def readable_buckets(bounds: Sequence[float], bucket_counts: Sequence[float]) -> bool:
     """Finite, non-negative counts that never go down, under bounds that are numbers and go up."""
+    # map and starmap run in C: this is per bucket, for every histogram every scrape
     return (
-        all(math.isfinite(c) and c >= 0 for c in bucket_counts)
-        and all(later >= earlier for earlier, later in itertools.pairwise(bucket_counts))
-        and not any(math.isnan(b) for b in bounds)
-        and all(later > earlier for earlier, later in itertools.pairwise(bounds))
+        all(map(math.isfinite, bucket_counts))
+        and min(bucket_counts, default=0.0) >= 0
+        and all(itertools.starmap(operator.le, itertools.pairwise(bucket_counts)))
+        and not any(map(math.isnan, bounds))
+        and all(itertools.starmap(operator.lt, itertools.pairwise(bounds)))
     )
 
 
@@ -317,7 +327,7 @@ class LatencyWindow:
             latency[kind] = LatencyFigures(
                 requests=count,
                 mean_seconds=total / count if count > 0 else None,
-                quantiles={q: histogram_quantile(q, shape, buckets) for q in QUANTILES},
+                quantiles={q: _readable_quantile(q, shape, buckets) for q in QUANTILES},
             )
         tokens_per_second: float | None = None
         tokens = _added_increase(self._tokens)

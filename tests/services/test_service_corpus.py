@@ -279,3 +279,59 @@ def test_a_bucket_bound_that_is_no_number_is_a_scrape_error() -> None:
     )
     with pytest.raises(ScrapeError, match=r"unreadable page: .* has a bucket le='soon'"):
         parse_reading(page, kind="vllm")
+
+
+# Lines that tell the two selections apart if either one slips: names sharing a wanted family's
+# start, suffixes, HELP/TYPE spacing, a `{` right after a comment's name, blanks, tabs, no newline.
+_SELECTION_EDGES = (
+    "# HELP sglang:num_running_reqs running\n"
+    "# HELP  sglang:num_queue_reqs two blanks\n"
+    "# TYPE sglang:num_queue_reqs\tgauge\n"
+    "# TYPE sglang:token_usage{ gauge\n"
+    "# HELP sglang:token_usage_extra not ours\n"
+    "# EOF sglang:token_usage 1\n"
+    "sglang:num_running_reqs 3\n"
+    "sglang:num_running_reqs_total 3\n"
+    "sglang:num_running_reqs_created 3\n"
+    "sglang:num_running_reqs_sum_bucket 3\n"
+    "sglang:num_running_reqsx 3\n"
+    "sglang:num_queue_reqs\t1\n"
+    'sglang:num_queue_reqs{a="1"} 1\n'
+    "sglang:token_usage\n"
+    "\n"
+    " sglang:token_usage 0.5\n"
+    'sglang:e2e_request_latency_seconds_bucket{le="+Inf"} 4\n'
+    "sglang:gen_throughput 7"
+)
+
+
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+def test_the_page_wide_selection_keeps_the_lines_the_line_by_line_one_keeps(kind: str) -> None:
+    """The lines of the families read are picked by one pattern over the page; the loop over
+    its lines (still used for text with other line breaks or non-ASCII) keeps the same ones."""
+    wanted = scrape_module.FAMILIES[kind].names()
+    pages = [page for case in CASES for _, page in case.pages()]
+    pages += [_SELECTION_EDGES, _SELECTION_EDGES.replace("sglang:", "vllm:"), "", "\n", "sglang:token_usage 1"]
+    for page in pages:
+        assert page.isascii()
+        assert scrape_module._select_lines(page, wanted) == scrape_module._select_lines_one_by_one(page, wanted)
+
+
+def test_a_page_with_other_line_breaks_is_selected_line_by_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    page = "sglang:num_running_reqs 3\r\nsglang:num_queue_reqs 1\x1csglang:token_usage 0.5\n"
+    assert parse_reading(page, kind="sglang").waiting == 1
+    monkeypatch.setattr(scrape_module, "_select_lines_one_by_one", lambda *_: "")
+    assert parse_reading(page, kind="sglang").waiting is None
+    assert parse_reading(page.replace("\x1c", "\n").replace("\r", ""), kind="sglang").waiting == 1
+
+
+def test_a_label_set_seen_before_is_not_worked_out_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server writes the same label sets every scrape: each one's mapping, series key and
+    replica rank are kept with it, so a later page reads only names and values."""
+    (_, page), *_ = BY_NAME["sglang-dp2-tp4-all-schedulers"].pages()
+    first = parse_reading(page, timestamp_seconds=1.0)
+    worked_out: list[object] = []
+    series_of = scrape_module._series_of
+    monkeypatch.setattr(scrape_module, "_series_of", lambda labels: worked_out.append(labels) or series_of(labels))
+    assert parse_reading(page, timestamp_seconds=1.0) == first
+    assert worked_out == []

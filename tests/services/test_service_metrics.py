@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from agent.demo.standin_process import StandinServer, free_port, wait_listening
+from agent.services import window as window_module
 from agent.services.scrape import (
     MAX_HISTOGRAM_BUCKETS,
     MAX_SERIES_PER_FAMILY,
@@ -78,6 +79,25 @@ def test_quantiles_come_from_the_delta_over_the_window_not_the_cumulative_counts
     assert e2e.quantiles[0.5] != pytest.approx(0.5 + 0.5 * 50 / 60)
     assert figures.generation_tokens_per_second == pytest.approx(3000 / 60)
     assert figures.window_seconds == pytest.approx(60)
+
+
+def test_the_window_checks_each_histogram_once_for_all_its_quantiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The buckets were checked once for the histogram and once more for each of its three
+    quantiles, every scrape: checked once now, for the same figures."""
+    window = LatencyWindow("sglang", window_seconds=300)
+    window.add(reading(0, (100, 150, 190, 200)))
+    window.add(reading(60, (100, 160, 270, 300)))
+    expected = window.figures()
+    checked: list[tuple[float, ...]] = []
+    readable = window_module.readable_buckets
+
+    def counted(bounds: tuple[float, ...], counts: tuple[float, ...]) -> bool:
+        checked.append(tuple(counts))
+        return readable(bounds, counts)
+
+    monkeypatch.setattr(window_module, "readable_buckets", counted)
+    assert window.figures() == expected
+    assert checked == [(0, 10, 80, 100)]
 
 
 def test_points_older_than_the_window_drop_out() -> None:
