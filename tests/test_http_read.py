@@ -131,8 +131,29 @@ def test_reads_share_one_tls_context(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert len(built) <= 1  # none when an earlier test already made the one context
 
 
+@pytest.fixture
+def attempt_threads(monkeypatch: pytest.MonkeyPatch) -> list[threading.Thread]:
+    """The thread each request ran on, in order."""
+    threads: list[threading.Thread] = []
+    run = http_read._Attempt.run
+
+    def recorded(attempt: http_read._Attempt) -> None:
+        threads.append(threading.current_thread())
+        run(attempt)
+
+    monkeypatch.setattr(http_read._Attempt, "run", recorded)
+    return threads
+
+
+@pytest.fixture
+def ok_body(tmp_path: Path) -> Path:
+    body = tmp_path / "body"
+    body.write_bytes(b"ok")
+    return body
+
+
 def test_requests_one_after_another_share_one_worker_and_build_no_opener(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch, attempt_threads: list[threading.Thread], ok_body: Path
 ) -> None:
     """Each request built a urllib opener of ten handlers and started a thread of its own: with
     two scraped and probed services that was a third of the daemon's CPU on the build host. A
@@ -140,44 +161,27 @@ def test_requests_one_after_another_share_one_worker_and_build_no_opener(
     openers: list[object] = []
     build_opener = http_read.urllib.request.build_opener
     monkeypatch.setattr(http_read.urllib.request, "build_opener", lambda *h: openers.append(h) or build_opener(*h))
-    workers: list[int] = []
-    run = http_read._Attempt.run
-
-    def recorded(attempt: http_read._Attempt) -> None:
-        workers.append(threading.get_ident())
-        run(attempt)
-
-    monkeypatch.setattr(http_read._Attempt, "run", recorded)
-    body = tmp_path / "body"
-    body.write_bytes(b"ok")
-    with SlowEndpoint("file", "--body", str(body)) as server:
+    with SlowEndpoint("file", "--body", str(ok_body)) as server:
         for _ in range(5):
             assert http_read.get(server.url("/"), 2.0, 4096).body == b"ok"
     assert openers == []
-    assert len(workers) == 5 and len(set(workers)) == 1, workers
-    assert threading.get_ident() not in workers
+    assert len(attempt_threads) == 5 and len(set(attempt_threads)) == 1, attempt_threads
+    assert threading.current_thread() not in attempt_threads
 
 
 def test_a_worker_left_behind_at_the_deadline_serves_no_other_request_and_ends(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    attempt_threads: list[threading.Thread], ok_body: Path
 ) -> None:
-    workers: list[threading.Thread] = []
-    run = http_read._Attempt.run
-
-    def recorded(attempt: http_read._Attempt) -> None:
-        workers.append(threading.current_thread())
-        run(attempt)
-
-    monkeypatch.setattr(http_read._Attempt, "run", recorded)
-    body = tmp_path / "body"
-    body.write_bytes(b"ok")
-    with SlowEndpoint("silent", "--interval", "0.2") as silent, SlowEndpoint("file", "--body", str(body)) as answering:
+    with (
+        SlowEndpoint("silent", "--interval", "0.2") as silent,
+        SlowEndpoint("file", "--body", str(ok_body)) as answering,
+    ):
         with pytest.raises(http_read.HttpTimedOut, match=r"timed out after 0\.5 s"):
             http_read.get(silent.url("/"), 0.5, 4096)
         started = time.monotonic()
         assert http_read.get(answering.url("/"), 2.0, 4096).body == b"ok"
         assert time.monotonic() - started < 1.0
-        left_behind, answered = workers
+        left_behind, answered = attempt_threads
         assert answered is not left_behind
         left_behind.join(5.0)
         assert not left_behind.is_alive()
