@@ -39,15 +39,12 @@ def histogram_quantile(q: float, bounds: Sequence[float], bucket_counts: Sequenc
     bucket holding the rank (the first bucket starts at 0); a rank in the +Inf bucket gives the
     largest finite bound. None when there are no observations or no +Inf bucket, and when the
     buckets cannot be believed (`readable_buckets`): a quantile of them would be made up."""
-    if not bounds or not math.isinf(bounds[-1]) or not 0.0 <= q <= 1.0 or len(bounds) != len(bucket_counts):
-        return None
-    if not readable_buckets(bounds, bucket_counts):
-        return None
-    return _readable_quantile(q, bounds, bucket_counts)
+    return _readable_quantile(q, bounds, bucket_counts) if readable_buckets(bounds, bucket_counts) else None
 
 
 def _readable_quantile(q: float, bounds: Sequence[float], bucket_counts: Sequence[float]) -> float | None:
-    """histogram_quantile of buckets `readable_buckets` has passed."""
+    """histogram_quantile of buckets `readable_buckets` has passed (`LatencyWindow.figures` checks
+    each histogram once for all its quantiles)."""
     if not bounds or not math.isinf(bounds[-1]) or not 0.0 <= q <= 1.0 or len(bounds) != len(bucket_counts):
         return None
     counts = list(bucket_counts)
