@@ -198,10 +198,11 @@ class _Attempt:
         request = self.request
         connection: _TrackedHTTPConnection | _TrackedHTTPSConnection
         if request.type == "https":
-            connection = _TrackedHTTPSConnection(request.host, timeout=self.deadline_seconds, context=_tls_context())
+            connection = _tracked(_TrackedHTTPSConnection, self.exchange)(
+                request.host, timeout=self.deadline_seconds, context=_tls_context()
+            )
         else:
-            connection = _TrackedHTTPConnection(request.host, timeout=self.deadline_seconds)
-        connection.exchange = self.exchange
+            connection = _tracked(_TrackedHTTPConnection, self.exchange)(request.host, timeout=self.deadline_seconds)
         headers = {name.title(): value for name, value in request.header_items()}
         headers.setdefault("Host", request.host)
         if request.data is not None:
