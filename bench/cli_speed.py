@@ -51,6 +51,7 @@ from bench.common import (
     agent_env,
     free_port,
     make_node,
+    paired_ratio,
     percentile,
     print_rows,
     running_daemon,
@@ -107,13 +108,6 @@ SERVICE_ENTRY = """\
     kind: sglang
     gpus: [0]
 """
-
-
-def paired(times: dict[str, list[float]], numerator: str, denominator: str) -> float | None:
-    if numerator not in times or denominator not in times:
-        return None
-    pairs = [a / b for a, b in zip(times[numerator], times[denominator]) if b > 0]
-    return round(percentile(pairs, 50), 2) if pairs else None
 
 
 def reference_command(node: Node) -> list[str]:
@@ -260,14 +254,14 @@ def run(args: argparse.Namespace, report: Report) -> None:
             times, exits = time_commands(node, commands, args.runs, args.agent_tree)
         footprint = daemon_cpu(args, directory) if args.cpu_seconds > 0 else None
     ratios = {
-        "status_daemon_over_python_bare": paired(times, "status_daemon", "python_bare"),
-        "status_direct_over_reference_read": paired(times, "status_direct", "reference_read"),
-        "version_over_python_bare": paired(times, "version", "python_bare"),
-        "help_over_python_bare": paired(times, "help", "python_bare"),
-        "reference_read_over_python_bare": paired(times, "reference_read", "python_bare"),
-        "status_daemon_over_nvidia_smi": paired(times, "status_daemon", "nvidia_smi"),
-        "status_daemon_over_nvitop_once": paired(times, "status_daemon", "nvitop_once"),
-        "status_direct_over_nvidia_smi": paired(times, "status_direct", "nvidia_smi"),
+        "status_daemon_over_python_bare": paired_ratio(times, "status_daemon", "python_bare"),
+        "status_direct_over_reference_read": paired_ratio(times, "status_direct", "reference_read"),
+        "version_over_python_bare": paired_ratio(times, "version", "python_bare"),
+        "help_over_python_bare": paired_ratio(times, "help", "python_bare"),
+        "reference_read_over_python_bare": paired_ratio(times, "reference_read", "python_bare"),
+        "status_daemon_over_nvidia_smi": paired_ratio(times, "status_daemon", "nvidia_smi"),
+        "status_daemon_over_nvitop_once": paired_ratio(times, "status_daemon", "nvitop_once"),
+        "status_direct_over_nvidia_smi": paired_ratio(times, "status_direct", "nvidia_smi"),
     }
     report.results.update(
         wall_ms={name: summarize(values, 1e3, 1) for name, values in times.items()},

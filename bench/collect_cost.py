@@ -50,7 +50,16 @@ from agent.backend.errors import GpuError
 from agent.collect import sample_identified
 from agent.config import AgentConfig, SimulatedConfig
 from agent.daemon.bounded import BoundedRunner
-from bench.common import Report, add_common_args, percentile, print_rows, scratch_dir, summarize, target, timed_run
+from bench.common import (
+    Report,
+    add_common_args,
+    paired_ratio,
+    print_rows,
+    scratch_dir,
+    summarize,
+    target,
+    timed_run,
+)
 
 Call = tuple[Callable[..., Any], tuple[Any, ...]]
 
@@ -313,12 +322,6 @@ def measure_rounds(
             variants[name]()
             times[name].append(time.perf_counter() - begin)
     return times
-
-
-def paired_ratio(times: dict[str, list[float]], numerator: str, denominator: str) -> float | None:
-    """Median over rounds of numerator/denominator: pairs measured next to each other."""
-    pairs = [a / b for a, b in zip(times[numerator], times[denominator]) if b > 0]
-    return round(percentile(pairs, 50), 2) if pairs else None
 
 
 def lane_handoff(calls: int) -> dict[str, Any]:

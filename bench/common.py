@@ -76,6 +76,15 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
+def paired_ratio(times: dict[str, list[float]], numerator: str, denominator: str) -> float | None:
+    """Median over rounds of numerator/denominator, each pair measured next to each other; None
+    when either was not timed."""
+    if numerator not in times or denominator not in times:
+        return None
+    pairs = [a / b for a, b in zip(times[numerator], times[denominator]) if b > 0]
+    return round(percentile(pairs, 50), 2) if pairs else None
+
+
 def summarize(values: Sequence[float], scale: float = 1.0, digits: int = 3) -> dict[str, float | int]:
     """n, mean, median, p90, p99, min, max of `values` times `scale` (e.g. 1e3 for seconds -> ms)."""
     if not values:

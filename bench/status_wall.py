@@ -28,7 +28,7 @@ from bench.common import (
     add_common_args,
     agent_env,
     make_node,
-    percentile,
+    paired_ratio,
     print_rows,
     running_daemon,
     scratch_dir,
@@ -36,11 +36,6 @@ from bench.common import (
     target,
     timed_run,
 )
-
-
-def paired(times: dict[str, list[float]], numerator: str, denominator: str) -> float | None:
-    pairs = [a / b for a, b in zip(times[numerator], times[denominator]) if b > 0]
-    return round(percentile(pairs, 50), 2) if pairs else None
 
 
 def run(args: argparse.Namespace, report: Report) -> None:
@@ -81,13 +76,13 @@ def run(args: argparse.Namespace, report: Report) -> None:
         "wall_ms": {name: summarize(values, 1e3, 1) for name, values in times.items()},
         "exit_codes": {name: sorted(codes) for name, codes in exits.items()},
         "ratios": {
-            "daemon_over_python_bare": paired(times, "status_daemon", "python_bare"),
-            "direct_over_daemon": paired(times, "status_direct", "status_daemon"),
+            "daemon_over_python_bare": paired_ratio(times, "status_daemon", "python_bare"),
+            "direct_over_daemon": paired_ratio(times, "status_direct", "status_daemon"),
         },
     }
     if "nvidia_smi_q" in times:
-        results["ratios"]["daemon_over_nvidia_smi_q"] = paired(times, "status_daemon", "nvidia_smi_q")
-        results["ratios"]["direct_over_nvidia_smi_q"] = paired(times, "status_direct", "nvidia_smi_q")
+        results["ratios"]["daemon_over_nvidia_smi_q"] = paired_ratio(times, "status_daemon", "nvidia_smi_q")
+        results["ratios"]["direct_over_nvidia_smi_q"] = paired_ratio(times, "status_direct", "nvidia_smi_q")
     report.results.update(results)
     rows: list[list[object]] = [["command", "median ms", "p90 ms", "max ms", "runs"]]
     rows += [[name, s["median"], s["p90"], s["max"], s["n"]] for name, s in results["wall_ms"].items()]
