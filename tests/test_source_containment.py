@@ -13,6 +13,7 @@ import re
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from daemon_harness import RunningAgent, running_agent
 from helpers import wait_until
@@ -63,6 +64,19 @@ def assert_the_loop_is_unhurt(agent: RunningAgent) -> None:
     recent = [t for t in pings if t > pings[-1] - 2.0]
     assert max(b - a for a, b in itertools.pairwise(recent)) < 0.9, recent
     assert agent.process.poll() is None
+
+
+def finished_remediations(agent: RunningAgent, rule: str, what: str) -> list[dict[str, Any]]:
+    """Waits for `rule`'s remediations that have ended (neither running nor suppressed)."""
+    return wait_until(
+        lambda: [
+            r
+            for r in agent.status()["recent_remediations"]
+            if r["rule"] == rule and r["outcome"] not in ("running", "suppressed")
+        ],
+        WAIT_SECONDS,
+        what,
+    )
 
 
 def peak_rss_kib(agent: RunningAgent, field: str = "VmHWM") -> int:
@@ -126,15 +140,7 @@ def test_a_trickling_health_endpoint_and_flooding_service_commands_leave_the_act
         with running_agent(tmp_path, profile="rtx-pro-6000", policy=POLICY + text, rules_dir=rules) as agent:
             agent.notifications.wait_for("READY", "1")
             began = time.monotonic()
-            finished = wait_until(
-                lambda: [
-                    r
-                    for r in agent.status()["recent_remediations"]
-                    if r["rule"] == "restart-unhealthy" and r["outcome"] not in ("running", "suppressed")
-                ],
-                WAIT_SECONDS,
-                "the restart to end",
-            )
+            finished = finished_remediations(agent, "restart-unhealthy", "the restart to end")
             assert time.monotonic() - began < 15.0
             assert finished[0]["outcome"] == "failed", finished
             assert "timed out after 1 s" in finished[0]["detail"] or "timed out" in finished[0]["detail"], finished
@@ -176,15 +182,7 @@ def test_a_hook_that_floods_and_hangs_is_cut_at_its_timeout(tmp_path: Path) -> N
         services = "services:\n" + service("llm", silent.url("/health"), "    unhealthy_after_probes: 1\n")
         with running_agent(tmp_path, profile="rtx-pro-6000", policy=POLICY + services, rules_dir=rules) as agent:
             agent.notifications.wait_for("READY", "1")
-            finished = wait_until(
-                lambda: [
-                    r
-                    for r in agent.status()["recent_remediations"]
-                    if r["rule"] == "flooding-hook" and r["outcome"] not in ("running", "suppressed")
-                ],
-                WAIT_SECONDS,
-                "the hook to end",
-            )
+            finished = finished_remediations(agent, "flooding-hook", "the hook to end")
             detail = finished[0]["detail"]
             assert finished[0]["outcome"] == "failed"
             assert "timed out after 3 s (process group killed)" in detail and "bytes cut]" in detail, detail
