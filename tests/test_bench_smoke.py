@@ -122,7 +122,11 @@ def test_collect_cost_nvml_replay_with_nvidia_smi(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The nvml path on a replayed H200, and the nvidia-smi pairing against a stand-in that
-    knows only some fields (an older driver names the clock-event field after throttling)."""
+    knows only some fields (an older driver names the clock-event field after throttling).
+
+    The stand-in's queries take at least 40 ms, as a real nvidia-smi does (27 ms on the H200): a
+    bare shell script ends in about the time a replayed poll takes (a ratio near 1 either way on a
+    loaded machine), and a timer that did not wait for the process would not see the 40 ms."""
     install_replay(monkeypatch)
     smi = tmp_path / "bin" / "nvidia-smi"
     smi.parent.mkdir()
@@ -131,7 +135,7 @@ def test_collect_cost_nvml_replay_with_nvidia_smi(
         'case "$1" in\n'
         '  --help-query-gpu) printf \'"temperature.gpu"\\nGPU core temperature.\\n'
         '"power.draw"\\n"clocks_throttle_reasons.active" or "clocks_throttle_reasons_active"\\n\';;\n'
-        '  --query-gpu=*,*) echo "33, 120.5, 0x1";;\n'
+        '  --query-gpu=*,*) sleep 0.04; echo "33, 120.5, 0x1";;\n'
         "  --query-gpu=pstate) echo P0;;\n"
         "  *) exit 2;;\n"
         "esac\n"
@@ -142,8 +146,8 @@ def test_collect_cost_nvml_replay_with_nvidia_smi(
     sane = {
         "agent fast poll / raw getters": (0.3, 20.0),
         "agent fast+slow poll / raw getters": (0.3, 20.0),
-        # a shell script against an in-process poll of microseconds: well above 1, below a million
-        "nvidia-smi query / agent poll (fast)": (1.0, 1e6),
+        # a 40 ms process against an in-process poll of about a millisecond
+        "nvidia-smi query / agent poll (fast)": (2.0, 1e6),
     }
     document = run_benchmark(tmp_path, collect_cost, nvml_args, sane)
     assert document["machine"]["gpu_names"] == ["NVIDIA H200"]
@@ -157,6 +161,7 @@ def test_collect_cost_nvml_replay_with_nvidia_smi(
     assert "memory.used" in smi_result["fields_without_query_name"]
     assert smi_result["sample_output"] == ["33, 120.5, 0x1"]
     assert smi_result["per_run_ms"]["nvidia_smi_fast"]["n"] == 2
+    assert smi_result["per_run_ms"]["nvidia_smi_fast"]["min"] >= 40
     assert smi_result["smi_over_poll_fast"] > 0
     assert "nvidia-smi query / agent poll (fast)" in [t["name"] for t in document["targets"]]
 
