@@ -54,11 +54,12 @@ from bench.common import (
     paired_ratio,
     percentile,
     print_rows,
+    require_daemon_status,
     running_daemon,
     scratch_dir,
     summarize,
     target,
-    timed_run,
+    time_processes,
 )
 from bench.daemon_footprint import CLOCK_TICKS_PER_SECOND, read_stat
 
@@ -147,30 +148,10 @@ def commands_for(node: Node, report: Report) -> dict[str, list[str]]:
 def time_commands(
     node: Node, commands: dict[str, list[str]], runs: int, agent_tree: Path | None
 ) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
-    answered = subprocess.run(
-        node.cli("status", "--json"), capture_output=True, text=True, env=agent_env(), cwd=REPO_ROOT, timeout=60
-    )
-    try:
-        source = json.loads(answered.stdout).get("source")
-    except ValueError:
-        source = None
-    if source != "daemon":
-        raise RuntimeError(f"`status` did not answer from the daemon (source {source}): {answered.stderr[-500:]}")
+    require_daemon_status(node)
     # `python -m` puts the working directory first on sys.path: the tree to time is where it runs.
     tree = (agent_tree or REPO_ROOT).resolve()
-    env = agent_env({"PYTHONPATH": str(tree)})
-    names = list(commands)
-    exits: dict[str, set[int]] = {name: set() for name in names}
-    for name in names:  # warm the page cache: the first start of anything is an outlier
-        timed_run(commands[name], env=env, cwd=tree)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for done in range(runs):
-        shift = done % len(names)
-        for name in names[shift:] + names[:shift]:
-            seconds, code = timed_run(commands[name], env=env, cwd=tree)
-            times[name].append(seconds)
-            exits[name].add(code)
-    return times, {name: sorted(codes) for name, codes in exits.items()}
+    return time_processes(commands, runs, env=agent_env({"PYTHONPATH": str(tree)}), cwd=tree)
 
 
 def start_standins(count: int, directory: Path) -> tuple[list[subprocess.Popen[bytes]], list[int]]:

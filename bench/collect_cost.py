@@ -53,6 +53,7 @@ from agent.daemon.bounded import BoundedRunner
 from bench.common import (
     Report,
     add_common_args,
+    measure_rounds,
     paired_ratio,
     print_rows,
     scratch_dir,
@@ -301,27 +302,6 @@ def run_calls(calls: Sequence[Call], errors: tuple[type[BaseException], ...]) ->
 
 
 # -- measuring ----------------------------------------------------------------------------------
-
-
-def measure_rounds(
-    variants: dict[str, Callable[[], object]], min_rounds: int, max_rounds: int, budget_seconds: float, warmup: int
-) -> dict[str, list[float]]:
-    """Each round runs every variant once, starting at a different one each round."""
-    names = list(variants)
-    for _ in range(warmup):
-        for name in names:
-            variants[name]()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    started = time.monotonic()
-    for done in range(max_rounds):
-        if done >= min_rounds and time.monotonic() - started >= budget_seconds:
-            break
-        shift = done % len(names)
-        for name in names[shift:] + names[:shift]:
-            begin = time.perf_counter()
-            variants[name]()
-            times[name].append(time.perf_counter() - begin)
-    return times
 
 
 def lane_handoff(calls: int) -> dict[str, Any]:

@@ -485,3 +485,62 @@ def timed_run(
     finally:
         killer.cancel()
     return time.perf_counter() - started, code
+
+
+def measure_rounds(
+    variants: dict[str, Callable[[], object]],
+    min_rounds: int,
+    max_rounds: int,
+    budget_seconds: float = 0.0,
+    warmup: int = 1,
+) -> dict[str, list[float]]:
+    """Seconds per call of each variant. Each round runs every variant once, starting at a
+    different one each round (what runs first pays for a cold cache, and a machine's slow spell
+    falls on all of them); rounds stop at `max_rounds`, or past `budget_seconds` once `min_rounds`
+    are done. `warmup` rounds first, not timed: the first start of anything is an outlier."""
+    names = list(variants)
+    for _ in range(warmup):
+        for name in names:
+            variants[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    started = time.monotonic()
+    for done in range(max_rounds):
+        if done >= min_rounds and time.monotonic() - started >= budget_seconds:
+            break
+        shift = done % len(names)
+        for name in names[shift:] + names[:shift]:
+            begin = time.perf_counter()
+            variants[name]()
+            times[name].append(time.perf_counter() - begin)
+    return times
+
+
+def time_processes(
+    commands: dict[str, list[str]], runs: int, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
+    """(wall seconds per run, the exit codes seen) of each command: `runs` rotating rounds of
+    `timed_run`, after one untimed round."""
+    exits: dict[str, set[int]] = {name: set() for name in commands}
+
+    def process(name: str) -> Callable[[], None]:
+        def run() -> None:
+            exits[name].add(timed_run(commands[name], env=env, cwd=cwd)[1])
+
+        return run
+
+    times = measure_rounds({name: process(name) for name in commands}, runs, runs)
+    return times, {name: sorted(codes) for name, codes in exits.items()}
+
+
+def require_daemon_status(node: Node) -> None:
+    """Raise unless `gpu-agent status` on `node` answers from its daemon (not a direct read): what
+    a benchmark of `status` against the daemon must time."""
+    answered = subprocess.run(
+        node.cli("status", "--json"), capture_output=True, text=True, env=agent_env(), cwd=REPO_ROOT, timeout=60
+    )
+    try:
+        source = json.loads(answered.stdout).get("source")
+    except ValueError:
+        source = None
+    if source != "daemon":
+        raise RuntimeError(f"`status` did not answer from the daemon (source {source}): {answered.stderr[-500:]}")

@@ -15,26 +15,23 @@ Usage: python3 -m bench.status_wall [--backend nvml] [--runs 10] [--out FILE.jso
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
-import subprocess
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from bench.common import (
-    REPO_ROOT,
     Report,
     add_common_args,
-    agent_env,
     make_node,
     paired_ratio,
     print_rows,
+    require_daemon_status,
     running_daemon,
     scratch_dir,
     summarize,
     target,
-    timed_run,
+    time_processes,
 )
 
 
@@ -55,26 +52,11 @@ def run(args: argparse.Namespace, report: Report) -> None:
             runs=args.runs, commands={name: " ".join(argv) for name, argv in commands.items()}, backend=args.backend
         )
         with running_daemon(node):
-            answered = subprocess.run(
-                node.cli("status", "--json"), capture_output=True, text=True, env=agent_env(), cwd=REPO_ROOT, timeout=60
-            )
-            source = json.loads(answered.stdout).get("source") if answered.returncode == 0 else None
-            if source != "daemon":
-                raise RuntimeError(f"`status` did not answer from the daemon (source {source}): {answered.stderr}")
-            names = list(commands)
-            for name in names:  # warm the page cache: the first start of anything is an outlier
-                timed_run(commands[name])
-            times: dict[str, list[float]] = {name: [] for name in names}
-            exits: dict[str, set[int]] = {name: set() for name in names}
-            for done in range(args.runs):
-                shift = done % len(names)
-                for name in names[shift:] + names[:shift]:
-                    seconds, code = timed_run(commands[name])
-                    times[name].append(seconds)
-                    exits[name].add(code)
+            require_daemon_status(node)
+            times, exits = time_processes(commands, args.runs)
     results: dict[str, Any] = {
         "wall_ms": {name: summarize(values, 1e3, 1) for name, values in times.items()},
-        "exit_codes": {name: sorted(codes) for name, codes in exits.items()},
+        "exit_codes": exits,
         "ratios": {
             "daemon_over_python_bare": paired_ratio(times, "status_daemon", "python_bare"),
             "direct_over_daemon": paired_ratio(times, "status_direct", "status_daemon"),
