@@ -337,6 +337,10 @@ class ServiceConfig(StrictModel):
     # Lower bounds: a probe every 1e-300 s burns a core; tests and fast local services use 0.05 s.
     command_timeout_seconds: float = Field(default=90.0, ge=0.01, le=3600)
     probe_interval_seconds: float = Field(default=5.0, ge=0.01, le=3600)
+    # How often the server's /metrics is read, apart from the loop: the latency window spans five
+    # minutes, and a page of ~50 KB every second is most of what the daemon spends on a service
+    # (vLLM renders it on its API server's event loop, too).
+    scrape_interval_seconds: float = Field(default=5.0, ge=0.01, le=3600)
     probe_timeout_seconds: float = Field(default=2.0, ge=0.01, le=300)
     unhealthy_after_probes: int = Field(default=3, ge=1, le=100)
     # How long a (re)started service may take to answer its health URL: loading model weights

@@ -274,7 +274,7 @@ class Daemon:
 
     def _new_inference(self, config: AgentConfig) -> InferenceMonitor:
         # The backend of the moment: the session reopens it after a driver reload.
-        return InferenceMonitor(config, lambda: self.session.backend, config.interval_seconds, clock=self.clock)
+        return InferenceMonitor(config, lambda: self.session.backend, clock=self.clock)
 
     # -- reload --------------------------------------------------------------------------------
 

@@ -73,6 +73,7 @@ services:
     start_command: {start}
     stop_command: {stop}
     probe_interval_seconds: 1
+    scrape_interval_seconds: 1
     ready_timeout_seconds: 30
     slo: {{e2e_p95_seconds: 1.5}}
 """

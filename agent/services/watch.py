@@ -2,7 +2,7 @@
 and turning SLO breaches into `service_latency_regression` events with their cause.
 
 `ServiceScraper` runs one thread per service with a metrics URL (a hanging or huge page delays
-nobody else, and never the loop): every interval it scrapes with a deadline and a size cap, feeds
+nobody else, and never the loop): every `scrape_interval_seconds` it scrapes with a deadline and a size cap, feeds
 the service's `LatencyWindow` and computes its figures there. Whatever the page does to the parser
 or the window (an exception included) is that service's error. `figures()`, the finished figures,
 is what the loop publishes.
@@ -55,11 +55,9 @@ class ServiceScraper:
     def __init__(
         self,
         services: Sequence[ServiceConfig],
-        interval_seconds: float,
         window_seconds: float = DEFAULT_WINDOW_SECONDS,
         max_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
-        self.interval_seconds = interval_seconds
         self.max_bytes = max_bytes
         self._services = {s.name: s for s in services if s.effective_metrics_url is not None}
         self._windows = {name: LatencyWindow(name, window_seconds) for name in self._services}
@@ -74,12 +72,14 @@ class ServiceScraper:
             for name in self._services
         ]
 
-    def scrape_once(self, name: str) -> None:
+    def scrape_once(self, name: str, timeout_seconds: float | None = None) -> None:
+        """One scrape of `name`, within `timeout_seconds` (default: its probe timeout, cut to its
+        scrape interval so that scrapes never pile up behind a slow server)."""
         service = self._services[name]
         url = service.effective_metrics_url
         assert url is not None  # only services with one are kept
-        # The deadline fits inside the interval, so scrapes never pile up behind a slow server.
-        timeout_seconds = min(service.probe_timeout_seconds, self.interval_seconds)
+        if timeout_seconds is None:
+            timeout_seconds = min(service.probe_timeout_seconds, service.scrape_interval_seconds)
         window = self._windows[name]
         try:
             reading = self._read(service, url, timeout_seconds)
@@ -120,7 +120,7 @@ class ServiceScraper:
                 self.scrape_once(name)
             except Exception:  # a bug must not end this service's scraping for good
                 log.exception("service metrics scrape crashed", service=name)
-            self._stop.wait(self.interval_seconds)
+            self._stop.wait(self._services[name].scrape_interval_seconds)
 
     def start(self) -> None:
         for thread in self._threads:
@@ -310,11 +310,10 @@ class InferenceMonitor:
         self,
         config: AgentConfig,
         get_backend: Callable[[], GpuBackend | None],
-        interval_seconds: float,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
-        self.scraper = ServiceScraper(config.services, interval_seconds)
+        self.scraper = ServiceScraper(config.services)
         self.watch = LatencyRegressionWatch(config, clock=clock)
         self.attributor = GpuAttributor(config, get_backend)
         # Longer than the window by a margin: the window's oldest scrape needs a reading before it.
@@ -361,10 +360,10 @@ ONE_OFF_SCRAPE_SECONDS = 2.0
 def read_once(config: AgentConfig, backend: GpuBackend) -> tuple[dict[str, ServiceFigures], GpuAttribution | None]:
     """What `status --direct` can know without a daemon: one scrape per service (its gauges; latency
     quantiles need two scrapes a window apart) and one mapping of GPU processes to services."""
-    scraper = ServiceScraper(config.services, ONE_OFF_SCRAPE_SECONDS)
+    scraper = ServiceScraper(config.services)
     for service in config.services:
         if service.effective_metrics_url is not None:
-            scraper.scrape_once(service.name)
+            scraper.scrape_once(service.name, min(service.probe_timeout_seconds, ONE_OFF_SCRAPE_SECONDS))
     try:
         attribution = GpuAttributor(config, lambda: backend).attribute_once()
     except GpuError as exc:

@@ -25,14 +25,19 @@ from agent.state import GpuSample
 
 def scraped(port: int, name: str) -> ServiceConfig:
     return ServiceConfig.model_validate(
-        {"name": name, "health_url": f"http://127.0.0.1:{port}/health", "probe_timeout_seconds": 0.5}
+        {
+            "name": name,
+            "health_url": f"http://127.0.0.1:{port}/health",
+            "probe_timeout_seconds": 0.5,
+            "scrape_interval_seconds": 0.3,
+        }
     )
 
 
 def test_each_service_is_scraped_on_its_own_thread_and_a_hang_delays_nobody(tmp_path: Path) -> None:
     with StandinServer(tmp_path) as good, StandinServer(tmp_path) as wedged:
         wedged.set_mode("hang")
-        scraper = ServiceScraper([scraped(good.port, "good"), scraped(wedged.port, "wedged")], interval_seconds=0.3)
+        scraper = ServiceScraper([scraped(good.port, "good"), scraped(wedged.port, "wedged")])
         scraper.start()
         try:
             deadline = time.monotonic() + 10
@@ -123,6 +128,7 @@ def standin_config(tmp_path: Path, port: int, state_dir: Path) -> AgentConfig:
                     "health_url": f"http://127.0.0.1:{port}/health",
                     "gpus": [0],
                     "probe_timeout_seconds": 1,
+                    "scrape_interval_seconds": 0.3,
                     "slo": {"e2e_p95_seconds": 1.5, "min_requests": 5},
                 }
             ],
@@ -137,7 +143,7 @@ def test_the_monitor_names_a_thermal_slowdown_behind_a_real_servers_latency(tmp_
     config = standin_config(tmp_path, port, state_dir)
     backend = open_backend(config)
     with StandinServer(tmp_path, port=port, extra_args=args):
-        monitor = InferenceMonitor(config, lambda: backend, interval_seconds=0.3)
+        monitor = InferenceMonitor(config, lambda: backend)
         monitor.start()
         try:
             events: list[Event] = []
@@ -183,6 +189,25 @@ sglang:num_running_reqs 2
 """
 
 
+def test_each_service_is_scraped_at_its_own_interval_not_the_loops(tmp_path: Path) -> None:
+    """A service that asks for 0.2 s is read every 0.2 s; one that says nothing, every 5 s (the
+    default): its first read at start, and none in the next 1.5 s."""
+    body = tmp_path / "page.txt"
+    body.write_text("sglang:num_running_reqs 2\n")
+    with SlowEndpoint("file", "--body", str(body)) as fast, SlowEndpoint("file", "--body", str(body)) as slow:
+        scraper = ServiceScraper([served(fast, "fast", scrape_interval_seconds=0.2), served(slow, "slow")])
+        scraper.start()
+        try:
+            time.sleep(1.5)
+        finally:
+            scraper.stop()
+        fast_reads = sum(line.startswith("request ") for line in fast.lines)
+        slow_reads = sum(line.startswith("request ") for line in slow.lines)
+    assert ServiceConfig(name="slow").scrape_interval_seconds == 5.0
+    assert fast_reads >= 5
+    assert slow_reads == 1
+
+
 def test_a_page_that_cannot_be_believed_is_that_services_error_and_the_figures_stay(tmp_path: Path) -> None:
     """A real server answers a good page, then one with NaN counts, then `le="abc"`: each bad
     scrape is the service's "unreadable page" error (the crash of `gpu-agent run` and of `status
@@ -197,7 +222,7 @@ def test_a_page_that_cannot_be_believed_is_that_services_error_and_the_figures_s
     ]
     seen = []
     with SlowEndpoint("file", "--body", str(body)) as server:
-        scraper = ServiceScraper([served(server, "llm")], interval_seconds=1.0)
+        scraper = ServiceScraper([served(server, "llm")])
         for text in pages:
             body.write_text(text)
             scraper.scrape_once("llm")
@@ -213,14 +238,14 @@ def test_a_page_that_cannot_be_believed_is_that_services_error_and_the_figures_s
 def test_the_first_page_does_not_pin_the_server_kind(tmp_path: Path) -> None:
     body = tmp_path / "page.txt"
     with SlowEndpoint("file", "--body", str(body)) as server:
-        scraper = ServiceScraper([served(server, "llm")], interval_seconds=1.0)
+        scraper = ServiceScraper([served(server, "llm")])
         body.write_text("sglang:num_running_reqs 2\n")
         scraper.scrape_once("llm")
         assert (scraper.figures()["llm"].kind, scraper.figures()["llm"].running) == ("sglang", 2)
         body.write_text("vllm:num_requests_running 5\nvllm:num_requests_waiting 1\n")
         scraper.scrape_once("llm")
         assert (scraper.figures()["llm"].kind, scraper.figures()["llm"].running) == ("vllm", 5)
-        configured = ServiceScraper([served(server, "llm", kind="sglang")], interval_seconds=1.0)
+        configured = ServiceScraper([served(server, "llm", kind="sglang")])
         configured.scrape_once("llm")
         assert (configured.figures()["llm"].kind, configured.figures()["llm"].running) == ("sglang", None)
 
