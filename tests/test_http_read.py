@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -79,6 +80,19 @@ def test_every_read_from_a_server_ends_at_its_total_deadline(reader: str, mode: 
         assert "timed out" in answers[0], answers[0]
         assert DEADLINE_SECONDS - 0.05 <= took < DEADLINE_SECONDS + MARGIN_SECONDS, took
         assert server.wait_for("gone 1", timeout_seconds=5)  # the reader hung up, not left dripping
+
+
+def test_a_socket_timeout_in_the_worker_is_the_same_timeout_as_the_callers_deadline() -> None:
+    """The worker's socket times out on what is left of the deadline, so it can fire a moment
+    before the caller's wait: that is still HttpTimedOut, worded with the whole deadline (a scrape
+    once reported "timed out after 0.299996 s" for its 0.3 s). The attempt runs on this thread, so
+    the socket's timeout is the only one in play."""
+    with SlowEndpoint("silent") as server:
+        request = urllib.request.Request(server.url("/"))
+        attempt = http_read._Attempt(request, 0.3, 4096, proxies=False, truncate=False)
+        attempt.run()
+    assert isinstance(attempt.error, http_read.HttpTimedOut)
+    assert attempt.error.detail == "timed out after 0.3 s"
 
 
 def test_an_answer_larger_than_the_bound_is_an_error_and_a_truncated_read_stops_there(tmp_path: Path) -> None:

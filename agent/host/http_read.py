@@ -151,16 +151,19 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
         return None  # the 3xx is the answer
 
 
-def _describe(exc: BaseException, timeout_seconds: float) -> str:
+def _error_of(exc: BaseException, timeout_seconds: float) -> HttpReadError:
+    """What the exchange raised, as this module's error. A socket timeout is HttpTimedOut: the
+    socket's timeouts are what is left of the total deadline, so it can fire a moment before the
+    caller's own wait does, and both are the same failure."""
     if isinstance(exc, urllib.error.URLError) and isinstance(exc.reason, BaseException):
         exc = exc.reason
     elif isinstance(exc, urllib.error.URLError):
-        return str(exc.reason)
+        return HttpReadError(str(exc.reason))
     if isinstance(exc, TimeoutError):
-        return f"timed out after {timeout_seconds:g} s"
+        return HttpTimedOut(f"timed out after {timeout_seconds:g} s")
     if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror.lower()
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return HttpReadError(exc.strerror.lower())
+    return HttpReadError(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
 
 
 class _Attempt:
@@ -190,7 +193,7 @@ class _Attempt:
         except HttpReadError as exc:
             self.error = exc
         except Exception as exc:  # whatever the exchange raised is this request's failure, not the worker's
-            self.error = HttpReadError(_describe(exc, self.deadline_seconds))
+            self.error = _error_of(exc, self.deadline_seconds)
 
     def _direct(self) -> HttpAnswer:
         """The request on one http.client connection, as urllib's handlers would send it (the same
