@@ -7,3 +7,4 @@ DEFAULT_RULES_DIRS = ("/usr/share/gpu-agent/rules.d", DEFAULT_RULES_DIR)
 DEFAULT_SOCKET_PATH = "/run/gpu-agent/agent.sock"
 DEFAULT_METRICS_PORT = 9481  # unused by node_exporter (9100), dcgm-exporter (9400), nvidia_gpu_exporter (9835)
 MAX_YAML_BYTES = 1024 * 1024  # the largest config or rules file read (agent.safe_yaml)
+REBOOT_FLAG_NAME = "reboot-recommended"  # in state_dir: the reboot actions' recommendation, read by the verdict

@@ -23,6 +23,7 @@ from enum import Enum
 from pathlib import Path
 
 from agent.config import Mode
+from agent.defaults import REBOOT_FLAG_NAME
 from agent.events import HealthState
 from agent.host import file_reads, safe_json
 from agent.host.paths import HostPaths
@@ -30,7 +31,6 @@ from agent.policy.base import CUDA_TOO_OLD_FACT, ItemPlan, PlanStatus
 
 # The report-only items with verdict lines of their own (whatever their mode), never "policy drift".
 from agent.policy.names import DRIVER, NEXT_BOOT
-from agent.rules.actions.reboot import REBOOT_FLAG_NAME
 from agent.state import NodeSnapshot
 from agent.watch.clock_events import SLOWDOWN_REASONS
 from agent.watch.throttle import EXPECTED_REASONS

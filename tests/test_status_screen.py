@@ -229,8 +229,8 @@ def test_observe_mode_records_what_it_would_have_done(tmp_path: Path) -> None:
 def test_a_reboot_flag_written_before_the_last_boot_is_spent(tmp_path: Path) -> None:
     import json
 
+    from agent.defaults import REBOOT_FLAG_NAME
     from agent.host.paths import BOOT_ID_PATH, HostPaths
-    from agent.rules.actions.reboot import REBOOT_FLAG_NAME
     from agent.verdict import reboot_recommended
 
     host = tmp_path / "host"

@@ -14,7 +14,7 @@ from daemon_harness import DEFAULT_POLICY, RunningAgent, free_port, running_agen
 from helpers import wait_until
 from hosttree import make_host_tree
 
-from agent.rules.actions.reboot import REBOOT_FLAG_NAME
+from agent.defaults import REBOOT_FLAG_NAME
 from agent.store.node_memory import BOOT_ID_PATH
 
 PROFILE = "h200x8"

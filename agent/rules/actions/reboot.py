@@ -12,6 +12,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+from agent.defaults import REBOOT_FLAG_NAME
 from agent.policy import next_boot
 from agent.policy.base import HostContext
 from agent.rules.actions.alertmanager import alert_for
@@ -21,7 +22,6 @@ from agent.rules.actions.notify import alertmanager_url
 from agent.rules.model import Decision
 from agent.rules.params import AlertmanagerParams, RebootParams, RecommendRebootParams
 
-REBOOT_FLAG_NAME = "reboot-recommended"
 REBOOT_ALERTNAME = "GpuAgentRebootRecommended"
 
 
