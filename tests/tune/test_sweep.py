@@ -306,6 +306,9 @@ def test_ctrl_c_on_the_cli_aborts_and_waits_for_the_restore(tmp_path: Path) -> N
             [sys.executable, "-m", "agent.cli", "tune", "power", "--service", "sglang", "--from", "700", "--to", "400",
              "--step", "150", "--dwell", "4", "--config", str(agent.config_path)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            # A run started in the background (`cmd &` in a script) inherits SIGINT ignored, and
+            # Python then installs no Ctrl-C handler: the CLI gets the terminal's default.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )  # fmt: skip
         wait_until(lambda: backend.power_limit_watts(0) == 550.0, 30, "the 550 W step set", poll_seconds=0.05)
         cli.send_signal(signal.SIGINT)
