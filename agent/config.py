@@ -477,6 +477,9 @@ class AgentConfig(StrictModel):
     interval_seconds: float = Field(default=5.0, ge=0.1, le=3600)
     # every item is re-planned (and drift put back in enforce mode) this often; the fan curve every loop
     policy_interval_seconds: float = Field(default=60.0, ge=1, le=86400)
+    # The GPUs' slow tier (ECC and remapping counters, the PCIe link, NVLink, thresholds) is read
+    # this often, in a loop's read; 0: every loop. These change over minutes, not seconds.
+    counters_interval_seconds: float = Field(default=30.0, ge=0, le=3600)
     metrics: MetricsConfig = MetricsConfig()
     api: ApiConfig = ApiConfig()
     policy: PolicyConfig = PolicyConfig()

@@ -4,7 +4,7 @@ Measured side by side in one process, in rounds (each round runs every variant o
 order, so a drift in machine speed hits all of them alike):
 
 - agent_fast / agent_full: `agent.collect.sample_identified` for every GPU, fast tier alone
-  (every loop) and fast + slow tier (every `slow_every_seconds`): per-field error handling, unit
+  (every loop) and fast + slow tier (every `counters_interval_seconds`): per-field error handling, unit
   conversion, the GpuSample.
 - agent_fast_lanes: agent_fast handed to each GPU's `BoundedRunner` lane, as the daemon does it.
 - raw_fast / raw_full: the same getters with no wrapping: pynvml functions on cached handles

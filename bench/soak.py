@@ -391,7 +391,7 @@ def run_soak(
     loops = int(simulated_seconds / INTERVAL_SECONDS)
     sample_every = max(1, loops // samples)
     process = psutil.Process()
-    timing = LoopTiming(call_timeout_seconds=0.2, slow_every_seconds=30.0)
+    timing = LoopTiming(call_timeout_seconds=0.2)
 
     def start_daemon() -> Daemon:
         # boottime follows the simulated clock: elapsed time for cooldowns is simulated time

@@ -28,6 +28,7 @@ simulated: {{profile: {profile}}}
 host_root: {root}
 state_dir: {state}
 interval_seconds: {interval}
+counters_interval_seconds: 1
 metrics: {{listen: "127.0.0.1:{port}"}}
 api: {{socket: {socket}}}
 remediation: {remediation}

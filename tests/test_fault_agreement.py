@@ -32,7 +32,6 @@ from hosttree import make_host_tree
 from policy.test_boot_readiness import OLD, ubuntu_tree
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.daemon.timing import LoopTiming
 from agent.demo.standin_process import StandinServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,7 +64,7 @@ STATUS_LINE_CAUSES = {"service_down", "service_slo", "next_boot", "driver", "no_
 
 pytestmark = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (apt-get install prometheus)")
 
-SEEN_WITHIN_SECONDS = LoopTiming().slow_every_seconds + 20.0
+SEEN_WITHIN_SECONDS = 1 + 20.0  # the harness reads the slow tier every second (counters_interval_seconds)
 
 
 @dataclass(frozen=True)
@@ -101,7 +100,7 @@ def service(**fields: str) -> str:
     return (
         "services:\n  - name: sglang\n    manager: command\n    start_command: [/bin/true]\n"
         '    stop_command: [/bin/true]\n    health_url: "http://127.0.0.1:{port}/health"\n    gpus: [0]\n'
-        "    probe_interval_seconds: 0.2\n    unhealthy_after_probes: 2\n" + extra
+        "    probe_interval_seconds: 0.2\n    scrape_interval_seconds: 0.2\n    unhealthy_after_probes: 2\n" + extra
     )
 
 
@@ -404,7 +403,7 @@ def test_every_view_agrees_on_the_fault(tmp_path: Path, name: str) -> None:
             injected = cli(agent, "inject", *fault.inject)
             assert injected.returncode == 0, injected.stderr
         # A fault in a slow-tier reading (PCIe link, ECC counters, remapping) shows at the next slow
-        # read, up to slow_every_seconds after the injection, then a loop or two.
+        # read, up to counters_interval_seconds after the injection, then a loop or two.
         wait_until(
             lambda: fault.seen(status_json(agent)), SEEN_WITHIN_SECONDS, lambda: f"the daemon never took in {name}"
         )

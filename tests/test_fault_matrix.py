@@ -317,9 +317,7 @@ class Node:
 
     def daemon(self) -> tuple[Daemon, FakeClock]:
         clock = FakeClock()
-        timing = LoopTiming(
-            call_timeout_seconds=CALL_TIMEOUT_SECONDS, slow_every_seconds=0.0, step_wait_seconds=CALL_TIMEOUT_SECONDS
-        )
+        timing = LoopTiming(call_timeout_seconds=CALL_TIMEOUT_SECONDS, step_wait_seconds=CALL_TIMEOUT_SECONDS)
         return Daemon(self.config, None, notifier=SdNotifier(None, None), timing=timing, clock=clock), clock
 
     @contextmanager
@@ -343,6 +341,7 @@ def make_node(tmp: Path, calls: Calls, state_file: Path | None = None) -> Node:
             "state_dir": str(tmp / "state"),
             "interval_seconds": INTERVAL_SECONDS,
             "policy_interval_seconds": INTERVAL_SECONDS,
+            "counters_interval_seconds": 0,  # every loop: each cell's slow-tier call is made at once
             "api": {"socket": str(tmp / "agent.sock")},
             "remediation": {"rules_dir": str(tmp / "rules.d")},
             # the report-only driver item reads the driver version and the CUDA version it supports

@@ -3,7 +3,7 @@ hung GPU for more than one call timeout.
 
 Every GPU's reads start before any is waited for, each in its own lane: eight hung GPUs cost one
 timeout, not eight. A GPU whose reads do not come back in time is stale: it keeps its last sample,
-marked so. The slow tier (counters, link state) is read every `slow_every_seconds`; in between,
+marked so. The slow tier (counters, link state) is read every `counters_interval_seconds`; in between,
 a sample carries the last slow readings.
 """
 
@@ -46,8 +46,8 @@ class GpuCollector:
         # Readers each GPU (by UUID: a replaced board asks again) answered NOT_SUPPORTED: not asked again.
         self._unsupported: dict[str, set[str]] = {}
 
-    def collect(self, backend: GpuBackend, now: float) -> list[GpuSample]:
-        slow = due(now, self.last_slow_seconds, self.timing.slow_every_seconds)
+    def collect(self, backend: GpuBackend, now: float, slow_every_seconds: float) -> list[GpuSample]:
+        slow = due(now, self.last_slow_seconds, slow_every_seconds)
         self._enumerate_if_needed(backend, slow)
         started = time.monotonic()
         pending = self._start_reads(backend, slow)

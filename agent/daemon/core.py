@@ -176,7 +176,7 @@ class Daemon:
         backend = self.session.begin_loop(self.config, wait_seconds)
         if backend is None:
             return self.memory.remember(self.collector.unavailable(now, self.session.error), now), []
-        samples = self.memory.remember(self.collector.collect(backend, now), now)
+        samples = self.memory.remember(self.collector.collect(backend, now, self.config.counters_interval_seconds), now)
         events = self.watchers.observe(samples, now)
         events += self.policy.step(backend, now, wait_seconds, self.collector.identities, samples)
         if self.session.end_loop():

@@ -18,7 +18,6 @@ T = TypeVar("T")
 @dataclass
 class LoopTiming:
     call_timeout_seconds: float = 2.0  # one GPU's whole sample; past it the GPU is stale
-    slow_every_seconds: float = 30.0  # ECC counters, remapping, PCIe, thresholds
     stall_loops: float = 3.0  # the watchdog stops pinging once the loop is this many intervals late
     # How long one loop waits for the policy step or for opening the backend before going on
     # without it (the work keeps running and its result is taken by a later loop). None: one

@@ -45,6 +45,7 @@ services:
     health_url: "http://127.0.0.1:{port}/health"
     gpus: [0]
     probe_interval_seconds: 0.2
+    scrape_interval_seconds: 0.2
     slo: {{e2e_p95_seconds: {slo_seconds}, min_requests: 5}}
 {interval}"""
 
