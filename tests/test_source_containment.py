@@ -42,7 +42,8 @@ RSS_BOUND_KIB = 160 * 1024
 def service(name: str, url: str, extra: str = "") -> str:
     return (
         f"  - name: {name}\n    manager: command\n    start_command: [/bin/true]\n    stop_command: [/bin/true]\n"
-        f'    health_url: "{url}"\n    probe_interval_seconds: 0.3\n    probe_timeout_seconds: 0.5\n{extra}'
+        f'    health_url: "{url}"\n    probe_interval_seconds: 0.3\n    probe_timeout_seconds: 0.5\n'
+        f"    scrape_interval_seconds: 0.5\n{extra}"
     )
 
 
@@ -98,8 +99,8 @@ def test_hostile_metrics_pages_are_each_services_error(tmp_path: Path) -> None:
     )
     with SlowEndpoint("drip", "--interval", "0.1") as dripping, SlowEndpoint("file", "--body", str(page)) as nan:
         services = "services:\n" + service("dripping", dripping.url("/health")) + service("nan", nan.url("/health"))
-        # A loop of 1 s: the scrape's deadline (the shorter of the interval and the probe timeout)
-        # is 0.5 s, room enough for the answering server on a loaded test machine.
+        # The scrape's deadline (the shorter of its interval and the probe timeout) is 0.5 s, room
+        # enough for the answering server on a loaded test machine.
         with running_agent(tmp_path, profile="rtx-pro-6000", policy=POLICY + services, interval=1.0) as agent:
             agent.notifications.wait_for("READY", "1")
             wait_until(
