@@ -23,7 +23,7 @@ fi
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 unset PYTHONDONTWRITEBYTECODE
 py=/tmp/pkgvenv/bin/python
-timeout 330 $py -m bench.cli_speed --backend nvml --runs "${RUNS:-15}" --cpu-seconds "${CPU_SECONDS:-60}" --label "H200 (nvml)" \
+timeout 420 $py -m bench.cli_speed --backend nvml --runs "${RUNS:-15}" --cpu-seconds "${CPU_SECONDS:-60}" --label "H200 (nvml)" \
     --out $OUT/cli_speed.json > $OUT/cli_speed.log 2>&1; echo "cli_speed rc=$?"
 if [ -d .whl/before/agent ]; then
     $py -I -m compileall -q "$PWD/.whl/before/agent" >/dev/null
