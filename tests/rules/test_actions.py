@@ -3,6 +3,7 @@ process started and stopped by its configured commands, real hook processes, a l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -900,9 +901,20 @@ def test_reboot_runs_the_configured_command(tmp_path: Path) -> None:
 # -- drain before a restart or reset ----------------------------------------------------------------
 
 
-def drained_node(tmp_path: Path, drain_seconds: float, timeout_seconds: float) -> tuple[Node, list[str], Path]:
+@dataclass
+class DrainedNode:
+    node: Node
+    service: ServiceConfig
+    journal: list[str]  # the action's journal lines
+    told: Path  # what the drain hook wrote: the service it was run for
+    first_pid: int  # the stand-in's pid before any action
+
+
+@contextlib.contextmanager
+def drained_node(tmp_path: Path, drain_seconds: float, timeout_seconds: float) -> Iterator[DrainedNode]:
     """A node whose stand-in takes no new requests while `drain-file` exists (its running requests
-    finish within `drain_seconds`), behind a drain hook that creates the file and says for whom."""
+    finish within `drain_seconds`), behind a drain hook that creates the file and says for whom;
+    the stand-in started, and stopped on the way out whatever the test did."""
     drain_file = tmp_path / "drain-file"
     told = tmp_path / "hook-told"
     hook = write_hook(tmp_path, f'#!/bin/sh\necho "$GPU_AGENT_SERVICE" > {told}\ntouch {drain_file}\n')
@@ -914,7 +926,10 @@ def drained_node(tmp_path: Path, drain_seconds: float, timeout_seconds: float) -
     node.ctx.config = node.config
     journal: list[str] = []
     node.ctx.journal = journal.append
-    return node, journal, told
+    try:
+        yield DrainedNode(node, slow, journal, told, node.start_service())
+    finally:
+        CommandManager().stop(slow)
 
 
 def running_requests(service: ServiceConfig) -> float:
@@ -926,77 +941,57 @@ def running_requests(service: ServiceConfig) -> float:
 
 
 def test_a_restart_drains_first_and_waits_for_the_running_requests(tmp_path: Path) -> None:
-    node, journal, told = drained_node(tmp_path, drain_seconds=1.5, timeout_seconds=20)
-    service = node.config.services[0]
-    try:
-        first = node.start_service()
-        wait_until(lambda: running_requests(service) > 0, 10, "requests running")
+    with drained_node(tmp_path, drain_seconds=1.5, timeout_seconds=20) as drained:
+        wait_until(lambda: running_requests(drained.service) > 0, 10, "requests running")
         restart = decision(ActionKind.RESTART_SERVICE, target=Target(service="sglang"))
-        outcome = execute(restart, node.ctx)
+        outcome = execute(restart, drained.node.ctx)
         assert outcome.outcome is Outcome.SUCCESS, outcome.detail
         steps = outcome.detail.split("; ")
         assert steps[0] == f"drain hook {tmp_path / 'hooks' / 'hook.sh'} of sglang exit 0"
-        drained = re.fullmatch(r"sglang drained: no request running after ([0-9.]+) s", steps[1])
-        assert drained is not None, steps
+        waited = re.fullmatch(r"sglang drained: no request running after ([0-9.]+) s", steps[1])
+        assert waited is not None, steps
         # the stand-in's requests take 1.5 s to finish once nothing new arrives: waited for, not skipped
-        assert 1.0 <= float(drained.group(1)) < 10
+        assert 1.0 <= float(waited.group(1)) < 10
         assert steps[2] == "restarted sglang"
-        assert journal == ["draining sglang", "drained sglang", "restarting sglang", "restarted sglang"]
-        assert told.read_text() == "sglang\n"
-        assert node.service_pid() != first
+        assert drained.journal == ["draining sglang", "drained sglang", "restarting sglang", "restarted sglang"]
+        assert drained.told.read_text() == "sglang\n"
+        assert drained.node.service_pid() != drained.first_pid
         assert not (tmp_path / "drain-file").exists()  # the new server takes requests again
-        wait_until(lambda: running_requests(service) > 0, 10, "requests running after the restart")
-    finally:
-        CommandManager().stop(service)
+        wait_until(lambda: running_requests(drained.service) > 0, 10, "requests running after the restart")
 
 
 def test_a_drain_that_times_out_lets_the_restart_go_ahead(tmp_path: Path) -> None:
-    node, journal, _ = drained_node(tmp_path, drain_seconds=600, timeout_seconds=1.5)
-    service = node.config.services[0]
-    try:
-        first = node.start_service()
-        wait_until(lambda: running_requests(service) > 0, 10, "requests running")
-        outcome = execute(decision(ActionKind.RESTART_SERVICE, target=Target(service="sglang")), node.ctx)
+    with drained_node(tmp_path, drain_seconds=600, timeout_seconds=1.5) as drained:
+        wait_until(lambda: running_requests(drained.service) > 0, 10, "requests running")
+        outcome = execute(decision(ActionKind.RESTART_SERVICE, target=Target(service="sglang")), drained.node.ctx)
         assert outcome.outcome is Outcome.SUCCESS, outcome.detail
         timed_out = outcome.detail.split("; ")[1]
         assert re.fullmatch(
             r"sglang still running [0-9.]+ request\(s\) when its drain timed out after 1\.[5-9] s", timed_out
         )
-        assert journal[:3] == ["draining sglang", "drained sglang", "restarting sglang"]
-        assert node.service_pid() != first
-    finally:
-        CommandManager().stop(service)
+        assert drained.journal[:3] == ["draining sglang", "drained sglang", "restarting sglang"]
+        assert drained.node.service_pid() != drained.first_pid
 
 
 def test_an_unreadable_server_is_not_waited_on(tmp_path: Path) -> None:
-    node, _, _ = drained_node(tmp_path, drain_seconds=600, timeout_seconds=30)
-    service = node.config.services[0]
-    try:
-        node.start_service()
-        os.kill(node.service_pid(), signal.SIGUSR1)  # it answers 503, /metrics included
+    with drained_node(tmp_path, drain_seconds=600, timeout_seconds=30) as drained:
+        os.kill(drained.node.service_pid(), signal.SIGUSR1)  # it answers 503, /metrics included
         began = time.monotonic()
-        outcome = execute(decision(ActionKind.RESTART_SERVICE, target=Target(service="sglang")), node.ctx)
+        outcome = execute(decision(ActionKind.RESTART_SERVICE, target=Target(service="sglang")), drained.node.ctx)
         assert outcome.outcome is Outcome.SUCCESS, outcome.detail
         assert outcome.detail.split("; ")[1] == "sglang's running requests unreadable (HTTP 503): not waited on"
         assert time.monotonic() - began < 20
-    finally:
-        CommandManager().stop(service)
 
 
 def test_a_reset_drains_the_services_before_stopping_them(tmp_path: Path) -> None:
-    node, journal, _ = drained_node(tmp_path, drain_seconds=1.0, timeout_seconds=20)
-    service = node.config.services[0]
-    try:
-        node.start_service()
-        wait_until(lambda: running_requests(service) > 0, 10, "requests running")
-        outcome = execute(decision(ActionKind.RESET_GPU), node.ctx)
+    with drained_node(tmp_path, drain_seconds=1.0, timeout_seconds=20) as drained:
+        wait_until(lambda: running_requests(drained.service) > 0, 10, "requests running")
+        outcome = execute(decision(ActionKind.RESET_GPU), drained.node.ctx)
         assert outcome.outcome is Outcome.SUCCESS, outcome.detail
         steps = outcome.detail.split("; ")
         assert steps[0].startswith("drain hook ") and steps[1].startswith("sglang drained: no request running after ")
         assert steps[2] == "stopped sglang"
-        assert journal[:4] == ["draining sglang", "drained sglang", "stopping sglang", "stopped sglang"]
-    finally:
-        CommandManager().stop(service)
+        assert drained.journal[:4] == ["draining sglang", "drained sglang", "stopping sglang", "stopped sglang"]
 
 
 def test_drain_needs_the_servers_metrics() -> None:
@@ -1041,18 +1036,13 @@ def test_check_config_refuses_a_drain_hook_others_can_write(tmp_path: Path) -> N
 
 
 def test_an_untrusted_drain_hook_is_not_run_and_the_restart_goes_ahead(tmp_path: Path) -> None:
-    node, journal, told = drained_node(tmp_path, drain_seconds=1.0, timeout_seconds=5)
-    service = node.config.services[0]
-    hook = tmp_path / "hooks" / "hook.sh"
-    try:
-        first = node.start_service()
+    with drained_node(tmp_path, drain_seconds=1.0, timeout_seconds=5) as drained:
+        hook = tmp_path / "hooks" / "hook.sh"
         hook.chmod(0o775)
-        outcome = execute(decision(ActionKind.RESTART_SERVICE, target=Target(service="sglang")), node.ctx)
+        outcome = execute(decision(ActionKind.RESTART_SERVICE, target=Target(service="sglang")), drained.node.ctx)
         assert outcome.outcome is Outcome.SUCCESS, outcome.detail
         refused = outcome.detail.split("; ")[0]
         assert refused.startswith("drain hook of sglang refused: ") and "writable by group or others" in refused
-        assert not told.exists()  # never ran
-        assert journal[:3] == ["draining sglang", "drained sglang", "restarting sglang"]
-        assert node.service_pid() != first
-    finally:
-        CommandManager().stop(service)
+        assert not drained.told.exists()  # never ran
+        assert drained.journal[:3] == ["draining sglang", "drained sglang", "restarting sglang"]
+        assert drained.node.service_pid() != drained.first_pid
