@@ -243,13 +243,14 @@ def test_status_wall(tmp_path: Path) -> None:
 
 def test_cli_speed(tmp_path: Path) -> None:
     sane = {
-        "status against the daemon / python3 -c pass": (1.0, 200.0),
+        # Medians of three paired rounds: one round's bare start can take 180 ms on a busy machine.
+        "status against the daemon / python3 -c pass": (0.5, 200.0),
         "status --direct / the reference read": (0.1, 200.0),
-        "--version / python3 -c pass": (0.5, 100.0),
-        "--help / python3 -c pass": (0.5, 100.0),
+        "--version / python3 -c pass": (0.3, 100.0),
+        "--help / python3 -c pass": (0.3, 100.0),
         "daemon CPU, 1 s loop, two services (% of one core)": (0.001, 100.0),
     }
-    args = ["--profile", "h200", "--runs", "1", "--cpu-seconds", "2", "--warmup", "0.5"]
+    args = ["--profile", "h200", "--runs", "3", "--cpu-seconds", "2", "--warmup", "0.5"]
     document = run_benchmark(tmp_path, cli_speed, args, sane)
     results = document["results"]
     names = {"python_bare", "reference_read", "version", "help", "argparse_floor", "status_daemon", "status_direct"}
