@@ -213,6 +213,12 @@ UNKNOWN_GROUP = "gpu-agent-no-such-group"
         ("interval_seconds: 86401\n", "agent.yaml:1 interval_seconds: must be <= 3600"),
         ("interval_seconds: .nan\n", "agent.yaml:1 interval_seconds: must be a finite number"),
         ("policy_interval_seconds: 0.001\n", "agent.yaml:1 policy_interval_seconds: must be >= 1"),
+        ("counters_interval_seconds: -1\n", "agent.yaml:1 counters_interval_seconds: must be >= 0"),
+        ("counters_interval_seconds: .inf\n", "agent.yaml:1 counters_interval_seconds: must be a finite number"),
+        (
+            "services:\n  - {name: a, scrape_interval_seconds: 0}\n",
+            "agent.yaml:2 services[0].scrape_interval_seconds: must be >= 0.01",
+        ),
         (
             "services:\n  - {name: a, probe_interval_seconds: 1e-300}\n",
             "agent.yaml:2 services[0].probe_interval_seconds: must be >= 0.01",
