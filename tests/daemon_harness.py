@@ -21,6 +21,9 @@ from hosttree import make_host_tree
 
 from agent.host.paths import BOOT_ID_PATH
 
+#: The slow tier (PCIe, ECC, remapping) every second: a slow-tier fault shows within a second or two.
+COUNTERS_INTERVAL_SECONDS = 1.0
+
 AGENT_CONFIG = """\
 mode: {mode}
 backend: {backend}
@@ -28,7 +31,7 @@ simulated: {{profile: {profile}}}
 host_root: {root}
 state_dir: {state}
 interval_seconds: {interval}
-counters_interval_seconds: 1
+counters_interval_seconds: {counters_interval}
 metrics: {{listen: "127.0.0.1:{port}"}}
 api: {{socket: {socket}}}
 remediation: {remediation}
@@ -152,6 +155,7 @@ def write_agent_config(
             root=root,
             state=tmp_path / "state",
             interval=interval,
+            counters_interval=COUNTERS_INTERVAL_SECONDS,
             port=port,
             socket=tmp_path / "agent.sock",
             remediation=remediation,

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import yaml
-from daemon_harness import DEFAULT_POLICY, RunningAgent, free_port, running_agent
+from daemon_harness import COUNTERS_INTERVAL_SECONDS, DEFAULT_POLICY, RunningAgent, free_port, running_agent
 from helpers import wait_until
 from hosttree import make_host_tree
 from policy.test_boot_readiness import OLD, ubuntu_tree
@@ -64,7 +64,7 @@ STATUS_LINE_CAUSES = {"service_down", "service_slo", "next_boot", "driver", "no_
 
 pytestmark = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (apt-get install prometheus)")
 
-SEEN_WITHIN_SECONDS = 1 + 20.0  # the harness reads the slow tier every second (counters_interval_seconds)
+SEEN_WITHIN_SECONDS = COUNTERS_INTERVAL_SECONDS + 20.0
 
 
 @dataclass(frozen=True)
