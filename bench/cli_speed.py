@@ -253,7 +253,7 @@ def run(args: argparse.Namespace, report: Report) -> None:
         with running_daemon(node):
             times, exits = time_commands(node, commands, args.runs, args.agent_tree)
         footprint = daemon_cpu(args, directory, None) if args.cpu_seconds > 0 else None
-        every_loop = daemon_cpu(args, directory, 1.0) if args.cpu_seconds > 0 else None
+        scraped_every_second = daemon_cpu(args, directory, 1.0) if args.cpu_seconds > 0 else None
     ratios = {
         "status_daemon_over_python_bare": paired_ratio(times, "status_daemon", "python_bare"),
         "status_direct_over_reference_read": paired_ratio(times, "status_direct", "reference_read"),
@@ -271,7 +271,7 @@ def run(args: argparse.Namespace, report: Report) -> None:
         exit_codes=exits,
         ratios={k: v for k, v in ratios.items() if v is not None},
         daemon_two_services=footprint,
-        daemon_two_services_scraped_every_second=every_loop,
+        daemon_two_services_scraped_every_second=scraped_every_second,
     )
     rows: list[list[object]] = [["command", "median ms", "p10 ms", "p90 ms", "runs"]]
     rows += [
@@ -286,14 +286,14 @@ def run(args: argparse.Namespace, report: Report) -> None:
     ]
     print_rows(f"whole-process wall time ({args.backend}):", rows)
     print_rows("ratios (paired, median):", [[k, v] for k, v in report.results["ratios"].items()])
-    if footprint is not None and every_loop is not None:
+    if footprint is not None and scraped_every_second is not None:
         print(
             f"  daemon, 1 s loop, two services: {footprint['cpu_percent_of_one_core']} % of one core "
             f"over {footprint['window_seconds']} s; services {footprint['services']}"
         )
         print(
-            f"  the same, their pages read every second: {every_loop['cpu_percent_of_one_core']} % of one core "
-            f"over {every_loop['window_seconds']} s"
+            f"  the same, their pages read every second: {scraped_every_second['cpu_percent_of_one_core']} %"
+            f" of one core over {scraped_every_second['window_seconds']} s"
         )
     report.targets += [
         target("status against the daemon / python3 -c pass", ratios["status_daemon_over_python_bare"], "<=", 4.0),
