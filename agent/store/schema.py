@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
+import time
 from pathlib import Path
 
 from agent.host import file_reads
@@ -180,7 +181,7 @@ def _connect(path: Path) -> sqlite3.Connection:
         version = connection.execute("PRAGMA user_version").fetchone()[0]
         if version > len(MIGRATIONS):
             raise Unusable("newer", f"schema version {version} is newer than this agent's {len(MIGRATIONS)}")
-        mode = connection.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        mode = _switch_to_wal(connection)
         if mode != "wal":
             raise sqlite3.OperationalError(f"cannot switch to WAL mode (got {mode})")
         connection.execute("PRAGMA synchronous = NORMAL")  # durable in WAL mode across crashes
@@ -199,6 +200,22 @@ def _connect(path: Path) -> sqlite3.Connection:
         connection.close()
         raise
     return connection
+
+
+def _switch_to_wal(connection: sqlite3.Connection) -> str:
+    """The journal mode after asking for WAL. Switching a new file needs it to itself, and SQLite
+    answers "locked" at once, without its busy handler, while another connection (the CLI opening the
+    file the daemon has just created) holds it: wait for that here, as long as a write would."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_SECONDS
+    pause_seconds = 0.002
+    while True:
+        try:
+            return str(connection.execute("PRAGMA journal_mode = WAL").fetchone()[0])
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() + pause_seconds > deadline:
+                raise
+        time.sleep(pause_seconds)
+        pause_seconds = min(pause_seconds * 2, 0.1)
 
 
 def connect_or_replace(path: Path, now_seconds: float) -> sqlite3.Connection:

@@ -418,6 +418,48 @@ def test_concurrent_writers_share_one_store(store: Store) -> None:
     assert {c.rule: c.count for c in store.remediation_counts()} == {"t1": 150, "t2": 150}
 
 
+class _WalSwitchLocked(sqlite3.Connection):
+    """A real connection whose first `locked_answers` WAL switches answer "database is locked", as
+    SQLite's does (without its busy handler) while another connection is switching the new file."""
+
+    locked_answers = 0
+
+    def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
+        if sql.startswith("PRAGMA journal_mode") and _WalSwitchLocked.locked_answers > 0:
+            _WalSwitchLocked.locked_answers -= 1
+            raise sqlite3.OperationalError("database is locked")
+        return super().execute(sql, *args)
+
+
+@pytest.fixture
+def wal_switch_locked(monkeypatch: pytest.MonkeyPatch) -> type[_WalSwitchLocked]:
+    real_connect = sqlite3.connect
+    monkeypatch.setattr(
+        schema_module.sqlite3,
+        "connect",
+        lambda *args, **kwargs: real_connect(*args, **kwargs, factory=_WalSwitchLocked),
+    )
+    return _WalSwitchLocked
+
+
+def test_a_new_file_being_switched_by_another_connection_is_waited_for(
+    tmp_path: Path, wal_switch_locked: type[_WalSwitchLocked]
+) -> None:
+    wal_switch_locked.locked_answers = 5
+    with Store.open(tmp_path, now_seconds=T0) as store:
+        store.ack("cli")
+    assert wal_switch_locked.locked_answers == 0
+
+
+def test_a_wal_switch_locked_past_the_busy_timeout_is_an_error(
+    tmp_path: Path, wal_switch_locked: type[_WalSwitchLocked], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(schema_module, "BUSY_TIMEOUT_SECONDS", 0.05)
+    wal_switch_locked.locked_answers = 10_000
+    with pytest.raises(StoreError, match="database is locked"):
+        Store.open(tmp_path, now_seconds=T0)
+
+
 def test_two_stores_on_one_file_from_two_threads(tmp_path: Path) -> None:
     """The daemon writes while `gpu-agent ack` (another process, another connection) writes too."""
 
