@@ -111,7 +111,7 @@ def services_json(snapshot: NodeSnapshot) -> dict[str, Any]:
     ]
     return {
         "services": [
-            {**asdict(s), "metrics": status_document(snapshot.service_figures[s.name])}
+            {**asdict(s), "metrics": status_document(snapshot.service_figures[s.name], snapshot.timestamp_seconds)}
             if s.name in snapshot.service_figures
             else asdict(s)
             for s in listed

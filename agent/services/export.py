@@ -58,6 +58,10 @@ def service_metric_families(
                 "Generated tokens per joule the service's GPUs used, over the same window.",
             ),
             ("gpu_agent_service_metrics_up", "1 when the last scrape of the server's /metrics worked."),
+            (
+                "gpu_agent_service_metrics_read_timestamp_seconds",
+                "When the figures above were read from the server (its last readable /metrics), Unix time.",
+            ),
         )
     }
     for service, found in sorted(figures.items()):
@@ -74,6 +78,7 @@ def service_metric_families(
             "gpu_agent_service_generation_tokens_per_second": found.generation_tokens_per_second,
             "gpu_agent_service_tokens_per_joule": found.tokens_per_joule,
             "gpu_agent_service_metrics_up": 0.0 if found.error else 1.0,
+            "gpu_agent_service_metrics_read_timestamp_seconds": found.timestamp_seconds or None,
         }
         for name, value in values.items():
             if value is not None:
@@ -111,11 +116,14 @@ def service_metric_families(
     return [family for family in (latency, *gauges.values(), slo, memory, unattributed) if family.samples]
 
 
-def status_document(figures: ServiceFigures) -> dict[str, Any]:
-    """One service's figures for `status --json` (the `metrics` of each service)."""
+def status_document(figures: ServiceFigures, now_seconds: float) -> dict[str, Any]:
+    """One service's figures for `status --json` (the `metrics` of each service), with how long ago
+    they were read: a long `scrape_interval_seconds`, or scrapes failing since, leave them old."""
     latency = sorted(figures.latency.items())
+    read_ago = round(max(0.0, now_seconds - figures.timestamp_seconds), 1) if figures.timestamp_seconds else None
     return {
         "kind": figures.kind or None,
+        "read_seconds_ago": read_ago,
         "window_seconds": round(figures.window_seconds, 1),
         "latency_seconds": {kind: {f"{q:g}": found.quantiles.get(q) for q in QUANTILES} for kind, found in latency},
         "requests_in_window": {kind: found.requests for kind, found in latency},

@@ -18,10 +18,15 @@ def _count(value: float | None) -> str:
     return "-" if value is None else f"{value:g}"
 
 
+#: Figures read longer ago than this say how old they are on the status screen.
+SHOW_AGE_AFTER_SECONDS = 10.0
+
+
 def service_figures_line(document: Mapping[str, Any]) -> str:
     """A `status_document` as one line:
     `p95 e2e 0.72 s, TTFT 0.15 s, queue 0.02 s; running 9 / waiting 0; 320 tokens/s (0.52/J)`
-    (the queue part and the tokens per joule only where the server and the GPUs give them)."""
+    (the queue part and the tokens per joule only where the server and the GPUs give them), and
+    `read 40 s ago` once the figures are older than SHOW_AGE_AFTER_SECONDS."""
     latency = document["latency_seconds"]
     error = document["metrics_error"]
     if not latency and error:
@@ -37,6 +42,9 @@ def service_figures_line(document: Mapping[str, Any]) -> str:
         f" / waiting {_count(document['requests_waiting'])}; {'-' if rate is None else f'{rate:.0f}'} tokens/s"
         f"{per_joule}"
     )
+    read_ago = document.get("read_seconds_ago")
+    if read_ago is not None and read_ago >= SHOW_AGE_AFTER_SECONDS:
+        line += f"; read {read_ago:.0f} s ago"
     return f"{line} (last scrape: {error})" if error else line
 
 

@@ -97,25 +97,49 @@ def test_the_exposition_passes_promtool() -> None:
 
 
 def test_service_figures_line_and_document() -> None:
-    document = status_document(figures())
+    document = status_document(figures(), now_seconds=101.0)
     assert document["latency_seconds"]["e2e"] == {"0.5": 0.55, "0.95": 0.72, "0.99": 0.79}
     assert document["requests_in_window"] == {"e2e": 120, "ttft": 120}
     assert document["metrics_error"] is None
     assert service_figures_line(document) == "p95 e2e 0.72 s, TTFT 0.15 s; running 9 / waiting 0; 320 tokens/s"
-    never_read = status_document(figures(latency={}, error="HTTP 404"))
+    never_read = status_document(figures(latency={}, error="HTTP 404", timestamp_seconds=0.0), 101.0)
     assert service_figures_line(never_read) == "metrics unavailable (HTTP 404)"
     queue = LatencyFigures(120, 0.01, {0.5: 0.005, 0.95: 0.02, 0.99: 0.04})
-    fuller = status_document(figures(latency={**figures().latency, "queue": queue}, tokens_per_joule=0.5234))
+    fuller = status_document(figures(latency={**figures().latency, "queue": queue}, tokens_per_joule=0.5234), 101.0)
     assert fuller["latency_seconds"]["queue"]["0.95"] == 0.02
     assert fuller["tokens_per_joule"] == 0.5234
     assert service_figures_line(fuller) == (
         "p95 e2e 0.72 s, TTFT 0.15 s, queue 0.02 s; running 9 / waiting 0; 320 tokens/s (0.52/J)"
     )
-    stale = service_figures_line(status_document(figures(error="timed out after 2 s")))
+    stale = service_figures_line(status_document(figures(error="timed out after 2 s"), 101.0))
     assert stale.endswith("(last scrape: timed out after 2 s)")
     assert list(unattributed_lines(unattributed_document(ATTRIBUTION))) == [
         "GPU 3: pid 4242 python (jupyter.service) 1.0 GiB, in no configured service"
     ]
+
+
+def test_figures_read_long_ago_say_how_long() -> None:
+    """A long `scrape_interval_seconds`, or scrapes failing since, leave the figures old: status says
+    how old once that is worth saying, and /metrics carries when they were read."""
+    fresh = status_document(figures(), now_seconds=109.94)
+    assert fresh["read_seconds_ago"] == 9.9
+    assert not service_figures_line(fresh).endswith("ago")
+    old = status_document(figures(error="timed out after 2 s"), now_seconds=412.0)
+    assert old["read_seconds_ago"] == 312.0
+    assert service_figures_line(old) == (
+        "p95 e2e 0.72 s, TTFT 0.15 s; running 9 / waiting 0; 320 tokens/s; read 312 s ago"
+        " (last scrape: timed out after 2 s)"
+    )
+    assert (
+        status_document(figures(latency={}, error="HTTP 404", timestamp_seconds=0.0), 412.0)["read_seconds_ago"] is None
+    )
+    read_at = {
+        s.labels["service"]: s.value
+        for family in text_string_to_metric_families(exposition())
+        for s in family.samples
+        if s.name == "gpu_agent_service_metrics_read_timestamp_seconds"
+    }
+    assert read_at == {"sglang": 100.0, "vllm": 100.0}
 
 
 def test_families_without_samples_are_not_exposed() -> None:
