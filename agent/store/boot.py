@@ -81,7 +81,7 @@ class BootTables(Database):
 
     def remember_gpus(self, boot_id: str, gpus: list[InventoryGpu]) -> None:
         """Add GPUs, or update them as written (first_seen stays the first one stored)."""
-        with self._transaction() as db:
+        with self._transaction(("gpu_inventory",)) as db:
             for gpu in gpus:
                 db.execute(
                     "INSERT INTO gpu_inventory (boot_id, uuid, pci_bus_id, model, gpu, first_seen, last_seen, present,"
@@ -112,7 +112,7 @@ class BootTables(Database):
 
     def save_xid_counts(self, boot_id: str, counts: list[XidCount]) -> None:
         """Store these counters as they are now (a counter only grows: the rows are replaced)."""
-        with self._transaction() as db:
+        with self._transaction(("xid_counts",)) as db:
             db.executemany(
                 "INSERT INTO xid_counts (boot_id, gpu, xid, uuid, count, last_seen) VALUES (?, ?, ?, ?, ?, ?)"
                 " ON CONFLICT (boot_id, gpu, xid) DO UPDATE SET uuid = excluded.uuid, count = excluded.count,"
@@ -131,7 +131,7 @@ class BootTables(Database):
 
     def replace_xid_marks(self, boot_id: str, marks: list[XidMark]) -> None:
         """The health window as it is now: marks that aged out or were cleared (GPU reset) go."""
-        with self._transaction() as db:
+        with self._transaction(("xid_marks",)) as db:
             db.execute("DELETE FROM xid_marks WHERE boot_id = ?", (boot_id,))
             db.executemany(
                 "INSERT INTO xid_marks (boot_id, gpu, xid, action, reason, seen) VALUES (?, ?, ?, ?, ?, ?)",
@@ -142,7 +142,7 @@ class BootTables(Database):
         """Take Xids out of the health window (`gpu-agent ack`): every mark, or those of one GPU (its
         index, or its UUID as the inventory knows it), or of one Xid on it. The marks taken out;
         the counters stay. A running daemon follows (agent.store.node_memory)."""
-        with self._transaction() as db:
+        with self._transaction(("xid_marks",)) as db:
             if isinstance(gpu, str):
                 row = db.execute(
                     "SELECT gpu FROM gpu_inventory WHERE boot_id = ? AND uuid = ?", (boot_id, gpu)
@@ -172,7 +172,7 @@ class BootTables(Database):
 
     def replace_clock_event_totals(self, boot_id: str, totals: list[ClockEventTotal]) -> None:
         """The throttle watcher's totals as they are now (a board replaced at an index starts afresh)."""
-        with self._transaction() as db:
+        with self._transaction(("clock_event_totals",)) as db:
             db.execute("DELETE FROM clock_event_totals WHERE boot_id = ?", (boot_id,))
             db.executemany(
                 "INSERT INTO clock_event_totals (boot_id, gpu, uuid, reason, seconds, active_since,"
@@ -189,7 +189,7 @@ class BootTables(Database):
 
     def replace_probe_streaks(self, boot_id: str, streaks: list[ProbeStreak]) -> None:
         """The prober's streaks as they are now (a service dropped from the configuration goes)."""
-        with self._transaction() as db:
+        with self._transaction(("probe_streaks",)) as db:
             db.execute("DELETE FROM probe_streaks WHERE boot_id = ?", (boot_id,))
             db.executemany(
                 "INSERT INTO probe_streaks (boot_id, service, up, consecutive_failures) VALUES (?, ?, ?, ?)",

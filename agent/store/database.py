@@ -308,7 +308,7 @@ class Store(BootTables, Acknowledgements, TuneTables, TuneHistoryTables):
         """Delete events and remediations older than `before_seconds` (the history a long-running
         daemon would otherwise grow without end); how many rows went. Node memory is per boot and
         bounded by the GPUs and Xid codes: `start_boot` retires it."""
-        with self._transaction() as db:
+        with self._transaction(("events", "remediations")) as db:
             events = db.execute("DELETE FROM events WHERE ts < ?", (before_seconds,)).rowcount
             remediations = db.execute("DELETE FROM remediations WHERE ts < ?", (before_seconds,)).rowcount
         if events or remediations:
@@ -321,7 +321,7 @@ class Store(BootTables, Acknowledgements, TuneTables, TuneHistoryTables):
         """Store a new event. False when its key is already stored and handled: the fault was dealt
         with (before a restart, maybe) and must not be handled again. A stored but unhandled event
         (the agent stopped between seeing and handling it) is offered again."""
-        with self._transaction() as db:
+        with self._transaction(("events",)) as db:
             row = db.execute("SELECT handled FROM events WHERE key = ?", (event.key,)).fetchone()
             if row is not None:
                 return not row[0]
@@ -333,7 +333,7 @@ class Store(BootTables, Acknowledgements, TuneTables, TuneHistoryTables):
             return True
 
     def mark_handled(self, event_key: str) -> None:
-        with self._transaction() as db:
+        with self._transaction(("events",)) as db:
             db.execute("UPDATE events SET handled = 1 WHERE key = ?", (event_key,))
 
     def handled(self, event_key: str) -> bool:

@@ -6,13 +6,18 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 
 class StoreError(Exception):
     """The database could not be used (disk full, permissions, locked past the busy timeout)."""
+
+
+#: What a write transaction that names no tables may have written: every table.
+UNKNOWN_TABLES = "*"
 
 
 class Database:
@@ -22,13 +27,28 @@ class Database:
         self.path = path
         self._db = connection
         self._lock = threading.Lock()
+        # Commits through this connection, by table; UNKNOWN_TABLES for a writer that did not say.
+        self._own_writes: Counter[str] = Counter()
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
 
+    def change_mark(self, table: str) -> tuple[int, int, int]:
+        """A value that differs from the last one asked for whenever `table` may have changed since:
+        a commit by any other connection (SQLite's data_version: `gpu-agent ack` writes from its own
+        process), or one through this connection that wrote `table` or did not say what it wrote.
+        A reader that keeps a table in memory reads it again only then."""
+        with self._lock:
+            try:
+                others = int(self._db.execute("PRAGMA data_version").fetchone()[0])
+            except sqlite3.Error as exc:
+                raise StoreError(f"{self.path}: {exc}") from exc
+            return others, self._own_writes[UNKNOWN_TABLES], self._own_writes[table]
+
     @contextlib.contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
+    def _transaction(self, tables: Iterable[str] = (UNKNOWN_TABLES,)) -> Iterator[sqlite3.Connection]:
+        """A write transaction; `tables` are those it may write (for `change_mark`), by default any."""
         with self._lock:
             try:
                 self._db.execute("BEGIN IMMEDIATE")
@@ -37,6 +57,7 @@ class Database:
             try:
                 yield self._db
                 self._db.execute("COMMIT")
+                self._own_writes.update(tables)
             except BaseException as exc:
                 with contextlib.suppress(sqlite3.Error):
                     self._db.execute("ROLLBACK")

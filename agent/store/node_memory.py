@@ -210,6 +210,9 @@ class NodeMemory:
         self._clock = clock
         self._loaded = False
         self._inventory: dict[str, InventoryGpu] = {}
+        # Store.change_mark when the inventory and the Xid marks were last read: unchanged, not read again.
+        self._inventory_mark: tuple[int, int, int] | None = None
+        self._marks_mark: tuple[int, int, int] | None = None
         self._saved_counts: list[XidCount] = []
         self._saved_marks: list[XidMark] = []
         self._saved_clock_events: list[ClockEventTotal] = []
@@ -270,7 +273,13 @@ class NodeMemory:
         if store is None or not self._loaded:
             return list(samples)
         try:
-            stored = {gpu.uuid: gpu for gpu in store.inventory(self.boot_id)}  # `gpu-agent ack` writes it too
+            # `gpu-agent ack` writes it too: read again only when it may have changed
+            mark = store.change_mark("gpu_inventory")
+            if mark == self._inventory_mark:
+                stored = dict(self._inventory)
+            else:
+                stored = {gpu.uuid: gpu for gpu in store.inventory(self.boot_id)}
+                self._inventory_mark = mark
         except StoreError as exc:
             log.error("node memory unreadable", error=str(exc))
             stored = self._inventory
@@ -292,10 +301,14 @@ class NodeMemory:
         if store is None or not self._loaded or not self._saved_marks:
             return
         try:
+            mark = store.change_mark("xid_marks")
+            if mark == self._marks_mark:
+                return
             stored = store.xid_marks(self.boot_id)
         except StoreError as exc:
             log.error("node memory unreadable", error=str(exc))
             return
+        self._marks_mark = mark
         gone = {(m.gpu, m.xid) for m in self._saved_marks} - {(m.gpu, m.xid) for m in stored}
         if gone:
             xid.forget(gone)

@@ -107,7 +107,7 @@ class HistoryRow:
 class TuneHistoryTables(Database):
     def add_history(self, rows: list[HistoryRow]) -> None:
         """Add each row's time, tokens and joules to what the store holds for its setting."""
-        with self._transaction() as db:
+        with self._transaction(("tune_history",)) as db:
             for row in rows:
                 db.execute(
                     "INSERT INTO tune_history (service, gpu_model, setting, seconds, tokens, joules, e2e_p95_max,"

@@ -154,6 +154,34 @@ def test_xid_counters_last_seen_and_health_window_outlive_a_restart_not_a_reboot
         assert store.inventory(BOOT) == [] and store.xid_counts(BOOT) == []
 
 
+def test_the_loop_reads_the_inventory_and_xid_marks_again_only_after_another_process_wrote(tmp_path: Path) -> None:
+    """Every loop used to SELECT both; now only after a change: `gpu-agent ack` (its own connection)
+    is still followed on the next loop."""
+    clock = FakeClock()
+    with Store.open(tmp_path) as store, Store.open(tmp_path) as cli:
+        memory, watcher, _ = started(store, clock, gpus=3)
+        watcher.ingest_kernel(kernel_xid(48, 1))
+        memory.save(watcher, clock())
+        memory.follow_acks(watcher)
+        memory.remember([sample(0), sample(1), sample(2)], clock())
+        memory.remember([sample(0), sample(1)], clock())  # GPU 2 leaves the bus
+        memory.remember([sample(0), sample(1)], clock())  # read back once after its own write
+        statements: list[str] = []
+        store._db.set_trace_callback(statements.append)
+        for _ in range(5):
+            clock.advance(1)
+            memory.follow_acks(watcher)
+            assert [s.up for s in memory.remember([sample(0), sample(1)], clock())] == [True, True, False]
+            memory.save(watcher, clock())
+        assert [s for s in statements if "FROM gpu_inventory" in s or "FROM xid_marks" in s] == []
+
+        assert cli.acknowledge_gone("all") == [UUIDS[2]]
+        assert [m.xid for m in cli.clear_xid_marks(BOOT, 1)] == [48]
+        memory.follow_acks(watcher)
+        assert watcher.health(1).state is HealthState.HEALTHY
+        assert [s.index for s in memory.remember([sample(0), sample(1)], clock())] == [0, 1]
+
+
 def test_an_xid_of_an_unknown_gpu_is_remembered_too(tmp_path: Path) -> None:
     clock = FakeClock()
     with Store.open(tmp_path) as store:
