@@ -7,7 +7,7 @@ meanwhile wait, bounded, and none is lost or handled twice."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +28,8 @@ from agent.rules.sources import resolve_rules
 from agent.services.managers import ServiceManager
 from agent.state import CollectorStatus, NodeSnapshot, RecentRemediation, RemediationCount
 from agent.store.attempt_clock import AttemptClock, ClockReading
-from agent.store.database import Store, StoreError
+from agent.store.database import Store, StoredRemediation, StoreError
+from agent.store.db import TableCache
 from agent.watch.episodes import Episodes
 
 log = get_logger()
@@ -36,6 +37,16 @@ log = get_logger()
 ALERT_REFRESH_SECONDS = 60.0
 STORE_RETRY_SECONDS = 30.0
 MAX_UNSTORED_EVENTS = 10_000
+
+
+#: Decisions the status screen lists.
+RECENT_REMEDIATIONS = 10
+
+
+def _recent(stored: Sequence[StoredRemediation]) -> Iterator[RecentRemediation]:
+    for r in stored:
+        shown = r.detail or r.reason
+        yield RecentRemediation(r.started_seconds, r.rule, r.action, r.target_key, r.outcome.value, shown)
 
 
 class Remediator:
@@ -69,6 +80,13 @@ class Remediator:
         self._store_failed_monotonic: float | None = None  # when opening the store last failed
         self._unstored: list[Event] = []  # keyed events the store could not take yet
         self._last_alert_refresh_seconds = 0.0
+        # Shown every loop, changed by a remediation now and then: read again only after a write.
+        self._counts: TableCache[Store, tuple[RemediationCount, ...]] = TableCache(
+            "remediation_totals", lambda store: tuple(store.remediation_counts())
+        )
+        self._recent: TableCache[Store, tuple[RecentRemediation, ...]] = TableCache(
+            "remediations", lambda store: tuple(_recent(store.remediations(limit=RECENT_REMEDIATIONS)))
+        )
 
     def start(self) -> None:
         """The rules, the event store and the action worker; a store that cannot open is retried later."""
@@ -132,24 +150,20 @@ class Remediator:
         if self.store is None:
             return ()
         try:
-            return tuple(self.store.remediation_counts())
+            return self._counts.get(self.store)
         except StoreError as exc:
             log.error("cannot read remediation counts", error=str(exc))
             return ()
 
-    def recent(self, limit: int = 10) -> tuple[RecentRemediation, ...]:
+    def recent(self) -> tuple[RecentRemediation, ...]:
         """The newest decisions, for the status screen."""
         if self.store is None:
             return ()
         try:
-            stored = self.store.remediations(limit=limit)
+            return self._recent.get(self.store)
         except StoreError as exc:
             log.error("cannot read recent remediations", error=str(exc))
             return ()
-        return tuple(
-            RecentRemediation(r.started_seconds, r.rule, r.action, r.target_key, r.outcome.value, r.detail or r.reason)
-            for r in stored
-        )
 
     def _evaluate(self, store: Store, snapshot: NodeSnapshot, keyed_events: list[Event], now: float) -> None:
         new = [keyed for keyed in keyed_events if store.record_event(keyed)]

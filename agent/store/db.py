@@ -7,9 +7,11 @@ import contextlib
 import sqlite3
 import threading
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
 
 
 class StoreError(Exception):
@@ -38,7 +40,7 @@ class Database:
         """A value that differs from the last one asked for whenever `table` may have changed since:
         a commit by any other connection (SQLite's data_version: `gpu-agent ack` writes from its own
         process), or one through this connection that wrote `table` or did not say what it wrote.
-        A reader that keeps a table in memory reads it again only then."""
+        A reader that keeps a table in memory reads it again only then (`TableCache`)."""
         with self._lock:
             try:
                 others = int(self._db.execute("PRAGMA data_version").fetchone()[0])
@@ -71,3 +73,27 @@ class Database:
                 return self._db.execute(sql, args).fetchall()
             except sqlite3.Error as exc:
                 raise StoreError(f"{self.path}: {exc}") from exc
+
+
+D = TypeVar("D", bound="Database")
+
+
+class TableCache(Generic[D, T]):
+    """What `read(database)` returned last, read again only when `table` may have changed since
+    (`Database.change_mark`) or another database is asked: the loop's reads of tables that change
+    once in a while (an ack, a remediation) cost one PRAGMA instead of a query. Its errors are
+    `StoreError`, as a read's."""
+
+    def __init__(self, table: str, read: Callable[[D], T]) -> None:
+        self.table = table
+        self._read = read
+        self._last: tuple[D, tuple[int, int, int], T] | None = None
+
+    def get(self, database: D) -> T:
+        mark = database.change_mark(self.table)
+        last = self._last
+        if last is not None and last[0] is database and last[1] == mark:
+            return last[2]
+        value = self._read(database)
+        self._last = (database, mark, value)
+        return value

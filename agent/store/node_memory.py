@@ -46,6 +46,7 @@ from agent.store.database import (
     Store,
     StoreError,
 )
+from agent.store.db import TableCache
 from agent.store.schema import BUSY_TIMEOUT_SECONDS
 from agent.watch.throttle import ClockEventTotal, ThrottleWatcher
 from agent.watch.xid import XidMark, XidWatcher
@@ -210,9 +211,13 @@ class NodeMemory:
         self._clock = clock
         self._loaded = False
         self._inventory: dict[str, InventoryGpu] = {}
-        # Store.change_mark when the inventory and the Xid marks were last read: unchanged, not read again.
-        self._inventory_mark: tuple[int, int, int] | None = None
-        self._marks_mark: tuple[int, int, int] | None = None
+        # Read every loop, written once in a while: read from the store again only after a write.
+        self._inventory_reads: TableCache[Store, dict[str, InventoryGpu]] = TableCache(
+            "gpu_inventory", lambda store: {gpu.uuid: gpu for gpu in store.inventory(self.boot_id)}
+        )
+        self._marks_reads: TableCache[Store, list[XidMark]] = TableCache(
+            "xid_marks", lambda store: store.xid_marks(self.boot_id)
+        )
         self._saved_counts: list[XidCount] = []
         self._saved_marks: list[XidMark] = []
         self._saved_clock_events: list[ClockEventTotal] = []
@@ -273,13 +278,7 @@ class NodeMemory:
         if store is None or not self._loaded:
             return list(samples)
         try:
-            # `gpu-agent ack` writes it too: read again only when it may have changed
-            mark = store.change_mark("gpu_inventory")
-            if mark == self._inventory_mark:
-                stored = dict(self._inventory)
-            else:
-                stored = {gpu.uuid: gpu for gpu in store.inventory(self.boot_id)}
-                self._inventory_mark = mark
+            stored = dict(self._inventory_reads.get(store))  # `gpu-agent ack` writes it too
         except StoreError as exc:
             log.error("node memory unreadable", error=str(exc))
             stored = self._inventory
@@ -301,14 +300,10 @@ class NodeMemory:
         if store is None or not self._loaded or not self._saved_marks:
             return
         try:
-            mark = store.change_mark("xid_marks")
-            if mark == self._marks_mark:
-                return
-            stored = store.xid_marks(self.boot_id)
+            stored = self._marks_reads.get(store)
         except StoreError as exc:
             log.error("node memory unreadable", error=str(exc))
             return
-        self._marks_mark = mark
         gone = {(m.gpu, m.xid) for m in self._saved_marks} - {(m.gpu, m.xid) for m in stored}
         if gone:
             xid.forget(gone)

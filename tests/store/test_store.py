@@ -18,6 +18,7 @@ from agent.rules.model import ActionKind, ActionOutcome, ActionSpec, Decision, O
 from agent.state import RemediationCount
 from agent.store import schema as schema_module
 from agent.store.database import DB_NAME, RETENTION_SECONDS, Store, StoreError
+from agent.store.db import TableCache
 from agent.store.schema import MIGRATIONS
 
 T0 = 1_780_000_000.0
@@ -416,6 +417,26 @@ def test_concurrent_writers_share_one_store(store: Store) -> None:
     assert errors_of_threads(writer, ("t1", "t2")) == []
     assert len(store.events(limit=10_000)) == 600  # 300 events plus the 300 outcomes' events
     assert {c.rule: c.count for c in store.remediation_counts()} == {"t1": 150, "t2": 150}
+
+
+def test_a_table_cache_reads_again_only_after_a_write_that_may_have_changed_its_table(tmp_path: Path) -> None:
+    reads: list[str] = []
+
+    def read(store: Store) -> list[RemediationCount]:
+        reads.append(str(store.path))
+        return store.remediation_counts()
+
+    cache: TableCache[Store, list[RemediationCount]] = TableCache("remediation_totals", read)
+    with Store.open(tmp_path, now_seconds=T0) as store, Store.open(tmp_path, now_seconds=T0) as cli:
+        assert cache.get(store) == [] and cache.get(store) == []
+        store.record_event(event("e1", at=T0))  # writes only the events table, and says so
+        assert cache.get(store) == [] and len(reads) == 1
+        store.record_outcome(outcome(at=T0, rule="r", key="k1"))  # names no tables: may be any
+        assert [c.count for c in cache.get(store)] == [1] and len(reads) == 2
+        cli.record_outcome(outcome(at=T0 + 1, rule="r", key="k2"))  # another connection
+        assert [c.count for c in cache.get(store)] == [2] and len(reads) == 3
+        assert [c.count for c in cache.get(store)] == [2] and len(reads) == 3
+        assert [c.count for c in cache.get(cli)] == [2] and len(reads) == 4  # another database
 
 
 class _WalSwitchLocked(sqlite3.Connection):
