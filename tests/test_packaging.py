@@ -20,6 +20,7 @@ from types import ModuleType
 
 import pytest
 import yaml
+from systemd_sandbox import lock_or_wait
 
 REPO = Path(__file__).resolve().parent.parent
 BUILD_OUT = REPO / "build" / "test-packages"
@@ -45,20 +46,34 @@ RULES = sorted(p.name for p in (REPO / "rules").glob("*.yaml"))
 
 @functools.cache
 def build_packages(release: int = 1, targets: tuple[str, ...] | None = None) -> dict[str, Path]:
-    """Build (once per test session) the packages of `targets` (default: all) into build/."""
+    """Build (once per test session) the packages of `targets` (default: all) into build/.
+
+    The session's workers (scripts/test runs two) share build/packages and build/test-packages:
+    one builds at a time, and a package this run already built is taken as it is, never built
+    again under a worker that may be installing it."""
     names = tuple(targets) if targets else tuple(TARGETS)
     out = BUILD_OUT / f"release-{release}"
-    argv = [sys.executable, str(REPO / "packaging" / "build.py"), "--out", str(out), "--release", str(release)]
-    for name in names:
-        argv += ["--target", name]
-    # Reproducible by default: the build takes the last commit's time, not one given by hand.
-    env = {k: v for k, v in os.environ.items() if k != "SOURCE_DATE_EPOCH"}
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
     built = {name: out / TARGETS[name].filename(PKG_VERSION, release) for name in names}
-    # The version is the checkout's when the build ran: a commit made since this module was imported
-    # (VERSION above) would name other files.
-    assert all(path.is_file() for path in built.values()), f"not built: {built} ({proc.stdout[-2000:]})"
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid-{os.getpid()}"
+    done = out / ".built-in-this-run"  # this run's id, then the targets it built
+    BUILD_OUT.mkdir(parents=True, exist_ok=True)
+    with open(BUILD_OUT / ".lock", "a+b") as lock:
+        lock_or_wait(lock, "the package build", timeout_seconds=1800)
+        recorded = done.read_text().split() if done.is_file() else []
+        already = set(recorded[1:]) if recorded[:1] == [run] else set()
+        missing = [name for name in names if name not in already or not built[name].is_file()]
+        if missing:
+            argv = [sys.executable, str(REPO / "packaging" / "build.py"), "--out", str(out), "--release", str(release)]
+            for name in missing:
+                argv += ["--target", name]
+            # Reproducible by default: the build takes the last commit's time, not one given by hand.
+            env = {k: v for k, v in os.environ.items() if k != "SOURCE_DATE_EPOCH"}
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env)
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            # The version is the checkout's when the build ran: a commit made since this module was
+            # imported (VERSION above) would name other files.
+            assert all(built[name].is_file() for name in missing), f"not built: {built} ({proc.stdout[-2000:]})"
+            done.write_text(" ".join([run, *sorted(already | set(missing))]) + "\n")
     return built
 
 
