@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
+from conftest import LONGEST_MODULES
 from helpers import FakeClock, make_event, wait_until
 from snapshots import gpu_uuid
 
@@ -43,3 +45,10 @@ def test_make_event_defaults_follow_the_gpu() -> None:
     assert make_event(EventKind.SERVICE_UNHEALTHY, None).uuid is None
     assert make_event(EventKind.XID, 2, xid=79).key == event.key
     assert make_event(EventKind.XID, 2, xid=13).key != event.key
+
+
+def test_every_module_handed_out_first_exists() -> None:
+    """A renamed module would silently drop out of the longest-first order (tests/conftest.py),
+    and with it the balance of the two workers scripts/test runs."""
+    tests = Path(__file__).parent
+    assert [name for name in LONGEST_MODULES if not list(tests.rglob(name))] == []
