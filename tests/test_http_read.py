@@ -186,12 +186,15 @@ def test_requests_one_after_another_share_one_worker_and_build_no_opener(
 def test_a_worker_left_behind_at_the_deadline_serves_no_other_request_and_ends(
     attempt_threads: list[threading.Thread], ok_body: Path
 ) -> None:
+    # A byte every 0.2 s: the worker's socket never times out on its own (a silent server's would,
+    # at the same 0.5 s, and a worker that ends its request in time is rightly kept), so only the
+    # caller's total deadline ends the request and leaves the worker behind.
     with (
-        SlowEndpoint("silent", "--interval", "0.2") as silent,
+        SlowEndpoint("drip", "--interval", "0.2") as dripping,
         SlowEndpoint("file", "--body", str(ok_body)) as answering,
     ):
         with pytest.raises(http_read.HttpTimedOut, match=r"timed out after 0\.5 s"):
-            http_read.get(silent.url("/"), 0.5, 4096)
+            http_read.get(dripping.url("/"), 0.5, 4096)
         started = time.monotonic()
         assert http_read.get(answering.url("/"), 2.0, 4096).body == b"ok"
         assert time.monotonic() - started < 1.0
