@@ -27,20 +27,23 @@ def backend(replay: Replay) -> Iterator[NvmlBackend]:
     nvml.shutdown()
 
 
-#: The longest modules (packages, chroots, the systemd sandbox; each a minute or more): with workers
-#: (scripts/test runs two, a module to a worker) they are handed out first, so no worker is left
-#: with one of them at the end while the other idles. What they share outside their own
-#: directories is locked: the package build (tests/test_packaging.py), the root file system and
-#: the one sandbox a host runs (tests/systemd_sandbox.py).
+#: The longest modules (packages, chroots, the systemd sandbox, the soak and the fault tables; each a
+#: minute or more): with workers (scripts/test runs two, a module to a worker) they are handed out
+#: first, so no worker is left with one of them at the end while the other idles. They alternate
+#: between needing the packages and root file system and not: each worker starts with two modules,
+#: and on a fresh host the first package module waits minutes for the build and debootstrap, which
+#: a second one would wait for too. What they share outside their own directories is locked: the
+#: package build (tests/test_packaging.py), the root file system and the one sandbox a host runs
+#: (tests/systemd_sandbox.py).
 LONGEST_MODULES = (
     "test_package_dist_upgrade.py",
+    "test_soak_short.py",
     "test_package_e2e.py",
+    "test_fault_agreement.py",
     "test_package_rpm_scriptlets.py",
+    "test_fault_matrix.py",
     "test_package_nosystemd.py",
     "test_packaging.py",
-    "test_soak_short.py",
-    "test_fault_agreement.py",
-    "test_fault_matrix.py",
 )
 
 
