@@ -7,7 +7,7 @@ import contextlib
 import sqlite3
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -49,7 +49,7 @@ class Database:
             return others, self._own_writes[UNKNOWN_TABLES], self._own_writes[table]
 
     @contextlib.contextmanager
-    def _transaction(self, tables: Iterable[str] = (UNKNOWN_TABLES,)) -> Iterator[sqlite3.Connection]:
+    def _transaction(self, tables: tuple[str, ...] = (UNKNOWN_TABLES,)) -> Iterator[sqlite3.Connection]:
         """A write transaction; `tables` are those it may write (for `change_mark`), by default any."""
         with self._lock:
             try:
