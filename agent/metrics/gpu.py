@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agent.backend.base import RecoveryAction
+from agent.backend.base import CLOCK_EVENT_REASONS, RecoveryAction
 from agent.events import HealthState
 from agent.metrics.families import (
     Families,
@@ -17,7 +17,6 @@ from agent.metrics.families import (
 from agent.state import NodeSnapshot, XidCount
 from agent.verdict import THROTTLE_PROBLEM_REASONS
 from agent.watch import xid_catalog
-from agent.watch.clock_events import CLOCK_EVENT_REASONS
 
 _GPU_FAMILIES: tuple[GpuFamily, ...] = (
     single("gpu_agent_gpu_temperature_celsius", "GPU core temperature.", lambda s: s.temperature_celsius),
