@@ -11,7 +11,7 @@ first. How to add one: docs/architecture.md, "Adding a reading".
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from agent.backend.base import (
@@ -19,15 +19,13 @@ from agent.backend.base import (
     ClockDomain,
     EccCounter,
     EccErrorType,
-    FabricState,
     GpuBackend,
     GpuProcess,
     NvLinkErrors,
-    RecoveryAction,
     TemperatureThreshold,
     ViolationPolicy,
 )
-from agent.backend.errors import GpuError, GpuErrorKind
+from agent.readings.composite import NVLINK_ERRORS, PROCESSES, VIOLATIONS, fabric_states, read_fans, recovery_actions
 from agent.readings.row import (
     BYTES,
     BYTES_PER_SECOND,
@@ -40,9 +38,7 @@ from agent.readings.row import (
     RATIO,
     WATTS,
     Dcgm,
-    Labels,
     Section,
-    Shape,
     Tier,
     bit_flags,
     counter,
@@ -57,48 +53,6 @@ from agent.readings.row import (
 )
 
 TELEMETRY = Section.TELEMETRY
-
-
-def _fans(backend: GpuBackend, gpu: int) -> tuple[int, ...]:
-    count = backend.fan_count(gpu)
-    if count == 0:  # fan-less (SXM) board: the same as NVML's NOT_SUPPORTED for the speed
-        raise GpuError(GpuErrorKind.NOT_SUPPORTED, "board has no fans", gpu, "fan_count")
-    return tuple(backend.fan_speed_percent(gpu, fan) for fan in range(count))
-
-
-def _recovery_actions(value: int) -> tuple[list[str], str]:
-    """The known actions and the current one; a value newer than this code gets its own `unknown_N` series."""
-    names = [action.name.lower() for action in RecoveryAction]
-    try:
-        current = RecoveryAction(value).name.lower()
-    except ValueError:
-        current = f"unknown_{value}"
-        names.append(current)
-    return names, current
-
-
-def _fabric_states(value: int) -> tuple[list[str], str | None]:
-    """The registration states and the current one (none of them for a state newer than this code)."""
-    names = {state.value: state.name.lower() for state in FabricState}
-    return list(names.values()), names.get(value)
-
-
-def _violations(by_reason: Mapping[str, int] | None, sample: GpuSample) -> Iterator[tuple[Labels, int | None]]:
-    """Per reason from the field values; where the driver has none, power and thermal from the violation status."""
-    held: list[tuple[str, int | None]] = sorted((by_reason or {}).items())
-    for reason, ns in held or [("power", sample.power_violation_ns), ("thermal", sample.thermal_violation_ns)]:
-        yield (("reason", reason),), ns
-
-
-def _nvlink_errors(links: Sequence[NvLinkErrors] | None, _sample: GpuSample) -> Iterator[tuple[Labels, int]]:
-    for errors in links or ():
-        for name, count in sorted(errors.counts.items()):
-            yield (("link", str(errors.link)), ("counter", name)), count
-
-
-def _processes(processes: Sequence[GpuProcess] | None, _sample: GpuSample) -> Iterator[tuple[Labels, int | None]]:
-    for process in processes or ():
-        yield (("pid", str(process.pid)), ("name", process.name or "")), process.used_memory_bytes
 
 
 def _ecc(error: EccErrorType, kept: EccCounter) -> Callable[[GpuBackend, int], int]:
@@ -360,7 +314,7 @@ class GpuSample:
         dcgm=Dcgm("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "count"),
     )
     fan_speeds_percent: tuple[int, ...] | None = reading(
-        fast(_fans),
+        fast(read_fans),
         family="fans",
         metric=gauge("gpu_agent_gpu_fan_speed_ratio", "Fan speed as a fraction of its maximum."),
         shape=per_position("fan"),
@@ -383,7 +337,7 @@ class GpuSample:
             "What the driver says the GPU needs (NVML GPU recovery action), one series per action, "
             "1 for the current one.",
         ),
-        shape=one_hot("action", _recovery_actions),
+        shape=one_hot("action", recovery_actions),
         unit=FLAG,
     )
 
@@ -631,7 +585,7 @@ class GpuSample:
             "Time the GPU was held below its target clocks, per reason (NVML clock-event reason durations; "
             "power and thermal from the violation status where the driver has no per-reason fields).",
         ),
-        shape=Shape(("reason",), _violations),
+        shape=VIOLATIONS,
         unit=NANOSECONDS,
         section=TELEMETRY,
         dcgm=(
@@ -647,7 +601,7 @@ class GpuSample:
             "gpu_agent_gpu_nvlink_errors_total",
             "NVLink errors per link and counter (CRC flit, CRC data, replay, recovery) since the driver loaded.",
         ),
-        shape=Shape(("link", "counter"), _nvlink_errors),
+        shape=NVLINK_ERRORS,
         section=TELEMETRY,
         dcgm=tuple(
             Dcgm(f"DCGM_FI_DEV_NVLINK_{name.upper()}_ERROR_COUNT_TOTAL", "count", ", all links", f'counter="{name}"')
@@ -671,7 +625,7 @@ class GpuSample:
             "NVSwitch fabric registration state, one series per state, 1 for the current one; CUDA runs "
             "only once it is completed.",
         ),
-        shape=one_hot("state", _fabric_states),
+        shape=one_hot("state", fabric_states),
         unit=FLAG,
         section=TELEMETRY,
     )
@@ -686,7 +640,7 @@ class GpuSample:
         slow(lambda b, gpu: tuple(b.compute_processes(gpu)), remember_unsupported=True),
         family="processes",
         metric=gauge("gpu_agent_gpu_process_memory_bytes", "Device memory used by each compute process."),
-        shape=Shape(("pid", "name"), _processes),
+        shape=PROCESSES,
         unit=BYTES,
         section=TELEMETRY,
     )
