@@ -2,103 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from agent.backend.base import GpuProcess, NvLinkErrors
 from agent.events import Event, Health
 from agent.policy.base import ItemPlan
+from agent.readings.table import GpuSample as GpuSample  # the reading table: one GPU at one instant
 
 if TYPE_CHECKING:
     # Annotations only: the snapshot types stay importable without psutil, the config models or the
     # Prometheus parser (bench/h200_telemetry_compare.py runs where only nvidia-ml-py is installed).
     from agent.services.attribution import GpuAttribution
     from agent.services.window import ServiceFigures
-
-
-@dataclass(frozen=True)
-class GpuSample:
-    """One GPU at one instant. A reading is None when the board does not support it or it failed;
-    `read_errors` says which failed and how (field -> GpuErrorKind value)."""
-
-    index: int
-    uuid: str
-    name: str
-    pci_bus_id: str
-    up: bool  # False: lost, or not even its identity could be read
-    timestamp_seconds: float
-    temperature_celsius: int | None = None
-    power_usage_watts: float | None = None
-    power_limit_watts: float | None = None
-    graphics_clock_mhz: int | None = None
-    sm_clock_mhz: int | None = None
-    memory_clock_mhz: int | None = None
-    clock_event_reasons: int | None = None
-    gpu_utilization_percent: int | None = None
-    memory_utilization_percent: int | None = None
-    memory_used_bytes: int | None = None
-    memory_total_bytes: int | None = None
-    performance_state: int | None = None
-    fan_speeds_percent: tuple[int, ...] | None = None
-    persistence_enabled: bool | None = None
-    ecc_enabled: bool | None = None
-    ecc_pending: bool | None = None
-    memory_free_bytes: int | None = None
-    memory_reserved_bytes: int | None = None  # the driver's; not in memory_used_bytes (nvidia-smi's "Used")
-    # GPM activity since the previous loop (None: first loop, or no GPM); activity_supported False
-    # once the GPU answered NOT_SUPPORTED (status: "activity: not supported")
-    activity_supported: bool | None = None
-    sm_active_ratio: float | None = None
-    sm_occupancy_ratio: float | None = None
-    tensor_active_ratio: float | None = None
-    dram_active_ratio: float | None = None
-    pcie_tx_bytes_per_second: float | None = None
-    pcie_rx_bytes_per_second: float | None = None
-    nvlink_tx_bytes_per_second: float | None = None
-    nvlink_rx_bytes_per_second: float | None = None
-    # the fast field-value batch
-    energy_joules: float | None = None  # since the driver loaded
-    power_instant_watts: float | None = None
-    memory_temperature_celsius: int | None = None  # HBM
-    # slow tier: counters and link state, read every few loops (0.2-1.3 ms per call on an H200)
-    ecc_corrected_volatile: int | None = None
-    ecc_uncorrected_volatile: int | None = None
-    ecc_corrected_aggregate: int | None = None
-    ecc_uncorrected_aggregate: int | None = None
-    remapped_rows_correctable: int | None = None
-    remapped_rows_uncorrectable: int | None = None
-    remap_pending: bool | None = None
-    remap_failed: bool | None = None
-    retired_pages_pending: bool | None = None
-    pcie_generation: int | None = None
-    pcie_width: int | None = None
-    pcie_max_generation: int | None = None
-    pcie_max_width: int | None = None
-    pcie_replay_count: int | None = None
-    slowdown_temperature_celsius: int | None = None
-    shutdown_temperature_celsius: int | None = None
-    power_violation_ns: int | None = None
-    thermal_violation_ns: int | None = None
-    recovery_action: int | None = None  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (R550+); None where unsupported
-    # slow tier, profiling telemetry: the slow field-value batch, NVLink, fabric, modes, clocks, processes
-    pcie_correctable_errors: int | None = None
-    pcie_fatal_errors: int | None = None
-    violation_reason_ns: Mapping[str, int] | None = None  # VIOLATION_REASONS label -> ns held back
-    nvlink_errors: tuple[NvLinkErrors, ...] | None = None  # None: no NVLink
-    nvlink_up: tuple[bool, ...] | None = None  # per link
-    fabric_state: int | None = None  # FabricState; None: no NVSwitch fabric
-    fabric_status: int | None = None  # nvmlReturn_t of the fabric registration
-    memory_max_temperature_celsius: int | None = None
-    mig_enabled: bool | None = None
-    mig_pending: bool | None = None
-    max_graphics_clock_mhz: int | None = None
-    max_sm_clock_mhz: int | None = None
-    max_memory_clock_mhz: int | None = None
-    applications_graphics_clock_mhz: int | None = None
-    applications_memory_clock_mhz: int | None = None
-    processes: tuple[GpuProcess, ...] | None = None  # compute processes with their GPU memory
-    read_errors: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,7 @@ from bench.common import (
 
 Call = tuple[Callable[..., Any], tuple[Any, ...]]
 
-# nvidia-smi --query-gpu fields for what the fast tier reads (agent.collect.FAST_READERS), and
+# nvidia-smi --query-gpu fields for what the fast tier reads (agent.readings.table.FAST_READERS), and
 # what the slow tier adds. Thresholds, violation time and the recovery action have no query field.
 SMI_FAST_FIELDS = (
     "temperature.gpu",

@@ -101,6 +101,7 @@ class RunningAgent:
     socket_path: Path
     port: int
     log_path: Path
+    source: Path | None = None  # the directory whose `agent` package runs; None: the installed one
 
     def metrics(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as response:
@@ -112,6 +113,7 @@ class RunningAgent:
             capture_output=True,
             text=True,
             timeout=30,
+            cwd=self.source,
         )
         # 0: all healthy, 2: attention needed (like `plan`); 1 would be "could not tell"
         assert result.returncode in (0, 2), result.stderr
@@ -167,7 +169,10 @@ def write_agent_config(
 
 
 @contextlib.contextmanager
-def running_agent(tmp_path: Path, watchdog_usec: int | None = 1_000_000, **config: Any) -> Iterator[RunningAgent]:
+def running_agent(
+    tmp_path: Path, watchdog_usec: int | None = 1_000_000, source: Path | None = None, **config: Any
+) -> Iterator[RunningAgent]:
+    """`source`: a directory holding another `agent` package to run (`python -m` puts it first on the path)."""
     config_path, port = write_agent_config(tmp_path, **config)
     notify_path = tmp_path / "notify.sock"
     notify_path.unlink(missing_ok=True)  # left by an earlier agent in the same directory
@@ -185,6 +190,7 @@ def running_agent(tmp_path: Path, watchdog_usec: int | None = 1_000_000, **confi
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
+            cwd=source,
         )
     agent = RunningAgent(
         process,
@@ -195,6 +201,7 @@ def running_agent(tmp_path: Path, watchdog_usec: int | None = 1_000_000, **confi
         tmp_path / "agent.sock",
         port,
         log_path,
+        source,
     )
     try:
         yield agent

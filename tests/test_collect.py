@@ -6,7 +6,8 @@ from dataclasses import fields
 from pathlib import Path
 
 from agent.backend.sim import SimulatedBackend
-from agent.collect import SLOW_TIER_FIELDS, carry_slow_fields, sample_gpu
+from agent.collect import carry_slow_fields, sample_gpu
+from agent.readings.table import SLOW_TIER_FIELDS
 from agent.state import GpuSample
 
 

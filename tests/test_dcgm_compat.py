@@ -1,6 +1,6 @@
-"""dcgm-exporter compatibility rules (packaging/prometheus/gpu-agent-dcgm-compat.yaml): they load, every
-DCGM name has a promtool unit test (tests/prometheus/dcgm_compat.yaml), and every gpu-agent metric they
-read is one the exporter serves."""
+"""dcgm-exporter compatibility rules (packaging/prometheus/gpu-agent-dcgm-compat.yaml): the shipped file is
+what the reading table writes, they load, every DCGM name has a promtool unit test
+(tests/prometheus/dcgm_compat.yaml), and every gpu-agent metric they read is one the exporter serves."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from snapshots import node_snapshot, telemetry_gpus
 
 from agent.metrics.collector import SnapshotCollector
+from agent.metrics.dcgm import compat_rules
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "packaging/prometheus/gpu-agent-dcgm-compat.yaml"
@@ -26,6 +27,12 @@ METRIC_NAME = re.compile(r"\bgpu_agent_[a-z_]+")
 def recorded() -> dict[str, str]:
     groups = yaml.safe_load(RULES.read_text())["groups"]
     return {rule["record"]: rule["expr"] for group in groups for rule in group["rules"]}
+
+
+def test_the_shipped_rules_are_the_ones_the_reading_table_writes() -> None:
+    assert RULES.read_text() == compat_rules(), "regenerate: python -m agent.metrics.dcgm > " + str(
+        RULES.relative_to(ROOT)
+    )
 
 
 def test_the_common_dcgm_exporter_fields_are_recorded() -> None:

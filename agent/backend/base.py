@@ -161,6 +161,19 @@ class FastFields:
     memory_temperature_celsius: int | None  # NVML_FI_DEV_MEMORY_TEMP (HBM; None on GDDR boards)
 
 
+#: NVML's clock-event ("throttle") reason bits (nvmlClocksEventReason*) and their names.
+CLOCK_EVENT_REASONS: dict[int, str] = {
+    0x1: "gpu_idle",
+    0x2: "applications_clocks_setting",
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x10: "sync_boost",
+    0x20: "sw_thermal_slowdown",
+    0x40: "hw_thermal_slowdown",
+    0x80: "hw_power_brake_slowdown",
+    0x100: "display_clock_setting",
+}
+
 #: Clock-event reasons with a duration field (NVML_FI_DEV_CLOCKS_EVENT_REASON_*), by label.
 VIOLATION_REASONS: tuple[str, ...] = ("sw_power_cap", "sync_boost", "sw_thermal", "hw_thermal", "hw_power_brake")
 #: NVLink error counters kept per link (NVML_FI_DEV_NVLINK_<COUNTER>_ERROR_COUNT_L<n>), by label.

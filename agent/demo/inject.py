@@ -14,10 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agent.backend.base import RecoveryAction
+from agent.backend.base import CLOCK_EVENT_REASONS, RecoveryAction
 from agent.backend.errors import GpuErrorKind
 from agent.host.paths import HostPaths
-from agent.watch.clock_events import CLOCK_EVENT_REASONS
 
 if TYPE_CHECKING:  # imported when a fault is injected, not to build `gpu-agent --help`
     from agent.backend.sim import SimulatedBackend

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from agent.metrics import gpu, node, telemetry
+from agent.metrics import gpu, node
 from agent.metrics.families import Families, gpu_uuids
 from agent.services.export import service_metric_families
 from agent.state import NodeSnapshot
@@ -53,7 +53,7 @@ class SnapshotCollector(Collector):
 SNAPSHOT_FAMILIES: tuple[Callable[[Families, NodeSnapshot], None], ...] = (
     node.backend,
     gpu.gpus,
-    telemetry.every_gpu,
+    gpu.telemetry,
     gpu.last_xid,
     gpu.clock_event_seconds,
     gpu.xids,

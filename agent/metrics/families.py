@@ -1,51 +1,18 @@
-"""The building blocks of a scrape: metric families in first-use order, per-GPU family tables and
-the unit conversions every family uses (base units: hertz, seconds, ratios 0-1)."""
+"""The building blocks of a scrape: metric families in first-use order and the labels every
+per-GPU family shares (the readings' own families come from the reading table, agent/readings/)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from agent.printable import printable
-from agent.state import GpuSample, NodeSnapshot
-
-_MHZ_TO_HERTZ = 1e6
-_NS_TO_SECONDS = 1e-9
+from agent.state import NodeSnapshot
 
 
 def flag(value: bool | None) -> float | None:
     return None if value is None else float(value)
-
-
-def percent_to_ratio(percent: int | None) -> float | None:
-    return None if percent is None else percent / 100.0
-
-
-def mhz_to_hertz(mhz: int | None) -> float | None:
-    return None if mhz is None else mhz * _MHZ_TO_HERTZ
-
-
-def ns_to_seconds(ns: int | None) -> float | None:
-    return None if ns is None else ns * _NS_TO_SECONDS
-
-
-Reader = Callable[[GpuSample], "float | None"]
-
-
-@dataclass(frozen=True)
-class GpuFamily:
-    """Per-GPU series of one family: (extra labels, reader) each, e.g. ({"clock": "sm"}, ...)."""
-
-    name: str
-    documentation: str
-    series: tuple[tuple[tuple[tuple[str, str], ...], Reader], ...]
-    counter: bool = False
-
-
-def single(name: str, documentation: str, read: Reader, counter: bool = False) -> GpuFamily:
-    return GpuFamily(name, documentation, (((), read),), counter)
 
 
 class Families:

@@ -1,18 +1,9 @@
-"""NVML clock-event ("throttle") reason bits and their names (nvmlClocksEventReason*)."""
+"""What the clock-event ("throttle") reasons mean to the agent: which are slowdowns, and a mask's names
+(the bits themselves: `CLOCK_EVENT_REASONS` in agent/backend/base.py)."""
 
 from __future__ import annotations
 
-CLOCK_EVENT_REASONS: dict[int, str] = {
-    0x1: "gpu_idle",
-    0x2: "applications_clocks_setting",
-    0x4: "sw_power_cap",
-    0x8: "hw_slowdown",
-    0x10: "sync_boost",
-    0x20: "sw_thermal_slowdown",
-    0x40: "hw_thermal_slowdown",
-    0x80: "hw_power_brake_slowdown",
-    0x100: "display_clock_setting",
-}
+from agent.backend.base import CLOCK_EVENT_REASONS
 
 #: Reasons that mean the GPU runs slower than it should (idle and app-clock settings are benign).
 SLOWDOWN_REASONS = frozenset(

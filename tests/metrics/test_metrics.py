@@ -29,6 +29,7 @@ from snapshots import (
 )
 
 from agent import __version__
+from agent.backend.base import CLOCK_EVENT_REASONS
 from agent.backend.sim import SimulatedBackend
 from agent.collect import sample_all
 from agent.metrics.collector import SnapshotCollector
@@ -36,7 +37,6 @@ from agent.metrics.server import MetricsServer, parse_listen, serve_metrics
 from agent.state import GpuSample, NodeSnapshot
 from agent.verdict import attention, attention_items
 from agent.version import current
-from agent.watch.clock_events import CLOCK_EVENT_REASONS
 
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (apt-get install prometheus)")
