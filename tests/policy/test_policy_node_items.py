@@ -746,17 +746,16 @@ def test_nouveau_unreadable_module_list_is_an_error(tmp_path: Path) -> None:
 
 def test_initramfs_rebuild_leaves_the_service_sandbox_under_systemd(monkeypatch: pytest.MonkeyPatch) -> None:
     """Inside the hardened unit /boot is read-only: the rebuild runs as a transient unit of its own."""
-    import subprocess as real_subprocess
-
+    from agent.host.commands import ProcessResult
     from agent.policy.base import HostContext
 
     ran: list[list[str]] = []
 
-    def fake_run(argv: list[str], **_kwargs: object) -> real_subprocess.CompletedProcess[str]:
-        ran.append(argv)
-        return real_subprocess.CompletedProcess(argv, 0, "", "")
+    def fake_run(argv: list[str], _timeout_seconds: float) -> ProcessResult:
+        ran.append(list(argv))
+        return ProcessResult(tuple(argv), 0, "", 0.0)
 
-    monkeypatch.setattr("agent.policy.base.subprocess.run", fake_run)
+    monkeypatch.setattr("agent.policy.base.run_process", fake_run)
     monkeypatch.setattr("agent.policy.base.shutil.which", lambda name: f"/usr/bin/{name}")
     ctx = HostContext(HostPaths.at("/"))
     monkeypatch.delenv("INVOCATION_ID", raising=False)
