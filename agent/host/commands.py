@@ -246,7 +246,7 @@ class ProcessStream:
             if self._drain_until is None:
                 if self._proc.poll() is None and self.deadline is not None and now >= self.deadline:
                     self._kill()
-                    raise ProcessTimedOut(f"{self.argv[0]} did not finish in {now - self.started:.1f} s")
+                    raise ProcessTimedOut(f"{self.argv[0]} did not finish in {self.deadline - self.started:g} s")
                 if self._proc.returncode is not None:
                     # A daemon left behind may hold the output open: read what is there, not what it writes later.
                     self._drain_until = now + _DRAIN_SECONDS
