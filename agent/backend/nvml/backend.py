@@ -123,7 +123,7 @@ class NvmlBackend(DeviceReads, ProfilingReads, EventWait, DeviceSetters):
         finally:
             self.init()
         if result.timed_out:
-            message = f"nvidia-smi --gpu-reset did not finish in {_RESET_TIMEOUT_SECONDS:.0f} s"
+            message = f"nvidia-smi --gpu-reset did not finish in {_RESET_TIMEOUT_SECONDS:g} s"
             raise GpuError(GpuErrorKind.TIMEOUT, message, gpu=gpu, call=call)
         if result.returncode != 0:
             raise _reset_error(result.output, gpu, call)
