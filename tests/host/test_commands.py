@@ -126,7 +126,8 @@ def test_closing_a_follower_kills_it_and_its_children(tmp_path: Path) -> None:
         "while True:\n    print('line', flush=True)\n    time.sleep(0.05)\n"
     )
     with ProcessStream(python(script), timeout_seconds=None) as stream:
-        assert stream.read_within(100, 10) == b"line\n"
+        first = stream.read_within(100, 10)
+        assert first is not None and first.startswith(b"line\n")  # more lines may have come by now
         wait_until(pid_file.exists, 10, "the follower to start its child")
     assert stream.returncode == -9
     wait_until(lambda: gone(int(pid_file.read_text())), 5, "the follower's child killed with its group")
