@@ -315,7 +315,7 @@ def run_trusted(
     timeout_seconds: float,
     *,
     stdin: bytes = b"",
-    env: Mapping[str, str] | None = None,
+    extra_env: Mapping[str, str] | None = None,
     agent_uid: int | None = None,
 ) -> ProcessResult:
     """Run a hook: check argv[0] and execute exactly the file that was checked.
@@ -331,7 +331,7 @@ def run_trusted(
     fd = open_trusted_executable(argv[0], agent_uid=agent_uid)
     try:
         return run_process(
-            argv, timeout_seconds, stdin=stdin, env=env, executable=f"/proc/self/fd/{fd}", pass_fds=(fd,)
+            argv, timeout_seconds, stdin=stdin, extra_env=extra_env, executable=f"/proc/self/fd/{fd}", pass_fds=(fd,)
         )
     finally:
         os.close(fd)

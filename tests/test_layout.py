@@ -22,6 +22,15 @@ AGENT = REPO / "agent"
 MAX_TOP_LEVEL_MODULES = 20
 #: About 700 lines: beyond that a module holds more than one job and is split by job.
 MAX_MODULE_LINES = 750
+#: Every process the agent starts goes through one runner: bounded output, a scrubbed environment,
+#: a total deadline that kills the process group.
+PROCESS_RUNNER = "agent.host.commands"
+#: Apart from it: the demo (it starts the daemon, a stand-in server and Alertmanager as a user's
+#: shell would, and stops them) and the build-time version code (git, before anything is installed).
+STARTS_PROCESSES_APART = ("agent.demo", "agent.version")
+#: Modules that start programs, and the os functions that do.
+PROCESS_MODULES = ("subprocess", "multiprocessing", "pty")
+OS_PROCESS_CALL = re.compile(r"(system|popen|exec\w*|spawn\w*|posix_spawn\w*|fork\w*)")
 
 
 @dataclass(frozen=True)
@@ -155,6 +164,27 @@ def reaches_across(graph: dict[str, set[str]], sources: list[str], forbidden: li
     ]
 
 
+def process_starters(root: Path) -> list[str]:
+    """'module: what' for every agent module that imports a module starting programs (subprocess,
+    multiprocessing, pty), anywhere in it, or names an os function that does (os.system, os.execv,
+    os.posix_spawn, os.fork...)."""
+    found = []
+    for module in modules_of(root).values():
+        imports = list(imported_names(module))
+        uses = {base for base, _ in imports if any(in_package(base, m) for m in PROCESS_MODULES)}
+        uses |= {f"os.{name}" for base, name in imports if base == "os" and name and OS_PROCESS_CALL.fullmatch(name)}
+        uses |= {
+            f"os.{node.attr}"
+            for node in ast.walk(ast.parse(module.path.read_text(), str(module.path)))
+            if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "os"
+            and OS_PROCESS_CALL.fullmatch(node.attr)
+        }
+        found += [f"{module.name}: {use}" for use in sorted(uses)]
+    return sorted(found)
+
+
 # -- the rules ------------------------------------------------------------------------------------
 
 
@@ -193,6 +223,17 @@ def test_only_the_nvml_backend_imports_pynvml() -> None:
         if any(in_package(base, "pynvml") for base, _ in imported_names(module))
     )
     assert importers != [] and all(in_package(name, "agent.backend.nvml") for name in importers), importers
+
+
+def test_only_the_process_runner_starts_processes() -> None:
+    starters = process_starters(REPO)
+    assert f"{PROCESS_RUNNER}: subprocess" in starters, "the rule no longer sees the runner itself"
+    outside = [
+        found
+        for found in starters
+        if not any(in_package(found.split(":")[0], name) for name in (PROCESS_RUNNER, *STARTS_PROCESSES_APART))
+    ]
+    assert outside == [], f"start processes through {PROCESS_RUNNER} (run_process, ProcessStream)"
 
 
 def test_every_source_path_the_docs_name_exists() -> None:
@@ -262,4 +303,28 @@ def test_a_reach_across_counts_imports_through_other_modules(tmp_path: Path) -> 
     )
     assert reaches_across(import_graph(root), ["agent.watch"], ["agent.store"]) == [
         "agent.watch.xid -> agent.store.database"
+    ]
+
+
+def test_every_way_of_starting_a_process_is_seen(tmp_path: Path) -> None:
+    root = write_tree(
+        tmp_path,
+        {
+            "agent/__init__.py": "",
+            "agent/runner.py": "import subprocess\n",
+            "agent/late.py": "def f():\n    import subprocess as sp\n",
+            "agent/named.py": "from subprocess import Popen\n",
+            "agent/forked.py": "import multiprocessing.pool\n",
+            "agent/replaced.py": "import os\ndef f():\n    os.execvpe('x', ['x'], {})\n",
+            "agent/shell.py": "from os import system\n",
+            "agent/quiet.py": "import os\nos.environ.get('PATH')\nos.killpg(1, 9)\n",
+        },
+    )
+    assert process_starters(root) == [
+        "agent.forked: multiprocessing.pool",
+        "agent.late: subprocess",
+        "agent.named: subprocess",
+        "agent.replaced: os.execvpe",
+        "agent.runner: subprocess",
+        "agent.shell: os.system",
     ]

@@ -17,7 +17,8 @@ an initramfs that still loads nouveau. This module answers, for the kernel that 
   cannot be read and the host root is `/`, `lsinitramfs`/`lsinitrd` list it instead.
 
 Everything is read under `host_root`; host tools (`grubby`, `mokutil`, `lsinitramfs`, `lsinitrd`)
-run only when `host_root` is `/`. Nothing here writes.
+run only when `host_root` is `/`. Every tool, the zstd decompressor included, runs through
+agent.host.commands: a scrubbed environment, a 60 s deadline, bounded output. Nothing here writes.
 
 Whoever can write /boot or a module tree can put anything there, and a disk can hang: every file
 is opened as a regular file only (agent.host.file_reads: a FIFO or `nvidia.ko` -> `/dev/zero` is
@@ -35,13 +36,13 @@ import lzma
 import os
 import re
 import shutil
-import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, BinaryIO, Protocol, cast
 
 from agent.host import file_reads
+from agent.host.commands import ProcessStream, run_process
 from agent.host.paths import HostPaths
 
 SECURE_BOOT_VAR = "/sys/firmware/efi/efivars/SecureBoot-8be4df61-93ca-11d2-aa0d-00e098032b8c"
@@ -58,6 +59,8 @@ _CPIO_NAME_LIMIT_BYTES = 4096
 _MODULE_LIMIT_BYTES = 1 << 30
 _INITRAMFS_LIMIT_BYTES = 4 << 30
 _TOOL_TIMEOUT_SECONDS = 60.0
+# lsinitramfs lists a few thousand paths, a few hundred KB: the bound of a host file read (file_reads).
+_TOOL_OUTPUT_LIMIT_BYTES = 4 << 20
 _CPIO_MAGICS = (b"070701", b"070702")
 _GZIP_MAGIC = b"\x1f\x8b"
 _XZ_MAGIC = b"\xfd7zXZ\x00"
@@ -73,7 +76,7 @@ ToolRunner = Callable[[list[str]], str | None]
 
 
 class _Stream(Protocol):
-    def read(self, size: int = -1, /) -> bytes: ...
+    def read(self, size: int, /) -> bytes: ...
 
     def close(self) -> None: ...
 
@@ -250,7 +253,7 @@ def _open_module(path: Path) -> _Stream | None:
         elif name.endswith(".gz"):
             decompressed = gzip.GzipFile(fileobj=raw, mode="rb")
         elif name.endswith(".zst"):
-            decompressed = _ZstdStream.start(["-dcq"], stdin=raw.fileno())
+            decompressed = _zstd_stream(raw.fileno())
         else:
             return raw
     except BaseException:
@@ -340,31 +343,15 @@ def initramfs_path(paths: HostPaths, kernel: str) -> str | None:
     return None
 
 
-class _ZstdStream:
-    """zstd has no decoder in the standard library: the `zstd` program decompresses (it only reads).
-    Closing the stream stops and reaps the process."""
-
-    def __init__(self, process: subprocess.Popen[bytes]) -> None:
-        assert process.stdout is not None
-        self._process = process
-        self._stdout = process.stdout
-
-    @classmethod
-    def start(cls, args: list[str], stdin: int | None) -> _Stream | None:
-        tool = shutil.which("zstd")
-        if tool is None:
-            return None
-        process = subprocess.Popen([tool, *args], stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        return cls(process)
-
-    def read(self, size: int = -1) -> bytes:
-        return self._stdout.read(size)
-
-    def close(self) -> None:
-        self._stdout.close()
-        if self._process.poll() is None:
-            self._process.kill()
-        self._process.wait()
+def _zstd_stream(stdin_fd: int) -> _Stream | None:
+    """zstd has no decoder in the standard library: the `zstd` program decompresses what it reads
+    from `stdin_fd` (it only reads), within the host tools' deadline: past it, its read raises
+    ProcessTimedOut (an OSError: the archive is unreadable). Closing the stream stops and reaps it.
+    None when no zstd is installed."""
+    tool = shutil.which("zstd")
+    if tool is None:
+        return None
+    return ProcessStream([tool, "-dcq"], timeout_seconds=_TOOL_TIMEOUT_SECONDS, stdin_fd=stdin_fd, separate_errors=True)
 
 
 class _Layered:
@@ -474,7 +461,7 @@ def initramfs_members(path: Path, wanted: Callable[[str], bool]) -> Iterator[tup
                 decompressed = lzma.LZMAFile(cast(IO[bytes], stream))  # noqa: SIM115 - closed below
             elif magic.startswith(_ZSTD_MAGIC):
                 raw.seek(stream.consumed_from(raw))
-                decompressed = _ZstdStream.start(["-dcq"], stdin=raw.fileno())
+                decompressed = _zstd_stream(raw.fileno())
             else:
                 raise UnreadableArchive(f"unknown archive format (magic {magic[:4].hex()})")
             if decompressed is None:
@@ -546,7 +533,9 @@ def _check_initramfs_with_tool(host_path: str, run: ToolRunner | None, why: str)
 
 
 def host_tool_runner(paths: HostPaths) -> ToolRunner | None:
-    """Host tools read the real host: they run only when host_root is `/`."""
+    """Host tools read the real host: they run only when host_root is `/`. A tool's answer is its
+    stdout when it exits 0 within the deadline; an answer longer than _TOOL_OUTPUT_LIMIT_BYTES is
+    no answer (a listing cut short would miss what it was asked for)."""
     if paths.root.resolve() != Path("/"):
         return None
 
@@ -555,12 +544,15 @@ def host_tool_runner(paths: HostPaths) -> ToolRunner | None:
         if program is None:
             return None
         try:
-            done = subprocess.run(
-                [program, *argv[1:]], capture_output=True, text=True, timeout=_TOOL_TIMEOUT_SECONDS, check=False
+            done = run_process(
+                [program, *argv[1:]],
+                _TOOL_TIMEOUT_SECONDS,
+                output_limit_bytes=_TOOL_OUTPUT_LIMIT_BYTES,
+                separate_errors=True,
             )
-        except (OSError, subprocess.TimeoutExpired):
+        except OSError:
             return None
-        return done.stdout if done.returncode == 0 else None
+        return done.output if done.returncode == 0 and not done.output_cut_bytes else None
 
     return run
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -18,6 +17,7 @@ from pathlib import Path
 
 from agent.backend.base import GpuBackend, GpuIdentity
 from agent.backend.errors import GpuError, GpuErrorKind
+from agent.host.commands import run_process
 from agent.host.paths import HostPaths
 
 #: Operator wording for each error kind; the kind's value follows it in brackets for grepping.
@@ -102,8 +102,13 @@ class GpuContext:
 class CommandResult:
     argv: tuple[str, ...]
     ran: bool
-    returncode: int | None
-    output: str
+    returncode: int | None  # None: not run, or killed at the timeout
+    output: str  # its last words (agent.host.commands keeps a bounded tail)
+
+    @property
+    def ended(self) -> str:
+        """How a command that ran ended: `exit 3`, or `timed out`."""
+        return "timed out" if self.returncode is None else f"exit {self.returncode}"
 
 
 @dataclass
@@ -130,22 +135,16 @@ class HostContext:
         return self.paths.root.resolve() == Path("/")
 
     def run_command(self, argv: Sequence[str], outside_sandbox: bool = False) -> CommandResult:
-        """Run a host-wide command. `outside_sandbox`: when the agent runs as a hardened systemd
-        service (it cannot write /boot or read the module tree), run the command as a transient
-        unit of its own, `systemd-run --wait --pipe --collect`, with the host's full view."""
+        """Run a host-wide command through agent.host.commands (scrubbed environment, its group
+        killed at `command_timeout_seconds`, the tail of its output). `outside_sandbox`: when the
+        agent runs as a hardened systemd service (it cannot write /boot or read the module tree),
+        run the command as a transient unit of its own, `systemd-run --wait --pipe --collect`, with
+        the host's full view. Raises OSError when the program cannot be executed."""
         if not self.is_real_root:
             return CommandResult(
                 tuple(argv), ran=False, returncode=None, output=f"not run: host_root is {self.paths.root}"
             )
         if outside_sandbox and os.environ.get("INVOCATION_ID") and shutil.which("systemd-run"):
             argv = ["systemd-run", "--wait", "--pipe", "--collect", "--quiet", "--", *argv]
-        proc = subprocess.run(
-            list(argv),
-            capture_output=True,
-            text=True,
-            timeout=self.command_timeout_seconds,
-            check=False,
-        )
-        return CommandResult(
-            tuple(argv), ran=True, returncode=proc.returncode, output=(proc.stdout + proc.stderr).strip()
-        )
+        result = run_process(argv, self.command_timeout_seconds)
+        return CommandResult(result.argv, ran=True, returncode=result.returncode, output=result.output)

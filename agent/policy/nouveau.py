@@ -11,7 +11,6 @@ packages ship their own blacklist, and a host that has one is in sync.
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
@@ -155,12 +154,12 @@ def _rebuild(ctx: HostContext, argv: tuple[str, ...]) -> tuple[bool, str]:
     command = " ".join(argv)
     try:
         result = ctx.run_command(argv, outside_sandbox=True)
-    except (OSError, subprocess.TimeoutExpired) as exc:
+    except OSError as exc:
         return True, f"`{command}` could not run: {exc}"
     if not result.ran:
         return False, f"initramfs not rebuilt ({result.output}); run `{command}`"
     if result.returncode != 0:
-        return True, f"`{command}` failed (exit {result.returncode}): {result.output}"
+        return True, f"`{command}` failed ({result.ended}): {result.output}"
     return False, f"initramfs rebuilt (`{command}`)"
 
 

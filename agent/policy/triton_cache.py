@@ -17,7 +17,6 @@ import grp
 import os
 import pwd
 import stat
-import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -290,12 +289,12 @@ def _reload(ctx: HostContext) -> str:
     command = " ".join(RELOAD)
     try:
         reload = ctx.run_command(RELOAD)
-    except (OSError, subprocess.TimeoutExpired) as exc:
+    except OSError as exc:
         raise ChangeFailed(f"drop-ins written, but `{command}` could not run: {exc}") from exc
     if not reload.ran:
         return f"systemd not reloaded ({reload.output}); run `{command}`"
     if reload.returncode != 0:
-        raise ChangeFailed(f"drop-ins written, but `{command}` failed (exit {reload.returncode}): {reload.output}")
+        raise ChangeFailed(f"drop-ins written, but `{command}` failed ({reload.ended}): {reload.output}")
     return "systemd reloaded"
 
 

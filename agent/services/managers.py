@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from agent.config import AgentConfig, ServiceConfig
-from agent.host.commands import MINIMAL_ENV, ProcessResult, run_process
+from agent.host.commands import ProcessResult, run_process
 from agent.policy.base import HostContext
 from agent.policy.triton_cache import triton_environments
 
@@ -77,9 +77,9 @@ class SystemdManager:
 class CommandManager:
     """Services started and stopped by their configured commands.
 
-    `start_environments`: per service name, variables added to MINIMAL_ENV for its start command
-    (TRITON_CACHE_DIR for the services `policy.node.triton_cache` lists: a systemd drop-in cannot
-    reach a process the agent starts itself).
+    `start_environments`: per service name, the variables its start command gets besides the
+    runner's minimal environment (TRITON_CACHE_DIR for the services `policy.node.triton_cache`
+    lists: a systemd drop-in cannot reach a process the agent starts itself).
     """
 
     def __init__(self, start_environments: Mapping[str, Mapping[str, str]] | None = None) -> None:
@@ -87,17 +87,17 @@ class CommandManager:
 
     @staticmethod
     def _run(
-        service: ServiceConfig, argv: list[str] | None, what: str, env: Mapping[str, str] | None = None
+        service: ServiceConfig, argv: list[str] | None, what: str, extra_env: Mapping[str, str] | None = None
     ) -> ProcessResult:
         if argv is None:
             raise ServiceError(f"service {service.name} has no {what} (manager: {service.manager})")
         try:
-            return run_process(argv, service.command_timeout_seconds, env=env)
+            return run_process(argv, service.command_timeout_seconds, extra_env=extra_env)
         except OSError as exc:
             raise ServiceError(f"{service.name}: cannot run {argv[0]}: {exc.strerror or exc}") from exc
 
     def start(self, service: ServiceConfig) -> None:
-        env = {**MINIMAL_ENV, **self.start_environments.get(service.name, {})}
+        env = self.start_environments.get(service.name, {})
         _checked(self._run(service, service.start_command, "start_command", env), f"{service.name} start_command")
 
     def stop(self, service: ServiceConfig) -> None:

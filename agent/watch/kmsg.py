@@ -17,7 +17,8 @@ What it reads, in order:
   a truncated file is read again from its start, a replaced one is reopened. Lines that are not kmsg
   records (dmesg or syslog text) go to the parser as they are.
 - when the path is missing or cannot be read: ``journalctl -k -f -o json --since now`` (the journal's
-  kernel messages, one JSON object per record, so a newline inside a record stays data there too),
+  kernel messages, one JSON object per record, so a newline inside a record stays data there too;
+  run through ``agent.host.commands``: a scrubbed environment, its process group killed on stop),
   but only when host_root is ``/``; under any other root the journal would describe
   the wrong machine. With neither, the source reports itself degraded through ``status()`` and keeps
   looking for the path, so a fake log created later is picked up.
@@ -30,12 +31,12 @@ import json
 import os
 import select
 import stat
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from agent.host.commands import ProcessStream
 from agent.host.paths import HostPaths
 from agent.logger import get_logger
 from agent.watch.kernel_log import KernelLogParser, KernelXid, parse_kmsg_record
@@ -260,42 +261,23 @@ class KmsgSource:
         """Follow the journal until stopped or journalctl ends; returns why it is not followed any more."""
         command = " ".join(argv)
         try:
-            process = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=True
-            )
+            # A follower: no deadline; it ends when stopped (its group killed) or when it exits.
+            journal = ProcessStream(argv, timeout_seconds=None, separate_errors=True, error_limit_bytes=512)
         except OSError as exc:
             return f"{kmsg_problem}; {argv[0]}: {exc.strerror or exc}"
-        assert process.stdout is not None and process.stderr is not None
         self._set_status(True, f"following `{command}` ({kmsg_problem})")
-        out_fd, err_fd = process.stdout.fileno(), process.stderr.fileno()
-        open_fds = [out_fd, err_fd]
         pending = bytearray()
-        last_error = b""
-        try:
-            while open_fds and not self._stop.is_set():
-                ready, _, _ = select.select(open_fds, [], [], POLL_SECONDS)
-                for fd in ready:
-                    chunk = os.read(fd, READ_BUFFER_BYTES)
-                    if not chunk:
-                        open_fds.remove(fd)
-                    elif fd == out_fd:
-                        pending += chunk
-                        self._drain_journal(pending)
-                    else:
-                        last_error = (last_error + chunk)[-512:]
-        finally:
-            if process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(POLL_SECONDS * 5)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-            process.stdout.close()
-            process.stderr.close()
-        reason = last_error.decode("utf-8", errors="replace").strip().splitlines()
+        with journal:
+            while not self._stop.is_set():
+                chunk = journal.read_within(READ_BUFFER_BYTES, POLL_SECONDS)
+                if chunk == b"":
+                    break
+                if chunk is not None:
+                    pending += chunk
+                    self._drain_journal(pending)
+        reason = journal.errors().splitlines()
         said = f": {reason[-1]}" if reason else ""
-        return f"{kmsg_problem}; `{command}` exited with status {process.returncode}{said}"
+        return f"{kmsg_problem}; `{command}` exited with status {journal.returncode}{said}"
 
     def _drain_journal(self, pending: bytearray) -> None:
         while True:

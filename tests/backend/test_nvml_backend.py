@@ -670,6 +670,21 @@ def test_failed_reset_is_classified_and_nvml_comes_back(
     assert nvml.power_usage_watts(0) == 123.455
 
 
+def test_a_reset_past_its_deadline_is_a_timeout_and_nvml_comes_back(
+    replay: Replay, nvidia_smi: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (nvidia_smi / "nvidia-smi").write_text("#!/bin/sh\necho resetting\nsleep 60\n")
+    monkeypatch.setattr("agent.backend.nvml.backend._RESET_TIMEOUT_SECONDS", 0.5)
+    nvml = _resettable(replay)
+    began = time.monotonic()
+    with pytest.raises(GpuError) as caught:
+        nvml.reset_gpu(0)
+    assert time.monotonic() - began < 5
+    assert (caught.value.kind, caught.value.call) == (GpuErrorKind.TIMEOUT, "nvidia-smi --gpu-reset")
+    assert "nvidia-smi --gpu-reset did not finish in 0.5 s" in str(caught.value)
+    assert nvml.power_usage_watts(0) == 123.455
+
+
 def test_reset_without_nvidia_smi(replay: Replay, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     nvml = _resettable(replay)

@@ -253,6 +253,48 @@ def test_tools_never_run_against_a_tree(tmp_path: Path) -> None:
     assert host_tool_runner(HostPaths.at(tmp_path)) is None
 
 
+def stand_in_tool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, script: str) -> None:
+    """A program `name` first on PATH (a stand-in: nothing of the host runs)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    tool = bin_dir / name
+    tool.write_text("#!/bin/sh\n" + script)
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+
+
+def test_a_host_tools_answer_is_its_stdout_whole_in_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Against `/` (a stand-in tool: nothing of the host runs): stdout on exit 0 is the answer;
+    stderr, a failure, an answer over the bound and a tool past its deadline are none."""
+    monkeypatch.setenv("GPU_AGENT_TEST_SECRET", "hunter2")
+    stand_in_tool(
+        tmp_path, monkeypatch, "lister", 'echo "warning" >&2; echo "${GPU_AGENT_TEST_SECRET:-scrubbed}"; echo "$1"\n'
+    )
+    stand_in_tool(tmp_path, monkeypatch, "failing", "echo partial; exit 2\n")
+    stand_in_tool(tmp_path, monkeypatch, "flooding", "head -c 5000 /dev/zero | tr '\\0' x\n")
+    stand_in_tool(tmp_path, monkeypatch, "hanging", "echo early; sleep 60\n")
+    monkeypatch.setattr(boot, "_TOOL_OUTPUT_LIMIT_BYTES", 4096)
+    monkeypatch.setattr(boot, "_TOOL_TIMEOUT_SECONDS", 0.5)
+    run = host_tool_runner(HostPaths.at("/"))
+    assert run is not None
+    assert run(["lister", "/boot/initrd.img"]) == "scrubbed\n/boot/initrd.img"
+    assert run(["failing"]) is None
+    assert run(["flooding"]) is None
+    assert run(["hanging"]) is None
+    assert run(["no-such-tool"]) is None
+
+
+def test_a_stalled_zstd_leaves_the_initramfs_unverified_at_its_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stand_in_tool(tmp_path / "tools", monkeypatch, "zstd", "sleep 60\n")
+    monkeypatch.setattr(boot, "_TOOL_TIMEOUT_SECONDS", 0.5)
+    write(tmp_path, f"/boot/initrd.img-{NEW}", b"\x28\xb5\x2f\xfd" + b"frames")
+    check = check_initramfs(HostPaths.at(tmp_path), NEW, None)
+    assert check.verdict == "unverified"
+    assert check.detail == f"{tmp_path}/tools/bin/zstd did not finish in 0.5 s"
+
+
 def test_signature_changes_when_a_kernel_is_installed(tmp_path: Path) -> None:
     ubuntu_tree(tmp_path)
     paths = HostPaths.at(tmp_path)

@@ -744,19 +744,37 @@ def test_nouveau_unreadable_module_list_is_an_error(tmp_path: Path) -> None:
     assert not ctx.paths.exists(CONF)
 
 
+def test_a_host_command_runs_scrubbed_bounded_and_within_its_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Against `/` with a harmless stand-in (the test's own Python): the daemon's environment does
+    not reach the command, its output is a tail, and a command past the timeout is a result."""
+    import sys
+
+    monkeypatch.setenv("GPU_AGENT_TEST_SECRET", "hunter2")
+    ctx = HostContext(HostPaths.at("/"), command_timeout_seconds=0.5)
+    script = (
+        "import os, sys\nsys.stdout.write('x' * 10000)\nprint(os.environ.get('GPU_AGENT_TEST_SECRET', 'scrubbed'))\n"
+    )
+    done = ctx.run_command([sys.executable, "-c", script])
+    assert (done.ran, done.returncode, done.ended) == (True, 0, "exit 0")
+    assert done.output.endswith("xxscrubbed") and "bytes cut]" in done.output
+    hung = ctx.run_command([sys.executable, "-c", "import time\nprint('rebuilding', flush=True)\ntime.sleep(60)"])
+    assert (hung.ran, hung.returncode, hung.ended, hung.output) == (True, None, "timed out", "rebuilding")
+
+
 def test_initramfs_rebuild_leaves_the_service_sandbox_under_systemd(monkeypatch: pytest.MonkeyPatch) -> None:
     """Inside the hardened unit /boot is read-only: the rebuild runs as a transient unit of its own."""
-    import subprocess as real_subprocess
-
+    from agent.host.commands import ProcessResult
     from agent.policy.base import HostContext
 
     ran: list[list[str]] = []
 
-    def fake_run(argv: list[str], **_kwargs: object) -> real_subprocess.CompletedProcess[str]:
-        ran.append(argv)
-        return real_subprocess.CompletedProcess(argv, 0, "", "")
+    def fake_run(argv: list[str], _timeout_seconds: float) -> ProcessResult:
+        ran.append(list(argv))
+        return ProcessResult(tuple(argv), 0, "", 0.0)
 
-    monkeypatch.setattr("agent.policy.base.subprocess.run", fake_run)
+    monkeypatch.setattr("agent.policy.base.run_process", fake_run)
     monkeypatch.setattr("agent.policy.base.shutil.which", lambda name: f"/usr/bin/{name}")
     ctx = HostContext(HostPaths.at("/"))
     monkeypatch.delenv("INVOCATION_ID", raising=False)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import threading
 import time
@@ -17,7 +16,6 @@ from agent.demo import standin
 from agent.demo.standin import running
 from agent.demo.standin_process import StandinServer, free_port
 from agent.events import EventKind, Severity, SuggestedAction
-from agent.host.commands import run_process
 from agent.host.paths import HostPaths
 from agent.policy.base import HostContext
 from agent.services.health import HealthProber, ProberThread
@@ -84,67 +82,6 @@ def test_health_url_must_be_http_and_probe_settings_have_defaults() -> None:
         3,
     )
     assert service.manager == "systemd"
-
-
-# -- running commands ------------------------------------------------------------------------------
-
-
-def test_run_process_captures_output_and_truncates_to_the_tail(tmp_path: Path) -> None:
-    result = run_process([sys.executable, "-c", "import sys; sys.stdout.write('x' * 10000 + 'END'); sys.exit(4)"], 10)
-    assert result.returncode == 4
-    assert result.output.endswith("END")
-    assert result.output.startswith("[")
-    assert "bytes cut]" in result.output
-    assert len(result.output) < 4200
-
-
-def test_run_process_does_not_wait_for_a_daemon_holding_stdout(tmp_path: Path) -> None:
-    # A start command that leaves a server behind must return as soon as the command itself exits.
-    script = "import os, time\nif os.fork() == 0:\n    time.sleep(5)\n    os._exit(0)\nprint('started')\n"
-    began = time.monotonic()
-    result = run_process([sys.executable, "-c", script], 10)
-    assert time.monotonic() - began < 3
-    assert (result.returncode, result.output) == (0, "started")
-
-
-def test_run_process_keeps_a_bounded_tail_of_a_flood_in_memory_and_nothing_on_disk(tmp_path: Path) -> None:
-    """300 MB of output (1.5 GB was an OOM kill under MemoryMax=1G, read whole from a temporary
-    file that could fill the disk first): the agent's peak RSS stays far below the output's size,
-    no file holds the output, and the tail is the command's last words."""
-    flood = "head -c 300000000 /dev/zero | tr '\\0' x; echo; ls -l /proc/$PPID/fd/; echo END"
-    probe = (
-        "import sys\n"
-        "from agent.host.commands import run_process\n"
-        f"result = run_process(['/bin/sh', '-c', {flood!r}], 120)\n"
-        # VmHWM, not getrusage's ru_maxrss: Linux carries the maxrss of the forked pytest process
-        # (hundreds of MB late in a run) across execve into the child's figure.
-        "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')))\n"
-        "print(result.returncode)\n"
-        "sys.stdout.write(result.output)\n"
-    )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=180, check=True)
-    peak_kib, returncode, output = done.stdout.split("\n", 2)
-    assert returncode == "0"
-    assert int(peak_kib) < 150 * 1024, peak_kib  # the interpreter and the agent's imports: ~50 MB
-    assert output.startswith("[2999") and "bytes cut] xxx" in output
-    assert output.endswith("END")
-    assert "pipe:[" in output and "(deleted)" not in output, output[-600:]
-
-
-def test_run_process_kills_a_flooding_command_at_its_timeout_with_the_tail_read() -> None:
-    began = time.monotonic()
-    result = run_process(["/bin/sh", "-c", "yes flood"], 1.0)
-    assert result.timed_out
-    assert time.monotonic() - began < 2.5
-    assert result.output.endswith("flood") and "bytes cut]" in result.output
-
-
-def test_run_process_feeds_stdin_to_a_command_that_reads_it_and_one_that_does_not() -> None:
-    data = b"e" * 300_000  # more than a pipe holds: written while the output is read
-    echoed = run_process(["/bin/sh", "-c", "wc -c"], 10, stdin=data)
-    assert (echoed.returncode, echoed.output) == (0, "300000")
-    ignored = run_process(["/bin/sh", "-c", "echo ignored"], 10, stdin=data)
-    assert (ignored.returncode, ignored.output) == (0, "ignored")
 
 
 # -- managers --------------------------------------------------------------------------------------

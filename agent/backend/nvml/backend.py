@@ -5,7 +5,6 @@ is composed of: `reads`, `profiling`, `events`, `setters`, all calling NVML thro
 from __future__ import annotations
 
 import shutil
-import subprocess
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -16,6 +15,7 @@ from agent.backend.nvml.events import EventWait
 from agent.backend.nvml.profiling import ProfilingReads
 from agent.backend.nvml.reads import DeviceReads
 from agent.backend.nvml.setters import DeviceSetters
+from agent.host.commands import run_process
 
 # nvidia-smi --gpu-reset takes seconds; a reset that hangs is a fault of its own.
 _RESET_TIMEOUT_SECONDS = 120.0
@@ -119,17 +119,11 @@ class NvmlBackend(DeviceReads, ProfilingReads, EventWait, DeviceSetters):
             raise GpuError(GpuErrorKind.NOT_SUPPORTED, "nvidia-smi not found: a GPU reset needs it", gpu=gpu, call=call)
         self.shutdown()
         try:
-            result = subprocess.run(
-                [nvidia_smi, "--gpu-reset", "-i", bus_id],
-                capture_output=True,
-                text=True,
-                timeout=_RESET_TIMEOUT_SECONDS,
-                check=False,
-            )
-        except subprocess.TimeoutExpired as exc:
-            message = f"nvidia-smi --gpu-reset did not finish in {_RESET_TIMEOUT_SECONDS:.0f} s"
-            raise GpuError(GpuErrorKind.TIMEOUT, message, gpu=gpu, call=call) from exc
+            result = run_process([nvidia_smi, "--gpu-reset", "-i", bus_id], _RESET_TIMEOUT_SECONDS)
         finally:
             self.init()
+        if result.timed_out:
+            message = f"nvidia-smi --gpu-reset did not finish in {_RESET_TIMEOUT_SECONDS:g} s"
+            raise GpuError(GpuErrorKind.TIMEOUT, message, gpu=gpu, call=call)
         if result.returncode != 0:
-            raise _reset_error(result.stdout + result.stderr, gpu, call)
+            raise _reset_error(result.output, gpu, call)

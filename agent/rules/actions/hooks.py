@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 
-from agent.host.commands import MINIMAL_ENV
 from agent.rules.actions.base import (
     Result,
     event_payload,
@@ -34,7 +33,6 @@ def hook_env(decision: Decision) -> dict[str, str]:
     event = decision.event
     gpu, xid = gpu_of(decision), xid_of(event)
     return {
-        **MINIMAL_ENV,
         "GPU_AGENT_EVENT_KIND": event.kind.value,
         "GPU_AGENT_GPU": "" if gpu is None else str(gpu),
         "GPU_AGENT_GPU_UUID": uuid_of(decision) or "",
@@ -49,7 +47,7 @@ def run_hook(decision: Decision, params: RunHookParams, ctx: ActionContext) -> R
     program = params.argv[0]
     stdin = json.dumps(event_payload(decision, ctx.hostname), default=str).encode()
     try:
-        result = run_trusted(params.argv, params.timeout_seconds, stdin=stdin, env=hook_env(decision))
+        result = run_trusted(params.argv, params.timeout_seconds, stdin=stdin, extra_env=hook_env(decision))
     except UntrustedError as exc:
         return refused(str(exc))
     except OSError as exc:

@@ -90,5 +90,5 @@ def reboot(decision: Decision, params: RebootParams, ctx: ActionContext) -> Resu
         return refused(f"reboot not run: {result.output}")
     command = " ".join(result.argv)
     if result.returncode != 0:
-        return failed(f"{command}: exit {result.returncode}: {result.output}")
+        return failed(f"{command}: {result.ended}: {result.output}")
     return success(f"{command}: reboot started")

@@ -80,7 +80,7 @@ def drain_service(service: ServiceConfig, decision: Decision, ctx: ActionContext
     stdin = json.dumps(event_payload(decision, ctx.hostname), default=str).encode()
     env = {**hook_env(decision), "GPU_AGENT_SERVICE": service.name}
     try:
-        result = run_trusted(drain.hook, drain.timeout_seconds, stdin=stdin, env=env)
+        result = run_trusted(drain.hook, drain.timeout_seconds, stdin=stdin, extra_env=env)
     except UntrustedError as exc:
         steps.append(f"drain hook of {service.name} refused: {exc}")
     except OSError as exc:
