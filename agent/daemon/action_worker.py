@@ -9,7 +9,8 @@ for the task to end (a sweep's own power cap raises latency alerts, which must n
 the caller's thread and only then queues the action: an action the agent never recorded never
 runs, and one it recorded counts against the caps even if the agent dies a moment later. The
 handler journals each step as it completes (ctx.journal). `stop` gives a running action a bounded
-time (below systemd's stop timeout) and then notes in the journal where it was; `recover`, the
+time (below systemd's stop timeout), notes in the journal where it was, then has the ledger put
+back every GPU setting a job still holds (agent.policy.holds); `recover`, the
 worker's first job at start, rolls back what an earlier run on this boot left half-done (a service
 a reset stopped, or a restart cut short, is started again) and closes those rows as "interrupted".
 An entry of an earlier boot (or of a boot that cannot be told) is not rolled back: the reboot ended
@@ -28,6 +29,7 @@ from typing import Any, Protocol
 from agent.config import AgentConfig
 from agent.events import Event, EventKind, Severity
 from agent.logger import get_logger
+from agent.policy.holds import PolicyHolds
 from agent.rules.actions.context import ActionContext
 from agent.rules.actions.dispatch import execute
 from agent.rules.actions.steps import DRAINING, services_left_down, step
@@ -82,6 +84,7 @@ class ActionWorker:
         clock: Callable[[], float],
         attempt_clock: AttemptClock,
         managers: Callable[[], tuple[AgentConfig, Mapping[str, ServiceManager]]] | None = None,
+        holds: PolicyHolds | None = None,
     ) -> None:
         self.context = context  # None while the GPU backend is unavailable
         self.store = store
@@ -89,6 +92,7 @@ class ActionWorker:
         self.clock = clock
         self.attempt_clock = attempt_clock
         self.managers = managers  # for recovery: the services and their managers, no GPU backend needed
+        self.holds = holds  # the ledger whose settings go back at stop, whatever still runs
         self.queue: SimpleQueue[_Job | _Recovery | _TaskJob | None] = SimpleQueue()
         self.cancel = threading.Event()
         self._current: _Job | None = None
@@ -143,18 +147,23 @@ class ActionWorker:
 
     def stop(self, timeout_seconds: float = STOP_TIMEOUT_SECONDS) -> None:
         """Ask the running action to give up where it safely can, wait `timeout_seconds` for it, then
-        journal where it was: its row stays "running", so the next start rolls it back."""
+        journal where it was (its row stays "running", so the next start rolls it back), and put back
+        what a job still holds."""
         self.cancel.set()
         with self._lock:
             task = self._task
         if task is not None:
             task.abort("the agent is stopping")
         self.queue.put(None)
-        if self._thread is None:
-            return
-        self._thread.join(timeout_seconds)
+        if self._thread is not None:
+            self._thread.join(timeout_seconds)
+            self._note_interrupted(timeout_seconds)
+        if self.holds is not None:
+            self.holds.end_all("the agent is stopping")
+
+    def _note_interrupted(self, timeout_seconds: float) -> None:
         with self._lock:
-            current = self._current if self._thread.is_alive() else None
+            current = self._current if self._thread is not None and self._thread.is_alive() else None
         if current is None:
             return
         note = f"agent stopped after waiting {timeout_seconds:g} s for the action; the next start rolls it back"

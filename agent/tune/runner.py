@@ -26,7 +26,7 @@ from agent.store.database import Store, StoreError
 from agent.tune.defaults import POLICY_ITEMS
 from agent.tune.model import TuneDocument, TuneRequest
 from agent.tune.passive import PowerHistory, passive_report
-from agent.tune.sweep import RecoveryJob, TuneJob, hold_owner
+from agent.tune.sweep import TuneJob, close_interrupted, hold_owner
 
 if TYPE_CHECKING:  # the daemon imports this module: only the type, never the import
     from agent.daemon.action_worker import ActionWorker
@@ -72,6 +72,8 @@ class TuneRunner:
         self.job: TuneJob | None = None
         self.history = PowerHistory()  # fed every loop by the daemon (observe), kept for --passive
         self._lock = threading.Lock()  # one start at a time
+        self._interrupted: dict[str, TuneDocument] = {}  # sweeps an earlier run left, by hold owner
+        holds.on_recovered(self._recovered)
 
     # -- the API ------------------------------------------------------------------------------------
 
@@ -97,7 +99,8 @@ class TuneRunner:
         return passive_report(name, store.history(name), slo)
 
     def start(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        """Check, journal, hold and queue a sweep; its document (state running) or ApiError(reason)."""
+        """Check, journal and queue a sweep (the job holds its GPUs' item once it runs); its document
+        (state running) or ApiError(reason)."""
         request = _request(params)
         with self._lock:
             config = self.config()
@@ -118,10 +121,6 @@ class TuneRunner:
                 document.id = store.begin_tune(started, document.to_json())
             except StoreError as exc:
                 raise ApiError(f"refused: cannot journal the sweep: {exc}") from exc
-            item = POLICY_ITEMS[request.kind]
-            self.holds.hold(
-                hold_owner(document.id), [(item, gpu) for gpu in gpus], f"tune sweep {document.id} drives it"
-            )
             job = TuneJob(document, service, self.backend, self.store, self.holds, self.clock, _gpu_model)
             self.job = job
             self.worker().submit_task(job)
@@ -160,27 +159,32 @@ class TuneRunner:
     # -- recovery at start ---------------------------------------------------------------------------
 
     def recover(self) -> None:
-        """Hold and queue the roll-back of sweeps an earlier run left running (before the first loop)."""
+        """Close the sweeps an earlier run left running (before the first loop): one whose settings
+        the hold journal still holds once recovery has put them back (`holds.recover`, run first),
+        any other at once (it was stopped before its first change, or after its restore)."""
         store = self.store()
         if store is None:
             return
         try:
             rows = store.running_tunes()
         except StoreError as exc:
-            log.error("cannot read the tune journal: an interrupted sweep is not rolled back", error=str(exc))
+            log.error("cannot read the tune journal: an interrupted sweep is not closed", error=str(exc))
             return
-        documents = []
         for row in rows:
             document = TuneDocument.from_json(row.document)
-            item = POLICY_ITEMS[document.request.kind]
-            self.holds.hold(
-                hold_owner(document.id),
-                [(item, o.gpu) for o in document.originals],
-                f"tune sweep {document.id} is being rolled back",
-            )
-            documents.append(document)
-        if documents:
-            self.worker().submit_task(RecoveryJob(documents, self.backend, self.store, self.holds, self.clock))
+            if self.holds.recovering(hold_owner(document.id)):
+                with self._lock:
+                    self._interrupted[hold_owner(document.id)] = document
+            else:
+                close_interrupted(document, store, self.clock, "nothing left to put back")
+
+    def _recovered(self, owner: str, what: str) -> None:
+        """The hold journal's recovery put back (or not) what sweep `owner` left changed."""
+        with self._lock:
+            document = self._interrupted.pop(owner, None)
+        store = self.store()
+        if document is not None and store is not None:
+            close_interrupted(document, store, self.clock, what)
 
     # -- checks --------------------------------------------------------------------------------------
 

@@ -348,10 +348,15 @@ def test_reset_gpu_full_safe_sequence(node: Node) -> None:
     steps = outcome.detail.split("; ")
     assert steps[0] == "stopped sglang"
     assert steps[1].startswith("GPU 0 idle after ")
-    assert steps[2:5] == ["reset GPU 0", "policy re-applied (1 item(s) set)", "started sglang"]
-    assert steps[5].startswith("sglang healthy after ")
+    assert steps[2:6] == [
+        "reset GPU 0",
+        "settings put back: GPU 0 clocks unlocked, GPU 0 power limit 500 W",
+        "policy re-applied (0 item(s) set)",  # the settings it drives are back already
+        "started sglang",
+    ]
+    assert steps[6].startswith("sglang healthy after ")
     assert node.backend.recovery_action(0) == RecoveryAction.NONE  # the reset happened
-    assert node.backend.power_limit_watts(0) == 500  # reset to 700 W by the reset, then re-applied
+    assert node.backend.power_limit_watts(0) == 500  # reset to 700 W by the reset, then put back
     second = node.service_pid()
     assert second != first and not running(first)
     assert node.gpu_pids() == [second]
@@ -473,9 +478,9 @@ def test_services_come_back_when_the_sequence_breaks_after_the_reset(
     node.backend.fail_call(None, "device_count", None)
     assert outcome.outcome is Outcome.FAILED
     steps = outcome.detail.split("; ")
-    assert steps[2] == "reset GPU 0"
-    assert steps[3].startswith("policy re-apply failed: injected failure of device_count")
-    assert steps[4] == "started sglang" and steps[5].startswith("sglang healthy after ")
+    assert steps[2:4] == ["reset GPU 0", "settings put back: GPU 0 clocks unlocked, GPU 0 power limit 700 W"]
+    assert steps[4].startswith("policy re-apply failed: injected failure of device_count")
+    assert steps[5] == "started sglang" and steps[6].startswith("sglang healthy after ")
     second = node.service_pid()
     assert second != first and running(second)
 
