@@ -1,5 +1,5 @@
 """What many tests need, written once: a bounded wait, a clock the test moves, an event builder,
-the context actions run in, the live processes, a local HTTP server."""
+the context actions run in, the live processes, a local HTTP server, a task that waits to be aborted."""
 
 from __future__ import annotations
 
@@ -171,3 +171,24 @@ def http_server(answer: Callable[[str], HttpAnswer]) -> Iterator[str]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+class WaitingTask:
+    """A task for the action worker (a tune sweep's stand-in) on `gpus`: runs until it is aborted,
+    and says why."""
+
+    name = "test task"
+
+    def __init__(self, gpus: frozenset[int] | None = None) -> None:
+        self.gpus = gpus
+        self.started = threading.Event()
+        self.aborted = threading.Event()
+        self.reason = ""
+
+    def run(self) -> None:
+        self.started.set()
+        self.aborted.wait(10)
+
+    def abort(self, reason: str) -> None:
+        self.reason = reason
+        self.aborted.set()

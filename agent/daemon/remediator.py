@@ -20,6 +20,7 @@ from agent.logger import get_logger
 from agent.policy.holds import PolicyHolds
 from agent.rules.actions.alertmanager import AlertTracker
 from agent.rules.actions.context import ActionContext
+from agent.rules.actions.footprint import footprint
 from agent.rules.config import Rule, load_rules
 from agent.rules.engine import evaluate, gpus_by_service
 from agent.rules.model import ActionOutcome, Decision, Outcome
@@ -77,6 +78,7 @@ class Remediator:
             clock,
             self.attempt_clock,
             (lambda: (self.config, managers(self.config))) if managers is not None else None,
+            lambda decision: footprint(decision, self.config),
             holds,
         )
         self.status: CollectorStatus | None = None

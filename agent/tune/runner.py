@@ -38,6 +38,9 @@ PRIVILEGED_METHODS = frozenset({"tune_start", "tune_abort"})
 MAX_STEPS = 64
 MIN_DWELL_SECONDS = 1.0
 MAX_DWELL_SECONDS = 3600.0
+#: The longest sweep accepted, all steps with their settling included: a sweep holds its GPUs at
+#: settings the operator did not choose, so it is an experiment of a sitting, not a day.
+MAX_SWEEP_SECONDS = 2 * 3600.0
 
 
 def _gpu_model(backend: GpuBackend, gpu: int) -> str:
@@ -101,7 +104,7 @@ class TuneRunner:
     def start(self, params: Mapping[str, Any]) -> dict[str, Any]:
         """Check, journal and queue a sweep (the job holds its GPUs' item once it runs); its document
         (state running) or ApiError(reason)."""
-        request = _request(params)
+        request = checked_request(params)
         with self._lock:
             config = self.config()
             service = self._check(config, request)
@@ -246,7 +249,7 @@ class TuneRunner:
         return tuple(sorted(set(request.gpus))), tuple(own)
 
 
-def _request(params: Mapping[str, Any]) -> TuneRequest:
+def checked_request(params: Mapping[str, Any]) -> TuneRequest:
     """The request from the API's params, checked; ApiError naming what is wrong."""
     try:
         request = TuneRequest.from_json(dict(params))
@@ -262,7 +265,23 @@ def _request(params: Mapping[str, Any]) -> TuneRequest:
         raise ApiError("bad tune request: tolerances must be ratios (0.05 = 5 %)")
     if len(request.settings()) > MAX_STEPS:
         raise ApiError(f"bad tune request: more than {MAX_STEPS} steps; use a larger --step")
+    if not 0 <= request.settle_seconds <= MAX_DWELL_SECONDS:
+        raise ApiError(f"bad tune request: the settle time must be 0-{MAX_DWELL_SECONDS:g} s")
+    # Every step settles, then dwells; the current setting may be measured as a step of its own.
+    steps = len(request.settings()) + 1
+    longest = steps * (request.settle_seconds + request.dwell_seconds)
+    if longest > MAX_SWEEP_SECONDS:
+        raise ApiError(
+            f"bad tune request: the sweep could take {_duration(longest)} ({steps} steps x"
+            f" ({request.dwell_seconds:g} s dwell + {request.settle_seconds:g} s settle)); at most"
+            f" {_duration(MAX_SWEEP_SECONDS)}: fewer steps (a larger --step) or a shorter --dwell"
+        )
     return request
+
+
+def _duration(seconds: float) -> str:
+    hours, minutes = divmod(round(seconds / 60), 60)
+    return " ".join(part for part in (f"{hours} h" if hours else "", f"{minutes} min" if minutes else "") if part)
 
 
 def summary(document: dict[str, Any]) -> dict[str, Any]:

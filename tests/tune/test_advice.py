@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from hosttree import make_host_tree
 
+from agent.api import ApiError
 from agent.api_server import handle_request
 from agent.backend.base import ClockDomain, WriteGuard
 from agent.backend.sim import SimulatedBackend
@@ -19,7 +21,7 @@ from agent.store.tunes import HistoryRow
 from agent.tune.model import StepReading, TuneDocument, TuneRequest
 from agent.tune.passive import passive_report
 from agent.tune.recommend import recommend, thin_traffic, uneven_traffic
-from agent.tune.runner import PRIVILEGED_METHODS
+from agent.tune.runner import PRIVILEGED_METHODS, checked_request
 
 
 def request(**values: object) -> TuneRequest:
@@ -218,3 +220,18 @@ def test_an_original_that_could_not_go_back_stays_the_original(tmp_path: Path) -
         assert second.originals == {("power_limit", 0): 700.0}
         second.write("power_limit", 0, 550.0)
     assert second.restored == ("GPU 0 power limit 700 W",) and backend.power_limit_watts(0) == 700.0
+
+
+def test_a_sweep_longer_than_two_hours_is_refused_before_it_starts() -> None:
+    """64 steps of an hour's dwell was 64 h of a node held at settings nobody chose; the bound counts
+    every step's settling and dwell, the current setting's own step included."""
+    fine = {"kind": "power", "service": "sglang", "start": 700, "stop": 400, "step": 50, "dwell_seconds": 600}
+    assert len(checked_request(fine).settings()) == 7  # 8 steps x (600 + 10) s: 81 min
+    with pytest.raises(ApiError) as refused:
+        checked_request({**fine, "dwell_seconds": 900})
+    assert str(refused.value) == (
+        "bad tune request: the sweep could take 2 h 1 min (8 steps x (900 s dwell + 10 s settle)); at most 2 h:"
+        " fewer steps (a larger --step) or a shorter --dwell"
+    )
+    with pytest.raises(ApiError, match=r"could take 8 h 47 min \(62 steps"):
+        checked_request({**fine, "step": 5, "dwell_seconds": 500})

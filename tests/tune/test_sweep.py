@@ -333,7 +333,7 @@ def test_ctrl_c_on_the_cli_aborts_and_waits_for_the_restore(tmp_path: Path) -> N
     assert "recommended:" not in out and "no recommendation: the sweep did not finish" in out
 
 
-# -- every way out: a reader's error of any type, a reload ---------------------------------------------
+# -- every way out: a reader's error of any type, a reload, and nothing waits behind the sweep ------
 
 
 class MetricsRelay:
@@ -429,4 +429,41 @@ def test_a_reload_to_observe_mid_sweep_puts_the_limit_back_before_the_guard_swit
         assert "the config was reloaded: power_limit is no longer in enforce mode" in document["detail"]
         assert "restored: GPU 0 power limit 700 W" in document["detail"] and "NOT restored" not in document["detail"]
         wait_until(lambda: '"config reloaded"' in agent.log(), 15, "the reload applied")
+        assert backend.power_limit_watts(0) == 700.0
+
+
+def test_an_xid_79_on_another_gpu_is_flagged_within_two_seconds_while_a_sweep_runs(tmp_path: Path) -> None:
+    """Lanes, not one queue: the reboot recommendation never waits behind the sweep on GPU 0. The
+    latency is the flag's time against the Xid event's, both as the daemon recorded them."""
+    rules = tmp_path / "rules.d"
+    rules.mkdir(mode=0o755, parents=True)
+    for source in (Path(__file__).parents[2] / "rules").glob("*.yaml"):
+        (rules / source.name).write_text(source.read_text())
+        (rules / source.name).chmod(0o644)
+    with node(tmp_path / "node", rules_dir=rules) as (agent, backend):
+        started = start_sweep(agent, dwell_seconds=60)
+        wait_until(
+            lambda: (
+                api.call(agent.socket_path, "tune_status", {"id": started["id"]})["progress"].get("doing")
+                == "measuring"
+            ),
+            30,
+            "the sweep measuring",
+        )
+        injected = subprocess.run(
+            [sys.executable, "-m", "agent.cli", "inject", "xid", "79", "--gpu", "1", "--config", str(agent.config_path)],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert injected.returncode == 0, injected.stderr
+        flag_path = agent.state_dir / "reboot-recommended"
+        wait_until(flag_path.exists, 30, "the reboot recommendation")
+        flag = json.loads(flag_path.read_text())
+        assert api.call(agent.socket_path, "tune_status", {"id": started["id"]})["state"] == "running"
+        with Store.open(agent.state_dir) as store:
+            (xid,) = [e.event for e in store.events() if e.event.data.get("xid") == 79]
+        latency = flag["time_seconds"] - xid.timestamp_seconds
+        print(f"Xid 79 on GPU 1 during a sweep on GPU 0: reboot recommended {latency:.3f} s after the Xid")
+        assert flag["xid"] == 79 and 0 <= latency < 2.0, latency
+        api.call(agent.socket_path, "tune_abort", {})
+        ended(agent, started["id"])
         assert backend.power_limit_watts(0) == 700.0

@@ -22,7 +22,7 @@ def services_for_gpu(config: AgentConfig, gpu: int) -> list[ServiceConfig]:
     return [s for s in config.services if s.gpus == "all" or gpu in s.gpus]
 
 
-def _named_services(decision: Decision, params: RestartServiceParams, config: AgentConfig) -> list[ServiceConfig]:
+def named_services(decision: Decision, params: RestartServiceParams, config: AgentConfig) -> list[ServiceConfig]:
     """The step's service, else the decision's, else every service using the decision's GPU."""
     name = params.service or decision.target.service or decision.event.data.get("service")
     if not name:
@@ -131,7 +131,7 @@ def start_again(
 
 def restart_service(decision: Decision, params: RestartServiceParams, ctx: ActionContext) -> Result:
     """Restart the services through their managers, then healthy within the ready timeout or FAILED."""
-    services = _named_services(decision, params, ctx.config)
+    services = named_services(decision, params, ctx.config)
     if not services:
         return failed("no service to restart: the decision names none and no service uses its GPU")
     managers = managers_for(services, ctx)
