@@ -131,13 +131,13 @@ def measure_step(
     tracks = [_GpuTrack(gpu, _energy_joules(backend, gpu)) for gpu in gpus]
     for track in tracks:
         _sample(backend, track)
-    end = started + dwell_seconds
-    while time.monotonic() < end:
-        if _sleep(min(sample_seconds, max(0.0, end - time.monotonic())), aborted):
+    dwell_deadline = started + dwell_seconds
+    while time.monotonic() < dwell_deadline:
+        if _sleep(min(sample_seconds, max(0.0, dwell_deadline - time.monotonic())), aborted):
             return None
         for track in tracks:
             _sample(backend, track)
-        if time.monotonic() < end:
+        if time.monotonic() < dwell_deadline:
             _scrape(service, window, in_flight)
     for track in tracks:
         track.energy_end_joules = _energy_joules(backend, track.gpu)

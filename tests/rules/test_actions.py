@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import structlog
-from helpers import action_context, make_event, wait_until
+from helpers import action_context, http_server, make_event, wait_until
 from hosttree import NOBODY_ID, ScriptedHostContext, make_host_tree
 from pydantic import ValidationError
 from race import attempts, swapping
@@ -986,6 +986,28 @@ def test_an_unreadable_server_is_not_waited_on(tmp_path: Path) -> None:
         assert outcome.outcome is Outcome.SUCCESS, outcome.detail
         assert outcome.detail.split("; ")[1] == "sglang's running requests unreadable (HTTP 503): not waited on"
         assert time.monotonic() - began < 20
+
+
+def test_a_drain_that_meets_an_error_of_any_type_still_restarts_the_service(tmp_path: Path) -> None:
+    """The reproduction: the server's /metrics redirects to port 99999 while its restart drains it.
+    Whatever the running-requests reader raises, the drain only delays the stop: the service is
+    restarted, and the journal says it was drained."""
+    # `urlsplit` raises ValueError on the port: an error of no reader's own type.
+    with http_server(lambda _path: (302, {"Location": "http://127.0.0.1:99999/metrics"}, b"")) as server:
+        drain = {"hook": ["/bin/true"], "timeout_seconds": 5}
+        node = make_node(tmp_path, service_fields={"metrics_url": f"{server}/metrics", "drain": drain})
+        journal: list[str] = []
+        node.ctx.journal = journal.append
+        first = node.start_service()
+        try:
+            outcome = execute(decision(ActionKind.RESTART_SERVICE, target=Target(service="sglang")), node.ctx)
+            assert outcome.outcome is Outcome.SUCCESS, outcome.detail
+            assert node.service_pid() != first
+            assert journal == ["draining sglang", "drained sglang", "restarting sglang", "restarted sglang"]
+            waited = outcome.detail.split("; ")[1]
+            assert waited.startswith(("sglang's running requests unreadable (", "drain of sglang failed (")), waited
+        finally:
+            CommandManager().stop(node.config.services[0])
 
 
 def test_a_reset_drains_the_services_before_stopping_them(tmp_path: Path) -> None:

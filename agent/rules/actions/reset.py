@@ -92,11 +92,11 @@ def _describe_processes(gpu: int, processes: Sequence[GpuProcess], ctx: ActionCo
 
 def _wait_idle(gpu: int, ctx: ActionContext) -> tuple[list[GpuProcess], float]:
     """Poll NVML's process list until it is empty or the drain timeout passes: (remaining, waited)."""
-    began = ctx.clock()
+    began = ctx.monotonic()
     deadline = began + ctx.drain_timeout_seconds
     while True:
         processes = ctx.backend.compute_processes(gpu)
-        now = ctx.clock()
+        now = ctx.monotonic()
         if not processes or now >= deadline or ctx.cancel.is_set():  # cancel: the agent is stopping
             return processes, now - began
         ctx.sleep(min(ctx.drain_poll_seconds, deadline - now))
