@@ -121,3 +121,6 @@ class NodeSnapshot:
     # settings whose change only a restart applies, so the running config was kept whole
     reload_error: str = ""
     config_pending_restart: tuple[str, ...] = ()
+    # When the loop published it, on the monotonic clock (set by the publisher): how old it is, which
+    # no wall-clock step can hide (`/healthz` staleness); None for a snapshot no loop published.
+    published_monotonic_seconds: float | None = None

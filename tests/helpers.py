@@ -1,10 +1,13 @@
 """What many tests need, written once: a bounded wait, a clock the test moves, an event builder,
-the context actions run in, the live processes."""
+the context actions run in, the live processes, a local HTTP server, a task that waits to be aborted."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import EllipsisType
 from typing import Any, TypeVar
@@ -138,3 +141,54 @@ def live_processes(reading: str) -> Iterator[tuple[int, str]]:
         except OSError:
             continue
         yield int(entry.name), text
+
+
+#: What a test server answers a GET with: (status, headers, body).
+HttpAnswer = tuple[int, Mapping[str, str], bytes]
+
+
+@contextlib.contextmanager
+def http_server(answer: Callable[[str], HttpAnswer]) -> Iterator[str]:
+    """A local HTTP server answering every GET with `answer(path)`; yields its base URL
+    (`http://127.0.0.1:PORT`) and is shut down on the way out."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            status, headers, body = answer(self.path)
+            self.send_response(status)
+            for name, value in {"Content-Length": str(len(body)), **headers}.items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_args: object) -> None:
+            return
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class WaitingTask:
+    """A task for the action worker (a tune sweep's stand-in) on `gpus`: runs until it is aborted,
+    and says why."""
+
+    name = "test task"
+
+    def __init__(self, gpus: frozenset[int] | None = None) -> None:
+        self.gpus = gpus
+        self.started = threading.Event()
+        self.aborted = threading.Event()
+        self.reason = ""
+
+    def run(self) -> None:
+        self.started.set()
+        self.aborted.wait(10)
+
+    def abort(self, reason: str) -> None:
+        self.reason = reason
+        self.aborted.set()

@@ -247,6 +247,119 @@ def test_every_source_path_the_docs_name_exists() -> None:
     assert sorted((doc, path) for doc, path in named if not (REPO / path).is_file()) == []
 
 
+# -- deadlines run on a monotonic clock ------------------------------------------------------------
+#
+# The rule: a deadline is named for what it is (`deadline`, `*_deadline`, `*_until`: a moment by which
+# something must have happened; `deadline_seconds` is a length, not a moment) and is computed from a
+# monotonic or boot-time clock: `time.monotonic()`, `boottime_seconds()`, or a clock handed in under
+# the name `monotonic` (`ctx.monotonic()`), directly or through a local name assigned from one. The
+# wall clock never enters an expression with a deadline in it: `time.time`, and any callable named
+# `clock` (the agent's name for the injected wall clock: timestamps for what is recorded and shown),
+# nor a local name assigned from either. A wall-clock step (NTP, an operator) then can neither hold
+# a restart for an hour nor cut a drain, a dwell or a probe short.
+
+DEADLINE_NAME = re.compile(r"^(?:.*_)?deadline$|_until$")
+MONOTONIC_CALLS = {"monotonic", "boottime_seconds", "monotonic_ns"}
+
+
+def _callee(node: ast.Call) -> str:
+    func = node.func
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+
+
+def _is_time_time(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr == "time"
+        and isinstance(node.value, ast.Name)
+        and (node.value.id == "time")
+    )
+
+
+def _name_of(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    return node.attr if isinstance(node, ast.Attribute) else None
+
+
+def _clock_kinds(node: ast.AST, wall: set[str], monotonic: set[str]) -> tuple[bool, bool]:
+    """(reads the wall clock, reads a monotonic clock) anywhere in `node`."""
+    reads_wall = reads_monotonic = False
+    for inner in ast.walk(node):
+        if _is_time_time(inner) or (isinstance(inner, ast.Call) and _callee(inner) == "clock"):
+            reads_wall = True
+        elif isinstance(inner, ast.Call) and _callee(inner) in MONOTONIC_CALLS:
+            reads_monotonic = True
+        elif isinstance(inner, ast.Name) and isinstance(inner.ctx, ast.Load):
+            reads_wall |= inner.id in wall
+            reads_monotonic |= inner.id in monotonic or bool(DEADLINE_NAME.search(inner.id))
+    return reads_wall, reads_monotonic
+
+
+def _targets(node: ast.AST) -> list[tuple[str, ast.AST]]:
+    if isinstance(node, ast.Assign):
+        return [(name, node.value) for target in node.targets if (name := _name_of(target))]
+    if isinstance(node, ast.AnnAssign | ast.AugAssign) and node.value is not None:
+        name = _name_of(node.target)
+        return [(name, node.value)] if name else []
+    return []
+
+
+def _in_scope(scope: ast.AST) -> Iterator[ast.AST]:
+    """The nodes of one scope: a function's, or the module's outside every function."""
+    todo = list(ast.iter_child_nodes(scope))
+    while todo:
+        node = todo.pop()
+        yield node
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            todo.extend(ast.iter_child_nodes(node))
+
+
+def wall_clock_deadlines(source: str, filename: str) -> list[str]:
+    """`file:line` for every deadline computed from, or compared with, the wall clock, and every
+    deadline computed from no clock this rule knows as monotonic (see the rule above)."""
+    tree = ast.parse(source, filename)
+    scopes: list[ast.AST] = [
+        tree,
+        *(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)),
+    ]
+    found: set[str] = set()
+    for scope in scopes:
+        wall: set[str] = set()
+        monotonic: set[str] = set()
+        for _ in range(3):  # names assigned from names: settle the classification
+            for node in _in_scope(scope):
+                for name, value in _targets(node):
+                    reads_wall, reads_monotonic = _clock_kinds(value, wall, monotonic)
+                    if reads_wall:
+                        wall.add(name)
+                    elif reads_monotonic:
+                        monotonic.add(name)
+        for node in _in_scope(scope):
+            for name, value in _targets(node):
+                if DEADLINE_NAME.search(name) and not isinstance(value, ast.Constant):
+                    reads_wall, reads_monotonic = _clock_kinds(value, wall, monotonic)
+                    if reads_wall or not reads_monotonic:
+                        found.add(f"{filename}:{node.lineno}")
+            if isinstance(node, ast.Compare | ast.BinOp):
+                names = {_name_of(n) for n in ast.walk(node)}
+                if (
+                    any(name and DEADLINE_NAME.search(name) for name in names)
+                    and _clock_kinds(node, wall, monotonic)[0]
+                ):
+                    found.add(f"{filename}:{node.lineno}")
+    return sorted(found, key=lambda where: int(where.rpartition(":")[2]))
+
+
+def test_deadlines_run_on_a_monotonic_clock() -> None:
+    found = [
+        where
+        for module in modules_of(REPO).values()
+        for where in wall_clock_deadlines(module.path.read_text(), module.path.relative_to(REPO).as_posix())
+    ]
+    assert found == []
+
+
 # -- the checks themselves, on small trees ----------------------------------------------------------
 
 
@@ -328,3 +441,37 @@ def test_every_way_of_starting_a_process_is_seen(tmp_path: Path) -> None:
         "agent.runner: subprocess",
         "agent.shell: os.system",
     ]
+
+
+def test_a_deadline_on_the_wall_clock_is_found() -> None:
+    wall = """\
+import time
+def drain(clock, timeout):
+    began = clock()
+    deadline = began + timeout
+def probe(self, timeout):
+    deadline = self.clock() + timeout
+def held(self, seconds):
+    self.expected_down_until = time.time() + seconds
+def compared(ctx, deadline):
+    return ctx.clock() >= deadline
+def from_nowhere(now, timeout):
+    deadline = now + timeout
+"""
+    assert wall_clock_deadlines(wall, "m.py") == ["m.py:4", "m.py:6", "m.py:8", "m.py:10", "m.py:12"]
+    monotonic = """\
+import time
+from agent.host.boottime import boottime_seconds
+def drain(ctx, timeout):
+    began = ctx.monotonic()
+    deadline = began + timeout
+    while ctx.monotonic() < deadline:
+        left = deadline - ctx.monotonic()
+    stamp = ctx.clock()
+def held(self, seconds):
+    self.expected_down_until = 0.0
+    self.window_until = boottime_seconds() + seconds
+def passed(deadline):
+    inner_deadline = deadline - 1.0
+"""
+    assert wall_clock_deadlines(monotonic, "m.py") == []

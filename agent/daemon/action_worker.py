@@ -1,76 +1,68 @@
-"""The action worker: decided actions run one after another in their own thread (a GPU reset can
-take a minute; the loop must not wait for it), journaled in the store from before they start.
+"""The action worker: decided actions run off the loop (a GPU reset can take a minute; the loop
+must not wait for it), journaled in the store from before they start, each on its lane
+(agent.daemon.lanes): alerts, webhooks and reboot recommendations on the notify lane, which never
+waits for a job on the node; an action that changes the node as soon as no job touching one of its
+GPUs (agent.rules.actions.footprint) runs or waits before it.
 
-Tasks (`submit_task`: a tune sweep, its recovery) run in the same queue, one job at a time: a
-decided action that changes the node (restart, reset, reboot, a hook) arriving while a task runs
-aborts it (`Task.abort`), so a repair never waits for an experiment; an alert or a webhook waits
-for the task to end (a sweep's own power cap raises latency alerts, which must not end it).
+Tasks (`submit_task`: a tune sweep, a recovery) are node jobs with their own footprint. A decided
+action that changes the node and touches a running task's GPUs aborts the task (`Task.abort`), so a
+repair never waits for an experiment for longer than the task takes to put its settings back; an
+alert never ends a task (a sweep's own power cap raises latency alerts) and never waits for one.
 `submit` writes the journal row (outcome "running", counted as an attempt, its event handled) on
 the caller's thread and only then queues the action: an action the agent never recorded never
 runs, and one it recorded counts against the caps even if the agent dies a moment later. The
-handler journals each step as it completes (ctx.journal). `stop` gives a running action a bounded
-time (below systemd's stop timeout) and then notes in the journal where it was; `recover`, the
-worker's first job at start, rolls back what an earlier run on this boot left half-done (a service
-a reset stopped, or a restart cut short, is started again) and closes those rows as "interrupted".
-An entry of an earlier boot (or of a boot that cannot be told) is not rolled back: the reboot ended
-that action, and what runs now is this boot's. What it had stopped is reported as a
-`remediation_interrupted` event and in the closed row, and nothing is started.
+handler journals each step as it completes (ctx.journal). `stop` gives the running actions a
+bounded time (below systemd's stop timeout), notes in the journal where each still running was,
+then has the ledger put back every GPU setting a job still holds; `recover`, the first node job at
+start, rolls back what an earlier run on this boot left half-done (a service a reset stopped, or a
+restart cut short, is started again) and closes those rows as "interrupted". An entry of an
+earlier boot (or of a boot that cannot be told) is not rolled back: the reboot ended that action,
+and what runs now is this boot's. What it had stopped is reported as a `remediation_interrupted`
+event and in the closed row, and nothing is started.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from queue import SimpleQueue
 from typing import Any, Protocol
 
 from agent.config import AgentConfig
+from agent.daemon.lanes import LaneJob, Lanes, overlaps
 from agent.events import Event, EventKind, Severity
 from agent.logger import get_logger
+from agent.policy.holds import PolicyHolds
 from agent.rules.actions.context import ActionContext
 from agent.rules.actions.dispatch import execute
+from agent.rules.actions.footprint import Footprint
 from agent.rules.actions.steps import DRAINING, services_left_down, step
 from agent.rules.model import ActionKind, ActionOutcome, Decision, Outcome
-from agent.rules.params import NODE_CHANGING_ACTIONS
+from agent.rules.params import ACTION_LANES, Lane
 from agent.services.managers import ServiceError, ServiceManager
 from agent.store.attempt_clock import AttemptClock, ClockReading, effective_wall_seconds
 from agent.store.database import JournalEntry, Store, StoreError
 
 log = get_logger()
 
-#: Decided actions that abort a running task: those that change the node, and hooks (which may).
-TASK_ABORTING_ACTIONS = NODE_CHANGING_ACTIONS | {ActionKind.RUN_HOOK}
-
-#: How long `stop` waits for a running action: well below systemd's stop timeout (TimeoutStopSec,
-#: 90 s by default) so the journal note is written before systemd would kill the agent.
+#: How long `stop` waits for the running actions: well below systemd's stop timeout (TimeoutStopSec,
+#: 90 s by default) so the journal notes are written before systemd would kill the agent.
 STOP_TIMEOUT_SECONDS = 20.0
 
 
-@dataclass(frozen=True)
-class _Job:
-    decision: Decision
-    row_id: int
-
-
-@dataclass(frozen=True)
-class _Recovery:
-    entries: list[JournalEntry]
-
-
 class Task(Protocol):
-    """A job that is no rule's action (a tune sweep, its recovery): it journals itself, and gives up
-    where it safely can, putting back what it changed, once `abort` is called."""
+    """A job that is no rule's action (a tune sweep, a recovery): it journals itself, and gives up
+    where it safely can, putting back what it changed, once `abort` is called. `gpus`: what it
+    touches (None: the whole node)."""
 
     name: str
+    gpus: frozenset[int] | None
 
     def run(self) -> None: ...
     def abort(self, reason: str) -> None: ...
 
 
-@dataclass(frozen=True)
-class _TaskJob:
-    task: Task
+def _whole_node(_decision: Decision) -> Footprint:
+    return None
 
 
 class ActionWorker:
@@ -82,6 +74,8 @@ class ActionWorker:
         clock: Callable[[], float],
         attempt_clock: AttemptClock,
         managers: Callable[[], tuple[AgentConfig, Mapping[str, ServiceManager]]] | None = None,
+        footprint: Callable[[Decision], Footprint] = _whole_node,
+        holds: PolicyHolds | None = None,
     ) -> None:
         self.context = context  # None while the GPU backend is unavailable
         self.store = store
@@ -89,124 +83,99 @@ class ActionWorker:
         self.clock = clock
         self.attempt_clock = attempt_clock
         self.managers = managers  # for recovery: the services and their managers, no GPU backend needed
-        self.queue: SimpleQueue[_Job | _Recovery | _TaskJob | None] = SimpleQueue()
+        self.footprint = footprint  # the GPUs a decision on a gpus lane touches (default: all of them)
+        self.holds = holds  # the ledger whose settings go back at stop, whatever still runs
         self.cancel = threading.Event()
-        self._current: _Job | None = None
-        self._task: Task | None = None  # the task running now
-        self._queued = 0  # jobs submitted and not finished, the running one included
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self.lanes = Lanes()
+        self._rows: dict[LaneJob, int] = {}  # a remediation's journal row, while it runs
 
     def submit(self, decision: Decision, now: float) -> None:
-        """Journal the action as started, then queue it. StoreError when it cannot be journaled:
-        then it does not run, and its event stays unhandled for a later loop."""
+        """Journal the action as started, then queue it on its lane. StoreError when it cannot be
+        journaled: then it does not run, and its event stays unhandled for a later loop."""
         store = self.store()
         if store is None:
             raise StoreError("no event store: an action is never run unrecorded")
         row_id = store.begin_remediation(decision, self.attempt_clock.reading(now))
-        with self._lock:
-            self._queued += 1
-            task = self._task
-        self.queue.put(_Job(decision, row_id))
-        if task is not None and decision.action is not None and decision.action.kind in TASK_ABORTING_ACTIONS:
-            task.abort(f"remediation {decision.rule} needs the node")
+        lane = ACTION_LANES[decision.action.kind] if decision.action is not None else Lane.NOTIFY
+        footprint = frozenset() if lane is Lane.NOTIFY else self.footprint(decision)
+        job = LaneJob(f"remediation {decision.rule}", lane, footprint, lambda: None)
+        job.work = lambda: self._run_job(job, decision, row_id)
+        if lane is not Lane.NOTIFY:
+            for running in self.lanes.running():
+                if running.abort is not None and overlaps(running.footprint, footprint):
+                    running.abort(f"remediation {decision.rule} needs the node")
+        self.lanes.put(job)
 
     def submit_task(self, task: Task) -> None:
-        """Queue a task behind whatever runs now."""
-        with self._lock:
-            self._queued += 1
-        self.queue.put(_TaskJob(task))
+        """Queue a task behind whatever touches its GPUs."""
+        self.lanes.put(LaneJob(task.name, Lane.NODE, task.gpus, lambda: self._run_task(task), task.abort))
 
     def busy(self) -> str | None:
-        """What the worker is doing or has queued, or None when idle."""
-        with self._lock:
-            if self._current is not None:
-                return f"remediation {self._current.decision.rule} is running"
-            if self._task is not None:
-                return f"{self._task.name} is running"
-            if self._queued:
-                return f"{self._queued} job(s) are queued"
-        return None
+        """What the worker is doing or has queued on the node, or None when the node is quiet."""
+        running = self.lanes.running()
+        if running:
+            return f"{running[0].name} is running"
+        waiting = self.lanes.waiting()
+        return f"{len(waiting)} job(s) are queued" if waiting else None
 
     def history(self, store: Store, now: float) -> ClockHistory:
         return ClockHistory(store, self.attempt_clock.reading(now))
 
     def recover(self, store: Store) -> None:
-        """Queue the roll-back of what an earlier run left running (the worker's first job)."""
+        """Queue the roll-back of what an earlier run left running (before any other node job)."""
         entries = store.running_remediations()
         if entries:
-            self.queue.put(_Recovery(entries))
+            self.lanes.put(LaneJob("recovery of interrupted actions", Lane.NODE, None, lambda: self._recover(entries)))
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self.run, name="actions", daemon=True)
-        self._thread.start()
+        self.lanes.start()
 
     def stop(self, timeout_seconds: float = STOP_TIMEOUT_SECONDS) -> None:
-        """Ask the running action to give up where it safely can, wait `timeout_seconds` for it, then
-        journal where it was: its row stays "running", so the next start rolls it back."""
+        """Ask the running jobs to give up where they safely can, wait `timeout_seconds` for them,
+        journal where each action still running was (its row stays "running", so the next start
+        rolls it back), then put back what a job still holds."""
         self.cancel.set()
-        with self._lock:
-            task = self._task
-        if task is not None:
-            task.abort("the agent is stopping")
-        self.queue.put(None)
-        if self._thread is None:
-            return
-        self._thread.join(timeout_seconds)
-        with self._lock:
-            current = self._current if self._thread.is_alive() else None
-        if current is None:
-            return
+        for job in (*self.lanes.running(), *self.lanes.waiting()):
+            if job.abort is not None:
+                job.abort("the agent is stopping")
+        still = self.lanes.stop(timeout_seconds)
         note = f"agent stopped after waiting {timeout_seconds:g} s for the action; the next start rolls it back"
-        log.error("action still running at stop", rule=current.decision.rule, **target_fields(current.decision))
-        store = self.store()
-        if store is not None:
-            try:
-                store.journal_step(current.row_id, note)
-            except StoreError as exc:
-                log.error("could not journal the interrupted action", error=str(exc))
-
-    def run(self) -> None:
-        while (job := self.queue.get()) is not None:
-            if isinstance(job, _Recovery):
-                self._recover(job.entries)
-            elif isinstance(job, _TaskJob):
-                self._run_task(job.task)
-            elif self.cancel.is_set():
-                self._close(job.row_id, "not started: the agent was stopping", started=False)
-                self._done()
-            else:
-                self._run_job(job)
-                self._done()
-
-    def _done(self) -> None:
-        with self._lock:
-            self._queued -= 1
+        for job in still:
+            row_id = self._rows.get(job)
+            if row_id is None:
+                continue
+            log.error("action still running at stop", job=job.name)
+            store = self.store()
+            if store is not None:
+                try:
+                    store.journal_step(row_id, note)
+                except StoreError as exc:
+                    log.error("could not journal the interrupted action", error=str(exc))
+        if self.holds is not None:
+            self.holds.end_all("the agent is stopping")
 
     def _run_task(self, task: Task) -> None:
-        with self._lock:
-            self._task = task
         if self.cancel.is_set():
             task.abort("the agent is stopping")
-        try:
-            task.run()
-        except Exception:  # a task's bug must not end the worker: the remediations behind it still run
-            log.exception("task failed", task=task.name)
-        finally:
-            with self._lock:
-                self._task = None
-            self._done()
+        task.run()
 
-    def _run_job(self, job: _Job) -> None:
-        decision = job.decision
-        with self._lock:
-            self._current = job
+    def _run_job(self, job: LaneJob, decision: Decision, row_id: int) -> None:
+        if self.cancel.is_set():
+            self._close(row_id, "not started: the agent was stopping", started=False)
+            return
+        self._rows[job] = row_id
+        try:
+            self._execute(decision, row_id)
+        finally:
+            self._rows.pop(job, None)
+
+    def _execute(self, decision: Decision, row_id: int) -> None:
         started = self.clock()
         context = self.context()
         if context is None:
             outcome = ActionOutcome(decision, Outcome.FAILED, "GPU backend unavailable", started, self.clock())
         else:
-            context.journal = lambda step: self._journal(job.row_id, step)
+            context.journal = lambda step: self._journal(row_id, step)
             context.cancel = self.cancel
             outcome = execute(decision, context)
         if self.cancel.is_set() and outcome.outcome is not Outcome.SUCCESS:
@@ -220,11 +189,9 @@ class ActionWorker:
         store = self.store()
         if store is not None:
             try:
-                store.finish_remediation(job.row_id, outcome)
+                store.finish_remediation(row_id, outcome)
             except StoreError as exc:
                 log.error("could not record a remediation", error=str(exc), rule=decision.rule)
-        with self._lock:
-            self._current = None
         log.info(
             "action finished",
             rule=decision.rule,

@@ -108,7 +108,9 @@ class Daemon:
             boottime,
             lambda pid: service_of_pid(pid, self.config.services, self.host.paths),
         )
-        self.holds = PolicyHolds()  # items a tune sweep drives: the policy loop plans them, never writes them
+        # GPU settings a job drives (a tune sweep, a reset): the policy loop plans them, never writes
+        # them, and the ledger puts them back on every way out (journaled in the store).
+        self.holds = PolicyHolds(lambda: self.remediator.store, self.host.paths.boot_id(), clock)
         self.policy = PolicyLoop(config, self.host, self.runner, self.session.note_fault, self.holds)
         self.remediator = Remediator(
             config,
@@ -117,6 +119,7 @@ class Daemon:
             clock,
             AttemptClock(self.host.paths.boot_id(), boottime),
             lambda current: build_managers(current, self.host),
+            self.holds,
         )
         # Shares the remediator's store: the memory is there as soon as the store is (start_services).
         self.memory = NodeMemory(lambda: self.remediator.store, read_boot_id(self.host.paths), clock)
@@ -298,8 +301,11 @@ class Daemon:
             return False
         old_services = self.config.services
         # While the running config's write guard still allows it: fans it drove and `new` does not go
-        # back to automatic, or nothing would ever follow their curve again.
+        # back to automatic, or nothing would ever follow their curve again; and a job (a sweep) whose
+        # settings `new` would not let it write, or whose service `new` drops, ends with its
+        # originals put back now, not refused by the new guard later.
         self.policy.hand_back_fans(new)
+        self.holds.end_conflicting(new)
         old_items = self.config.writable_items()
         self.config = new
         # Before anything else runs under the new config: in observe mode no setter may reach the GPU.
@@ -377,7 +383,11 @@ class Daemon:
         self._closers.append(self.kmsg.stop)
         self.remediator.start()
         self._closers.append(self.remediator.stop)
-        self.tune.recover()  # before the first loop: the policy loop never sees a half-done sweep's GPUs unheld
+        # Before the first loop: the policy loop never sees a setting a killed job left changed unheld.
+        recovery = self.holds.recover(lambda: self.session.backend)
+        self.tune.recover()  # its rows close once recovery has put their settings back
+        if recovery is not None:
+            self.remediator.worker.submit_task(recovery)
         # Closed in reverse: after the prober stops, before the store closes, the last streaks are kept.
         self._closers.append(lambda: self._save_memory(self.clock()))
         self.prober_thread = ProberThread(self.prober)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -58,7 +59,9 @@ class Publisher:
         """A loop's snapshot, with the expected GPU count: to the readers and, as one line, to systemd."""
         # Node memory (agent.store.node_memory) keeps a GPU that left the bus in the snapshot, down, until it answers
         # or is acknowledged gone: the snapshot's GPUs are the ones this node should have.
-        snapshot = replace(snapshot, expected_gpus=expected_gpu_count(snapshot) or None)
+        snapshot = replace(
+            snapshot, expected_gpus=expected_gpu_count(snapshot) or None, published_monotonic_seconds=time.monotonic()
+        )
         snapshot = self._stamped(snapshot)
         self.set(snapshot)
         self.notifier.status(systemd_status_line(snapshot))

@@ -17,8 +17,10 @@ from agent.daemon.alert_delivery import AlertDelivery
 from agent.daemon.timing import due
 from agent.events import Event
 from agent.logger import get_logger
+from agent.policy.holds import PolicyHolds
 from agent.rules.actions.alertmanager import AlertTracker
 from agent.rules.actions.context import ActionContext
+from agent.rules.actions.footprint import footprint
 from agent.rules.config import Rule, load_rules
 from agent.rules.engine import evaluate, gpus_by_service
 from agent.rules.model import ActionOutcome, Decision, Outcome
@@ -58,6 +60,7 @@ class Remediator:
         clock: Callable[[], float],
         attempt_clock: AttemptClock | None = None,
         managers: Callable[[AgentConfig], Mapping[str, ServiceManager]] | None = None,
+        holds: PolicyHolds | None = None,
     ) -> None:
         self.config = config
         self.store: Store | None = None
@@ -75,6 +78,8 @@ class Remediator:
             clock,
             self.attempt_clock,
             (lambda: (self.config, managers(self.config))) if managers is not None else None,
+            lambda decision: footprint(decision, self.config),
+            holds,
         )
         self.status: CollectorStatus | None = None
         self._store_failed_monotonic: float | None = None  # when opening the store last failed

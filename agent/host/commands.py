@@ -126,8 +126,9 @@ class ProcessStream:
         pass_fds: Sequence[int] = (),
     ) -> None:
         self.argv = tuple(argv)
-        self.started = time.monotonic()
-        self.deadline = None if timeout_seconds is None else self.started + timeout_seconds
+        started = time.monotonic()
+        self.started = started
+        self.deadline = None if timeout_seconds is None else started + timeout_seconds
         self._errors = _Tail(error_limit_bytes)
         self._pending = memoryview(stdin)
         self._drain_until: float | None = None  # set once the child has exited

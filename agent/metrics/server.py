@@ -116,10 +116,12 @@ class MetricsServer:
         *,
         stale_after_seconds: float | None = None,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._get_snapshot = get_snapshot
         self._stale_after_seconds = stale_after_seconds
-        self._clock = clock
+        self._clock = clock  # a snapshot no loop published is as old as its wall-clock timestamp says
+        self._monotonic = monotonic  # a published one, as old as the monotonic clock says
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SnapshotCollector(get_snapshot))
         self._server = _MetricsHTTPServer(parse_listen(listen), self.registry, self._health, get_snapshot)
@@ -137,7 +139,9 @@ class MetricsServer:
         snapshot = self._get_snapshot()
         if snapshot is None:
             return 503, {"status": "starting", "detail": "no snapshot yet"}
-        age_seconds = max(0.0, self._clock() - snapshot.timestamp_seconds)
+        published = snapshot.published_monotonic_seconds
+        since = self._clock() - snapshot.timestamp_seconds if published is None else self._monotonic() - published
+        age_seconds = max(0.0, since)
         needs = attention_items(snapshot)
         body: dict[str, object] = {
             "status": "ok",
@@ -171,6 +175,7 @@ def serve_metrics(
     *,
     stale_after_seconds: float | None = None,
     clock: Callable[[], float] = time.time,
+    monotonic: Callable[[], float] = time.monotonic,
 ) -> MetricsServer:
     """Serve metrics of `get_snapshot()` on "HOST:PORT" (port 0: any free port, see `.port`).
 
@@ -178,4 +183,6 @@ def serve_metrics(
     swapping it), so a scrape never waits on the loop or the GPU backend.
     `stale_after_seconds`: `/healthz` answers 503 once the last snapshot is older than this.
     """
-    return MetricsServer(listen, get_snapshot, stale_after_seconds=stale_after_seconds, clock=clock)
+    return MetricsServer(
+        listen, get_snapshot, stale_after_seconds=stale_after_seconds, clock=clock, monotonic=monotonic
+    )

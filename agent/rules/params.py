@@ -38,6 +38,28 @@ class ActionKind(str, Enum):
 NODE_CHANGING_ACTIONS = frozenset({ActionKind.RESTART_SERVICE, ActionKind.RESET_GPU, ActionKind.REBOOT})
 
 
+class Lane(str, Enum):
+    """Where the action worker runs an action kind (agent.daemon.lanes), by what it touches."""
+
+    NOTIFY = "notify"  # tells someone and changes nothing: never waits for a job on the node
+    GPUS = "gpus"  # changes its GPU and the services on it: waits only for a job on those GPUs
+    NODE = "node"  # may change anything on the node: waits for every job, and ends a sweep
+
+
+#: Each action kind's lane.
+ACTION_LANES: dict[ActionKind, Lane] = {
+    ActionKind.RESTART_SERVICE: Lane.GPUS,
+    ActionKind.RESET_GPU: Lane.GPUS,
+    ActionKind.RUN_HOOK: Lane.NODE,  # a hook may do anything
+    ActionKind.WEBHOOK: Lane.NOTIFY,
+    ActionKind.ALERTMANAGER: Lane.NOTIFY,
+    ActionKind.RECOMMEND_REBOOT: Lane.NOTIFY,  # a flag file and an alert: nothing on the node changes
+    ActionKind.REBOOT: Lane.NODE,
+}
+if set(ACTION_LANES) != set(ActionKind):
+    raise ImportError(f"action kinds without a lane: {sorted(set(ActionKind) - set(ACTION_LANES))}")
+
+
 def _http_url(value: str | None) -> str | None:
     if value is not None and not value.startswith(("http://", "https://")):
         raise ValueError("must be an http:// or https:// URL")

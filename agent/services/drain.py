@@ -43,18 +43,19 @@ def wait_until_idle(
     service: ServiceConfig,
     timeout_seconds: float,
     *,
-    clock: Callable[[], float],
+    monotonic: Callable[[], float],
     sleep: Callable[[float], None],
     cancel: threading.Event,
     poll_seconds: float,
 ) -> DrainWait:
-    """Poll the server's running-requests gauge until 0, the timeout, or `cancel`."""
+    """Poll the server's running-requests gauge until 0, the timeout, or `cancel`; the timeout runs
+    on `monotonic` (a monotonic clock: a wall-clock step neither holds the restart nor cuts the drain)."""
     url = service.effective_metrics_url
-    began = clock()
+    began = monotonic()
     deadline = began + timeout_seconds
     running: float | None = None
     while True:
-        now = clock()
+        now = monotonic()
         left = deadline - now
         if url is None:
             return DrainWait("unreadable", now - began, None, "no metrics URL")
@@ -64,9 +65,9 @@ def wait_until_idle(
         try:
             reading = scrape(url, service.kind, scrape_seconds, DEFAULT_MAX_BYTES)
         except ScrapeError as exc:
-            return DrainWait("unreadable", clock() - began, running, str(exc))
+            return DrainWait("unreadable", monotonic() - began, running, str(exc))
         running = reading.running
-        now = clock()
+        now = monotonic()
         if running is None:
             return DrainWait("unreadable", now - began, None, "no running-requests gauge on its page")
         if running <= 0:

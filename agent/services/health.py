@@ -58,7 +58,7 @@ class _Tracked:
     consecutive_failures: int = 0
     last_latency_seconds: float | None = None
     detail: str = ""
-    expected_down_until: float = 0.0
+    expected_down_until: float = 0.0  # on the prober's monotonic clock
 
 
 def http_probe(url: str, timeout_seconds: float) -> tuple[bool, str]:
@@ -80,10 +80,12 @@ class HealthProber:
         managers: Mapping[str, ServiceManager] | None = None,
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], None] = time.sleep,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.managers = dict(managers or {})
-        self.clock = clock
+        self.clock = clock  # wall time: when a probe ran, in its result and events
         self.sleep = sleep
+        self.monotonic = monotonic  # `wait_healthy`'s deadline and `expect_down`'s window
         self._lock = threading.Lock()
         self._tracked = {s.name: _Tracked(s) for s in services}
         self._events: list[Event] = []
@@ -157,7 +159,7 @@ class HealthProber:
                     self._events.append(self._event(tracked, EventKind.SERVICE_HEALTHY, result))
                 tracked.up = True
                 return
-            if result.timestamp_seconds < tracked.expected_down_until:
+            if self.monotonic() < tracked.expected_down_until:
                 tracked.detail = f"restart in progress: {result.detail}"
                 return
             tracked.consecutive_failures += 1
@@ -243,7 +245,7 @@ class HealthProber:
         A successful probe ends the window early; `seconds=0` ends it now.
         """
         with self._lock:
-            self._tracked[name].expected_down_until = self.clock() + seconds
+            self._tracked[name].expected_down_until = self.monotonic() + seconds
 
     def wait_healthy(self, name: str, timeout_seconds: float) -> ProbeResult:
         """Probe until the service answers or the time is up; the last probe says which.
@@ -251,12 +253,12 @@ class HealthProber:
         Failures while waiting are expected (the server is loading) and are not counted.
         """
         service = self._tracked[name].service
-        deadline = self.clock() + timeout_seconds
+        deadline = self.monotonic() + timeout_seconds
         self.expect_down(name, timeout_seconds)
         poll_seconds = min(service.probe_interval_seconds, READY_POLL_SECONDS)
         while True:
             result = self.probe_once(name)
-            remaining = deadline - self.clock()
+            remaining = deadline - self.monotonic()
             if result.ok or remaining <= 0:
                 return result
             self.sleep(min(poll_seconds, remaining))

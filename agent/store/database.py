@@ -41,6 +41,9 @@ the Xid health window (`XidMark`) and (schema 4) the throttle watcher's time per
 with the start of each slowdown active now (`ClockEventTotal`; schema 5 adds that start on
 CLOCK_BOOTTIME) and the service prober's failure streaks (`ProbeStreak`). agent/store/node_memory.py
 reads and writes them for the daemon.
+
+The advisor's journal (schema 6, agent/store/tunes.py) and the journal of GPU settings a job holds,
+with the originals to put back (schema 7, agent/store/holds.py).
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ from agent.store.acks import ALL, Acknowledgements, Circuit
 from agent.store.attempt_clock import ClockReading
 from agent.store.boot import BootTables, InventoryGpu, ProbeStreak
 from agent.store.db import StoreError
+from agent.store.holds import HoldTables
 from agent.store.schema import Unusable, connect_or_replace
 from agent.store.tunes import TuneHistoryTables, TuneTables
 
@@ -254,7 +258,7 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, default=_json_default, sort_keys=True)
 
 
-class Store(BootTables, Acknowledgements, TuneTables, TuneHistoryTables):
+class Store(BootTables, Acknowledgements, TuneTables, TuneHistoryTables, HoldTables):
     """See the module docstring. Build it with `Store.open(state_dir)`. Node memory is
     `agent.store.boot`, circuits and acknowledgements `agent.store.acks`, the shared connection
     `agent.store.db`."""
@@ -308,9 +312,11 @@ class Store(BootTables, Acknowledgements, TuneTables, TuneHistoryTables):
         """Delete events and remediations older than `before_seconds` (the history a long-running
         daemon would otherwise grow without end); how many rows went. Node memory is per boot and
         bounded by the GPUs and Xid codes: `start_boot` retires it."""
-        with self._transaction(("events", "remediations")) as db:
+        with self._transaction(("events", "remediations", "gpu_holds")) as db:
             events = db.execute("DELETE FROM events WHERE ts < ?", (before_seconds,)).rowcount
             remediations = db.execute("DELETE FROM remediations WHERE ts < ?", (before_seconds,)).rowcount
+            # An ended hold is history; an open one is what the next start must put back.
+            db.execute("DELETE FROM gpu_holds WHERE finished IS NOT NULL AND finished < ?", (before_seconds,))
         if events or remediations:
             log.info("pruned rows older than the retention", events=events, remediations=remediations)
         return int(events + remediations)

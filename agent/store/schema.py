@@ -11,6 +11,7 @@ from pathlib import Path
 
 from agent.host import file_reads
 from agent.logger import get_logger
+from agent.store.holds import HOLDS_MIGRATION
 from agent.store.tunes import TUNES_MIGRATION
 
 log = get_logger()
@@ -153,6 +154,7 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
     # held): its start on that clock, so a restart on the same boot keeps the hold.
     ("ALTER TABLE clock_event_totals ADD COLUMN active_since_boottime REAL",),
     TUNES_MIGRATION,  # the advisor's journal and per-limit history (agent.store.tunes)
+    HOLDS_MIGRATION,  # GPU settings a job holds, with the originals to put back (agent.store.holds)
 )
 
 

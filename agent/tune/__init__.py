@@ -1,11 +1,14 @@
 """The power and clock advisor: `gpu-agent tune power|clocks` measures what a setting costs.
 
-The daemon runs a sweep as one journaled job beside the remediation actions (never on its loop):
-it holds the policy loop off the swept GPUs' item, sets each step's power limit (or locked
-graphics clock), waits for the clocks to settle, measures over the dwell, and puts the original
-settings back when it ends, when it is aborted (`gpu-agent tune --abort`, Ctrl-C on the CLI,
-SIGTERM to the daemon, a remediation that needs the node) and, through the journal, after a
-kill -9 (the next start rolls it back before the policy loop may touch those GPUs).
+The daemon runs a sweep as one journaled job beside the remediation actions (never on its loop,
+never in the way of an alert or of a repair on other GPUs), inside a hardware transaction
+(agent/policy/holds.py): it holds the policy loop off the swept GPUs' item, reads and journals the
+originals, sets each step's power limit (or locked graphics clock), waits for the clocks to settle,
+measures over the dwell, and the originals go back on every way out: the end, an abort
+(`gpu-agent tune --abort`, Ctrl-C on the CLI, SIGTERM to the daemon, a remediation that needs those
+GPUs), an error of any type, a reload that takes the write away or drops the service, and, through
+the journal, a kill -9 (the next start puts them back before the policy loop may touch those GPUs).
+A request that could take over two hours is refused before anything starts.
 
 | module | what it holds |
 |---|---|
@@ -14,8 +17,9 @@ kill -9 (the next start rolls it back before the policy loop may touch those GPU
 | | the server's token counter and latency histograms from its own `/metrics` (services.scrape) |
 | `recommend.py` | pure: traffic too thin or too uneven, the SLO per step (services.latency_cause), |
 | | the recommendation, its policy snippet and expected change |
-| `sweep.py` | the job: hold, set, settle, measure, stop on an SLO breach, restore; the journal rows |
-| `runner.py` | the daemon side: preflight refusals, the job on the action worker, recovery at start, the API methods |
+| `sweep.py` | the job, run inside a hardware transaction: set, settle, measure, stop on an SLO breach; its row |
+| `runner.py` | the daemon side: preflight refusals (the sweep's length too), the job on the action worker, |
+| | closing the rows a killed run left, the API methods |
 | `passive.py` | advice without changes, from the per-limit history the daemon keeps |
 | `cli.py` | `gpu-agent tune`: start, progress, abort, the table |
 """

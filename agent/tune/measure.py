@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from agent.backend.base import ClockDomain, GpuBackend
 from agent.backend.errors import GpuError
 from agent.config import ServiceConfig
+from agent.policy.transaction import JobStop
 from agent.services.scrape import ScrapeError, scrape
 from agent.services.window import LatencyWindow
 from agent.tune.model import StepReading
@@ -29,10 +30,15 @@ from agent.watch.clock_events import decode
 
 DEFAULT_SAMPLE_SECONDS = 0.5
 SCRAPE_TIMEOUT_SECONDS = 2.0
+#: How far apart two readings of the clocks must agree for them to count as settled.
+SETTLE_POLL_SECONDS = 0.25
 
 
-class MeasureError(Exception):
-    """A step could not be measured (the server's metrics, a GPU reading)."""
+class MeasureError(JobStop):
+    """A step could not be measured (the server's metrics, a GPU reading): the sweep fails."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__("failed", detail)
 
 
 @dataclass
@@ -79,8 +85,8 @@ def _scrape(service: ServiceConfig, window: LatencyWindow, in_flight: list[float
 
 
 def wait_settled(backend: GpuBackend, gpus: Sequence[int], timeout_seconds: float, aborted: Callable[[], bool]) -> bool:
-    """Wait until two readings of every GPU's SM clock, 0.25 s apart, agree (the power controller
-    has found its clock), at most `timeout_seconds`; False when aborted."""
+    """Wait until two readings of every GPU's SM clock, SETTLE_POLL_SECONDS apart, agree (the power
+    controller has found its clock), at most `timeout_seconds`; False when aborted."""
     deadline = time.monotonic() + timeout_seconds
     previous: list[int] | None = None
     while time.monotonic() < deadline:
@@ -91,7 +97,7 @@ def wait_settled(backend: GpuBackend, gpus: Sequence[int], timeout_seconds: floa
         if current == previous:
             return True
         previous = current
-        if _sleep(0.25, aborted):
+        if _sleep(SETTLE_POLL_SECONDS, aborted):
             return False
     return not aborted()
 
@@ -125,13 +131,13 @@ def measure_step(
     tracks = [_GpuTrack(gpu, _energy_joules(backend, gpu)) for gpu in gpus]
     for track in tracks:
         _sample(backend, track)
-    end = started + dwell_seconds
-    while time.monotonic() < end:
-        if _sleep(min(sample_seconds, max(0.0, end - time.monotonic())), aborted):
+    dwell_deadline = started + dwell_seconds
+    while time.monotonic() < dwell_deadline:
+        if _sleep(min(sample_seconds, max(0.0, dwell_deadline - time.monotonic())), aborted):
             return None
         for track in tracks:
             _sample(backend, track)
-        if time.monotonic() < end:
+        if time.monotonic() < dwell_deadline:
             _scrape(service, window, in_flight)
     for track in tracks:
         track.energy_end_joules = _energy_joules(backend, track.gpu)

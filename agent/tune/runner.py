@@ -26,7 +26,7 @@ from agent.store.database import Store, StoreError
 from agent.tune.defaults import POLICY_ITEMS
 from agent.tune.model import TuneDocument, TuneRequest
 from agent.tune.passive import PowerHistory, passive_report
-from agent.tune.sweep import RecoveryJob, TuneJob, hold_owner
+from agent.tune.sweep import TuneJob, close_interrupted, hold_owner
 
 if TYPE_CHECKING:  # the daemon imports this module: only the type, never the import
     from agent.daemon.action_worker import ActionWorker
@@ -38,6 +38,9 @@ PRIVILEGED_METHODS = frozenset({"tune_start", "tune_abort"})
 MAX_STEPS = 64
 MIN_DWELL_SECONDS = 1.0
 MAX_DWELL_SECONDS = 3600.0
+#: The longest sweep accepted, all steps with their settling included: a sweep holds its GPUs at
+#: settings the operator did not choose, so it is an experiment of a sitting, not a day.
+MAX_SWEEP_SECONDS = 2 * 3600.0
 
 
 def _gpu_model(backend: GpuBackend, gpu: int) -> str:
@@ -72,6 +75,8 @@ class TuneRunner:
         self.job: TuneJob | None = None
         self.history = PowerHistory()  # fed every loop by the daemon (observe), kept for --passive
         self._lock = threading.Lock()  # one start at a time
+        self._interrupted: dict[str, TuneDocument] = {}  # sweeps an earlier run left, by hold owner
+        holds.on_recovered(self._recovered)
 
     # -- the API ------------------------------------------------------------------------------------
 
@@ -97,8 +102,9 @@ class TuneRunner:
         return passive_report(name, store.history(name), slo)
 
     def start(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        """Check, journal, hold and queue a sweep; its document (state running) or ApiError(reason)."""
-        request = _request(params)
+        """Check, journal and queue a sweep (the job holds its GPUs' item once it runs); its document
+        (state running) or ApiError(reason)."""
+        request = checked_request(params)
         with self._lock:
             config = self.config()
             service = self._check(config, request)
@@ -118,10 +124,6 @@ class TuneRunner:
                 document.id = store.begin_tune(started, document.to_json())
             except StoreError as exc:
                 raise ApiError(f"refused: cannot journal the sweep: {exc}") from exc
-            item = POLICY_ITEMS[request.kind]
-            self.holds.hold(
-                hold_owner(document.id), [(item, gpu) for gpu in gpus], f"tune sweep {document.id} drives it"
-            )
             job = TuneJob(document, service, self.backend, self.store, self.holds, self.clock, _gpu_model)
             self.job = job
             self.worker().submit_task(job)
@@ -160,27 +162,32 @@ class TuneRunner:
     # -- recovery at start ---------------------------------------------------------------------------
 
     def recover(self) -> None:
-        """Hold and queue the roll-back of sweeps an earlier run left running (before the first loop)."""
+        """Close the sweeps an earlier run left running (before the first loop): one whose settings
+        the hold journal still holds once recovery has put them back (`holds.recover`, run first),
+        any other at once (it was stopped before its first change, or after its restore)."""
         store = self.store()
         if store is None:
             return
         try:
             rows = store.running_tunes()
         except StoreError as exc:
-            log.error("cannot read the tune journal: an interrupted sweep is not rolled back", error=str(exc))
+            log.error("cannot read the tune journal: an interrupted sweep is not closed", error=str(exc))
             return
-        documents = []
         for row in rows:
             document = TuneDocument.from_json(row.document)
-            item = POLICY_ITEMS[document.request.kind]
-            self.holds.hold(
-                hold_owner(document.id),
-                [(item, o.gpu) for o in document.originals],
-                f"tune sweep {document.id} is being rolled back",
-            )
-            documents.append(document)
-        if documents:
-            self.worker().submit_task(RecoveryJob(documents, self.backend, self.store, self.holds, self.clock))
+            if self.holds.recovering(hold_owner(document.id)):
+                with self._lock:
+                    self._interrupted[hold_owner(document.id)] = document
+            else:
+                close_interrupted(document, store, self.clock, "nothing left to put back")
+
+    def _recovered(self, owner: str, what: str) -> None:
+        """The hold journal's recovery put back (or not) what sweep `owner` left changed."""
+        with self._lock:
+            document = self._interrupted.pop(owner, None)
+        store = self.store()
+        if document is not None and store is not None:
+            close_interrupted(document, store, self.clock, what)
 
     # -- checks --------------------------------------------------------------------------------------
 
@@ -242,7 +249,7 @@ class TuneRunner:
         return tuple(sorted(set(request.gpus))), tuple(own)
 
 
-def _request(params: Mapping[str, Any]) -> TuneRequest:
+def checked_request(params: Mapping[str, Any]) -> TuneRequest:
     """The request from the API's params, checked; ApiError naming what is wrong."""
     try:
         request = TuneRequest.from_json(dict(params))
@@ -258,7 +265,23 @@ def _request(params: Mapping[str, Any]) -> TuneRequest:
         raise ApiError("bad tune request: tolerances must be ratios (0.05 = 5 %)")
     if len(request.settings()) > MAX_STEPS:
         raise ApiError(f"bad tune request: more than {MAX_STEPS} steps; use a larger --step")
+    if not 0 <= request.settle_seconds <= MAX_DWELL_SECONDS:
+        raise ApiError(f"bad tune request: the settle time must be 0-{MAX_DWELL_SECONDS:g} s")
+    # Every step settles, then dwells; the current setting may be measured as a step of its own.
+    steps = len(request.settings()) + 1
+    longest = steps * (request.settle_seconds + request.dwell_seconds)
+    if longest > MAX_SWEEP_SECONDS:
+        raise ApiError(
+            f"bad tune request: the sweep could take {_duration(longest)} ({steps} steps x"
+            f" ({request.dwell_seconds:g} s dwell + {request.settle_seconds:g} s settle)); at most"
+            f" {_duration(MAX_SWEEP_SECONDS)}: fewer steps (a larger --step) or a shorter --dwell"
+        )
     return request
+
+
+def _duration(seconds: float) -> str:
+    hours, minutes = divmod(round(seconds / 60), 60)
+    return " ".join(part for part in (f"{hours} h" if hours else "", f"{minutes} min" if minutes else "") if part)
 
 
 def summary(document: dict[str, Any]) -> dict[str, Any]:

@@ -1,78 +1,52 @@
-"""The sweep job: hold, set, settle, measure, stop early where it must, put the originals back.
+"""The sweep job: set, settle, measure, stop early where it must; the originals go back whatever happens.
 
-`TuneJob.run` runs on the action worker's thread (agent.daemon.action_worker `Task`). Before its
-first change it reads and journals every GPU's original setting; each measured step is journaled
-as it completes; the originals go back on every way out (the end, an SLO breach, thin or uneven
-traffic, an abort, an error), and only then is the hold on the policy loop released.
-`RecoveryJob` does the same restore for a sweep an earlier run left `running` in the journal.
+`TuneJob.run` runs on the action worker (agent.daemon.action_worker `Task`), inside a hardware
+transaction (agent.policy.holds `PolicyHolds.run`): the ledger holds the swept item off the policy
+loop, reads and journals every GPU's original setting before the first change, every step's setting
+is written through the transaction, and the originals go back on every way out of the job (the end,
+an SLO breach, thin or uneven traffic, an abort, an error of any type, a reload that takes the
+write away or removes the service, the agent stopping; after a kill -9 the next start's recovery).
+Each measured step is journaled in the tune's row as it completes; `ended` closes the row with what
+the transaction put back, however the job ended, so no row stays `running` once its job is over.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 
 from agent.backend.base import ClockDomain, GpuBackend
-from agent.backend.errors import GpuError, WriteRefused
-from agent.config import ServiceConfig
+from agent.config import AgentConfig, ServiceConfig
 from agent.logger import get_logger
 from agent.policy.holds import PolicyHolds
+from agent.policy.transaction import Ending, HardwareTransaction, JobStop, retried
 from agent.store.database import Store, StoreError
-from agent.tune.defaults import KNOB_UNITS
-from agent.tune.measure import MeasureError, measure_step, wait_settled
+from agent.tune.defaults import KNOB_UNITS, POLICY_ITEMS
+from agent.tune.measure import measure_step, wait_settled
 from agent.tune.model import Original, StepReading, TuneDocument
 from agent.tune.recommend import recommend, thin_traffic, uneven_traffic
 
 log = get_logger()
 
-#: How long recovery waits for the GPU backend to open after a start before it gives up for this run.
-RECOVERY_BACKEND_WAIT_SECONDS = 120.0
 
-
-class TuneStop(Exception):
-    """The sweep ends early, for the reason given (state: stopped | failed)."""
-
-    def __init__(self, state: str, detail: str) -> None:
-        super().__init__(detail)
-        self.state = state
-        self.detail = detail
+class TuneStop(JobStop):
+    """The sweep ends early, for the reason given (state: stopped | aborted | failed)."""
 
 
 def hold_owner(row_id: int) -> str:
     return f"tune-{row_id}"
 
 
-def read_originals(backend: GpuBackend, kind: str, gpus: tuple[int, ...]) -> tuple[Original, ...]:
+def originals_of(transaction: HardwareTransaction, kind: str) -> tuple[Original, ...]:
+    """The transaction's originals as the tune document shows them, GPU by GPU."""
     originals: list[Original] = []
-    for gpu in gpus:
+    for (_item, gpu), value in sorted(transaction.originals.items(), key=lambda entry: entry[0][1]):
         if kind == "power":
-            originals.append(Original(gpu, power_limit_watts=backend.power_limit_watts(gpu)))
+            originals.append(Original(gpu, power_limit_watts=value if isinstance(value, float | int) else None))
         else:
-            lock = backend.locked_clocks_mhz(gpu, ClockDomain.GRAPHICS)
+            lock = value if isinstance(value, tuple) else None
             originals.append(Original(gpu, locked_graphics_mhz=lock, locked=lock is not None))
     return tuple(originals)
-
-
-def restore(backend: GpuBackend, kind: str, originals: tuple[Original, ...]) -> list[str]:
-    """Put every original back; what was done or failed, one line per GPU (never raises)."""
-    done: list[str] = []
-    for original in originals:
-        gpu = original.gpu
-        try:
-            if kind == "power" and original.power_limit_watts is not None:
-                backend.set_power_limit_watts(gpu, original.power_limit_watts)
-                done.append(f"GPU {gpu} power limit {original.power_limit_watts:g} W")
-            elif kind == "clocks" and original.locked_graphics_mhz is not None:
-                low, high = original.locked_graphics_mhz
-                backend.set_locked_clocks_mhz(gpu, ClockDomain.GRAPHICS, low, high)
-                done.append(f"GPU {gpu} clocks locked {low}-{high} MHz")
-            elif kind == "clocks":
-                backend.reset_locked_clocks(gpu, ClockDomain.GRAPHICS)
-                done.append(f"GPU {gpu} clocks unlocked")
-        except (GpuError, WriteRefused) as exc:
-            done.append(f"GPU {gpu} NOT restored: {exc}")
-    return done
 
 
 class TuneJob:
@@ -97,9 +71,15 @@ class TuneJob:
         self.clock = clock
         self.gpu_model = gpu_model
         self.lock = threading.Lock()
-        self.name = f"tune {document.request.kind} sweep {document.id} of service {service.name}"
+        kind = document.request.kind
+        self.name = f"tune {kind} sweep {document.id} of service {service.name}"
+        self.owner = hold_owner(document.id)
+        self.reason = f"tune sweep {document.id} drives it"
+        self.keys = tuple((POLICY_ITEMS[kind], gpu) for gpu in document.gpus)
+        self.gpus: frozenset[int] | None = frozenset(document.measured_gpus)  # what the action worker keeps free
         self._aborted = threading.Event()
         self._abort_reason = ""
+        self._result = ("done", "")  # how the body ended when it returned
         self.finished = threading.Event()
 
     def abort(self, reason: str) -> None:
@@ -110,36 +90,55 @@ class TuneJob:
     def aborted(self) -> bool:
         return self._aborted.is_set()
 
+    def conflict(self, config: AgentConfig) -> str | None:
+        """Why a reload to `config` ends the sweep: its service gone, or measured elsewhere now."""
+        service = next((s for s in config.services if s.name == self.service.name), None)
+        if service is None:
+            return f"service {self.service.name} is no longer configured"
+        if (service.effective_metrics_url, service.gpus) != (self.service.effective_metrics_url, self.service.gpus):
+            return f"service {self.service.name}'s metrics URL or GPUs changed"
+        return None
+
     # -- the run ----------------------------------------------------------------------------------
 
     def run(self) -> None:
-        backend = self.backend()
-        originals_read = False
-        try:
-            if backend is None:
-                raise TuneStop("failed", "GPU backend unavailable")
-            if self.aborted():
-                raise TuneStop("aborted", f"aborted before it started: {self._abort_reason}")
-            self._check_settings(backend)
-            with self.lock:
-                self.document.originals = read_originals(backend, self.document.request.kind, self.document.gpus)
-            self._save()  # journaled before the first change: a kill -9 from here on is rolled back
-            originals_read = True
-            self._sweep(backend)
-            self._finish(backend, "done", "")
-        except TuneStop as stop:
-            self._end(backend, originals_read, stop.state, stop.detail)
-        except (GpuError, WriteRefused, MeasureError, StoreError) as exc:
-            self._end(backend, originals_read, "failed", str(exc))
-        finally:
-            self.holds.release(hold_owner(self.document.id))
-            self.finished.set()
+        self.holds.run(self, self.backend())
 
-    def _end(self, backend: GpuBackend | None, originals_read: bool, state: str, detail: str) -> None:
-        if backend is not None and originals_read:
-            self._finish(backend, state, detail)
-            return
-        self._close(state, detail)
+    def body(self, transaction: HardwareTransaction) -> None:
+        """Inside the transaction: the originals are read, held and journaled already."""
+        if self.aborted():
+            raise TuneStop("aborted", f"aborted before it started: {self._abort_reason}")
+        backend = transaction.backend
+        self._check_settings(backend)
+        with self.lock:
+            self.document.originals = originals_of(transaction, self.document.request.kind)
+        self._save()
+        state, detail = self._sweep(transaction)
+        recommendation, why = recommend(self.document.request, self._steps(), self._gpu_model(backend))
+        with self.lock:
+            self.document.recommendation = recommendation
+        if recommendation is None and self._steps():
+            detail = "; ".join(part for part in (detail, f"no recommendation: {why}") if part)
+        self._result = (state, detail)
+
+    def ended(self, ending: Ending) -> None:
+        """However the job ended: close the row with what was put back (see the module docstring)."""
+        state, detail = self._result if ending.error is None else (ending.state, ending.detail)
+        if ending.not_restored:
+            state = "failed"
+        parts = [detail] if detail else []
+        if ending.error is not None and self._steps():
+            parts.append("no recommendation: the sweep did not finish")
+        parts.append(ending.restore_note())
+        self._close(state, "; ".join(parts))
+        self.finished.set()
+
+    def _gpu_model(self, backend: GpuBackend) -> str:
+        return self.gpu_model(backend, self.document.gpus[0])
+
+    def _steps(self) -> list[StepReading]:
+        with self.lock:
+            return list(self.document.steps)
 
     def _check_settings(self, backend: GpuBackend) -> None:
         """Every step must be settable on every GPU before the first change."""
@@ -167,13 +166,16 @@ class TuneJob:
         """The baseline's setting: the first GPU's original limit, or its lock's top (its maximum clock unlocked)."""
         original = self.document.originals[0]
         if self.document.request.kind == "power":
-            assert original.power_limit_watts is not None  # read_originals sets it for power sweeps
+            assert original.power_limit_watts is not None  # the transaction read it for power sweeps
             return float(round(original.power_limit_watts, 3))
         if original.locked_graphics_mhz is not None:
             return float(original.locked_graphics_mhz[1])
         return float(backend.max_clock_mhz(original.gpu, ClockDomain.GRAPHICS))
 
-    def _sweep(self, backend: GpuBackend) -> None:
+    def _sweep(self, transaction: HardwareTransaction) -> tuple[str, str]:
+        """Every step measured: ("done", ""), or ("stopped", why) where the traffic or the SLO says
+        the descent must end; an abort or a failure raises."""
+        backend = transaction.backend
         request = self.document.request
         current = self._current_setting(backend)
         uniform = len({(o.power_limit_watts, o.locked_graphics_mhz) for o in self.document.originals}) == 1
@@ -192,7 +194,7 @@ class TuneJob:
             self._progress(number, total, setting, left, "settling")
             if change:
                 self._save()  # the step it is about to set, journaled first: recovery can say where it stopped
-                self._set(backend, setting)
+                self._set(transaction, setting)
             if not wait_settled(backend, self.document.measured_gpus, request.settle_seconds, self.aborted):
                 raise TuneStop("aborted", self._abort_reason)
             self._progress(number, total, setting, left - 1.0, "measuring")
@@ -205,15 +207,15 @@ class TuneJob:
                 dwell_seconds=request.dwell_seconds,
                 aborted=self.aborted,
             )
-            if reading is None:
+            if reading is None or self.aborted():  # an abort may have put the originals back meanwhile
                 raise TuneStop("aborted", self._abort_reason)
             thin = thin_traffic(reading, request.min_request_rate)
             if thin is not None:
-                raise TuneStop("stopped", f"traffic too thin to measure at {setting:g}: {thin}")
+                return "stopped", f"traffic too thin to measure at {setting:g}: {thin}"
             if first is not None:
                 uneven = uneven_traffic(first, reading, request.max_traffic_change)
                 if uneven is not None:
-                    raise TuneStop("stopped", f"traffic too uneven to compare at {setting:g}: {uneven}")
+                    return "stopped", f"traffic too uneven to compare at {setting:g}: {uneven}"
             first = first or reading
             with self.lock:
                 self.document.steps.append(reading)
@@ -221,14 +223,16 @@ class TuneJob:
             if reading.slo_breaches:
                 unit = KNOB_UNITS[request.kind]
                 where = "at the current setting" if is_baseline else f"at {setting:g} {unit}"
-                raise TuneStop("stopped", f"SLO missed {where} ({'; '.join(reading.slo_breaches)}): descent stopped")
+                return "stopped", f"SLO missed {where} ({'; '.join(reading.slo_breaches)}): descent stopped"
+        return "done", ""
 
-    def _set(self, backend: GpuBackend, setting: float) -> None:
+    def _set(self, transaction: HardwareTransaction, setting: float) -> None:
+        item = POLICY_ITEMS[self.document.request.kind]
         for gpu in self.document.gpus:
             if self.document.request.kind == "power":
-                backend.set_power_limit_watts(gpu, setting)
+                transaction.write(item, gpu, setting)
             else:
-                backend.set_locked_clocks_mhz(gpu, ClockDomain.GRAPHICS, int(setting), int(setting))
+                transaction.write(item, gpu, (int(setting), int(setting)))
 
     # -- progress and the journal -------------------------------------------------------------------
 
@@ -250,26 +254,6 @@ class TuneJob:
             document = self.document.to_json()
         store.save_tune(self.document.id, document, self.clock() if finished else None)
 
-    def _finish(self, backend: GpuBackend, state: str, detail: str) -> None:
-        restored = restore(backend, self.document.request.kind, self.document.originals)
-        failed = [line for line in restored if "NOT restored" in line]
-        note = f"restored: {', '.join(restored) or 'nothing changed'}"
-        with self.lock:
-            steps = list(self.document.steps)
-        if failed:
-            state = "failed"
-        recommendation, why = None, "the sweep did not finish"
-        if state in ("done", "stopped"):  # a sweep cut short by an abort or a failure recommends nothing
-            gpu_model = self.gpu_model(backend, self.document.gpus[0])
-            recommendation, why = recommend(self.document.request, steps, gpu_model)
-        with self.lock:
-            self.document.recommendation = recommendation
-        parts = [detail] if detail else []
-        if recommendation is None and steps:
-            parts.append(f"no recommendation: {why}")
-        parts.append(note)
-        self._close(state, "; ".join(parts))
-
     def _close(self, state: str, detail: str) -> None:
         with self.lock:
             self.document.state = state  # type: ignore[assignment]  # one of TuneDocument's states
@@ -277,59 +261,21 @@ class TuneJob:
             self.document.finished_seconds = self.clock()
             self.document.progress = {}
         log.info("tune finished", tune=self.document.id, state=state, detail=detail)
-        try:
-            self._save(finished=True)
-        except StoreError as exc:
-            log.error("could not journal the end of a tune", error=str(exc), tune=self.document.id)
+        failure = retried(lambda: self._save(finished=True))
+        if failure is not None:  # left running: the next start closes it as interrupted
+            log.error("could not journal the end of a tune", error=str(failure), tune=self.document.id)
 
 
-class RecoveryJob:
-    """Put back what sweeps an earlier run left `running` (kill -9, a crash), then close them."""
-
-    def __init__(
-        self,
-        documents: list[TuneDocument],
-        backend: Callable[[], GpuBackend | None],
-        store: Callable[[], Store | None],
-        holds: PolicyHolds,
-        clock: Callable[[], float],
-    ) -> None:
-        self.documents = documents
-        self.backend = backend
-        self.store = store
-        self.holds = holds
-        self.clock = clock
-        self.name = "tune recovery"
-        self._aborted = threading.Event()
-
-    def abort(self, reason: str) -> None:
-        self._aborted.set()
-
-    def run(self) -> None:
-        deadline = time.monotonic() + RECOVERY_BACKEND_WAIT_SECONDS
-        backend = self.backend()
-        while backend is None and time.monotonic() < deadline and not self._aborted.wait(0.2):
-            backend = self.backend()
-        for document in self.documents:
-            if backend is None:
-                # Left running: the next start tries again; the hold keeps the policy loop off meanwhile.
-                log.error("tune recovery: no GPU backend; the interrupted sweep is rolled back later", tune=document.id)
-                continue
-            restored = restore(backend, document.request.kind, document.originals)
-            where = document.progress.get("setting")
-            detail = (
-                f"interrupted (the agent stopped during the sweep{f', at {where:g}' if where is not None else ''});"
-                f" restored at start: {', '.join(restored) or 'nothing changed'}"
-            )
-            document.state = "interrupted"
-            document.detail = detail
-            document.finished_seconds = self.clock()
-            document.progress = {}
-            log.warning("interrupted tune rolled back", tune=document.id, detail=detail)
-            store = self.store()
-            if store is not None:
-                try:
-                    store.save_tune(document.id, document.to_json(), document.finished_seconds)
-                except StoreError as exc:
-                    log.error("could not close an interrupted tune", error=str(exc), tune=document.id)
-            self.holds.release(hold_owner(document.id))
+def close_interrupted(document: TuneDocument, store: Store, clock: Callable[[], float], what: str) -> None:
+    """Close a sweep an earlier run left `running` (kill -9, a crash): `what` says what recovery did."""
+    where = document.progress.get("setting")
+    at = f", at {where:g}" if isinstance(where, float | int) else ""
+    document.state = "interrupted"
+    document.detail = f"interrupted (the agent stopped during the sweep{at}); {what}"
+    document.finished_seconds = clock()
+    document.progress = {}
+    log.warning("interrupted tune closed", tune=document.id, detail=document.detail)
+    try:
+        store.save_tune(document.id, document.to_json(), document.finished_seconds)
+    except StoreError as exc:
+        log.error("could not close an interrupted tune", error=str(exc), tune=document.id)

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import structlog
-from helpers import action_context, make_event, wait_until
+from helpers import action_context, http_server, make_event, wait_until
 from hosttree import NOBODY_ID, ScriptedHostContext, make_host_tree
 from pydantic import ValidationError
 from race import attempts, swapping
@@ -348,10 +348,15 @@ def test_reset_gpu_full_safe_sequence(node: Node) -> None:
     steps = outcome.detail.split("; ")
     assert steps[0] == "stopped sglang"
     assert steps[1].startswith("GPU 0 idle after ")
-    assert steps[2:5] == ["reset GPU 0", "policy re-applied (1 item(s) set)", "started sglang"]
-    assert steps[5].startswith("sglang healthy after ")
+    assert steps[2:6] == [
+        "reset GPU 0",
+        "settings put back: GPU 0 clocks unlocked, GPU 0 power limit 500 W",
+        "policy re-applied (0 item(s) set)",  # the settings it drives are back already
+        "started sglang",
+    ]
+    assert steps[6].startswith("sglang healthy after ")
     assert node.backend.recovery_action(0) == RecoveryAction.NONE  # the reset happened
-    assert node.backend.power_limit_watts(0) == 500  # reset to 700 W by the reset, then re-applied
+    assert node.backend.power_limit_watts(0) == 500  # reset to 700 W by the reset, then put back
     second = node.service_pid()
     assert second != first and not running(first)
     assert node.gpu_pids() == [second]
@@ -473,9 +478,9 @@ def test_services_come_back_when_the_sequence_breaks_after_the_reset(
     node.backend.fail_call(None, "device_count", None)
     assert outcome.outcome is Outcome.FAILED
     steps = outcome.detail.split("; ")
-    assert steps[2] == "reset GPU 0"
-    assert steps[3].startswith("policy re-apply failed: injected failure of device_count")
-    assert steps[4] == "started sglang" and steps[5].startswith("sglang healthy after ")
+    assert steps[2:4] == ["reset GPU 0", "settings put back: GPU 0 clocks unlocked, GPU 0 power limit 700 W"]
+    assert steps[4].startswith("policy re-apply failed: injected failure of device_count")
+    assert steps[5] == "started sglang" and steps[6].startswith("sglang healthy after ")
     second = node.service_pid()
     assert second != first and running(second)
 
@@ -981,6 +986,28 @@ def test_an_unreadable_server_is_not_waited_on(tmp_path: Path) -> None:
         assert outcome.outcome is Outcome.SUCCESS, outcome.detail
         assert outcome.detail.split("; ")[1] == "sglang's running requests unreadable (HTTP 503): not waited on"
         assert time.monotonic() - began < 20
+
+
+def test_a_drain_that_meets_an_error_of_any_type_still_restarts_the_service(tmp_path: Path) -> None:
+    """The reproduction: the server's /metrics redirects to port 99999 while its restart drains it.
+    Whatever the running-requests reader raises, the drain only delays the stop: the service is
+    restarted, and the journal says it was drained."""
+    # `urlsplit` raises ValueError on the port: an error of no reader's own type.
+    with http_server(lambda _path: (302, {"Location": "http://127.0.0.1:99999/metrics"}, b"")) as server:
+        drain = {"hook": ["/bin/true"], "timeout_seconds": 5}
+        node = make_node(tmp_path, service_fields={"metrics_url": f"{server}/metrics", "drain": drain})
+        journal: list[str] = []
+        node.ctx.journal = journal.append
+        first = node.start_service()
+        try:
+            outcome = execute(decision(ActionKind.RESTART_SERVICE, target=Target(service="sglang")), node.ctx)
+            assert outcome.outcome is Outcome.SUCCESS, outcome.detail
+            assert node.service_pid() != first
+            assert journal == ["draining sglang", "drained sglang", "restarting sglang", "restarted sglang"]
+            waited = outcome.detail.split("; ")[1]
+            assert waited.startswith(("sglang's running requests unreadable (", "drain of sglang failed (")), waited
+        finally:
+            CommandManager().stop(node.config.services[0])
 
 
 def test_a_reset_drains_the_services_before_stopping_them(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from helpers import FakeClock, make_event, wait_until
+from helpers import FakeClock, WaitingTask, make_event, wait_until
 
 from agent.config import AgentConfig, ServiceConfig
 from agent.daemon.action_worker import ActionWorker, ClockHistory
@@ -219,43 +219,26 @@ def test_an_action_with_nowhere_to_go_is_no_attempt(store: Store) -> None:
     assert [(c.outcome, c.count) for c in store.remediation_counts()] == [("not_configured", 1)]
 
 
-class _WaitingTask:
-    """A task (a tune sweep's stand-in) that runs until it is aborted, and says why."""
-
-    name = "test task"
-
-    def __init__(self) -> None:
-        self.started = threading.Event()
-        self.aborted = threading.Event()
-        self.reason = ""
-
-    def run(self) -> None:
-        self.started.set()
-        self.aborted.wait(10)
-
-    def abort(self, reason: str) -> None:
-        self.reason = reason
-        self.aborted.set()
-
-
 def test_a_decided_action_aborts_a_running_task_and_runs_after_it(store: Store) -> None:
-    """A fault never waits for an experiment: the remediation aborts the sweep, then runs."""
-    ran = threading.Event()
+    """A fault never waits for an experiment: the remediation aborts the sweep, then runs. An alert
+    neither waits for the sweep nor ends it (a sweep's own cap raises alerts)."""
+    ran: list[str] = []
     clock = FakeClock()
     worker = ActionWorker(
-        lambda: ran.set(),  # type: ignore[arg-type,func-returns-value]
+        lambda: ran.append("action"),  # type: ignore[arg-type,func-returns-value]
         lambda: store, lambda _gpu: None, clock, AttemptClock(BOOT, clock.monotonic),
     )  # fmt: skip
-    task = _WaitingTask()
+    task = WaitingTask()
     worker.start()
     worker.submit_task(task)
     assert task.started.wait(5)
     assert worker.busy() == "test task is running"
     worker.submit(decision("alert", rule="alert", action=ActionKind.ALERTMANAGER), clock())
-    assert not task.aborted.wait(0.5), "an alert waits for the task: a sweep's own cap raises alerts"
+    wait_until(lambda: ran == ["action"], 5, "the alert run beside the task")
+    assert not task.aborted.is_set()
     worker.submit(decision(), clock())
     assert task.aborted.wait(5) and task.reason == "remediation reset needs the node"
-    assert ran.wait(5), "the action ran once the task gave the node back"
+    wait_until(lambda: ran == ["action", "action"], 5, "the action run once the task gave the node back")
     wait_until(lambda: worker.busy() is None, 5, "the worker idle again")
     worker.stop(5)
 
@@ -263,7 +246,7 @@ def test_a_decided_action_aborts_a_running_task_and_runs_after_it(store: Store) 
 def test_stopping_the_worker_aborts_its_task(store: Store) -> None:
     clock = FakeClock()
     worker = ActionWorker(lambda: None, lambda: store, lambda _gpu: None, clock, AttemptClock(BOOT, clock.monotonic))
-    task = _WaitingTask()
+    task = WaitingTask()
     worker.start()
     worker.submit_task(task)
     assert task.started.wait(5)

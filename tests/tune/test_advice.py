@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from hosttree import make_host_tree
 
+from agent.api import ApiError
 from agent.api_server import handle_request
-from agent.backend.base import ClockDomain
+from agent.backend.base import ClockDomain, WriteGuard
 from agent.backend.sim import SimulatedBackend
 from agent.config import AgentConfig
 from agent.policy.base import ApplyOutcome, HostContext
@@ -19,8 +21,7 @@ from agent.store.tunes import HistoryRow
 from agent.tune.model import StepReading, TuneDocument, TuneRequest
 from agent.tune.passive import passive_report
 from agent.tune.recommend import recommend, thin_traffic, uneven_traffic
-from agent.tune.runner import PRIVILEGED_METHODS
-from agent.tune.sweep import read_originals, restore
+from agent.tune.runner import PRIVILEGED_METHODS, checked_request
 
 
 def request(**values: object) -> TuneRequest:
@@ -114,7 +115,7 @@ def test_a_held_item_is_planned_but_never_written(tmp_path: Path) -> None:
     backend = SimulatedBackend("h200x2", tmp_path / "state", writable_items=config.writable_items())
     backend.init()
     holds = PolicyHolds()
-    holds.hold("tune-1", [("power_limit", 0)], "tune sweep 1 drives it")
+    transaction = holds.begin("tune-1", "tune sweep 1 drives it", backend, [("power_limit", 0)])
     engine = PolicyEngine(config, backend, HostContext(make_host_tree(tmp_path / "host")), holds)
     report = engine.apply()
     results = {(r.plan.item, r.plan.gpu): r for r in report.results}
@@ -124,7 +125,7 @@ def test_a_held_item_is_planned_but_never_written(tmp_path: Path) -> None:
     assert (backend.power_limit_watts(0), backend.power_limit_watts(1)) == (700.0, 600.0)
     (held,) = [p for p in report.plan.items if (p.item, p.gpu) == ("power_limit", 0)]
     assert held.detail.startswith("held: tune sweep 1 drives it; allowed 200-700 W")
-    holds.release("tune-1")
+    transaction.close()
     engine.apply()
     assert backend.power_limit_watts(0) == 600.0
 
@@ -177,26 +178,60 @@ def test_only_a_trusted_peer_may_start_or_abort_a_sweep() -> None:
     assert {"tune_start", "tune_abort"} == PRIVILEGED_METHODS
 
 
-def test_restore_puts_back_a_lock_an_unlock_and_a_limit(tmp_path: Path) -> None:
+def test_a_transaction_puts_back_a_lock_an_unlock_and_a_limit(tmp_path: Path) -> None:
     backend = SimulatedBackend(
         "h200x2", tmp_path / "state", writable_items={"power_limit", "locked_clocks"}
     )  # fmt: skip
     backend.init()
     backend.set_locked_clocks_mhz(0, ClockDomain.GRAPHICS, 1500, 1755)
-    clocks = read_originals(backend, "clocks", (0, 1))
-    power = read_originals(backend, "power", (0, 1))
-    for gpu in (0, 1):
-        backend.set_locked_clocks_mhz(gpu, ClockDomain.GRAPHICS, 1200, 1200)
-        backend.set_power_limit_watts(gpu, 400)
-    assert restore(backend, "clocks", clocks) == ["GPU 0 clocks locked 1500-1755 MHz", "GPU 1 clocks unlocked"]
+    holds = PolicyHolds()
+    keys = [(item, gpu) for item in ("locked_clocks", "power_limit") for gpu in (0, 1)]
+    with holds.begin("tune-1", "tune sweep 1 drives it", backend, keys) as transaction:
+        for gpu in (0, 1):
+            transaction.write("locked_clocks", gpu, (1200, 1200))
+            transaction.write("power_limit", gpu, 400.0)
+        assert holds.held("power_limit", 1) == "tune sweep 1 drives it"
+    assert transaction.restored == (
+        "GPU 0 clocks locked 1500-1755 MHz",
+        "GPU 1 clocks unlocked",
+        "GPU 0 power limit 700 W",
+        "GPU 1 power limit 700 W",
+    )
     assert backend.locked_clocks_mhz(0, ClockDomain.GRAPHICS) == (1500, 1755)
     assert backend.locked_clocks_mhz(1, ClockDomain.GRAPHICS) is None
-    assert restore(backend, "power", power) == ["GPU 0 power limit 700 W", "GPU 1 power limit 700 W"]
     assert backend.power_limit_watts(1) == 700.0
-    writable = SimulatedBackend("h200x2", tmp_path / "state", writable_items={"power_limit"})
-    writable.init()
-    writable.set_power_limit_watts(0, 400)
-    observe = SimulatedBackend("h200x2", tmp_path / "state")  # observe mode: the write guard refuses
-    observe.init()
-    (line, _) = restore(observe, "power", power)
-    assert line.startswith("GPU 0 NOT restored: ") and writable.power_limit_watts(0) == 400.0
+    assert holds.held("power_limit", 1) is None and holds.active() == []
+
+
+def test_an_original_that_could_not_go_back_stays_the_original(tmp_path: Path) -> None:
+    """A restore the guard refuses is reported, and the next job on that setting takes the true
+    original, never the step it was left at."""
+    backend = SimulatedBackend("h200x2", tmp_path / "state", writable_items={"power_limit"})
+    backend.init()
+    holds = PolicyHolds()
+    with holds.begin("tune-1", "tune sweep 1 drives it", backend, [("power_limit", 0)]) as transaction:
+        transaction.write("power_limit", 0, 400.0)
+        backend.write_guard = WriteGuard(())  # observe mode now: nothing may be written
+    (line,) = transaction.restored or ()
+    assert line.startswith("GPU 0 power limit 700 W NOT restored: refused to set_power_limit_watts")
+    assert backend.power_limit_watts(0) == 400.0 and holds.held("power_limit", 0) is None
+    backend.write_guard = WriteGuard({"power_limit"})
+    with holds.begin("tune-2", "tune sweep 2 drives it", backend, [("power_limit", 0)]) as second:
+        assert second.originals == {("power_limit", 0): 700.0}
+        second.write("power_limit", 0, 550.0)
+    assert second.restored == ("GPU 0 power limit 700 W",) and backend.power_limit_watts(0) == 700.0
+
+
+def test_a_sweep_longer_than_two_hours_is_refused_before_it_starts() -> None:
+    """64 steps of an hour's dwell was 64 h of a node held at settings nobody chose; the bound counts
+    every step's settling and dwell, the current setting's own step included."""
+    fine = {"kind": "power", "service": "sglang", "start": 700, "stop": 400, "step": 50, "dwell_seconds": 600}
+    assert len(checked_request(fine).settings()) == 7  # 8 steps x (600 + 10) s: 81 min
+    with pytest.raises(ApiError) as refused:
+        checked_request({**fine, "dwell_seconds": 900})
+    assert str(refused.value) == (
+        "bad tune request: the sweep could take 2 h 1 min (8 steps x (900 s dwell + 10 s settle)); at most 2 h:"
+        " fewer steps (a larger --step) or a shorter --dwell"
+    )
+    with pytest.raises(ApiError, match=r"could take 8 h 47 min \(62 steps"):
+        checked_request({**fine, "step": 5, "dwell_seconds": 500})

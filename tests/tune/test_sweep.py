@@ -11,13 +11,14 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from daemon_harness import RunningAgent, running_agent
-from helpers import wait_until
+from helpers import HttpAnswer, http_server, wait_until
 
 from agent import api
 from agent.backend.base import ClockDomain
@@ -30,9 +31,12 @@ from agent.textview import status_text
 PROFILE = "h200x2"
 
 
-def policy(port: int, *, slo_seconds: float = 5.0, power_limit: str = "", interval: str = "") -> str:
+def policy(
+    port: int, *, slo_seconds: float = 5.0, power_limit: str = "", interval: str = "", metrics_url: str = ""
+) -> str:
     """The agent's policy block, then top-level keys after it (the harness appends it last)."""
     limit = f"\n      power_limit_watts: {power_limit}" if power_limit else ""
+    metrics = f'\n    metrics_url: "{metrics_url}"' if metrics_url else ""
     return f"""\
   gpus:
     - match: {{model: "NVIDIA H200*"}}
@@ -42,7 +46,7 @@ services:
     manager: command
     start_command: [/bin/true]
     stop_command: [/bin/true]
-    health_url: "http://127.0.0.1:{port}/health"
+    health_url: "http://127.0.0.1:{port}/health"{metrics}
     gpus: [0]
     probe_interval_seconds: 0.2
     scrape_interval_seconds: 0.2
@@ -52,15 +56,22 @@ services:
 
 @contextmanager
 def node(
-    tmp_path: Path, *, mode: str = "enforce", load: tuple[str, ...] = ("--concurrency", "16"), **policy_args: Any
+    tmp_path: Path,
+    *,
+    mode: str = "enforce",
+    load: tuple[str, ...] = ("--concurrency", "16"),
+    port: int | None = None,
+    rules_dir: Path | None = None,
+    **policy_args: Any,
 ) -> Iterator[tuple[RunningAgent, SimulatedBackend]]:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    port = port or free_port()
     state_dir = tmp_path / "state"
     args = ("--flavor", "sglang", "--sim-state-dir", str(state_dir), "--sim-profile", PROFILE, "--gpus", "0", *load)
+    agent_config = {"mode": mode, "profile": PROFILE, "policy": policy(port, **policy_args), "rules_dir": rules_dir}
     with (
         StandinServer(tmp_path, port=port, extra_args=args),
-        running_agent(tmp_path, mode=mode, profile=PROFILE, policy=policy(port, **policy_args)) as agent,
+        running_agent(tmp_path, **agent_config) as agent,
     ):
         agent.notifications.wait_for("READY", "1")
         wait_until(lambda: traffic_seen(agent), 30, "the service's request figures")
@@ -320,3 +331,139 @@ def test_ctrl_c_on_the_cli_aborts_and_waits_for_the_restore(tmp_path: Path) -> N
     assert "aborted: aborted with Ctrl-C on the CLI" in out and "restored: GPU 0 power limit 700 W" in out
     assert "700 W (current)" in out  # the steps measured before the abort are still shown
     assert "recommended:" not in out and "no recommendation: the sweep did not finish" in out
+
+
+# -- every way out: a reader's error of any type, a reload, and nothing waits behind the sweep ------
+
+
+class MetricsRelay:
+    """The stand-in's /metrics passed through, or (`redirect`) a 302 to port 99999, which no reader
+    can follow: `urlsplit` raises ValueError for the port, not the reader's own error."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.redirect = False
+        self.url = ""
+
+    def answer(self, path: str) -> HttpAnswer:
+        if self.redirect:
+            return 302, {"Location": "http://127.0.0.1:99999/metrics"}, b""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.upstream_port}{path}", timeout=5) as answer:
+                return 200, {}, answer.read()
+        except OSError:
+            return 503, {}, b""
+
+    @contextmanager
+    def serving(self) -> Iterator[MetricsRelay]:
+        with http_server(self.answer) as base:
+            self.url = f"{base}/metrics"
+            yield self
+
+
+def start_sweep(agent: RunningAgent, dwell_seconds: float = 4) -> dict[str, Any]:
+    params = {"kind": "power", "service": "sglang", "start": 700, "stop": 400, "step": 150}
+    return dict(api.call(agent.socket_path, "tune_start", {**params, "dwell_seconds": dwell_seconds}))
+
+
+def ended(agent: RunningAgent, tune_id: int, seconds: float = 30) -> dict[str, Any]:
+    return dict(
+        wait_until(
+            lambda: (
+                (d := api.call(agent.socket_path, "tune_status", {"id": tune_id})) and d["state"] != "running" and d
+            ),
+            seconds,
+            f"tune {tune_id} to end",
+        )
+    )
+
+
+def test_a_redirect_no_reader_can_follow_mid_sweep_still_puts_the_limit_back(tmp_path: Path) -> None:
+    """The reproduction: mid-sweep the service answers /metrics with a 302 to port 99999. The
+    sweep fails with the original limit back and its row closed; `tune --abort` has nothing left
+    to stop; the next sweep reads the true original, not the step the first one was at."""
+    port = free_port()
+    with MetricsRelay(port).serving() as relay, node(tmp_path, port=port, metrics_url=relay.url) as (agent, backend):
+        first = start_sweep(agent)
+        wait_until(lambda: backend.power_limit_watts(0) == 550.0, 30, "the 550 W step set", poll_seconds=0.05)
+        relay.redirect = True
+        document = ended(agent, first["id"])
+        assert backend.power_limit_watts(0) == 700.0
+        assert document["state"] == "failed", document["detail"]
+        assert "restored: GPU 0 power limit 700 W" in document["detail"] and "NOT restored" not in document["detail"]
+        code, _, err = tune(agent, "--abort")
+        assert code == 1 and "no tune is running" in err, err
+        relay.redirect = False
+        second = wait_until(lambda: _started(agent), 30, "a second sweep accepted")
+        wait_until(lambda: backend.power_limit_watts(0) == 550.0, 30, "its 550 W step", poll_seconds=0.05)
+        status = api.call(agent.socket_path, "tune_status", {"id": second["id"]})
+        assert status["originals"] == [
+            {"gpu": 0, "power_limit_watts": 700.0, "locked_graphics_mhz": None, "locked": False}
+        ]
+        api.call(agent.socket_path, "tune_abort", {})
+        assert ended(agent, second["id"])["state"] == "aborted"
+        assert backend.power_limit_watts(0) == 700.0
+    with Store.open(tmp_path / "state") as store:
+        assert store.running_tunes() == [] and store.open_holds() == []
+
+
+def _started(agent: RunningAgent) -> dict[str, Any] | None:
+    try:
+        return start_sweep(agent)
+    except api.ApiError:  # its figures still come back after the redirect: refused until then
+        return None
+
+
+def test_a_reload_to_observe_mid_sweep_puts_the_limit_back_before_the_guard_switches(tmp_path: Path) -> None:
+    """The reproduction: SIGHUP with `mode: observe` while a sweep holds GPU 0 at 550 W. The reload
+    ends the sweep and puts 700 W back under the old write guard, then switches: never "NOT
+    restored", and nothing writes the limit afterwards."""
+    with node(tmp_path) as (agent, backend):
+        started = start_sweep(agent)
+        wait_until(lambda: backend.power_limit_watts(0) == 550.0, 30, "the 550 W step set", poll_seconds=0.05)
+        agent.config_path.write_text(agent.config_path.read_text().replace("mode: enforce", "mode: observe"))
+        agent.signal(signal.SIGHUP)
+        document = ended(agent, started["id"])
+        assert backend.power_limit_watts(0) == 700.0
+        assert document["state"] == "aborted", document["detail"]
+        assert "the config was reloaded: power_limit is no longer in enforce mode" in document["detail"]
+        assert "restored: GPU 0 power limit 700 W" in document["detail"] and "NOT restored" not in document["detail"]
+        wait_until(lambda: '"config reloaded"' in agent.log(), 15, "the reload applied")
+        assert backend.power_limit_watts(0) == 700.0
+
+
+def test_an_xid_79_on_another_gpu_is_flagged_within_two_seconds_while_a_sweep_runs(tmp_path: Path) -> None:
+    """Lanes, not one queue: the reboot recommendation never waits behind the sweep on GPU 0. The
+    latency is the flag's time against the Xid event's, both as the daemon recorded them."""
+    rules = tmp_path / "rules.d"
+    rules.mkdir(mode=0o755, parents=True)
+    for source in (Path(__file__).parents[2] / "rules").glob("*.yaml"):
+        (rules / source.name).write_text(source.read_text())
+        (rules / source.name).chmod(0o644)
+    with node(tmp_path / "node", rules_dir=rules) as (agent, backend):
+        started = start_sweep(agent, dwell_seconds=60)
+        wait_until(
+            lambda: (
+                api.call(agent.socket_path, "tune_status", {"id": started["id"]})["progress"].get("doing")
+                == "measuring"
+            ),
+            30,
+            "the sweep measuring",
+        )
+        injected = subprocess.run(
+            [sys.executable, "-m", "agent.cli", "inject", "xid", "79", "--gpu", "1", "--config", str(agent.config_path)],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert injected.returncode == 0, injected.stderr
+        flag_path = agent.state_dir / "reboot-recommended"
+        wait_until(flag_path.exists, 30, "the reboot recommendation")
+        flag = json.loads(flag_path.read_text())
+        assert api.call(agent.socket_path, "tune_status", {"id": started["id"]})["state"] == "running"
+        with Store.open(agent.state_dir) as store:
+            (xid,) = [e.event for e in store.events() if e.event.data.get("xid") == 79]
+        latency = flag["time_seconds"] - xid.timestamp_seconds
+        print(f"Xid 79 on GPU 1 during a sweep on GPU 0: reboot recommended {latency:.3f} s after the Xid")
+        assert flag["xid"] == 79 and 0 <= latency < 2.0, latency
+        api.call(agent.socket_path, "tune_abort", {})
+        ended(agent, started["id"])
+        assert backend.power_limit_watts(0) == 700.0

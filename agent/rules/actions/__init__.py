@@ -24,10 +24,14 @@ Where each action lives
 - service_actions.py: restart_service (the step's service, else the decision's, else every service
   using the target GPU; restarted through its manager, then healthy within `ready_timeout_seconds`
   or FAILED).
-- reset.py: reset_gpu, the safe sequence (services stopped, GPU idle, reset, policy re-applied,
-  services started and healthy; refused for Xid 79, a lost GPU, MIG, a re-enumerated index).
+- reset.py: reset_gpu, the safe sequence (services stopped, GPU idle, reset inside a hardware
+  transaction that puts the power limit and clock lock back (agent/policy/holds.py), policy
+  re-applied, services started and healthy; refused for Xid 79, a lost GPU, MIG, a re-enumerated
+  index).
 - hooks.py: run_hook (argv, never a shell; event JSON on stdin; trusted files only).
 - notify.py: webhook and alertmanager; alertmanager.py: alerts and the AlertTracker;
   http_client.py: POST with a total deadline, no redirects, no secrets in errors.
 - reboot.py: recommend_reboot (flag file + alert) and reboot (`remediation.allow_reboot` only).
+- footprint.py: the GPUs a decision touches, by its kind's lane (agent/rules/params.py
+  `ACTION_LANES`): what the daemon's action worker keeps it apart from.
 """

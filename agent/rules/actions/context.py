@@ -29,7 +29,10 @@ class ActionContext:
     managers: Mapping[str, ServiceManager]
     prober: HealthProber | None = None
     alerts: AlertTracker = field(default_factory=AlertTracker)
-    clock: Callable[[], float] = time.time
+    clock: Callable[[], float] = time.time  # wall time, for what is recorded and shown
+    #: Every deadline and wait an action measures (a drain, a reset waiting for the GPU to go idle,
+    #: a service becoming healthy): a wall-clock step must not lengthen or cut one.
+    monotonic: Callable[[], float] = time.monotonic
     sleep: Callable[[float], None] = time.sleep
     hostname: str = field(default_factory=socket.gethostname)
     #: How long a GPU reset waits for the GPU's processes to exit after the services stopped.

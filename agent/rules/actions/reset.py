@@ -4,9 +4,10 @@ Refused for Xid 79 / a lost GPU (a reset cannot bring it back: reboot territory)
 or pending (a reset destroys the instances or changes the mode), for a GPU whose index now names
 another uuid. Otherwise: drain the services using the GPU that declare `drain`, stop them; wait
 (bounded) until NVML lists no compute process on it, else start the services again and refuse,
-naming each process left and the configured service it belongs to, if any; reset; re-apply the
-node policy (a reset returns settings to defaults); start the services; wait until healthy. The outcome's
-detail lists every step.
+naming each process left and the configured service it belongs to, if any; reset, inside a hardware
+transaction that puts the power limit and clock lock back as they were before (a reset returns
+them to defaults; agent.policy.holds); re-apply the node policy; start the services; wait until
+healthy. The outcome's detail lists every step.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from agent.config import ServiceConfig
 from agent.events import EventKind
 from agent.logger import get_logger
 from agent.policy.base import ApplyOutcome
+from agent.policy.transaction import SETTINGS, TransactionClosed, TransactionError
 from agent.rules.actions.base import Result, failed, gpu_of, refused, uuid_of, xid_of
 from agent.rules.actions.context import ActionContext
 from agent.rules.actions.service_actions import (
@@ -90,14 +92,45 @@ def _describe_processes(gpu: int, processes: Sequence[GpuProcess], ctx: ActionCo
 
 def _wait_idle(gpu: int, ctx: ActionContext) -> tuple[list[GpuProcess], float]:
     """Poll NVML's process list until it is empty or the drain timeout passes: (remaining, waited)."""
-    began = ctx.clock()
+    began = ctx.monotonic()
     deadline = began + ctx.drain_timeout_seconds
     while True:
         processes = ctx.backend.compute_processes(gpu)
-        now = ctx.clock()
+        now = ctx.monotonic()
         if not processes or now >= deadline or ctx.cancel.is_set():  # cancel: the agent is stopping
             return processes, now - began
         ctx.sleep(min(ctx.drain_poll_seconds, deadline - now))
+
+
+def _reset_in_transaction(gpu: int, ctx: ActionContext, steps: list[str]) -> Outcome | None:
+    """Reset the GPU inside a hardware transaction on the settings the agent may write there
+    (agent.policy.holds): their originals are read and journaled first and put back after the
+    reset however it went, before the policy is re-applied; a setting whose original cannot be read
+    is left to the policy. None when the GPU was reset, else the outcome."""
+    keys = [(item, gpu) for item in SETTINGS if item in ctx.config.writable_items()]
+    try:
+        transaction = ctx.policy.holds.begin(
+            f"reset of GPU {gpu}", f"GPU {gpu} is being reset", ctx.backend, keys, required=False
+        )
+    except TransactionError as exc:
+        steps.append(f"reset of GPU {gpu} refused: {exc}")
+        return Outcome.REFUSED
+    outcome: Outcome | None = None
+    with transaction:
+        try:
+            transaction.change(lambda: ctx.backend.reset_gpu(gpu))
+        except (GpuError, WriteRefused, TransactionClosed) as exc:
+            steps.append(f"reset of GPU {gpu} failed: {exc}")
+            # IN_USE: something grabbed the GPU between our check and the reset; a safety refusal.
+            in_use = isinstance(exc, GpuError) and exc.kind is GpuErrorKind.IN_USE
+            outcome = Outcome.REFUSED if in_use or isinstance(exc, TransactionClosed) else Outcome.FAILED
+        else:
+            steps.append(step(GPU_RESET, str(gpu)))
+            ctx.journal(step(GPU_RESET, str(gpu)))
+    restored = ", ".join(transaction.restored or ()) or "none held"
+    left = f"; left to the policy: {', '.join(transaction.unread)}" if transaction.unread else ""
+    steps.append(f"settings put back: {restored}{left}")
+    return outcome
 
 
 def reset_gpu(decision: Decision, params: ResetGpuParams, ctx: ActionContext) -> Result:
@@ -158,14 +191,9 @@ def _reset_idle_gpu(gpu: int, ctx: ActionContext, steps: list[str]) -> Outcome:
         return Outcome.REFUSED
     steps.append(f"GPU {gpu} idle after {waited:.1f} s")
 
-    try:
-        ctx.backend.reset_gpu(gpu)
-    except (GpuError, WriteRefused) as exc:
-        steps.append(f"reset of GPU {gpu} failed: {exc}")
-        # IN_USE: something grabbed the GPU between our check and the reset; a safety refusal.
-        return Outcome.REFUSED if isinstance(exc, GpuError) and exc.kind is GpuErrorKind.IN_USE else Outcome.FAILED
-    steps.append(step(GPU_RESET, str(gpu)))
-    ctx.journal(step(GPU_RESET, str(gpu)))
+    failed = _reset_in_transaction(gpu, ctx, steps)
+    if failed is not None:
+        return failed
 
     try:
         report = ctx.policy.apply()

@@ -7,6 +7,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 
 from agent.config import AgentConfig, ServiceConfig
+from agent.logger import get_logger
 from agent.rules.actions.base import ActionError, Result, event_payload, failed, gpu_of, refused
 from agent.rules.actions.context import ActionContext
 from agent.rules.actions.hooks import hook_env
@@ -17,12 +18,14 @@ from agent.services.drain import wait_until_idle
 from agent.services.managers import ServiceError, ServiceManager
 from agent.trust import UntrustedError, run_trusted
 
+log = get_logger()
+
 
 def services_for_gpu(config: AgentConfig, gpu: int) -> list[ServiceConfig]:
     return [s for s in config.services if s.gpus == "all" or gpu in s.gpus]
 
 
-def _named_services(decision: Decision, params: RestartServiceParams, config: AgentConfig) -> list[ServiceConfig]:
+def named_services(decision: Decision, params: RestartServiceParams, config: AgentConfig) -> list[ServiceConfig]:
     """The step's service, else the decision's, else every service using the decision's GPU."""
     name = params.service or decision.target.service or decision.event.data.get("service")
     if not name:
@@ -54,10 +57,10 @@ def verify_healthy(service: ServiceConfig, override_seconds: float | None, ctx: 
     if ctx.prober is None or not ctx.prober.can_probe(service.name):
         return True, f"{service.name} started (no health check configured)"
     timeout = ready_timeout(service, override_seconds)
-    began = ctx.clock()
+    began = ctx.monotonic()
     result = ctx.prober.wait_healthy(service.name, timeout)
     if result.ok:
-        return True, f"{service.name} healthy after {ctx.clock() - began:.1f} s"
+        return True, f"{service.name} healthy after {ctx.monotonic() - began:.1f} s"
     return False, f"{service.name} not healthy within {timeout:g} s ({result.detail})"
 
 
@@ -69,13 +72,24 @@ def drain_timeout(service: ServiceConfig) -> float:
 def drain_service(service: ServiceConfig, decision: Decision, ctx: ActionContext, steps: list[str]) -> None:
     """Before a service with `drain` is stopped: run its hook (through the trusted hook runner, the
     event as JSON on stdin), then wait until its server runs no request; both within the drain
-    timeout. Journaled `draining NAME` before the hook and `drained NAME` after the wait. Whatever
-    the hook or the wait does, the stop goes ahead: a drain only ever delays it."""
-    drain = service.drain
-    if drain is None:
+    timeout, on the monotonic clock. Journaled `draining NAME` before the hook and `drained NAME`
+    after the wait. Whatever the hook or the wait does, whatever either raises, the stop goes ahead:
+    a drain only ever delays it."""
+    if service.drain is None:
         return
     ctx.journal(step(DRAINING, service.name))
-    began = ctx.clock()
+    try:
+        _drain(service, decision, ctx, steps)
+    except Exception as exc:  # a reader's or a hook's error of any type: the restart still goes ahead
+        log.exception("drain failed", service=service.name)
+        steps.append(f"drain of {service.name} failed ({type(exc).__name__}: {exc}): not waited on")
+    ctx.journal(step(DRAINED, service.name))
+
+
+def _drain(service: ServiceConfig, decision: Decision, ctx: ActionContext, steps: list[str]) -> None:
+    drain = service.drain
+    assert drain is not None  # drain_service checked
+    began = ctx.monotonic()
     program = drain.hook[0]
     stdin = json.dumps(event_payload(decision, ctx.hostname), default=str).encode()
     env = {**hook_env(decision), "GPU_AGENT_SERVICE": service.name}
@@ -90,12 +104,11 @@ def drain_service(service: ServiceConfig, decision: Decision, ctx: ActionContext
             steps.append(f"drain hook {program} of {service.name} timed out after {drain.timeout_seconds:g} s")
         else:
             steps.append(f"drain hook {program} of {service.name} {result.describe()}")
-    left = max(drain.timeout_seconds - (ctx.clock() - began), 0.0)
+    left = max(drain.timeout_seconds - (ctx.monotonic() - began), 0.0)
     waited = wait_until_idle(
-        service, left, clock=ctx.clock, sleep=ctx.sleep, cancel=ctx.cancel, poll_seconds=ctx.drain_poll_seconds
+        service, left, monotonic=ctx.monotonic, sleep=ctx.sleep, cancel=ctx.cancel, poll_seconds=ctx.drain_poll_seconds
     )
     steps.append(waited.describe(service.name))
-    ctx.journal(step(DRAINED, service.name))
 
 
 def _managed(
@@ -131,7 +144,7 @@ def start_again(
 
 def restart_service(decision: Decision, params: RestartServiceParams, ctx: ActionContext) -> Result:
     """Restart the services through their managers, then healthy within the ready timeout or FAILED."""
-    services = _named_services(decision, params, ctx.config)
+    services = named_services(decision, params, ctx.config)
     if not services:
         return failed("no service to restart: the decision names none and no service uses its GPU")
     managers = managers_for(services, ctx)
