@@ -4,6 +4,7 @@
     python slow_endpoint.py silent [--answer N]  # accepts and never answers (after answering N requests)
     python slow_endpoint.py file --body PATH     # answers every request 200 with PATH's bytes, read anew
     python slow_endpoint.py chaos [--seed N]     # answers each request with one of CHAOS, drawn at random
+    python slow_endpoint.py raw --body PATH      # answers every request with PATH's bytes: status line and all
 
 It prints its port on the first line of stdout once it listens, then one line per event:
 `request N` when it has read a request, `gone N` when the client of request N went away
@@ -61,11 +62,18 @@ CHAOS: dict[str, bytes | None] = {
 }
 
 
+def send_page(conn: socket.socket, body: bytes) -> None:
+    conn.sendall(
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+
+
 def chaos_answer(conn: socket.socket, kind: str, number: int) -> None:
     body = CHAOS[kind]
     if body is not None or kind == "good":
-        data = _good_page(number) if body is None else body
-        conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+        send_page(conn, _good_page(number) if body is None else body)
     elif kind == "503":
         conn.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
     elif kind == "drip":  # headers one byte at a time, for up to 5 s
@@ -108,31 +116,28 @@ def read_request(conn: socket.socket) -> None:
         body += chunk
 
 
-def serve(
-    conn: socket.socket, number: int, mode: str, interval: float, answer: int, body_path: Path | None, seed: int
-) -> None:
+def serve(conn: socket.socket, number: int, args: argparse.Namespace) -> None:
+    mode, body_path = args.mode, args.body
     with conn:
         read_request(conn)
         say(f"request {number}")
         try:
-            if number <= answer:
+            if number <= args.answer:
                 conn.sendall(OK)
                 return
             if mode == "chaos":
-                chaos_answer(conn, random.Random(seed * 1_000_003 + number).choice(list(CHAOS)), number)
+                chaos_answer(conn, random.Random(args.seed * 1_000_003 + number).choice(list(CHAOS)), number)
+                return
+            if mode == "raw":
+                conn.sendall(body_path.read_bytes() if body_path is not None else b"")
                 return
             if mode == "file":
-                body = body_path.read_bytes() if body_path is not None else b""
-                conn.sendall(
-                    b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nConnection: close\r\n"
-                    + f"Content-Length: {len(body)}\r\n\r\n".encode()
-                    + body
-                )
+                send_page(conn, body_path.read_bytes() if body_path is not None else b"")
                 return
             if mode == "drip":
                 for byte in DRIP:
                     conn.sendall(bytes([byte]))
-                    time.sleep(interval)
+                    time.sleep(args.interval)
             else:
                 # Silent: wait for the client to give up (recv returns b"" or fails).
                 while conn.recv(65536):
@@ -182,9 +187,9 @@ class SlowEndpoint:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=("drip", "silent", "file", "chaos"))
+    parser.add_argument("mode", choices=("drip", "silent", "file", "chaos", "raw"))
     parser.add_argument("--seed", type=int, default=1, help="chaos mode: the seed of its choices")
-    parser.add_argument("--body", type=Path, help="file mode: the answer's body")
+    parser.add_argument("--body", type=Path, help="file mode: the answer's body; raw mode: the answer")
     parser.add_argument("--interval", type=float, default=2.0)
     parser.add_argument("--answer", type=int, default=0, help="answer this many requests normally first")
     args = parser.parse_args()
@@ -194,9 +199,7 @@ def main() -> None:
     while True:
         conn, _ = server.accept()
         number += 1
-        threading.Thread(
-            target=serve, args=(conn, number, args.mode, args.interval, args.answer, args.body, args.seed), daemon=True
-        ).start()
+        threading.Thread(target=serve, args=(conn, number, args), daemon=True).start()
 
 
 if __name__ == "__main__":
