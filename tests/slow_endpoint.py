@@ -4,6 +4,7 @@
     python slow_endpoint.py silent [--answer N]  # accepts and never answers (after answering N requests)
     python slow_endpoint.py file --body PATH     # answers every request 200 with PATH's bytes, read anew
     python slow_endpoint.py chaos [--seed N]     # answers each request with one of CHAOS, drawn at random
+    python slow_endpoint.py churn [--series N]   # a page whose every family has new label values each request
     python slow_endpoint.py raw --body PATH      # answers every request with PATH's bytes: status line and all
 
 It prints its port on the first line of stdout once it listens, then one line per event:
@@ -42,6 +43,21 @@ def _good_page(number: int) -> bytes:
     )
 
 
+def churned_page(number: int, series: int, every_family: bool = True) -> bytes:
+    """A page whose series each carry a label value this request has never had (a server that puts
+    a request id or a timestamp in a label): of every family the agent reads (sglang's names), or
+    of the generated-token counter only."""
+    lines = [f"# TYPE {E2E} histogram"]
+    for rank in range(series):
+        label = f'request="{number}-{rank}"'
+        lines.append(f"sglang:generation_tokens_total{{{label}}} {number}")
+        if every_family:
+            lines += [f'{E2E}_bucket{{{label},le="{le}"}} {number}' for le in ("0.5", "1", "+Inf")]
+            lines += [f"{E2E}_count{{{label}}} {number}", f"{E2E}_sum{{{label}}} {number}"]
+            lines += [f"sglang:{name}{{{label}}} 1" for name in ("num_running_reqs", "num_queue_reqs", "token_usage")]
+    return ("\n".join(lines) + "\n").encode()
+
+
 #: What a hostile server answers, one per request in chaos mode: kind -> the body of a 200 answer,
 #: or None for the kinds `chaos_answer` handles itself.
 CHAOS: dict[str, bytes | None] = {
@@ -59,7 +75,10 @@ CHAOS: dict[str, bytes | None] = {
     "silent": None,
     "reset": None,
     "not http": None,
+    "churn": None,  # every family the agent reads, each series with a label value never seen before
 }
+#: Series per family of a "churn" answer: under a page's bound (256), so the window's bound is what holds.
+CHAOS_CHURN_SERIES = 100
 
 
 def send_page(conn: socket.socket, body: bytes) -> None:
@@ -85,6 +104,8 @@ def chaos_answer(conn: socket.socket, kind: str, number: int) -> None:
         with contextlib.suppress(TimeoutError):
             while conn.recv(65536):
                 pass
+    elif kind == "churn":
+        send_page(conn, churned_page(number, CHAOS_CHURN_SERIES))
     elif kind == "not http":
         conn.sendall(b"\x00\xff garbage instead of a status line\r\n\r\n")
     # "reset": the connection is closed unanswered
@@ -127,6 +148,9 @@ def serve(conn: socket.socket, number: int, args: argparse.Namespace) -> None:
                 return
             if mode == "chaos":
                 chaos_answer(conn, random.Random(args.seed * 1_000_003 + number).choice(list(CHAOS)), number)
+                return
+            if mode == "churn":
+                send_page(conn, churned_page(number, args.series, args.churn == "every-family"))
                 return
             if mode == "raw":
                 conn.sendall(body_path.read_bytes() if body_path is not None else b"")
@@ -187,10 +211,12 @@ class SlowEndpoint:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=("drip", "silent", "file", "chaos", "raw"))
+    parser.add_argument("mode", choices=("drip", "silent", "file", "chaos", "churn", "raw"))
     parser.add_argument("--seed", type=int, default=1, help="chaos mode: the seed of its choices")
     parser.add_argument("--body", type=Path, help="file mode: the answer's body; raw mode: the answer")
     parser.add_argument("--interval", type=float, default=2.0)
+    parser.add_argument("--series", type=int, default=100, help="churn mode: series per family on each page")
+    parser.add_argument("--churn", choices=("every-family", "tokens"), default="every-family", help="churn mode: which")
     parser.add_argument("--answer", type=int, default=0, help="answer this many requests normally first")
     args = parser.parse_args()
     server = socket.create_server(("127.0.0.1", 0))
