@@ -4,6 +4,8 @@
     python slow_endpoint.py silent [--answer N]  # accepts and never answers (after answering N requests)
     python slow_endpoint.py file --body PATH     # answers every request 200 with PATH's bytes, read anew
     python slow_endpoint.py chaos [--seed N]     # answers each request with one of CHAOS, drawn at random
+    python slow_endpoint.py churn [--series N]   # a page whose every family has new label values each request
+    python slow_endpoint.py raw --body PATH      # answers every request with PATH's bytes: status line and all
 
 It prints its port on the first line of stdout once it listens, then one line per event:
 `request N` when it has read a request, `gone N` when the client of request N went away
@@ -41,6 +43,21 @@ def _good_page(number: int) -> bytes:
     )
 
 
+def churned_page(number: int, series: int, every_family: bool = True) -> bytes:
+    """A page whose series each carry a label value this request has never had (a server that puts
+    a request id or a timestamp in a label): of every family the agent reads (sglang's names), or
+    of the generated-token counter only."""
+    lines = [f"# TYPE {E2E} histogram"]
+    for rank in range(series):
+        label = f'request="{number}-{rank}"'
+        lines.append(f"sglang:generation_tokens_total{{{label}}} {number}")
+        if every_family:
+            lines += [f'{E2E}_bucket{{{label},le="{le}"}} {number}' for le in ("0.5", "1", "+Inf")]
+            lines += [f"{E2E}_count{{{label}}} {number}", f"{E2E}_sum{{{label}}} {number}"]
+            lines += [f"sglang:{name}{{{label}}} 1" for name in ("num_running_reqs", "num_queue_reqs", "token_usage")]
+    return ("\n".join(lines) + "\n").encode()
+
+
 #: What a hostile server answers, one per request in chaos mode: kind -> the body of a 200 answer,
 #: or None for the kinds `chaos_answer` handles itself.
 CHAOS: dict[str, bytes | None] = {
@@ -58,14 +75,24 @@ CHAOS: dict[str, bytes | None] = {
     "silent": None,
     "reset": None,
     "not http": None,
+    "churn": None,  # every family the agent reads, each series with a label value never seen before
 }
+#: Series per family of a "churn" answer: under a page's bound (256), so the window's bound is what holds.
+CHAOS_CHURN_SERIES = 100
+
+
+def send_page(conn: socket.socket, body: bytes) -> None:
+    conn.sendall(
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
 
 
 def chaos_answer(conn: socket.socket, kind: str, number: int) -> None:
     body = CHAOS[kind]
     if body is not None or kind == "good":
-        data = _good_page(number) if body is None else body
-        conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+        send_page(conn, _good_page(number) if body is None else body)
     elif kind == "503":
         conn.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
     elif kind == "drip":  # headers one byte at a time, for up to 5 s
@@ -77,6 +104,8 @@ def chaos_answer(conn: socket.socket, kind: str, number: int) -> None:
         with contextlib.suppress(TimeoutError):
             while conn.recv(65536):
                 pass
+    elif kind == "churn":
+        send_page(conn, churned_page(number, CHAOS_CHURN_SERIES))
     elif kind == "not http":
         conn.sendall(b"\x00\xff garbage instead of a status line\r\n\r\n")
     # "reset": the connection is closed unanswered
@@ -108,31 +137,31 @@ def read_request(conn: socket.socket) -> None:
         body += chunk
 
 
-def serve(
-    conn: socket.socket, number: int, mode: str, interval: float, answer: int, body_path: Path | None, seed: int
-) -> None:
+def serve(conn: socket.socket, number: int, args: argparse.Namespace) -> None:
+    mode, body_path = args.mode, args.body
     with conn:
         read_request(conn)
         say(f"request {number}")
         try:
-            if number <= answer:
+            if number <= args.answer:
                 conn.sendall(OK)
                 return
             if mode == "chaos":
-                chaos_answer(conn, random.Random(seed * 1_000_003 + number).choice(list(CHAOS)), number)
+                chaos_answer(conn, random.Random(args.seed * 1_000_003 + number).choice(list(CHAOS)), number)
+                return
+            if mode == "churn":
+                send_page(conn, churned_page(number, args.series, args.churn == "every-family"))
+                return
+            if mode == "raw":
+                conn.sendall(body_path.read_bytes() if body_path is not None else b"")
                 return
             if mode == "file":
-                body = body_path.read_bytes() if body_path is not None else b""
-                conn.sendall(
-                    b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nConnection: close\r\n"
-                    + f"Content-Length: {len(body)}\r\n\r\n".encode()
-                    + body
-                )
+                send_page(conn, body_path.read_bytes() if body_path is not None else b"")
                 return
             if mode == "drip":
                 for byte in DRIP:
                     conn.sendall(bytes([byte]))
-                    time.sleep(interval)
+                    time.sleep(args.interval)
             else:
                 # Silent: wait for the client to give up (recv returns b"" or fails).
                 while conn.recv(65536):
@@ -182,10 +211,12 @@ class SlowEndpoint:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=("drip", "silent", "file", "chaos"))
+    parser.add_argument("mode", choices=("drip", "silent", "file", "chaos", "churn", "raw"))
     parser.add_argument("--seed", type=int, default=1, help="chaos mode: the seed of its choices")
-    parser.add_argument("--body", type=Path, help="file mode: the answer's body")
+    parser.add_argument("--body", type=Path, help="file mode: the answer's body; raw mode: the answer")
     parser.add_argument("--interval", type=float, default=2.0)
+    parser.add_argument("--series", type=int, default=100, help="churn mode: series per family on each page")
+    parser.add_argument("--churn", choices=("every-family", "tokens"), default="every-family", help="churn mode: which")
     parser.add_argument("--answer", type=int, default=0, help="answer this many requests normally first")
     args = parser.parse_args()
     server = socket.create_server(("127.0.0.1", 0))
@@ -194,9 +225,7 @@ def main() -> None:
     while True:
         conn, _ = server.accept()
         number += 1
-        threading.Thread(
-            target=serve, args=(conn, number, args.mode, args.interval, args.answer, args.body, args.seed), daemon=True
-        ).start()
+        threading.Thread(target=serve, args=(conn, number, args), daemon=True).start()
 
 
 if __name__ == "__main__":

@@ -118,6 +118,62 @@ def test_hostile_metrics_pages_are_each_services_error(tmp_path: Path) -> None:
             assert "Traceback" not in agent.log()
 
 
+#: How long the churning servers are scraped (every 0.2 s), and how much the agent's resident memory
+#: may grow meanwhile: each window keeps at most 8 MiB. Before the bounds, the token counter's churn
+#: alone grew the agent by about 5 MiB a second at one scrape a second.
+CHURN_SECONDS = 30.0
+CHURN_GROWTH_BOUND_KIB = 32 * 1024
+
+
+def test_label_churn_is_each_services_error_and_memory_stays_bounded(tmp_path: Path) -> None:
+    """Two servers whose series take new label values on every scrape: one writes 5000 series of
+    its generated-token counter (past a page's bound of label sets), the other 200 of every family
+    (within a page's bound, past the window's bound of series within a few scrapes). The agent's
+    memory stays flat and each service shows the churn as its `unreadable page` error."""
+    with (
+        SlowEndpoint("churn", "--churn", "tokens", "--series", "5000") as tokens,
+        SlowEndpoint("churn", "--churn", "every-family", "--series", "200") as every,
+    ):
+        churning = (tokens, every)
+        fast = "    scrape_interval_seconds: 0.2\n    probe_timeout_seconds: 2\n"
+        services = "services:\n" + service("tokens", tokens.url("/health"), fast)
+        services += service("every", every.url("/health"), fast)
+        services = services.replace("    scrape_interval_seconds: 0.5\n", "").replace(
+            "    probe_timeout_seconds: 0.5\n", ""
+        )
+        with running_agent(tmp_path, profile="rtx-pro-6000", policy=POLICY + services, interval=1.0) as agent:
+            agent.notifications.wait_for("READY", "1")
+            wait_until(
+                lambda: all(sum(1 for line in server.lines if line.startswith("request")) >= 3 for server in churning),
+                WAIT_SECONDS,
+                "both servers scraped",
+            )
+            started_kib = peak_rss_kib(agent, "VmRSS")
+            began = time.monotonic()
+            rss_kib = [started_kib]
+            while time.monotonic() - began < CHURN_SECONDS:
+                time.sleep(2.0)
+                rss_kib.append(peak_rss_kib(agent, "VmRSS"))
+            errors = {s["name"]: (s.get("metrics") or {}).get("metrics_error") for s in agent.status()["services"]}
+            text = agent.metrics()
+            assert_the_loop_is_unhurt(agent)
+            assert "Traceback" not in agent.log()
+    assert max(rss_kib) - started_kib < CHURN_GROWTH_BOUND_KIB, rss_kib
+    assert errors["tokens"] == "unreadable page: sglang:generation_tokens has more than 256 label sets", errors
+    assert re.fullmatch(
+        r"unreadable page: \d+ series over the window, more than the 1024 kept \(labels that take new values on"
+        r" every scrape\?\)",
+        errors["every"],
+    ), errors
+    for name in ("tokens", "every"):
+        assert f'gpu_agent_service_metrics_up{{service="{name}"}} 0.0' in text
+    scraped = sum(1 for line in [*tokens.lines, *every.lines] if line.startswith("request"))
+    assert scraped > CHURN_SECONDS / 0.2, scraped  # both were scraped all along
+    print(
+        f"\nchurn: {scraped} pages in {CHURN_SECONDS:g} s, RSS {started_kib // 1024} MiB, at most {max(rss_kib) // 1024} MiB"
+    )
+
+
 def test_a_trickling_health_endpoint_and_flooding_service_commands_leave_the_action_worker_free(
     tmp_path: Path,
 ) -> None:

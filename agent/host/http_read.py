@@ -15,14 +15,22 @@ request. A request without a proxy is sent on an http.client connection of its o
 headers urllib would send; one through a proxy from the environment goes through urllib's opener.
 
 The body is read a chunk at a time up to `max_bytes`: a larger answer is an error (or, with
-`truncate`, cut there), never read whole. Redirects are not followed (they would carry our headers,
-tokens included, elsewhere; a probe must judge the server it was pointed at): a 3xx is an answer
-with its `location`, which a caller may follow itself under its own rules. Proxies from the
-environment are used only when asked: a local server is reached directly.
+`truncate`, cut there), never read whole. Interim answers (1xx: `100 Continue`, `103 Early
+Hints`) are skipped, as RFC 9110 section 15.2 has a client do: the final answer after them is the
+answer. Redirects are not followed (they would carry our headers, tokens included, elsewhere; a
+probe must judge the server it was pointed at): a 3xx is the answer, unless the caller of `get`
+allows a few to the same scheme, host and port (the scrape does). Proxies from the environment are
+used only when asked: a local server is reached directly.
+
+This module is the boundary: whatever the URL, the server or the network does (a Location that is
+not a URL, a port out of range, a status line that is not HTTP, a header or a chunk that cannot be
+decoded, anything http.client or urllib raises) comes out as HttpReadError, whose `detail` is
+bounded and printable. Each caller turns that one error into its own.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
 import http.client
@@ -30,24 +38,41 @@ import queue
 import socket
 import ssl
 import threading
+import time
 import urllib.error
+import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
+
+from agent.printable import printable
 
 _READ_CHUNK_BYTES = 64 * 1024
 #: Sent on one http.client connection of our own; anything else (a proxy) goes through urllib.
 _DIRECT_SCHEMES = frozenset({"http", "https"})
+#: Interim answers skipped before the final one: a server may send several (102 Processing while it
+#: works), never this many; each costs only its status line and headers, read and dropped.
+MAX_INTERIM_ANSWERS = 100
+#: What of the server's own words (a status line, a Location) an error quotes.
+_QUOTED_CHARS = 120
+_REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 
 
 class HttpReadError(Exception):
-    """No usable answer: refused, reset, timed out, too large, not HTTP. `detail` says which,
-    without the URL (the caller names the target the way it may be shown)."""
+    """No usable answer: refused, reset, timed out, too large, not HTTP, a URL that cannot be
+    requested. `detail` says which, without the URL (the caller names the target the way it may be
+    shown), bounded and with control characters escaped."""
 
     def __init__(self, detail: str) -> None:
+        detail = quoted(detail, 4 * _QUOTED_CHARS)
         super().__init__(detail)
         self.detail = detail
+
+
+def quoted(text: str, limit: int = _QUOTED_CHARS) -> str:
+    """A server's words as an error may carry them: at most `limit` characters, escaped."""
+    return printable(text if len(text) <= limit else text[:limit] + "…")
 
 
 class HttpTimedOut(HttpReadError):
@@ -58,7 +83,21 @@ class HttpTimedOut(HttpReadError):
 class HttpAnswer:
     status: int
     body: bytes  # empty unless the status is 2xx
-    location: str | None = None  # a 3xx answer's Location header: the caller decides whether to follow
+    location: str | None = None  # a 3xx answer's Location header (`get` follows one to the same origin if asked)
+
+
+class _FinalResponse(http.client.HTTPResponse):
+    """An answer whose interim (1xx) answers are skipped: http.client skips `100 Continue` only and
+    takes any other 1xx (a `103 Early Hints` before the `200 OK`) for the answer itself. `101
+    Switching Protocols` is final: it is never asked for, and what follows it is not HTTP."""
+
+    def _read_status(self) -> tuple[str, int, str]:
+        for _ in range(MAX_INTERIM_ANSWERS):
+            version, status, reason = super()._read_status()  # type: ignore[misc]
+            if not 100 <= status < 200 or status == 101:
+                return str(version), int(status), str(reason)
+            http.client.parse_headers(self.fp)  # the interim answer's headers: read and dropped
+        raise HttpReadError(f"more than {MAX_INTERIM_ANSWERS} interim (1xx) answers")
 
 
 class _Exchange:
@@ -91,6 +130,7 @@ def _shut(sock: socket.socket) -> None:
 
 class _TrackedHTTPConnection(http.client.HTTPConnection):
     exchange: _Exchange
+    response_class = _FinalResponse
 
     def connect(self) -> None:
         super().connect()
@@ -99,6 +139,7 @@ class _TrackedHTTPConnection(http.client.HTTPConnection):
 
 class _TrackedHTTPSConnection(http.client.HTTPSConnection):
     exchange: _Exchange
+    response_class = _FinalResponse
 
     def connect(self) -> None:
         super().connect()
@@ -147,8 +188,20 @@ class _HTTPSHandler(urllib.request.HTTPSHandler):
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
-        return None  # the 3xx is the answer
+    """A 3xx is the answer, and nothing of its Location is read here (urllib's own handler parses
+    it before asking whether to follow: a Location that is not a URL raised from the opener)."""
+
+    def http_error_302(
+        self,
+        req: urllib.request.Request,
+        fp: Any,
+        code: int,
+        msg: str,
+        headers: http.client.HTTPMessage,
+    ) -> None:
+        return None
+
+    http_error_301 = http_error_303 = http_error_307 = http_error_308 = http_error_302
 
 
 def _error_of(exc: BaseException, timeout_seconds: float) -> HttpReadError:
@@ -163,17 +216,26 @@ def _error_of(exc: BaseException, timeout_seconds: float) -> HttpReadError:
         return HttpTimedOut(f"timed out after {timeout_seconds:g} s")
     if isinstance(exc, OSError) and exc.strerror:
         return HttpReadError(exc.strerror.lower())
-    return HttpReadError(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+    words = str(exc)
+    return HttpReadError(f"{type(exc).__name__}: {quoted(words)}" if words else type(exc).__name__)
 
 
 class _Attempt:
     """The request as run by the worker thread: its answer, or the error to report."""
 
     def __init__(
-        self, request: urllib.request.Request, deadline_seconds: float, max_bytes: int, proxies: bool, truncate: bool
+        self,
+        request: urllib.request.Request,
+        deadline_seconds: float,
+        max_bytes: int,
+        proxies: bool,
+        truncate: bool,
+        shown_seconds: float | None = None,
     ) -> None:
         self.request = request
         self.deadline_seconds = deadline_seconds
+        # The whole deadline, for the words of a timeout: a redirect's request has only what is left.
+        self.shown_seconds = deadline_seconds if shown_seconds is None else shown_seconds
         self.max_bytes = max_bytes
         self.proxies = proxies
         self.truncate = truncate
@@ -193,7 +255,7 @@ class _Attempt:
         except HttpReadError as exc:
             self.error = exc
         except Exception as exc:  # whatever the exchange raised is this request's failure, not the worker's
-            self.error = _error_of(exc, self.deadline_seconds)
+            self.error = _error_of(exc, self.shown_seconds)
 
     def _direct(self) -> HttpAnswer:
         """The request on one http.client connection, as urllib's handlers would send it (the same
@@ -307,25 +369,52 @@ def _keep_worker(worker: _Worker) -> None:
     worker.end()
 
 
+def _request(url: str, data: bytes | None, headers: Mapping[str, str]) -> urllib.request.Request:
+    """The request for `url` (http or https); user:password@ in it is sent as basic auth (urllib
+    takes it for part of the host name). HttpReadError for a URL that cannot be requested, worded
+    without the URL (a webhook's path and user info carry tokens)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 (read for its check: a port that is not a number, or out of range, raises)
+    except ValueError as exc:
+        raise HttpReadError(f"not a URL that can be requested ({quoted(str(exc))})") from None
+    if parts.scheme not in _DIRECT_SCHEMES or not parts.hostname:
+        raise HttpReadError("not an http(s) URL")
+    added = dict(headers)
+    if parts.username is not None:
+        userinfo = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
+        added["Authorization"] = "Basic " + base64.b64encode(userinfo.encode()).decode()
+        url = urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+    try:
+        return urllib.request.Request(url, data=data, headers=added)  # noqa: S310 (http and https only)
+    except ValueError:
+        raise HttpReadError("not a URL that can be requested") from None
+
+
 def exchange(
-    request: urllib.request.Request,
+    url: str,
     deadline_seconds: float,
     max_bytes: int,
     *,
+    data: bytes | None = None,
+    headers: Mapping[str, str] | None = None,
     proxies: bool = False,
     truncate: bool = False,
+    shown_seconds: float | None = None,
 ) -> HttpAnswer:
-    """Send `request` and read the answer within `deadline_seconds` in all (connect, headers,
-    body), at most `max_bytes` of body (more is an HttpReadError; with `truncate`, the first
-    `max_bytes`). Any status is an answer; the body is read for 2xx only. Raises HttpTimedOut past
-    the deadline, HttpReadError for every other failure."""
-    attempt = _Attempt(request, deadline_seconds, max_bytes, proxies, truncate)
+    """Send a request to `url` (a POST of `data`, or a GET) and read the answer within
+    `deadline_seconds` in all (connect, headers, body), at most `max_bytes` of body (more is an
+    HttpReadError; with `truncate`, the first `max_bytes`). Any final status is an answer; the body
+    is read for 2xx only. Raises HttpTimedOut past the deadline (worded with `shown_seconds`, the
+    caller's whole deadline, when given), HttpReadError for every other failure."""
+    request = _request(url, data, headers or {})
+    attempt = _Attempt(request, deadline_seconds, max_bytes, proxies, truncate, shown_seconds)
     worker = _take_worker()
     worker.submit(attempt)
     if not attempt.done.acquire(timeout=max(deadline_seconds, 0.0)):
         attempt.exchange.cut()
         worker.end()  # left behind: it ends when its request does, and serves no other
-        raise HttpTimedOut(f"timed out after {deadline_seconds:g} s")
+        raise HttpTimedOut(f"timed out after {attempt.shown_seconds:g} s")
     _keep_worker(worker)
     if attempt.error is not None:
         raise attempt.error
@@ -333,12 +422,48 @@ def exchange(
     return attempt.answer
 
 
+def _origin(url: str) -> tuple[str, str, int]:
+    parts = urllib.parse.urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return parts.scheme, (parts.hostname or "").lower(), port
+
+
+def _redirect_target(current: str, location: str) -> str:
+    """Where a redirect from `current` to `location` leads, if it stays on `current`'s scheme, host
+    and port; HttpReadError for one anywhere else, and for a Location that is not a URL."""
+    try:
+        target = urllib.parse.urljoin(current, location)
+        elsewhere = _origin(target) != _origin(current)
+    except ValueError as exc:
+        raise HttpReadError(f"redirected to {quoted(location)!r}, not a URL ({quoted(str(exc))})") from None
+    if elsewhere:
+        raise HttpReadError(f"redirected to another origin ({quoted(target)}): not followed")
+    return target
+
+
 def get(
-    url: str, deadline_seconds: float, max_bytes: int, *, truncate: bool = False, accept: str | None = None
+    url: str,
+    deadline_seconds: float,
+    max_bytes: int,
+    *,
+    truncate: bool = False,
+    accept: str | None = None,
+    same_origin_redirects: int = 0,
 ) -> HttpAnswer:
-    """GET a local server's `url` (http or https; checked by the caller) with `exchange`, no proxy."""
+    """GET a local server's `url` (http or https) with `exchange`, no proxy. Up to
+    `same_origin_redirects` redirects to the same scheme, host and port are followed, all within
+    the one deadline; one elsewhere, or more of them, is an HttpReadError."""
     headers = {"User-Agent": "gpu-agent", "Accept-Encoding": "identity"}
     if accept is not None:
         headers["Accept"] = accept
-    request = urllib.request.Request(url, headers=headers)  # noqa: S310
-    return exchange(request, deadline_seconds, max_bytes, truncate=truncate)
+    deadline = time.monotonic() + deadline_seconds
+    current = url
+    for _ in range(same_origin_redirects + 1):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise HttpTimedOut(f"timed out after {deadline_seconds:g} s")
+        answer = exchange(current, left, max_bytes, headers=headers, truncate=truncate, shown_seconds=deadline_seconds)
+        if not same_origin_redirects or answer.status not in _REDIRECT_STATUSES or not answer.location:
+            return answer
+        current = _redirect_target(current, answer.location)
+    raise HttpReadError(f"more than {same_origin_redirects} redirects")

@@ -3,9 +3,10 @@
 The drain hook (run by the action, agent.rules.actions.service_actions) tells the world to stop
 sending requests; then `wait_until_idle` reads the server's own running-requests gauge
 (`vllm:num_requests_running`, `sglang:num_running_reqs`, through agent.services.scrape: one scrape
-at a time, each with its deadline) until it reads 0 or the time is up. A server whose page cannot
-be read is not waited on: one that cannot answer /metrics is not serving requests either, and the
-restart that follows is what it needs.
+at a time, each with its deadline, that reads that family alone, so a page whose other families are
+past their bounds is still read) until it reads 0 or the time is up. A server whose page cannot be
+read is not waited on, whatever went wrong (its scrape's one error, ScrapeError): one that cannot
+answer /metrics is not serving requests either, and the restart that follows is what it needs.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def wait_until_idle(
         # "still running N requests" is what the operator needs to read, not a scrape cut at 0 s.
         scrape_seconds = max(min(service.probe_timeout_seconds, left), min(service.probe_timeout_seconds, 1.0))
         try:
-            reading = scrape(url, service.kind, scrape_seconds, DEFAULT_MAX_BYTES)
+            reading = scrape(url, service.kind, scrape_seconds, DEFAULT_MAX_BYTES, figures=("running",))
         except ScrapeError as exc:
             return DrainWait("unreadable", monotonic() - began, running, str(exc))
         running = reading.running

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import time
 import urllib.parse
-import urllib.request
 from typing import Any
 
 from agent.host import http_read, safe_json
@@ -42,11 +41,10 @@ def _request(url: str, deadline: float, timeout_seconds: float, payload: dict[st
     headers = {"User-Agent": "gpu-agent"}
     if data is not None:
         headers["Content-Type"] = "application/json"
-    request = urllib.request.Request(url, data=data, headers=headers)  # noqa: S310 (config allows http(s) only)
     try:
-        answer = http_read.exchange(request, left, _BODY_MAX_BYTES)
-    except http_read.HttpTimedOut:
-        raise _ProbeFailed(f"timed out after {timeout_seconds:g} s") from None
+        answer = http_read.exchange(
+            url, left, _BODY_MAX_BYTES, data=data, headers=headers, shown_seconds=timeout_seconds
+        )
     except http_read.HttpReadError as exc:
         raise _ProbeFailed(exc.detail) from None
     if not 200 <= answer.status < 300:

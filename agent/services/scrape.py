@@ -45,8 +45,7 @@ import itertools
 import math
 import re
 import time
-import urllib.parse
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Literal
@@ -81,6 +80,21 @@ class Families:
     kv_cache_usage: tuple[str, ...]
     generation_tokens: tuple[str, ...]  # counter families, without `_total`
     generation_throughput: tuple[str, ...] = ()  # the server's own tokens/s gauge, where it has one
+
+    def only(self, figures: Collection[str]) -> Families:
+        """These families with only `figures` (field names) read."""
+
+        def kept(figure: str, names: tuple[str, ...]) -> tuple[str, ...]:
+            return names if figure in figures else ()
+
+        return Families(
+            histograms=self.histograms if "histograms" in figures else {},
+            running=kept("running", self.running),
+            waiting=kept("waiting", self.waiting),
+            kv_cache_usage=kept("kv_cache_usage", self.kv_cache_usage),
+            generation_tokens=kept("generation_tokens", self.generation_tokens),
+            generation_throughput=kept("generation_throughput", self.generation_throughput),
+        )
 
     def names(self) -> frozenset[str]:
         groups: list[Iterable[str]] = [
@@ -134,53 +148,28 @@ class ScrapeError(Exception):
 
 #: Redirects followed per scrape, each within the scrape's one total deadline.
 MAX_REDIRECTS = 3
-_REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 
 
 # Prometheus text first; an OpenMetrics answer (a proxy that insists) is read all the same.
 _ACCEPT = "text/plain;version=0.0.4;q=1,application/openmetrics-text;version=1.0.0;q=0.5"
 
 
-def _origin_of(parts: urllib.parse.SplitResult) -> tuple[str, str, int]:
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    return parts.scheme, (parts.hostname or "").lower(), port
-
-
 def fetch_text(url: str, timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
     """GET url within `timeout_seconds` in total (connect, headers and body, every redirect
-    included), reading at most `max_bytes`; ScrapeError otherwise.
+    included), reading at most `max_bytes`; ScrapeError otherwise, whatever went wrong.
 
     A redirect to the same scheme, host and port is followed (at most MAX_REDIRECTS, as
     Prometheus follows vLLM's `307 /metrics -> /metrics/`); one anywhere else is an error: the
     agent reads the server it was configured for and nothing else. No proxy from the environment
     is used: the server is local to the node.
     """
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ScrapeError(f"not an http(s) URL: {url}")
-    origin = _origin_of(parts)
-    deadline = time.monotonic() + timeout_seconds
-    current = url
-    for _ in range(MAX_REDIRECTS + 1):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise ScrapeError(f"timed out after {timeout_seconds:g} s")
-        try:
-            answer = http_read.get(current, left, max_bytes, accept=_ACCEPT)
-        except http_read.HttpTimedOut:
-            raise ScrapeError(f"timed out after {timeout_seconds:g} s") from None
-        except http_read.HttpReadError as exc:
-            raise ScrapeError(exc.detail) from None
-        if answer.status in _REDIRECT_STATUSES and answer.location:
-            target = urllib.parse.urljoin(current, answer.location)
-            if _origin_of(urllib.parse.urlsplit(target)) != origin:
-                raise ScrapeError(f"redirected to another origin ({target}): not followed")
-            current = target
-            continue
-        if not 200 <= answer.status < 300:
-            raise ScrapeError(f"HTTP {answer.status}")
-        return answer.body.decode("utf-8", "replace")
-    raise ScrapeError(f"more than {MAX_REDIRECTS} redirects")
+    try:
+        answer = http_read.get(url, timeout_seconds, max_bytes, accept=_ACCEPT, same_origin_redirects=MAX_REDIRECTS)
+    except http_read.HttpReadError as exc:
+        raise ScrapeError(exc.detail) from None
+    if not 200 <= answer.status < 300:
+        raise ScrapeError(f"HTTP {answer.status}")
+    return answer.body.decode("utf-8", "replace")
 
 
 # -- parsing -------------------------------------------------------------------------------------
@@ -325,7 +314,11 @@ Sample = tuple[str, Mapping[str, str], float, Series | None]
 
 
 def _rank_order(rank: tuple[str, ...]) -> tuple[tuple[int, str], ...]:
-    return tuple((int(value), "") if value.isdigit() else (1 << 62, value) for value in rank)
+    # ASCII digits only, and few: int() refuses `²` (a digit to isdigit) and numbers of 4300 digits.
+    return tuple(
+        (int(value), "") if value.isascii() and value.isdigit() and len(value) < 19 else (1 << 62, value)
+        for value in rank
+    )
 
 
 _REPLICA_ORDER = tuple(sorted(REPLICA_LABELS))
@@ -385,8 +378,7 @@ def _histograms_by_series(samples: Sequence[Sample], family: str) -> dict[Series
             counts[key] = value
         elif name == sum_:
             sums[key] = value
-        if len(buckets) > MAX_SERIES_PER_FAMILY:
-            raise ScrapeError(f"{UNREADABLE}: {family} has more than {MAX_SERIES_PER_FAMILY} label sets")
+        _at_most_series(family, len(buckets))
     for by_bound in buckets.values():
         bounds = tuple(sorted(by_bound))
         problem = _unreadable_series(family, bounds, [by_bound[b] for b in bounds])
@@ -489,23 +481,38 @@ def _parse_families(selected: str, openmetrics: bool) -> dict[str, list[Sample]]
     return {f.name: [(s.name, s.labels, float(s.value), None) for s in f.samples] for f in families}
 
 
-def parse_reading(text: str, kind: str | None = None, timestamp_seconds: float | None = None) -> ServerReading:
-    """A page of Prometheus text or OpenMetrics -> a ServerReading (kind detected when None).
-    ScrapeError when the text is neither."""
+def parse_reading(
+    text: str,
+    kind: str | None = None,
+    timestamp_seconds: float | None = None,
+    figures: Collection[str] | None = None,
+) -> ServerReading:
+    """A page of Prometheus text or OpenMetrics -> a ServerReading (kind detected when None), of
+    `figures` only when given (Families' field names: the drain reads `running` alone). ScrapeError
+    when the text is neither or cannot be believed, whatever went wrong in reading it."""
     now = time.time() if timestamp_seconds is None else timestamp_seconds
+    try:
+        return _reading(text, kind, now, figures)
+    except ScrapeError:
+        raise
+    except Exception as exc:  # the parsers' every complaint about untrusted text, whatever its type
+        raise ScrapeError(f"not Prometheus text: {http_read.quoted(str(exc), 200)}") from None
+
+
+def _at_most_series(family: str, series: int) -> None:
+    if series > MAX_SERIES_PER_FAMILY:
+        raise ScrapeError(f"{UNREADABLE}: {family} has more than {MAX_SERIES_PER_FAMILY} label sets")
+
+
+def _reading(text: str, kind: str | None, now: float, figures: Collection[str] | None) -> ServerReading:
     if kind is None:
         kind = detect_kind(_metric_name(line) for line in text.splitlines() if line and not line.startswith("#"))
     families = FAMILIES.get(kind)
     if families is None:
         return ServerReading(now, kind)
-    wanted = families.names()
-    try:
-        parsed = _parse_families(_select_lines(text, wanted), is_openmetrics(text))
-    except ScrapeError:
-        raise
-    except Exception as exc:  # the parsers' every complaint about untrusted text, whatever its type
-        raise ScrapeError(f"not Prometheus text: {str(exc)[:200]}") from None
-
+    if figures is not None:
+        families = families.only(figures)
+    parsed = _parse_families(_select_lines(text, families.names()), is_openmetrics(text))
     found: dict[str, str] = {}
 
     def samples_of(figure: str, candidates: tuple[str, ...]) -> tuple[str, list[Sample]]:
@@ -518,12 +525,14 @@ def parse_reading(text: str, kind: str | None = None, timestamp_seconds: float |
 
     def per_series(figure: str, candidates: tuple[str, ...], suffix: str = "") -> dict[SeriesKey, float]:
         name, samples = samples_of(figure, candidates)
-        return {
+        values = {
             # A gauge or counter that is not a finite number says nothing: the figure is absent.
             key: v
             for n, key, _, v in _one_copy_per_batch(samples)
             if n in (name, name + suffix) and math.isfinite(v)
         }
+        _at_most_series(name, len(values))
+        return values
 
     def summed(figure: str, candidates: tuple[str, ...]) -> float | None:
         values = per_series(figure, candidates)
@@ -533,6 +542,7 @@ def parse_reading(text: str, kind: str | None = None, timestamp_seconds: float |
         # Every copy counts here: the fullest pool is the one that turns requests away.
         name, samples = samples_of(figure, candidates)
         values = [v for n, _, v, _ in samples if n == name and math.isfinite(v)]
+        _at_most_series(name, len(values))
         return max(values) if values else None
 
     histograms: dict[str, dict[SeriesKey, Histogram]] = {}
@@ -559,7 +569,8 @@ def scrape(
     kind: str | None = None,
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
     max_bytes: int = DEFAULT_MAX_BYTES,
+    figures: Collection[str] | None = None,
 ) -> ServerReading:
-    """Fetch and parse one server's `/metrics`; ScrapeError when it cannot."""
+    """Fetch and parse one server's `/metrics` (of `figures` only, when given); ScrapeError when it cannot."""
     text = fetch_text(url, timeout_seconds, max_bytes)
-    return parse_reading(text, kind)
+    return parse_reading(text, kind, figures=figures)

@@ -768,7 +768,7 @@ def test_webhook_non_2xx_and_redirects_fail(tmp_path: Path) -> None:
     # Refused when the rules load, and by the client itself.
     with pytest.raises(ValidationError, match="must be an http:// or https:// URL"):
         spec(ActionKind.WEBHOOK, {"url": "file:///etc/passwd"})
-    with pytest.raises(ActionError, match=r"^not an http\(s\) URL: file:///…$"):
+    with pytest.raises(ActionError, match=r"^POST file:///…: not an http\(s\) URL$"):
         post_json("file:///etc/passwd", {}, 1.0)
 
 
@@ -916,14 +916,20 @@ class DrainedNode:
 
 
 @contextlib.contextmanager
-def drained_node(tmp_path: Path, drain_seconds: float, timeout_seconds: float) -> Iterator[DrainedNode]:
+def drained_node(
+    tmp_path: Path, drain_seconds: float, timeout_seconds: float, metrics_url: str | None = None
+) -> Iterator[DrainedNode]:
     """A node whose stand-in takes no new requests while `drain-file` exists (its running requests
     finish within `drain_seconds`), behind a drain hook that creates the file and says for whom;
-    the stand-in started, and stopped on the way out whatever the test did."""
+    the stand-in started, and stopped on the way out whatever the test did. The drain reads
+    `metrics_url` when given, else the stand-in's own."""
     drain_file = tmp_path / "drain-file"
     told = tmp_path / "hook-told"
     hook = write_hook(tmp_path, f'#!/bin/sh\necho "$GPU_AGENT_SERVICE" > {told}\ntouch {drain_file}\n')
-    node = make_node(tmp_path, service_fields={"drain": {"hook": [str(hook)], "timeout_seconds": timeout_seconds}})
+    fields: dict[str, Any] = {"drain": {"hook": [str(hook)], "timeout_seconds": timeout_seconds}}
+    if metrics_url is not None:
+        fields["metrics_url"] = metrics_url
+    node = make_node(tmp_path, service_fields=fields)
     service = node.config.services[0]
     extra = ["--drain-file", str(drain_file), "--drain-seconds", str(drain_seconds), "--request-rate", "40"]
     slow = service.model_copy(update={"start_command": [*(service.start_command or []), *extra]})
@@ -1072,4 +1078,24 @@ def test_an_untrusted_drain_hook_is_not_run_and_the_restart_goes_ahead(tmp_path:
         assert refused.startswith("drain hook of sglang refused: ") and "writable by group or others" in refused
         assert not drained.told.exists()  # never ran
         assert drained.journal[:3] == ["draining sglang", "drained sglang", "restarting sglang"]
+        assert drained.node.service_pid() != drained.first_pid
+
+
+@pytest.mark.parametrize("location", ["http://127.0.0.1:99999/metrics", "http://[::1/metrics"])
+def test_a_server_that_redirects_its_metrics_to_no_url_is_not_waited_on(tmp_path: Path, location: str) -> None:
+    """The scrape raised ValueError for such a Location: the restart failed with "internal error:
+    ValueError" before its stop, and the service was never restarted."""
+    answer = tmp_path / "answer"
+    answer.write_bytes(f"HTTP/1.1 302 Found\r\nLocation: {location}\r\nContent-Length: 0\r\n\r\n".encode())
+    with (
+        SlowEndpoint("raw", "--body", str(answer)) as redirecting,
+        drained_node(
+            tmp_path, drain_seconds=600, timeout_seconds=30, metrics_url=redirecting.url("/metrics")
+        ) as drained,
+    ):
+        outcome = execute(decision(ActionKind.RESTART_SERVICE, target=Target(service="sglang")), drained.node.ctx)
+        assert outcome.outcome is Outcome.SUCCESS, outcome.detail
+        waited = outcome.detail.split("; ")[1]
+        assert waited.startswith(f"sglang's running requests unreadable (redirected to '{location}', not a URL"), waited
+        assert drained.journal == ["draining sglang", "drained sglang", "restarting sglang", "restarted sglang"]
         assert drained.node.service_pid() != drained.first_pid

@@ -161,6 +161,14 @@ def test_sglang_tp_ranks_are_copies_counted_once_but_the_fullest_cache_counts() 
     assert (e2e.count, e2e.sum) == (3, 4.0)
 
 
+@pytest.mark.parametrize("rank", ["²", "9" * 5000, "-1", "a"])
+def test_a_tp_rank_that_is_no_small_number_ranks_after_the_numbered_ones(rank: str) -> None:
+    """`²` is a digit to str.isdigit and not to int(), and int() refuses 4300 digits: either raised
+    ValueError out of parse_reading (and so out of a drain's read of the server)."""
+    text = f'sglang:num_running_reqs{{tp_rank="{rank}"}} 9\nsglang:num_running_reqs{{tp_rank="1"}} 3\n'
+    assert parse_reading(text, "sglang").running == 3
+
+
 VLLM_CURRENT_AND_DEPRECATED = (PAGES / "vllm-current-and-deprecated.txt").read_text()
 
 

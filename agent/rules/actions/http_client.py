@@ -9,10 +9,8 @@ errors. Proxies from the environment (`https_proxy`, ...) are used as urllib use
 
 from __future__ import annotations
 
-import base64
 import json
 import urllib.parse
-import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,39 +28,21 @@ class RequestTimedOut(ActionError):
 
 def redacted_url(url: str) -> str:
     """scheme://host[:port]/… : enough to tell where it went, without the path's tokens."""
-    parts = urllib.parse.urlsplit(url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:  # not a URL (an unclosed `[`): nothing of it but its scheme is shown
+        return f"{url.partition(':')[0][:16]}://…"
     return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}" + ("/…" if parts.path.strip("/") else "")
-
-
-def _request(url: str, body: bytes, headers: Mapping[str, str]) -> urllib.request.Request:
-    parts = urllib.parse.urlsplit(url)
-    credentials = None
-    if parts.username is not None:
-        # urllib takes user:password@ for part of the host name: send it as basic auth instead.
-        userinfo = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
-        credentials = "Basic " + base64.b64encode(userinfo.encode()).decode()
-        url = urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
-    request = urllib.request.Request(url, data=body, method="POST")  # noqa: S310 (the caller checked the scheme)
-    request.add_header("Content-Type", "application/json")
-    request.add_header("User-Agent", "gpu-agent")
-    if credentials is not None:
-        request.add_header("Authorization", credentials)
-    for name, value in headers.items():
-        request.add_header(name, value)
-    return request
 
 
 def post_json(url: str, payload: Any, deadline_seconds: float, headers: Mapping[str, str] | None = None) -> int:
     """POST payload as JSON and return the 2xx status within `deadline_seconds` in all; raises
     RequestTimedOut past the deadline, ActionError for any other failure (no secrets in either)."""
     where = redacted_url(url)
-    if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
-        raise ActionError(f"not an http(s) URL: {where}")
     body = json.dumps(payload, default=str).encode()
+    sent = {"Content-Type": "application/json", "User-Agent": "gpu-agent", **(headers or {})}
     try:
-        answer = exchange(
-            _request(url, body, headers or {}), deadline_seconds, _ANSWER_BYTES, proxies=True, truncate=True
-        )
+        answer = exchange(url, deadline_seconds, _ANSWER_BYTES, data=body, headers=sent, proxies=True, truncate=True)
     except HttpTimedOut:
         raise RequestTimedOut(f"POST {where}: timed out: no complete answer within {deadline_seconds:g} s") from None
     except HttpReadError as exc:
