@@ -124,7 +124,7 @@ def read_drain(origin: str) -> str:
     service = ServiceConfig.model_validate({"name": "llm", "health_url": origin + "/health", "kind": "sglang"})
     # A timeout of 0: one reading of the gauge, and the wait ends whatever it says.
     waited = wait_until_idle(
-        service, 0.0, clock=time.monotonic, sleep=time.sleep, cancel=threading.Event(), poll_seconds=0.1
+        service, 0.0, monotonic=time.monotonic, sleep=time.sleep, cancel=threading.Event(), poll_seconds=0.1
     )
     assert isinstance(waited, DrainWait)
     return f"{waited.outcome} {detail_of(waited.detail)}"

@@ -62,7 +62,7 @@ def test_the_drain_reads_its_gauge_alone_so_other_families_past_their_bounds_do_
     with SlowEndpoint("file", "--body", str(page)) as server:
         service = ServiceConfig.model_validate({"name": "llm", "health_url": server.url("/health"), "kind": "sglang"})
         waited = wait_until_idle(
-            service, 5.0, clock=time.monotonic, sleep=time.sleep, cancel=threading.Event(), poll_seconds=0.1
+            service, 5.0, monotonic=time.monotonic, sleep=time.sleep, cancel=threading.Event(), poll_seconds=0.1
         )
     assert waited.outcome == "idle", waited
 
