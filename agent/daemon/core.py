@@ -107,6 +107,8 @@ class Daemon:
             clock,
             boottime,
             lambda pid: service_of_pid(pid, self.config.services, self.host.paths),
+            kernel_log_followed=lambda: self.kmsg.status()[0],
+            release_xids=self.intake.put,
         )
         self.holds = PolicyHolds()  # items a tune sweep drives: the policy loop plans them, never writes them
         self.policy = PolicyLoop(config, self.host, self.runner, self.session.note_fault, self.holds)
