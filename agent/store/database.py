@@ -61,11 +61,12 @@ from agent.host import safe_json
 from agent.logger import get_logger
 from agent.rules.model import ActionOutcome, Decision, Outcome
 from agent.state import RemediationCount
-from agent.store.acks import ALL, Acknowledgements, Circuit
+from agent.store.acks import Acknowledgements, Circuit
 from agent.store.attempt_clock import ClockReading
 from agent.store.boot import BootTables, InventoryGpu, ProbeStreak
 from agent.store.db import StoreError
 from agent.store.schema import Unusable, connect_or_replace
+from agent.store.selector import ALL
 from agent.store.tunes import TuneHistoryTables, TuneTables
 
 log = get_logger()
