@@ -1,13 +1,15 @@
 """The status API: one JSON request line in, one JSON response line out, over a Unix socket. This
 module is the protocol and its client (`gpu-agent status` imports it); agent/api_server.py serves it.
 
-Requests: {"method": "status"} | {"method": "events", "params": {"since_seconds": S, "limit": N}} |
-{"method": "ping"}; the advisor adds `tune_start`, `tune_status`, `tune_abort` and `tune_passive`
-(agent/tune/runner.py). Responses: {"ok": true, "result": ...} or {"ok": false, "error": "..."}.
+Requests: {"method": "status"} | {"method": "ping"} | {"method": "ack", "params": {"selector": TEXT}}
+(agent/daemon/ack_api.py); the advisor adds `tune_start`, `tune_status`, `tune_abort` and
+`tune_passive` (agent/tune/runner.py).
+Responses: {"ok": true, "result": ...} or {"ok": false, "error": "..."}.
+
 The socket is root-only (0600) unless a group is configured (0660, that group); `denied_reason` tells
 a caller the socket refuses which group to join. Methods that change the node (`privileged`: starting
-or aborting a tune sweep) answer only a peer running as root or as the agent's own user (SO_PEERCRED),
-so a group given read access cannot set power limits.
+or aborting a tune sweep, `ack`) answer only a peer running as root or as the agent's own user
+(SO_PEERCRED), so a group given read access cannot set power limits or re-arm rules.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The CLI's edges, as an operator meets them, with real processes: a stdout that cannot be written,
-numbers out of range, and a caller the status socket or the state directory refuses (run as nobody:
-the tests run as root, and skip with the reason otherwise)."""
+numbers out of range, a caller the status socket or the state directory refuses (run as nobody: the
+tests run as root, and skip with the reason otherwise), and `ack` through a running daemon."""
 
 from __future__ import annotations
 
@@ -9,17 +9,26 @@ import json
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from daemon_harness import running_agent
+from helpers import wait_until
 from hosttree import make_host_tree
 from test_cli import gpu_agent, write_config
 
 from agent.api_server import ApiServer
+from agent.host.paths import HostPaths
+from agent.rules.model import Target
+from agent.store.database import Store
+from agent.store.node_memory import read_boot_id
+from agent.watch.xid import XidMark
 
 # -- a stdout that cannot be written --------------------------------------------------------------
 
@@ -185,30 +194,15 @@ def test_a_user_the_root_only_socket_refuses_is_told_so_not_that_no_daemon_answe
     server = ApiServer(open_dir / "run/agent.sock", {"status": lambda _p: {"starting": True}})
     server.start()
     try:
-        result = as_nobody("status", "--config", str(config))
-        assert result.returncode == 1, result.stdout + result.stderr
-        assert result.stderr.startswith(
-            f"gpu-agent: permission denied on {open_dir / 'run/agent.sock'}: it answers root only"
-            " (api.group is not set); run it as root (sudo), or name a group of operators"
-        ), result.stderr
-        assert "no daemon answered" not in result.stdout + result.stderr
-        assert "Traceback" not in result.stderr
-    finally:
-        server.close()
-
-
-def test_a_user_outside_the_sockets_group_is_told_which_group_to_join(open_dir: Path) -> None:
-    config = node_config(open_dir)
-    group = a_group_nobody_is_not_in()
-    server = ApiServer(open_dir / "run/agent.sock", {"status": lambda _p: {"starting": True}}, group=group.gr_name)
-    server.start()
-    try:
-        outside = as_nobody("status", "--config", str(config))
-        assert outside.returncode == 1, outside.stderr
-        assert (
-            f"it answers root and group {group.gr_name} only; join it (`sudo usermod -aG {group.gr_name} nobody`"
-            in outside.stderr
-        )
+        for argv in (("status",), ("ack", "all")):
+            result = as_nobody(*argv, "--config", str(config))
+            assert result.returncode == 1, result.stdout + result.stderr
+            assert result.stderr.startswith(
+                f"gpu-agent: permission denied on {open_dir / 'run/agent.sock'}: it answers root only"
+                " (api.group is not set); run it as root (sudo), or name a group of operators"
+            ), result.stderr
+            assert "no daemon answered" not in result.stdout + result.stderr
+            assert "Traceback" not in result.stderr
     finally:
         server.close()
 
@@ -238,3 +232,93 @@ def test_what_a_user_may_not_read_is_no_finding(open_dir: Path) -> None:
         f"this user may not read {open_dir / 'state'}: the daemon's node memory (Xid history, held slowdowns)"
         " and its reboot recommendation are not included" in result.stdout
     ), result.stdout
+
+
+# -- ack goes through the daemon ------------------------------------------------------------------
+
+
+def status_json(config: Path) -> dict[str, Any]:
+    result = gpu_agent("status", "--json", "--config", str(config))
+    assert result.returncode in (0, 2), result.stderr
+    document: dict[str, Any] = json.loads(result.stdout)
+    return document
+
+
+def gpu_health(document: dict[str, Any], index: int) -> str:
+    return str(next(g for g in document["gpus"] if g["index"] == index)["health"]["state"])
+
+
+def test_ack_reaches_the_daemons_own_store_after_a_refused_reload_moved_state_dir(tmp_path: Path) -> None:
+    """A reload that changes state_dir is refused (a restart applies it): the daemon keeps its store,
+    the file names another. `ack` goes through the daemon, so it re-arms the circuit the daemon keeps
+    and takes the Xid out of the verdict that the daemon gives."""
+    moved = tmp_path / "moved-state"
+    with running_agent(tmp_path, mode="observe") as agent:
+        agent.notifications.wait_for("READY", "1")
+        injected = gpu_agent("inject", "xid", "48", "--gpu", "1", "--config", str(agent.config_path))
+        assert injected.returncode == 0, injected.stderr
+        wait_until(lambda: gpu_health(status_json(agent.config_path), 1) == "unhealthy", 20, "Xid 48 in the verdict")
+        uuid = next(g["uuid"] for g in status_json(agent.config_path)["gpus"] if g["index"] == 1)
+        with Store.open(agent.state_dir) as store:
+            store.open_circuit("xid-reset-gpu", Target(gpu=1, uuid=uuid), "attempts ran out")
+        text = agent.config_path.read_text()
+        agent.config_path.write_text(text.replace(f"state_dir: {agent.state_dir}", f"state_dir: {moved}"))
+        agent.signal(signal.SIGHUP)
+        wait_until(lambda: "config" in status_json(agent.config_path)["verdict"]["causes"], 20, "the refused reload")
+
+        acked = gpu_agent("ack", "gpu:1", "--config", str(agent.config_path))
+
+        assert acked.returncode == 0, acked.stdout + acked.stderr
+        assert "gpu:1: Xid 48 on GPU 1 marked dealt with" in acked.stdout
+        assert "gpu:1: 1 rule/target pair(s) re-armed" in acked.stdout
+        with Store.open(agent.state_dir) as store:
+            assert store.circuits() == []
+        assert not (moved / "gpu-agent.db").exists()
+        # the verdict the daemon gives follows with its next snapshot (the Xid would stay for the hour)
+        wait_until(lambda: gpu_health(status_json(agent.config_path), 1) == "healthy", 5, "GPU 1 healthy again")
+
+
+def test_ack_writes_the_store_file_when_no_daemon_answers(tmp_path: Path) -> None:
+    config = write_config(tmp_path)
+    boot = read_boot_id(HostPaths.at(tmp_path / "host"))
+    with Store.open(tmp_path / "state") as store:
+        store.replace_xid_marks(boot, [XidMark(1, 48, "reset_gpu", "Xid 48: Double Bit ECC Error", 10.0)])
+    acked = gpu_agent("ack", "xid:48@1", "--config", str(config))
+    assert acked.returncode == 0, acked.stderr
+    assert acked.stdout == (
+        "xid:48@1: Xid 48 on GPU 1 marked dealt with: no longer in the verdict (the counts stay in status and"
+        " /metrics)\n"
+    )
+    with Store.open(tmp_path / "state") as store:
+        assert store.xid_marks(boot) == []
+
+
+def test_a_member_of_the_sockets_group_reads_status_but_may_not_ack(open_dir: Path) -> None:
+    """`api.group` opens the daemon's socket to a group for reading; `ack` changes what the daemon
+    does (it re-arms rules), so the daemon answers it to root (or its own user) only. Outside the
+    group, the user is told which group to join."""
+    group = a_group_nobody_is_not_in()
+    node = open_dir / "node"
+    node.mkdir(mode=0o755)
+    with running_agent(node, mode="observe") as agent:
+        agent.notifications.wait_for("READY", "1")
+        text = agent.config_path.read_text()
+        agent.config_path.write_text(text.replace("api: {socket: ", f"api: {{group: {group.gr_name}, socket: "))
+        agent.signal(signal.SIGHUP)
+        wait_until(lambda: agent.socket_path.stat().st_gid == group.gr_gid, 20, "the socket given to the group")
+
+        outside = as_nobody("status", "--config", str(agent.config_path))
+        member_status = as_nobody("status", "--config", str(agent.config_path), groups=(group.gr_gid,))
+        member_ack = as_nobody("ack", "all", "--config", str(agent.config_path), groups=(group.gr_gid,))
+
+    assert outside.returncode == 1, outside.stderr
+    assert (
+        f"it answers root and group {group.gr_name} only; join it (`sudo usermod -aG {group.gr_name} nobody`"
+        in outside.stderr
+    )
+    assert member_status.returncode in (0, 2) and "(daemon)" in member_status.stdout.splitlines()[0], member_status
+    assert member_ack.returncode == 1, member_ack.stderr
+    assert member_ack.stderr == (
+        f"gpu-agent: daemon at {agent.socket_path}: ack changes the node: only root or the agent's own user may"
+        " call it\n"
+    )

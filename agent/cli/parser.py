@@ -212,8 +212,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "service:NAME, or all. A GPU or Xid selector (or all) marks the GPU's Xids (or that one) dealt with: "
         "they leave the verdict, their counts stay. A GPU selector (or all) also re-arms the rules acting on it "
         "and acknowledges a missing GPU as gone: it leaves status and /metrics until it answers again. "
-        "Exit codes: 0 something acknowledged (or `all` with nothing to do), 1 nothing matched (a typo?), "
-        "2 a number out of range (an index beyond NVML's, an Xid code outside 1-999).",
+        "Through the running daemon (its own store); in the store file the config names only when no daemon "
+        "answers on the socket. "
+        "Exit codes: 0 something acknowledged (or `all` with nothing to do), 1 nothing matched (a typo?) or "
+        "refused, 2 a number out of range (an index beyond NVML's, an Xid code outside 1-999).",
     )
     p.add_argument("selector", type=ack_selector)
     p.set_defaults(func=_command("commands", "cmd_ack"))

@@ -1,4 +1,4 @@
-"""What a `gpu-agent ack` selector names, read once and range-checked.
+"""What a `gpu-agent ack` selector names, read once and range-checked, and what an ack did (`AckResult`).
 
 The CLI refuses a bad selector before anything is opened (argparse's exit 2), the daemon's API answers
 it with an error, and the store builds its conditions from the parsed form only, so no number it binds
@@ -12,6 +12,7 @@ agent reads from the kernel log."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from agent.watch.kernel_log import MAX_XID
 
@@ -33,6 +34,15 @@ class AckSelector:
     @property
     def names_gpu(self) -> bool:
         return self.gpu_index is not None or self.gpu_uuid is not None
+
+    def xid_marks(self) -> tuple[int | str | None, int | None] | None:
+        """(GPU, Xid) of the Xid marks it takes out of the health window: `all` every one, a GPU
+        selector that GPU's, `xid:CODE@GPU` one; None for rule and service selectors."""
+        if self.every:
+            return None, None
+        if not self.names_gpu:
+            return None
+        return self.gpu_index if self.gpu_index is not None else self.gpu_uuid, self.xid
 
 
 def _index(text: str, what: str, selector: str) -> int | None:
@@ -64,3 +74,25 @@ def parse_ack_selector(text: str) -> AckSelector:
         index = _index(gpu, "GPU", text)
         return AckSelector(text, gpu_index=index, gpu_uuid=gpu if index is None else None, xid=int(code))
     return AckSelector(text, rule=text)
+
+
+@dataclass(frozen=True)
+class AckResult:
+    """What one `gpu-agent ack` did: rule/target pairs re-armed, missing GPUs acknowledged gone (their
+    UUIDs) and Xid marks taken out of the health window ((GPU, Xid) pairs). As JSON: `asdict`."""
+
+    rearmed: int
+    gone: tuple[str, ...]
+    cleared: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def from_json(cls, document: Any) -> AckResult:
+        """The daemon's answer; ValueError when it is not in this form."""
+        try:
+            return cls(
+                rearmed=int(document["rearmed"]),
+                gone=tuple(str(uuid) for uuid in document["gone"]),
+                cleared=tuple((int(gpu), int(xid)) for gpu, xid in document["cleared"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not an ack result: {exc}") from None
