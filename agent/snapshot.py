@@ -53,12 +53,23 @@ class NodeWatchers:
         clock: Callable[[], float] = time.time,
         boottime: Callable[[], float] = boottime_seconds,
         process_owner: Callable[[int], str | None] = lambda pid: None,
+        kernel_log_followed: Callable[[], bool] = lambda: False,
+        release_xids: Callable[[list[Event]], object] = lambda events: None,
     ) -> None:
         # Durations and windows run on `boottime` (monotonic, one reading per boot), times on `clock`.
         # `process_owner`: the configured service a faulting process belongs to (whose Xid it is).
+        # `kernel_log_followed`, `release_xids`: an Xid NVML reports waits for its kernel-log line, then
+        # goes to `release_xids` (agent/watch/xid.py).
         self.throttle = ThrottleWatcher(clock=boottime)
         self.devices = DeviceWatcher()
-        self.xid = XidWatcher(identities, clock=clock, window_clock=boottime, process_owner=process_owner)
+        self.xid = XidWatcher(
+            identities,
+            clock=clock,
+            window_clock=boottime,
+            process_owner=process_owner,
+            kernel_log_followed=kernel_log_followed,
+            release=release_xids,
+        )
         self.pcie = PcieWatcher()
         polled: list[PollWatcher] = [
             self.throttle,

@@ -183,11 +183,12 @@ def reload_attention(snapshot: NodeSnapshot) -> list[str]:
 
 
 def reboot_recommended(state_dir: str | Path, paths: HostPaths) -> str | None:
-    """The reason in `state_dir/reboot-recommended`; None without one, or when it was written before
-    the last boot (that reboot happened: the flag is spent)."""
+    """The reason in `state_dir/reboot-recommended`; None without one, when it was written before
+    the last boot (that reboot happened: the flag is spent), or when this user may not read it (a
+    direct read by a non-root user: what it cannot read is no finding)."""
     try:
         flag = safe_json.loads(file_reads.read_text(Path(state_dir) / REBOOT_FLAG_NAME, _FLAG_LIMIT_BYTES))
-    except FileNotFoundError:
+    except (FileNotFoundError, PermissionError):
         return None
     except (OSError, ValueError):
         return "reboot-recommended flag present (unreadable)"

@@ -497,3 +497,109 @@ def test_every_view_agrees_on_the_fault(tmp_path: Path, name: str) -> None:
     assert PROMTOOL is not None
     proc = subprocess.run([PROMTOOL, "test", "rules", str(case)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr
+
+
+# -- one fault, two reporters ---------------------------------------------------------------------
+
+RULES = ROOT / "rules"
+
+
+@dataclass(frozen=True)
+class XidReport:
+    code: str
+    mode: str
+    kernel_log_at_start: bool  # the daemon follows a kernel log before the fault (NVML's report waits)
+    nvml_after_the_reset: bool = False  # the kernel line first; NVML's event of it after the reset ended
+    pid: bool = False  # the kernel line names the faulting process
+
+
+XID_REPORTS = {
+    # Reset-class: the reset runs; a late second report of the fault it dealt with is not a new fault.
+    "reset-class, both reporters at once": XidReport("48", "enforce", kernel_log_at_start=True),
+    "reset-class, no kernel log followed until the line": XidReport("48", "enforce", kernel_log_at_start=False),
+    "reset-class, NVML's report after the reset": XidReport(
+        "48", "enforce", kernel_log_at_start=True, nvml_after_the_reset=True
+    ),
+    # App-level, the process named by the kernel line only: one event that names it, one decision.
+    "app-level, both reporters at once": XidReport("13", "observe", kernel_log_at_start=True, pid=True),
+}
+
+
+def both_reports_in(events: list[dict[str, Any]]) -> bool:
+    return len(events) > 1 or any(sorted(e["data"]["sources"]) == ["kmsg", "nvml"] for e in events)
+
+
+def xid_events(agent: RunningAgent, code: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The stored events about Xid `code`, and the remediation rows decided on them."""
+    result = cli(agent, "events", "--json")
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    events = [e for e in document["events"] if e["kind"] == "xid" and e["data"]["xid"] == code]
+    keys = {e["key"] for e in events}
+    return events, [r for r in document["remediations"] if r["event_key"] in keys]
+
+
+@pytest.mark.parametrize("name", XID_REPORTS)
+def test_one_xid_both_reporters_saw_is_one_fault_in_every_view(tmp_path: Path, name: str) -> None:
+    """NVML's event and the kernel-log line of one Xid: one event (`gpu-agent events`), one count
+    (`status`, its JSON, /metrics) and one remediation row, whichever reporter came first and however
+    quickly the remediation ended."""
+    report = XID_REPORTS[name]
+    code = int(report.code)
+    with running_agent(tmp_path, mode=report.mode, rules_dir=RULES) as agent:
+        agent.notifications.wait_for("READY", "1")
+        if report.kernel_log_at_start:
+            kmsg = agent.host_root / "dev/kmsg"
+            kmsg.parent.mkdir(parents=True, exist_ok=True)
+            kmsg.touch()
+            wait_until(
+                lambda: any(c["name"] == "kmsg" and c["success"] for c in status_json(agent)["collectors"]),
+                10,
+                "the kernel log followed",
+            )
+        pid = ("--pid", "4242", "--process", "python3") if report.pid else ()
+        first = "kmsg" if report.nvml_after_the_reset else "both"
+        injected = cli(agent, "inject", "xid", report.code, "--gpu", "1", "--source", first, *pid)
+        assert injected.returncode == 0, injected.stderr
+        wait_until(
+            lambda: any(r["outcome"] != "running" for r in xid_events(agent, code)[1]),
+            SEEN_WITHIN_SECONDS,
+            "the fault's remediation decided and ended",
+        )
+        if report.nvml_after_the_reset:
+            injected = cli(agent, "inject", "xid", report.code, "--gpu", "1", "--source", "nvml")
+            assert injected.returncode == 0, injected.stderr
+        # Both reports in: the fault's event (as the daemon holds it) lists both reporters, or the
+        # second report was taken for a fault of its own.
+        wait_until(
+            lambda: both_reports_in([e for e in status_json(agent)["recent_events"] if e["kind"] == "xid"]),
+            SEEN_WITHIN_SECONDS,
+            "both reports taken in",
+        )
+        time.sleep(1.5)  # past the wait for a kernel line and a loop or two: nothing more may come
+        events, rows = xid_events(agent, code)
+        document = status_json(agent)
+        text = cli(agent, "status").stdout
+        metrics = metric_samples(agent.metrics())
+
+    assert len(events) == 1, [e["message"] for e in events]
+    (event,) = events
+    if report.pid:
+        assert (event["data"]["pid"], event["data"]["process"]) == (4242, "python3")
+    assert len(rows) == 1, [(r["rule"], r["outcome"], r["reason"]) for r in rows]
+    assert [(x["gpu"], x["xid"], x["count"]) for x in document["xids"]] == [(1, code, 1)]
+    assert f"GPU 1 Xid {code} x1," in text, text
+    uuid = gpu(document, 1)["uuid"]
+    xid_total = {
+        (labels["gpu"], labels["xid"]): value for n, labels, value in metrics if n == "gpu_agent_xid_errors_total"
+    }
+    assert xid_total == {("1", report.code): 1.0}
+    per_gpu = {labels["gpu"]: value for n, labels, value in metrics if n == "gpu_agent_gpu_xid_errors_total"}
+    assert per_gpu == {"0": 0.0, "1": 1.0}
+    decided = sum(
+        value
+        for n, labels, value in metrics
+        if n == "gpu_agent_remediations_total" and labels["rule"] == rows[0]["rule"]
+    )
+    assert decided == 1.0
+    assert uuid == event["uuid"]

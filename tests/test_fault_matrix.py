@@ -51,6 +51,7 @@ from agent.rules.actions.context import ActionContext
 from agent.rules.actions.dispatch import execute
 from agent.rules.model import ActionKind, ActionSpec, Decision, Outcome, Target
 from agent.state import NodeSnapshot
+from agent.watch.fake_kernel_log import append_kmsg, xid_line
 from agent.watch.nvml_events import NvmlEventSource
 
 PROFILE = "rtx-pro-6000x2"
@@ -467,17 +468,35 @@ def test_loop(node: Node, calls: Calls, method: str, kind: str) -> None:
         node.inject(method, None)
         run_until_recovered(daemon, clock, calls)
         if method == "wait_events":
-            # the event path works again: an Xid injected now arrives through it
-            node.operator.inject_xid(1, 13)
-            wait_until(
-                lambda: any(x.xid == 13 for x in loop(daemon, clock, calls).xids),
-                RECOVERY_DEADLINE_SECONDS,
-                "an Xid through the NVML event path after the fault cleared",
-                poll_seconds=0.02,
-            )
+            # the event path works again: an Xid both reporters report now is one fault through it
+            one_xid_from_both_reporters(node, daemon, clock, calls)
         power = node.operator.power_limit_watts(0)
         assert power == 500.0, f"drift not put back after recovery: {power} W"
         record("loop", method, kind, ", ".join(sorted(seen)) or f"unseen: {exempt or 'not a fault'}")
+
+
+def one_xid_from_both_reporters(node: Node, daemon: Daemon, clock: FakeClock, calls: Calls) -> None:
+    """An app-level Xid through NVML's event path and the kernel log (followed by the daemon's own
+    reader): one count, and one event naming the process only the kernel line names."""
+    paths = HostPaths.at(node.tmp / "host")
+    append_kmsg(paths, "kernel: the log every host has")
+    daemon.kmsg.start()
+    try:
+        wait_until(lambda: daemon.kmsg.status()[0], RECOVERY_DEADLINE_SECONDS, "the kernel log followed")
+        node.operator.inject_xid(1, 13)
+        append_kmsg(paths, xid_line(node.operator.identity(1).pci_bus_id, 13, pid=4242, process="python3"))
+
+        def both_reporters() -> bool:
+            xids = [e for e in loop(daemon, clock, calls).recent_events if e.kind is EventKind.XID]
+            return any(sorted(e.data["sources"]) == ["kmsg", "nvml"] for e in xids)
+
+        wait_until(both_reporters, RECOVERY_DEADLINE_SECONDS, "an Xid through both reporters", poll_seconds=0.02)
+    finally:
+        daemon.kmsg.stop()
+    snapshot = loop(daemon, clock, calls)
+    (event,) = [e for e in snapshot.recent_events if e.kind is EventKind.XID]
+    assert (event.data["xid"], event.data["pid"], event.data["process"]) == (13, 4242, "python3")
+    assert [(x.gpu, x.xid, x.count) for x in snapshot.xids] == [(1, 13, 1)]
 
 
 def test_driver_reload_reinitialises_nvml(node: Node, calls: Calls) -> None:

@@ -12,12 +12,34 @@ from collections.abc import Sequence
 
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = sys.argv[1:] if argv is None else list(argv)
+    if arguments[:1] == ["run"]:  # the daemon: stdout is its log, written as structlog does
+        return _run_command(arguments)
+    from agent.cli.output import GuardedOutput, OutputError, ended
+
+    real = sys.stdout
+    output = GuardedOutput(real)
+    sys.stdout = output  # a TextIO in all a command uses
+    code = 0  # a reader gone before the command ended: no failure of the command
+    try:
+        try:
+            code = _run_command(arguments)
+        except SystemExit as exc:  # argparse: --help, --version, a usage error
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        output.flush()
+    except OutputError as exc:
+        code = ended(exc, code)
+    finally:
+        sys.stdout = real
+    return code
+
+
+def _run_command(arguments: list[str]) -> int:
     if arguments == ["--version"]:  # the answer needs no parser, nor the commands it names
         from agent.version import version_text
 
         sys.stdout.write(version_text())
         return 0
-    from agent.cli.common import EXIT_ERROR, EXIT_OK, CliError
+    from agent.cli.common import EXIT_ERROR, CliError
     from agent.cli.parser import build_parser
 
     # Options before the command are only --help and --version: the first word is the command.
@@ -32,8 +54,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as exc:
         print(f"gpu-agent: {exc}", file=sys.stderr)
         return EXIT_ERROR
-    except BrokenPipeError:
-        return EXIT_OK
     except Exception as exc:
         return _failure(exc)
     return code

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from agent.backend.base import GpuIdentity
     from agent.config import AgentConfig
     from agent.policy.engine import PolicyEngine
+    from agent.store.selector import AckResult, AckSelector
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -174,34 +175,30 @@ def cmd_events(args: argparse.Namespace) -> int:
 
 
 def cmd_ack(args: argparse.Namespace) -> int:
-    from agent.host.paths import HostPaths
-    from agent.store.node_memory import read_boot_id
+    """Through the running daemon (its own store, whatever agent.yaml names now); in the store file
+    named by the config only when no daemon answers on the socket."""
+    from agent.store.selector import parse_ack_selector
 
-    config = load(args)
-    xid_marks = _xid_selector(args.selector)
-    with open_store(config) as store:
-        count = store.ack(args.selector)
-        gone = store.acknowledge_gone(args.selector)
-        cleared = (
-            store.clear_xid_marks(read_boot_id(HostPaths.at(config.host_root)), *xid_marks)
-            if xid_marks is not None
-            else []
-        )
-    for gpu in sorted({mark.gpu for mark in cleared}):
-        codes = ", ".join(str(mark.xid) for mark in cleared if mark.gpu == gpu)
+    selector = parse_ack_selector(args.selector)  # checked by the parser already: it cannot raise here
+    result = _ack_through_daemon(args)
+    if result is None:
+        result = _ack_in_store_file(args, selector)
+    for gpu in sorted({gpu for gpu, _ in result.cleared}):
+        codes = ", ".join(str(xid) for mark_gpu, xid in result.cleared if mark_gpu == gpu)
         print_text(
             f"{args.selector}: Xid {codes} on GPU {gpu} marked dealt with: no longer in the verdict"
             " (the counts stay in status and /metrics)"
         )
-    if count:
+    if result.rearmed:
         print_text(
-            f"{args.selector}: {count} rule/target pair(s) re-armed: their attempts start afresh, circuits closed"
+            f"{args.selector}: {result.rearmed} rule/target pair(s) re-armed: their attempts start afresh,"
+            " circuits closed"
         )
-    for uuid in gone:
+    for uuid in result.gone:
         print_text(f"{uuid}: missing GPU acknowledged gone; no longer expected (until it answers again)")
-    if count or gone or cleared:
+    if result.rearmed or result.gone or result.cleared:
         return EXIT_OK
-    if args.selector == "all":
+    if selector.every:
         print_text("all: nothing to acknowledge (no Xid in the verdict, no rule's attempts ran out, no GPU missing)")
         return EXIT_OK
     # Most often a typo: exit 1, so a script that acknowledges something learns it did not.
@@ -212,20 +209,41 @@ def cmd_ack(args: argparse.Namespace) -> int:
     )
 
 
-def _xid_selector(selector: str) -> tuple[int | str | None, int | None] | None:
-    """(GPU, Xid) of the Xid marks an ack selector clears: `all` every one, `gpu:N`/`gpu:UUID`/`GPU-...`
-    a GPU's, `xid:CODE@GPU` one Xid on one GPU (GPU: index or UUID); None for rule and service selectors."""
-    if selector == "all":
-        return None, None
-    if selector.startswith("GPU-"):
-        return selector, None
-    kind, sep, value = selector.partition(":")
-    if sep and kind == "gpu" and value:
-        return (int(value), None) if value.isdecimal() else (value, None)
-    code, at, gpu = value.partition("@")
-    if sep and kind == "xid" and at and code.isdecimal() and gpu:
-        return (int(gpu) if gpu.isdecimal() else gpu), int(code)
-    return None
+def _ack_through_daemon(args: argparse.Namespace) -> AckResult | None:
+    """The daemon's answer; None when no daemon listens (no socket, or nobody behind it) or it is one
+    from before the `ack` method."""
+    from agent import api
+    from agent.cli.status import socket_path_of
+    from agent.store.selector import AckResult
+
+    socket_path = socket_path_of(args)
+    try:
+        answer = api.call(socket_path, "ack", {"selector": args.selector})
+    except PermissionError:
+        raise CliError(api.denied_reason(socket_path)) from None
+    except (FileNotFoundError, ConnectionRefusedError):
+        return None
+    except OSError as exc:  # it listens but does not answer: writing behind its back would not reach it
+        raise CliError(f"the daemon on {socket_path} did not answer ({exc}); nothing acknowledged") from None
+    except ValueError:
+        raise CliError(f"{socket_path} answered, but not as gpu-agent does; nothing acknowledged") from None
+    except api.ApiError as exc:
+        if str(exc).startswith("unknown method"):
+            return None  # a daemon from before `ack` went through it: it reads the store file
+        raise CliError(f"daemon at {socket_path}: {exc}") from None
+    try:
+        return AckResult.from_json(answer)
+    except ValueError:
+        raise CliError(f"the daemon on {socket_path} answered `ack` in a form this gpu-agent does not know") from None
+
+
+def _ack_in_store_file(args: argparse.Namespace, selector: AckSelector) -> AckResult:
+    from agent.host.paths import HostPaths
+    from agent.store.node_memory import read_boot_id
+
+    config = load(args)
+    with open_store(config) as store:
+        return store.acknowledge(selector, read_boot_id(HostPaths.at(config.host_root)))
 
 
 def cmd_inject(args: argparse.Namespace) -> int:

@@ -19,10 +19,17 @@ if TYPE_CHECKING:
     from typing import Any
 
 
+#: The most rows of each kind `events --limit` asks for (the store keeps 30 days).
+MAX_EVENTS_LIMIT = 1_000_000
+#: The furthest back `events --since` looks: ten years, far beyond the store's 30 days.
+MAX_SINCE_SECONDS = 3650 * 86400.0
+
+
 def positive_int(text: str) -> int:
-    """A count of 1 or more (SQLite reads a negative LIMIT as no limit at all)."""
-    if not text.isdecimal() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number, 1 or more")
+    """A count from 1 to MAX_EVENTS_LIMIT in ASCII digits (SQLite reads a negative LIMIT as no limit
+    at all, and refuses an integer beyond 64 bits with an OverflowError)."""
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_EVENTS_LIMIT:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number from 1 to {MAX_EVENTS_LIMIT}")
     return int(text)
 
 
@@ -30,11 +37,35 @@ _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 def parse_duration_seconds(text: str) -> float:
-    """'90s', '30m', '1h', '7d' -> seconds."""
+    """'90s', '30m', '1h', '7d' -> seconds (ASCII digits, at most MAX_SINCE_SECONDS)."""
     number, unit = text[:-1], text[-1:]
-    if unit not in _DURATION_UNITS or not number.replace(".", "", 1).isdigit():
+    digits = number.replace(".", "", 1)
+    if unit not in _DURATION_UNITS or not (digits.isascii() and digits.isdigit()):
         raise argparse.ArgumentTypeError(f"{text!r}: give a duration like 90s, 30m, 1h or 7d")
-    return float(number) * _DURATION_UNITS[unit]
+    seconds = float(number) * _DURATION_UNITS[unit]
+    if seconds > MAX_SINCE_SECONDS:
+        raise argparse.ArgumentTypeError(f"{text!r}: at most {MAX_SINCE_SECONDS / 86400:.0f}d")
+    return seconds
+
+
+def ack_selector(text: str) -> str:
+    """An `ack` selector whose numbers are in range (agent/store/selector.py), as given."""
+    from agent.store.selector import parse_ack_selector
+
+    try:
+        parse_ack_selector(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def xid_code(text: str) -> int:
+    """An Xid code the driver reports (1-999)."""
+    from agent.watch.kernel_log import MAX_XID
+
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_XID:
+        raise argparse.ArgumentTypeError(f"{text!r}: an Xid code is a whole number from 1 to {MAX_XID}")
+    return int(text)
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -167,9 +198,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         type=parse_duration_seconds,
         default=parse_duration_seconds("1h"),
         metavar="DURATION",
-        help="how far back: 90s, 30m, 1h (default), 7d",
+        help="how far back: 90s, 30m, 1h (default), 7d (at most 3650d)",
     )
-    p.add_argument("--limit", type=positive_int, default=200, help="at most this many of each (default 200)")
+    p.add_argument(
+        "--limit", type=positive_int, default=200, help=f"at most this many of each (default 200, 1-{MAX_EVENTS_LIMIT})"
+    )
     p.set_defaults(func=_command("commands", "cmd_events"))
     p = sub.add_parser(
         "ack",
@@ -179,9 +212,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "service:NAME, or all. A GPU or Xid selector (or all) marks the GPU's Xids (or that one) dealt with: "
         "they leave the verdict, their counts stay. A GPU selector (or all) also re-arms the rules acting on it "
         "and acknowledges a missing GPU as gone: it leaves status and /metrics until it answers again. "
-        "Exit codes: 0 something acknowledged (or `all` with nothing to do), 1 nothing matched (a typo?).",
+        "Through the running daemon (its own store); in the store file the config names only when no daemon "
+        "answers on the socket. "
+        "Exit codes: 0 something acknowledged (or `all` with nothing to do), 1 nothing matched (a typo?) or "
+        "refused, 2 a number out of range (an index beyond NVML's, an Xid code outside 1-999).",
     )
-    p.add_argument("selector")
+    p.add_argument("selector", type=ack_selector)
     p.set_defaults(func=_command("commands", "cmd_ack"))
     p = sub.add_parser(
         "check-config",
@@ -203,8 +239,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     xid = sub.add_parser("xid", help="the Xid catalog and the kernel-log parser")
     xid_sub = xid.add_subparsers(dest="xid_command", required=True, metavar="SUBCOMMAND")
-    p = xid_sub.add_parser("explain", parents=[as_json], help="what an Xid means and what to do")
-    p.add_argument("code", type=int)
+    p = xid_sub.add_parser(
+        "explain",
+        parents=[as_json],
+        help="what an Xid means and what to do",
+        description="Exit codes: 0 a code in the catalog, 1 a code it lacks, 2 not a code (1-999).",
+    )
+    p.add_argument("code", type=xid_code)
     p.set_defaults(func=_command("commands", "cmd_xid_explain"))
     p = xid_sub.add_parser(
         "parse",

@@ -25,6 +25,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         socket_path = socket_path_of(args)
         try:
             document = api.call(socket_path, "status")
+        except PermissionError:
+            # A daemon runs, and this user may not ask it: a direct read would miss what only it knows
+            # (its Xid history, services) and could call a node healthy that is not.
+            raise CliError(
+                f"{api.denied_reason(socket_path)}; `gpu-agent status --direct` reads what this user may"
+            ) from None
         except (OSError, ValueError):
             document = None  # no daemon (or not ours): read directly
         except api.ApiError as exc:
@@ -144,7 +150,7 @@ def direct_status(config: AgentConfig, note: str) -> dict[str, object]:
     import time
 
     from agent import documents
-    from agent.backend.errors import GpuError
+    from agent.backend.errors import GpuError, GpuErrorKind
     from agent.collect import sample_all
     from agent.host.paths import HostPaths
     from agent.services.watch import read_once
@@ -153,9 +159,18 @@ def direct_status(config: AgentConfig, note: str) -> dict[str, object]:
     from agent.store.node_memory import read_boot_id, read_remembered
 
     now = time.time()
+    memory_closed = _closed_to_this_user(config.state_dir)
+    if memory_closed:
+        # Left out, never shown as a finding: the verdict reads no reboot recommendation it cannot read.
+        note += (
+            f"; this user may not read {config.state_dir}: the daemon's node memory (Xid history, held"
+            " slowdowns) and its reboot recommendation are not included"
+        )
     try:
         engine = make_engine(config)
     except GpuError as exc:
+        if exc.kind is GpuErrorKind.NO_PERMISSION:  # this user's limit, not the node's problem
+            raise CliError(f"this user may not read the GPUs: {exc}; run it as root (sudo)") from None
         # No driver (or NVML unusable): that is the node's state, shown as its problem, not an error of `status`.
         snapshot = build_snapshot(
             config, now, [], NodeWatchers(), driver_version=None, policy=(), daemon=DaemonParts(backend_error=exc)
@@ -170,11 +185,12 @@ def direct_status(config: AgentConfig, note: str) -> dict[str, object]:
         engine.backend.shutdown()
     watchers = NodeWatchers()
     parts = DaemonParts()
-    try:
-        remembered = read_remembered(config.state_dir, read_boot_id(HostPaths.at(config.host_root)))
-    except StoreError as exc:
-        remembered = None
-        note += f"; the daemon's node memory is unreadable ({exc}): Xid history and held slowdowns not included"
+    remembered = None
+    if not memory_closed:
+        try:
+            remembered = read_remembered(config.state_dir, read_boot_id(HostPaths.at(config.host_root)))
+        except StoreError as exc:
+            note += f"; the daemon's node memory is unreadable ({exc}): Xid history and held slowdowns not included"
     if remembered is not None:
         samples = remembered.samples(samples, now)
         remembered.restore(watchers.xid, watchers.throttle)
@@ -192,3 +208,16 @@ def direct_status(config: AgentConfig, note: str) -> dict[str, object]:
         gpu_attribution=attribution,
     )
     return documents.snapshot_document(snapshot, source="direct", note=note, mode=config.mode.value)
+
+
+def _closed_to_this_user(directory: str) -> bool:
+    """The directory exists (or its parent hides it) and this user may not read it."""
+    import os
+
+    try:
+        os.stat(directory)
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return not os.access(directory, os.R_OK | os.X_OK)

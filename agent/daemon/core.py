@@ -21,6 +21,7 @@ from types import FrameType
 from agent.backend import load_checked_config
 from agent.backend.base import GpuEvent
 from agent.config import AgentConfig, ConfigError
+from agent.daemon.ack_api import ACK_METHODS, ack_handlers
 from agent.daemon.allocator import return_large_buffers
 from agent.daemon.bounded import BoundedRunner
 from agent.daemon.collector import GpuCollector
@@ -107,6 +108,8 @@ class Daemon:
             clock,
             boottime,
             lambda pid: service_of_pid(pid, self.config.services, self.host.paths),
+            kernel_log_followed=lambda: self.kmsg.status()[0],
+            release_xids=self.intake.put,
         )
         # GPU settings a job drives (a tune sweep, a reset): the policy loop plans them, never writes
         # them, and the ledger puts them back on every way out (journaled in the store).
@@ -143,8 +146,11 @@ class Daemon:
             lambda: len(self.collector.identities),
             clock,
         )
-        self.publisher.extra_handlers = self.tune.handlers()
-        self.publisher.privileged_methods = PRIVILEGED_METHODS
+        self.publisher.extra_handlers = {
+            **self.tune.handlers(),
+            **ack_handlers(lambda: self.remediator.store, self.memory.boot_id, self.watchers.xid.forget),
+        }
+        self.publisher.privileged_methods = PRIVILEGED_METHODS | ACK_METHODS
         self.publisher.last_tune = self.tune.last
         self.udev = UdevWakeup(self.collector.rescan.set, self.host.paths)
         self.kmsg = KmsgSource(self.host.paths, self._on_kernel_xid, start_monotonic_seconds=time.monotonic())

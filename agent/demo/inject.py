@@ -24,10 +24,18 @@ if TYPE_CHECKING:  # imported when a fault is injected, not to build `gpu-agent 
 
 REASON_BITS = {name: bit for bit, name in CLOCK_EVENT_REASONS.items()}
 MAX_UNCORRECTED_EVENTS = 10_000  # each is queued as its own NVML event
+MAX_PID = 4_194_304  # Linux's PID_MAX_LIMIT on 64-bit: no process has a larger pid
 
 
 class InjectError(Exception):
     pass
+
+
+def _pid(text: str) -> int:
+    """An argparse type: a pid a process can have (else exit 2, argparse's usage error)."""
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_PID:
+        raise argparse.ArgumentTypeError(f"{text!r}: a pid is a whole number from 1 to {MAX_PID}")
+    return int(text)
 
 
 @dataclass(frozen=True)
@@ -172,7 +180,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser], common
         if name == "xid":
             p.add_argument("code", type=int)
             p.add_argument("--source", choices=["nvml", "kmsg", "both"], default="both")
-            p.add_argument("--pid", type=int)
+            p.add_argument("--pid", type=_pid, help="the faulting process the kernel line names")
             p.add_argument("--process")
         elif name == "throttle":
             p.add_argument("--reason", action="append", choices=sorted(REASON_BITS), default=[])
@@ -196,7 +204,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser], common
             else:
                 p.add_argument("--kind", choices=[k.value for k in GpuErrorKind], default="unknown")
         elif name == "processes":
-            p.add_argument("pids", type=int, nargs="*")
+            p.add_argument("pids", type=_pid, nargs="*")
         elif name == "recovery-action":
             p.add_argument("action", choices=[a.name.lower() for a in RecoveryAction])
 

@@ -98,6 +98,9 @@ def build_demo_host(root: Path) -> None:
     (etc / "systemd/system").mkdir(parents=True, exist_ok=True)
     (etc / "os-release").write_text('NAME="Ubuntu"\nVERSION_ID="24.04"\nID=ubuntu\nID_LIKE=debian\n')
     (root / "dev").mkdir(exist_ok=True)
+    # The kernel log every host has (empty): the daemon follows it from its start, so an Xid NVML
+    # reports waits for its kernel line and is told once, with the faulting process.
+    (root / "dev/kmsg").touch()
 
 
 def default_rules_dir() -> Path:

@@ -12,10 +12,9 @@ from typing import Any
 from agent.logger import get_logger
 from agent.rules.model import Target
 from agent.store.db import Database
+from agent.store.selector import AckSelector, parse_ack_selector
 
 log = get_logger()
-
-ALL = "all"
 
 
 @dataclass(frozen=True)
@@ -55,12 +54,12 @@ class Acknowledgements(Database):
         """Re-arm rules: close their circuits and retire their attempts from the counters.
 
         `selector`: "all"; a rule name; "gpu:<index>", "gpu:<uuid>" or a bare "GPU-..." uuid (every
-        rule's state for that GPU, services targeted through it included); "service:<name>".
-        Returns how many (rule, target) pairs it re-armed. (`gpu-agent ack` also calls
-        `acknowledge_gone` with the same selector.)
+        rule's state for that GPU, services targeted through it included); "service:<name>"
+        (agent/store/selector.py; ValueError for a number out of range). Returns how many (rule,
+        target) pairs it re-armed. (`Store.acknowledge` is the whole of `gpu-agent ack`.)
         """
         # `where` is one of _selector's fixed clauses; every value in it is a bound parameter (nosec B608 below).
-        where, args = _selector(selector)
+        where, args = _selector(parse_ack_selector(selector))
         with self._transaction() as db:
             pairs = set(db.execute(f"SELECT rule, target_key FROM circuits WHERE {where}", args).fetchall())  # noqa: S608  # nosec B608
             pairs |= set(
@@ -84,7 +83,7 @@ class Acknowledgements(Database):
         one that answers is there, whatever the operator says. `selector` as for `ack`: "all",
         "gpu:<uuid>", a bare "GPU-..." uuid or "gpu:<index>"; any other names no GPU. Returns the
         UUIDs acknowledged."""
-        condition = _inventory_selector(selector)
+        condition = _inventory_selector(parse_ack_selector(selector))
         if condition is None:
             return []
         # `where` is one of _inventory_selector's fixed clauses; its values are bound parameters.
@@ -106,32 +105,30 @@ class Acknowledgements(Database):
         return sorted(uuids)
 
 
-def _selector(selector: str) -> tuple[str, tuple[Any, ...]]:
+def _selector(selector: AckSelector) -> tuple[str, tuple[Any, ...]]:
     """SQL condition (over rule, target_key, gpu, uuid, service columns) for an ack selector."""
-    if selector == ALL:
+    if selector.every:
         return "1 = 1", ()
-    if selector.startswith("GPU-"):
-        selector = f"gpu:{selector}"
-    kind, sep, value = selector.partition(":")
-    if sep and kind == "gpu" and value:
-        if value.isdigit():
-            return "(gpu = ? OR target_key = ?)", (int(value), f"gpu-index:{value}")
-        return "uuid = ?", (value,)
-    if sep and kind == "service" and value:
-        return "service = ?", (value,)
-    return "rule = ?", (selector,)
+    if selector.xid is not None:
+        return "0 = 1", ()  # an Xid selector marks that Xid dealt with; it re-arms no rule
+    if selector.gpu_index is not None:
+        return "(gpu = ? OR target_key = ?)", (selector.gpu_index, f"gpu-index:{selector.gpu_index}")
+    if selector.gpu_uuid is not None:
+        return "uuid = ?", (selector.gpu_uuid,)
+    if selector.service is not None:
+        return "service = ?", (selector.service,)
+    return "rule = ?", (selector.rule,)
 
 
-def _inventory_selector(selector: str) -> tuple[str, tuple[Any, ...]] | None:
+def _inventory_selector(selector: AckSelector) -> tuple[str, tuple[Any, ...]] | None:
     """SQL condition over gpu_inventory for the selectors that name GPUs ("all", "gpu:UUID",
-    "GPU-...", "gpu:INDEX"); None for a rule or service selector."""
-    if selector == ALL:
+    "GPU-...", "gpu:INDEX"); None for a rule, service or Xid selector."""
+    if selector.every:
         return "1 = 1", ()
-    if selector.startswith("GPU-"):
-        selector = f"gpu:{selector}"
-    kind, sep, value = selector.partition(":")
-    if not (sep and kind == "gpu" and value):
+    if selector.xid is not None:
         return None
-    if value.isdigit():
-        return "gpu = ?", (int(value),)
-    return "uuid = ?", (value,)
+    if selector.gpu_index is not None:
+        return "gpu = ?", (selector.gpu_index,)
+    if selector.gpu_uuid is not None:
+        return "uuid = ?", (selector.gpu_uuid,)
+    return None

@@ -64,12 +64,13 @@ from agent.host import safe_json
 from agent.logger import get_logger
 from agent.rules.model import ActionOutcome, Decision, Outcome
 from agent.state import RemediationCount
-from agent.store.acks import ALL, Acknowledgements, Circuit
+from agent.store.acks import Acknowledgements, Circuit
 from agent.store.attempt_clock import ClockReading
 from agent.store.boot import BootTables, InventoryGpu, ProbeStreak
 from agent.store.db import StoreError
 from agent.store.holds import HoldTables
 from agent.store.schema import Unusable, connect_or_replace
+from agent.store.selector import ALL, AckResult, AckSelector
 from agent.store.tunes import TuneHistoryTables, TuneTables
 
 log = get_logger()
@@ -80,6 +81,7 @@ __all__ = [
     "DB_NAME",
     "EXHAUSTED_STEP",
     "RETENTION_SECONDS",
+    "AckResult",
     "Circuit",
     "InventoryGpu",
     "JournalEntry",
@@ -354,6 +356,19 @@ class Store(BootTables, Acknowledgements, TuneTables, TuneHistoryTables, HoldTab
             (since_seconds, limit),
         )
         return [_stored_event(row) for row in reversed(rows)]
+
+    # -- acknowledgements ----------------------------------------------------------------------
+
+    def acknowledge(self, selector: AckSelector, boot_id: str) -> AckResult:
+        """`gpu-agent ack` on this store (the daemon's own, or the file when no daemon answers): the
+        selected Xids marked dealt with on this boot, rules re-armed, missing GPUs acknowledged gone."""
+        marks = selector.xid_marks()
+        cleared = self.clear_xid_marks(boot_id, *marks) if marks is not None else []
+        return AckResult(
+            rearmed=self.ack(selector.text),
+            gone=tuple(self.acknowledge_gone(selector.text)),
+            cleared=tuple((mark.gpu, mark.xid) for mark in cleared),
+        )
 
     # -- remediations -------------------------------------------------------------------------
 

@@ -182,6 +182,11 @@ def cmd_tune(args: argparse.Namespace, socket_path: SocketPath) -> int:
     except ApiError as exc:
         print(f"gpu-agent tune: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    except PermissionError:
+        from agent.api import denied_reason
+
+        print(f"gpu-agent tune: {denied_reason(socket)}", file=sys.stderr)
+        return EXIT_ERROR
     except OSError as exc:
         print(
             f"gpu-agent tune: no daemon answers on {socket} ({exc}); the sweep runs inside the daemon", file=sys.stderr

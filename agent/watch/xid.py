@@ -3,9 +3,19 @@
 The driver reports one Xid twice: as an NVML event (GPU index and code only) and as an ``NVRM: Xid``
 kernel-log line (PCI bus id, pid, process, the decoded text). Either may come first, and either may
 be missing (no NVML event set while the driver is wedged; no kernel log inside a container). Both
-sources feed one ``XidWatcher``, which maps each sighting to a GPU and folds sightings of the same
-(GPU, Xid) within ``dedupe_window_seconds`` into the first one: one Event, one count, with
-``data["sources"]`` naming every source that saw it.
+sources feed one ``XidWatcher``, which maps each sighting to a GPU and holds the one rule of what is
+one fault: sightings of the same GPU and code whose first came within ``dedupe_window_seconds`` (on
+the window clock) are one fault; for an app-level code (catalog action restart_service) also of the
+same process, where a sighting that names none (NVML never does) joins the fault open for that code.
+One fault is one Event, one count and so at most one remediation decision, with ``data["sources"]``
+naming every source that saw it.
+
+The Event is the richer record: the kernel log's line (its pid decides whose service an app-level Xid
+restarts). An Xid NVML reports first, while a kernel log is followed, waits up to
+``kernel_line_wait_seconds`` for its line and is told once, with the line's details when it came in
+time and as NVML saw it otherwise (``release`` hands it on then). A line later than that only adds its
+source. A fault a reset dealt with (``clear``) is closed: the reporter that has not seen it yet still
+folds into it (no second event, no new health mark), a repeat from one that has is a new fault.
 
 Health follows the catalog's default action for each Xid seen within ``health_window_seconds``:
 reboot or reset_gpu -> UNHEALTHY, restart_service or alert -> DEGRADED, none -> HEALTHY. An Xid 154
@@ -33,12 +43,20 @@ from typing import Any
 from agent.backend.base import GpuEvent, GpuEventKind, GpuIdentity
 from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
 from agent.host.boottime import boottime_seconds
+from agent.logger import get_logger
 from agent.state import XidCount
 from agent.watch import xid_catalog
 from agent.watch.kernel_log import RECOVERY_ACTION_XID, KernelXid, normalise_pci_bus_id
 
+log = get_logger()
+
 SOURCE_NVML = "nvml"
 SOURCE_KMSG = "kmsg"
+#: The two reporters of an Xid: NVML's event set and the kernel log (read from /dev/kmsg or the journal).
+_KERNEL_LOG = "kernel log"
+#: How long an Xid NVML reported first waits for its kernel-log line. The driver writes both at once and
+#: the reader follows the log within 0.1 s; a line later than this is not waited for.
+KERNEL_LINE_WAIT_SECONDS = 1.0
 
 DEFAULT_DEDUPE_WINDOW_SECONDS = 10.0
 DEFAULT_HEALTH_WINDOW_SECONDS = 3600.0
@@ -116,11 +134,18 @@ class _Sighting:
 
 @dataclass
 class _Fault:
-    """A fault already reported as an Event; later sightings inside the window fold into it."""
+    """A fault and its Event; later sightings inside the window fold into it."""
 
     event: Event
     first_seen_seconds: float  # on the window clock
     recovery_actions: set[str]
+    reporters: set[str]  # NVML, the kernel log: each reports one Xid once
+    held: bool = False  # NVML's sighting waiting for the kernel-log line: not told yet
+    closed: bool = False  # a reset dealt with it
+
+
+def _reporter(source: str) -> str:
+    return SOURCE_NVML if source == SOURCE_NVML else _KERNEL_LOG
 
 
 @dataclass
@@ -207,6 +232,9 @@ class XidWatcher:
     so it should be cheap (a cached mapping) and keep the last known identity of a GPU that was lost,
     or that GPU's kernel-log lines cannot be matched to it. ``clock`` is wall-clock seconds (event
     times); ``window_clock`` measures the dedupe and health windows (see the module docstring).
+    ``kernel_log_followed`` says whether a kernel-log line can still come (the daemon's kernel log
+    source is reading); while it does, an NVML sighting waits for its line and is then handed to
+    ``release`` (from a timer thread) unless the line came first.
     """
 
     def __init__(
@@ -217,9 +245,15 @@ class XidWatcher:
         health_window_seconds: float = DEFAULT_HEALTH_WINDOW_SECONDS,
         window_clock: Callable[[], float] = boottime_seconds,
         process_owner: Callable[[int], str | None] = lambda pid: None,
+        kernel_log_followed: Callable[[], bool] = lambda: False,
+        release: Callable[[list[Event]], object] = lambda events: None,
+        kernel_line_wait_seconds: float = KERNEL_LINE_WAIT_SECONDS,
     ) -> None:
-        if dedupe_window_seconds < 0 or health_window_seconds < 0:
+        if dedupe_window_seconds < 0 or health_window_seconds < 0 or kernel_line_wait_seconds < 0:
             raise ValueError("windows must not be negative")
+        self._kernel_log_followed = kernel_log_followed
+        self._release = release
+        self._kernel_line_wait_seconds = kernel_line_wait_seconds
         self._identities = identities
         self._clock = clock
         self._window_clock = window_clock
@@ -286,27 +320,55 @@ class XidWatcher:
             tick = self._window_clock()
             self._forget_old_faults(tick)
             fault_key, fault = self._fault_of(sighting)
+            reporter = _reporter(sighting.source)
+            if fault is not None and fault.closed and reporter in fault.reporters:
+                fault = None  # a reset dealt with that one: the same reporter again is a new fault
             events: list[Event] = []
             if fault is None:
                 fault = self._new_fault(sighting, now, tick)
                 self._faults[fault_key] = fault
-                events.append(fault.event)
                 self._count(sighting, now, new_fault=True)
+                if reporter == SOURCE_NVML and self._kernel_log_followed():
+                    self._hold(fault)
+                else:
+                    events.append(fault.event)
             else:
-                sources = fault.event.data["sources"]
-                if sighting.source not in sources:
-                    # A new list rather than an append: a reader iterating the old one is not disturbed.
-                    fault.event.data["sources"] = [*sources, sighting.source]
+                fault.reporters.add(reporter)
                 self._count(sighting, now, new_fault=False)
-                attributed = self._attributed(fault, sighting, now)
-                if attributed is not None:
-                    events.append(attributed)
+                if fault.held and reporter == _KERNEL_LOG:
+                    # The line NVML's sighting waited for: the fault is told once, with what the line says.
+                    fault.held = False
+                    fault.event = self._xid_event(sighting, fault.event.timestamp_seconds, fault.event.data["sources"])
+                    events.append(fault.event)
+                elif sighting.source not in fault.event.data["sources"]:
+                    # A new list rather than an append: a reader iterating the old one is not disturbed.
+                    fault.event.data["sources"] = [*fault.event.data["sources"], sighting.source]
             recovery = sighting.recovery_action
             if sighting.xid == RECOVERY_ACTION_XID and recovery is not None and recovery not in fault.recovery_actions:
                 fault.recovery_actions.add(recovery)
                 events.append(self._recovery_event(sighting, recovery, now))
-            self._mark(sighting, tick)
+            if not fault.closed:
+                self._mark(sighting, tick)
             return events
+
+    def _hold(self, fault: _Fault) -> None:
+        """Wait for the kernel-log line of a fault NVML reported; told as NVML saw it if none comes."""
+        fault.held = True
+        timer = threading.Timer(self._kernel_line_wait_seconds, self._release_held, args=(fault,))
+        timer.daemon = True
+        timer.name = "xid-kernel-line-wait"
+        timer.start()
+
+    def _release_held(self, fault: _Fault) -> None:
+        with self._lock:
+            if not fault.held:
+                return  # its line came in time: told then
+            fault.held = False
+            event = fault.event
+        try:
+            self._release([event])
+        except Exception:  # a failing consumer must not lose the next fault's release
+            log.exception("could not hand on an Xid event", key=event.key)
 
     def _fault_of(self, sighting: _Sighting) -> tuple[tuple[int | str | None, int, int | None], _Fault | None]:
         """The key this sighting's fault is kept under, and that fault if it is open. An app-level Xid is
@@ -336,9 +398,19 @@ class XidWatcher:
             del self._faults[key]
 
     def _new_fault(self, sighting: _Sighting, now: float, tick: float) -> _Fault:
+        return _Fault(
+            event=self._xid_event(sighting, now, []),
+            first_seen_seconds=tick,
+            recovery_actions=set(),
+            reporters={_reporter(sighting.source)},
+        )
+
+    @staticmethod
+    def _xid_event(sighting: _Sighting, now: float, sources: list[str]) -> Event:
+        """The Xid's event from this sighting's details, seen at `now` by `sources` and this sighting's."""
         name, resolution, severity, action = _catalog_row(sighting.xid)
         verdict = "informational" if action is SuggestedAction.NONE else action.value
-        event = sighting.event(
+        return sighting.event(
             EventKind.XID,
             severity,
             f"Xid {sighting.xid} on {_where(sighting.gpu, sighting.pci_bus_id)}{_by(sighting)}: {name} — {verdict}",
@@ -351,7 +423,7 @@ class XidWatcher:
                 "process": sighting.process,
                 "process_service": sighting.process_service,
                 "text": sighting.text,
-                "sources": [sighting.source],
+                "sources": [*sources, sighting.source],
                 "resolution": resolution,
                 "name": name,
                 "nvlink": sighting.nvlink,
@@ -360,35 +432,6 @@ class XidWatcher:
             },
             action,
         )
-        return _Fault(event=event, first_seen_seconds=tick, recovery_actions=set())
-
-    def _attributed(self, fault: _Fault, sighting: _Sighting, now: float) -> Event | None:
-        """An app-level Xid first seen without its process (NVML names none) whose kernel-log line
-        now names it: a second event carrying the process, the one a service restart may act on."""
-        if sighting.pid is None or fault.event.data.get("pid") is not None:
-            return None
-        name, _, severity, action = _catalog_row(sighting.xid)
-        if action is not SuggestedAction.RESTART_SERVICE:
-            return None
-        data = {
-            **fault.event.data,
-            "pid": sighting.pid,
-            "process": sighting.process,
-            "process_service": sighting.process_service,
-            "text": sighting.text or fault.event.data.get("text", ""),
-            "kernel_timestamp_seconds": sighting.kernel_timestamp_seconds,
-        }
-        fault.event = sighting.event(
-            EventKind.XID,
-            severity,
-            f"Xid {sighting.xid} on {_where(sighting.gpu, sighting.pci_bus_id)}{_by(sighting)}: {name}"
-            f" — {action.value}",
-            f"{sighting.xid}:pid{sighting.pid}",
-            now,
-            data,
-            action,
-        )
-        return fault.event
 
     def _recovery_event(self, sighting: _Sighting, recovery: str, now: float) -> Event:
         action = recovery_suggested_action(recovery)
@@ -507,9 +550,12 @@ class XidWatcher:
                 self._marks.pop(key, None)
 
     def clear(self, gpu: int) -> None:
-        """Forget a GPU's Xid health and open faults (after a successful reset); counters stay."""
+        """Forget a GPU's Xid health and close its open faults (after a successful reset); counters stay.
+        A closed fault still takes the sighting of the reporter that had not seen it yet (the reset may
+        end before the second report of the fault it dealt with arrives); a repeat is a new fault."""
         with self._lock:
             for key in [key for key in self._marks if key[0] == gpu]:
                 del self._marks[key]
-            for fault_key in [fault_key for fault_key in self._faults if fault_key[0] == gpu]:
-                del self._faults[fault_key]
+            for fault_key, fault in self._faults.items():
+                if fault_key[0] == gpu:
+                    fault.closed = True

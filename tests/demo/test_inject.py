@@ -114,6 +114,7 @@ def test_bad_requests_are_clear_errors(node: Path, tmp_path: Path) -> None:
         (("temperature", "--gpu", "0", "--celsius", "-500"), "not a temperature NVML reports"),
         (("temperature", "--gpu", "0"), "give the temperature with --celsius C, or --clear"),
         (("ecc", "--gpu", "0", "--corrected", "-3"), "ECC error counters only grow"),
+        (("ecc", "--gpu", "0", "--corrected", "9" * 23), "an ECC error counter holds at most 18446744073709551615"),
         (("ecc", "--gpu", "0", "--uncorrected", "-3"), "--uncorrected takes 0-10000"),
         (("ecc", "--gpu", "0", "--uncorrected", "99999999"), "--uncorrected takes 0-10000"),
         (("pcie", "--gpu", "0", "--width", "0"), "x0 is not a link this GPU can train to"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +37,7 @@ class Pipeline:
     watcher: XidWatcher
     clock: FakeClock
     identities: dict[int, GpuIdentity]
+    kernel_log_followed: Callable[[], bool]
     lost: list[GpuError] = field(default_factory=list)
     seen: list[Event] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -49,6 +51,10 @@ class Pipeline:
         produced = self.watcher.ingest_kernel(record)
         with self.lock:
             self.seen.extend(produced)
+
+    def release(self, events: list[Event]) -> None:
+        with self.lock:
+            self.seen.extend(events)
 
     def xid_events(self) -> list[Event]:
         with self.lock:
@@ -68,16 +74,30 @@ class Pipeline:
         append_kmsg(self.paths, xid_line(self.identities[gpu].pci_bus_id, xid, pid=pid, process=process))
 
 
-@pytest.fixture
-def pipeline(tmp_path: Path) -> Iterator[Pipeline]:
+@contextmanager
+def running_pipeline(tmp_path: Path, waits_for_kernel_line: bool) -> Iterator[Pipeline]:
+    """Both real sources into one watcher; `waits_for_kernel_line`: as the daemon wires it, NVML's
+    sighting waits for the line while the kernel log is followed."""
     backend = SimulatedBackend("h200x8", tmp_path / "state")
     backend.init()
     identities = {i: backend.identity(i) for i in range(backend.device_count())}
     paths = HostPaths.at(tmp_path / "host")
     (tmp_path / "host" / "dev").mkdir(parents=True)
     clock = FakeClock()
-    watcher = XidWatcher(lambda: identities, clock=clock, window_clock=clock.monotonic)
-    result = Pipeline(backend, paths, watcher, clock, identities)
+    kmsg: KmsgSource | None = None
+    result: Pipeline | None = None
+
+    def followed() -> bool:
+        return kmsg is not None and kmsg.status()[0]
+
+    watcher = XidWatcher(
+        lambda: identities,
+        clock=clock,
+        window_clock=clock.monotonic,
+        kernel_log_followed=lambda: waits_for_kernel_line and followed(),
+        release=lambda events: result.release(events) if result is not None else None,
+    )
+    result = Pipeline(backend, paths, watcher, clock, identities, followed)
     nvml = NvmlEventSource(backend, result.on_nvml, result.lost.append, timeout_seconds=0.2, backoff_seconds=0.05)
     kmsg = KmsgSource(paths, result.on_kernel, start_monotonic_seconds=None)
     nvml.start()
@@ -88,6 +108,12 @@ def pipeline(tmp_path: Path) -> Iterator[Pipeline]:
         nvml.stop()
         kmsg.stop()
         backend.shutdown()
+
+
+@pytest.fixture
+def pipeline(tmp_path: Path) -> Iterator[Pipeline]:
+    with running_pipeline(tmp_path, waits_for_kernel_line=False) as result:
+        yield result
 
 
 # -- one event per fault, across both sources -----------------------------------------------------
@@ -138,6 +164,32 @@ def test_kernel_first_then_nvml_is_still_one_event(pipeline: Pipeline) -> None:
     assert event.severity is Severity.WARNING
     assert event.suggested_action is SuggestedAction.RESTART_SERVICE
     assert pipeline.counted(5, 13) == 1
+
+
+@pytest.mark.parametrize("kernel_first", [False, True])
+def test_an_app_xid_both_sources_report_is_one_event_with_its_process(tmp_path: Path, kernel_first: bool) -> None:
+    """As the daemon runs it: the kernel log followed, NVML's sighting waits for the line. Whichever
+    source comes first, one event, one count, and the event names the faulting process."""
+    with running_pipeline(tmp_path, waits_for_kernel_line=True) as pipeline:
+        append_kmsg(pipeline.paths, "kernel: starting")  # the log exists: the source follows it
+        wait_until(pipeline.kernel_log_followed, WAIT_SECONDS, "the kernel log followed")
+        if kernel_first:
+            pipeline.write_kernel_xid(2, 13, pid=4242, process="python3")
+            pipeline.wait_xid_events(1)
+            pipeline.backend.inject_xid(2, 13)
+        else:
+            pipeline.backend.inject_xid(2, 13)
+            wait_until(lambda: pipeline.counted(2, 13) == 1, WAIT_SECONDS, "NVML's sighting counted")
+            pipeline.write_kernel_xid(2, 13, pid=4242, process="python3")
+        wait_until(
+            lambda: any(sorted(e.data["sources"]) == ["kmsg", "nvml"] for e in pipeline.xid_events()),
+            WAIT_SECONDS,
+            "one event seen by both sources",
+        )
+        time.sleep(1.2)  # past the wait for a kernel line: nothing else is handed on
+        (event,) = pipeline.xid_events()
+        assert (event.data["pid"], event.data["process"]) == (4242, "python3")
+        assert pipeline.counted(2, 13) == 1
 
 
 def test_same_xid_after_the_window_is_a_new_event(pipeline: Pipeline) -> None:
@@ -252,9 +304,8 @@ def test_repeats_from_one_source_within_the_window_are_one_event() -> None:
     clock.advance(4)
     assert watcher.ingest_nvml(nvml(0, 31)) == []
     clock.advance(6)  # 10 s after the first sighting: still inside the window
-    # The same fault; its kernel-log line names the process NVML could not: told once, counted once.
-    (attributed,) = watcher.ingest_kernel(kernel("NVRM: Xid (PCI:0000:18:00): 31, pid=9, name=a, MMU Fault"))
-    assert (attributed.data["pid"], attributed.data["process"], attributed.data["process_service"]) == (9, "a", None)
+    # The same fault, told already (no kernel log was followed to wait for): its line only adds its source.
+    assert watcher.ingest_kernel(kernel("NVRM: Xid (PCI:0000:18:00): 31, pid=9, name=a, MMU Fault")) == []
     assert watcher.ingest_kernel(kernel("NVRM: Xid (PCI:0000:18:00): 31, pid=9, name=a, MMU Fault")) == []
     clock.advance(0.5)
     assert len(watcher.ingest_nvml(nvml(0, 31))) == 1
@@ -484,6 +535,24 @@ def test_clear_forgets_health_and_open_faults_but_not_counts() -> None:
     assert [(c.gpu, c.xid, c.count) for c in watcher.counts()] == [(0, 48, 2), (1, 13, 1)]
 
 
+def test_the_second_report_of_a_fault_a_reset_dealt_with_is_not_a_new_fault() -> None:
+    """The reset for an Xid NVML reported can end before the kernel-log line of that same Xid is read:
+    the line folds into the fault the reset dealt with (no event, no count, no health mark)."""
+    watcher, clock = make_watcher()
+    (event,) = watcher.ingest_nvml(nvml(1, 48))
+    watcher.clear(1)
+    clock.advance(0.5)
+    assert watcher.ingest_kernel(kernel("NVRM: Xid (PCI:0000:3b:00): 48, pid='<unknown>', name=<unknown>, DBE")) == []
+    assert event.data["sources"] == ["nvml", "kmsg"]
+    assert watcher.health(1).state is HealthState.HEALTHY
+    assert [(c.gpu, c.xid, c.count) for c in watcher.counts()] == [(1, 48, 1)]
+    # Kernel log first: NVML's late event of the fault is the same fault too.
+    watcher.ingest_kernel(kernel("NVRM: Xid (PCI:0000:18:00): 79, GPU has fallen off the bus."))
+    watcher.clear(0)
+    assert watcher.ingest_nvml(nvml(0, 79)) == []
+    assert [(c.gpu, c.xid, c.count) for c in watcher.counts()] == [(0, 79, 1), (1, 48, 1)]
+
+
 def test_recovery_action_none_supersedes_an_earlier_one() -> None:
     watcher, clock = make_watcher()
     base = "NVRM: Xid (PCI:0000:18:00): 154, GPU recovery action changed from "
@@ -608,20 +677,78 @@ def test_the_kernel_log_names_whose_process_faulted() -> None:
     assert theirs.data["process_service"] is None and "(pid 5151 x, no configured service)" in theirs.message
 
 
-def test_an_app_xid_nvml_saw_first_is_told_again_with_its_process() -> None:
-    clock = FakeClock()
-    watcher = XidWatcher(lambda: IDENTITIES, clock=clock, window_clock=clock.monotonic, process_owner=lambda pid: None)
-    (first,) = watcher.ingest_nvml(nvml(0, 13))
-    assert first.data["pid"] is None
+@dataclass
+class Released:
+    """What a waiting watcher hands on from its timer, and a switch for "a kernel log is followed"."""
+
+    followed: bool = True
+    events: list[Event] = field(default_factory=list)
+
+    def watcher(self, owners: dict[int, str] | None = None, wait_seconds: float = 30.0) -> tuple[XidWatcher, FakeClock]:
+        clock = FakeClock()
+        watcher = XidWatcher(
+            lambda: IDENTITIES,
+            clock=clock,
+            window_clock=clock.monotonic,
+            process_owner=(owners or {}).get,
+            kernel_log_followed=lambda: self.followed,
+            release=self.events.extend,
+            kernel_line_wait_seconds=wait_seconds,
+        )
+        return watcher, clock
+
+
+def test_an_app_xid_nvml_saw_first_waits_for_its_kernel_line_and_is_told_once() -> None:
+    """NVML names no process; the kernel line does, and decides whose service restarts. One fault:
+    one event, with the process, timed when NVML saw it."""
+    released = Released()
+    watcher, clock = released.watcher(owners={5151: "sglang"})
+    assert watcher.ingest_nvml(nvml(0, 13)) == []  # waiting for the line
+    assert watcher.health(0).state is HealthState.DEGRADED  # counted and judged at once
+    assert [(c.xid, c.count) for c in watcher.counts()] == [(13, 1)]
+    seen_seconds = clock()
     clock.advance(0.01)
-    (attributed,) = watcher.ingest_kernel(kernel("NVRM: Xid (PCI:0000:18:00): 13, pid=5151, name=x, Graphics"))
-    assert attributed.key != first.key and attributed.data["pid"] == 5151
-    assert attributed.data["sources"] == ["nvml", "kmsg"]
+    (event,) = watcher.ingest_kernel(kernel("NVRM: Xid (PCI:0000:18:00): 13, pid=5151, name=x, Graphics"))
+    assert (event.data["pid"], event.data["process"], event.data["process_service"]) == (5151, "x", "sglang")
+    assert event.data["sources"] == ["nvml", "kmsg"]
+    assert event.source == "kmsg" and event.data["text"] == "Graphics"
+    assert event.timestamp_seconds == seen_seconds
+    assert "(pid 5151 x, service sglang)" in event.message
+    assert watcher.ingest_nvml(nvml(0, 13)) == []  # a repeat folds
     (count,) = watcher.counts()
-    assert count.count == 1  # one fault
-    # A reset-class Xid is not the process's: told once, whatever the kernel log adds.
-    watcher.ingest_nvml(nvml(1, 48))
-    assert watcher.ingest_kernel(kernel("NVRM: Xid (PCI:0000:3b:00): 48, pid=5151, name=x, DBE")) == []
+    assert count.count == 1
+    assert released.events == []
+
+
+def test_an_xid_whose_kernel_line_never_comes_is_told_as_nvml_saw_it() -> None:
+    released = Released()
+    watcher, clock = released.watcher(wait_seconds=0.05)
+    assert watcher.ingest_nvml(nvml(1, 79)) == []
+    wait_until(lambda: len(released.events) == 1, WAIT_SECONDS, "the Xid handed on after the wait")
+    (event,) = released.events
+    assert (event.data["xid"], event.data["sources"], event.data["pid"]) == (79, ["nvml"], None)
+    # A line later than the wait only adds its source: the fault was told.
+    clock.advance(1)
+    assert watcher.ingest_kernel(kernel("NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.")) == []
+    assert event.data["sources"] == ["nvml", "kmsg"]
+    time.sleep(0.1)
+    assert len(released.events) == 1
+    assert [(c.xid, c.count) for c in watcher.counts()] == [(79, 1)]
+
+
+def test_nothing_waits_for_a_kernel_log_that_is_not_followed() -> None:
+    """A container without a kernel log: NVML's sighting is told at once, and never again."""
+    released = Released(followed=False)
+    watcher, _ = released.watcher(wait_seconds=0.05)
+    (event,) = watcher.ingest_nvml(nvml(0, 13))
+    assert event.data["pid"] is None
+    time.sleep(0.1)
+    assert released.events == []
+    # The kernel log first: told at once, whether or not a log is followed.
+    released.followed = True
+    (first,) = watcher.ingest_kernel(kernel("NVRM: Xid (PCI:0000:3b:00): 48, DBE"))
+    assert watcher.ingest_nvml(nvml(1, 48)) == []
+    assert first.data["sources"] == ["kmsg", "nvml"]
 
 
 def test_two_processes_app_xids_are_two_faults() -> None:

@@ -33,6 +33,7 @@ EVENT_TYPE_BITS = {
 }
 V = TypeVar("V")
 MAX_TEMPERATURE_C = 255  # NVML reports an unsigned int; a GPU shuts down long before
+MAX_ECC_COUNT = 2**64 - 1  # NVML counts ECC errors in an unsigned long long
 #: Library-level calls: a fault on them is injected for every GPU (gpu None).
 LIBRARY_METHODS = frozenset({"init", "shutdown", "driver_version", "device_count", "wait_events"})
 
@@ -40,6 +41,8 @@ LIBRARY_METHODS = frozenset({"init", "shutdown", "driver_version", "device_count
 def _count_ecc(state: GpuState, corrected: int, uncorrected: int) -> None:
     if corrected < 0 or uncorrected < 0:
         raise ValueError("ECC error counts only grow")
+    if max(state.ecc_aggregate_corrected + corrected, state.ecc_aggregate_uncorrected + uncorrected) > MAX_ECC_COUNT:
+        raise ValueError(f"an ECC error counter holds at most {MAX_ECC_COUNT} (NVML's unsigned long long)")
     state.ecc_volatile_corrected += corrected
     state.ecc_aggregate_corrected += corrected
     state.ecc_volatile_uncorrected += uncorrected

@@ -29,7 +29,7 @@ from agent.backend.base import (
     RecoveryAction,
     ViolationPolicy,
 )
-from agent.backend.errors import GpuErrorKind
+from agent.backend.errors import GpuError, GpuErrorKind
 from agent.backend.sim.profiles import GpuModel, NodeProfile
 
 STATE_FILE_NAME = "simulated-gpus.json"
@@ -221,7 +221,13 @@ class StateFile:
             st = self.path.stat()
         except FileNotFoundError:
             return None
+        except PermissionError:
+            raise self._no_permission() from None
         return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def _no_permission(self) -> GpuError:
+        """As NVML answers a user who may not open the device: this user may not read the simulated GPUs."""
+        return GpuError(GpuErrorKind.NO_PERMISSION, f"the simulated GPUs in {self.path} are not readable by this user")
 
     def _parse(self, text: str) -> MachineState | None:
         """The state in a file, None when it was written for another profile; raises when corrupt."""
@@ -244,6 +250,8 @@ class StateFile:
             parsed = self._parse(self.path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             return False
+        except PermissionError:  # not a corrupt file: never set aside
+            raise self._no_permission() from None
         except (OSError, UnicodeDecodeError, ValueError, ValidationError):
             self._set_aside_corrupt(signature)
             self.state = MachineState.boot(self.profile)
