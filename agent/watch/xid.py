@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.backend.base import GpuEvent, GpuEventKind, GpuIdentity
-from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
+from agent.events import Event, EventKind, FaultCause, Health, HealthState, Severity, SuggestedAction
 from agent.host.boottime import boottime_seconds
 from agent.state import XidCount
 from agent.watch import xid_catalog
@@ -464,7 +464,7 @@ class XidWatcher:
                     worst = mark
             if worst is None or worst.action is SuggestedAction.NONE:
                 return Health.healthy()
-            return Health(_ACTION_HEALTH[worst.action], worst.reason, worst.action)
+            return Health(_ACTION_HEALTH[worst.action], worst.reason, worst.action, (FaultCause.XID,))
 
     def marks(self) -> list[XidMark]:
         """The health window: what each (GPU, Xid) seen within it says, for the store."""
