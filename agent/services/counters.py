@@ -16,7 +16,9 @@ A series seen for the first time adds all it holds, so a server page of one seri
 agent's histogram hold the same numbers until the server restarts. Series with other bucket
 boundaries than the kind's are left out (they cannot be added bucket by bucket); when no series of
 the page has the kind's boundaries any more (a server upgraded to new buckets), the kind starts
-over on the new ones. `ServiceEnergy` adds the energy counters' increases of each service's GPUs.
+over on the new ones. What a service's counters follow is bounded (MAX_COUNTER_SERIES series, as its
+window): a page that would bring more, a label that takes a new value on every scrape, is not
+counted. `ServiceEnergy` adds the energy counters' increases of each service's GPUs.
 
 With these, `histogram_quantile(0.95, sum by (le) (rate(..._bucket[5m])))` is a fleet's p95 and
 `rate(tokens) / rate(joules)` its tokens per joule, per model or per any label a fleet adds.
@@ -30,9 +32,12 @@ from dataclasses import dataclass, field
 from agent.readings.table import GpuSample
 from agent.services.scrape import SeriesKey, ServerReading
 
-#: A series of the page not seen for this long is forgotten (an engine removed): what one service
-#: keeps stays bounded by what its pages hold.
+#: A series of the page not seen for this long is forgotten (an engine removed).
 FORGET_AFTER_SECONDS = 600.0
+#: Series one service's counters follow at most, as its latency window (a real page has a few dozen;
+#: a label that takes a new value on every scrape would make a new series each time): a page that
+#: would take them past it is not counted, and the counters keep the values of the pages before.
+MAX_COUNTER_SERIES = 1024
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,24 @@ class CounterBook:
         self._kinds: dict[str, _Accumulated] = {}
         self._tokens = _Accumulated()
 
-    def add(self, reading: ServerReading) -> None:
+    def _series(self) -> int:
+        return sum(len(kept.last) for kept in (*self._kinds.values(), self._tokens))
+
+    def _new_series(self, reading: ServerReading) -> int:
+        """How many series of `reading` the counters do not follow yet."""
+        new = sum(
+            1
+            for kind, by_series in reading.histograms.items()
+            for key in by_series
+            if kind not in self._kinds or key not in self._kinds[kind].last
+        )
+        return new + sum(1 for key in reading.generation_tokens if key not in self._tokens.last)
+
+    def add(self, reading: ServerReading) -> bool:
+        """Count one page; False (nothing counted) when it would take the counters past
+        MAX_COUNTER_SERIES series."""
+        if self._series() + self._new_series(reading) > MAX_COUNTER_SERIES:
+            return False
         now = reading.timestamp_seconds
         for kind, by_series in reading.histograms.items():
             kept = self._kinds.get(kind)
@@ -104,6 +126,7 @@ class CounterBook:
             )
         if reading.generation_tokens:
             self._tokens.add(now, ((key, (value,)) for key, value in reading.generation_tokens.items()))
+        return True
 
     def counters(self) -> ServiceCounters:
         histograms = {

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 from snapshots import h200_sample
 
-from agent.services.counters import FORGET_AFTER_SECONDS, CounterBook, ServiceEnergy
+from agent.services.counters import FORGET_AFTER_SECONDS, MAX_COUNTER_SERIES, CounterBook, ServiceEnergy
 from agent.services.scrape import Histogram, ServerReading, parse_reading
 
 INF = math.inf
@@ -99,6 +99,20 @@ def test_what_a_service_keeps_is_bounded_by_its_pages() -> None:
     book.add(reading(FORGET_AFTER_SECONDS + 1.0, (ENGINE_0, (1, 1, 1))))
     assert book.counters().histograms["e2e"].bucket_counts == (3, 3, 3)
     assert len(book._kinds["e2e"].last) == 1
+
+
+def test_a_label_that_churns_is_not_counted_past_the_bound() -> None:
+    """A server that puts a new label value on every page (a request id) makes a new series each
+    scrape: the counters follow at most MAX_COUNTER_SERIES of them, then count no such page, and
+    keep the totals they had."""
+    book = CounterBook()
+    accepted = 0
+    for page in range(MAX_COUNTER_SERIES // 10 + 20):
+        series = [((("request", f"{page}-{i}"),), (1.0, 1.0, 1.0)) for i in range(10)]
+        accepted += book.add(reading(float(page), *series))
+    assert accepted == MAX_COUNTER_SERIES // 10
+    assert sum(len(kept.last) for kept in (*book._kinds.values(), book._tokens)) <= MAX_COUNTER_SERIES
+    assert book.counters().histograms["e2e"].count == accepted * 10
 
 
 def test_the_energy_of_a_services_gpus_is_a_counter() -> None:
