@@ -24,6 +24,7 @@ from agent import safe_yaml
 from agent.config_errors import ConfigError as ConfigError
 from agent.config_errors import ConfigProblem as ConfigProblem
 from agent.defaults import DEFAULT_METRICS_PORT, DEFAULT_RULES_DIR, DEFAULT_RULES_DIRS, DEFAULT_SOCKET_PATH
+from agent.metrics.catalog import FAMILY_NAMES
 from agent.policy.names import GPU_RESET_ITEM, ITEM_NAMES, SETTABLE_GPU_ITEM_NAMES
 from agent.policy.names import ItemName as ItemName
 from agent.trust import TooLargeError, UntrustedError, read_trusted
@@ -121,11 +122,23 @@ class SimulatedConfig(StrictModel):
 
 class MetricsConfig(StrictModel):
     listen: str = f"0.0.0.0:{DEFAULT_METRICS_PORT}"
+    #: Families of /metrics switched on (true) or off (false) from their defaults (docs/metrics.md).
+    families: dict[str, bool] = Field(default_factory=dict)
 
     @field_validator("listen")
     @classmethod
     def _host_port(cls, value: str) -> str:
         listen_address(value)
+        return value
+
+    @field_validator("families")
+    @classmethod
+    def _known_families(cls, value: dict[str, bool]) -> dict[str, bool]:
+        for name in value:
+            if name not in FAMILY_NAMES:
+                close = difflib.get_close_matches(name, FAMILY_NAMES, n=1)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                raise ValueError(f"unknown family '{name}'{hint}; the families are listed in docs/metrics.md")
         return value
 
 

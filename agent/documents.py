@@ -55,7 +55,12 @@ def snapshot_document(snapshot: NodeSnapshot, source: str, note: str = "", mode:
         entry = sample_json(sample)
         entry["stale"] = sample.index in snapshot.stale_gpus
         entry["health"] = (
-            {"state": health.state.value, "reason": health.reason, "suggested_action": health.suggested_action.value}
+            {
+                "state": health.state.value,
+                "reason": health.reason,
+                "suggested_action": health.suggested_action.value,
+                "causes": [cause.value for cause in health.causes],  # the codes /metrics labels by
+            }
             if health is not None
             else None
         )
@@ -74,6 +79,8 @@ def snapshot_document(snapshot: NodeSnapshot, source: str, note: str = "", mode:
             "causes": [item.cause.value for item in needs],  # one per attention line, in order
             "problem": None if problem is None else {"cause": problem.cause.value, "detail": problem.detail},
             "reboot_recommended": snapshot.reboot_recommended,
+            # the bounded code /metrics labels it with (the kind of event behind it)
+            "reboot_recommended_cause": snapshot.reboot_recommended_cause or None,
             "expected_gpus": snapshot.expected_gpus,
             "drift": [{"item": p.item, "gpu": p.gpu} for p in drifted(snapshot)],
             "slo_breaches": [asdict(b) for b in snapshot.slo_breaches],

@@ -64,6 +64,30 @@ class HealthState(str, Enum):
     UNHEALTHY = "unhealthy"  # cannot be trusted with work until acted on
 
 
+class FaultCause(str, Enum):
+    """Why a GPU is not healthy, as a bounded code: what `/metrics` puts in a label (the cause of
+    `gpu_agent_gpu_health_info`, one series per open fault in `gpu_agent_gpu_fault`), while the
+    reason's text, with its readings, stays in `gpu-agent status` and its JSON."""
+
+    XID = "xid"
+    GPU_LOST = "gpu_lost"  # fell off the bus
+    RESET_REQUIRED = "reset_required"
+    GPU_REMOVED = "gpu_removed"  # its device left the node (udev)
+    ECC_UNCORRECTED = "ecc_uncorrected"
+    ROW_REMAP_FAILED = "row_remap_failed"
+    ROW_REMAP_PENDING = "row_remap_pending"
+    PAGE_RETIREMENT_PENDING = "page_retirement_pending"
+    RECOVERY_ACTION = "recovery_action"  # the driver asks for a reset or reboot
+    CLOCKS_SLOWED = "clocks_slowed"  # a thermal or hardware slowdown
+    TEMPERATURE_MARGIN = "temperature_margin"  # within a few degrees of the slowdown threshold
+    PCIE_DEGRADED = "pcie_degraded"
+    NVLINK_DOWN = "nvlink_down"
+    NVLINK_ERRORS = "nvlink_errors"
+    FABRIC = "fabric"  # NVSwitch fabric registration unfinished or failed
+    BACKEND_UNAVAILABLE = "backend_unavailable"
+    STALE = "stale"  # NVML calls for the GPU hang
+
+
 class SuggestedAction(str, Enum):
     """What a fault needs: the one vocabulary of remedies, shared by the Xid catalog (its `action`),
     the watchers' health, rule conditions and the rule actions that carry a remedy out.
@@ -131,6 +155,9 @@ class Health:
     state: HealthState
     reason: str = ""
     suggested_action: SuggestedAction = SuggestedAction.NONE
+    #: The codes of what is wrong: the watcher's own one; after `combine`, every open fault's, the
+    #: worst state's first (the reason's text names only those of the worst state).
+    causes: tuple[FaultCause, ...] = ()
 
     @classmethod
     def healthy(cls) -> Health:

@@ -16,7 +16,7 @@ from agent import __version__
 from agent.backend.base import GpuIdentity
 from agent.backend.errors import GpuError
 from agent.config import AgentConfig
-from agent.events import Event, Health, HealthState
+from agent.events import Event, FaultCause, Health, HealthState
 from agent.host.boottime import boottime_seconds
 from agent.host.paths import HostPaths
 from agent.policy.base import ItemPlan
@@ -31,7 +31,7 @@ from agent.state import (
     ServiceStatus,
     SloBreachNow,
 )
-from agent.verdict import reboot_recommended
+from agent.verdict import reboot_recommendation
 from agent.watch.devices import DeviceWatcher
 from agent.watch.fabric import FabricWatcher
 from agent.watch.gpu_lost import GpuLostWatcher
@@ -98,9 +98,15 @@ class NodeWatchers:
 
     def _gpu_health(self, gpu: int, stale: frozenset[int], backend_error: GpuError | None) -> Health:
         if backend_error is not None:
-            return Health(HealthState.DEGRADED, f"GPU backend unavailable: {backend_error}")
+            return Health(
+                HealthState.DEGRADED,
+                f"GPU backend unavailable: {backend_error}",
+                causes=(FaultCause.BACKEND_UNAVAILABLE,),
+            )
         if gpu in stale:
-            return Health(HealthState.DEGRADED, "NVML calls for this GPU hang: readings are stale")
+            return Health(
+                HealthState.DEGRADED, "NVML calls for this GPU hang: readings are stale", causes=(FaultCause.STALE,)
+            )
         return self.book.gpu_health(gpu)
 
 
@@ -153,6 +159,7 @@ def build_snapshot(
 ) -> NodeSnapshot:
     """The snapshot of `samples` once `watchers` have observed them."""
     parts = daemon or DaemonParts()
+    reboot = reboot_recommendation(config.state_dir, HostPaths.at(config.host_root))
     return NodeSnapshot(
         timestamp_seconds=now,
         started_seconds=now if parts.started_seconds is None else parts.started_seconds,
@@ -180,7 +187,8 @@ def build_snapshot(
         pcie_degraded=frozenset(
             s.index for s in samples if watchers.pcie.health(s.index).state is not HealthState.HEALTHY
         ),
-        reboot_recommended=reboot_recommended(config.state_dir, HostPaths.at(config.host_root)),
+        reboot_recommended=None if reboot is None else reboot[0],
+        reboot_recommended_cause="" if reboot is None else reboot[1],
         recent_remediations=parts.recent_remediations,
         rules_sources=parts.rules_sources,
         rules_loaded=parts.rules_loaded,

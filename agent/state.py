@@ -109,6 +109,8 @@ class NodeSnapshot:
     backend_error: str = ""  # why the GPU backend cannot be read; "" while it can
     pcie_degraded: frozenset[int] = frozenset()  # GPUs whose link the PCIe watcher judges degraded
     reboot_recommended: str | None = None  # the reason in state_dir/reboot-recommended, for this boot
+    reboot_recommended_cause: str = ""  # the kind of event that led to it (a bounded code for /metrics)
+    hostname: str = ""  # the node's own host name (set by the publisher), what dashboards call Hostname
     expected_gpus: int | None = None  # how many GPUs this node should show (set by the publisher)
     recent_remediations: tuple[RecentRemediation, ...] = ()
     rules_sources: tuple[str, ...] = ()  # `/usr/share/.../10-xid.yaml`, `... (overrides ...)`, `...: masked (...)`

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from agent.config import Mode
 from agent.defaults import REBOOT_FLAG_NAME
-from agent.events import HealthState
+from agent.events import EventKind, HealthState
 from agent.host import file_reads, safe_json
 from agent.host.paths import HostPaths
 from agent.policy.base import CUDA_TOO_OLD_FACT, ItemPlan, PlanStatus
@@ -186,17 +186,34 @@ def reboot_recommended(state_dir: str | Path, paths: HostPaths) -> str | None:
     """The reason in `state_dir/reboot-recommended`; None without one, when it was written before
     the last boot (that reboot happened: the flag is spent), or when this user may not read it (a
     direct read by a non-root user: what it cannot read is no finding)."""
+    found = reboot_recommendation(state_dir, paths)
+    return None if found is None else found[0]
+
+
+#: The cause of a reboot recommendation whose flag cannot be read, or names no kind of event.
+UNREADABLE_FLAG_CAUSE = "unreadable"
+UNKNOWN_EVENT_CAUSE = "unknown"
+_EVENT_KINDS = frozenset(kind.value for kind in EventKind)
+
+
+def reboot_recommendation(state_dir: str | Path, paths: HostPaths) -> tuple[str, str] | None:
+    """(the reason's text, the kind of event behind it) of `state_dir/reboot-recommended`: the kind is
+    a bounded code (an EventKind value, "unknown" or "unreadable"), the text is for people. None as for
+    `reboot_recommended`."""
+    unreadable = ("reboot-recommended flag present (unreadable)", UNREADABLE_FLAG_CAUSE)
     try:
         flag = safe_json.loads(file_reads.read_text(Path(state_dir) / REBOOT_FLAG_NAME, _FLAG_LIMIT_BYTES))
     except (FileNotFoundError, PermissionError):
         return None
     except (OSError, ValueError):
-        return "reboot-recommended flag present (unreadable)"
+        return unreadable
     if not isinstance(flag, dict):
-        return "reboot-recommended flag present (unreadable)"
+        return unreadable
     written_boot = flag.get("boot_id")
     if written_boot:
         current_boot = paths.boot_id()
         if current_boot and current_boot != written_boot:
             return None
-    return str(flag.get("reason") or "reboot recommended")
+    event = flag.get("event")
+    cause = event if isinstance(event, str) and event in _EVENT_KINDS else UNKNOWN_EVENT_CAUSE
+    return str(flag.get("reason") or "reboot recommended"), cause

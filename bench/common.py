@@ -295,8 +295,9 @@ def make_node(
     interval_seconds: float = 1.0,
     rules_yaml: str | None = None,
     extra_yaml: str = "",
+    mode: str = "observe",
 ) -> Node:
-    """Write a config for `backend` under `directory` (observe mode; rules only when given)."""
+    """Write a config for `backend` under `directory` (observe mode unless told; rules only when given)."""
     directory.mkdir(parents=True, exist_ok=True)
     state_dir = directory / "state"
     rules_dir = directory / "rules.d"
@@ -319,7 +320,7 @@ def make_node(
     socket_path = directory / "agent.sock"
     config_path = directory / "agent.yaml"
     config_path.write_text(
-        "mode: observe\n"
+        f"mode: {mode}\n"
         + backend_yaml
         + f"state_dir: {state_dir}\n"
         + f"interval_seconds: {interval_seconds:g}\n"

@@ -35,6 +35,7 @@ BENCHMARKS = (
     "startup",
     "status_wall",
     "cli_speed",
+    "metrics_series",
 )
 
 # Arguments for --quick; a full run takes each benchmark's defaults.
@@ -46,6 +47,7 @@ QUICK: dict[str, list[str]] = {
     "startup": ["--runs", "2"],
     "status_wall": ["--runs", "2"],
     "cli_speed": ["--runs", "2", "--cpu-seconds", "3", "--warmup", "1"],
+    "metrics_series": ["--settle-seconds", "1", "--no-families"],
 }
 
 
@@ -88,6 +90,11 @@ def key_figures(name: str, document: dict[str, Any]) -> list[tuple[str, Any, str
         for fault, summary in (document.get("results") or {}).items():
             rows.append((f"{fault} -> {summary['headline']}, p50", _headline(summary, "median"), "ms"))
             rows.append((f"{fault} -> {summary['headline']}, p99", summary["headline_p99_ms"], "ms"))
+    elif name == "metrics_series":
+        for case in ("default", "everything_on"):
+            scrape = case.replace("_", " ")
+            rows.append((f"/metrics series, {scrape}", _figure(document, case, "series"), "series"))
+            rows.append((f"/metrics bytes gzipped, {scrape}", _figure(document, case, "gzip_bytes"), "B"))
     elif name == "startup":
         rows.append(("spawn -> READY=1, median", _figure(document, "ready_ms", "median"), "ms"))
         rows.append(("SIGTERM -> exit, median", _figure(document, "stop_ms", "median"), "ms"))

@@ -49,6 +49,23 @@ DEFAULT_POLICY = """\
 """
 
 
+def command_service(port: int, *, interval_seconds: float = 0.5, slo: str = "{e2e_p95_seconds: 1.5}") -> str:
+    """agent.yaml's `services:` with one sglang server on `port` (a stand-in, agent.demo.standin) on
+    every GPU, managed by commands that do nothing, probed and scraped every `interval_seconds`."""
+    return f"""\
+services:
+  - name: sglang
+    manager: command
+    start_command: [/bin/true]
+    stop_command: [/bin/true]
+    health_url: "http://127.0.0.1:{port}/health"
+    gpus: all
+    probe_interval_seconds: {interval_seconds:g}
+    scrape_interval_seconds: {interval_seconds:g}
+    slo: {slo}
+"""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -78,6 +78,7 @@ H200_PROBED: dict[str, Any] = {
 
 #: The recording's names for the GPM metrics and field values, by NVML id.
 _GPM_METRIC_IDS = {
+    "GRAPHICS_UTIL": 1,
     "SM_ACTIVITY": 2,
     "SM_OCCUPANCY": 3,
     "TENSOR_ACTIVE": 5,

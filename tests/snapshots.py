@@ -17,15 +17,17 @@ Numbers follow what the boards answer: the H200 ones tests/fixtures/nvml-h200.js
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 from typing import Any
 
 from agent.backend.base import GpuBackend, GpuProcess, NvLinkErrors
 from agent.collect import sample_all
-from agent.events import EventKind, Health, HealthState, Severity, SuggestedAction
+from agent.events import EventKind, FaultCause, Health, HealthState, Severity, SuggestedAction
 from agent.policy.base import ItemPlan, PlanStatus
 from agent.services.attribution import GpuAttribution, GpuProcessInfo
+from agent.services.counters import CounterHistogram, ServiceCounters
 from agent.services.window import LatencyFigures, ServiceFigures
 from agent.state import (
     CollectorStatus,
@@ -275,12 +277,25 @@ def node_snapshot(**overrides: Any) -> NodeSnapshot:
         backend="simulated",
         driver_version=DRIVER_VERSION,
         gpus=node_gpus(),
+        hostname="gpu-node-1",
         stale_gpus=frozenset({2}),
         health={
             0: Health.healthy(),
-            1: Health(HealthState.UNHEALTHY, "Xid 48 (double-bit ECC), row remap pending", SuggestedAction.RESET_GPU),
-            2: Health(HealthState.DEGRADED, "PCIe link gen4 x16, expected gen5 x16", SuggestedAction.CHECK_MECHANICALS),
-            3: Health(HealthState.UNHEALTHY, "GPU has fallen off the bus", SuggestedAction.REBOOT),
+            1: Health(
+                HealthState.UNHEALTHY,
+                "Xid 48 (double-bit ECC), row remap pending",
+                SuggestedAction.RESET_GPU,
+                (FaultCause.XID, FaultCause.ROW_REMAP_PENDING),
+            ),
+            2: Health(
+                HealthState.DEGRADED,
+                "PCIe link gen4 x16, expected gen5 x16",
+                SuggestedAction.CHECK_MECHANICALS,
+                (FaultCause.PCIE_DEGRADED, FaultCause.STALE),
+            ),
+            3: Health(
+                HealthState.UNHEALTHY, "GPU has fallen off the bus", SuggestedAction.REBOOT, (FaultCause.GPU_LOST,)
+            ),
         },
         policy=node_policy(),
         item_modes={
@@ -367,6 +382,17 @@ def inference_fields(timestamp_seconds: float = TIMESTAMP_SECONDS) -> dict[str, 
         kv_cache_usage_ratio=0.41,
         generation_tokens_per_second=320.5,
         tokens_per_joule=0.52,
+        # the server's histograms and token counter as counters (sglang's bounds, trimmed), and the
+        # energy of its GPUs: 96,160 tokens over 184,923 J is the 0.52 tokens/J of the window
+        counters=ServiceCounters(
+            histograms={
+                "e2e": CounterHistogram((0.4, 0.6, 0.8, 1.0, math.inf), (0, 61, 117, 120, 120), 120, 72.0),
+                "ttft": CounterHistogram((0.1, 0.2, 0.4, math.inf), (60, 119, 120, 120), 120, 13.2),
+                "queue": CounterHistogram((0.0, 0.1, math.inf), (24, 120, 120), 120, 1.2),
+            },
+            generated_tokens=96_160.0,
+            gpu_energy_joules=184_923.0,
+        ),
     )
     embeddings = ServiceFigures("embeddings", "", 0.0, 0.0, error="timed out after 2 s")
     attribution = GpuAttribution(
@@ -384,6 +410,7 @@ def inference_fields(timestamp_seconds: float = TIMESTAMP_SECONDS) -> dict[str, 
 #: The profiling telemetry readings of the H200 under a bf16 matmul (tests/fixtures/nvml-h200-gpm-fields.json, "loaded").
 H200_LOADED_TELEMETRY = {
     "activity_supported": True,
+    "graphics_active_ratio": 0.9985,
     "sm_active_ratio": 0.9646,
     "sm_occupancy_ratio": 0.1426,
     "tensor_active_ratio": 0.9364,
@@ -421,8 +448,9 @@ H200_LOADED_TELEMETRY = {
 HGX_NVLINK_TELEMETRY = {
     "nvlink_errors": (
         NvLinkErrors(0, {"crc_flit": 0, "crc_data": 0, "replay": 0, "recovery": 0}),
-        NvLinkErrors(1, {"crc_flit": 12, "crc_data": 3, "replay": 1, "recovery": 2}),
+        NvLinkErrors(1, {"crc_flit": 12, "crc_data": 3, "replay": 1, "recovery": 0}),
     ),
+    "nvlink_error_totals": {"crc_flit": 12, "crc_data": 3, "replay": 1, "recovery": 0},
     "nvlink_up": (True, False),
     "fabric_state": 2,  # IN_PROGRESS
     "fabric_status": 0,

@@ -29,6 +29,7 @@ from bench import (
     collect_cost,
     daemon_footprint,
     detection_latency,
+    metrics_series,
     run_all,
     scrape_latency,
     startup,
@@ -200,6 +201,21 @@ def test_scrape_latency_with_a_hung_call(tmp_path: Path) -> None:
     for phase in (baseline, hanging):
         sane_number(phase["keepalive_ms"]["median"], 0.01, 100.0, "scrape median, ms")
     assert len(document["targets"]) == 2
+
+
+def test_metrics_series(tmp_path: Path) -> None:
+    """Series and bytes of a node's scrape, by default and with every family on (the per-family
+    toggles are left out of the smoke run: a reload each)."""
+    args = ["--profile", "h200x2", "--settle-seconds", "0.5", "--no-families"]
+    document = run_benchmark(tmp_path, metrics_series, args, {"default scrape series, one service": (30.0, 400.0)})
+    default, everything = document["results"]["default"], document["results"]["everything_on"]
+    assert default["series"] < everything["series"]
+    assert default["gzip_bytes"] < default["plain_bytes"] / 3  # the scrape Prometheus makes is gzipped
+    assert "gpu_agent_service_request_duration_seconds_bucket" in default["by_metric"]
+    assert (
+        "gpu_agent_gpu_nvlink_up" not in default["by_metric"] and "gpu_agent_gpu_nvlink_up" in everything["by_metric"]
+    )
+    assert document["results"]["dcgm_exporter_default_counters"] == {"fields": 21, "series": 42}
 
 
 def test_detection_latency(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -35,12 +35,13 @@ from snapshots import inference_fields, node_snapshot, snapshot_from_backend, te
 from agent.backend.base import RecoveryAction
 from agent.backend.errors import GpuErrorKind
 from agent.backend.sim import SimulatedBackend
-from agent.events import Health, HealthState
+from agent.events import FaultCause, Health, HealthState
+from agent.metrics.catalog import FamilySwitches
 from agent.metrics.collector import SnapshotCollector
 from agent.metrics.server import serve_metrics
 from agent.policy import power_limit
 from agent.policy.base import GpuContext, ItemPlan, PlanStatus
-from agent.state import CollectorStatus, NodeSnapshot, RemediationCount, ServiceStatus, XidCount
+from agent.state import CollectorStatus, GpuSample, NodeSnapshot, RemediationCount, ServiceStatus, XidCount
 from agent.watch.clock_events import SLOWDOWN_REASONS, decode
 from agent.watch.xid_catalog import all_codes, lookup
 
@@ -103,7 +104,7 @@ def exported_metric_names() -> set[str]:
     """Sample names the collector exports for the fully featured test snapshot."""
     registry = CollectorRegistry(auto_describe=False)
     snapshot = node_snapshot(gpus=telemetry_gpus(), **inference_fields())
-    registry.register(SnapshotCollector(lambda: snapshot))
+    registry.register(SnapshotCollector(lambda: snapshot, switches=FamilySwitches.everything()))
     text = generate_latest(registry).decode()
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
 
@@ -160,17 +161,17 @@ def test_dashboard_covers_what_the_brief_asks_for() -> None:
         "gpu_agent_xid_errors_total",
         "gpu_agent_gpu_ecc_errors_total",
         "gpu_agent_gpu_remapped_rows",
-        "gpu_agent_policy_in_sync",
+        "gpu_agent_policy_targets",
         "gpu_agent_service_up",
         "gpu_agent_remediations_total",
         "gpu_agent_collector_success",
-        "gpu_agent_service_request_latency_seconds",
+        "gpu_agent_service_request_duration_seconds_bucket",
         "gpu_agent_service_latency_slo_seconds",
         "gpu_agent_service_requests_running",
         "gpu_agent_service_requests_waiting",
         "gpu_agent_service_kv_cache_usage_ratio",
-        "gpu_agent_service_generation_tokens_per_second",
-        "gpu_agent_service_tokens_per_joule",
+        "gpu_agent_service_generated_tokens_total",
+        "gpu_agent_service_gpu_energy_joules_total",
         "gpu_agent_service_gpu_memory_bytes",
     ):
         assert name in exprs
@@ -354,14 +355,7 @@ class StandInLoop:
                 and (sample.pcie_width < sample.pcie_max_width or sample.pcie_generation < sample.pcie_max_generation)
                 and bool(sample.gpu_utilization_percent)
             ),
-            health={
-                sample.index: Health(HealthState.UNHEALTHY, "row remap pending")
-                if sample.remap_pending
-                else Health(HealthState.DEGRADED, "throttled")
-                if sample.clock_event_reasons and sample.clock_event_reasons & 0x60
-                else Health.healthy()
-                for sample in snapshot.gpus
-            },
+            health={sample.index: stand_in_health(sample) for sample in snapshot.gpus},
             policy=self.policy,
             item_modes={"power_limit": "observe", "transparent_hugepages": "enforce"},
             clock_event_seconds=dict(self.clock_event_seconds),
@@ -385,6 +379,18 @@ class StandInLoop:
             collect_duration_seconds=duration,
             **self.inference,
         )
+
+
+def stand_in_health(sample: GpuSample) -> Health:
+    """What the watchers would judge of these readings, with their causes: a pending remap, a thermal
+    slowdown, within 5 C of the slowdown threshold."""
+    if sample.remap_pending:
+        return Health(HealthState.UNHEALTHY, "row remap pending", causes=(FaultCause.ROW_REMAP_PENDING,))
+    if sample.clock_event_reasons and sample.clock_event_reasons & 0x60:
+        near = (sample.temperature_celsius or 0) >= (sample.slowdown_temperature_celsius or 999) - 5
+        causes = (FaultCause.CLOCKS_SLOWED, FaultCause.TEMPERATURE_MARGIN) if near else (FaultCause.CLOCKS_SLOWED,)
+        return Health(HealthState.DEGRADED, "throttled", causes=causes)
+    return Health.healthy()
 
 
 def simulated_node(state_dir: Path) -> tuple[SimulatedBackend, tuple[ItemPlan, ...]]:
@@ -439,16 +445,23 @@ class Prometheus:
     """A real Prometheus on loopback scraping the agents on `target_ports` with the shipped rules."""
 
     def __init__(
-        self, workdir: Path, target_ports: Sequence[int], rule_files: Sequence[Path] = (ALERTS, RECORDING)
+        self,
+        workdir: Path,
+        target_ports: Sequence[int],
+        rule_files: Sequence[Path] = (ALERTS, RECORDING),
+        other_jobs: Mapping[str, Sequence[int]] | None = None,
     ) -> None:
+        """`other_jobs`: more scrape jobs (name -> ports), e.g. the inference servers themselves."""
         assert PROMETHEUS is not None
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        jobs = {"gpu-agent": target_ports, **(other_jobs or {})}
         config = {
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(path) for path in rule_files],
             "scrape_configs": [
-                {"job_name": "gpu-agent", "static_configs": [{"targets": [f"127.0.0.1:{p}" for p in target_ports]}]}
+                {"job_name": job, "static_configs": [{"targets": [f"127.0.0.1:{p}" for p in ports]}]}
+                for job, ports in jobs.items()
             ],
         }
         config_path = workdir / "prometheus.yml"
@@ -476,8 +489,8 @@ class Prometheus:
         assert reply["status"] == "success", reply
         return reply["data"]
 
-    def query(self, expr: str) -> list[dict[str, Any]]:
-        data = self.api("query", query=expr)
+    def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
+        data = self.api("query", query=expr, **({} if at is None else {"time": f"{at:.3f}"}))
         result: list[dict[str, Any]] = data["result"]
         return result
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from snapshots import node_snapshot, telemetry_gpus
 
+from agent.metrics.catalog import FamilySwitches
 from agent.metrics.collector import SnapshotCollector
 from agent.metrics.dcgm import compat_rules
 
@@ -50,9 +52,28 @@ def test_the_common_dcgm_exporter_fields_are_recorded() -> None:
         "TOTAL_ENERGY_CONSUMPTION",
         "XID_ERRORS",
         "PCIE_REPLAY_COUNTER",
+        "PCIE_TX_THROUGHPUT",
+        "PCIE_RX_THROUGHPUT",
+        "POWER_MGMT_LIMIT",
+        "CLOCKS_EVENT_REASONS",
+        "ECC_SBE_AGG_TOTAL",
+        "ECC_DBE_AGG_TOTAL",
+        "ECC_SBE_VOL_TOTAL",
+        "ECC_DBE_VOL_TOTAL",
+        "CORRECTABLE_REMAPPED_ROWS",
+        "UNCORRECTABLE_REMAPPED_ROWS",
+        "ROW_REMAP_FAILURE",
     ):
         assert f"DCGM_FI_DEV_{field}" in names
-    for field in ("SM_ACTIVE", "SM_OCCUPANCY", "PIPE_TENSOR_ACTIVE", "DRAM_ACTIVE", "PCIE_TX_BYTES", "PCIE_RX_BYTES"):
+    for field in (
+        "GR_ENGINE_ACTIVE",
+        "SM_ACTIVE",
+        "SM_OCCUPANCY",
+        "PIPE_TENSOR_ACTIVE",
+        "DRAM_ACTIVE",
+        "PCIE_TX_BYTES",
+        "PCIE_RX_BYTES",
+    ):
         assert f"DCGM_FI_PROF_{field}" in names
     assert {"DCGM_FI_PROF_NVLINK_TX_BYTES", "DCGM_FI_PROF_NVLINK_RX_BYTES"} <= names
 
@@ -65,8 +86,9 @@ def test_every_dcgm_name_has_a_unit_test() -> None:
 
 def test_the_rules_read_only_exported_metrics() -> None:
     registry = CollectorRegistry(auto_describe=False)
-    snapshot = node_snapshot(gpus=telemetry_gpus())
-    registry.register(SnapshotCollector(lambda: snapshot))
+    gpu0, *others = telemetry_gpus()
+    snapshot = node_snapshot(gpus=(replace(gpu0, retired_pages_pending=False), *others))
+    registry.register(SnapshotCollector(lambda: snapshot, switches=FamilySwitches.everything()))
     text = generate_latest(registry).decode()
     exported = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
     used = set(METRIC_NAME.findall(" ".join(recorded().values())))

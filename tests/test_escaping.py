@@ -92,9 +92,9 @@ def test_log_lines_and_metric_labels_are_escaped(capsys: pytest.CaptureFixture[s
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "\\x1b]0;pwned" in err and not RAW.search(err)
     families = Families()
-    families.gauge("gpu_agent_reboot_recommended", "help", {"reason": HOSTILE}, 1.0)
+    families.gauge("gpu_agent_gpu_info", "help", {"name": HOSTILE}, 1.0, family="gpu")
     (family,) = list(families)
-    assert family.samples[0].labels == {"reason": "\\x1b[2J\\x1b]0;pwned\\x07ev\\u202eil\\x0aNVRM"}
+    assert family.samples[0].labels == {"name": "\\x1b[2J\\x1b]0;pwned\\x07ev\\u202eil\\x0aNVRM"}
 
 
 def test_a_hostile_process_name_in_the_kernel_log_reaches_no_terminal_raw(tmp_path: Path) -> None:

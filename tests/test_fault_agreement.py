@@ -33,6 +33,7 @@ from policy.test_boot_readiness import OLD, ubuntu_tree
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.demo.standin_process import StandinServer
+from agent.services.window import histogram_quantile
 
 ROOT = Path(__file__).resolve().parent.parent
 ALERTS = ROOT / "packaging/prometheus/gpu-agent-alerts.yaml"
@@ -277,28 +278,31 @@ def expected_alerts(
             fired["InferenceServiceDown"].append({"service": service_doc["name"], "unit": service_doc["unit"]})
     for breach in verdict["slo_breaches"]:
         labels = {"service": breach["service"], "kind": breach["objective"].removesuffix("_p95")}
-        p95 = next(
-            value
+        # the alert's p95 is PromQL's over the counter histogram, fed growing at its scraped values
+        # (promtool_case): the quantile of the buckets as scraped
+        buckets = sorted(
+            (float(series["le"]), value)
             for name, series, value in samples
-            if name == "gpu_agent_service_request_latency_seconds" and series == {**labels, "quantile": "0.95"}
+            if name == "gpu_agent_service_request_duration_seconds_bucket" and series.items() >= labels.items()
         )
+        p95 = histogram_quantile(0.95, [bound for bound, _ in buckets], [count for _, count in buckets])
         fired["InferenceLatencyAboveSlo"].append({**labels, VALUE_KEY: repr(p95)})
     for item in document["policy"]["items"]:
         facts = item["facts"]
         if item["item"] == "next_boot" and item["status"] == "drift":
-            fired["GpuNextBootNotReady"].append({"kernel": facts["kernel"], "reason": facts["reason"]})
+            fired["GpuNextBootNotReady"].append({"cause": facts["cause"]})
         if item["item"] in ("driver", "vbios") and item["status"] == "drift":
             fired["GpuNodeNotAsDeclared"].append(
-                {"item": item["item"], "gpu": "", "uuid": "", "status": "drift"}
+                {"item": item["item"], "gpu": "", "uuid": ""}
                 if item["gpu"] is None
-                else {"item": item["item"], "gpu": str(item["gpu"]), "status": "drift"}
+                else {"item": item["item"], "gpu": str(item["gpu"])}
             )
     for cause in sorted({c for c in verdict["causes"] if c in ("no_rules", "config")}):
         fired["GpuAgentConfigNeedsAttention"].append({"cause": cause})
     if verdict["problem"]:
         fired["GpuNodeProblem"].append({"cause": verdict["problem"]["cause"]})
     if verdict["reboot_recommended"]:
-        fired["GpuRebootRecommended"].append({"reason": verdict["reboot_recommended"]})
+        fired["GpuRebootRecommended"].append({"cause": verdict["reboot_recommended_cause"]})
     modes = {i["item"]: i["mode"] for i in document["policy"]["items"]}
     uuids = {g["index"]: g["uuid"] for g in document["gpus"]}
     for drift in verdict["drift"]:
@@ -313,6 +317,8 @@ def expected_alerts(
 
 #: In a predicted alert's labels: the sample value its annotation shows (not a label).
 VALUE_KEY = "$value"
+#: Counters the alert rules take a rate of: fed to promtool growing, not held.
+GROWING = frozenset("gpu_agent_service_request_duration_seconds" + suffix for suffix in ("_bucket", "_count", "_sum"))
 
 
 def humanize_duration(seconds: float) -> str:
@@ -356,9 +362,13 @@ def promtool_case(
         "tests": [
             {
                 "interval": "1m",
-                # the scraped values, held: the verdict as the daemon gives it now
+                # the scraped values, held: the verdict as the daemon gives it now; the counter
+                # histogram grows by its scraped values a minute, so that its rate has their shape
                 "input_series": [
-                    {"series": series(name, labels), "values": f"{value:g}x{EVAL_MINUTES}"}
+                    {
+                        "series": series(name, labels),
+                        "values": f"0+{value:g}x{EVAL_MINUTES}" if name in GROWING else f"{value:g}x{EVAL_MINUTES}",
+                    }
                     for name, labels, value in samples
                 ],
                 "alert_rule_test": [
@@ -449,7 +459,8 @@ def test_every_view_agrees_on_the_fault(tmp_path: Path, name: str) -> None:
         state = (g["health"] or {}).get("state")
         health_series = {dict(k)["state"]: v for k, v in values("gpu_agent_gpu_health").items() if set(ids) <= set(k)}
         assert health_series == {s: float(s == state) for s in ("healthy", "degraded", "unhealthy")}
-        assert values("gpu_agent_gpu_pcie_degraded")[tuple(sorted(ids))] == float(g["pcie_degraded"])
+        # a verdict of the faults family is listed while it holds (0: not listed)
+        assert values("gpu_agent_gpu_pcie_degraded").get(tuple(sorted(ids)), 0.0) == float(g["pcie_degraded"])
         throttled = {
             dict(k)["reason"] for k, v in values("gpu_agent_gpu_throttled").items() if set(ids) <= set(k) and v
         }
@@ -460,8 +471,9 @@ def test_every_view_agrees_on_the_fault(tmp_path: Path, name: str) -> None:
     problems = {dict(k)["cause"] for k, v in values("gpu_agent_node_problem").items() if v}
     assert problems == ({problem["cause"]} if problem else set())
     assert values("gpu_agent_backend_up")[()] == float(not (problem and problem["cause"] == "backend_unreadable"))
-    reboot = {dict(k)["reason"]: v for k, v in values("gpu_agent_reboot_recommended").items()}
-    assert reboot == ({verdict["reboot_recommended"]: 1.0} if verdict["reboot_recommended"] else {"": 0.0})
+    reboot = {dict(k)["cause"]: v for k, v in values("gpu_agent_reboot_recommended").items()}
+    cause = verdict["reboot_recommended_cause"]
+    assert reboot == ({cause: 1.0} if verdict["reboot_recommended"] else {"none": 0.0})
 
     causes = verdict["causes"]
     assert len(causes) == len(verdict["attention"])

@@ -151,6 +151,7 @@ class GpmActivity:
     pcie_rx_bytes_per_second: float
     nvlink_tx_bytes_per_second: float
     nvlink_rx_bytes_per_second: float
+    graphics_active_ratio: float | None = None  # NVML_GPM_METRIC_GRAPHICS_UTIL; None where not given
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,17 @@ class SlowFields:
     pcie_fatal_errors: int | None  # NVML_FI_DEV_PCIE_COUNT_FATAL_ERROR
     violation_ns: Mapping[str, int]  # reason (VIOLATION_REASONS) -> ns held back; unsupported reasons left out
     nvlink_errors: tuple[NvLinkErrors, ...] | None  # None: the GPU has no NVLink (NOT_SUPPORTED)
+
+    @property
+    def nvlink_error_totals(self) -> dict[str, int] | None:
+        """Each counter added up over the links (None: no NVLink), what a fleet watches per GPU."""
+        if self.nvlink_errors is None:
+            return None
+        totals: dict[str, int] = {}
+        for link in self.nvlink_errors:
+            for counter, count in link.counts.items():
+                totals[counter] = totals.get(counter, 0) + count
+        return totals
 
 
 class FabricState(IntEnum):

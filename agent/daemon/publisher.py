@@ -18,6 +18,7 @@ from agent import __version__
 from agent.config import AgentConfig
 from agent.daemon.sd_notify import SdNotifier
 from agent.events import HealthState
+from agent.host.paths import HostPaths
 from agent.state import NodeSnapshot
 from agent.store.node_memory import expected_gpu_count
 from agent.verdict import AttentionCause, attention_items, drifted, node_problem
@@ -38,6 +39,7 @@ class Publisher:
         # Stamped on every published snapshot until a reload succeeds.
         self.reload_error = ""
         self.pending_restart: tuple[str, ...] = ()
+        self.hostname = ""  # the node's, read when serving starts and at each reload (gpu_agent_node_info)
         self.metrics: MetricsServer | None = None
         self.api: ApiServer | None = None
         self.extra_handlers: dict[str, Callable[[Any], Any]] = {}  # API methods of other parts (tune)
@@ -76,14 +78,26 @@ class Publisher:
             self.set(self._stamped(snapshot))
 
     def _stamped(self, snapshot: NodeSnapshot) -> NodeSnapshot:
-        return replace(snapshot, reload_error=self.reload_error, config_pending_restart=self.pending_restart)
+        return replace(
+            snapshot,
+            reload_error=self.reload_error,
+            config_pending_restart=self.pending_restart,
+            hostname=self.hostname,
+        )
 
     def serve(self, config: AgentConfig, stale_after_seconds: float) -> list[Callable[[], None]]:
         """The metrics endpoint and the status API; what closes them."""
         from agent.api_server import ApiServer
+        from agent.metrics.catalog import FamilySwitches
         from agent.metrics.server import serve_metrics
 
-        self.metrics = serve_metrics(config.metrics.listen, self.get, stale_after_seconds=stale_after_seconds)
+        self.hostname = HostPaths.at(config.host_root).hostname()
+        self.metrics = serve_metrics(
+            config.metrics.listen,
+            self.get,
+            stale_after_seconds=stale_after_seconds,
+            switches=FamilySwitches.of(config.metrics.families),
+        )
         self.api = ApiServer(
             config.api.socket, self.api_handlers(), group=config.api.group, privileged=self.privileged_methods
         )
@@ -94,17 +108,21 @@ class Publisher:
         """The listeners `new` moves, bound anew before the old ones close; what moved, for the log.
         Raises ListenerError, with the running listeners untouched, when one cannot be bound."""
         from agent.api_server import ApiServer
+        from agent.metrics.catalog import FamilySwitches
         from agent.metrics.server import serve_metrics
 
         if self.metrics is None or self.api is None:
             return []  # not serving (an embedded daemon): nothing to move
+        switches = FamilySwitches.of(new.metrics.families)
         metrics: MetricsServer | None = None
         api: ApiServer | None = None
         binding = ""
         try:
             if new.metrics.listen != old.metrics.listen:
                 binding = f"metrics.listen {new.metrics.listen}"
-                metrics = serve_metrics(new.metrics.listen, self.get, stale_after_seconds=stale_after_seconds)
+                metrics = serve_metrics(
+                    new.metrics.listen, self.get, stale_after_seconds=stale_after_seconds, switches=switches
+                )
             if (new.api.socket, new.api.group) != (old.api.socket, old.api.group):
                 binding = f"api.socket {new.api.socket}"
                 api = ApiServer(
@@ -117,6 +135,8 @@ class Publisher:
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             raise ListenerError(f"cannot bind {binding}: {reason}") from None
         moved: list[str] = []
+        self.hostname = HostPaths.at(new.host_root).hostname()
+        self.metrics.switches = switches  # the families a reload switched, from the next scrape on
         if metrics is not None:
             self.metrics.close()
             self.metrics = metrics

@@ -8,6 +8,7 @@ for everything.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +74,15 @@ class HostPaths:
             return self.read_text(BOOT_ID_PATH).strip()
         except (OSError, UnicodeDecodeError):
             return ""
+
+    def hostname(self) -> str:
+        """The node's host name (`/proc/sys/kernel/hostname`, the kernel's, which `hostname` prints);
+        the process's own when that cannot be read."""
+        try:
+            name = self.read_text("/proc/sys/kernel/hostname", 256).strip()
+        except (OSError, UnicodeDecodeError):
+            name = ""
+        return name or socket.gethostname()
 
     def os_release(self) -> dict[str, str]:
         """Parsed /etc/os-release ({} when absent)."""

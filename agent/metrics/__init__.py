@@ -6,10 +6,14 @@ stale a GPU but never a scrape. `serve_metrics()` serves `/metrics` and `/health
 registry on a daemon thread.
 
 The daemon's verdicts are exported as such (agent/verdict.py), and the alert rules and the dashboard
-are built on them, not on raw readings: `gpu_agent_gpu_health{state}` and `_health_info{reason}`,
-`gpu_agent_gpu_pcie_degraded`, `gpu_agent_gpu_throttled{reason}`, `gpu_agent_policy_drift`,
-`gpu_agent_reboot_recommended`, `gpu_agent_backend_up`, `gpu_agent_node_problem{cause}`. They are
-present with zero values on a clean node, and counters start at 0, so a first event is an increase.
+are built on them, not on raw readings: `gpu_agent_gpu_health{state}` and `_health_info{cause}`,
+`gpu_agent_gpu_fault{cause}`, `gpu_agent_gpu_pcie_degraded`, `gpu_agent_gpu_throttled{reason}`,
+`gpu_agent_policy_drift`, `gpu_agent_reboot_recommended`, `gpu_agent_backend_up`,
+`gpu_agent_node_problem{cause}`. Labels carry identities and bounded codes, never free text or pids.
+
+Every series belongs to a named family (agent/metrics/catalog.py): `metrics.families` switches
+them, and a family that is off lists only its notable series (a counter that counted, a fault that
+is open). The health one-hot, the node's verdicts and the per-GPU Xid total are present from 0.
 
 Conventions: base units (watts, hertz, bytes, seconds, ratios 0-1); every per-GPU series carries
 `gpu` (NVML index) and `uuid`; node-level policy items carry `gpu=""`; a reading that is None

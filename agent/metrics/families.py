@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
+from agent.metrics.catalog import DEFAULT_SWITCHES, FAMILIES, FamilySwitches
 from agent.printable import printable
+from agent.readings.row import Notable, never
 from agent.state import NodeSnapshot
 
 
@@ -16,16 +19,38 @@ def flag(value: bool | None) -> float | None:
 
 
 class Families:
-    """Metric families of one scrape, in first-use order; empty ones are not exposed."""
+    """Metric families of one scrape, in first-use order; empty ones are not exposed.
 
-    def __init__(self) -> None:
-        self._families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+    Every series is added under the name of its family (agent/metrics/catalog.py): a family the
+    switches show is written whole, one they do not show keeps only its `notable` series."""
 
-    def gauge(self, name: str, documentation: str, labels: dict[str, str], value: float | None) -> None:
-        self.add(name, documentation, labels, value, counter=False)
+    def __init__(self, switches: FamilySwitches = DEFAULT_SWITCHES) -> None:
+        self.switches = switches
+        self._families: dict[str, Metric] = {}
 
-    def counter(self, name: str, documentation: str, labels: dict[str, str], value: float | None) -> None:
-        self.add(name, documentation, labels, value, counter=True)
+    def gauge(
+        self,
+        name: str,
+        documentation: str,
+        labels: dict[str, str],
+        value: float | None,
+        *,
+        family: str,
+        notable: Notable = never,
+    ) -> None:
+        self.add(name, documentation, labels, value, counter=False, family=family, notable=notable)
+
+    def counter(
+        self,
+        name: str,
+        documentation: str,
+        labels: dict[str, str],
+        value: float | None,
+        *,
+        family: str,
+        notable: Notable = never,
+    ) -> None:
+        self.add(name, documentation, labels, value, counter=True, family=family, notable=notable)
 
     def one_hot(
         self,
@@ -35,23 +60,88 @@ class Families:
         label: str,
         values: Iterable[str],
         current: str | None,
+        *,
+        family: str,
+        notable: Notable = never,
     ) -> None:
         """One gauge series per value of `label`, 1 for `current` and 0 for the others."""
         for value in values:
-            self.gauge(name, documentation, {**labels, label: value}, float(value == current))
+            self.gauge(
+                name, documentation, {**labels, label: value}, float(value == current), family=family, notable=notable
+            )
 
-    def add(self, name: str, documentation: str, labels: dict[str, str], value: float | None, counter: bool) -> None:
-        family = self._families.get(name)
-        if family is None:
+    def quantile(
+        self, name: str, documentation: str, labels: dict[str, str], value: float | None, *, family: str
+    ) -> None:
+        """One quantile of a summary (labels include `quantile`), without _count and _sum: a window's
+        quantiles, as client-side summaries give them. Shown only while `family` is on."""
+        if family not in FAMILIES:
+            raise KeyError(f"{name}: unknown metrics family {family!r}")
+        if value is None or not self.switches.shows(family):
+            return
+        existing = self._families.get(name)
+        if existing is None:
+            existing = self._families[name] = Metric(name, documentation, "summary")
+        existing.add_sample(name, {key: printable(label) for key, label in labels.items()}, value)
+
+    def histogram(
+        self,
+        name: str,
+        documentation: str,
+        labels: dict[str, str],
+        buckets: list[tuple[float, float]],
+        sum_value: float,
+        *,
+        family: str,
+    ) -> None:
+        """A cumulative histogram: (upper bound, count at or below it) per bucket, the last +Inf;
+        `_count` is the +Inf bucket. Shown only while `family` is on."""
+        if family not in FAMILIES:
+            raise KeyError(f"{name}: unknown metrics family {family!r}")
+        if not self.switches.shows(family):
+            return
+        existing = self._families.get(name)
+        if existing is None:
+            existing = self._families[name] = HistogramMetricFamily(name, documentation, labels=list(labels))
+        assert isinstance(existing, HistogramMetricFamily)
+        existing.add_metric(
+            [printable(label) for label in labels.values()],
+            [(_le(bound), count) for bound, count in buckets],
+            sum_value,
+        )
+
+    def add(
+        self,
+        name: str,
+        documentation: str,
+        labels: dict[str, str],
+        value: float | None,
+        *,
+        counter: bool,
+        family: str,
+        notable: Notable = never,
+    ) -> None:
+        if family not in FAMILIES:
+            raise KeyError(f"{name}: unknown metrics family {family!r}")
+        if value is not None and not self.switches.shows(family) and not notable(labels, value):
+            return
+        existing = self._families.get(name)
+        if existing is None:
             # prometheus_client appends "_total" to a counter family's samples.
             kind = CounterMetricFamily if counter else GaugeMetricFamily
-            family = self._families[name] = kind(name, documentation, labels=list(labels))
+            existing = self._families[name] = kind(name, documentation, labels=list(labels))
+        assert isinstance(existing, (CounterMetricFamily, GaugeMetricFamily)), name
         if value is not None:
             # Label values can carry a reason or name from outside: no terminal escape reaches a scraper's screen.
-            family.add_metric([printable(label) for label in labels.values()], value)
+            existing.add_metric([printable(label) for label in labels.values()], value)
 
     def __iter__(self) -> Iterator[Metric]:
         return (family for family in self._families.values() if family.samples)
+
+
+def _le(bound: float) -> str:
+    """A bucket's `le` as Prometheus' own clients write it (0.1, 1.0, +Inf)."""
+    return str(floatToGoString(bound))  # type: ignore[no-untyped-call]
 
 
 def gpu_label(index: int | None) -> str:

@@ -2,28 +2,49 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Mapping
+
 from agent.config import Mode
 from agent.metrics.families import Families, flag, gpu_label, gpu_uuids
 from agent.policy.base import PlanStatus
 from agent.policy.names import DRIVER, NEXT_BOOT
+from agent.readings.row import nonzero
 from agent.rules.model import Outcome
 from agent.state import NodeSnapshot
 from agent.store.node_memory import expected_gpu_count
 from agent.verdict import AttentionCause, NodeProblem, attention_items, is_drift, node_problem
 
+#: Plan statuses listed with the policy_detail family off: an item that could not be read, or waits
+#: for a reboot (drift is gpu_agent_policy_drift's; in sync and not applicable need nobody).
+_UNSETTLED = frozenset({PlanStatus.ERROR.value, PlanStatus.REBOOT_REQUIRED.value})
+
+
+def _unsettled(labels: Mapping[str, str], value: float) -> bool:
+    return value == 1 and labels.get("status") in _UNSETTLED
+
 
 def backend(out: Families, snap: NodeSnapshot) -> None:
+    out.gauge(
+        "gpu_agent_node_info",
+        "The node's own host name (what dcgm-exporter calls Hostname), whatever address Prometheus scrapes; always 1.",
+        {"hostname": snap.hostname},
+        1,
+        family="node",
+    )
     out.gauge(
         "gpu_agent_backend_info",
         "GPU backend in use and the driver it reports; always 1.",
         {"backend": snap.backend, "driver_version": snap.driver_version or ""},
         1,
+        family="node",
     )
     out.gauge(
         "gpu_agent_backend_up",
         "1 when the GPU backend (NVML and the driver) can be read, 0 when it cannot.",
         {},
         float(not snap.backend_error),
+        family="node",
     )
     problem = node_problem(snap)
     for cause in NodeProblem:
@@ -33,6 +54,7 @@ def backend(out: Families, snap: NodeSnapshot) -> None:
             "than expected), 0 for the others.",
             {"cause": cause.value},
             float(problem is not None and problem.cause is cause),
+            family="node",
         )
     needs = attention_items(snap)
     for attention_cause in AttentionCause:
@@ -42,53 +64,71 @@ def backend(out: Families, snap: NodeSnapshot) -> None:
             "0 for every cause: all healthy.",
             {"cause": attention_cause.value},
             sum(1 for item in needs if item.cause is attention_cause),
+            family="node",
         )
     out.gauge(
         "gpu_agent_reboot_recommended",
-        "1 while state_dir/reboot-recommended asks for a reboot on this boot (reason label), else a 0 series.",
-        {"reason": snap.reboot_recommended or ""},
+        "1 while state_dir/reboot-recommended asks for a reboot on this boot, with the kind of event that "
+        "led to it (none without one; the reason's text is in gpu-agent status).",
+        {"cause": snap.reboot_recommended_cause or "none"},
         float(snap.reboot_recommended is not None),
+        family="node",
     )
     out.gauge(
         "gpu_agent_start_time_seconds",
         "When the agent started, in seconds since the epoch.",
         {},
         snap.started_seconds,
+        family="node",
     )
     out.gauge(
         "gpu_agent_snapshot_timestamp_seconds",
         "When the snapshot served was taken; an old one means the loop is stuck.",
         {},
         snap.timestamp_seconds,
+        family="node",
     )
     out.gauge(
         "gpu_agent_gpus_expected",
         "GPUs this node should have: every GPU seen since boot, less those acknowledged gone (gpu-agent ack).",
         {},
         expected_gpu_count(snap),
+        family="node",
     )
     out.gauge(
         "gpu_agent_collect_duration_seconds",
         "How long the last collection loop took.",
         {},
         snap.collect_duration_seconds,
+        family="node",
     )
 
 
 def policy(out: Families, snap: NodeSnapshot) -> None:
     uuids = gpu_uuids(snap)
     answering = frozenset(sample.index for sample in snap.gpus if sample.up)
-    for plan in snap.policy:
+    # A GPU acknowledged gone has left the snapshot: its items go with it.
+    plans = [plan for plan in snap.policy if plan.gpu is None or plan.gpu in uuids]
+    for (item, status), targets in sorted(Counter((plan.item, plan.status.value) for plan in plans).items()):
+        out.gauge(
+            "gpu_agent_policy_targets",
+            "Targets of a policy item (its GPUs, or the node for a node item) per plan status.",
+            {"item": item, "status": status},
+            targets,
+            family="policy",
+        )
+    for plan in plans:
         labels = {
             "item": plan.item,
             "gpu": gpu_label(plan.gpu),
-            "uuid": "" if plan.gpu is None else uuids.get(plan.gpu, ""),
+            "uuid": "" if plan.gpu is None else uuids[plan.gpu],
         }
         out.gauge(
             "gpu_agent_policy_in_sync",
             "1 when a policy item matches its desired state (or does not apply to this device), else 0.",
             labels,
             float(plan.in_sync),
+            family="policy_detail",
         )
         if plan.item != "gpu":  # an unreadable GPU is reported as lost, not as a policy item
             out.gauge(
@@ -97,6 +137,8 @@ def policy(out: Families, snap: NodeSnapshot) -> None:
                 "reboot, not a lost GPU), else 0.",
                 labels,
                 float(is_drift(plan, answering)),
+                family="policy_detail",
+                notable=nonzero,
             )
         out.one_hot(
             "gpu_agent_policy_status",
@@ -105,6 +147,8 @@ def policy(out: Families, snap: NodeSnapshot) -> None:
             "status",
             (status.value for status in PlanStatus),
             plan.status.value,
+            family="policy_detail",
+            notable=_unsettled,
         )
     for item, mode in sorted(snap.item_modes.items()):
         out.gauge(
@@ -112,6 +156,7 @@ def policy(out: Families, snap: NodeSnapshot) -> None:
             "1 when the agent repairs drift of this item (enforce mode), 0 when it only reports it (observe).",
             {"item": item},
             float(mode == Mode.ENFORCE.value),
+            family="policy",
         )
 
 
@@ -123,9 +168,11 @@ def readiness(out: Families, snap: NodeSnapshot) -> None:
             out.gauge(
                 "gpu_agent_boot_ready",
                 "1 when the kernel that boots next has the NVIDIA module (signed under Secure Boot) and an "
-                "initramfs that keeps nouveau out; the reason names what is missing.",
-                {"kernel": facts.get("kernel", ""), "reason": facts.get("reason", "")},
+                "initramfs that keeps nouveau out; the cause names what is missing first (none when ready; the "
+                "kernel and the whole reason are in gpu-agent status).",
+                {"cause": facts.get("cause") or "none"},
                 float(plan.status is PlanStatus.IN_SYNC),
+                family="node",
             )
         if plan.item == DRIVER and "version" in facts:
             out.gauge(
@@ -134,6 +181,7 @@ def readiness(out: Families, snap: NodeSnapshot) -> None:
                 "CUDA version it supports; always 1.",
                 {k: facts.get(k, "") for k in ("version", "branch", "cuda_version")},
                 1,
+                family="node",
             )
 
 
@@ -145,18 +193,21 @@ def services(out: Families, snap: NodeSnapshot) -> None:
             "1 when the inference service's health probe succeeds (absent until first probed).",
             labels,
             flag(service.up),
+            family="services",
         )
         out.gauge(
             "gpu_agent_service_consecutive_failures",
             "Health probes failed in a row.",
             labels,
             service.consecutive_failures,
+            family="services",
         )
         out.gauge(
             "gpu_agent_service_probe_latency_seconds",
             "How long the last health probe took.",
             labels,
             service.last_latency_seconds,
+            family="services",
         )
 
 
@@ -174,6 +225,7 @@ def remediations(out: Families, snap: NodeSnapshot) -> None:
                 "agent would have done; refused: a safety check said no).",
                 {"rule": rule, "action": action, "outcome": outcome},
                 counts.get((rule, action, outcome), 0),
+                family="remediation",
             )
     for outcome in outcomes:
         out.counter(
@@ -181,6 +233,7 @@ def remediations(out: Families, snap: NodeSnapshot) -> None:
             "Remediation decisions of all rules, by outcome.",
             {"outcome": outcome},
             sum(c.count for c in snap.remediations if c.outcome == outcome),
+            family="remediation",
         )
 
 
@@ -192,10 +245,12 @@ def collectors(out: Families, snap: NodeSnapshot) -> None:
             "1 when the collector's last run succeeded.",
             labels,
             float(status.success),
+            family="collectors",
         )
         out.gauge(
             "gpu_agent_collector_duration_seconds",
             "How long the collector's last run took.",
             labels,
             status.duration_seconds,
+            family="collectors",
         )

@@ -125,6 +125,25 @@ def readiness(ctx: HostContext) -> BootReadiness:
     return _CHECKS.verdict(ctx.paths, driver, ctx.boot_check_wait_seconds)
 
 
+def problem_cause(verdict: BootReadiness) -> str:
+    """The first problem of a not-ready next boot as a bounded code (what `/metrics` labels it by;
+    the problem's text, with versions and paths, stays in `status`); "none" when it is ready."""
+    if verdict.ready:
+        return "none"
+    module, initramfs = verdict.module, verdict.initramfs
+    if verdict.kernel is None:
+        return "no_kernel"
+    if module is None:
+        return "module_missing"
+    if verdict.driver_version is not None and module.version not in (None, verdict.driver_version):
+        return "module_version"
+    if verdict.secure_boot and module.version is not None and not module.signed:
+        return "module_unsigned"
+    if initramfs is not None and initramfs.verdict == "missing":
+        return "no_initramfs"
+    return "initramfs_nouveau"
+
+
 class NextBootItem(HostItem[Ready, OperatorTask]):
     name: Final = "next_boot"
 
@@ -144,7 +163,12 @@ class NextBootItem(HostItem[Ready, OperatorTask]):
             return planned(ItemPlan(self.name, None, PlanStatus.NOT_APPLICABLE, want, "no local kernel", NOT_MANAGED))
         kernel = verdict.kernel.release if verdict.kernel else "?"
         notes = "; ".join(verdict.notes)
-        facts = (("kernel", kernel), ("reason", "; ".join(verdict.problems)), ("summary", verdict.summary()))
+        facts = (
+            ("kernel", kernel),
+            ("reason", "; ".join(verdict.problems)),
+            ("cause", problem_cause(verdict)),
+            ("summary", verdict.summary()),
+        )
         if verdict.ready:
             return planned(ItemPlan(self.name, None, PlanStatus.IN_SYNC, want, f"{kernel}: ready", notes, facts=facts))
         tasks = [OperatorTask(f"{kernel}: {problem}", "fix before rebooting") for problem in verdict.problems]

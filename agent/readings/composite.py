@@ -1,12 +1,12 @@
 """The readings of the table that are more than one value: how the fans are read, and how a state,
-the held-back time per reason, the NVLink error counters and the GPU's processes become series."""
+the held-back time per reason and the NVLink error counters per link become series."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Protocol
 
-from agent.backend.base import FabricState, GpuBackend, GpuProcess, NvLinkErrors, RecoveryAction
+from agent.backend.base import FabricState, GpuBackend, NvLinkErrors, RecoveryAction
 from agent.backend.errors import GpuError, GpuErrorKind
 from agent.readings.row import Labels, Shape
 
@@ -57,13 +57,5 @@ def _nvlink_errors(links: Sequence[NvLinkErrors] | None, _sample: object) -> Ite
             yield (("link", str(errors.link)), ("counter", name)), count
 
 
-def _processes(
-    processes: Sequence[GpuProcess] | None, _sample: _ViolationStatus
-) -> Iterator[tuple[Labels, int | None]]:
-    for process in processes or ():
-        yield (("pid", str(process.pid)), ("name", process.name or "")), process.used_memory_bytes
-
-
 VIOLATIONS = Shape(("reason",), _violations)
 NVLINK_ERRORS = Shape(("link", "counter"), _nvlink_errors)
-PROCESSES = Shape(("pid", "name"), _processes)

@@ -115,6 +115,35 @@ def counter(name: str, help: str) -> Metric:
 
 Series = Callable[[Any, Any], Iterable[tuple[Labels, Any]]]
 
+#: Whether one series (its labels, its value in base units) is worth showing while its family is
+#: switched off (agent/metrics/catalog.py): a counter or flag that is not 0, a link that is down.
+Notable = Callable[[Mapping[str, str], float], bool]
+
+
+def never(_labels: Mapping[str, str], _value: float) -> bool:
+    """Shown only while the family is on."""
+    return False
+
+
+def nonzero(_labels: Mapping[str, str], value: float) -> bool:
+    """A counter that counted something, a flag that is set: shown whether the family is on or not."""
+    return value != 0
+
+
+def zero(_labels: Mapping[str, str], value: float) -> bool:
+    """A state flag that is off where on is normal (a link that is down)."""
+    return value == 0
+
+
+def current_except(label: str, *normal: str) -> Notable:
+    """The current state of a one-hot family when it is none of the `normal` ones (a recovery action
+    other than none, a fabric registration neither completed nor unsupported)."""
+
+    def notable(labels: Mapping[str, str], value: float) -> bool:
+        return value == 1 and labels.get(label) not in normal
+
+    return notable
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -140,6 +169,16 @@ def per_position(label: str) -> Shape:
     def series(value: Sequence[Any] | None, _sample: Any) -> Iterator[tuple[Labels, Any]]:
         for position, item in enumerate(value or ()):
             yield ((label, str(position)),), item
+
+    return Shape((label,), series)
+
+
+def per_key(label: str) -> Shape:
+    """A mapping reading, one series per key (`counter` crc_flit, crc_data, ...), in key order."""
+
+    def series(value: Mapping[str, Any] | None, _sample: Any) -> Iterator[tuple[Labels, Any]]:
+        for key, item in sorted((value or {}).items()):
+            yield ((label, key),), item
 
     return Shape((label,), series)
 
@@ -174,12 +213,17 @@ def bit_flags(label: str, bits: Mapping[int, str]) -> Shape:
 class Dcgm:
     """The dcgm-exporter field a row is recorded as, in dcgm-exporter's unit (the rules convert from
     the row's base unit). `select` picks the field's series among the row's, as a PromQL matcher;
-    the rest of the rule follows from the row (agent/metrics/dcgm.py)."""
+    `bits` turns a row's flags back into dcgm-exporter's one bit mask; the rest of the rule follows
+    from the row (agent/metrics/dcgm.py)."""
 
     name: str
     unit: str
     note: str = ""  # after the unit in the rule's comment
     select: str = ""
+    #: A bit mask dcgm-exporter gives as one value, from a `bit_flags` row: (label value, bit) each.
+    bits: tuple[tuple[str, int], ...] = ()
+    #: 0 for a GPU that has no series (as dcgm-exporter gives it); rows with a `notable` filter get it anyway.
+    zero_fill: bool = False
 
 
 @dataclass(frozen=True)
@@ -196,6 +240,7 @@ class Row:
     unit: Unit
     section: Section
     dcgm: tuple[Dcgm, ...]
+    notable: Notable = never  # which series show while the family is off
 
     def series(self, sample: Any) -> Iterator[tuple[Labels, float]]:
         """The row's series of one sample: labels after `gpu` and `uuid`, values in base units; a
@@ -216,8 +261,10 @@ def reading(
     unit: Unit = NUMBER,
     section: Section = Section.DEVICE,
     dcgm: Dcgm | tuple[Dcgm, ...] = (),
+    notable: Notable = never,
 ) -> Any:
-    """A `GpuSample` field that is a reading (None until read), and its row."""
+    """A `GpuSample` field that is a reading (None until read), and its row. `notable`: which of its
+    series `/metrics` shows while `family` is switched off (agent/metrics/catalog.py)."""
     if dcgm and metric is None:
         raise ValueError("a dcgm-exporter field records a metric: give the row one")
     row = Row(
@@ -231,6 +278,7 @@ def reading(
         unit=unit,
         section=section,
         dcgm=dcgm if isinstance(dcgm, tuple) else (dcgm,),
+        notable=notable,
     )
     return dataclasses.field(default=None, metadata={_ROW: row})
 

@@ -25,7 +25,7 @@ from agent.backend.base import (
     TemperatureThreshold,
     ViolationPolicy,
 )
-from agent.readings.composite import NVLINK_ERRORS, PROCESSES, VIOLATIONS, fabric_states, read_fans, recovery_actions
+from agent.readings.composite import NVLINK_ERRORS, VIOLATIONS, fabric_states, read_fans, recovery_actions
 from agent.readings.row import (
     BYTES,
     BYTES_PER_SECOND,
@@ -42,14 +42,18 @@ from agent.readings.row import (
     Tier,
     bit_flags,
     counter,
+    current_except,
     fast,
     gauge,
+    nonzero,
     one_hot,
+    per_key,
     per_position,
     readers,
     reading,
     rows_of,
     slow,
+    zero,
 )
 
 TELEMETRY = Section.TELEMETRY
@@ -119,14 +123,14 @@ class GpuSample:
     )
     slowdown_temperature_celsius: int | None = reading(
         slow(lambda b, gpu: b.temperature_threshold_celsius(gpu, TemperatureThreshold.SLOWDOWN)),
-        family="temperature",
+        family="temperature_thresholds",
         metric=TEMPERATURE_THRESHOLD,
         labels={"threshold": "slowdown"},
         unit=CELSIUS,
     )
     shutdown_temperature_celsius: int | None = reading(
         slow(lambda b, gpu: b.temperature_threshold_celsius(gpu, TemperatureThreshold.SHUTDOWN)),
-        family="temperature",
+        family="temperature_thresholds",
         metric=TEMPERATURE_THRESHOLD,
         labels={"threshold": "shutdown"},
         unit=CELSIUS,
@@ -143,10 +147,11 @@ class GpuSample:
         family="power",
         metric=gauge("gpu_agent_gpu_power_limit_watts", "Power management limit in force."),
         unit=WATTS,
+        dcgm=Dcgm("DCGM_FI_DEV_POWER_MGMT_LIMIT", "W"),
     )
     graphics_clock_mhz: int | None = reading(
         fast(lambda b, gpu: b.clock_mhz(gpu, ClockDomain.GRAPHICS)),
-        family="clocks",
+        family="clock_details",
         metric=CLOCK,
         labels={"clock": "graphics"},
         unit=MHZ,
@@ -206,7 +211,7 @@ class GpuSample:
     )
     performance_state: int | None = reading(
         fast(lambda b, gpu: b.performance_state(gpu)),
-        family="clocks",
+        family="clock_details",
         metric=gauge(
             "gpu_agent_gpu_performance_state", "Performance state (0 = P0, maximum performance; 15 = P15, minimum)."
         ),
@@ -236,30 +241,50 @@ class GpuSample:
         family="ecc",
         metric=ECC_ERRORS,
         labels={"type": "corrected"},
+        dcgm=Dcgm("DCGM_FI_DEV_ECC_SBE_AGG_TOTAL", "count", " (NVML's corrected aggregate counter)"),
+        notable=nonzero,
     )
     ecc_uncorrected_aggregate: int | None = reading(
         slow(_ecc(EccErrorType.UNCORRECTED, EccCounter.AGGREGATE)),
         family="ecc",
         metric=ECC_ERRORS,
         labels={"type": "uncorrected"},
+        dcgm=Dcgm("DCGM_FI_DEV_ECC_DBE_AGG_TOTAL", "count", " (NVML's uncorrected aggregate counter)"),
+        notable=nonzero,
     )
     ecc_corrected_volatile: int | None = reading(
         slow(_ecc(EccErrorType.CORRECTED, EccCounter.VOLATILE)),
         family="ecc",
         metric=ECC_VOLATILE_ERRORS,
         labels={"type": "corrected"},
+        dcgm=Dcgm("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "count", " (NVML's corrected volatile counter)"),
+        notable=nonzero,
     )
     ecc_uncorrected_volatile: int | None = reading(
         slow(_ecc(EccErrorType.UNCORRECTED, EccCounter.VOLATILE)),
         family="ecc",
         metric=ECC_VOLATILE_ERRORS,
         labels={"type": "uncorrected"},
+        dcgm=Dcgm("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "count", " (NVML's uncorrected volatile counter)"),
+        notable=nonzero,
     )
     remapped_rows_correctable: int | None = reading(
-        REMAPPED_ROWS, "correctable", family="row_remap", metric=REMAPPED, labels={"cause": "correctable"}
+        REMAPPED_ROWS,
+        "correctable",
+        family="row_remap",
+        metric=REMAPPED,
+        labels={"cause": "correctable"},
+        dcgm=Dcgm("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "count"),
+        notable=nonzero,
     )
     remapped_rows_uncorrectable: int | None = reading(
-        REMAPPED_ROWS, "uncorrectable", family="row_remap", metric=REMAPPED, labels={"cause": "uncorrectable"}
+        REMAPPED_ROWS,
+        "uncorrectable",
+        family="row_remap",
+        metric=REMAPPED,
+        labels={"cause": "uncorrectable"},
+        dcgm=Dcgm("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", "count"),
+        notable=nonzero,
     )
     remap_pending: bool | None = reading(
         REMAPPED_ROWS,
@@ -267,6 +292,8 @@ class GpuSample:
         family="row_remap",
         metric=gauge("gpu_agent_gpu_row_remap_pending", "1 when a row remap waits for a GPU reset or reboot."),
         unit=FLAG,
+        dcgm=Dcgm("DCGM_FI_DEV_ROW_REMAP_PENDING", "flag"),
+        notable=nonzero,
     )
     remap_failed: bool | None = reading(
         REMAPPED_ROWS,
@@ -274,6 +301,8 @@ class GpuSample:
         family="row_remap",
         metric=gauge("gpu_agent_gpu_row_remap_failed", "1 when a row remap failed (the GPU needs service)."),
         unit=FLAG,
+        dcgm=Dcgm("DCGM_FI_DEV_ROW_REMAP_FAILURE", "flag"),
+        notable=nonzero,
     )
     retired_pages_pending: bool | None = reading(
         slow(lambda b, gpu: b.retired_pages_pending(gpu)),
@@ -282,36 +311,39 @@ class GpuSample:
             "gpu_agent_gpu_retired_pages_pending", "1 when a page retirement waits for a reboot (pre-Ampere boards)."
         ),
         unit=FLAG,
+        dcgm=Dcgm("DCGM_FI_DEV_RETIRED_PENDING", "flag"),
+        notable=nonzero,
     )
     pcie_generation: int | None = reading(
         PCIE_LINK,
         "current_generation",
-        family="pcie",
+        family="pcie_link",
         metric=gauge("gpu_agent_gpu_pcie_link_generation", "Current PCIe link generation."),
     )
     pcie_max_generation: int | None = reading(
         PCIE_LINK,
         "max_generation",
-        family="pcie",
+        family="pcie_link",
         metric=gauge("gpu_agent_gpu_pcie_link_max_generation", "Highest PCIe generation of GPU and slot."),
     )
     pcie_width: int | None = reading(
         PCIE_LINK,
         "current_width",
-        family="pcie",
+        family="pcie_link",
         metric=gauge("gpu_agent_gpu_pcie_link_width", "Current PCIe link width (lanes)."),
     )
     pcie_max_width: int | None = reading(
         PCIE_LINK,
         "max_width",
-        family="pcie",
+        family="pcie_link",
         metric=gauge("gpu_agent_gpu_pcie_link_max_width", "Widest PCIe link of GPU and slot."),
     )
     pcie_replay_count: int | None = reading(
         slow(lambda b, gpu: b.pcie_replay_counter(gpu)),
-        family="pcie",
+        family="pcie_errors",
         metric=counter("gpu_agent_gpu_pcie_replays_total", "PCIe replays (link-level retransmissions)."),
         dcgm=Dcgm("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "count"),
+        notable=nonzero,
     )
     fan_speeds_percent: tuple[int, ...] | None = reading(
         fast(read_fans),
@@ -328,6 +360,13 @@ class GpuSample:
         ),
         shape=bit_flags("reason", CLOCK_EVENT_REASONS),
         unit=FLAG,
+        dcgm=Dcgm(
+            "DCGM_FI_DEV_CLOCKS_EVENT_REASONS",
+            "bitmask",
+            " of NVML's clock-event reasons",
+            bits=tuple((name, bit) for bit, name in CLOCK_EVENT_REASONS.items()),
+        ),
+        notable=nonzero,
     )
     recovery_action: int | None = reading(  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (R550+)
         slow(lambda b, gpu: b.recovery_action(gpu)),
@@ -339,12 +378,25 @@ class GpuSample:
         ),
         shape=one_hot("action", recovery_actions),
         unit=FLAG,
+        notable=current_except("action", "none"),
     )
 
     # -- the telemetry section of /metrics: GPM, field values, memory v2, NVLink, fabric, modes ----
     # GPM activity since the previous loop (None: first loop, or no GPM); activity_supported False
     # once the GPU answered NOT_SUPPORTED (status: "activity: not supported")
     activity_supported: bool | None = None
+    graphics_active_ratio: float | None = reading(
+        GPM,
+        "graphics_active_ratio",
+        family="activity",
+        metric=gauge(
+            "gpu_agent_gpu_graphics_active_ratio",
+            "Fraction of time the graphics or compute engine was busy (GPM, since the last loop).",
+        ),
+        unit=RATIO,
+        section=TELEMETRY,
+        dcgm=Dcgm("DCGM_FI_PROF_GR_ENGINE_ACTIVE", "ratio 0-1", " (GPM graphics utilization)"),
+    )
     sm_active_ratio: float | None = reading(
         GPM,
         "sm_active_ratio",
@@ -396,29 +448,35 @@ class GpuSample:
     pcie_tx_bytes_per_second: float | None = reading(
         GPM,
         "pcie_tx_bytes_per_second",
-        family="activity",
+        family="throughput",
         metric=gauge(
             "gpu_agent_gpu_pcie_tx_bytes_per_second", "PCIe traffic sent by the GPU (GPM, since the last loop)."
         ),
         unit=BYTES_PER_SECOND,
         section=TELEMETRY,
-        dcgm=Dcgm("DCGM_FI_PROF_PCIE_TX_BYTES", "bytes/s"),
+        dcgm=(
+            Dcgm("DCGM_FI_PROF_PCIE_TX_BYTES", "bytes/s"),
+            Dcgm("DCGM_FI_DEV_PCIE_TX_THROUGHPUT", "KB/s", " (GPM: the same bytes over the last loop)"),
+        ),
     )
     pcie_rx_bytes_per_second: float | None = reading(
         GPM,
         "pcie_rx_bytes_per_second",
-        family="activity",
+        family="throughput",
         metric=gauge(
             "gpu_agent_gpu_pcie_rx_bytes_per_second", "PCIe traffic received by the GPU (GPM, since the last loop)."
         ),
         unit=BYTES_PER_SECOND,
         section=TELEMETRY,
-        dcgm=Dcgm("DCGM_FI_PROF_PCIE_RX_BYTES", "bytes/s"),
+        dcgm=(
+            Dcgm("DCGM_FI_PROF_PCIE_RX_BYTES", "bytes/s"),
+            Dcgm("DCGM_FI_DEV_PCIE_RX_THROUGHPUT", "KB/s", " (GPM: the same bytes over the last loop)"),
+        ),
     )
     nvlink_tx_bytes_per_second: float | None = reading(
         GPM,
         "nvlink_tx_bytes_per_second",
-        family="activity",
+        family="throughput",
         metric=gauge(
             "gpu_agent_gpu_nvlink_tx_bytes_per_second",
             "NVLink traffic sent by the GPU over all links (GPM, since the last loop).",
@@ -430,7 +488,7 @@ class GpuSample:
     nvlink_rx_bytes_per_second: float | None = reading(
         GPM,
         "nvlink_rx_bytes_per_second",
-        family="activity",
+        family="throughput",
         metric=gauge(
             "gpu_agent_gpu_nvlink_rx_bytes_per_second",
             "NVLink traffic received by the GPU over all links (GPM, since the last loop).",
@@ -453,7 +511,7 @@ class GpuSample:
     power_instant_watts: float | None = reading(
         FAST_FIELDS,
         "power_instant_watts",
-        family="power",
+        family="power_instant",
         metric=gauge("gpu_agent_gpu_power_instant_watts", "GPU board power draw right now (not averaged)."),
         unit=WATTS,
         section=TELEMETRY,
@@ -472,7 +530,7 @@ class GpuSample:
             lambda b, gpu: b.temperature_threshold_celsius(gpu, TemperatureThreshold.MEM_MAX),
             remember_unsupported=True,
         ),
-        family="temperature",
+        family="temperature_thresholds",
         metric=gauge(
             "gpu_agent_gpu_memory_temperature_max_celsius",
             "Device memory temperature at which the GPU slows down (memory max threshold).",
@@ -505,13 +563,20 @@ class GpuSample:
     pcie_correctable_errors: int | None = reading(
         SLOW_FIELDS,
         "pcie_correctable_errors",
-        family="pcie",
+        family="pcie_errors",
         metric=PCIE_ERRORS,
         labels={"type": "correctable"},
         section=TELEMETRY,
+        notable=nonzero,
     )
     pcie_fatal_errors: int | None = reading(
-        SLOW_FIELDS, "pcie_fatal_errors", family="pcie", metric=PCIE_ERRORS, labels={"type": "fatal"}, section=TELEMETRY
+        SLOW_FIELDS,
+        "pcie_fatal_errors",
+        family="pcie_errors",
+        metric=PCIE_ERRORS,
+        labels={"type": "fatal"},
+        section=TELEMETRY,
+        notable=nonzero,
     )
     mig_enabled: bool | None = reading(
         MIG,
@@ -531,7 +596,7 @@ class GpuSample:
     )
     max_graphics_clock_mhz: int | None = reading(
         slow(lambda b, gpu: b.max_clock_mhz(gpu, ClockDomain.GRAPHICS), remember_unsupported=True),
-        family="clocks",
+        family="clock_details",
         metric=MAX_CLOCK,
         labels={"clock": "graphics"},
         unit=MHZ,
@@ -539,7 +604,7 @@ class GpuSample:
     )
     max_sm_clock_mhz: int | None = reading(
         slow(lambda b, gpu: b.max_clock_mhz(gpu, ClockDomain.SM), remember_unsupported=True),
-        family="clocks",
+        family="clock_details",
         metric=MAX_CLOCK,
         labels={"clock": "sm"},
         unit=MHZ,
@@ -547,7 +612,7 @@ class GpuSample:
     )
     max_memory_clock_mhz: int | None = reading(
         slow(lambda b, gpu: b.max_clock_mhz(gpu, ClockDomain.MEMORY), remember_unsupported=True),
-        family="clocks",
+        family="clock_details",
         metric=MAX_CLOCK,
         labels={"clock": "memory"},
         unit=MHZ,
@@ -555,7 +620,7 @@ class GpuSample:
     )
     applications_graphics_clock_mhz: int | None = reading(
         slow(lambda b, gpu: b.applications_clock_mhz(gpu, ClockDomain.GRAPHICS), remember_unsupported=True),
-        family="clocks",
+        family="clock_details",
         metric=APPLICATIONS_CLOCK,
         labels={"clock": "graphics"},
         unit=MHZ,
@@ -563,7 +628,7 @@ class GpuSample:
     )
     applications_memory_clock_mhz: int | None = reading(
         slow(lambda b, gpu: b.applications_clock_mhz(gpu, ClockDomain.MEMORY), remember_unsupported=True),
-        family="clocks",
+        family="clock_details",
         metric=APPLICATIONS_CLOCK,
         labels={"clock": "memory"},
         unit=MHZ,
@@ -588,33 +653,51 @@ class GpuSample:
         shape=VIOLATIONS,
         unit=NANOSECONDS,
         section=TELEMETRY,
+        notable=nonzero,
         dcgm=(
             Dcgm("DCGM_FI_DEV_POWER_VIOLATION", "us", select='reason=~"sw_power_cap|power"'),
             Dcgm("DCGM_FI_DEV_THERMAL_VIOLATION", "us", select='reason=~"sw_thermal|hw_thermal|thermal"'),
         ),
     )
-    nvlink_errors: tuple[NvLinkErrors, ...] | None = reading(  # None: no NVLink
+    # Per GPU, every link added up: the counters a fleet watches. A link with errors shows in the
+    # per-link family below whether that family is on or not.
+    nvlink_error_totals: Mapping[str, int] | None = reading(  # counter -> errors over all links; None: no NVLink
         SLOW_FIELDS,
-        "nvlink_errors",
-        family="nvlink_errors",
+        "nvlink_error_totals",
+        family="nvlink",
         metric=counter(
             "gpu_agent_gpu_nvlink_errors_total",
-            "NVLink errors per link and counter (CRC flit, CRC data, replay, recovery) since the driver loaded.",
+            "NVLink errors of all links per counter (CRC flit, CRC data, replay, recovery) since the driver loaded.",
         ),
-        shape=NVLINK_ERRORS,
+        shape=per_key("counter"),
         section=TELEMETRY,
+        notable=nonzero,
         dcgm=tuple(
             Dcgm(f"DCGM_FI_DEV_NVLINK_{name.upper()}_ERROR_COUNT_TOTAL", "count", ", all links", f'counter="{name}"')
             for name in ("crc_flit", "crc_data", "replay", "recovery")
         ),
     )
+    nvlink_errors: tuple[NvLinkErrors, ...] | None = reading(  # None: no NVLink
+        SLOW_FIELDS,
+        "nvlink_errors",
+        family="nvlink_links",
+        metric=counter(
+            "gpu_agent_gpu_nvlink_link_errors_total",
+            "NVLink errors per link and counter since the driver loaded (with the family off: the counters that "
+            "are not 0).",
+        ),
+        shape=NVLINK_ERRORS,
+        section=TELEMETRY,
+        notable=nonzero,
+    )
     nvlink_up: tuple[bool, ...] | None = reading(  # per link
         slow(lambda b, gpu: b.nvlink_states(gpu), remember_unsupported=True),
-        family="nvlink",
-        metric=gauge("gpu_agent_gpu_nvlink_up", "1 while an NVLink link is active."),
+        family="nvlink_links",
+        metric=gauge("gpu_agent_gpu_nvlink_up", "1 while an NVLink link is active (with the family off: links down)."),
         shape=per_position("link"),
         unit=FLAG,
         section=TELEMETRY,
+        notable=zero,
     )
     fabric_state: int | None = reading(  # FabricState; None: no NVSwitch fabric
         FABRIC,
@@ -628,6 +711,7 @@ class GpuSample:
         shape=one_hot("state", fabric_states),
         unit=FLAG,
         section=TELEMETRY,
+        notable=current_except("state", "completed", "not_supported"),
     )
     fabric_status: int | None = reading(  # nvmlReturn_t of the fabric registration
         FABRIC,
@@ -635,14 +719,13 @@ class GpuSample:
         family="fabric",
         metric=gauge("gpu_agent_gpu_fabric_status", "NVML return code of the fabric registration (0: success)."),
         section=TELEMETRY,
+        notable=nonzero,
     )
-    processes: tuple[GpuProcess, ...] | None = reading(  # compute processes with their GPU memory
-        slow(lambda b, gpu: tuple(b.compute_processes(gpu)), remember_unsupported=True),
-        family="processes",
-        metric=gauge("gpu_agent_gpu_process_memory_bytes", "Device memory used by each compute process."),
-        shape=PROCESSES,
-        unit=BYTES,
-        section=TELEMETRY,
+    # Compute processes with their GPU memory, for `status` and the attribution to services; not a
+    # metric: a pid label would add a series per process incarnation. /metrics has the memory per
+    # service and, for processes of no service, per command name (agent/services/export.py).
+    processes: tuple[GpuProcess, ...] | None = reading(
+        slow(lambda b, gpu: tuple(b.compute_processes(gpu)), remember_unsupported=True), family="processes"
     )
 
     read_errors: dict[str, str] = field(default_factory=dict)

@@ -32,6 +32,7 @@ from agent.host.paths import HostPaths
 from agent.logger import get_logger
 from agent.policy.engine import match_profile
 from agent.services.attribution import GpuAttribution, Listeners, attribute_gpu_processes, command_service_pids
+from agent.services.counters import CounterBook, ServiceCounters, ServiceEnergy
 from agent.services.efficiency import EnergyHistory, service_gpus, window_tokens_per_joule
 from agent.services.latency_cause import CauseFinding, SloWatch, attribute_cause
 from agent.services.scrape import DEFAULT_MAX_BYTES, UNREADABLE, ScrapeError, ServerReading, fetch_text, parse_reading
@@ -61,6 +62,7 @@ class ServiceScraper:
         self.max_bytes = max_bytes
         self._services = {s.name: s for s in services if s.effective_metrics_url is not None}
         self._windows = {name: LatencyWindow(name, window_seconds) for name in self._services}
+        self._books = {name: CounterBook() for name in self._services}  # the same pages as counters
         self._figures: dict[str, ServiceFigures] = {}
         # A detected kind is kept while its families are on the page (detection reads every line),
         # and detected again when they are gone: the first page does not decide for good.
@@ -81,6 +83,7 @@ class ServiceScraper:
         if timeout_seconds is None:
             timeout_seconds = min(service.probe_timeout_seconds, service.scrape_interval_seconds)
         window = self._windows[name]
+        reading: ServerReading | None = None
         try:
             reading = self._read(service, url, timeout_seconds)
         except ScrapeError as exc:
@@ -92,10 +95,15 @@ class ServiceScraper:
         else:
             window.add(reading)
         try:
+            if reading is not None:
+                self._books[name].add(reading)
             figures = window.figures()
+            if figures is not None:
+                figures = replace(figures, counters=self._books[name].counters())
         except Exception as exc:  # the same for the figures drawn from what the pages said
             log.exception("service figures failed", service=name)
             window.forget()
+            self._books[name] = CounterBook()
             window.add_error(f"{UNREADABLE}: {type(exc).__name__}")
             figures = window.figures()
         with self._lock:
@@ -318,6 +326,7 @@ class InferenceMonitor:
         self.attributor = GpuAttributor(config, get_backend)
         # Longer than the window by a margin: the window's oldest scrape needs a reading before it.
         self.energy = EnergyHistory(DEFAULT_WINDOW_SECONDS + ENERGY_MARGIN_SECONDS)
+        self.service_energy = ServiceEnergy()  # the joules of each service's GPUs, as a counter
 
     def start(self) -> None:
         self.scraper.start()
@@ -330,6 +339,11 @@ class InferenceMonitor:
     def on_loop(self, samples: Sequence[GpuSample], events: Sequence[Event]) -> list[Event]:
         self.watch.observe(samples, events)
         self.energy.add(samples)
+        attribution = self.attributor.latest()
+        known = self.energy.gpus()
+        self.service_energy.add(
+            samples, {service.name: service_gpus(service, attribution, known) for service in self.config.services}
+        )
         return self.watch.evaluate(self.scraper.figures())
 
     def figures(self) -> dict[str, ServiceFigures]:
@@ -343,7 +357,9 @@ class InferenceMonitor:
                 continue
             gpus = service_gpus(service, attribution, known)
             ratio = window_tokens_per_joule(figures.generated_tokens_history, self.energy, gpus)
-            efficient[service.name] = replace(figures, tokens_per_joule=ratio)
+            counters = figures.counters or ServiceCounters()
+            counters = replace(counters, gpu_energy_joules=self.service_energy.joules(service.name))
+            efficient[service.name] = replace(figures, tokens_per_joule=ratio, counters=counters)
         return efficient
 
     def breaches(self) -> tuple[SloBreachNow, ...]:

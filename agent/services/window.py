@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from agent.services.counters import ServiceCounters
 from agent.services.scrape import UNREADABLE, SeriesKey, ServerReading
 
 QUANTILES: tuple[float, ...] = (0.5, 0.95, 0.99)
@@ -270,6 +271,7 @@ class ServiceFigures:
     generated_tokens_history: tuple[tuple[float, float], ...] = ()
     tokens_per_joule: float | None = None  # filled in by whoever knows the GPUs' energy
     resets: int = 0  # counter resets (server restarts) seen so far, on the series that saw most
+    counters: ServiceCounters | None = None  # the same pages as counters, for /metrics (agent.services.counters)
     error: str = ""  # the last scrape's error; figures are from earlier scrapes
 
     def quantile(self, kind: str, q: float) -> float | None:

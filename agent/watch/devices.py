@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
+from agent.events import Event, EventKind, FaultCause, Health, HealthState, Severity, SuggestedAction
 from agent.host.paths import HostPaths
 from agent.logger import get_logger
 from agent.state import GpuSample
@@ -81,7 +81,10 @@ class DeviceWatcher:
         if removed is None:
             return Health.healthy()
         return Health(
-            HealthState.UNHEALTHY, f"{removed.uuid} ({removed.pci_bus_id}) left the node", SuggestedAction.ALERT
+            HealthState.UNHEALTHY,
+            f"{removed.uuid} ({removed.pci_bus_id}) left the node",
+            SuggestedAction.ALERT,
+            (FaultCause.GPU_REMOVED,),
         )
 
     @staticmethod

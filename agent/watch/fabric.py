@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from agent.backend.base import FabricState
-from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
+from agent.events import Event, EventKind, FaultCause, Health, HealthState, Severity, SuggestedAction
 from agent.state import GpuSample
 from agent.watch.boards import SustainedWatcher, sample_event
 
@@ -81,4 +81,5 @@ class FabricWatcher(SustainedWatcher[_GpuState]):
             f"{state.reported}: CUDA cannot run; restart {FABRIC_MANAGER_SERVICE} "
             f"(systemctl restart {FABRIC_MANAGER_SERVICE}) and check its log",
             SuggestedAction.RESTART_SERVICE,
+            (FaultCause.FABRIC,),
         )

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from agent.backend.errors import GpuErrorKind
-from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
+from agent.events import Event, EventKind, FaultCause, Health, HealthState, Severity, SuggestedAction
 from agent.state import GpuSample
 
 
@@ -77,8 +77,12 @@ class GpuLostWatcher:
         if state is None or state.condition is _Condition.UP:
             return Health.healthy()
         if state.condition is _Condition.LOST:
-            return Health(HealthState.UNHEALTHY, "GPU has fallen off the bus", SuggestedAction.REBOOT)
-        return Health(HealthState.UNHEALTHY, "GPU requires a reset", SuggestedAction.RESET_GPU)
+            return Health(
+                HealthState.UNHEALTHY, "GPU has fallen off the bus", SuggestedAction.REBOOT, (FaultCause.GPU_LOST,)
+            )
+        return Health(
+            HealthState.UNHEALTHY, "GPU requires a reset", SuggestedAction.RESET_GPU, (FaultCause.RESET_REQUIRED,)
+        )
 
     @staticmethod
     def _event(gpu: int, state: _GpuState, sample: GpuSample, now_seconds: float) -> Event:

@@ -38,11 +38,13 @@ class PollWatcher(HealthSource, Protocol):
 
 
 def combine(healths: Iterable[Health]) -> Health:
-    """One verdict from many: worst state, its reasons joined with "; ", its most drastic action.
+    """One verdict from many: worst state, its reasons joined with "; ", its most drastic action,
+    and the causes of every fault open (the worst state's first).
 
     Nothing to combine is healthy.
     """
     worst: list[Health] = []
+    healths = list(healths)
     for health in healths:
         if not worst or _STATE_RANK[health.state] > _STATE_RANK[worst[0].state]:
             worst = [health]
@@ -54,7 +56,11 @@ def combine(healths: Iterable[Health]) -> Health:
     action = SuggestedAction.NONE
     for health in worst:
         action = more_drastic(action, health.suggested_action)
-    return Health(worst[0].state, "; ".join(reasons), action)
+    open_faults = sorted(
+        (h for h in healths if h.state is not HealthState.HEALTHY), key=lambda h: -_STATE_RANK[h.state]
+    )
+    causes = tuple(dict.fromkeys(cause for h in open_faults for cause in h.causes))
+    return Health(worst[0].state, "; ".join(reasons), action, causes)
 
 
 class HealthBook:

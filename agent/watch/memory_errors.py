@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.backend.base import RecoveryAction
-from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
+from agent.events import Event, EventKind, FaultCause, Health, HealthState, Severity, SuggestedAction
 from agent.state import GpuSample
 from agent.watch.boards import BoardStates, sample_event
 from agent.watch.health import combine
@@ -100,7 +100,10 @@ _FLAGS: tuple[tuple[str, EventKind, Severity, str, SuggestedAction], ...] = (
 
 
 _UNCORRECTED_HEALTH = Health(
-    HealthState.UNHEALTHY, "uncorrected ECC errors since the last GPU reset", SuggestedAction.RESET_GPU
+    HealthState.UNHEALTHY,
+    "uncorrected ECC errors since the last GPU reset",
+    SuggestedAction.RESET_GPU,
+    (FaultCause.ECC_UNCORRECTED,),
 )
 
 
@@ -150,15 +153,41 @@ class MemoryWatcher:
             parts.append(state.uncorrected)
         if state.remap_failed:
             parts.append(
-                Health(HealthState.UNHEALTHY, "row remapping failed: no spare rows", SuggestedAction.CONTACT_SUPPORT)
+                Health(
+                    HealthState.UNHEALTHY,
+                    "row remapping failed: no spare rows",
+                    SuggestedAction.CONTACT_SUPPORT,
+                    (FaultCause.ROW_REMAP_FAILED,),
+                )
             )
         if state.remap_pending:
-            parts.append(Health(HealthState.DEGRADED, "row remapping pending a reset", SuggestedAction.RESET_GPU))
+            parts.append(
+                Health(
+                    HealthState.DEGRADED,
+                    "row remapping pending a reset",
+                    SuggestedAction.RESET_GPU,
+                    (FaultCause.ROW_REMAP_PENDING,),
+                )
+            )
         if state.retired_pages_pending:
-            parts.append(Health(HealthState.DEGRADED, "page retirement pending a reset", SuggestedAction.RESET_GPU))
+            parts.append(
+                Health(
+                    HealthState.DEGRADED,
+                    "page retirement pending a reset",
+                    SuggestedAction.RESET_GPU,
+                    (FaultCause.PAGE_RETIREMENT_PENDING,),
+                )
+            )
         if state.recovery_action != RecoveryAction.NONE:
             recovery = _recovery(state.recovery_action)
-            parts.append(Health(recovery.state, f"driver recovery action: {recovery.label}", recovery.action))
+            parts.append(
+                Health(
+                    recovery.state,
+                    f"driver recovery action: {recovery.label}",
+                    recovery.action,
+                    (FaultCause.RECOVERY_ACTION,),
+                )
+            )
         return combine(parts)
 
     # -- counters ---------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
+from agent.events import Event, EventKind, FaultCause, Health, HealthState, Severity, SuggestedAction
 from agent.state import GpuSample
 from agent.watch.boards import BoardStates, sample_event
 
@@ -119,10 +119,14 @@ class NvLinkWatcher:
             return Health.healthy()
         if state.down:
             links = ", ".join(str(link) for link in sorted(state.down))
-            return Health(HealthState.DEGRADED, f"NVLink down: link {links}", SuggestedAction.RESET_GPU)
+            return Health(
+                HealthState.DEGRADED, f"NVLink down: link {links}", SuggestedAction.RESET_GPU, (FaultCause.NVLINK_DOWN,)
+            )
         recent = (
             state.last_error_seconds is not None and self._now_seconds - state.last_error_seconds < self.hold_seconds
         )
         if recent:
-            return Health(HealthState.DEGRADED, state.last_error_text, SuggestedAction.ALERT)
+            return Health(
+                HealthState.DEGRADED, state.last_error_text, SuggestedAction.ALERT, (FaultCause.NVLINK_ERRORS,)
+            )
         return Health.healthy()

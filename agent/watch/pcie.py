@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
+from agent.events import Event, EventKind, FaultCause, Health, HealthState, Severity, SuggestedAction
 from agent.state import GpuSample
 from agent.watch.boards import SustainedWatcher, sample_event
 
@@ -96,7 +96,10 @@ class PcieWatcher(SustainedWatcher[_GpuState]):
         if state is None or state.reported is None:
             return Health.healthy()
         return Health(
-            HealthState.DEGRADED, f"PCIe link degraded: {state.reported.text()}", SuggestedAction.CHECK_MECHANICALS
+            HealthState.DEGRADED,
+            f"PCIe link degraded: {state.reported.text()}",
+            SuggestedAction.CHECK_MECHANICALS,
+            (FaultCause.PCIE_DEGRADED,),
         )
 
     @staticmethod

@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
+from agent.events import Event, EventKind, FaultCause, Health, HealthState, Severity, SuggestedAction
 from agent.host.boottime import boottime_seconds
 from agent.state import GpuSample
 from agent.watch.boards import BoardStates, sample_event
@@ -171,11 +171,21 @@ class ThrottleWatcher:
         slowed = [r for r in state.started_seconds if r not in EXPECTED_REASONS]
         if slowed:
             parts.append(
-                Health(HealthState.DEGRADED, f"clocks slowed by {', '.join(slowed)}", SuggestedAction.CHECK_MECHANICALS)
+                Health(
+                    HealthState.DEGRADED,
+                    f"clocks slowed by {', '.join(slowed)}",
+                    SuggestedAction.CHECK_MECHANICALS,
+                    (FaultCause.CLOCKS_SLOWED,),
+                )
             )
         if state.margin_low is not None:
             parts.append(
-                Health(HealthState.DEGRADED, _margin_text(*state.margin_low), SuggestedAction.CHECK_MECHANICALS)
+                Health(
+                    HealthState.DEGRADED,
+                    _margin_text(*state.margin_low),
+                    SuggestedAction.CHECK_MECHANICALS,
+                    (FaultCause.TEMPERATURE_MARGIN,),
+                )
             )
         return combine(parts)
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.backend.base import GpuEvent, GpuEventKind, GpuIdentity
-from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
+from agent.events import Event, EventKind, FaultCause, Health, HealthState, Severity, SuggestedAction
 from agent.host.boottime import boottime_seconds
 from agent.logger import get_logger
 from agent.state import XidCount
@@ -507,7 +507,7 @@ class XidWatcher:
                     worst = mark
             if worst is None or worst.action is SuggestedAction.NONE:
                 return Health.healthy()
-            return Health(_ACTION_HEALTH[worst.action], worst.reason, worst.action)
+            return Health(_ACTION_HEALTH[worst.action], worst.reason, worst.action, (FaultCause.XID,))
 
     def marks(self) -> list[XidMark]:
         """The health window: what each (GPU, Xid) seen within it says, for the store."""

@@ -61,7 +61,7 @@ def test_policy_enforced_by_the_loop_and_status_over_the_socket(tmp_path: Path) 
         assert [g["index"] for g in status["gpus"]] == [0, 1]
         assert status["gpus"][0]["health"]["state"] == "healthy"
         # drift behind the agent's back is corrected on the next policy pass and reported
-        assert "gpu_agent_policy_in_sync" in agent.metrics()
+        assert "gpu_agent_policy_targets" in agent.metrics()
 
 
 def test_xid_from_nvml_and_kernel_log_is_one_event(tmp_path: Path) -> None:

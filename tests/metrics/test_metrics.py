@@ -32,6 +32,7 @@ from agent import __version__
 from agent.backend.base import CLOCK_EVENT_REASONS
 from agent.backend.sim import SimulatedBackend
 from agent.collect import sample_all
+from agent.metrics.catalog import DEFAULT_SWITCHES, FamilySwitches
 from agent.metrics.collector import SnapshotCollector
 from agent.metrics.server import MetricsServer, parse_listen, serve_metrics
 from agent.state import GpuSample, NodeSnapshot
@@ -42,11 +43,14 @@ PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (apt-get install prometheus)")
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+EVERYTHING = FamilySwitches.everything()
 
 
-def render(snapshot: NodeSnapshot | None) -> str:
+def render(snapshot: NodeSnapshot | None, switches: FamilySwitches = EVERYTHING) -> str:
+    """The scrape of `snapshot`, every family on unless told (the contract of each series;
+    tests/metrics/test_families.py holds what the default leaves out)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(SnapshotCollector(lambda: snapshot))
+    registry.register(SnapshotCollector(lambda: snapshot, switches=switches))
     return generate_latest(registry).decode()
 
 
@@ -165,6 +169,7 @@ def test_gpu_state_health_stale_and_lost(full: Samples) -> None:
         "gpu_agent_gpu_stale",
         "gpu_agent_gpu_health",
         "gpu_agent_gpu_health_info",
+        "gpu_agent_gpu_fault",
         "gpu_agent_gpu_pcie_degraded",
         "gpu_agent_gpu_throttled",
         "gpu_agent_gpu_xid_errors_total",
@@ -324,7 +329,7 @@ def test_http_metrics_serves_the_collector_text(server: MetricsServer) -> None:
     status, content_type, body = get(server.url + "/metrics")
     assert status == 200
     assert content_type.startswith("text/plain; version=0.0.4")
-    assert body == render(node_snapshot())
+    assert body == render(node_snapshot(), DEFAULT_SWITCHES)
 
 
 def test_http_metrics_openmetrics_when_asked(server: MetricsServer) -> None:

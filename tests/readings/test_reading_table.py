@@ -13,27 +13,35 @@ from collections import defaultdict
 
 import pytest
 
+from agent.metrics.catalog import FAMILIES as CATALOG
 from agent.readings.row import Dcgm, Metric, Row, fast, reading
 from agent.readings.table import FAST_READERS, ROWS, SLOW_READERS, GpuSample
 from agent.state import GpuSample as StateGpuSample
 
-#: The families rows are grouped in: names a config will switch on and off, so a rename is a change of contract.
+#: The families rows are grouped in: names a config switches on and off (`metrics.families`), so a
+#: rename is a change of contract. `processes` has no metric (a pid label would churn): its rows are
+#: in the sample and `status --json` only.
 FAMILIES = {
     "temperature",
+    "temperature_thresholds",
     "power",
+    "power_instant",
     "clocks",
+    "clock_details",
     "utilization",
     "memory",
     "modes",
     "ecc",
     "row_remap",
-    "pcie",
+    "pcie_link",
+    "pcie_errors",
     "fans",
     "clock_events",
     "recovery",
     "activity",
+    "throughput",
     "nvlink",
-    "nvlink_errors",
+    "nvlink_links",
     "fabric",
     "processes",
 }
@@ -46,6 +54,9 @@ def exported(rows: tuple[Row, ...] = ROWS) -> list[tuple[Row, Metric]]:
 def test_the_families_are_the_known_ones() -> None:
     assert {row.family for row in ROWS} == FAMILIES
     assert all(re.fullmatch(r"[a-z][a-z_]*", family) for family in FAMILIES)
+    # every exported row's family is one `metrics.families` knows (agent/metrics/catalog.py)
+    assert {row.family for row in ROWS if row.metric is not None} <= set(CATALOG)
+    assert {row.family for row in ROWS if row.metric is None} == {"processes", "clock_events"}
 
 
 def test_every_metric_name_ends_in_its_unit_and_a_counter_in_total() -> None:

@@ -62,31 +62,39 @@ def test_the_daemon_exports_server_latency_and_names_a_thermal_cause(tmp_path: P
         agent.notifications.wait_for("READY", "1")
         deadline = time.monotonic() + 30
         metrics = ""
+        e2e_count = 'gpu_agent_service_request_duration_seconds_count{kind="e2e",service="sglang"}'
         while time.monotonic() < deadline:
             metrics = agent.metrics()
-            if (
-                'kind="e2e",quantile="0.95",service="sglang"' in metrics
-                and "gpu_agent_service_gpu_memory_bytes" in metrics
-            ):
+            if e2e_count in metrics and "gpu_agent_service_gpu_memory_bytes" in metrics:
                 break
             time.sleep(0.2)
-        assert 'gpu_agent_service_request_latency_seconds{kind="e2e",quantile="0.95",service="sglang"}' in metrics
+        # the server's histograms as counter histograms, end to end and to the first token by default
+        assert 'gpu_agent_service_request_duration_seconds_bucket{kind="e2e",le="+Inf",service="sglang"}' in metrics
+        assert 'gpu_agent_service_request_duration_seconds_bucket{kind="ttft",le="+Inf",service="sglang"}' in metrics
+        assert 'kind="queue"' not in metrics  # service_latency_detail: off by default
         assert 'gpu_agent_service_requests_running{service="sglang"}' in metrics
         assert 'gpu_agent_service_gpu_memory_bytes{gpu="0",service="sglang"' in metrics
-        assert 'gpu_agent_service_request_latency_seconds{kind="queue",quantile="0.95",service="sglang"}' in metrics
-        # tokens per joule: the stand-in's tokens over GPU 0's energy (its only GPU), the same window;
-        # with GPU 0's power steady that is its tokens/s over its watts. The energy counter is read
-        # on the slow tier (every 30 s): the first figure needs two readings around two scrapes.
+        # tokens per joule, as PromQL takes it: the increase of the generated-token counter over that of
+        # the energy counter of the service's GPUs (GPU 0, its only one). The joules of GPU 0 over a
+        # stretch are its watts times the seconds (its power is steady); the counter is read on the
+        # slow tier, so the stretch spans a few readings.
+        energy = 'gpu_agent_service_gpu_energy_joules_total{service="sglang"}'
+        wait_until(lambda: metric_value(agent.metrics(), energy) > 0, timeout_seconds=60, what="the service's joules")
+        first = agent.metrics()
+        started = time.monotonic()
+        time.sleep(6.0)
+        last = agent.metrics()
+        seconds = time.monotonic() - started
+        joules = metric_value(last, energy) - metric_value(first, energy)
+        assert joules / seconds == pytest.approx(metric_value(last, 'gpu_agent_gpu_power_usage_watts{gpu="0"'), rel=0.3)
+        tokens = 'gpu_agent_service_generated_tokens_total{service="sglang"}'
+        assert metric_value(last, tokens) > metric_value(first, tokens) > 0
+        # the window's tokens per joule in status needs two of its scrapes inside the energy readings
         wait_until(
-            lambda: 'gpu_agent_service_tokens_per_joule{service="sglang"}' in agent.metrics(),
+            lambda: agent.status()["services"][0]["metrics"]["tokens_per_joule"] is not None,
             timeout_seconds=90,
-            what="tokens per joule",
+            what="tokens per joule in status",
         )
-        metrics = agent.metrics()
-        per_joule = metric_value(metrics, 'gpu_agent_service_tokens_per_joule{service="sglang"}')
-        per_second = metric_value(metrics, 'gpu_agent_service_generation_tokens_per_second{service="sglang"}')
-        watts = metric_value(metrics, 'gpu_agent_gpu_power_usage_watts{gpu="0"')
-        assert per_joule == pytest.approx(per_second / watts, rel=0.3)
         document = agent.status()
         (service,) = document["services"]
         assert service["metrics"]["kind"] == "sglang"

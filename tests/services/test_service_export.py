@@ -13,8 +13,17 @@ from prometheus_client.registry import Collector
 from snapshots import inference_fields, node_snapshot
 
 from agent.documents import snapshot_document
+from agent.metrics.catalog import DEFAULT_SWITCHES, FamilySwitches
+from agent.metrics.families import Families
 from agent.services.attribution import GpuAttribution, GpuProcessInfo
-from agent.services.export import service_metric_families, status_document, unattributed_document
+from agent.services.counters import CounterHistogram, ServiceCounters
+from agent.services.export import (
+    UNATTRIBUTED_NAMES,
+    service_metric_families,
+    status_document,
+    unattributed_by_command,
+    unattributed_document,
+)
 from agent.services.text import service_figures_line, unattributed_lines
 from agent.services.window import LatencyFigures, ServiceFigures
 from agent.textview import status_text
@@ -36,9 +45,21 @@ def figures(**fields: object) -> ServiceFigures:
         "waiting": 0.0,
         "kv_cache_usage_ratio": 0.3,
         "generation_tokens_per_second": 320.0,
+        "counters": COUNTERS,
     }
     base.update(fields)
     return ServiceFigures(**base)  # type: ignore[arg-type]
+
+
+INF = float("inf")
+COUNTERS = ServiceCounters(
+    histograms={
+        "e2e": CounterHistogram((0.5, 1.0, INF), (40.0, 118.0, 120.0), 120.0, 72.0),
+        "itl": CounterHistogram((0.01, 0.02, INF), (300.0, 480.0, 480.0), 480.0, 6.0),
+    },
+    generated_tokens=4800.0,
+    gpu_energy_joules=9600.0,
+)
 
 
 ATTRIBUTION = GpuAttribution(
@@ -48,24 +69,33 @@ ATTRIBUTION = GpuAttribution(
 )
 
 
-def exposition() -> str:
+EVERYTHING = FamilySwitches.everything()
+
+
+def exposition(switches: FamilySwitches = EVERYTHING) -> str:
     class Fixed(Collector):
         def collect(self):  # type: ignore[no-untyped-def]
-            return service_metric_families(
-                {"sglang": figures(), "vllm": figures(service="vllm", latency={}, error="HTTP 404", running=None)},
+            out = Families(switches)
+            service_metric_families(
+                out,
+                {
+                    "sglang": figures(),
+                    "vllm": figures(service="vllm", latency={}, error="HTTP 404", running=None, counters=None),
+                },
                 ATTRIBUTION,
                 {0: "GPU-a", 1: "GPU-b", 3: "GPU-d"},
             )
+            return iter(out)
 
     registry = CollectorRegistry()
     registry.register(Fixed())
     return generate_latest(registry).decode()
 
 
-def samples() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def samples(switches: FamilySwitches = EVERYTHING) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(exposition())
+        for family in text_string_to_metric_families(exposition(switches))
         for s in family.samples
     }
 
@@ -80,12 +110,54 @@ def test_latency_quantiles_gauges_and_memory_are_exported() -> None:
     assert not any(labels == (("service", "vllm"),) and name.endswith("_running") for name, labels in found)
     assert found[("gpu_agent_service_requests_running", (("service", "sglang"),))] == 9
     assert found[("gpu_agent_service_kv_cache_usage_ratio", (("service", "sglang"),))] == 0.3
-    assert found[("gpu_agent_service_generation_tokens_per_second", (("service", "sglang"),))] == 320
     assert found[("gpu_agent_service_metrics_up", (("service", "sglang"),))] == 1
     assert found[("gpu_agent_service_metrics_up", (("service", "vllm"),))] == 0
+    # rates are PromQL's: the counters they are taken of are exported, no gauge of a rate
+    assert not any(name == "gpu_agent_service_generation_tokens_per_second" for name, _ in found)
+    assert not any(name == "gpu_agent_service_tokens_per_joule" for name, _ in found)
+    assert found[("gpu_agent_service_generated_tokens_total", (("service", "sglang"),))] == 4800
+    assert found[("gpu_agent_service_gpu_energy_joules_total", (("service", "sglang"),))] == 9600
     memory = "gpu_agent_service_gpu_memory_bytes"
     assert found[(memory, (("gpu", "1"), ("service", "sglang"), ("uuid", "GPU-b")))] == 118 * GIB
-    assert found[("gpu_agent_gpu_unattributed_memory_bytes", (("gpu", "3"), ("uuid", "GPU-d")))] == GIB
+    unattributed = "gpu_agent_gpu_unattributed_memory_bytes"
+    assert found[(unattributed, (("gpu", "3"), ("process", "python"), ("uuid", "GPU-d")))] == GIB
+
+
+def test_the_servers_histograms_are_counter_histograms() -> None:
+    found = samples()
+    duration = "gpu_agent_service_request_duration_seconds"
+    e2e = (("kind", "e2e"), ("service", "sglang"))
+    buckets = {
+        dict(labels)["le"]: value
+        for (name, labels), value in found.items()
+        if name == duration + "_bucket" and set(e2e) <= set(labels)
+    }
+    assert buckets == {"0.5": 40.0, "1.0": 118.0, "+Inf": 120.0}
+    assert found[(duration + "_count", e2e)] == 120
+    assert found[(duration + "_sum", e2e)] == 72
+
+
+def test_the_default_scrape_has_the_objective_kinds_not_the_window_quantiles() -> None:
+    found = samples(DEFAULT_SWITCHES)
+    kinds = {dict(labels)["kind"] for name, labels in found if name.startswith("gpu_agent_service_request_duration")}
+    assert kinds == {"e2e"}  # itl (and queue) are service_latency_detail's
+    assert not any(name == "gpu_agent_service_request_latency_seconds" for name, _ in found)
+
+
+def test_unattributed_processes_by_command_name_are_bounded() -> None:
+    """However many processes of no service come and go, a GPU has at most UNATTRIBUTED_NAMES + 1
+    series, and no pid is ever a label."""
+    many = GpuAttribution(
+        unattributed=(
+            *(GpuProcessInfo(1000 + i, 0, "GPU-a", (i + 1) * GIB, None, f"worker{i % 9}") for i in range(40)),
+            GpuProcessInfo(7, 5, "GPU-gone", GIB, None, "ghost"),
+        )
+    )
+    found = unattributed_by_command(many, {0: "GPU-a"})
+    assert len(found) == UNATTRIBUTED_NAMES + 1
+    assert sum(found.values()) == sum((i + 1) * GIB for i in range(40))  # nothing lost, the rest is "other"
+    assert ("0", "other") in {(str(gpu), name) for gpu, name in found}
+    assert all(gpu == 0 for gpu, _ in found)  # a GPU not in the snapshot has none
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
@@ -143,7 +215,9 @@ def test_figures_read_long_ago_say_how_long() -> None:
 
 
 def test_families_without_samples_are_not_exposed() -> None:
-    assert service_metric_families({}) == []
+    out = Families()
+    service_metric_families(out, {})
+    assert list(out) == []
 
 
 def test_status_shows_each_services_figures_under_its_probe_line() -> None:

@@ -18,7 +18,7 @@ from agent.backend.base import GpuEvent, GpuEventKind, RecoveryAction
 from agent.backend.errors import GpuErrorKind
 from agent.backend.sim import REASON_HW_POWER_BRAKE, REASON_HW_SLOWDOWN, REASON_HW_THERMAL, SimulatedBackend
 from agent.collect import sample_gpu, sample_identified
-from agent.events import Event, EventKind, Health, HealthState, Severity, SuggestedAction
+from agent.events import Event, EventKind, FaultCause, Health, HealthState, Severity, SuggestedAction
 from agent.host.paths import HostPaths
 from agent.policy.names import GPU_RESET_ITEM
 from agent.rules.config import Rule
@@ -319,7 +319,10 @@ def test_uncorrected_ecc_baseline_event_and_reset(tmp_path: Path) -> None:
     assert event.data["ecc_uncorrected_volatile"] == 3 and event.data["ecc_uncorrected_aggregate"] == 3
     assert node.observe(watcher) == []
     assert watcher.health(0) == Health(
-        HealthState.UNHEALTHY, "uncorrected ECC errors since the last GPU reset", SuggestedAction.RESET_GPU
+        HealthState.UNHEALTHY,
+        "uncorrected ECC errors since the last GPU reset",
+        SuggestedAction.RESET_GPU,
+        (FaultCause.ECC_UNCORRECTED,),
     )
     node.sim.reset_gpu(0)  # volatile counters restart at zero
     assert node.observe(watcher) == []
@@ -370,7 +373,12 @@ def test_row_remap_pending_and_failed(tmp_path: Path) -> None:
     event = one_event(node, watcher, EventKind.ROW_REMAP_PENDING, Severity.WARNING, SuggestedAction.RESET_GPU)
     assert event.data["remapped_rows_uncorrectable"] == 1
     assert node.observe(watcher) == [] and node.observe(watcher, slow=False) == []
-    assert watcher.health(0) == Health(HealthState.DEGRADED, "row remapping pending a reset", SuggestedAction.RESET_GPU)
+    assert watcher.health(0) == Health(
+        HealthState.DEGRADED,
+        "row remapping pending a reset",
+        SuggestedAction.RESET_GPU,
+        (FaultCause.ROW_REMAP_PENDING,),
+    )
     node.sim.reset_gpu(0)  # applies the remap
     assert node.observe(watcher) == []
     assert watcher.health(0) == HEALTHY
@@ -483,7 +491,9 @@ def test_gpu_lost_and_recovered(tmp_path: Path) -> None:
     assert (event.gpu, event.uuid) == (1, uuid)  # remembered from the earlier loop
     assert "00000000:2A:00.0" in event.message
     assert node.observe(watcher) == [] and node.observe(watcher, slow=False) == []
-    assert watcher.health(1) == Health(HealthState.UNHEALTHY, "GPU has fallen off the bus", SuggestedAction.REBOOT)
+    assert watcher.health(1) == Health(
+        HealthState.UNHEALTHY, "GPU has fallen off the bus", SuggestedAction.REBOOT, (FaultCause.GPU_LOST,)
+    )
     assert watcher.health(0) == HEALTHY
     node.sim.set_lost(1, False)
     (event,) = node.observe(watcher)
@@ -498,7 +508,9 @@ def test_gpu_reset_required(tmp_path: Path) -> None:
     node.sim.set_reset_required(0)
     one_event(node, watcher, EventKind.GPU_RESET_REQUIRED, Severity.CRITICAL, SuggestedAction.RESET_GPU)
     assert node.observe(watcher) == []
-    assert watcher.health(0) == Health(HealthState.UNHEALTHY, "GPU requires a reset", SuggestedAction.RESET_GPU)
+    assert watcher.health(0) == Health(
+        HealthState.UNHEALTHY, "GPU requires a reset", SuggestedAction.RESET_GPU, (FaultCause.RESET_REQUIRED,)
+    )
     node.sim.reset_gpu(0)
     assert kinds(node.observe(watcher)) == [EventKind.GPU_RECOVERED]
     assert watcher.health(0) == HEALTHY
@@ -780,10 +792,11 @@ def test_health_book_across_watchers_and_other_sources(tmp_path: Path) -> None:
         HealthState.DEGRADED,
         "clocks slowed by hw_thermal_slowdown; row remapping pending a reset; service slow",
         SuggestedAction.RESET_GPU,  # the remap pending beats checking the cooling and restarting the service
+        (FaultCause.CLOCKS_SLOWED, FaultCause.ROW_REMAP_PENDING),  # the codes of the faults that have one
     )
     assert book.by_gpu([0, 1]) == {
         0: book.gpu_health(0),
-        1: Health(HealthState.UNHEALTHY, "GPU has fallen off the bus", SuggestedAction.REBOOT),
+        1: Health(HealthState.UNHEALTHY, "GPU has fallen off the bus", SuggestedAction.REBOOT, (FaultCause.GPU_LOST,)),
     }
     # The Xid watcher's view joins in like any other source.
     xid.ingest_nvml(GpuEvent(gpu=0, kind=GpuEventKind.XID, data=48, timestamp_seconds=node.now))

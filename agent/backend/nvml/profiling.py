@@ -53,6 +53,7 @@ _GPM_METRICS: dict[str, int] = {
     "pcie_rx_bytes_per_second": 21,  # NVML_GPM_METRIC_PCIE_RX_PER_SEC
     "nvlink_tx_bytes_per_second": 61,  # NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC
     "nvlink_rx_bytes_per_second": 60,  # NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC
+    "graphics_active_ratio": 1,  # NVML_GPM_METRIC_GRAPHICS_UTIL (DCGM's GR_ENGINE_ACTIVE)
 }
 _MIB = 1 << 20
 
@@ -85,7 +86,7 @@ class ProfilingReads(NvmlCalls):
         first call). Two sample buffers per GPU take turns, so a loop allocates nothing. NOT_SUPPORTED
         where nvmlGpmQueryDeviceSupport says so.
 
-        No nvidia-smi equivalent (dcgmi dmon -e 1002,1003,1004,1005,1009,1010).
+        No nvidia-smi equivalent (dcgmi dmon -e 1001,1002,1003,1004,1005,1009,1010).
         """
         handle = self._handle(gpu)
         if not self._gpm_device_supported(gpu, handle):

@@ -76,8 +76,8 @@ are errors). Units are NVML's: milliwatts, millijoules, MHz, Celsius, bytes.
     optional, absent = the board lacks it (NOT_SUPPORTED):
     memory_temperature_idle_c, memory_temperature_load_c       HBM temperature field
     gpm {"idle": {..}, "load": {..}}          GPM activity figures: sm_active_ratio,
-                                              sm_occupancy_ratio, tensor_active_ratio,
-                                              dram_active_ratio (0..1), pcie_{tx,rx}_bytes_per_second,
+                                              sm_occupancy_ratio, tensor_active_ratio, dram_active_ratio,
+                                              graphics_active_ratio (0..1, optional, 0), pcie_{tx,rx}_bytes_per_second,
                                               nvlink_{tx,rx}_bytes_per_second (optional, 0)
     nvlink_links                              NVLink links of the board (default 0)
 
@@ -89,7 +89,7 @@ fixture does not show: the graphics clock list below 1920 MHz (continued in 15 M
 by nvml-h200-gpm-fields.json), and the load figures (an inference server at full batch: 655 W,
 66 C). GPM and field values follow /work/shared/fixtures/nvml-h200-gpm-fields.json (the same H200
 idle and under a bf16 matmul): idle SM/tensor activity 0, DRAM 0.0004, PCIe 0.38/0.22 MiB/s; loaded
-SM active 0.96, occupancy 0.14, tensor active 0.94, DRAM 0.17, PCIe 4.7/13.7 MiB/s; HBM 39 C idle,
+SM active 0.96, occupancy 0.14, tensor active 0.94, DRAM 0.17, graphics 0.9985, PCIe 4.7/13.7 MiB/s; HBM 39 C idle,
 49 C loaded; MIG (0, 0); application clocks = max clocks (1980 MHz). Assumed: 18 NVLink links
 (H200 SXM), used only where the node connects two or more of them (h200x2, h200x8, mixed): a single
 H200 answered NOT_SUPPORTED for every NVLink field and link state and 0 for GPM NVLink; the loaded

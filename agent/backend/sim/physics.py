@@ -239,6 +239,7 @@ class Readings:
             sm_active_ratio=figures.sm_active_ratio,
             sm_occupancy_ratio=figures.sm_occupancy_ratio,
             tensor_active_ratio=figures.tensor_active_ratio,
+            graphics_active_ratio=figures.graphics_active_ratio,
             dram_active_ratio=figures.dram_active_ratio * throughput,
             pcie_tx_bytes_per_second=figures.pcie_tx_bytes_per_second * throughput,
             pcie_rx_bytes_per_second=figures.pcie_rx_bytes_per_second * throughput,
@@ -268,6 +269,7 @@ def advance(readings: Readings, seconds: float) -> None:
     gpm.sm_occupancy_seconds += rates.sm_occupancy_ratio * seconds
     gpm.tensor_active_seconds += rates.tensor_active_ratio * seconds
     gpm.dram_active_seconds += rates.dram_active_ratio * seconds
+    gpm.graphics_active_seconds += (rates.graphics_active_ratio or 0.0) * seconds
     gpm.pcie_tx_bytes += round(rates.pcie_tx_bytes_per_second * seconds)
     gpm.pcie_rx_bytes += round(rates.pcie_rx_bytes_per_second * seconds)
     gpm.nvlink_tx_bytes += round(rates.nvlink_tx_bytes_per_second * seconds)

@@ -135,6 +135,7 @@ class GpmLoad(_Strict):
     sm_occupancy_ratio: Ratio
     tensor_active_ratio: Ratio
     dram_active_ratio: Ratio
+    graphics_active_ratio: Ratio = 0
     pcie_tx_bytes_per_second: Count
     pcie_rx_bytes_per_second: Count
     nvlink_tx_bytes_per_second: Count = 0

@@ -57,6 +57,7 @@ class GpmCounters(_State):
     sm_occupancy_seconds: float = 0.0
     tensor_active_seconds: float = 0.0
     dram_active_seconds: float = 0.0
+    graphics_active_seconds: float = 0.0
     pcie_tx_bytes: int = 0
     pcie_rx_bytes: int = 0
     nvlink_tx_bytes: int = 0

@@ -50,6 +50,7 @@ def gpm_activity(earlier: GpmSample, later: GpmSample) -> GpmActivity | None:
         pcie_rx_bytes_per_second=(b.pcie_rx_bytes - a.pcie_rx_bytes) / seconds,
         nvlink_tx_bytes_per_second=(b.nvlink_tx_bytes - a.nvlink_tx_bytes) / seconds,
         nvlink_rx_bytes_per_second=(b.nvlink_rx_bytes - a.nvlink_rx_bytes) / seconds,
+        graphics_active_ratio=(b.graphics_active_seconds - a.graphics_active_seconds) / seconds,
     )
 
 
