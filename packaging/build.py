@@ -139,12 +139,13 @@ VERSIONING = _version_module()
 
 @functools.cache
 def project_info() -> Any:
-    """The checkout's version and commit (agent/version.py): a tag vX.Y.Z is X.Y.Z, any other
-    commit NEXT.devN+gSHORT. BuildError without git history (an export, a shallow clone)."""
+    """The tree's version and commit (agent/version.py, from_tree): GPU_AGENT_VERSION, git at the
+    repository's top level (a tag vX.Y.Z is X.Y.Z, any other commit NEXT.devN+gSHORT), or the
+    archival file of a `git archive` of a release tag. BuildError, saying how to name one, otherwise."""
     try:
-        return VERSIONING.from_git(REPO)
-    except (VERSIONING.VersionError, OSError) as exc:
-        raise BuildError(f"no version for {REPO}: {exc}") from exc
+        return VERSIONING.from_tree(REPO)
+    except VERSIONING.VersionError as exc:
+        raise BuildError(str(exc)) from exc
 
 
 def project_version() -> str:
@@ -162,16 +163,18 @@ def normalize(name: str) -> str:
 
 
 def source_date_epoch() -> int:
-    """SOURCE_DATE_EPOCH when set, else the last commit's time, so two builds of one commit give
-    the same bytes by default; outside a git checkout, the newest changelog entry's date."""
+    """SOURCE_DATE_EPOCH when set, else the tree's commit time (git at the repository's top level,
+    or the archival file of an export), so two builds of one commit give the same bytes by
+    default; without either, the newest changelog entry's date."""
     given = os.environ.get("SOURCE_DATE_EPOCH")
     if given:
         return int(given)
-    proc = subprocess.run(
-        ["git", "-C", str(REPO), "log", "-1", "--format=%ct"], capture_output=True, text=True, check=False
-    )
-    if proc.returncode == 0 and proc.stdout.strip().isdigit():
-        return int(proc.stdout.strip())
+    try:
+        committed = VERSIONING.commit_time(REPO)
+    except VERSIONING.VersionError as exc:
+        raise BuildError(str(exc)) from exc
+    if committed is not None:
+        return int(committed)
     return int(_as_datetime(changelog_entries()[0]["date"]).timestamp())
 
 
@@ -225,6 +228,8 @@ def build_project_wheel(work: Path) -> Path:
     wheels = list(out.glob("gpu_agent-*.whl"))
     if len(wheels) != 1:
         raise BuildError(f"expected one gpu_agent wheel in {out}, found {wheels}")
+    if Wheel.parse(wheels[0]).version != project_version():
+        raise BuildError(f"{wheels[0].name} is not version {project_version()}: setup.py and build.py disagree")
     normalize_wheel(wheels[0])
     return wheels[0]
 
