@@ -38,6 +38,7 @@ UNIT = "gpu-agent.service"
 HOST_ROOT = "/srv/gpu-agent-host"
 DEB = "/root/gpu-agent.deb"
 APT_ENV = ["env", "DEBIAN_FRONTEND=noninteractive"]
+ADMIN_RULES = "/etc/gpu-agent/rules.d"
 SGLANG_PORT = free_port()
 METRICS_PORT = free_port()
 # The stand-in runs from the package's own environment: agent/demo/standin.py is part of gpu-agent.
@@ -199,6 +200,37 @@ def test_reload_keeps_the_daemon(simulated: SystemdSandbox) -> None:
     wait_for("config reloaded", lambda: "config reloaded" in journal(simulated))
     assert main_pid(simulated) == before
     assert active(simulated)
+
+
+def test_a_reload_the_check_rejects_fails_and_leaves_the_daemon_alone(simulated: SystemdSandbox) -> None:
+    """A typo in agent.yaml, then a broken rules file: `systemctl reload` exits non-zero, the
+    check's error is in the unit's journal, and the daemon never got the signal (it logs neither a
+    reload nor a failed one, and its view of the config is untouched)."""
+    good = simulated.path("/etc/gpu-agent/agent.yaml").read_text()
+    pid = main_pid(simulated)
+    broken_rules = f"{ADMIN_RULES}/60-broken.yaml"
+    cases = [
+        ("/etc/gpu-agent/agent.yaml", good.replace("interval_seconds: 1", "interval_seconds: -1"), "interval_seconds"),
+        (broken_rules, "rules:\n  - name: half a rule\n", "60-broken.yaml"),
+    ]
+    try:
+        for path, text, named in cases:
+            before = journal(simulated, "-o", "cat")
+            simulated.write_file(path, text)
+            reload = simulated.systemctl("reload", UNIT, check=False)
+            assert reload.returncode != 0, reload.stdout + reload.stderr
+            added = journal(simulated, "-o", "cat")[len(before) :]
+            assert named in added, added
+            assert "config reload" not in added, added  # the daemon's own words for a SIGHUP
+            assert main_pid(simulated) == pid and active(simulated)
+            simulated.write_file("/etc/gpu-agent/agent.yaml", good)
+            simulated.run(["rm", "-f", broken_rules])
+        document = json.loads(simulated.run(["gpu-agent", "status", "--json"], check=False).stdout)
+        assert not any("reload" in line for line in document["verdict"]["attention"]), document["verdict"]
+    finally:
+        simulated.write_file("/etc/gpu-agent/agent.yaml", good)
+        simulated.run(["rm", "-f", broken_rules])
+    simulated.systemctl("reload", UNIT)
 
 
 def test_journal_has_structured_fields(simulated: SystemdSandbox) -> None:

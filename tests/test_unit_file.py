@@ -115,7 +115,8 @@ def test_notify_watchdog_and_restart() -> None:
     assert value("Type") == "notify"
     assert value("NotifyAccess") == "main"
     assert value("ExecStart") == "/usr/bin/gpu-agent run --log-format journal"
-    assert value("ExecReload") == "/bin/kill -HUP $MAINPID"
+    # The config is checked before the daemon is signalled (tests/test_package_e2e.py reloads both ways).
+    assert values("ExecReload") == ["/usr/bin/gpu-agent check-config", "/bin/kill -HUP $MAINPID"]
     assert value("WatchdogSec") == "30"
     assert value("Restart") == "on-failure"
     assert value("RestartSec") == "5s"
