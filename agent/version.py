@@ -256,6 +256,43 @@ def current() -> BuildInfo:
         return BuildInfo(f"{NEXT_RELEASE}.dev0", UNKNOWN_REVISION)
 
 
+def package_notice(daemon_version: str | None) -> str | None:
+    """What `status` and `check-config` say when the code that runs is not the installed package's,
+    else None (also outside a package). The package (packaging/build.py, install-env) keeps its
+    version in `wheels/VERSION` beside the environment this agent runs from (`venv`, a link to
+    `env-VERSION.XXXXXX`): an upgrade whose new version rejected the config left the link on the
+    previous environment; a daemon not restarted since an upgrade runs another version."""
+    import sys
+
+    # os.path, not pathlib: `status` against a daemon imports no more than it needs.
+    venv = sys.prefix  # /opt/gpu-agent/venv, as the wrapper runs it
+    prefix = os.path.dirname(venv)
+    install_env = os.path.join(prefix, "lib", "install-env")
+    try:
+        with open(os.path.join(prefix, "wheels", "VERSION"), encoding="utf-8") as file:
+            package = file.read().strip()
+    except OSError:
+        return None
+    if not package or not os.path.isfile(install_env):
+        return None
+    environment = os.path.realpath(venv)
+    if os.path.basename(environment) != f"env-{package}" and not os.path.basename(environment).startswith(
+        f"env-{package}."
+    ):
+        return (
+            f"this gpu-agent ({current().package_version}, {environment}) is not the installed package's "
+            f"({package}): the upgrade kept the previous environment, as it does when the new version rejects the "
+            f"config (`journalctl -t gpu-agent` says why); fix the config, then run {install_env} upgrade && "
+            f"systemctl restart gpu-agent && {install_env} prune"
+        )
+    if daemon_version is not None and debian_version(daemon_version) != package.rsplit("-", 1)[0]:
+        return (
+            f"the running daemon is gpu-agent {debian_version(daemon_version)}, not the installed package's "
+            f"{package}: `systemctl restart gpu-agent` runs the installed one"
+        )
+    return None
+
+
 def version_text() -> str:
     """What `gpu-agent --version` prints."""
     info = current()

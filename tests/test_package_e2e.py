@@ -322,11 +322,15 @@ def test_upgrade_with_a_config_it_rejects_keeps_the_running_daemon(simulated: Sy
     assert active(simulated) and main_pid(simulated) == old_pid
     logged = simulated.run(["journalctl", "--no-pager", "-t", "gpu-agent", "-p", "err", "-o", "cat"]).stdout
     assert "the new version rejects /etc/gpu-agent/agent.yaml" in logged
+    # `status` (run from the environment that stayed) says the installed package is not what runs.
+    said = simulated.run(["gpu-agent", "status"], check=False).stderr
+    assert f"is not the installed package's ({PKG_VERSION}-2~bookworm): the upgrade kept" in said, said
     # Fixed, the way the message says: the new environment takes over.
     simulated.write_file("/etc/gpu-agent/agent.yaml", good)
     simulated.run(["/opt/gpu-agent/lib/install-env", "build"], timeout=300)
     simulated.systemctl("restart", UNIT)
     assert f"{PKG_VERSION}-2~bookworm" in simulated.run(["readlink", "/opt/gpu-agent/venv"]).stdout
+    assert "warning" not in simulated.run(["gpu-agent", "check-config"]).stderr
 
 
 def test_upgrade_keeps_config_then_remove_and_purge_leave_nothing(simulated: SystemdSandbox) -> None:
@@ -366,7 +370,6 @@ def test_upgrade_keeps_config_then_remove_and_purge_leave_nothing(simulated: Sys
 
 
 LEGACY_COMMIT = "b8c3c15"  # the last commit whose packages installed the rules in /etc/gpu-agent/rules.d
-ADMIN_RULES = "/etc/gpu-agent/rules.d"
 SITE_RULES = "rules: []\n"  # an admin's own file: read, and kept through every path
 
 

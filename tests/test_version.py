@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import json
 import os
 import re
 import shutil
@@ -16,7 +17,7 @@ from types import ModuleType
 
 import pytest
 
-from agent.version import BuildInfo, VersionError, current, debian_version, from_git, from_tree
+from agent.version import BuildInfo, VersionError, current, debian_version, from_git, from_tree, package_notice
 
 REPO = Path(__file__).resolve().parent.parent
 GIT_ENV = {
@@ -310,3 +311,82 @@ def test_a_wheel_built_from_an_sdist_keeps_the_checkouts_version(project: Path, 
     built = pip_wheel(out / made.stdout.strip().splitlines()[-1], tmp_path / "wheels")
     assert built.returncode == 0, built.stderr[-3000:]
     assert [p.name for p in (tmp_path / "wheels").iterdir()] == [f"gpu_agent-{info.version}-py3-none-any.whl"]
+
+
+# -- the code that runs against the installed package -------------------------------------------------
+
+PACKAGED = "0.2.0~dev9+gabcdef0-2~bookworm"
+
+
+@pytest.fixture
+def package_layout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """/opt/gpu-agent as the package lays it out, with this process running from its `venv` link."""
+    prefix = tmp_path / "opt/gpu-agent"
+    (prefix / "wheels").mkdir(parents=True)
+    (prefix / "lib").mkdir()
+    (prefix / "lib/install-env").write_text("#!/bin/sh\n")
+    (prefix / "wheels/VERSION").write_text(PACKAGED + "\n")
+    monkeypatch.setattr(sys, "prefix", str(prefix / "venv"))
+    return prefix
+
+
+def run_from(prefix: Path, environment: str) -> None:
+    (prefix / environment).mkdir()
+    (prefix / "venv").unlink(missing_ok=True)
+    (prefix / "venv").symlink_to(environment)
+
+
+def test_no_notice_where_the_package_environment_runs(package_layout: Path) -> None:
+    run_from(package_layout, f"env-{PACKAGED}.Ab12Cd")
+    assert package_notice(None) is None
+    assert package_notice("0.2.0.dev9+gabcdef0") is None
+    (package_layout / "wheels/VERSION").unlink()  # no package: a checkout, pip install
+    assert package_notice("0.1.0") is None
+
+
+def test_a_daemon_not_restarted_since_the_upgrade_is_named(package_layout: Path) -> None:
+    run_from(package_layout, f"env-{PACKAGED}.Ab12Cd")
+    notice = package_notice("0.1.0")
+    assert notice is not None
+    assert notice.startswith(f"the running daemon is gpu-agent 0.1.0, not the installed package's {PACKAGED}")
+    assert "systemctl restart gpu-agent" in notice
+
+
+def test_an_environment_the_upgrade_did_not_switch_to_is_named(package_layout: Path) -> None:
+    """The upgrade's new version rejected the config: the link stays on the previous environment,
+    and `check-config` run from it would say ok."""
+    run_from(package_layout, "env-0.2.0~dev8+g1234567-1~bookworm.Zz99Yy")
+    notice = package_notice(None)
+    assert notice is not None
+    assert f"is not the installed package's ({PACKAGED}): the upgrade kept the previous environment" in notice
+    install_env = package_layout / "lib/install-env"
+    assert f"run {install_env} upgrade && systemctl restart gpu-agent && {install_env} prune" in notice
+
+
+def test_check_config_and_status_give_the_notice(
+    package_layout: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from agent.api_server import ApiServer
+    from agent.cli import main
+
+    run_from(package_layout, f"env-{PACKAGED}.Ab12Cd")
+    socket_path = tmp_path / "agent.sock"
+    (tmp_path / "rules.d").mkdir()
+    config = tmp_path / "agent.yaml"
+    config.write_text(f"api: {{socket: {socket_path}}}\nremediation: {{rules_dirs: [{tmp_path / 'rules.d'}]}}\n")
+    document = {"verdict": {"exit_code": 0}, "version": "0.1.0", "source": "daemon"}
+    server = ApiServer(socket_path, {"status": lambda params: document})
+    server.start()
+    try:
+        assert main(["check-config", "--config", str(config)]) == 0
+        assert f"warning: the running daemon is gpu-agent 0.1.0, not the installed package's {PACKAGED}" in (
+            capsys.readouterr().err
+        )
+        assert main(["check-config", "--strict", "--config", str(config)]) == 1
+        capsys.readouterr()
+        assert main(["status", "--json", "--config", str(config)]) == 0
+        said = capsys.readouterr()
+        assert json.loads(said.out)["version"] == "0.1.0"
+        assert "warning: the running daemon is gpu-agent 0.1.0" in said.err
+    finally:
+        server.close()
