@@ -563,11 +563,7 @@ def test_install_env_keeps_the_current_environment_when_the_new_version_rejects_
 
 
 def test_install_env_migrate_rules_drops_unchanged_old_defaults_and_keeps_changed_ones(tmp_path: Path) -> None:
-    prefix, admin = tmp_path / "opt/gpu-agent", tmp_path / "etc/gpu-agent/rules.d"
-    (prefix / "lib").mkdir(parents=True)
-    shutil.copy(REPO / "packaging/install-env", prefix / "lib/install-env")
-    shutil.copy(REPO / "packaging/legacy-rules.sha256", prefix / "lib/legacy-rules.sha256")
-    admin.mkdir(parents=True)
+    _, admin = legacy_layout(tmp_path)
     # What the earlier package installed as conffiles (rules/ at b8c3c15), not today's defaults.
     legacy = REPO / "packaging/legacy-rules"
     for old in legacy.glob("*.yaml"):
@@ -580,15 +576,25 @@ def test_install_env_migrate_rules_drops_unchanged_old_defaults_and_keeps_change
     assert f"kept {admin / '20-thermal.yaml'} (changed here)" in proc.stderr
 
 
-def test_install_env_restore_legacy_rules_undoes_the_migration(tmp_path: Path) -> None:
-    """Forward (migrate-rules) and back (restore-legacy-rules): the old layout's directory again,
-    the admin's change, addition and mask as they were."""
+def legacy_layout(tmp_path: Path) -> tuple[Path, Path]:
+    """install-env and the legacy rules under tmp_path/opt/gpu-agent, an empty tmp_path/etc/gpu-agent/rules.d."""
     prefix, admin = tmp_path / "opt/gpu-agent", tmp_path / "etc/gpu-agent/rules.d"
     (prefix / "lib").mkdir(parents=True)
     shutil.copy(REPO / "packaging/install-env", prefix / "lib/install-env")
     shutil.copy(REPO / "packaging/legacy-rules.sha256", prefix / "lib/legacy-rules.sha256")
     shutil.copytree(REPO / "packaging/legacy-rules", prefix / "lib/legacy-rules")
     admin.mkdir(parents=True)
+    return prefix, admin
+
+
+def rules_dir(admin: Path) -> dict[str, str]:
+    return {p.name: f"-> {os.readlink(p)}" if p.is_symlink() else p.read_text() for p in admin.iterdir()}
+
+
+def test_install_env_restore_legacy_rules_undoes_the_migration(tmp_path: Path) -> None:
+    """Forward (migrate-rules) and back (restore-legacy-rules): the old layout's directory again,
+    the admin's change, addition and mask as they were."""
+    _, admin = legacy_layout(tmp_path)
     legacy = REPO / "packaging/legacy-rules"
     for old in legacy.glob("*.yaml"):
         shutil.copy(old, admin / old.name)
@@ -596,18 +602,52 @@ def test_install_env_restore_legacy_rules_undoes_the_migration(tmp_path: Path) -
     (admin / "40-memory.yaml").unlink()
     (admin / "40-memory.yaml").symlink_to("/dev/null")  # what preinst makes of a deleted one
     (admin / "60-site.yaml").write_text("rules: []\n")
-    before = {p.name: (os.readlink(p) if p.is_symlink() else p.read_text()) for p in admin.iterdir()}
+    before = rules_dir(admin)
     assert install_env(tmp_path, "migrate-rules").returncode == 0
     assert sorted(p.name for p in admin.iterdir()) == ["20-thermal.yaml", "40-memory.yaml", "60-site.yaml"]
     proc = install_env(tmp_path, "restore-legacy-rules")
     assert proc.returncode == 0, proc.stderr
-    after = {p.name: (os.readlink(p) if p.is_symlink() else p.read_text()) for p in admin.iterdir()}
-    assert after == before
-    # A dpkg downgrade: the mask goes too (dpkg records the file, and keeps it deleted).
-    proc = install_env(tmp_path, "restore-legacy-rules --unmask")
-    assert proc.returncode == 0, proc.stderr
-    assert sorted(p.name for p in admin.iterdir()) == sorted(set(before) - {"40-memory.yaml"})
+    assert rules_dir(admin) == before
     assert all(oct((admin / name).stat().st_mode & 0o777) == "0o644" for name in ("10-xid.yaml", "30-service.yaml"))
+
+
+def test_a_dpkg_downgrade_parks_the_masks_and_gets_them_back(tmp_path: Path) -> None:
+    """dpkg cannot unpack the old package's conffile over a mask: prerm parks it (the rule it
+    masks never had a copy here: a host that never had the old layout), postrm puts it back after
+    the unpack and drops the copy dpkg unpacked beside it; a downgrade that fails in between gets
+    its masks back from postinst abort-upgrade (install-env unpark-masks)."""
+    _, admin = legacy_layout(tmp_path)
+    (admin / "40-memory.yaml").symlink_to("/dev/null")
+    (admin / "60-site.yaml").symlink_to("/dev/null")  # the admin's own name: not the package's business
+    parked = install_env(tmp_path, "restore-legacy-rules --park-masks")
+    assert parked.returncode == 0, parked.stderr
+    assert f"{admin / '40-memory.yaml'} masks a rule the older package ships: kept" in parked.stderr
+    assert os.readlink(admin / "40-memory.yaml.gpu-agent-mask") == "/dev/null"
+    assert not (admin / "40-memory.yaml").is_symlink() and os.readlink(admin / "60-site.yaml") == "/dev/null"
+    assert (admin / "10-xid.yaml").is_file()  # the unchanged copies, as before
+    # dpkg unpacks the old package: its conffile beside the parked mask.
+    (admin / "40-memory.yaml.dpkg-new").write_text((REPO / "packaging/legacy-rules/40-memory.yaml").read_text())
+    proc, _ = run_script(tmp_path / "postrm", "deb/postrm", "upgrade 0.1.0-2~bookworm", True, rules=admin)
+    assert proc.returncode == 0, proc.stderr
+    assert os.readlink(admin / "40-memory.yaml") == "/dev/null"
+    assert not list(admin.glob("*.dpkg-new")) and not list(admin.glob("*.gpu-agent-mask"))
+    # A failed downgrade: postinst abort-upgrade puts a parked mask back.
+    assert install_env(tmp_path, "restore-legacy-rules --park-masks").returncode == 0
+    assert install_env(tmp_path, "unpark-masks").returncode == 0
+    assert os.readlink(admin / "40-memory.yaml") == "/dev/null" and not list(admin.glob("*.gpu-agent-mask"))
+
+
+def test_migrate_rules_drops_the_copies_a_downgrade_left_beside_a_mask(tmp_path: Path) -> None:
+    _, admin = legacy_layout(tmp_path)
+    shipped = (REPO / "packaging/legacy-rules/40-memory.yaml").read_text()
+    (admin / "40-memory.yaml").symlink_to("/dev/null")
+    (admin / "40-memory.yaml.rpmnew").write_text(shipped)  # rpm's, installing the old package
+    (admin / "30-service.yaml").symlink_to("/dev/null")
+    (admin / "30-service.yaml.dpkg-new").write_text("changed by someone\n")
+    proc = install_env(tmp_path, "migrate-rules")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in admin.iterdir()) == ["30-service.yaml", "30-service.yaml.dpkg-new", "40-memory.yaml"]
+    assert f"left {admin / '30-service.yaml.dpkg-new'} (not a copy this package shipped)" in proc.stderr
 
 
 def test_wrapper_points_at_install_env_when_the_environment_is_missing(tmp_path: Path) -> None:
@@ -622,6 +662,7 @@ def test_wrapper_points_at_install_env_when_the_environment_is_missing(tmp_path:
 
 #: What deb/postinst configure runs first, with or without systemd, first install or upgrade.
 DEB_CONFIGURED = [
+    "install-env unpark-masks",
     "install-env build",
     "install-env migrate-rules",
     "deb-systemd-helper --quiet was-enabled gpu-agent.service",
@@ -670,7 +711,7 @@ SCRIPT_CASES = {
     ("deb/prerm", "remove", True): ["deb-systemd-invoke stop gpu-agent.service", "install-env remove"],
     ("deb/prerm", "upgrade 0.2.1-1~bookworm", True): [],
     # Back to a package that installed the rules in /etc as conffiles: their unchanged copies return.
-    ("deb/prerm", "upgrade 0.1.0-2~bookworm", True): ["install-env restore-legacy-rules --unmask"],
+    ("deb/prerm", "upgrade 0.1.0-2~bookworm", True): ["install-env restore-legacy-rules --park-masks"],
     ("deb/postrm", "remove", True): ["deb-systemd-helper purge gpu-agent.service", "systemctl --system daemon-reload"],
     ("deb/postrm", "upgrade 0.1.0-2~bookworm", True): [],
 }
@@ -685,15 +726,16 @@ def run_script(
     *,
     current_status: int = 0,
     query_output: str = "",
+    rules: Path | None = None,
 ) -> tuple[subprocess.CompletedProcess[str], list[str]]:
     """Run a maintainer script with stand-ins on PATH recording the commands it runs;
     build_status: what the stand-in `install-env build` exits with (3: config rejected),
     current_status: `install-env is-current` (1: the new environment did not take over),
     query_output: what `rpm -q` and `dpkg-query -W` print (the installed package's files).
-    The rules directory is tmp_path/rules.d, the package's state directory tmp_path/state."""
+    The rules directory is `rules` (default tmp_path/rules.d), the package's state directory tmp_path/state."""
     calls = tmp_path / "calls"
     stubs = tmp_path / "bin"
-    stubs.mkdir()
+    stubs.mkdir(parents=True)
     (tmp_path / "query-output").write_text(query_output)
     exits = {"build": build_status, "is-current": current_status}
     for name in ("systemctl", "deb-systemd-helper", "deb-systemd-invoke", "install-env", "restorecon", "logger"):
@@ -712,7 +754,7 @@ def run_script(
     run_dir = tmp_path / "run-systemd-system"
     if systemd:
         run_dir.mkdir()
-    rules, state = tmp_path / "rules.d", tmp_path / "state"
+    rules, state = rules or tmp_path / "rules.d", tmp_path / "state"
     rules.mkdir(exist_ok=True)
     state.mkdir(exist_ok=True)
     text = (REPO / "packaging" / script).read_text()
@@ -724,7 +766,7 @@ def run_script(
     # Nothing of the real machine may be reached (the purge case is tested separately; the
     # config's path is only named in a message).
     code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
-    assert "/etc/" not in code.replace("/etc/gpu-agent /var/lib/gpu-agent", "").replace(
+    assert "/etc/" not in code.replace(str(rules), "").replace("/etc/gpu-agent /var/lib/gpu-agent", "").replace(
         "/etc/gpu-agent/agent.yaml (", ""
     )
     assert "/run/" not in code.replace(str(run_dir), "")
@@ -752,6 +794,7 @@ REJECTED_CASES = {
     # keeps running), no rules migration, a message in the package output and the journal; the
     # package still configures (exit 0), so apt and dnf carry on.
     ("deb/postinst", "configure 0.1.0-1~bookworm"): [
+        "install-env unpark-masks",
         "install-env build",
         "deb-systemd-helper --quiet was-enabled gpu-agent.service",
         "deb-systemd-helper enable gpu-agent.service",
@@ -778,7 +821,7 @@ def test_a_rejected_config_keeps_the_old_daemon_and_says_so(tmp_path: Path, scri
 def test_a_failed_environment_build_fails_the_script(tmp_path: Path, script: str) -> None:
     proc, recorded = run_script(tmp_path, script, "configure" if script.startswith("deb") else "1", True, 1)
     assert proc.returncode == 1
-    assert recorded == ["install-env build"]
+    assert recorded[-1] == "install-env build" and recorded[:-1] in ([], ["install-env unpark-masks"])
 
 
 def test_rpm_post_leaves_the_restart_of_an_upgrade_to_posttrans(tmp_path: Path) -> None:
@@ -891,6 +934,7 @@ def test_deb_purge_removes_config_and_state(tmp_path: Path) -> None:
     text = (REPO / "packaging" / "deb" / "postrm").read_text()
     assert "rm -rf /etc/gpu-agent /var/lib/gpu-agent" in text
     text = text.replace("rm -rf /etc/gpu-agent /var/lib/gpu-agent", f"rm -rf {etc} {state}")
+    text = text.replace("rules=/etc/gpu-agent/rules.d\n", f"rules={etc}/rules.d\n")
     text = text.replace("/run/systemd/system", str(tmp_path / "absent"))
     assert "/etc/gpu-agent" not in text and "/var/lib/gpu-agent" not in text
     env = {"PATH": f"{stubs}:/usr/bin:/bin", "LANG": "C.UTF-8"}
