@@ -504,6 +504,129 @@ def rpm_changelog(entries: Sequence[dict[str, object]], release: str) -> str:
     return json.dumps(staged, indent=1) + "\n"
 
 
+# -- RPM scriptlet requirements ------------------------------------------------------------------
+
+#: What each RPM scriptlet needs installed before it runs (and kept until it has run): rpmbuild
+#: would require each scriptlet's interpreter itself; nfpm declares Requires(post) alone, so
+#: build.py adds the rest to the header it writes (add_scriptlet_requires).
+SCRIPTLET_REQUIRES: dict[str, tuple[str, ...]] = {
+    "pre": ("/bin/sh",),  # shell built-ins only (packaging/rpm/pre)
+    # install-env build: python3 -m venv, sha256sum, grep; logger
+    "post": ("/bin/sh", "python3", "coreutils", "grep", "util-linux"),
+    "preun": ("/bin/sh", "coreutils"),  # install-env remove: rm
+    "postun": ("/bin/sh",),
+    "posttrans": ("/bin/sh", "coreutils", "grep"),  # mv, ln, readlink; install-env migrate-rules, prune
+}
+#: RPMSENSE_* flags of a requirement that a scriptlet has (rpm's lib/rpmds.h).
+_RPMSENSE = {"pre": 1 << 9, "post": 1 << 10, "preun": 1 << 11, "postun": 1 << 12, "posttrans": 1 << 5}
+_RPM_LEAD_BYTES = 96
+_RPM_HEADER_MAGIC = b"\x8e\xad\xe8\x01\x00\x00\x00\x00"
+_RPM_ALIGN = {3: 2, 4: 4, 5: 8}  # INT16, INT32, INT64
+_RPM_WIDTH = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8}
+_STRING, _BIN, _STRING_ARRAY, _I18NSTRING = 6, 7, 8, 9
+_REQUIREFLAGS, _REQUIRENAME, _REQUIREVERSION = 1048, 1049, 1050
+_SIG_SIZE, _SIG_MD5, _SIG_SHA1, _SIG_SHA256 = 1000, 1004, 269, 273
+
+
+@dataclass
+class _HeaderEntry:
+    tag: int
+    type: int
+    count: int
+    data: bytes
+
+
+def _read_rpm_header(blob: bytes, at: int) -> tuple[list[_HeaderEntry], int]:
+    """The entries of the header at `at` (in index order, each with its data) and where it ends."""
+    if blob[at : at + 8] != _RPM_HEADER_MAGIC:
+        raise BuildError(f"no RPM header at byte {at}")
+    count, size = int.from_bytes(blob[at + 8 : at + 12], "big"), int.from_bytes(blob[at + 12 : at + 16], "big")
+    store = blob[at + 16 + 16 * count : at + 16 + 16 * count + size]
+    entries = []
+    for index in range(count):
+        raw = blob[at + 16 + 16 * index : at + 32 + 16 * index]
+        tag, kind, offset, items = (int.from_bytes(raw[i : i + 4], "big", signed=True) for i in range(0, 16, 4))
+        if kind in (_STRING, _STRING_ARRAY, _I18NSTRING):
+            end = offset
+            for _ in range(items):
+                end = store.index(b"\0", end) + 1
+        else:
+            end = offset + items * _RPM_WIDTH.get(kind, 1)
+        entries.append(_HeaderEntry(tag, kind, items, store[offset:end]))
+    return entries, at + 16 + 16 * count + size
+
+
+def _write_rpm_header(entries: Sequence[_HeaderEntry], offsets: Sequence[int]) -> bytes:
+    """The header with its entries' data laid out in the order of their old offsets (the region
+    trailer stays last), each aligned as its type needs."""
+    store = bytearray()
+    placed: dict[int, int] = {}
+    for index in sorted(range(len(entries)), key=lambda i: offsets[i]):
+        entry = entries[index]
+        store += b"\0" * (-len(store) % _RPM_ALIGN.get(entry.type, 1))
+        placed[index] = len(store)
+        store += entry.data
+    index_bytes = b"".join(
+        b"".join(value.to_bytes(4, "big", signed=True) for value in (e.tag, e.type, placed[i], e.count))
+        for i, e in enumerate(entries)
+    )
+    return _RPM_HEADER_MAGIC + len(entries).to_bytes(4, "big") + len(store).to_bytes(4, "big") + index_bytes + store
+
+
+def add_scriptlet_requires(package: Path, requires: dict[str, tuple[str, ...]]) -> None:
+    """Declare Requires(pre), Requires(preun), ... in an RPM nfpm wrote: an entry per scriptlet and
+    name in the header's REQUIRENAME, REQUIREFLAGS and REQUIREVERSION, then the signature header's
+    digests and sizes of the new header (the package is unsigned: nothing else covers it).
+    `rpm -K` checks the result."""
+    blob = package.read_bytes()
+    signature, signature_end = _read_rpm_header(blob, _RPM_LEAD_BYTES)
+    header_at = signature_end + (-signature_end % 8)
+    entries, header_end = _read_rpm_header(blob, header_at)
+    offsets = [
+        int.from_bytes(blob[header_at + 24 + 16 * i : header_at + 28 + 16 * i], "big", signed=True)
+        for i in range(len(entries))
+    ]
+    by_tag = {e.tag: e for e in entries}
+    names = by_tag[_REQUIRENAME].data.split(b"\0")[:-1]
+    versions = by_tag[_REQUIREVERSION].data.split(b"\0")[:-1]
+    flags = [int.from_bytes(by_tag[_REQUIREFLAGS].data[i : i + 4], "big") for i in range(0, 4 * len(names), 4)]
+    for scriptlet, wanted in requires.items():
+        # One entry per scriptlet and name, as rpmbuild writes them: a runtime requirement of the
+        # same name stays one (a scriptlet's is only needed around that scriptlet).
+        for name in wanted:
+            names.append(name.encode())
+            versions.append(b"")
+            flags.append(_RPMSENSE[scriptlet])
+    by_tag[_REQUIRENAME].data = b"".join(n + b"\0" for n in names)
+    by_tag[_REQUIREVERSION].data = b"".join(v + b"\0" for v in versions)
+    by_tag[_REQUIREFLAGS].data = b"".join(f.to_bytes(4, "big") for f in flags)
+    for tag in (_REQUIRENAME, _REQUIREVERSION, _REQUIREFLAGS):
+        by_tag[tag].count = len(names)
+    header = _write_rpm_header(entries, offsets)
+    payload = blob[header_end:]
+    values = {
+        _SIG_SHA1: hashlib.sha1(header).hexdigest().encode() + b"\0",  # noqa: S324 (rpm's digest, not security)
+        _SIG_SHA256: hashlib.sha256(header).hexdigest().encode() + b"\0",
+        _SIG_SIZE: (len(header) + len(payload)).to_bytes(4, "big"),
+        _SIG_MD5: hashlib.md5(header + payload).digest(),  # noqa: S324 (rpm's digest, not security)
+    }
+    signature_offsets = [
+        int.from_bytes(blob[_RPM_LEAD_BYTES + 24 + 16 * i : _RPM_LEAD_BYTES + 28 + 16 * i], "big", signed=True)
+        for i in range(len(signature))
+    ]
+    for entry in signature:
+        if entry.tag in values:
+            if len(values[entry.tag]) != len(entry.data):
+                raise BuildError(f"{package.name}: signature tag {entry.tag} is not the size expected")
+            entry.data = values[entry.tag]
+    signed = _write_rpm_header(signature, signature_offsets)
+    if len(signed) != signature_end - _RPM_LEAD_BYTES:
+        raise BuildError(f"{package.name}: the signature header changed size")
+    staged = package.with_suffix(".requires")
+    staged.write_bytes(blob[:_RPM_LEAD_BYTES] + signed + blob[signature_end:header_at] + header + payload)
+    staged.replace(package)
+
+
 # -- packages -------------------------------------------------------------------------------------
 
 
@@ -572,6 +695,8 @@ def build(targets: Sequence[Target], out: Path, work: Path, release_number: int)
         package = out / target.filename(package_version(), release_number)
         package.unlink(missing_ok=True)
         run([nfpm, "pkg", "--packager", target.packager, "--config", recipe, "--target", package])
+        if target.packager == "rpm":
+            add_scriptlet_requires(package, SCRIPTLET_REQUIRES)
         built.append(package)
         print(f"built {package} ({target.description})", flush=True)
     sums = sorted(p for p in out.iterdir() if p.name.startswith(NAME) and p.suffix in (".deb", ".rpm"))

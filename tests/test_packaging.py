@@ -319,8 +319,21 @@ def test_rpm_metadata_and_requires(packages: dict[str, Path]) -> None:
     assert not {"systemd", "python3-systemd"} & requires
     assert not any("nvidia" in r.lower() for r in requires)
     assert set(rpm_query(rpm, "--recommends").split()) == {"systemd", "python3-systemd"}
-    post_requires = rpm_query(rpm, "--queryformat", "[%{REQUIREFLAGS:deptype} %{REQUIRENAME}\n]").splitlines()
-    assert {"post python3", "post coreutils", "post grep", "post util-linux"} <= set(post_requires)
+    # What each scriptlet runs, required around it (as rpmbuild declares a scriptlet's interpreter);
+    # %pre runs shell built-ins alone.
+    by_scriptlet: dict[str, set[str]] = {}
+    for line in rpm_query(rpm, "--queryformat", "[%{REQUIREFLAGS:deptype} %{REQUIRENAME}\n]").splitlines():
+        kind, name = line.split(" ", 1)
+        by_scriptlet.setdefault(kind, set()).add(name)
+    assert by_scriptlet["pre"] == {"/bin/sh"}
+    assert by_scriptlet["post"] == {"/bin/sh", "python3", "coreutils", "grep", "util-linux"}
+    assert by_scriptlet["preun"] == {"/bin/sh", "coreutils"}
+    assert by_scriptlet["postun"] == {"/bin/sh"}
+    assert by_scriptlet["posttrans"] == {"/bin/sh", "coreutils", "grep"}
+    assert {"python3", "util-linux"} <= by_scriptlet["manual"]  # still required at run time
+    # The header was rewritten to declare them: every digest rpm checks still holds.
+    checked = run("rpm", "-Kv", "--nosignature", rpm)
+    assert checked.count(": OK") == 4 and "Header SHA256 digest: OK" in checked, checked
     assert rpm_query(rpm, "--queryformat", "%{URL}") == build.DEFAULT_HOMEPAGE
     flags: dict[str, str] = {}
     for line in rpm_query(rpm, "--queryformat", "[%{FILEFLAGS:fflags} %{FILENAMES}\n]").splitlines():
@@ -336,18 +349,23 @@ def test_rpm_metadata_and_requires(packages: dict[str, Path]) -> None:
 @needs("rpm")
 def test_rpm_contents_and_scriptlets(packages: dict[str, Path]) -> None:
     rpm = packages["el10"]
-    listing = rpm_query(rpm, "--queryformat", "[%{FILEMODES:perms} %{FILEUSERNAME}:%{FILEGROUPNAME} %{FILENAMES}\n]")
-    files = {}
+    query = "[%{FILEMODES:perms} %{FILEUSERNAME}:%{FILEGROUPNAME} %{FILEFLAGS:fflags}. %{FILENAMES}\n]"
+    listing = rpm_query(rpm, "--queryformat", query)
+    files, ghosts = {}, set()
     for line in listing.splitlines():
-        mode, owner, path = line.split(" ", 2)
+        mode, owner, flags, path = line.split(" ", 3)
         assert owner == "root:root", line
-        if not mode.startswith("d"):
+        if "g" in flags:
+            ghosts.add(path)
+        elif not mode.startswith("d"):
             files[path] = mode
     assert set(files) == expected_files("el10")
+    assert ghosts == set()
     assert files["/usr/bin/gpu-agent"] == "-rwxr-xr-x"
-    dirs = {line.split(" ", 2)[2] for line in listing.splitlines() if line.startswith("d")}
+    dirs = {line.split(" ", 3)[3] for line in listing.splitlines() if line.startswith("d")}
     assert {
         "/opt/gpu-agent",
+        f"/opt/gpu-agent/env-{PKG_VERSION}-1.el10",  # install-env builds the environment there
         "/opt/gpu-agent/wheels",
         "/etc/gpu-agent",
         "/etc/gpu-agent/rules.d",
@@ -402,6 +420,14 @@ def test_rpm_installs_its_layout_into_an_empty_root(packages: dict[str, Path], t
     assert run("rpm", "--root", root, "-q", "gpu-agent").strip() == f"gpu-agent-{PKG_VERSION}-1.el10.x86_64"
     # Every file as packaged: digests, modes, owners.
     assert run("rpm", "--root", root, "-V", "--nodeps", "gpu-agent") == ""
+    # The environment install-env builds (here by hand: --noscripts) is the package's directory.
+    environment = f"opt/gpu-agent/env-{PKG_VERSION}-1.el10"
+    (root / environment / "bin").mkdir()
+    (root / "opt/gpu-agent/venv").symlink_to(Path(environment).name)
+    owner = run("rpm", "--root", root, "-qf", f"/{environment}").strip()
+    assert owner == f"gpu-agent-{PKG_VERSION}-1.el10.x86_64"
+    assert run("rpm", "--root", root, "-V", "--nodeps", "gpu-agent") == ""
+    run("rm", "-r", root / environment / "bin", root / "opt/gpu-agent/venv")  # install-env remove, in %preun
     run("rpm", "--root", root, "--nodeps", "--noscripts", "-e", "gpu-agent")
     for path in ("opt/gpu-agent", "etc/gpu-agent", "usr/bin/gpu-agent", "usr/share/gpu-agent"):
         assert not (root / path).exists(), path
@@ -670,13 +696,12 @@ DEB_CONFIGURED = [
 ]
 SCRIPT_CASES = {
     # (script, arguments, systemd running): the commands it runs, in order
+    # As %systemd_post: the preset decides whether it is enabled; nothing starts it.
     ("rpm/post", "1", True): [
         "install-env build",
         "restorecon -R /opt/gpu-agent",
         "systemctl --no-reload preset gpu-agent.service",
         "systemctl daemon-reload",
-        "systemctl --quiet is-enabled gpu-agent.service",
-        "systemctl start gpu-agent.service",
     ],
     # The restart of an upgrade is %posttrans's, once the old package's files are gone.
     ("rpm/post", "2", True): [
@@ -763,6 +788,7 @@ def run_script(
     text = text.replace("/run/systemd/system", str(run_dir))
     text = text.replace("rules=/etc/gpu-agent/rules.d\n", f"rules={rules}\n")
     text = text.replace("state=/opt/gpu-agent\n", f"state={state}\n")
+    text = text.replace("shipped=/usr/share/gpu-agent/rules.d\n", f"shipped={tmp_path / 'shipped'}\n")
     # Nothing of the real machine may be reached (the purge case is tested separately; the
     # config's path is only named in a message).
     code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
@@ -831,30 +857,51 @@ def test_rpm_post_leaves_the_restart_of_an_upgrade_to_posttrans(tmp_path: Path) 
     assert (tmp_path / "state/.restart-pending").is_file()
 
 
-def test_rpm_pre_masks_the_rules_an_admin_deleted_under_the_old_layout(tmp_path: Path) -> None:
+def test_rpm_pre_lists_the_rules_an_admin_deleted_or_masked_under_the_old_layout(tmp_path: Path) -> None:
+    """Upgrading a package that had no /usr/share/gpu-agent/rules.d: the rules it shipped that are
+    gone or masked here are listed for %posttrans, with shell built-ins alone (no rpm query inside
+    the transaction, nothing but /bin/sh required before the package's files are there)."""
     rules = tmp_path / "rules.d"
     rules.mkdir()
-    (rules / "10-xid.yaml").write_text("kept\n")
+    for name in ("10-xid.yaml", "40-memory.yaml", "50-gpu-state.yaml"):
+        (rules / name).write_text("kept\n")
     (rules / "30-service.yaml").symlink_to("/dev/null")
-    owned = "".join(f"{rules}/{name}\n" for name in ("10-xid.yaml", "20-thermal.yaml", "30-service.yaml"))
-    owned += "/usr/bin/gpu-agent\n"
-    proc, recorded = run_script(tmp_path, "rpm/pre", "2", True, query_output=owned)
+    proc, recorded = run_script(tmp_path, "rpm/pre", "2", True)
     assert proc.returncode == 0, proc.stderr
-    assert recorded == ["rpm -q --qf [%{FILENAMES}\\n] gpu-agent"]
-    assert os.readlink(rules / "20-thermal.yaml") == "/dev/null"
-    assert (rules / "10-xid.yaml").read_text() == "kept\n"
-    assert sorted(p.name for p in rules.iterdir()) == ["10-xid.yaml", "20-thermal.yaml", "30-service.yaml"]
+    assert recorded == []
     assert f"{rules}/20-thermal.yaml was deleted here: masked it" in proc.stderr
-    # Every mask of such a rule, made now or before, for %posttrans to put back after rpm removed it.
+    # Every mask of such a rule, to make or made before, for %posttrans to put back after rpm removed it.
     listed = (tmp_path / "state/.legacy-rules-upgrade").read_text().split()
     assert listed == [f"{rules}/20-thermal.yaml", f"{rules}/30-service.yaml"]
+    assert sorted(p.name for p in rules.iterdir()) == [
+        "10-xid.yaml",
+        "30-service.yaml",
+        "40-memory.yaml",
+        "50-gpu-state.yaml",
+    ]
 
 
 def test_rpm_pre_leaves_a_package_with_the_rules_under_usr_share_alone(tmp_path: Path) -> None:
-    proc, _ = run_script(tmp_path, "rpm/pre", "2", True, query_output="/usr/share/gpu-agent/rules.d/10-xid.yaml\n")
+    (tmp_path / "shipped").mkdir()
+    proc, _ = run_script(tmp_path, "rpm/pre", "2", True)
     assert proc.returncode == 0, proc.stderr
     assert list((tmp_path / "rules.d").iterdir()) == []
     assert not (tmp_path / "state/.legacy-rules-upgrade").exists()
+    # A first install: nothing to look at.
+    (tmp_path / "fresh").mkdir()
+    proc, _ = run_script(tmp_path / "fresh", "rpm/pre", "1", True)
+    assert proc.returncode == 0 and not (tmp_path / "fresh/state/.legacy-rules-upgrade").exists()
+
+
+def test_rpm_pre_names_the_rules_the_old_packages_shipped() -> None:
+    listed = re.search(r"^    for name in (.+); do$", (REPO / "packaging/rpm/pre").read_text(), re.MULTILINE)
+    assert listed is not None
+    legacy = [
+        line.split()[1]
+        for line in (REPO / "packaging/legacy-rules.sha256").read_text().splitlines()
+        if not line.startswith("#")
+    ]
+    assert listed.group(1).split() == legacy == sorted(p.name for p in (REPO / "packaging/legacy-rules").glob("*.yaml"))
 
 
 def test_deb_preinst_masks_the_rules_an_admin_deleted_under_the_old_layout(tmp_path: Path) -> None:
