@@ -252,15 +252,27 @@ def normalize_wheel(path: Path) -> None:
     staged.replace(path)
 
 
-def pinned() -> dict[str, str]:
-    pins: dict[str, str] = {}
-    for raw in (PACKAGING / "bundle-requirements.txt").read_text(encoding="utf-8").splitlines():
+@dataclass(frozen=True)
+class Pin:
+    version: str
+    sha256: frozenset[str]  # every wheel file of this version the targets take (one per ABI, or one for all)
+
+
+def pinned() -> dict[str, Pin]:
+    """bundle-requirements.txt: each project's version and the SHA-256 of every wheel of it the
+    build may bundle (pip's requirements format: `NAME==VERSION --hash=sha256:HEX ...`)."""
+    pins: dict[str, Pin] = {}
+    text = (PACKAGING / "bundle-requirements.txt").read_text(encoding="utf-8").replace("\\\n", " ")
+    for raw in text.splitlines():
         line = raw.split("#", 1)[0].strip()
-        if line:
-            name, sep, version = line.partition("==")
-            if not sep:
-                raise BuildError(f"bundle-requirements.txt: {line!r} is not pinned with ==")
-            pins[normalize(name)] = version.strip()
+        if not line:
+            continue
+        requirement, *options = line.split()
+        name, sep, version = requirement.partition("==")
+        hashes = frozenset(o.removeprefix("--hash=sha256:") for o in options if o.startswith("--hash=sha256:"))
+        if not sep or not hashes or len(hashes) != len(options):
+            raise BuildError(f"bundle-requirements.txt: {line!r} is not NAME==VERSION --hash=sha256:HEX ...")
+        pins[normalize(name)] = Pin(version.strip(), hashes)
     return pins
 
 
@@ -289,21 +301,40 @@ def download_wheels(work: Path, target: Target, project_wheel: Path) -> list[Whe
     argv += ["--abi", target.abi, "--abi", "abi3", "--abi", "none"]
     for platform in PLATFORMS:
         argv += ["--platform", platform]
-    argv += ["--constraint", PACKAGING / "bundle-requirements.txt", "--dest", dest, project_wheel]
+    # The constraints' hashes put pip in --require-hashes mode, which wants the project's wheel
+    # named with its hash too: pip checks every file it takes, and check_pins below again.
+    wanted = work / f"project-{target.abi}.txt"
+    wanted.write_text(f"{project_wheel} --hash=sha256:{Wheel.parse(project_wheel).sha256}\n", encoding="utf-8")
+    argv += ["--constraint", PACKAGING / "bundle-requirements.txt", "--dest", dest, "--requirement", wanted]
     run(argv)
     wheels = sorted((Wheel.parse(p) for p in dest.glob("*.whl")), key=lambda w: w.project)
-    pins = pinned()
+    check_pins(wheels, pinned())
     for wheel in wheels:
         if wheel.project == NAME:
             continue
-        if pins.get(wheel.project) != wheel.version:
+        if wheel.project not in BUNDLED_LICENSES:
+            raise BuildError(f"{wheel.project}: add its license to BUNDLED_LICENSES in packaging/build.py")
+    return wheels
+
+
+def check_pins(wheels: Iterable[Wheel], pins: dict[str, Pin]) -> None:
+    """Every bundled wheel is the version and the very file bundle-requirements.txt names: a
+    wheel re-uploaded, or served by a mirror or a cache with other bytes, fails the build."""
+    for wheel in wheels:
+        if wheel.project == NAME:
+            continue
+        pin = pins.get(wheel.project)
+        if pin is None or pin.version != wheel.version:
             raise BuildError(
                 f"{wheel.path.name}: {wheel.project} {wheel.version} is not pinned in "
                 "packaging/bundle-requirements.txt (a new or changed dependency in pyproject.toml?)"
             )
-        if wheel.project not in BUNDLED_LICENSES:
-            raise BuildError(f"{wheel.project}: add its license to BUNDLED_LICENSES in packaging/build.py")
-    return wheels
+        if wheel.sha256 not in pin.sha256:
+            raise BuildError(
+                f"{wheel.path.name}: its SHA-256 {wheel.sha256} is not one packaging/bundle-requirements.txt "
+                f"pins for {wheel.project} {wheel.version}: a new target's wheel (check where it came from, "
+                "then add --hash=sha256:... to its line), or not the file that was pinned"
+            )
 
 
 def lock_file(wheels: Iterable[Wheel]) -> str:

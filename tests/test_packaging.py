@@ -1029,6 +1029,21 @@ def test_every_dependency_is_pinned() -> None:
         assert name in build.BUNDLED_LICENSES
 
 
+def test_every_bundled_wheel_is_pinned_by_hash(packages: dict[str, Path], tmp_path: Path) -> None:
+    """The wheels the packages carry are the very files bundle-requirements.txt names; another
+    file of a pinned version (a re-upload, a mirror's or a cache's other bytes) fails the build."""
+    pins = build.pinned()
+    for target in TARGETS:
+        wheels = [build.Wheel.parse(p) for p in (stage(target) / "wheels").glob("*.whl")]
+        assert {w.project for w in wheels} - {build.NAME} == set(pins), target
+        build.check_pins(wheels, pins)
+    genuine = next((stage("debian12") / "wheels").glob("structlog-*.whl"))
+    tampered = tmp_path / genuine.name
+    tampered.write_bytes(genuine.read_bytes() + b"\0")
+    with pytest.raises(build.BuildError, match=r"its SHA-256 [0-9a-f]{64} is not one packaging/bundle-requirements"):
+        build.check_pins([build.Wheel.parse(tampered)], pins)
+
+
 def test_changelog_has_an_entry_per_release_and_one_for_this_build() -> None:
     entries = build.versioned_entries(build.changelog_entries(), VERSION, 1_764_547_200)
     releases = [str(e["semver"]) for e in build.changelog_entries()]
