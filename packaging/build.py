@@ -175,7 +175,8 @@ def source_date_epoch() -> int:
         raise BuildError(str(exc)) from exc
     if committed is not None:
         return int(committed)
-    return int(_as_datetime(changelog_entries()[0]["date"]).timestamp())
+    dated = [e for e in changelog_entries() if e["date"] != UNRELEASED]
+    return int(_as_datetime(dated[0]["date"]).timestamp())
 
 
 def completion_scripts() -> dict[str, str]:
@@ -479,21 +480,37 @@ def _release_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(n) for n in version.split("."))
 
 
+UNRELEASED = "unreleased"
+
+
 def versioned_entries(entries: Sequence[dict[str, object]], version: str, when: int) -> list[dict[str, object]]:
     """The changelog of a build of `version` (PEP 440): the releases of packaging/changelog.yaml,
     newest first, and for a build that is no release an entry of its own naming the commit, dated
-    `when` (SOURCE_DATE_EPOCH). A release build needs its entry in the file."""
+    `when` (SOURCE_DATE_EPOCH), which carries the notes of the coming release (the newest entry,
+    dated `unreleased`, when it is that version's). A release build needs its entry in the file,
+    dated."""
     releases = [str(e["semver"]) for e in entries]
     if [_release_tuple(v) for v in releases] != sorted((_release_tuple(v) for v in releases), reverse=True):
         raise BuildError("packaging/changelog.yaml: entries must be newest first, one per release")
+    if any(e["date"] == UNRELEASED for e in entries[1:]):
+        raise BuildError(f"packaging/changelog.yaml: only the newest entry may be dated {UNRELEASED}")
+    coming = dict(entries[0]) if entries[0]["date"] == UNRELEASED else None
     base, _, dev = version.partition(".dev")
     if not dev:
         if releases[0] != version:
             raise BuildError(f"packaging/changelog.yaml: the release {version} needs the newest entry")
+        if coming is not None:
+            raise BuildError(f"packaging/changelog.yaml: the release {version} needs its date in place of {UNRELEASED}")
         return [dict(e) for e in entries]
-    if _release_tuple(releases[0]) >= _release_tuple(base):
+    published = [dict(e) for e in entries[1:]] if coming is not None else [dict(e) for e in entries]
+    if coming is not None and releases[0] != base:
         raise BuildError(
-            f"packaging/changelog.yaml: {releases[0]} is not below {base}: raise NEXT_RELEASE in agent/version.py"
+            f"packaging/changelog.yaml: the {UNRELEASED} entry is {releases[0]}, this build leads to {base}"
+        )
+    if published and _release_tuple(str(published[0]["semver"])) >= _release_tuple(base):
+        raise BuildError(
+            f"packaging/changelog.yaml: {published[0]['semver']} is not below {base}: "
+            "raise NEXT_RELEASE in agent/version.py"
         )
     info = project_info()
     note = f"Development build {version} of commit {info.revision}, not a release."
@@ -501,37 +518,79 @@ def versioned_entries(entries: Sequence[dict[str, object]], version: str, when: 
         "semver": version,
         "date": dt.datetime.fromtimestamp(when, dt.timezone.utc),
         "packager": os.environ.get("GPU_AGENT_MAINTAINER", DEFAULT_MAINTAINER),
-        "changes": [{"note": note}],
+        "changes": [{"note": note}, *_list(coming, "changes")],
+        "news": _list(coming, "news"),
     }
-    return [build, *(dict(e) for e in entries)]
+    return [build, *published]
+
+
+def _list(entry: dict[str, object] | None, key: str) -> list[Any]:
+    found = (entry or {}).get(key) or []
+    if not isinstance(found, list):
+        raise BuildError(f"packaging/changelog.yaml: {key} must be a list")
+    return found
+
+
+def _debian_version_of(entry: dict[str, object], index: int, release: str) -> str:
+    """An entry's package version: the newest with this package's release, the others as they
+    were published (`X.Y.Z-1`)."""
+    upstream = VERSIONING.debian_version(str(entry["semver"]))
+    return f"{upstream}-{release}" if index == 0 else f"{upstream}-1"
+
+
+def _trailer(entry: dict[str, object]) -> str:
+    return f" -- {entry['packager']}  {_as_datetime(entry['date']).strftime('%a, %d %b %Y %H:%M:%S %z')}"
 
 
 def debian_changelog(entries: Sequence[dict[str, object]], target: Target, release: str) -> str:
-    """One block per entry of versioned_entries(): the newest with this package's release, the
-    others as they were published (`X.Y.Z-1`)."""
+    """One block per entry of versioned_entries()."""
     blocks = []
     for index, entry in enumerate(entries):
-        upstream = VERSIONING.debian_version(str(entry["semver"]))
-        version = f"{upstream}-{release}" if index == 0 else f"{upstream}-1"
-        notes = entry.get("changes") or []
-        assert isinstance(notes, list)
-        lines = [f"{NAME} ({version}) {target.codename}; urgency=medium", ""]
-        for change in notes:
+        lines = [f"{NAME} ({_debian_version_of(entry, index, release)}) {target.codename}; urgency=medium", ""]
+        for change in _list(entry, "changes"):
             wrapped = textwrap.wrap(str(change["note"]), width=76)
             lines.append("  * " + "\n    ".join(wrapped))
-        when = _as_datetime(entry["date"]).strftime("%a, %d %b %Y %H:%M:%S %z")
-        lines += ["", f" -- {entry['packager']}  {when}"]
-        blocks.append("\n".join(lines))
+        blocks.append("\n".join([*lines, "", _trailer(entry)]))
     return "\n\n".join(blocks) + "\n"
 
 
+def debian_news(entries: Sequence[dict[str, object]], target: Target, release: str) -> str:
+    """NEWS.Debian: what an admin must know before upgrading (apt-listchanges shows it), one block
+    per entry of versioned_entries() that has `news`, its paragraphs as Debian writes them (no
+    bullets); empty when none has."""
+    blocks = []
+    for index, entry in enumerate(entries):
+        paragraphs = [
+            textwrap.fill(
+                str(text),
+                width=76,
+                initial_indent="  ",
+                subsequent_indent="  ",
+                break_on_hyphens=False,
+                break_long_words=False,
+            )
+            for text in _list(entry, "news")
+        ]
+        if paragraphs:
+            head = f"{NAME} ({_debian_version_of(entry, index, release)}) {target.codename}; urgency=medium"
+            blocks.append("\n".join([head, "", "\n\n".join(paragraphs), "", _trailer(entry)]))
+    return "\n\n".join(blocks) + "\n" if blocks else ""
+
+
 def rpm_changelog(entries: Sequence[dict[str, object]], release: str) -> str:
-    """nfpm's changelog format: each entry with its version-release, the newest with this package's."""
-    staged = [dict(entry) for entry in entries]
-    for index, entry in enumerate(staged):
-        upstream = VERSIONING.debian_version(str(entry["semver"]))
-        entry["semver"] = f"{upstream}-{release}" if index == 0 else f"{upstream}-1"
-        entry["date"] = _as_datetime(entry["date"]).isoformat()
+    """nfpm's changelog format: each entry with its version-release, the newest with this
+    package's; RPM has no NEWS, so an entry's news are among its changes."""
+    staged = []
+    for index, entry in enumerate(entries):
+        changes = [*_list(entry, "changes"), *({"note": str(text)} for text in _list(entry, "news"))]
+        staged.append(
+            {
+                "semver": _debian_version_of(entry, index, release),
+                "date": _as_datetime(entry["date"]).isoformat(),
+                "packager": entry["packager"],
+                "changes": changes,
+            }
+        )
     return json.dumps(staged, indent=1) + "\n"
 
 
@@ -681,6 +740,10 @@ def stage_target(
     entries = versioned_entries(changelog_entries(), version, source_date_epoch())
     changelog = debian_changelog(entries, target, release).encode()
     (stage / "changelog.Debian.gz").write_bytes(gzip.compress(changelog, compresslevel=9, mtime=0))
+    news = debian_news(entries, target, release).encode()
+    if not news:
+        raise BuildError("packaging/changelog.yaml: no entry has news: NEWS.Debian would be empty")
+    (stage / "NEWS.Debian.gz").write_bytes(gzip.compress(news, compresslevel=9, mtime=0))
     (stage / "changelog.yaml").write_text(rpm_changelog(entries, release), encoding="utf-8")
     (stage / "completion").mkdir()
     for name, text in completion_scripts().items():

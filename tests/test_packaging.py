@@ -126,6 +126,7 @@ def expected_files(target: str) -> set[str]:
         files |= {
             "/usr/share/doc/gpu-agent/copyright",
             "/usr/share/doc/gpu-agent/changelog.Debian.gz",
+            "/usr/share/doc/gpu-agent/NEWS.Debian.gz",
             "/usr/share/lintian/overrides/gpu-agent",
             "/usr/share/zsh/vendor-completions/_gpu-agent",
         }
@@ -1046,7 +1047,7 @@ def test_every_bundled_wheel_is_pinned_by_hash(packages: dict[str, Path], tmp_pa
 
 def test_changelog_has_an_entry_per_release_and_one_for_this_build() -> None:
     entries = build.versioned_entries(build.changelog_entries(), VERSION, 1_764_547_200)
-    releases = [str(e["semver"]) for e in build.changelog_entries()]
+    releases = [str(e["semver"]) for e in build.changelog_entries() if e["date"] != build.UNRELEASED]
     text = build.debian_changelog(entries, TARGETS["debian12"], "1~bookworm")
     headers = re.findall(r"^gpu-agent \((.+?)\) bookworm; urgency=medium$", text, re.MULTILINE)
     if ".dev" in VERSION:  # a commit that is no release: its own entry, naming the commit
@@ -1061,12 +1062,40 @@ def test_changelog_has_an_entry_per_release_and_one_for_this_build() -> None:
     assert [e["semver"] for e in rpm] == [h.replace("~bookworm", ".el10") for h in headers]
 
 
-def test_a_release_build_needs_its_changelog_entry() -> None:
-    entries = build.changelog_entries()
-    newest = str(entries[0]["semver"])
-    assert build.versioned_entries(entries, newest, 0)[0]["semver"] == newest
-    major, minor, patch = (int(n) for n in newest.split("."))
+def test_news_and_the_rpm_changelog_tell_admins_about_the_rule_layout() -> None:
+    """NEWS.Debian (apt-listchanges shows it before an upgrade) and the RPM %changelog carry the
+    coming release's news: where the shipped rules are, how to mask one, what an upgrade and a
+    downgrade keep."""
+    entries = build.versioned_entries(build.changelog_entries(), VERSION, 1_764_547_200)
+    news = build.debian_news(entries, TARGETS["debian12"], "1~bookworm")
+    flat = " ".join(news.split())
+    for said in (
+        "/usr/share/gpu-agent/rules.d",
+        "ln -s /dev/null /etc/gpu-agent/rules.d/40-memory.yaml",
+        "becomes a mask",
+    ):
+        assert said in flat, said
+    assert re.match(rf"gpu-agent \({re.escape(PKG_VERSION)}-1~bookworm\) bookworm; urgency=medium\n\n  The ", news)
+    assert "*" not in news  # lintian: a NEWS entry is prose, not a changelog list
+    rpm = " ".join(note["note"] for note in json.loads(build.rpm_changelog(entries, "1.el10"))[0]["changes"])
+    assert "becomes a mask" in rpm and "not started on install" in rpm
+
+
+def test_the_coming_releases_notes_go_to_its_builds_and_its_tag_needs_a_date() -> None:
+    released = {"semver": "0.1.0", "date": "2026-11-29T00:00:00Z", "packager": "p <p@example.org>", "changes": []}
+    coming = {"semver": "0.2.0", "date": build.UNRELEASED, "packager": "p <p@example.org>"}
+    coming |= {"changes": [{"note": "rules moved"}], "news": ["read this"]}
+    dev = build.versioned_entries([coming, released], "0.2.0.dev5+gabcdef0", 0)
+    assert [e["semver"] for e in dev] == ["0.2.0.dev5+gabcdef0", "0.1.0"]
+    assert dev[0]["changes"][1:] == [{"note": "rules moved"}] and dev[0]["news"] == ["read this"]
+    with pytest.raises(build.BuildError, match="needs its date in place of unreleased"):
+        build.versioned_entries([coming, released], "0.2.0", 0)
+    with pytest.raises(build.BuildError, match=r"the unreleased entry is 0\.2\.0, this build leads to 0\.3\.0"):
+        build.versioned_entries([coming, released], "0.3.0.dev5+gabcdef0", 0)
+    # Tagged: the entry dated, the release build takes the file as it is.
+    dated = coming | {"date": "2027-01-15T00:00:00Z"}
+    assert [e["semver"] for e in build.versioned_entries([dated, released], "0.2.0", 0)] == ["0.2.0", "0.1.0"]
     with pytest.raises(build.BuildError, match="needs the newest entry"):
-        build.versioned_entries(entries, f"{major}.{minor}.{patch + 1}", 0)
+        build.versioned_entries([dated, released], "0.2.1", 0)
     with pytest.raises(build.BuildError, match="raise NEXT_RELEASE"):
-        build.versioned_entries(entries, f"{newest}.dev5+gabcdef0", 0)
+        build.versioned_entries([dated, released], "0.2.0.dev5+gabcdef0", 0)
