@@ -734,8 +734,10 @@ def stage_target(
     (stage / "wheels" / "requirements.txt").write_text(lock_file(wheels), encoding="utf-8")
     (stage / "wheels" / "ABI").write_text(target.abi + "\n", encoding="utf-8")
     (stage / "wheels" / "VERSION").write_text(full_version + "\n", encoding="utf-8")
-    man = (PACKAGING / "gpu-agent.8").read_bytes()
-    (stage / "gpu-agent.8.gz").write_bytes(gzip.compress(man, compresslevel=9, mtime=0))
+    for page in sorted((*PACKAGING.glob("*.5"), *PACKAGING.glob("*.8"))):
+        section = stage / "man" / f"man{page.suffix[1:]}"
+        section.mkdir(parents=True, exist_ok=True)
+        (section / f"{page.name}.gz").write_bytes(gzip.compress(page.read_bytes(), compresslevel=9, mtime=0))
     (stage / "copyright").write_text(copyright_file(wheels, target.packager == "deb"), encoding="utf-8")
     entries = versioned_entries(changelog_entries(), version, source_date_epoch())
     changelog = debian_changelog(entries, target, release).encode()
@@ -762,8 +764,30 @@ def stage_target(
         "MTIME": mtime,
         "LICENSE": rpm_license(wheels),
         "RPM_CHANGELOG": str(stage / "changelog.yaml") if target.packager == "rpm" else "",
+        "DOCS": doc_entries(stage, target),
     }
     return stage, values
+
+
+def documentation(stage: Path) -> dict[str, Path]:
+    """Every documentation file a package carries, by where it goes: the man pages build.py
+    staged, the README, docs/ and bench/README.md (docs/performance.md links to it), as in the
+    source tree so their relative links resolve."""
+    found = {f"/usr/share/man/{page.parent.name}/{page.name}": page for page in sorted(stage.glob("man/man*/*.gz"))}
+    found["/usr/share/doc/gpu-agent/README.md"] = REPO / "README.md"
+    for page in sorted((REPO / "docs").glob("*.md")):
+        found[f"/usr/share/doc/gpu-agent/docs/{page.name}"] = page
+    found["/usr/share/doc/gpu-agent/bench/README.md"] = REPO / "bench" / "README.md"
+    return found
+
+
+def doc_entries(stage: Path, target: Target) -> str:
+    """The recipe's documentation entries, one per file: %doc for RPM."""
+    kind = ", type: doc" if target.packager == "rpm" else ""
+    return "\n".join(
+        f'  - {{src: "{source}", dst: "{path}"{kind}, file_info: {{mode: 0644}}}}'
+        for path, source in documentation(stage).items()
+    )
 
 
 def render_recipe(values: dict[str, str]) -> str:

@@ -15,11 +15,13 @@ import shutil
 import socket
 import subprocess
 import sys
+import typing
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import yaml
+from pydantic import BaseModel
 from systemd_sandbox import lock_or_wait
 
 REPO = Path(__file__).resolve().parent.parent
@@ -111,6 +113,10 @@ def expected_files(target: str) -> set[str]:
         f"{t.unit_dir}/gpu-agent.service",
         "/etc/gpu-agent/agent.yaml",
         "/usr/share/man/man8/gpu-agent.8.gz",
+        "/usr/share/man/man5/gpu-agent-config.5.gz",
+        "/usr/share/man/man5/gpu-agent-rules.5.gz",
+        "/usr/share/doc/gpu-agent/bench/README.md",
+        *(f"/usr/share/doc/gpu-agent/docs/{p.name}" for p in (REPO / "docs").glob("*.md")),
         "/usr/share/doc/gpu-agent/README.md",
         "/usr/share/gpu-agent/grafana/gpu-agent-dashboard.json",
         "/usr/share/gpu-agent/prometheus/gpu-agent-alerts.yaml",
@@ -1004,6 +1010,74 @@ def test_man_page_names_every_command() -> None:
     assert commands
     for name in commands:
         assert re.search(rf'^\.BI? "?{re.escape(name)}\b', man, re.MULTILINE), f"gpu-agent.8 lacks `{name}`"
+
+
+def model_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every key of a pydantic model, nested ones dotted, a list of models marked `[]`."""
+    keys = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{field.alias or name}"
+        keys.append(path)
+        annotation = field.annotation
+        listed = typing.get_origin(annotation) is list
+        for inner in typing.get_args(annotation) or (annotation,):
+            for candidate in typing.get_args(inner) or (inner,):
+                if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+                    keys += model_keys(candidate, f"{path}[]." if listed else f"{path}.")
+    return sorted(set(keys))
+
+
+def man_text(page: str) -> str:
+    """A man page's source with the font changes and escapes troff needs taken out."""
+    text = (REPO / "packaging" / page).read_text()
+    return re.sub(r"\\f[BIRP]", "", text).replace("\\-", "-").replace("\\&", "")
+
+
+def test_config_man_page_describes_every_key() -> None:
+    """gpu-agent-config(5) names every key of agent.yaml, as the models in agent/config.py have
+    them: a new key without its entry fails here."""
+    from agent.config import AgentConfig
+    from agent.policy.names import ITEM_NAMES
+
+    page = man_text("gpu-agent-config.5")
+    keys = model_keys(AgentConfig)
+    assert "policy.gpus[].match.model" in keys and "services[].drain.hook" in keys and len(keys) > 70
+    assert [key for key in keys if key not in page] == []
+    assert [item for item in ITEM_NAMES if f".BR {item}" not in page and f".B {item}" not in page] == []
+
+
+def test_rules_man_page_describes_every_key() -> None:
+    """gpu-agent-rules(5) names every key of a rule, every condition and every action with its
+    parameters, as agent/rules/config.py and params.py have them."""
+    from agent.rules.config import Match, Rule
+    from agent.rules.params import PARAMS_BY_KIND
+
+    page = man_text("gpu-agent-rules.5")
+    wanted = [f".B {name}\n" for name in Rule.model_fields]
+    wanted += [f"match.{key}" for key in model_keys(Match)]
+    for kind, params in PARAMS_BY_KIND.items():
+        wanted += [f".B {kind.value}\n", *(f"{kind.value}.{name}" for name in params.model_fields)]
+    assert len(wanted) > 40
+    assert [text for text in wanted if text not in page] == []
+
+
+def test_every_relative_link_in_the_installed_docs_resolves(packages: dict[str, Path], tmp_path: Path) -> None:
+    """The README, docs/ and what they link to are in the package as in the source tree: every
+    relative link of every installed page names a file of the package."""
+    run("dpkg-deb", "--extract", packages["debian12"], tmp_path)
+    doc = tmp_path / "usr/share/doc/gpu-agent"
+    pages = sorted(doc.rglob("*.md"))
+    assert doc / "README.md" in pages and doc / "docs/metrics.md" in pages
+    dead = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue  # a URL, not a file
+            resolved = (page.parent / target).resolve()
+            if not resolved.is_file() or doc.resolve() not in resolved.parents:
+                dead.append(f"{page.relative_to(doc)}: {target}")
+    assert dead == []
+    assert re.findall(r"\]\((docs/[^)]+)\)", (doc / "README.md").read_text()), "the README links into docs/"
 
 
 def test_shipped_config_observes_through_nvml() -> None:
