@@ -179,8 +179,10 @@ def source_date_epoch() -> int:
     return int(_as_datetime(dated[0]["date"]).timestamp())
 
 
+@functools.cache
 def completion_scripts() -> dict[str, str]:
-    """bash and zsh completion written from the checkout's CLI parser (agent/cli/completion.py)."""
+    """bash and zsh completion written from the checkout's CLI parser (agent/cli/completion.py),
+    once a build: every target carries the same."""
     scripts = {}
     for shell, name in (("bash", "gpu-agent.bash"), ("zsh", "_gpu-agent")):
         proc = subprocess.run(
@@ -222,8 +224,33 @@ def ensure_nfpm(work: Path) -> Path:
     return nfpm
 
 
+def committed_state() -> str | None:
+    """What the project wheel's bytes follow from, where a commit says it all: the commit, its
+    version and SOURCE_DATE_EPOCH, for a git checkout with nothing uncommitted (builds are
+    reproducible: that commit always gives those bytes). None for any other tree."""
+    info = project_info()
+    try:
+        clean = VERSIONING.from_git(REPO)
+    except VERSIONING.VersionError:
+        return None
+    if clean != info or clean.version.endswith(".dirty"):
+        return None
+    untracked = subprocess.run(
+        ["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True, check=False
+    )
+    if untracked.returncode != 0 or untracked.stdout:
+        return None
+    return f"{info.revision} {info.version} {source_date_epoch()}\n"
+
+
 def build_project_wheel(work: Path) -> Path:
+    """The project's wheel: built by pip from the tree, or the one an earlier build of the same
+    commit left in `work` (release 2 of a commit, another target: the same bytes)."""
     out = work / "project-wheel"
+    stamp, state = out / ".built-from", committed_state()
+    wheels = list(out.glob("gpu_agent-*.whl"))
+    if state is not None and stamp.is_file() and stamp.read_text() == state and len(wheels) == 1:
+        return wheels[0]
     shutil.rmtree(out, ignore_errors=True)
     run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", out, REPO])
     wheels = list(out.glob("gpu_agent-*.whl"))
@@ -232,6 +259,8 @@ def build_project_wheel(work: Path) -> Path:
     if Wheel.parse(wheels[0]).version != project_version():
         raise BuildError(f"{wheels[0].name} is not version {project_version()}: setup.py and build.py disagree")
     normalize_wheel(wheels[0])
+    if state is not None:
+        stamp.write_text(state)
     return wheels[0]
 
 
@@ -294,8 +323,15 @@ class Wheel:
 
 
 def download_wheels(work: Path, target: Target, project_wheel: Path) -> list[Wheel]:
-    """The project's wheel and its dependencies, binary only, for the target's ABI."""
+    """The project's wheel and its dependencies, binary only, for the target's ABI: downloaded,
+    or the set an earlier build for this project wheel and these pins left in `work` (checked
+    against the pinned hashes again either way)."""
     dest = work / f"wheels-{target.abi}"
+    stamp = dest / ".downloaded-for"
+    requirements = (PACKAGING / "bundle-requirements.txt").read_bytes()
+    state = f"{Wheel.parse(project_wheel).sha256} {hashlib.sha256(requirements).hexdigest()}\n"
+    if stamp.is_file() and stamp.read_text() == state:
+        return _checked(dest)
     shutil.rmtree(dest, ignore_errors=True)
     argv: list[str | Path] = [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check"]
     argv += ["--only-binary=:all:", "--python-version", target.python, "--implementation", "cp"]
@@ -308,6 +344,12 @@ def download_wheels(work: Path, target: Target, project_wheel: Path) -> list[Whe
     wanted.write_text(f"{project_wheel} --hash=sha256:{Wheel.parse(project_wheel).sha256}\n", encoding="utf-8")
     argv += ["--constraint", PACKAGING / "bundle-requirements.txt", "--dest", dest, "--requirement", wanted]
     run(argv)
+    wheels = _checked(dest)
+    stamp.write_text(state)
+    return wheels
+
+
+def _checked(dest: Path) -> list[Wheel]:
     wheels = sorted((Wheel.parse(p) for p in dest.glob("*.whl")), key=lambda w: w.project)
     check_pins(wheels, pinned())
     for wheel in wheels:

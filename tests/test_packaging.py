@@ -1133,6 +1133,25 @@ def test_every_dependency_is_pinned() -> None:
         assert name in build.BUNDLED_LICENSES
 
 
+def test_a_build_takes_what_one_of_the_same_commit_left_and_checks_it_again(tmp_path: Path) -> None:
+    """The project's wheel of a committed tree, and the downloads for a wheel and pins, are taken
+    from an earlier build's work directory (a commit builds the same bytes); a downloaded wheel
+    changed since is still refused."""
+    if build.committed_state() is None:
+        pytest.skip("uncommitted changes here: every build builds its own wheel")
+    wheel = build.build_project_wheel(tmp_path)
+    built = wheel.stat().st_mtime_ns
+    assert build.build_project_wheel(tmp_path) == wheel and wheel.stat().st_mtime_ns == built
+    first = build.download_wheels(tmp_path, TARGETS["debian12"], wheel)
+    structlog = next(w.path for w in first if w.project == "structlog")
+    downloaded = structlog.stat().st_mtime_ns
+    assert build.download_wheels(tmp_path, TARGETS["debian12"], wheel) == first
+    assert structlog.stat().st_mtime_ns == downloaded
+    structlog.write_bytes(structlog.read_bytes() + b"\0")
+    with pytest.raises(build.BuildError, match=r"is not one packaging/bundle-requirements\.txt pins"):
+        build.download_wheels(tmp_path, TARGETS["debian12"], wheel)
+
+
 def test_every_bundled_wheel_is_pinned_by_hash(packages: dict[str, Path], tmp_path: Path) -> None:
     """The wheels the packages carry are the very files bundle-requirements.txt names; another
     file of a pinned version (a re-upload, a mirror's or a cache's other bytes) fails the build."""
