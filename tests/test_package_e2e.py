@@ -1,9 +1,12 @@
 """The Debian 12 package installed with apt in a real systemd (tests/systemd_sandbox.py): the
 hardened unit starts, notifies, answers `gpu-agent status`, logs structured journal entries, is
-restarted by its watchdog, restarts a stand-in sglang.service by rule, upgrades keeping its
-configuration, keeps the running daemon when an upgrade finds a config it rejects, leaves nothing
-behind when purged, and upgrades the previous package layout (rules as conffiles in /etc)
-without a prompt, keeping an admin's changed rule as an override.
+restarted by its watchdog, restarts a stand-in sglang.service by rule, refuses a reload whose
+config or rules the check rejects (systemctl reload fails, the daemon is not signalled), upgrades
+keeping its configuration, keeps the running daemon when an upgrade finds a config it rejects
+(and `status` says what runs is not the installed package), leaves nothing behind when purged,
+and goes to and from the previous package layout (rules as conffiles in /etc) without a prompt,
+keeping an admin's changed rule as an override and their masks, on a host that had that layout
+and on one that never had it.
 
 The sandbox is a Debian 12 (bookworm) root file system, so the cp311 package is the one under
 test. Its dependencies (python3-venv, python3-systemd) come from Debian's archive through the
