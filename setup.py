@@ -1,6 +1,7 @@
-"""setuptools hook: the version from git (agent/version.py), baked into the wheel as
-agent/_build_info.py so an installed agent knows it without git. Everything else is in
-pyproject.toml."""
+"""setuptools hook: the version of this source tree (agent/version.py: GPU_AGENT_VERSION, git at the
+repository's top level, or the archival file `git archive` filled), baked into the wheel as
+agent/_build_info.py so an installed agent knows it without git. A tree that names no version is
+refused, never built as a guess. Everything else is in pyproject.toml."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from types import ModuleType
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
+from setuptools.command.sdist import sdist
 
 HERE = Path(__file__).resolve().parent
 
@@ -25,11 +27,11 @@ def _version_module() -> ModuleType:
 
 VERSION = _version_module()
 try:
-    INFO = VERSION.from_git(HERE)
-except (VERSION.VersionError, OSError):
-    # No history (an export, a shallow clone): installable, as NEXT_RELEASE.dev0 of an unknown
-    # commit. scripts/build-packages refuses such a checkout.
-    INFO = VERSION.BuildInfo(f"{VERSION.NEXT_RELEASE}.dev0", VERSION.UNKNOWN_REVISION)
+    INFO = VERSION.from_tree(HERE)
+except VERSION.VersionError as exc:
+    # A wheel named 0.2.0.dev0 of an unknown commit would sort below every real build: apt, dnf
+    # and pip would never replace it.
+    raise SystemExit(f"gpu-agent: {exc}") from None
 
 
 class BuildPyWithVersion(build_py):
@@ -40,4 +42,14 @@ class BuildPyWithVersion(build_py):
             target.write_text(VERSION.build_info_module(INFO), encoding="utf-8")
 
 
-setup(version=INFO.version, cmdclass={"build_py": BuildPyWithVersion})
+class SdistWithVersion(sdist):
+    def make_release_tree(self, base_dir: str, files: list[str]) -> None:
+        # An sdist is no git checkout: its archival file names the version it was made with, so
+        # the wheel built from it (`python -m build` makes the sdist first) has the same one.
+        super().make_release_tree(base_dir, files)
+        target = Path(base_dir) / VERSION.ARCHIVAL_FILE
+        target.unlink(missing_ok=True)  # a hard link to the checkout's copy, maybe
+        target.write_text(VERSION.archival_text(INFO, VERSION.commit_time(HERE)), encoding="utf-8")
+
+
+setup(version=INFO.version, cmdclass={"build_py": BuildPyWithVersion, "sdist": SdistWithVersion})

@@ -8,11 +8,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from types import EllipsisType
 from typing import Any, TypeVar
 
 from snapshots import TIMESTAMP_SECONDS, gpu_uuid
+from systemd_sandbox import live_processes as live_processes  # its home: the sandbox needs the standard library alone
 
 from agent.backend.base import GpuBackend
 from agent.config import AgentConfig
@@ -128,19 +128,6 @@ def action_context(
         prober=HealthProber(config.services, managers),
         **fields,
     )
-
-
-def live_processes(reading: str) -> Iterator[tuple[int, str]]:
-    """Each live process's pid with the text of its /proc/PID/`reading` (NUL bytes as spaces); one
-    that exits while it is read is passed over."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            text = (entry / reading).read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        yield int(entry.name), text
 
 
 #: What a test server answers a GET with: (status, headers, body).

@@ -13,7 +13,7 @@ dbus and python3 is built once by debootstrap and cached (`GPU_AGENT_SANDBOX_CAC
 overlay (the cache stays pristine; the writes land under the sandbox's own directory) in
 `unshare --pid --fork --mount --uts --ipc --propagation private`, with proc, sys, dev, run and tmp
 mounted as the recipe says, and `chroot ROOT /lib/systemd/systemd --system`. Commands reach it
-through `nsenter -t PID -p -m -u -i chroot ROOT ...`.
+through `nsenter -t PID -p -m -u -i -r -w ...`.
 
 Differences from the bare recipe, to keep the host out of reach:
 - every mount is made inside the new mount namespace, so all of them vanish with it: even a
@@ -27,9 +27,16 @@ Differences from the bare recipe, to keep the host out of reach:
   (systemd-sysctl would change the host's sysctls).
 
 The network namespace is the host's: a service in the sandbox listening on 127.0.0.1 is reachable
-from the test. The cgroup tree is the host's too, which is why the host must not run systemd itself
-and why only one sandbox runs at a time on a host (a lock in the cache directory; a second one
-says so and waits, up to GPU_AGENT_SANDBOX_LOCK_TIMEOUT seconds, default 1800). Needs root, debootstrap, unshare, nsenter and chroot (`missing_requirements()`).
+from the test. Where no systemd runs the host, the cgroup tree is the host's too, the sandbox's
+systemd takes it as its own, and so only one sandbox runs at a time on a host (a lock in the cache
+directory; a second one says so and waits, up to GPU_AGENT_SANDBOX_LOCK_TIMEOUT seconds, default
+1800). Where systemd is PID 1 (a server, a VM) the tree is that systemd's: the sandbox starts in a
+scope of its own with its cgroup delegated (`systemd-run --scope -p Delegate=yes`, as
+systemd-nspawn runs a container), in a cgroup namespace rooted there, with a cgroup2 file system of
+that namespace as its /sys/fs/cgroup: its systemd manages that subtree alone. That needs the
+unified hierarchy (cgroup v2), the default since Debian 11, Ubuntu 21.10 and RHEL 9.
+Needs root, debootstrap, unshare, nsenter and chroot, and systemd-run on a systemd host
+(`missing_requirements()`).
 """
 
 from __future__ import annotations
@@ -44,12 +51,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO
-
-from helpers import live_processes
 
 SUITE = "bookworm"
 BASE_PACKAGES = ("systemd", "systemd-sysv", "dbus", "python3")
@@ -87,11 +92,35 @@ def missing_requirements(mountinfo: Path = Path("/proc/self/mountinfo")) -> str 
             "/ is not a mount point here (a chroot?): the sandbox's mount namespace cannot be made private "
             "(run the tests where / is a mount, e.g. in a container or VM)"
         )
-    with contextlib.suppress(OSError):
-        if Path("/proc/1/comm").read_text().strip() == "systemd":
-            # The sandbox's systemd takes the cgroup tree as its own: the host's systemd owns it here.
-            return "the host runs systemd as PID 1: this sandbox is for hosts without it (use systemd-nspawn there)"
+    if host_runs_systemd():
+        if shutil.which("systemd-run", path=_ENV["PATH"]) is None:
+            return "the host runs systemd: the sandbox needs systemd-run for a scope of its own"
+        if not cgroup_is_unified(mounts):
+            return (
+                "the host's systemd keeps cgroup v1 hierarchies: the sandbox needs the unified one "
+                "(boot with systemd.unified_cgroup_hierarchy=1)"
+            )
     return None
+
+
+def host_runs_systemd() -> bool:
+    """Whether systemd is this host's PID 1: then the sandbox gets a delegated scope of its own."""
+    try:
+        return Path("/proc/1/comm").read_text().strip() == "systemd"
+    except OSError:
+        return False
+
+
+def cgroup_is_unified(mountinfo: str) -> bool:
+    """Whether /sys/fs/cgroup is a cgroup2 file system (`/proc/self/mountinfo`: the type follows
+    the ` - ` separator; of mounts stacked there, the last one is the one seen)."""
+    seen = None
+    for line in mountinfo.splitlines():
+        fields, _, rest = line.partition(" - ")
+        parts = fields.split()
+        if len(parts) > 4 and parts[4] == "/sys/fs/cgroup":
+            seen = rest.split()[:1]
+    return seen == ["cgroup2"]
 
 
 def cache_dir() -> Path:
@@ -154,6 +183,19 @@ def lock_or_wait(lock: BinaryIO, what: str, timeout_seconds: float | None = None
             time.sleep(1.0)
 
 
+def live_processes(reading: str) -> Iterator[tuple[int, str]]:
+    """Each live process's pid with the text of its /proc/PID/`reading` (NUL bytes as spaces); one
+    that exits while it is read is passed over."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            text = (entry / reading).read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        yield int(entry.name), text
+
+
 def _children(pid: int) -> list[int]:
     # The command name may hold spaces and parentheses: the fields start after the last ')'.
     return [child for child, stat in live_processes("stat") if int(stat.rpartition(")")[2].split()[1]) == pid]
@@ -170,10 +212,17 @@ class SystemdSandbox:
         directory: str | os.PathLike[str],
         extra_packages: Sequence[str] = (),
         boot_timeout_seconds: float = 90.0,
+        cgroup_root: Path | None = None,
     ) -> None:
         self.directory = Path(directory)
         self.extra_packages = tuple(extra_packages)
         self.boot_timeout_seconds = boot_timeout_seconds
+        # A cgroup2 directory to mount as the sandbox's /sys/fs/cgroup in place of the host's
+        # (tests/test_sandbox_on_systemd.py: a sandbox that is a systemd host of the unified kind).
+        self.cgroup_root = cgroup_root
+        # On a systemd host: the scope the sandbox runs in, its cgroup delegated to the sandbox's systemd.
+        self.delegated = host_runs_systemd()
+        self.scope = f"gpu-agent-sandbox-{os.getpid()}-{id(self):x}.scope"
         self.mountpoint = self.directory / "root"  # the sandbox's / inside its mount namespace
         self._proc: subprocess.Popen[bytes] | None = None
         self._pid: int | None = None
@@ -205,7 +254,7 @@ mount -t proc proc {root}/proc
 mount --bind {root}/proc/sys {root}/proc/sys
 mount -o remount,bind,ro {root}/proc/sys
 mount --rbind /sys {root}/sys
-mount -t tmpfs -o mode=0755,nosuid tmpfs {root}/dev
+{self._cgroup_mount(root)}mount -t tmpfs -o mode=0755,nosuid tmpfs {root}/dev
 mknod -m 666 {root}/dev/null c 1 3
 mknod -m 666 {root}/dev/zero c 1 5
 mknod -m 666 {root}/dev/full c 1 7
@@ -226,6 +275,18 @@ mount -t tmpfs tmpfs {root}/tmp
 exec chroot {root} /lib/systemd/systemd --system --unit=multi-user.target
 """
 
+    def _cgroup_mount(self, root: str) -> str:
+        """The sandbox's /sys/fs/cgroup: on a systemd host a cgroup2 file system of its own cgroup
+        namespace (the delegated scope is its root); else the host's, as /sys brought it."""
+        if self.delegated:
+            # The host's hierarchy (what /sys brought) goes first: the kernel mounts no file system
+            # on the root of a mount of itself.
+            cgroup = f"{root}/sys/fs/cgroup"
+            return f"while mountpoint -q {cgroup}; do umount -R {cgroup}; done\nmount -t cgroup2 gpu-agent-sandbox {cgroup}\n"
+        if self.cgroup_root is not None:
+            return f"mount --bind {shlex.quote(str(self.cgroup_root))} {root}/sys/fs/cgroup\n"
+        return ""
+
     def boot(self) -> None:
         lower = cached_rootfs(self.extra_packages)
         self._host_lock = open(lower.parent / ".running.lock", "a+b")  # noqa: SIM115 (held until close)
@@ -239,6 +300,16 @@ exec chroot {root} /lib/systemd/systemd --system --unit=multi-user.target
             (self.directory / name).mkdir(parents=True, exist_ok=True)
         log = open(self.directory / "boot.log", "wb")  # noqa: SIM115 (the child keeps writing to it)
         argv = ["unshare", "--pid", "--fork", "--mount", "--uts", "--ipc", "--propagation", "private"]
+        if self.delegated:
+            scope = [
+                "systemd-run",
+                "--scope",
+                "--quiet",
+                "--collect",
+                "--property=Delegate=yes",
+                f"--unit={self.scope}",
+            ]
+            argv = [*scope, "--", *argv, "--cgroup"]
         self._proc = subprocess.Popen(
             [*argv, "sh", "-c", self._boot_script(lower)],
             stdin=subprocess.DEVNULL,
@@ -322,8 +393,10 @@ exec chroot {root} /lib/systemd/systemd --system --unit=multi-user.target
 
     @property
     def command_prefix(self) -> list[str]:
-        """argv prefix running a program inside the sandbox."""
-        return ["nsenter", "-t", str(self.pid), "-p", "-m", "-u", "-i", "chroot", str(self.mountpoint)]
+        """argv prefix running a program inside the sandbox: in its namespaces, with its systemd's
+        root and working directory (entering a mount namespace starts from that namespace's own
+        root, which is not the caller's where the caller is in a chroot: a sandbox in a sandbox)."""
+        return ["nsenter", "-t", str(self.pid), "-p", "-m", "-u", "-i", "-r", "-w"]
 
     @property
     def systemctl_argv(self) -> list[str]:
@@ -372,6 +445,15 @@ exec chroot {root} /lib/systemd/systemd --system --unit=multi-user.target
             if mode is not None:
                 target.chmod(mode)
         return target
+
+    def bind(self, src: str | os.PathLike[str], dst: str) -> None:
+        """Mount a host directory read-only at `dst` (absolute, inside the sandbox). Done in the
+        sandbox's mount namespace outside its root, where the host's paths are still reachable."""
+        self.path(dst).mkdir(parents=True, exist_ok=True)
+        inside = f"{self.mountpoint}{dst}"
+        for options in (["--bind", str(src)], ["-o", "remount,bind,ro"]):
+            argv = ["nsenter", "-t", str(self.pid), "-m", "mount", *options, inside]
+            subprocess.run(argv, capture_output=True, text=True, timeout=60, env=_ENV, check=True)
 
     def write_file(self, dst: str, text: str, mode: int = 0o644) -> Path:
         target = self.path(dst)

@@ -1,7 +1,9 @@
 """A Debian 12 -> 13 dist-upgrade keeps the agent: with the gpu-agent repository's suite switched
 along with Debian's (bookworm -> trixie), apt upgrades the Debian 12 package to the Debian 13 one
 (`~trixie` sorts above `~bookworm`) instead of removing it for its `python3 (<< 3.12)`, and the
-new package builds its environment on python3.13.
+new package builds its environment on python3.13. The upgraded root is then a Debian 13 build
+host: its lintian and rpmlint find every package clean, as they must for `scripts/test` to pass
+there (a newer linter judges more: tests/test_packaging.py says how each finding is handled).
 
 The root is the cached Debian 12 root of the other e2e tests (tests/systemd_sandbox.py) through an
 overlay, entered with chroot (tests/test_package_nosystemd.py's Chroot: no systemd runs, so the
@@ -22,7 +24,16 @@ from pathlib import Path
 import pytest
 from systemd_sandbox import DEFAULT_MIRROR, cached_rootfs
 from test_package_nosystemd import Chroot
-from test_packaging import PKG_VERSION, VERSION, build_packages
+from test_packaging import (
+    BUILD_OUT,
+    DEB_TARGETS,
+    PKG_VERSION,
+    REPO,
+    VERSION,
+    build_packages,
+    lintian_findings,
+    rpmlint_output,
+)
 
 TOOLS = ("unshare", "chroot", "mount", "debootstrap", "dpkg-deb")
 _MISSING = [tool for tool in TOOLS if shutil.which(tool) is None]
@@ -33,6 +44,8 @@ pytestmark = [
 ]
 
 REPO_IN_ROOT = "/mnt/gpu-agent-repo"
+PACKAGES_IN_ROOT = "/mnt/gpu-agent-packages"  # BUILD_OUT/release-1, every target's package
+PACKAGING_IN_ROOT = "/mnt/gpu-agent-packaging"  # packaging/, for rpmlint's configuration
 MIRROR = os.environ.get("GPU_AGENT_DEBIAN_MIRROR", DEFAULT_MIRROR)
 
 
@@ -59,7 +72,12 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory, repository: Path) -> Iterator[Chroot]:
-    yield Chroot(cached_rootfs(), tmp_path_factory.mktemp("dist-upgrade-root"), [(repository, REPO_IN_ROOT, True)])
+    binds = [
+        (repository, REPO_IN_ROOT, True),
+        (BUILD_OUT / "release-1", PACKAGES_IN_ROOT, True),
+        (REPO / "packaging", PACKAGING_IN_ROOT, True),
+    ]
+    yield Chroot(cached_rootfs(), tmp_path_factory.mktemp("dist-upgrade-root"), binds)
 
 
 def sources(root: Chroot, suite: str) -> None:
@@ -72,7 +90,7 @@ def test_dist_upgrade_from_bookworm_to_trixie_keeps_the_agent(root: Chroot) -> N
     sources(root, "bookworm")
     root.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", "gpu-agent"], timeout=900)
     assert root.run(["dpkg-query", "-W", "-f", "${Version}", "gpu-agent"]).stdout == f"{PKG_VERSION}-1~bookworm"
-    assert "-1~bookworm." in root.run(["readlink", "/opt/gpu-agent/venv"]).stdout
+    assert root.run(["readlink", "/opt/gpu-agent/venv"]).stdout.strip().endswith("-1~bookworm")
 
     sources(root, "trixie")
     env = ["env", "DEBIAN_FRONTEND=noninteractive"]
@@ -87,9 +105,28 @@ def test_dist_upgrade_from_bookworm_to_trixie_keeps_the_agent(root: Chroot) -> N
     python = root.run(["python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"]).stdout.strip()
     assert python == "3.13"
     venv = root.run(["readlink", "/opt/gpu-agent/venv"]).stdout.strip()
-    assert "-1~trixie." in venv
+    assert venv == f"/opt/gpu-agent/env-{PKG_VERSION}-1~trixie"
     # Only the new environment is left, and the agent runs from it on python 3.13.
     assert root.run(["sh", "-c", "ls -d /opt/gpu-agent/env-*"]).stdout.split() == [venv]
     assert root.run(["gpu-agent", "--version"]).stdout.splitlines()[0] == f"gpu-agent {VERSION}"
     assert root.run(["sh", "-c", f"ls -d {venv}/lib/python3.13/site-packages/agent"]).returncode == 0
     assert "ok (observe mode, nvml backend" in root.run(["gpu-agent", "check-config"]).stdout
+
+
+def test_debian_13s_linters_find_every_package_clean(root: Chroot) -> None:
+    """Debian 13's lintian and rpmlint, in the root the test above upgraded, on every package:
+    what `scripts/test` runs on a Debian 13 build host (tests/test_packaging.py, with this host's)."""
+    assert root.run(["sh", "-c", ". /etc/os-release && echo $VERSION_CODENAME"]).stdout.strip() == "trixie"
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "lintian", "rpmlint", "rpm"]
+    root.run(["env", "DEBIAN_FRONTEND=noninteractive", *install], timeout=900)
+    built = build_packages()
+
+    def inside(argv: list[str]) -> subprocess.CompletedProcess[str]:
+        return root.run(argv, check=False, timeout=600)
+
+    debs = {t: f"{PACKAGES_IN_ROOT}/{built[t].name}" for t in DEB_TARGETS}
+    assert lintian_findings(debs, inside) == []
+    rpm = f"{PACKAGES_IN_ROOT}/{built['el10'].name}"
+    assert rpmlint_output(rpm, f"{PACKAGING_IN_ROOT}/rpm/rpmlint.toml", inside) == ""
+    # The linters are Debian 13's, which judge what Debian 12's did not.
+    assert inside(["lintian-explain-tags", "aliased-location"]).returncode == 0

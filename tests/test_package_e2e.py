@@ -1,9 +1,12 @@
 """The Debian 12 package installed with apt in a real systemd (tests/systemd_sandbox.py): the
 hardened unit starts, notifies, answers `gpu-agent status`, logs structured journal entries, is
-restarted by its watchdog, restarts a stand-in sglang.service by rule, upgrades keeping its
-configuration, keeps the running daemon when an upgrade finds a config it rejects, leaves nothing
-behind when purged, and upgrades the previous package layout (rules as conffiles in /etc)
-without a prompt, keeping an admin's changed rule as an override.
+restarted by its watchdog, restarts a stand-in sglang.service by rule, refuses a reload whose
+config or rules the check rejects (systemctl reload fails, the daemon is not signalled), upgrades
+keeping its configuration, keeps the running daemon when an upgrade finds a config it rejects
+(and `status` says what runs is not the installed package), leaves nothing behind when purged,
+and goes to and from the previous package layout (rules as conffiles in /etc) without a prompt,
+keeping an admin's changed rule as an override and their masks, on a host that had that layout
+and on one that never had it.
 
 The sandbox is a Debian 12 (bookworm) root file system, so the cp311 package is the one under
 test. Its dependencies (python3-venv, python3-systemd) come from Debian's archive through the
@@ -22,6 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 from helpers import wait_until
 from hosttree import make_host_tree
 from systemd_sandbox import SystemdSandbox, missing_requirements
@@ -38,6 +42,7 @@ UNIT = "gpu-agent.service"
 HOST_ROOT = "/srv/gpu-agent-host"
 DEB = "/root/gpu-agent.deb"
 APT_ENV = ["env", "DEBIAN_FRONTEND=noninteractive"]
+ADMIN_RULES = "/etc/gpu-agent/rules.d"
 SGLANG_PORT = free_port()
 METRICS_PORT = free_port()
 # The stand-in runs from the package's own environment: agent/demo/standin.py is part of gpu-agent.
@@ -124,7 +129,7 @@ def test_install_enables_and_starts_the_shipped_config(sandbox: SystemdSandbox) 
     # No NVIDIA driver in the sandbox: the shipped nvml config runs and says so.
     assert "libnvidia-ml.so.1 not found" in journal(sandbox)
     venv = sandbox.run(["readlink", "/opt/gpu-agent/venv"]).stdout.strip()
-    assert re.fullmatch(rf"/opt/gpu-agent/env-{re.escape(PKG_VERSION)}-1~bookworm\.\w+", venv), venv
+    assert venv == f"/opt/gpu-agent/env-{PKG_VERSION}-1~bookworm", venv
     # Bytecode compiled at install: the service may not write /opt (ProtectSystem=strict), and a
     # daemon that compiles its modules at start keeps ~16 MB more RSS (docs/performance.md).
     sources = list(next(sandbox.path(venv).glob("lib/python3*/site-packages/agent")).rglob("*.py"))
@@ -199,6 +204,37 @@ def test_reload_keeps_the_daemon(simulated: SystemdSandbox) -> None:
     wait_for("config reloaded", lambda: "config reloaded" in journal(simulated))
     assert main_pid(simulated) == before
     assert active(simulated)
+
+
+def test_a_reload_the_check_rejects_fails_and_leaves_the_daemon_alone(simulated: SystemdSandbox) -> None:
+    """A typo in agent.yaml, then a broken rules file: `systemctl reload` exits non-zero, the
+    check's error is in the unit's journal, and the daemon never got the signal (it logs neither a
+    reload nor a failed one, and its view of the config is untouched)."""
+    good = simulated.path("/etc/gpu-agent/agent.yaml").read_text()
+    pid = main_pid(simulated)
+    broken_rules = f"{ADMIN_RULES}/60-broken.yaml"
+    cases = [
+        ("/etc/gpu-agent/agent.yaml", good.replace("interval_seconds: 1", "interval_seconds: -1"), "interval_seconds"),
+        (broken_rules, "rules:\n  - name: half a rule\n", "60-broken.yaml"),
+    ]
+    try:
+        for path, text, named in cases:
+            before = journal(simulated, "-o", "cat")
+            simulated.write_file(path, text)
+            reload = simulated.systemctl("reload", UNIT, check=False)
+            assert reload.returncode != 0, reload.stdout + reload.stderr
+            added = journal(simulated, "-o", "cat")[len(before) :]
+            assert named in added, added
+            assert "config reload" not in added, added  # the daemon's own words for a SIGHUP
+            assert main_pid(simulated) == pid and active(simulated)
+            simulated.write_file("/etc/gpu-agent/agent.yaml", good)
+            simulated.run(["rm", "-f", broken_rules])
+        document = json.loads(simulated.run(["gpu-agent", "status", "--json"], check=False).stdout)
+        assert not any("reload" in line for line in document["verdict"]["attention"]), document["verdict"]
+    finally:
+        simulated.write_file("/etc/gpu-agent/agent.yaml", good)
+        simulated.run(["rm", "-f", broken_rules])
+    simulated.systemctl("reload", UNIT)
 
 
 def test_journal_has_structured_fields(simulated: SystemdSandbox) -> None:
@@ -290,11 +326,15 @@ def test_upgrade_with_a_config_it_rejects_keeps_the_running_daemon(simulated: Sy
     assert active(simulated) and main_pid(simulated) == old_pid
     logged = simulated.run(["journalctl", "--no-pager", "-t", "gpu-agent", "-p", "err", "-o", "cat"]).stdout
     assert "the new version rejects /etc/gpu-agent/agent.yaml" in logged
+    # `status` (run from the environment that stayed) says the installed package is not what runs.
+    said = simulated.run(["gpu-agent", "status"], check=False).stderr
+    assert f"is not the installed package's ({PKG_VERSION}-2~bookworm): the upgrade kept" in said, said
     # Fixed, the way the message says: the new environment takes over.
     simulated.write_file("/etc/gpu-agent/agent.yaml", good)
     simulated.run(["/opt/gpu-agent/lib/install-env", "build"], timeout=300)
     simulated.systemctl("restart", UNIT)
     assert f"{PKG_VERSION}-2~bookworm" in simulated.run(["readlink", "/opt/gpu-agent/venv"]).stdout
+    assert "warning" not in simulated.run(["gpu-agent", "check-config"]).stderr
 
 
 def test_upgrade_keeps_config_then_remove_and_purge_leave_nothing(simulated: SystemdSandbox) -> None:
@@ -334,7 +374,6 @@ def test_upgrade_keeps_config_then_remove_and_purge_leave_nothing(simulated: Sys
 
 
 LEGACY_COMMIT = "b8c3c15"  # the last commit whose packages installed the rules in /etc/gpu-agent/rules.d
-ADMIN_RULES = "/etc/gpu-agent/rules.d"
 SITE_RULES = "rules: []\n"  # an admin's own file: read, and kept through every path
 
 
@@ -367,7 +406,7 @@ def listed_rules(sandbox: SystemdSandbox) -> list[str]:
     return [line.strip() for line in checked.splitlines()[1:]]
 
 
-def expected_listing(changed: str, masked: str, added: str) -> list[str]:
+def expected_listing(changed: str | None, masked: list[str], added: str) -> list[str]:
     shipped = "/usr/share/gpu-agent/rules.d"
     lines = []
     for name in sorted([*RULES, added]):
@@ -375,57 +414,79 @@ def expected_listing(changed: str, masked: str, added: str) -> list[str]:
             lines.append(f"{ADMIN_RULES}/{name} (overrides {shipped}/{name})")
         elif name == added:
             lines.append(f"{ADMIN_RULES}/{name}")
-        elif name != masked:
+        elif name not in masked:
             lines.append(f"{shipped}/{name}")
-    return [*lines, f"{ADMIN_RULES}/{masked}: masked (disables {shipped}/{masked})"]
+    return [*lines, *(f"{ADMIN_RULES}/{name}: masked (disables {shipped}/{name})" for name in masked)]
 
 
-def test_upgrade_from_the_rules_as_conffiles_layout_and_back(sandbox: SystemdSandbox, legacy_package: Path) -> None:
-    """The package of the commit before the rules moved, an admin's edit of one rule, deletion of
-    another and a file of their own; then this package, back to the old one, and forward again:
-    apt never prompts, and every step keeps exactly the rules the admin had. (The service is not
-    waited for: the shipped config's port, 9481, is the host's here, and may be taken.)"""
+def old_rules_line(sandbox: SystemdSandbox) -> str:
+    """The old check-config's summary of the rules it reads: `N rules from DIR`."""
+    return sandbox.run(["gpu-agent", "check-config"]).stdout.strip().rsplit("; ", 1)[1]
+
+
+def apt_output(sandbox: SystemdSandbox, deb: Path, *options: str) -> str:
+    """apt-get install of `deb`, stdin closed: a conffile prompt would fail it, as it stopped `apt-get install -y`."""
+    sandbox.copy_in(deb, DEB)
+    proc = sandbox.run([*APT_ENV, "apt-get", "install", "-y", "-q", *options, DEB], check=False, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def test_the_admins_rules_survive_the_old_layout_both_ways(
+    sandbox: SystemdSandbox, packages: dict[str, Path], legacy_package: Path
+) -> None:
+    """A host that never had the old layout: this package, one shipped rule masked and a file of the
+    admin's own; back to the package of the commit before the rules moved (conffiles in /etc):
+    the mask stays, and the old daemon skips it. There an edit of one rule and the deletion of
+    another; then this package, back to the old one, and forward again: apt never prompts, and
+    every step keeps exactly the rules the admin had. (The service is not waited for: the shipped
+    config's port, 9481, is the host's here, and may be taken.)"""
     # From a clean slate (the tests before purge the package; run alone, the fixture installed it).
     sandbox.run([*APT_ENV, "apt-get", "purge", "-y", "-q", "gpu-agent"], check=False, timeout=300)
     sandbox.run(["rm", "-rf", f"/etc/systemd/system/{UNIT}.d"])
-    apt_install(sandbox, legacy_package)
-    thermal = sandbox.path(f"{ADMIN_RULES}/20-thermal.yaml")
-    assert thermal.is_file()  # the old layout
-    changed = thermal.read_text() + "# tuned on this node\n"
-    sandbox.write_file(f"{ADMIN_RULES}/20-thermal.yaml", changed)
-    sandbox.run(["rm", f"{ADMIN_RULES}/40-memory.yaml"])
+    apt_install(sandbox, packages["debian12"])
+    sandbox.run(["ln", "-s", "/dev/null", f"{ADMIN_RULES}/40-memory.yaml"])
     sandbox.write_file(f"{ADMIN_RULES}/70-site.yaml", SITE_RULES)
-    old_rules = admin_rules(sandbox)
-    old_checked = sandbox.run(["gpu-agent", "check-config"]).stdout
-    assert "40-memory.yaml" not in old_rules and old_rules["20-thermal.yaml"] == changed
-    new_layout = {"20-thermal.yaml": changed, "40-memory.yaml": "-> /dev/null", "70-site.yaml": SITE_RULES}
-    listing = expected_listing("20-thermal.yaml", "40-memory.yaml", "70-site.yaml")
+    assert listed_rules(sandbox) == expected_listing(None, ["40-memory.yaml"], "70-site.yaml")
 
-    # Forward. stdin closed: a conffile prompt would fail the install, as it stopped `apt-get install -y`.
-    sandbox.copy_in(build_packages(release=4, targets=("debian12",))["debian12"], DEB)
-    proc = sandbox.run([*APT_ENV, "apt-get", "install", "-y", "-q", DEB], check=False, timeout=600)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-3000:]
-    assert f"kept {ADMIN_RULES}/20-thermal.yaml (changed here)" in output
-    assert f"{ADMIN_RULES}/40-memory.yaml was deleted here: masked it" in output
+    # Back, on a host dpkg never saw the old layout on: the mask stays, the old rules come.
+    output = apt_output(sandbox, legacy_package, "--allow-downgrades")
+    assert f"{ADMIN_RULES}/40-memory.yaml masks a rule the older package ships: kept" in output, output[-3000:]
+    legacy = REPO / "packaging/legacy-rules"
+    shipped_then = {p.name: p.read_text() for p in legacy.glob("*.yaml")}
+    assert admin_rules(sandbox) == {
+        **shipped_then,
+        "40-memory.yaml": "-> /dev/null",
+        "70-site.yaml": SITE_RULES,
+    }
+    counted = sum(len(yaml.safe_load(text)["rules"]) for name, text in shipped_then.items() if name != "40-memory.yaml")
+    assert old_rules_line(sandbox) == f"{counted} rules from {ADMIN_RULES}"
+
+    # The old layout's own ways: one rule tuned, one deleted.
+    changed = shipped_then["20-thermal.yaml"] + "# tuned on this node\n"
+    sandbox.write_file(f"{ADMIN_RULES}/20-thermal.yaml", changed)
+    sandbox.run(["rm", f"{ADMIN_RULES}/50-gpu-state.yaml"])
+    old_rules = admin_rules(sandbox)
+    old_line = old_rules_line(sandbox)
+    masks = {"40-memory.yaml": "-> /dev/null", "50-gpu-state.yaml": "-> /dev/null"}
+    new_layout = {"20-thermal.yaml": changed, **masks, "70-site.yaml": SITE_RULES}
+    listing = expected_listing("20-thermal.yaml", ["40-memory.yaml", "50-gpu-state.yaml"], "70-site.yaml")
+    upgrade = build_packages(release=3, targets=("debian12",))["debian12"]
+
+    # Forward: the changed copy overrides, the deleted one is masked, the unchanged ones go.
+    output = apt_output(sandbox, upgrade)
+    assert f"kept {ADMIN_RULES}/20-thermal.yaml (changed here)" in output, output[-3000:]
+    assert f"{ADMIN_RULES}/50-gpu-state.yaml was deleted here: masked it" in output, output[-3000:]
     assert admin_rules(sandbox) == new_layout
     assert listed_rules(sandbox) == listing
-
-    # Back: the old package again, its rules as the admin left them.
-    sandbox.copy_in(legacy_package, DEB)
-    argv = [*APT_ENV, "apt-get", "install", "-y", "-q", "--allow-downgrades", DEB]
-    proc = sandbox.run(argv, check=False, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    # Back: the old package's rules as the admin left them, the deleted one masked now (the old
+    # daemon skips a mask as it skipped the missing file).
+    apt_output(sandbox, legacy_package, "--allow-downgrades")
     status = sandbox.run(["dpkg-query", "-W", "-f", "${Status} ${Version}", "gpu-agent"]).stdout
     assert status.startswith("install ok installed 0.1.0-1~bookworm"), status
-    # The deleted rule stays deleted (dpkg keeps it so; its mask went, which dpkg cannot unpack over).
-    assert admin_rules(sandbox) == old_rules
-    assert sandbox.run(["gpu-agent", "check-config"]).stdout == old_checked
-
-    # And forward again: the deletion becomes the mask again.
-    sandbox.copy_in(build_packages(release=4, targets=("debian12",))["debian12"], DEB)
-    proc = sandbox.run([*APT_ENV, "apt-get", "install", "-y", "-q", DEB], check=False, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    assert f"{ADMIN_RULES}/40-memory.yaml was deleted here: masked it" in proc.stdout + proc.stderr
+    assert admin_rules(sandbox) == {**old_rules, **masks}
+    assert old_rules_line(sandbox) == old_line
+    # And forward again, where dpkg now records the masks as the old package's conffiles.
+    apt_output(sandbox, upgrade)
     assert admin_rules(sandbox) == new_layout
     assert listed_rules(sandbox) == listing

@@ -27,7 +27,7 @@ import pytest
 from helpers import wait_until
 from hosttree import make_host_tree
 from systemd_sandbox import cached_rootfs
-from test_packaging import BUILD_OUT, PKG_VERSION, VERSION, build_packages
+from test_packaging import BUILD_OUT, PKG_VERSION, REPO, VERSION, build_packages
 
 from agent.demo.standin_process import free_port
 
@@ -40,6 +40,7 @@ pytestmark = [
 ]
 
 PACKAGES_IN_ROOT = "/mnt/gpu-agent-packages"  # BUILD_OUT, read-only
+SCRIPTS_IN_ROOT = "/mnt/gpu-agent-scripts"  # scripts/, read-only
 TEST_DIR = "/srv/gpu-agent-test"  # the simulated config and its host tree
 CHROOT_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", "DEBIAN_FRONTEND": "noninteractive"}
 SKIPPED_START = "gpu-agent: systemd is not running: gpu-agent.service was not started"
@@ -158,7 +159,11 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chroot]:
     test_dir = tmp_path_factory.mktemp("nosystemd-node")
     make_host_tree(test_dir / "host")
     (test_dir / "agent.yaml").write_text(SIMULATED_CONFIG)
-    binds = [(BUILD_OUT, PACKAGES_IN_ROOT, True), (test_dir, TEST_DIR, False)]
+    binds = [
+        (BUILD_OUT, PACKAGES_IN_ROOT, True),
+        (test_dir, TEST_DIR, False),
+        (REPO / "scripts", SCRIPTS_IN_ROOT, True),
+    ]
     chroot = Chroot(cached_rootfs(), tmp_path_factory.mktemp("nosystemd-root"), binds)
     chroot.run(["apt-get", "update", "-q"], timeout=300)
     chroot.run(["apt-get", "purge", "-y", "-q", "--allow-remove-essential", "systemd", "systemd-sysv"])
@@ -252,3 +257,24 @@ def test_upgrade_then_purge_without_systemd(root: Chroot, tmp_path: Path) -> Non
     assert root.run(["ls", "-d", *leftovers], check=False).stdout == ""
     for trace in (upgrade_trace, purge_trace):
         assert systemctl_lookups(trace) == [], trace.name
+
+
+def test_install_test_deps_leaves_no_service_running_or_enabled(root: Chroot) -> None:
+    """scripts/install-test-deps installing Alertmanager, whose package starts it (here through
+    its init script: no systemd runs) and enables it at boot: in the end it neither runs nor is
+    enabled, and the policy-rc.d that held it back is gone. (Checked in the one command: every
+    command gets a /run of its own here, and a daemon's pid file with it.)"""
+    service = "prometheus-alertmanager"
+    assert not installed(root, service)
+    script = f"""
+{SCRIPTS_IN_ROOT}/install-test-deps {service}
+if /etc/init.d/{service} status >/dev/null 2>&1; then echo running; fi
+ls /etc/rc2.d /etc/rc3.d /etc/rc5.d | grep '^S.*{service}$' || true
+ls /etc/systemd/system/multi-user.target.wants 2>/dev/null | grep {service} || true
+ls /usr/sbin/policy-rc.d 2>/dev/null || true
+"""
+    found = root.run(["sh", "-ec", script], timeout=600).stdout
+    assert installed(root, service)
+    assert found.split() == [], found
+    # What a plain install does, for contrast: the package enables it (a link for systemd, S links for init).
+    assert root.run(["ls", "/etc/rc2.d"]).stdout.count(service) == 1  # K01...: disabled, not removed

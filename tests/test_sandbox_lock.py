@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from systemd_sandbox import SandboxError, lock_or_wait, missing_requirements, root_is_a_mount_point
+from systemd_sandbox import SandboxError, cgroup_is_unified, lock_or_wait, missing_requirements, root_is_a_mount_point
 
 
 def test_a_held_lock_is_waited_for_with_a_message_then_refused(
@@ -51,3 +51,16 @@ def test_a_chroot_whose_root_is_no_mount_point_is_a_skip_reason(tmp_path: Path) 
         pytest.skip(f"checked before the mounts, and missing here: {earlier}")
     reason = missing_requirements(chroot)
     assert reason is not None and reason.startswith("/ is not a mount point here (a chroot?)"), reason
+
+
+def test_only_the_unified_cgroup_hierarchy_is_taken_for_one() -> None:
+    """A systemd host's sandbox needs cgroup2 at /sys/fs/cgroup (the unified hierarchy): the
+    hybrid layout's tmpfs there, with v1 hierarchies under it, is not."""
+    hybrid = "30 25 0:26 / /sys/fs/cgroup ro,nosuid,nodev,noexec shared:9 - tmpfs tmpfs ro,mode=755\n"
+    hybrid += "31 30 0:27 / /sys/fs/cgroup/unified rw,nosuid shared:10 - cgroup2 cgroup2 rw\n"
+    unified = "30 25 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec shared:9 - cgroup2 cgroup2 rw,nsdelegate\n"
+    assert cgroup_is_unified(HOST_MOUNTS + unified)
+    assert not cgroup_is_unified(HOST_MOUNTS + hybrid)
+    # The unified hierarchy mounted over the hybrid layout's tmpfs: what is seen is the last one.
+    assert cgroup_is_unified(HOST_MOUNTS + hybrid + unified.replace("30 25", "40 30"))
+    assert not cgroup_is_unified(HOST_MOUNTS)

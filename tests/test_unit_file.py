@@ -60,8 +60,10 @@ def verifiable_unit(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     program.parent.mkdir()
     program.write_text("#!/bin/sh\nexit 0\n")
     program.chmod(0o755)
-    (tmp_path / "man" / "man8").mkdir(parents=True)
-    shutil.copy(MAN_PAGE, tmp_path / "man" / "man8" / "gpu-agent.8")
+    for page in (*MAN_PAGE.parent.glob("*.5"), *MAN_PAGE.parent.glob("*.8")):
+        section = tmp_path / "man" / f"man{page.suffix[1:]}"
+        section.mkdir(parents=True, exist_ok=True)
+        shutil.copy(page, section / page.name)
     unit = tmp_path / "gpu-agent.service"
     unit.write_text(UNIT.read_text().replace("/usr/bin/gpu-agent", str(program)))
     return unit, {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "MANPATH": str(tmp_path / "man"), "LANG": "C.UTF-8"}
@@ -79,7 +81,7 @@ def test_systemd_analyze_verify_catches_a_broken_unit(verifiable_unit: tuple[Pat
     """The check above can fail: a misspelled key and a missing program are reported."""
     unit, env = verifiable_unit
     unit.write_text(
-        unit.read_text().replace("ProtectHome=yes", "ProtectHomes=yes").replace("/bin/kill", "/nonexistent")
+        unit.read_text().replace("ProtectHome=yes", "ProtectHomes=yes").replace("ExecStart=", "ExecStart=/nonexistent ")
     )
     proc = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, env=env)
     assert "'ProtectHomes'" in proc.stderr
@@ -115,7 +117,8 @@ def test_notify_watchdog_and_restart() -> None:
     assert value("Type") == "notify"
     assert value("NotifyAccess") == "main"
     assert value("ExecStart") == "/usr/bin/gpu-agent run --log-format journal"
-    assert value("ExecReload") == "/bin/kill -HUP $MAINPID"
+    # The config is checked before the daemon is signalled (tests/test_package_e2e.py reloads both ways).
+    assert values("ExecReload") == ["/usr/bin/gpu-agent check-config", "/bin/kill -HUP $MAINPID"]
     assert value("WatchdogSec") == "30"
     assert value("Restart") == "on-failure"
     assert value("RestartSec") == "5s"
@@ -193,6 +196,6 @@ def test_every_directive_is_explained() -> None:
     # Description=, Documentation= and the [Install] target explain themselves.
     assert unexplained == [
         "Description=GPU node agent (policy, fault watchers, remediation, metrics)",
-        "Documentation=man:gpu-agent(8)",
+        "Documentation=man:gpu-agent(8) man:gpu-agent-config(5) man:gpu-agent-rules(5)",
         "WantedBy=multi-user.target",
     ]

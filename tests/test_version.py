@@ -4,16 +4,20 @@ in dpkg and rpm; a built wheel knows its version without git."""
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
-from agent.version import BuildInfo, VersionError, current, debian_version, from_git
+from agent.version import BuildInfo, VersionError, current, debian_version, from_git, from_tree, package_notice
 
 REPO = Path(__file__).resolve().parent.parent
 GIT_ENV = {
@@ -157,3 +161,232 @@ def test_a_built_wheel_knows_its_version_without_git(tmp_path: Path) -> None:
     ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=site)
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.split() == [info.version, info.revision]
+
+
+# -- trees that are no checkout: an export, a tarball, an sdist ------------------------------------
+
+
+def export(repo: Path, ref: str, into: Path) -> Path:
+    """`git archive REF` of `repo` unpacked into `into`: what a tarball of it holds."""
+    into.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(["git", "-C", str(repo), "archive", ref], capture_output=True, check=True, env=GIT_ENV)
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+    return into
+
+
+def export_release(repo: Path, version: str, into: Path) -> Path:
+    """A release tarball of `repo`'s HEAD, unpacked: HEAD tagged vVERSION (the tag gone after)."""
+    git(repo, "tag", f"v{version}")
+    try:
+        return export(repo, f"v{version}", into)
+    finally:
+        git(repo, "tag", "-d", f"v{version}")
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This project's tree (its committed files, the working tree's changes included) as the one
+    commit of a repository of its own: tagged or exported by the tests as they need."""
+    repo = tmp_path_factory.mktemp("project")
+    files = subprocess.run(
+        ["git", "-C", str(REPO), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    for name in (f.decode() for f in files if f):
+        source = REPO / name
+        if source.is_file():
+            (repo / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, repo / name)
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "the project")
+    return repo
+
+
+def tree_build(tree: Path) -> ModuleType:
+    """packaging/build.py of `tree`, loaded as its own module (it takes the version of its own tree)."""
+    spec = importlib.util.spec_from_file_location(f"build_of_{tree.name}", tree / "packaging" / "build.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def no_version_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("GPU_AGENT_VERSION", "GPU_AGENT_REVISION", "SOURCE_DATE_EPOCH"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_an_export_inside_another_repository_is_not_that_repository(
+    project: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A distribution's packaging repository (or a monorepo) holding an export of an untagged
+    commit: the build refuses and says how to name the version, instead of counting the commits
+    of the repository around it."""
+    outer = tmp_path / "packaging-repo"
+    outer.mkdir()
+    git(outer, "init", "-q", "-b", "main")
+    outer_head = commit(outer, "the distribution's packaging")
+    tree = export(project, "HEAD", outer / "upstream")
+    with pytest.raises(VersionError) as refused:
+        from_tree(tree, environ={})
+    assert "no release tag names" in str(refused.value) and "GPU_AGENT_VERSION=X.Y.Z" in str(refused.value)
+    # What a builder runs: refused before anything is built.
+    assert tree_build(tree).main(["--target", "debian12", "--out", str(tmp_path / "out")]) == 1
+    said = capsys.readouterr().err
+    assert said.startswith(f"build-packages: no version for {tree}: ") and "GPU_AGENT_VERSION=X.Y.Z" in said, said
+    assert outer_head[:7] not in said and not (tmp_path / "out").exists()
+    with pytest.raises(VersionError, match="not the top level"):
+        from_git(tree)
+    # Named by the builder: that version, of the commit the archival file names.
+    named = from_tree(tree, environ={"GPU_AGENT_VERSION": "0.2.0"})
+    assert named == BuildInfo("0.2.0", git(project, "rev-parse", "HEAD"))
+    with pytest.raises(VersionError, match=r"expected X\.Y\.Z"):
+        from_tree(tree, environ={"GPU_AGENT_VERSION": "0.2"})
+
+
+def test_a_tarball_of_a_release_tag_names_the_release(project: Path, tmp_path: Path) -> None:
+    tree = export_release(project, "7.8.9", tmp_path / "gpu-agent-7.8.9")
+    head = git(project, "rev-parse", "HEAD")
+    assert from_tree(tree, environ={}) == BuildInfo("7.8.9", head)
+    build = tree_build(tree)
+    # The version and commit a clone of the tag gives, and the commit's time as SOURCE_DATE_EPOCH.
+    assert (build.project_version(), build.project_info().revision) == ("7.8.9", head)
+    assert build.source_date_epoch() == int(git(project, "log", "-1", "--format=%ct"))
+
+
+def test_a_tarball_without_the_archival_file_needs_the_version_named(project: Path, tmp_path: Path) -> None:
+    tree = export(project, "HEAD", tmp_path / "tree")
+    (tree / ".git_archival.txt").unlink()
+    with pytest.raises(VersionError, match=r"no \.git_archival\.txt filled by git archive"):
+        from_tree(tree, environ={})
+    # The checkout's own copy, its placeholders unfilled, names nothing either.
+    shutil.copy(REPO / ".git_archival.txt", tree / ".git_archival.txt")
+    with pytest.raises(VersionError, match=r"GPU_AGENT_VERSION=X\.Y\.Z"):
+        from_tree(tree, environ={})
+    named = {"GPU_AGENT_VERSION": "1.0.0.dev3+gabcdef0", "GPU_AGENT_REVISION": "abcdef0123"}
+    assert from_tree(tree, environ=named) == BuildInfo("1.0.0.dev3+gabcdef0", "abcdef0123")
+
+
+def pip_wheel(tree: Path, out: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if k != "GPU_AGENT_VERSION"} | env
+    argv = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--wheel-dir", str(out), str(tree)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=600, env=environ)
+
+
+def test_pip_wheel_of_an_export_names_the_release_or_fails(project: Path, tmp_path: Path) -> None:
+    release = export_release(project, "7.8.9", tmp_path / "release")
+    built = pip_wheel(release, tmp_path / "wheels")
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = (tmp_path / "wheels").glob("*.whl")
+    assert wheel.name == "gpu_agent-7.8.9-py3-none-any.whl"
+    shutil.unpack_archive(wheel, tmp_path / "site", "zip")
+    info = (tmp_path / "site/agent/_build_info.py").read_text()
+    assert f"VERSION = '7.8.9'\nREVISION = '{git(project, 'rev-parse', 'HEAD')}'" in info
+    # An untagged export: refused with the way out, not built as 0.2.0.dev0 of an unknown commit.
+    snapshot = export(project, "HEAD", tmp_path / "snapshot")
+    refused = pip_wheel(snapshot, tmp_path / "refused")
+    assert refused.returncode != 0
+    assert "GPU_AGENT_VERSION=X.Y.Z" in refused.stdout + refused.stderr, refused.stderr[-3000:]
+    assert not (tmp_path / "refused").exists() or not list((tmp_path / "refused").iterdir())
+
+
+def test_a_wheel_built_from_an_sdist_keeps_the_checkouts_version(project: Path, tmp_path: Path) -> None:
+    """`python -m build` makes the sdist first and the wheel from it: the sdist is no checkout, and
+    its archival file names the version it was made with."""
+    out, backend = tmp_path / "sdist", tmp_path / "backend"
+    # The build backend pyproject.toml asks for, as pip's build isolation installs it.
+    requires = re.search(r"^requires = \[\"(.+?)\"\]", (REPO / "pyproject.toml").read_text(), re.M)
+    assert requires is not None
+    argv = [sys.executable, "-m", "pip", "install", "-q", "--target", str(backend), requires.group(1)]
+    subprocess.run(argv, check=True, capture_output=True, timeout=300)
+    code = f"from setuptools import build_meta; print(build_meta.build_sdist({str(out)!r}))"
+    env = {**os.environ, "PYTHONPATH": str(backend)}
+    made = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=project, env=env)
+    assert made.returncode == 0, made.stderr[-3000:]
+    info = from_git(project)
+    built = pip_wheel(out / made.stdout.strip().splitlines()[-1], tmp_path / "wheels")
+    assert built.returncode == 0, built.stderr[-3000:]
+    assert [p.name for p in (tmp_path / "wheels").iterdir()] == [f"gpu_agent-{info.version}-py3-none-any.whl"]
+
+
+# -- the code that runs against the installed package -------------------------------------------------
+
+PACKAGED = "0.2.0~dev9+gabcdef0-2~bookworm"
+
+
+@pytest.fixture
+def package_layout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """/opt/gpu-agent as the package lays it out, with this process running from its `venv` link."""
+    prefix = tmp_path / "opt/gpu-agent"
+    (prefix / "wheels").mkdir(parents=True)
+    (prefix / "lib").mkdir()
+    (prefix / "lib/install-env").write_text("#!/bin/sh\n")
+    (prefix / "wheels/VERSION").write_text(PACKAGED + "\n")
+    monkeypatch.setattr(sys, "prefix", str(prefix / "venv"))
+    return prefix
+
+
+def run_from(prefix: Path, environment: str) -> None:
+    (prefix / environment).mkdir()
+    (prefix / "venv").unlink(missing_ok=True)
+    (prefix / "venv").symlink_to(environment)
+
+
+def test_no_notice_where_the_package_environment_runs(package_layout: Path) -> None:
+    run_from(package_layout, f"env-{PACKAGED}.Ab12Cd")
+    assert package_notice(None) is None
+    assert package_notice("0.2.0.dev9+gabcdef0") is None
+    (package_layout / "wheels/VERSION").unlink()  # no package: a checkout, pip install
+    assert package_notice("0.1.0") is None
+
+
+def test_a_daemon_not_restarted_since_the_upgrade_is_named(package_layout: Path) -> None:
+    run_from(package_layout, f"env-{PACKAGED}.Ab12Cd")
+    notice = package_notice("0.1.0")
+    assert notice is not None
+    assert notice.startswith(f"the running daemon is gpu-agent 0.1.0, not the installed package's {PACKAGED}")
+    assert "systemctl restart gpu-agent" in notice
+
+
+def test_an_environment_the_upgrade_did_not_switch_to_is_named(package_layout: Path) -> None:
+    """The upgrade's new version rejected the config: the link stays on the previous environment,
+    and `check-config` run from it would say ok."""
+    run_from(package_layout, "env-0.2.0~dev8+g1234567-1~bookworm.Zz99Yy")
+    notice = package_notice(None)
+    assert notice is not None
+    assert f"is not the installed package's ({PACKAGED}): the upgrade kept the previous environment" in notice
+    install_env = package_layout / "lib/install-env"
+    assert f"run {install_env} upgrade && systemctl restart gpu-agent && {install_env} prune" in notice
+
+
+def test_check_config_and_status_give_the_notice(
+    package_layout: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from agent.api_server import ApiServer
+    from agent.cli import main
+
+    run_from(package_layout, f"env-{PACKAGED}.Ab12Cd")
+    socket_path = tmp_path / "agent.sock"
+    (tmp_path / "rules.d").mkdir()
+    config = tmp_path / "agent.yaml"
+    config.write_text(f"api: {{socket: {socket_path}}}\nremediation: {{rules_dirs: [{tmp_path / 'rules.d'}]}}\n")
+    document = {"verdict": {"exit_code": 0}, "version": "0.1.0", "source": "daemon"}
+    server = ApiServer(socket_path, {"status": lambda params: document})
+    server.start()
+    try:
+        assert main(["check-config", "--config", str(config)]) == 0
+        assert f"warning: the running daemon is gpu-agent 0.1.0, not the installed package's {PACKAGED}" in (
+            capsys.readouterr().err
+        )
+        assert main(["check-config", "--strict", "--config", str(config)]) == 1
+        capsys.readouterr()
+        assert main(["status", "--json", "--config", str(config)]) == 0
+        said = capsys.readouterr()
+        assert json.loads(said.out)["version"] == "0.1.0"
+        assert "warning: the running daemon is gpu-agent 0.1.0" in said.err
+    finally:
+        server.close()

@@ -22,6 +22,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     from agent.backend import load_checked_config
     from agent.rules.config import load_rules
     from agent.rules.sources import describe, resolve_rules
+    from agent.version import package_notice
 
     path, _ = config_path(args)
     if path is None:
@@ -39,9 +40,24 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     for line in describe(resolved):
         print_text(line)
     warnings = resolved.warnings()
+    notice = package_notice(_daemon_version(config.api.socket))
+    if notice is not None:
+        warnings.append(notice)
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
     return EXIT_ERROR if warnings and args.strict else EXIT_OK
+
+
+def _daemon_version(socket_path: str) -> str | None:
+    """The version of the daemon answering on the config's socket; None when none answers."""
+    from agent import api
+
+    try:
+        document = api.call(socket_path, "status", timeout_seconds=2.0)
+    except (OSError, ValueError, api.ApiError):
+        return None
+    version = document.get("version") if isinstance(document, dict) else None
+    return version if isinstance(version, str) else None
 
 
 def _check_rules_dirs_exist(path: Path, missing: Sequence[Path], *, from_config: bool) -> None:

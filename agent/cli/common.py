@@ -58,7 +58,9 @@ def open_store(config: AgentConfig) -> Store:
     from agent.store.database import Store, StoreError
 
     try:
-        return Store.open(config.state_dir)
+        # The daemon alone puts a database from before a downgrade back: the CLI may run beside an
+        # older daemon that still holds the current one.
+        return Store.open(config.state_dir, reuse_newer=False)
     except StoreError as exc:
         raise CliError(str(exc)) from None
 

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from agent import api, textview
+    from agent.version import package_notice
 
     document = None
     if not args.direct:
@@ -47,6 +48,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         else:
             note = f"direct read: the daemon on {config.api.socket} is still starting"
         document = direct_status(config, note)
+    daemon_version = document.get("version") if document.get("source") != "direct" else None
+    notice = package_notice(daemon_version if isinstance(daemon_version, str) else None)
+    if notice is not None:
+        print(f"warning: {notice}", file=sys.stderr)
     if args.json:
         print_text(textview.dumps(document))
     else:

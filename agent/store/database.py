@@ -269,9 +269,14 @@ class Store(BootTables, Acknowledgements, TuneTables, TuneHistoryTables, HoldTab
 
     @classmethod
     def open(
-        cls, state_dir: str | Path, now_seconds: float | None = None, retention_seconds: float = RETENTION_SECONDS
+        cls,
+        state_dir: str | Path,
+        now_seconds: float | None = None,
+        retention_seconds: float = RETENTION_SECONDS,
+        reuse_newer: bool = True,
     ) -> Store:
-        """Open (or create) the database; set aside an unusable one; prune old rows."""
+        """Open (or create) the database; set aside an unusable one; prune old rows. reuse_newer:
+        put back the database an older agent set aside as too new for it (`schema.connect_or_replace`)."""
         now = time.time() if now_seconds is None else now_seconds
         directory = Path(state_dir)
         # What the agent reads back from here decides what it does: only where nobody else can write.
@@ -290,7 +295,7 @@ class Store(BootTables, Acknowledgements, TuneTables, TuneHistoryTables, HoldTab
             if problem is not None:
                 raise StoreError(f"cannot open {path}: {problem}")
         try:
-            connection = connect_or_replace(path, now)
+            connection = connect_or_replace(path, now, reuse_newer)
         except (Unusable, sqlite3.Error, OSError) as exc:
             raise StoreError(f"cannot open {path}: {exc}") from exc
         store = cls(path, connection)

@@ -1,6 +1,8 @@
 """The database file: its schema (append-only migrations) and opening it. A file that is not a
 healthy SQLite database at a schema this agent knows is set aside (its name kept, with the reason
-and the time) and a new one started: the agent keeps running on a damaged disk's leftovers."""
+and the time) and a new one started: the agent keeps running on a damaged disk's leftovers. One an
+older agent set aside as newer than its schema (a downgrade) is reused by the next agent that
+reads that schema."""
 
 from __future__ import annotations
 
@@ -220,13 +222,68 @@ def _switch_to_wal(connection: sqlite3.Connection) -> str:
         pause_seconds = min(pause_seconds * 2, 0.1)
 
 
-def connect_or_replace(path: Path, now_seconds: float) -> sqlite3.Connection:
+def connect_or_replace(path: Path, now_seconds: float, reuse_newer: bool = True) -> sqlite3.Connection:
+    if reuse_newer:
+        _reuse_newer(path, now_seconds)
     try:
         return _connect(path)
     except Unusable as unusable:
         aside = _set_aside(path, unusable.label, now_seconds)
         log.error("state database unusable, kept aside; starting a new one", error=str(unusable), kept_aside=str(aside))
         return _connect(path)
+
+
+#: Where SQLite keeps `PRAGMA user_version`: 4 big-endian bytes at this offset of the file's header.
+_USER_VERSION_OFFSET = 60
+
+
+def _schema_version(path: Path) -> int | None:
+    """The schema version in a database file's header, read without opening it in SQLite (it is not
+    this agent's database until it is reused); None when the file is not one."""
+    try:
+        with file_reads.open_regular(path, follow_links=False) as found:
+            header = found.read(_USER_VERSION_OFFSET + 4)
+    except OSError:
+        return None
+    if len(header) < _USER_VERSION_OFFSET + 4 or not header.startswith(_SQLITE_HEADER):
+        return None
+    return int.from_bytes(header[_USER_VERSION_OFFSET:], "big")
+
+
+def _reuse_newer(path: Path, now_seconds: float) -> None:
+    """A downgraded package's older agent sets this agent's database aside as `NAME.newer-TIME` and
+    starts an empty one; the next upgrade brings an agent that reads the schema again: the newest
+    such file goes back in place, with the history from before the downgrade, and the database the
+    older agent kept meanwhile is set aside as `NAME.older-TIME` (only the newest of those is kept:
+    each downgrade leaves one, and they would pile up). A current file this agent cannot read
+    either (a newer agent's, a damaged one) is left to the usual setting aside."""
+    current = _schema_version(path)
+    if path.exists() and (current is None or current > len(MIGRATIONS)):
+        return
+    reusable = []
+    for candidate in path.parent.glob(f"{path.name}.newer-*"):
+        if candidate.name.endswith(("-wal", "-shm")):
+            continue
+        version = _schema_version(candidate)
+        if version is not None and version <= len(MIGRATIONS):
+            reusable.append((candidate.stat().st_mtime, candidate.name, candidate))
+    if not reusable:
+        return
+    newest = max(reusable)[2]
+    older = _set_aside(path, "older", now_seconds) if path.exists() else None
+    _move_with_log(newest, path)
+    dropped = []
+    for previous in path.parent.glob(f"{path.name}.older-*"):
+        if older is not None and previous.name.startswith(older.name):
+            continue
+        previous.unlink()
+        dropped.append(previous.name)
+    log.warning(
+        "state database from before a downgrade reused",
+        reused=newest.name,
+        kept_aside=None if older is None else older.name,
+        removed=sorted(dropped),
+    )
 
 
 def _migrate(connection: sqlite3.Connection) -> None:
@@ -254,10 +311,15 @@ def _set_aside(path: Path, label: str, now_seconds: float) -> Path:
     while aside.exists():
         serial += 1
         aside = path.with_name(f"{path.name}.{label}-{int(now_seconds)}.{serial}")
-    path.rename(aside)
-    # The write-ahead log belongs to the old file; applied to a new one it would corrupt it.
-    for suffix in ("-wal", "-shm"):
-        companion = path.with_name(path.name + suffix)
-        if companion.exists():
-            companion.rename(aside.with_name(aside.name + suffix))
+    _move_with_log(path, aside)
     return aside
+
+
+def _move_with_log(source: Path, target: Path) -> None:
+    """Rename a database file with its write-ahead log and shared memory: the log belongs to its
+    file; applied to another one it would corrupt it."""
+    source.rename(target)
+    for suffix in ("-wal", "-shm"):
+        companion = source.with_name(source.name + suffix)
+        if companion.exists():
+            companion.rename(target.with_name(target.name + suffix))

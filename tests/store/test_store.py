@@ -495,3 +495,56 @@ def test_two_stores_on_one_file_from_two_threads(tmp_path: Path) -> None:
     with Store.open(tmp_path, now_seconds=T0) as reader:
         assert len(reader.remediations(limit=1000)) == 200
         assert [c.count for c in reader.remediation_counts()] == [100, 100]
+
+
+def test_the_database_from_before_a_downgrade_is_reused_after_the_next_upgrade(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An older agent (a downgraded package) sets this agent's database aside as newer than its
+    schema and starts afresh; the agent of the next upgrade puts the history back, keeps the older
+    agent's aside (the newest of those only), and the CLI leaves the files alone."""
+    with Store.open(tmp_path, now_seconds=T0) as opened:
+        opened.record_event(event("before-the-downgrade"))
+    older_agent = MIGRATIONS[:-1]
+    for cycle in (1, 2):  # two downgrades and upgrades: no file piles up
+        monkeypatch.setattr(schema_module, "MIGRATIONS", older_agent)
+        with Store.open(tmp_path, now_seconds=T0 + 10 * cycle) as opened:
+            assert opened.events() == []
+            opened.record_event(event(f"during-downgrade-{cycle}"))
+        monkeypatch.setattr(schema_module, "MIGRATIONS", MIGRATIONS)
+        with Store.open(tmp_path, now_seconds=T0 + 10 * cycle + 1, reuse_newer=False) as cli:
+            assert [e.event.key for e in cli.events()] == [f"during-downgrade-{cycle}"]
+        with Store.open(tmp_path, now_seconds=T0 + 10 * cycle + 2) as opened:
+            assert [e.event.key for e in opened.events()] == ["before-the-downgrade"]
+        left = sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(("-wal", "-shm")))
+        assert left == [DB_NAME, f"{DB_NAME}.older-{int(T0 + 10 * cycle + 2)}"]
+        aside = tmp_path / left[1]
+        assert sql(aside, "SELECT key FROM events") == [(f"during-downgrade-{cycle}",)]
+
+
+def test_a_current_database_newer_still_is_not_taken_for_the_older_agents(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A database from before a downgrade lies aside, and the current one is from a newer agent
+    still: that one is set aside as newer, as always, never mistaken for the older agent's."""
+    with Store.open(tmp_path, now_seconds=T0) as opened:
+        opened.record_event(event("before-the-downgrade"))
+    monkeypatch.setattr(schema_module, "MIGRATIONS", MIGRATIONS[:-1])
+    Store.open(tmp_path, now_seconds=T0 + 10).close()  # the older agent sets it aside
+    monkeypatch.setattr(schema_module, "MIGRATIONS", MIGRATIONS)
+    sql(tmp_path / DB_NAME, f"PRAGMA user_version = {len(MIGRATIONS) + 1}")  # a newer agent's now
+    with Store.open(tmp_path, now_seconds=T0 + 20) as opened:
+        assert opened.events() == []
+    names = sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(("-wal", "-shm")))
+    assert names == [DB_NAME, f"{DB_NAME}.newer-{int(T0 + 10)}", f"{DB_NAME}.newer-{int(T0 + 20)}"]
+
+
+def test_a_database_still_too_new_stays_aside(tmp_path: Path) -> None:
+    with Store.open(tmp_path, now_seconds=T0) as opened:
+        opened.record_event(event("from-the-future"))
+    sql(tmp_path / DB_NAME, f"PRAGMA user_version = {len(MIGRATIONS) + 1}")
+    for when in (T0 + 1, T0 + 2):
+        with Store.open(tmp_path, now_seconds=when) as opened:
+            assert opened.events() == []
+    assert (tmp_path / f"{DB_NAME}.newer-{int(T0 + 1)}").exists()
+    assert not list(tmp_path.glob(f"{DB_NAME}.older-*"))
