@@ -60,7 +60,9 @@ def test_the_reference_is_the_golden_files_families() -> None:
     if os.environ.get("UPDATE_GOLDEN") == "1":
         REFERENCE.write_text(written)
         pytest.skip(f"rewrote {REFERENCE}: review its diff")
-    assert REFERENCE.read_text() == written, "docs/metrics-reference.md is not the golden file's: regenerate (UPDATE_GOLDEN=1)"
+    assert REFERENCE.read_text() == written, (
+        "docs/metrics-reference.md is not the golden file's: regenerate (UPDATE_GOLDEN=1)"
+    )
 
 
 def test_every_family_in_the_golden_file_has_its_row() -> None:
