@@ -17,7 +17,15 @@ from typing import Any, TypeVar
 from agent.backend.base import GpuBackend, GpuIdentity
 from agent.backend.errors import GpuError, WriteRefused
 from agent.config import AgentConfig, Mode
-from agent.policy.base import ApplyOutcome, GpuContext, HostContext, ItemPlan, ItemResult, PlanStatus
+from agent.policy.base import (
+    HELD_BY_ENDED_JOB_FACT,
+    ApplyOutcome,
+    GpuContext,
+    HostContext,
+    ItemPlan,
+    ItemResult,
+    PlanStatus,
+)
 from agent.policy.holds import PolicyHolds
 from agent.policy.item import Change, PolicyItem, enforce, plan_item, result_without_write
 from agent.policy.profiles import ResolvedProfile, resolve_profile
@@ -149,11 +157,18 @@ class PolicyEngine:
         return NodePlan(self.config.mode, items, modes, numbers, resolved)
 
     def _noting_hold(self, plan: ItemPlan) -> ItemPlan:
-        """A held item's drift says who holds it (status and metrics show why it is not put back)."""
-        held = self.holds.held(plan.item, plan.gpu)
-        if held is None or plan.status is not PlanStatus.DRIFT:
+        """A held item off its value is `held` while its job runs, naming the job (not drift: the job
+        puts it back); a hold that outlived its job is drift again, naming the owner, since nothing
+        will put it back until the agent restarts."""
+        hold = self.holds.hold(plan.item, plan.gpu)
+        if hold is None or plan.status is not PlanStatus.DRIFT:
             return plan
-        return replace(plan, detail=f"held: {held}" + (f"; {plan.detail}" if plan.detail else ""))
+        if hold.live:
+            detail = f"held: {hold.reason}" + (f"; {plan.detail}" if plan.detail else "")
+            return replace(plan, status=PlanStatus.HELD, detail=detail)
+        ended = f"held for {hold.owner}, whose job has ended ({hold.reason}); the policy loop may not put it back"
+        facts = (*plan.facts, (HELD_BY_ENDED_JOB_FACT, hold.owner))
+        return replace(plan, detail=ended + (f"; {plan.detail}" if plan.detail else ""), facts=facts)
 
     def plan(self, only: Collection[str] | None = None) -> NodePlan:
         """Plan every configured item, or only those named (the daemon re-plans the fan curve every loop)."""
