@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from agent.metrics import gpu, node
+from agent.metrics import gpu, node, tune
 from agent.metrics.families import Families, gpu_uuids
 from agent.services.export import service_metric_families
 from agent.state import NodeSnapshot
@@ -62,4 +62,5 @@ SNAPSHOT_FAMILIES: tuple[Callable[[Families, NodeSnapshot], None], ...] = (
     node.services,
     node.remediations,
     node.collectors,
+    tune.tune,
 )

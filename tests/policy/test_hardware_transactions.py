@@ -161,15 +161,7 @@ class Node:
         document.id = self.store.begin_tune(document.started_seconds, document.to_json())
         backend: GpuBackend = Through(self.plain, seams, "backend")  # type: ignore[assignment]
         store: Store = Through(self.store, seams, "store")  # type: ignore[assignment]
-        return TuneJob(
-            document,
-            self.service,
-            lambda: backend,
-            lambda: store,
-            holds,
-            time.time,
-            seams.wrap("gpu_model", lambda _backend, _gpu: "NVIDIA H200"),
-        )
+        return TuneJob(document, self.service, lambda: backend, lambda: store, holds, time.time)
 
     def row(self, job: TuneJob) -> dict[str, Any]:
         row = self.store.tune(job.document.id)
