@@ -312,7 +312,7 @@ def _change(ratio: float | None) -> str:
 
 def _objective(document: TuneDocument, name: str, label: str) -> str:
     limit = document.slo.get(name)
-    return f"{label} (objective {limit:g} s)" if limit else f"{label} (no objective)"
+    return f"{label} (SLO {limit:g} s)" if limit else f"{label} (no SLO)"
 
 
 def _against(value: float | None, limit: float | None) -> str:

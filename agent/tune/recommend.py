@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -209,9 +210,16 @@ def yaml_lines(match: str, settings: dict[str, Any], comment: str = "") -> list[
     return lines + [f"      {key}: {_flow(value)}" for key, value in settings.items()]
 
 
+#: Words YAML reads as something other than a string: a plain word among these is quoted.
+_YAML_WORDS = frozenset({"y", "n", "yes", "no", "on", "off", "true", "false", "null", "~"})
+
+
 def _flow(value: Any) -> str:
+    """A value as agent.yaml spells it: flow mappings and lists, a plain word bare, the rest quoted."""
     if isinstance(value, dict):
         return "{" + ", ".join(f"{key}: {_flow(inner)}" for key, inner in value.items()) + "}"
+    if isinstance(value, str) and re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*", value) and value.lower() not in _YAML_WORDS:
+        return value
     return json.dumps(value)
 
 

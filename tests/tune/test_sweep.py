@@ -143,7 +143,7 @@ def test_a_sweep_finds_the_optimum_the_physics_implies_and_restores_the_limit(tm
     assert recommendation["snippet"] == (
         "policy:\n  gpus:\n"
         f'    - match: {{uuid: "{swept["uuid"]}"}}  # before policy.gpus[0], its other keys copied\n'
-        '      persistence: "enabled"\n'
+        '      persistence: enabled\n'
         "      power_limit_watts: 400"
     )
     assert recommendation["rule"] == (
@@ -177,8 +177,8 @@ def test_the_table_and_the_default_tolerance(tmp_path: Path) -> None:
         "SM MHz",
         "tokens/s",
         "tokens/J",
-        "p95 e2e (objective 5 s)",
-        "p95 TTFT (no objective)",
+        "p95 e2e (SLO 5 s)",
+        "p95 TTFT (no SLO)",
         "max temp",
         "throttle reasons",
     ):
