@@ -157,7 +157,7 @@ def test_the_snippet_is_written_against_the_profile_in_force() -> None:
         "policy:\n  gpus:\n"
         '    - match: {uuid: "GPU-0"}  # before policy.gpus[0], its other keys copied\n'
         "      power_limit_watts: 600\n"
-        '      persistence: enabled\n'
+        "      persistence: enabled\n"
         "      locked_clocks: {gpu_mhz: [1980, 1980]}"
     )
     alone = tuple(replace(GPU0, gpu=g, uuid=f"GPU-{g}", whole_model=True, profile_alone=True) for g in range(4))

@@ -143,7 +143,7 @@ def test_a_sweep_finds_the_optimum_the_physics_implies_and_restores_the_limit(tm
     assert recommendation["snippet"] == (
         "policy:\n  gpus:\n"
         f'    - match: {{uuid: "{swept["uuid"]}"}}  # before policy.gpus[0], its other keys copied\n'
-        '      persistence: enabled\n'
+        "      persistence: enabled\n"
         "      power_limit_watts: 400"
     )
     assert recommendation["rule"] == (
