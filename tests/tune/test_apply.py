@@ -131,6 +131,7 @@ def test_apply_puts_the_recommendation_in_force_and_undo_takes_it_back(tmp_path:
 
         # Observe mode: the drop-in is written and read, and the output says nothing will set it.
         assert cli(config, "tune", "undo").returncode == 0
+        wait_until(lambda: backend.power_limit_watts(0) == 700.0, 30, "the profile's 700 W back before observe mode")
         config.write_text(original.replace("mode: enforce", "mode: observe"))
         agent.signal(signal.SIGHUP)
         wait_until(lambda: power_item(agent)["mode"] == "observe", 30, "the reload to observe mode")
