@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from agent import safe_yaml
 from agent.config_errors import ConfigError as ConfigError
@@ -238,6 +238,18 @@ class GpuProfile(StrictModel):
     persistence: EnabledState | None = None
     ecc: EnabledState | None = None
     vbios_min: VbiosVersion | None = None  # report-only: older VBIOS is drift the operator updates
+    # Where a drop-in's override was read ("FILE:LINE"; agent.policy.dropins sets it): not a key of
+    # the file, so no YAML can claim another origin.
+    _origin: str = PrivateAttr(default="")
+
+    @property
+    def origin(self) -> str:
+        return self._origin
+
+    def with_origin(self, origin: str) -> GpuProfile:
+        copy = self.model_copy()
+        copy._origin = origin
+        return copy
 
 
 class DriverPolicy(StrictModel):
@@ -304,6 +316,9 @@ class NodePolicy(StrictModel):
 class PolicyConfig(StrictModel):
     node: NodePolicy = NodePolicy()
     gpus: list[GpuProfile] = Field(default_factory=list)  # first matching profile wins
+    # Then every matching override, in order, replaces the keys it sets (agent.policy.profiles):
+    # agent.yaml's, then those of the drop-ins in agent.d/ beside it (`gpu-agent tune apply`).
+    gpu_overrides: list[GpuProfile] = Field(default_factory=list)
     modes: dict[ItemName, Mode] = Field(default_factory=dict)  # per-item override of the top-level mode
 
 

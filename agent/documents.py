@@ -43,6 +43,11 @@ def plan_json(plan: NodePlan) -> dict[str, Any]:
         "in_sync": plan.exit_code == 0,
         "exit_code": plan.exit_code,
         "profiles": {str(gpu): number for gpu, number in sorted(plan.profiles.items())},
+        # per GPU: the settings in force and where each came from (a profile, or an override's FILE:LINE)
+        "profile_sources": {
+            str(gpu): {"profile": resolved.number, "settings": dict(sorted(resolved.sources.items()))}
+            for gpu, resolved in sorted(plan.resolved.items())
+        },
         "items": [plan_item_json(p, plan.item_modes.get(p.item, plan.mode).value) for p in plan.items],
     }
 

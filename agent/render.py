@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from agent.policy.base import ItemResult, PlanStatus
 from agent.policy.engine import NodePlan
+from agent.policy.profiles import profile_name
 from agent.printable import printable
 from agent.store.database import StoredEvent, StoredRemediation
 from agent.textview import fit, table_blocks
@@ -37,9 +38,28 @@ def plan_text(plan: NodePlan, width: int = PLAN_WIDTH_COLUMNS) -> str:
         for text in why:
             lines += fit(printable(f"    -> {text}"), width)
     summary = {0: "in sync", 1: "errors", 2: "drift"}[plan.exit_code]
-    unmatched = [str(g) for g, n in sorted(plan.profiles.items()) if n is None]
-    note = f"\nno GPU profile matches GPU {', '.join(unmatched)}" if unmatched else ""
-    return "\n".join(lines) + f"{note}\n\nplan: {summary}"
+    described = [wrapped for line in profile_lines(plan) for wrapped in fit(printable(line), width)]
+    lines += ["", *described] if described else []
+    return "\n".join(lines) + f"\n\nplan: {summary}"
+
+
+def profile_lines(plan: NodePlan) -> list[str]:
+    """Where each GPU's settings come from: its profile, and each setting an override changed, with
+    the file and line it came from (a drop-in's); GPUs told alike share a line."""
+    told: dict[str, list[str]] = {}
+    for gpu in sorted(plan.profiles):
+        resolved = plan.resolved.get(gpu)
+        if resolved is None:
+            continue
+        base = "no profile" if resolved.number is None else profile_name(resolved.number)
+        changed = [f"{key} from {source}" for key, source in resolved.from_overrides().items()]
+        told.setdefault("; ".join([base, *changed]), []).append(str(gpu))
+    lines = ["profiles (the first of policy.gpus that matches, then every matching override):"] if told else []
+    lines += [f"  GPU {', '.join(gpus)}: {text}" for text, gpus in told.items()]
+    unmatched = [str(g) for g in sorted(plan.profiles) if g not in plan.resolved]
+    if unmatched:
+        lines.append(f"no GPU profile matches GPU {', '.join(unmatched)}")
+    return lines
 
 
 def results_text(results: Sequence[ItemResult]) -> str:

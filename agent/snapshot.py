@@ -30,6 +30,7 @@ from agent.state import (
     RemediationCount,
     ServiceStatus,
     SloBreachNow,
+    TuneResult,
 )
 from agent.verdict import reboot_recommendation
 from agent.watch.devices import DeviceWatcher
@@ -126,6 +127,7 @@ class DaemonParts:
     rules_loaded: int | None = None  # rules the remediator runs; None: remediation off (rules_dirs: [])
     slo_breaches: tuple[SloBreachNow, ...] = ()
     collect_duration_seconds: float = 0.0
+    tunes: tuple[TuneResult, ...] = ()  # the last measured sweep per service and kind
 
 
 def item_modes(config: AgentConfig, plans: Iterable[ItemPlan]) -> dict[str, str]:
@@ -194,4 +196,5 @@ def build_snapshot(
         rules_loaded=parts.rules_loaded,
         rules_dirs=tuple(config.remediation.rules_dirs) if parts.rules_loaded is not None else (),
         slo_breaches=parts.slo_breaches,
+        tunes=parts.tunes,
     )

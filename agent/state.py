@@ -78,6 +78,28 @@ class SloBreachNow:
 
 
 @dataclass(frozen=True)
+class TuneStepFigures:
+    """One step of a sweep, as /metrics exports it."""
+
+    setting: float  # W or MHz, as the sweep's kind says
+    tokens_per_joule: float | None
+    tokens_per_second: float | None
+    e2e_p95_seconds: float | None
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """The last sweep of one service and kind that measured to its end (done or stopped early), for /metrics."""
+
+    service: str
+    kind: str  # "power" | "clocks"
+    gpu_model: str
+    finished_seconds: float
+    steps: tuple[TuneStepFigures, ...]
+    recommended: float | None  # the setting it recommends; None: none
+
+
+@dataclass(frozen=True)
 class NodeSnapshot:
     """Everything the daemon knows after one loop. Metrics, the status API and rules read only this."""
 
@@ -123,6 +145,7 @@ class NodeSnapshot:
     # settings whose change only a restart applies, so the running config was kept whole
     reload_error: str = ""
     config_pending_restart: tuple[str, ...] = ()
+    tunes: tuple[TuneResult, ...] = ()  # the last measured sweep per service and kind (agent.tune.runner)
     # When the loop published it, on the monotonic clock (set by the publisher): how old it is, which
     # no wall-clock step can hide (`/healthz` staleness); None for a snapshot no loop published.
     published_monotonic_seconds: float | None = None

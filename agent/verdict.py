@@ -8,7 +8,9 @@ node agrees with the daemon.
 - Throttling counts only for the reasons the throttle watcher treats as a problem: idle and the
   power cap the agent was told to hold are normal.
 - Drift is a policy item off its desired value on a GPU that answers: `reboot_required` (set,
-  waiting for the reboot) is no drift, and a lost GPU is reported as lost, not as drift.
+  waiting for the reboot) is no drift, a lost GPU is reported as lost, not as drift, and an item a
+  running job drives (a tune sweep's power limit: `held`, naming the job) is no drift either. A
+  hold that outlives its job is drift again, and its line names the job.
 - Beyond the GPUs, whatever the agent knows is wrong is attention too, in every mode: a service
   down or over its latency objective, a next boot that would not bring the GPUs back, a driver too
   old for a service's CUDA, a daemon with no rules although rules directories are configured, and
@@ -27,7 +29,7 @@ from agent.defaults import REBOOT_FLAG_NAME
 from agent.events import EventKind, HealthState
 from agent.host import file_reads, safe_json
 from agent.host.paths import HostPaths
-from agent.policy.base import CUDA_TOO_OLD_FACT, ItemPlan, PlanStatus
+from agent.policy.base import CUDA_TOO_OLD_FACT, HELD_BY_ENDED_JOB_FACT, ItemPlan, PlanStatus
 
 # The report-only items with verdict lines of their own (whatever their mode), never "policy drift".
 from agent.policy.names import DRIVER, NEXT_BOOT
@@ -133,7 +135,9 @@ def attention_items(snapshot: NodeSnapshot, mode: str = "observe") -> list[Atten
         if snapshot.item_modes.get(plan.item, mode) == Mode.ENFORCE.value:
             where = "" if plan.gpu is None else f" on GPU {plan.gpu}"
             wanted = f"(want {plan.desired}, have {plan.actual})"
-            add(AttentionCause.POLICY_DRIFT, f"policy drift: {plan.item}{where} {wanted}")
+            owner = dict(plan.facts).get(HELD_BY_ENDED_JOB_FACT)
+            why = f": held for {owner}, whose job has ended" if owner else ""
+            add(AttentionCause.POLICY_DRIFT, f"policy drift: {plan.item}{where} {wanted}{why}")
     for service in snapshot.services:
         if service.up is False:
             why = f": {service.detail}" if service.detail else ""

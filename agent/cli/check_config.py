@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     from agent.backend import load_checked_config
+    from agent.policy.dropins import dropin_directory, dropin_files
+    from agent.policy.profiles import shadowed
     from agent.rules.config import load_rules
     from agent.rules.sources import describe, resolve_rules
     from agent.version import package_notice
@@ -39,7 +41,12 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     )
     for line in describe(resolved):
         print_text(line)
-    warnings = resolved.warnings()
+    dropins = dropin_files(dropin_directory(path))
+    if dropins:
+        print_text(f"policy drop-ins, read after {path} in this order:")
+        for dropin in dropins:
+            print_text(f"  {dropin}")
+    warnings = shadowed(config.policy) + resolved.warnings()
     notice = package_notice(_daemon_version(config.api.socket))
     if notice is not None:
         warnings.append(notice)

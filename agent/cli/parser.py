@@ -128,6 +128,12 @@ def _socket_path_of(args: argparse.Namespace) -> str:
     return socket_path_of(args)
 
 
+def _config_path_of(args: argparse.Namespace) -> str | None:
+    from agent.cli.common import config_path
+
+    return config_path(args)[0]
+
+
 class _CompleteValuesAction(argparse.Action):
     """--complete-values KIND (hidden): the values shell completion offers, one a line
     (agent/cli/completion_values.py)."""
@@ -266,7 +272,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     if command in (None, "tune"):
         from agent.tune.cli import add_parsers as add_tune_parsers
 
-        add_tune_parsers(sub, common, _socket_path_of)
+        add_tune_parsers(sub, common, _socket_path_of, _config_path_of)
     else:
         sub.add_parser("tune", help=TUNE_HELP)
     p = sub.add_parser(

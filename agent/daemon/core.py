@@ -13,11 +13,13 @@ import contextlib
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
+from agent.api import ApiError
 from agent.backend import load_checked_config
 from agent.backend.base import GpuEvent
 from agent.config import AgentConfig, ConfigError
@@ -53,7 +55,7 @@ from agent.snapshot import DaemonParts, NodeWatchers, build_snapshot
 from agent.state import CollectorStatus, GpuSample, NodeSnapshot
 from agent.store.attempt_clock import AttemptClock
 from agent.store.node_memory import NodeMemory, read_boot_id
-from agent.tune.runner import PRIVILEGED_METHODS, TuneRunner
+from agent.tune.runner import PRIVILEGED_METHODS, NodeView, TuneRunner
 from agent.watch.devices import UdevWakeup
 from agent.watch.kernel_log import KernelXid
 from agent.watch.kmsg import KmsgSource
@@ -63,6 +65,8 @@ log = get_logger()
 # How long the policy step waits for the next-boot check (it runs on a worker of its own): a slow
 # check is taken by a later pass instead of holding up the fan curve.
 BOOT_CHECK_WAIT_SECONDS = 5.0
+#: How long a `reload` asked over the socket (`gpu-agent tune apply`) waits for the loop to do it.
+RELOAD_ANSWER_SECONDS = 60.0
 
 
 #: Settings a running daemon cannot take: the backend is opened once, every host path and the node's
@@ -98,6 +102,9 @@ class Daemon:
         self.stop_requested = threading.Event()
         self.wake = threading.Event()  # set by event sources, signals: the loop reacts before its next tick
         self.reload_requested = threading.Event()
+        # `reload` callers over the socket, each answered by the first reload that starts after it asked
+        self._reload_waiters: list[tuple[threading.Event, dict[str, Any]]] = []
+        self._reload_lock = threading.Lock()
         self.host = HostContext(HostPaths.at(config.host_root), boot_check_wait_seconds=BOOT_CHECK_WAIT_SECONDS)
         self.runner = BoundedRunner(self.timing.call_timeout_seconds)
         self.intake = EventIntake(self.wake)
@@ -145,12 +152,14 @@ class Daemon:
             lambda: self.inference.figures(),
             lambda: len(self.collector.identities),
             clock,
+            node=NodeView(self.publisher.get),
         )
         self.publisher.extra_handlers = {
             **self.tune.handlers(),
             **ack_handlers(lambda: self.remediator.store, self.memory.boot_id, self.watchers.xid.forget),
+            "reload": self.reload_on_request,
         }
-        self.publisher.privileged_methods = PRIVILEGED_METHODS | ACK_METHODS
+        self.publisher.privileged_methods = PRIVILEGED_METHODS | ACK_METHODS | {"reload"}
         self.publisher.last_tune = self.tune.last
         self.udev = UdevWakeup(self.collector.rescan.set, self.host.paths)
         self.kmsg = KmsgSource(self.host.paths, self._on_kernel_xid, start_monotonic_seconds=time.monotonic())
@@ -226,6 +235,7 @@ class Daemon:
             rules_loaded=self.remediator.rules_loaded(),
             slo_breaches=self.inference.breaches(),
             collect_duration_seconds=duration_seconds,
+            tunes=self.tune.results(),
         )
 
     def react(self) -> None:
@@ -325,6 +335,43 @@ class Daemon:
         self.publisher.note_reload()
         log.info("config reloaded", path=str(self.config_path), mode=new.mode.value, moved=moved)
         return True
+
+    def reload_on_request(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """The socket's `reload` (what `gpu-agent tune apply` and `undo` ask after writing their
+        drop-in): the same reload as SIGHUP, done by the loop, answered once it is done: `reloaded`,
+        and why not (`error`, `pending_restart`). Refused when the daemon runs another config file."""
+        wanted = params.get("config_path")
+        running = self.config_path
+        if running is None:
+            raise ApiError("the daemon runs on a built-in config: there is no file to reload")
+        if wanted is not None and Path(str(wanted)).resolve() != running.resolve():
+            raise ApiError(f"the daemon runs {running}, not {wanted}: nothing reloaded")
+        done: threading.Event = threading.Event()
+        answer: dict[str, Any] = {}
+        with self._reload_lock:
+            self._reload_waiters.append((done, answer))
+            self.reload_requested.set()
+        self.wake.set()
+        if not done.wait(RELOAD_ANSWER_SECONDS):
+            raise ApiError(f"the daemon did not get to the reload within {RELOAD_ANSWER_SECONDS:g} s")
+        return answer
+
+    def _reload_now(self) -> None:
+        """SIGHUP or `reload`: a reload, and its outcome to every caller that asked before it started
+        (one who asks meanwhile is answered by the next one, which reads what they wrote)."""
+        with self._reload_lock:
+            self.reload_requested.clear()
+            waiters, self._reload_waiters = self._reload_waiters, []
+        reloaded = self.reload()
+        outcome = {
+            "reloaded": reloaded,
+            "error": self.publisher.reload_error,
+            "pending_restart": list(self.publisher.pending_restart),
+            "config_path": str(self.config_path),
+        }
+        for done, answer in waiters:
+            answer.update(outcome)
+            done.set()
 
     def _load_new_config(self) -> tuple[AgentConfig, LoadedRules] | None:
         if self.config_path is None:
@@ -428,8 +475,7 @@ class Daemon:
             if self.stop_requested.is_set():
                 break
             if self.reload_requested.is_set():
-                self.reload_requested.clear()
-                self.reload()
+                self._reload_now()
             if time.monotonic() < next_loop:
                 self.react()  # woken early by an event
                 continue

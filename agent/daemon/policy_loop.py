@@ -20,9 +20,10 @@ from agent.events import Event
 from agent.logger import get_logger
 from agent.policy import fan_curve
 from agent.policy.base import ApplyOutcome, HostContext, ItemPlan, PlanStatus
-from agent.policy.engine import PolicyEngine, match_profile
+from agent.policy.engine import PolicyEngine
 from agent.policy.holds import PolicyHolds
 from agent.policy.names import FAN_CURVE, GPU_RESET_ITEM
+from agent.policy.profiles import resolve_profile
 from agent.state import CollectorStatus, GpuSample
 
 log = get_logger()
@@ -80,7 +81,8 @@ class PolicyLoop:
         readings = _planned_readings(samples)
         changed = any(self._planned_readings.get(key, value) != value for key, value in readings.items())
         full = changed or due(now, self.last_full_seconds, self.config.policy_interval_seconds)
-        wants_fans = any(p.fan_curve is not None for p in self.config.policy.gpus)
+        policy = self.config.policy
+        wants_fans = any(p.fan_curve is not None for p in (*policy.gpus, *policy.gpu_overrides))
         if not full and not wants_fans:
             return []
         if self.engine is None or self.engine.backend is not backend:
@@ -119,12 +121,8 @@ class PolicyLoop:
         if self.engine is None or FAN_CURVE not in config.writable_items():
             return set()
         identities = self.engine.state.identities
-        profiles = {gpu: match_profile(config.policy.gpus, identity) for gpu, identity in identities.items()}
-        return {
-            gpu
-            for gpu, number in profiles.items()
-            if number is not None and config.policy.gpus[number].fan_curve is not None
-        }
+        profiles = {gpu: resolve_profile(config.policy, identity) for gpu, identity in identities.items()}
+        return {gpu for gpu, found in profiles.items() if found is not None and found.profile.fan_curve is not None}
 
     def hand_back_fans(self, new: AgentConfig) -> None:
         """A reload: the GPUs whose fans the running config drove and `new` does not (observe mode,

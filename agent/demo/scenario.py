@@ -8,8 +8,10 @@ that directory is read or changed. The scenario: the policy is enforced at start
 drifts behind the agent's back and is put back; GPU 4 overheats and throttles; GPU 2, one of the
 inference service's, overheats and the service's own p95 latency misses its SLO, which the agent
 blames on GPU 2's thermal slowdown; an app-level Xid on GPU 1 gets the inference service restarted
-by the default rule; and a short `gpu-agent tune power` sweep of GPU 0 measures what a lower power
-limit costs the service, and puts the limit back.
+by the default rule; and a short `gpu-agent tune power` sweep of GPU 0 (refused while GPU 1 is
+degraded by that Xid, until it is acknowledged) measures what a lower power limit costs the service
+and puts the limit back, then `tune apply` puts the recommendation in force for GPU 0 alone and
+`tune undo` takes it back.
 """
 
 from __future__ import annotations
@@ -112,7 +114,10 @@ def default_rules_dir() -> Path:
 
 
 #: What a demo leaves in its directory; a new demo there starts from none of it.
-DEMO_ENTRIES = ("host", "state", "rules.d", "alertmanager", "agent.yaml", "agent.log", "agent.sock", SERVICE_PID_FILE)
+DEMO_ENTRIES = (
+    *("host", "state", "rules.d", "alertmanager", "agent.yaml", "agent.d", "agent.log", "agent.sock"),
+    SERVICE_PID_FILE,
+)
 
 
 def clear_previous_demo(directory: Path) -> None:
@@ -184,15 +189,18 @@ class Demo:
         self.agent: subprocess.Popen[bytes] | None = None
 
     def cli(self, *args: str, ok_codes: tuple[int, ...] = (0,)) -> str:
-        result = subprocess.run(
+        result = self.run_cli(*args)
+        if result.returncode not in ok_codes:
+            raise RuntimeError(f"gpu-agent {' '.join(args)} failed: {result.stderr.strip()}")
+        return result.stdout.strip()
+
+    def run_cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
             [sys.executable, "-m", "agent.cli", *args, "--config", str(self.config)],
             capture_output=True,
             text=True,
             timeout=60,
         )
-        if result.returncode not in ok_codes:
-            raise RuntimeError(f"gpu-agent {' '.join(args)} failed: {result.stderr.strip()}")
-        return result.stdout.strip()
 
     def status(self) -> dict[str, Any]:
         try:
@@ -371,13 +379,25 @@ def _play(demo: Demo) -> None:
 
     say("\n== 6. is GPU 0's 600 W limit worth its power? a short sweep, measured on sglang's own numbers")
     demo.wait("sglang serving again", lambda s: all(v["up"] for v in s["services"]), 60)
-    sweep = demo.cli(
+    sweep_args = (
         *("tune", "power", "--service", "sglang", "--gpus", "0"),
         *("--from", "600", "--to", "450", "--step", "150", "--dwell", "3"),
-        ok_codes=(0, 2),
     )
+    refused = demo.run_cli(*sweep_args)
+    if refused.returncode == 1:  # GPU 1 is still degraded by its Xid: a sick subject is not swept
+        say("   " + refused.stderr.strip().removeprefix("gpu-agent tune: "))
+        say("   the restart dealt with the Xid: " + demo.cli("ack", "xid:13@1"))
+        demo.wait("GPU 1 healthy again", lambda s: _gpu(s, 1)["health"]["state"] == "healthy", 60)
+    sweep = demo.cli(*sweep_args, ok_codes=(0, 2))
     say("\n".join("   " + line for line in sweep.splitlines()))
-    say("   (the sweep held the policy loop off GPU 0's limit and put 600 W back; status shows the last tune)")
+    say("   (the sweep held GPU 0's limit off the policy loop, as `held`, not drift, and put 600 W back)")
+    applied = demo.run_cli("tune", "apply")
+    say("\n== 7. the recommendation in force for GPU 0 alone, and taken back")
+    say("\n".join("   " + line for line in (applied.stdout or applied.stderr).strip().splitlines()))
+    if applied.returncode == 0:
+        say("   " + _plan_source(demo, 0))
+        say("   " + demo.cli("tune", "undo"))
+        say("   " + _plan_source(demo, 0))
 
     port = config.read_text().split('listen: "127.0.0.1:', 1)[1].split('"', 1)[0]
     wrapper = Path(__file__).resolve().parents[2] / "scripts" / "gpu-agent"
@@ -421,6 +441,14 @@ def _alert_arrival(demo: Demo, rule: str) -> str:
             return f"Alertmanager received {labels.get('alertname')}: {summary}"
         time.sleep(0.25)
     raise RuntimeError(f"the {rule} alert never reached Alertmanager at {alertmanager.url}; see {demo.log_path}")
+
+
+def _plan_source(demo: Demo, gpu: int) -> str:
+    """Where `plan` says GPU `gpu`'s power limit comes from, and what it is."""
+    document = safe_json.loads(demo.cli("plan", "--json", ok_codes=(0, 2)))
+    source = document["profile_sources"][str(gpu)]["settings"].get("power_limit_watts", "nowhere")
+    item = next(i for i in document["items"] if (i["item"], i["gpu"]) == ("power_limit", gpu))
+    return f"plan: GPU {gpu} power limit {item['desired']} from {source}"
 
 
 def _plan_summary(demo: Demo) -> str:

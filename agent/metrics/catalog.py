@@ -76,6 +76,9 @@ _FAMILIES: dict[str, FamilyInfo] = {
     "service_latency_quantiles": FamilyInfo(
         False, "p50/p95/p99 over the agent's 5-minute window (what `gpu-agent status` shows)"
     ),
+    "tune": FamilyInfo(
+        True, "the last measured gpu-agent tune sweep of each service and kind: its steps and recommendation"
+    ),
 }
 
 FAMILIES: Mapping[str, FamilyInfo] = MappingProxyType(_FAMILIES)

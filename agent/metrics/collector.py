@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from agent.metrics import gpu, node
+from agent.metrics import gpu, node, tune
 from agent.metrics.catalog import DEFAULT_SWITCHES, FamilySwitches
 from agent.metrics.families import Families, gpu_uuids
 from agent.services.export import service_metric_families
@@ -71,4 +71,5 @@ SNAPSHOT_FAMILIES: tuple[Callable[[Families, NodeSnapshot], None], ...] = (
     node.services,
     node.remediations,
     node.collectors,
+    tune.tune,
 )

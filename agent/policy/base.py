@@ -48,6 +48,7 @@ class PlanStatus(str, Enum):
     NOT_APPLICABLE = "not_applicable"  # the board/host has no such setting (fans on an SXM H200)
     REBOOT_REQUIRED = "reboot_required"  # desired state is set but takes effect after a reboot
     ERROR = "error"  # unreadable, or the desired value is impossible on this device
+    HELD = "held"  # off its desired value because a running job drives it (a tune sweep): not drift
 
 
 class ApplyOutcome(str, Enum):
@@ -60,6 +61,8 @@ class ApplyOutcome(str, Enum):
 
 #: The `driver` item's fact naming the services whose `cuda_version` the loaded driver is too old for.
 CUDA_TOO_OLD_FACT = "cuda_too_old"
+#: A drifting item's fact naming the job whose hold outlived it: the policy loop may not put it back.
+HELD_BY_ENDED_JOB_FACT = "held_by_ended_job"
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,6 @@ verified, not merely attempted.
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -17,10 +16,19 @@ from typing import Any, TypeVar
 
 from agent.backend.base import GpuBackend, GpuIdentity
 from agent.backend.errors import GpuError, WriteRefused
-from agent.config import AgentConfig, GpuProfile, Mode
-from agent.policy.base import ApplyOutcome, GpuContext, HostContext, ItemPlan, ItemResult, PlanStatus
+from agent.config import AgentConfig, Mode
+from agent.policy.base import (
+    HELD_BY_ENDED_JOB_FACT,
+    ApplyOutcome,
+    GpuContext,
+    HostContext,
+    ItemPlan,
+    ItemResult,
+    PlanStatus,
+)
 from agent.policy.holds import PolicyHolds
 from agent.policy.item import Change, PolicyItem, enforce, plan_item, result_without_write
+from agent.policy.profiles import ResolvedProfile, resolve_profile
 from agent.policy.registry import GPU_ITEMS, NODE_ITEMS, RESTORABLE_ITEMS, RESTORABLE_NAMES
 
 C = TypeVar("C", bound=Change)
@@ -30,20 +38,6 @@ ItemT = TypeVar("ItemT", bound=PolicyItem[Any, Any, Any])
 
 #: Pseudo-item for a GPU that cannot even be identified (lost before the plan started).
 GPU_ITEM = "gpu"
-
-
-def match_profile(profiles: Sequence[GpuProfile], identity: GpuIdentity) -> int | None:
-    """Index of the first profile matching the GPU (every given key must match), or None."""
-    for number, profile in enumerate(profiles):
-        m = profile.match
-        if m.model is not None and not fnmatch.fnmatchcase(identity.name, m.model):
-            continue
-        if m.uuid is not None and m.uuid.lower() != identity.uuid.lower():
-            continue
-        if m.index is not None and m.index != identity.index:
-            continue
-        return number
-    return None
 
 
 @dataclass
@@ -61,6 +55,9 @@ class NodePlan:
     items: tuple[ItemPlan, ...]
     item_modes: dict[str, Mode]
     profiles: dict[int, int | None]  # gpu -> index of the matching profile in policy.gpus
+    # gpu -> its settings and where each came from (agent.policy.profiles), for the GPUs any profile
+    # or override matches
+    resolved: dict[int, ResolvedProfile] = field(default_factory=dict)
 
     @property
     def has_error(self) -> bool:
@@ -130,17 +127,17 @@ class PolicyEngine:
 
     # -- plan ------------------------------------------------------------------------------------
 
-    def _planned(self, only: Collection[str] | None) -> tuple[list[_Planned], dict[int, int | None]]:
-        """Every wanted item planned, GPUs first; and which profile each GPU matched."""
+    def _planned(self, only: Collection[str] | None) -> tuple[list[_Planned], dict[int, ResolvedProfile | None]]:
+        """Every wanted item planned, GPUs first; and each GPU's profile and overrides."""
         self.enumerate_gpus()
         entries = [_Planned(_unreadable(gpu, error), None) for gpu, error in sorted(self.state.unreadable.items())]
-        profiles: dict[int, int | None] = {}
+        profiles: dict[int, ResolvedProfile | None] = {}
         for gpu in sorted(self.state.identities):
-            number = match_profile(self.config.policy.gpus, self.state.identities[gpu])
-            profiles[gpu] = number
-            if number is None:
+            resolved = resolve_profile(self.config.policy, self.state.identities[gpu])
+            profiles[gpu] = resolved
+            if resolved is None:
                 continue
-            profile = self.config.policy.gpus[number]
+            profile = resolved.profile
             ctx = self.state.contexts[gpu]
             for gpu_item in _selected(GPU_ITEMS, only):
                 want = gpu_item.desired(profile)
@@ -152,17 +149,26 @@ class PolicyEngine:
                 entries.append(_plan_one(node_item, self.host, want))
         return entries, profiles
 
-    def _node_plan(self, entries: list[_Planned], profiles: dict[int, int | None]) -> NodePlan:
+    def _node_plan(self, entries: list[_Planned], profiles: dict[int, ResolvedProfile | None]) -> NodePlan:
         items = tuple(self._noting_hold(entry.plan) for entry in entries)
         modes = {p.item: self.config.item_mode(p.item) for p in items if p.item != GPU_ITEM}
-        return NodePlan(self.config.mode, items, modes, profiles)
+        numbers = {gpu: None if found is None else found.number for gpu, found in profiles.items()}
+        resolved = {gpu: found for gpu, found in profiles.items() if found is not None}
+        return NodePlan(self.config.mode, items, modes, numbers, resolved)
 
     def _noting_hold(self, plan: ItemPlan) -> ItemPlan:
-        """A held item's drift says who holds it (status and metrics show why it is not put back)."""
-        held = self.holds.held(plan.item, plan.gpu)
-        if held is None or plan.status is not PlanStatus.DRIFT:
+        """A held item off its value is `held` while its job runs, naming the job (not drift: the job
+        puts it back); a hold that outlived its job is drift again, naming the owner, since nothing
+        will put it back until the agent restarts."""
+        hold = self.holds.hold(plan.item, plan.gpu)
+        if hold is None or plan.status is not PlanStatus.DRIFT:
             return plan
-        return replace(plan, detail=f"held: {held}" + (f"; {plan.detail}" if plan.detail else ""))
+        if hold.live:
+            detail = f"held: {hold.reason}" + (f"; {plan.detail}" if plan.detail else "")
+            return replace(plan, status=PlanStatus.HELD, detail=detail)
+        ended = f"held for {hold.owner}, whose job has ended ({hold.reason}); the policy loop may not put it back"
+        facts = (*plan.facts, (HELD_BY_ENDED_JOB_FACT, hold.owner))
+        return replace(plan, detail=ended + (f"; {plan.detail}" if plan.detail else ""), facts=facts)
 
     def plan(self, only: Collection[str] | None = None) -> NodePlan:
         """Plan every configured item, or only those named (the daemon re-plans the fan curve every loop)."""

@@ -2,7 +2,10 @@
 reset), and the one place that puts them back (agent.policy.transaction).
 
 While a job holds a setting, the engine still plans it, so `plan` and `status` show the difference,
-but never writes it: the policy loop does not fight the job. A hold names its owner and why.
+but never writes it: the policy loop does not fight the job. A hold names its owner and why, and
+whether its job still runs (`Hold.live`): a setting a running job holds is `held`, not drift; a hold
+that outlives its job (recovery found no GPU backend to put a killed run's originals back with)
+is drift again, naming the owner, and so needs an operator.
 
 `begin` starts a job's transaction: it takes the hold, reads the originals (an original a job
 before it could not put back is the original still: a half-done step is never read as one) and
@@ -18,6 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from agent.backend.base import GpuBackend
@@ -42,6 +46,15 @@ log = get_logger()
 
 #: How long recovery waits for the GPU backend to open after a start before it gives up for this run.
 RECOVERY_BACKEND_WAIT_SECONDS = 120.0
+
+
+@dataclass(frozen=True)
+class Hold:
+    """Who holds a setting off the policy loop, why, and whether that job still runs."""
+
+    owner: str  # "tune-3"
+    reason: str  # "tune sweep 3 drives it"
+    live: bool  # False: the job is gone and the hold stayed (what it changed was not put back)
 
 
 class HoldRecord(Protocol):
@@ -93,7 +106,8 @@ class PolicyHolds:
         self.boot_id = boot_id
         self.clock = clock
         self._lock = threading.Lock()
-        self._held: dict[SettingKey, str] = {}
+        self._held: dict[SettingKey, tuple[str, str]] = {}  # (owner, reason)
+        self._live: set[str] = set()  # owners whose job runs now (or is queued: recovery)
         self._active: list[HardwareTransaction] = []
         # Originals a transaction could not put back: the original still, for the next job.
         self._unrestored: dict[SettingKey, SettingValue] = {}
@@ -104,10 +118,16 @@ class PolicyHolds:
 
     def held(self, item: str, gpu: int | None) -> str | None:
         """Why `item` on `gpu` is held, or None when the policy may write it."""
+        hold = self.hold(item, gpu)
+        return None if hold is None else hold.reason
+
+    def hold(self, item: str, gpu: int | None) -> Hold | None:
+        """The hold on `item` of `gpu`, or None when the policy may write it."""
         if gpu is None:
             return None
         with self._lock:
-            return self._held.get((item, gpu))
+            found = self._held.get((item, gpu))
+            return None if found is None else Hold(found[0], found[1], found[0] in self._live)
 
     def active(self) -> list[HardwareTransaction]:
         with self._lock:
@@ -134,14 +154,17 @@ class PolicyHolds:
             taken = [key for key in wanted if key in self._held]
             if taken:
                 item, gpu = taken[0]
-                raise TransactionError(f"{item} of GPU {gpu} is held: {self._held[taken[0]]}")
+                raise TransactionError(f"{item} of GPU {gpu} is held: {self._held[taken[0]][1]}")
             for key in wanted:
-                self._held[key] = reason
+                self._held[key] = (owner, reason)
+            self._live.add(owner)
         try:
             originals, unread = self._originals(backend, wanted, required)
             row = self._journal_begin(owner, originals)
         except BaseException:
             self._release(wanted)
+            with self._lock:
+                self._live.discard(owner)
             raise
         self._release([key for key in wanted if key not in originals])
         transaction = HardwareTransaction(owner, backend, originals, abort, self._closed, conflict)
@@ -245,6 +268,8 @@ class PolicyHolds:
                     self._unrestored.pop(key, None)
         self._journal_end(transaction.journal_row, f"restored: {', '.join(restored) or 'nothing changed'}")
         self._release(transaction.originals)
+        with self._lock:
+            self._live.discard(transaction.owner)
         if transaction.failed:
             log.error("GPU settings not put back", owner=transaction.owner, detail=not_restored(restored))
 
@@ -287,9 +312,16 @@ class PolicyHolds:
         with self._lock:
             for row in rows:
                 self._recovering.add(row.owner)
+                self._live.add(row.owner)  # the recovery task is its job now
                 for key in originals_from_json(row.originals):
-                    self._held[key] = f"{row.owner} left it changed; being put back"
+                    self._held[key] = (row.owner, f"{row.owner} left it changed; being put back")
         return RecoveryTask(self, rows, backend)
+
+    def recovery_ended(self, rows: Iterable[HoldRecord]) -> None:
+        """The recovery task is over: a hold it could not put back outlives its job from now on."""
+        with self._lock:
+            for row in rows:
+                self._live.discard(row.owner)
 
     def recover_row(self, backend: GpuBackend, row: HoldRecord) -> None:
         originals = originals_from_json(row.originals)
@@ -330,12 +362,19 @@ class RecoveryTask:
         self._aborted.set()
 
     def run(self) -> None:
+        try:
+            self._recover()
+        finally:
+            self.holds.recovery_ended(self.rows)
+
+    def _recover(self) -> None:
         deadline = time.monotonic() + RECOVERY_BACKEND_WAIT_SECONDS
         backend = self.backend()
         while backend is None and time.monotonic() < deadline and not self._aborted.wait(0.2):
             backend = self.backend()
         if backend is None:
-            # Left journaled: the next start tries again; the hold keeps the policy loop off meanwhile.
+            # Left journaled: the next start tries again; the hold keeps the policy loop off meanwhile,
+            # and the plan shows it as drift, naming the owner (a hold that outlived its job).
             log.error("no GPU backend: the held settings an earlier run left are put back later")
             return
         for row in self.rows:

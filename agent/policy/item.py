@@ -146,6 +146,7 @@ _NO_WRITE_OUTCOMES: dict[PlanStatus, ApplyOutcome] = {
     PlanStatus.NOT_APPLICABLE: ApplyOutcome.UNCHANGED,
     PlanStatus.REBOOT_REQUIRED: ApplyOutcome.REBOOT_REQUIRED,
     PlanStatus.ERROR: ApplyOutcome.SKIPPED,
+    PlanStatus.HELD: ApplyOutcome.SKIPPED,  # a job drives it: never written meanwhile
 }
 
 
@@ -153,7 +154,11 @@ def result_without_write(plan: ItemPlan) -> ItemResult | None:
     """The result of a plan that leaves nothing to write (anything but DRIFT), else None."""
     if plan.status is PlanStatus.DRIFT:
         return None
-    details = {PlanStatus.ERROR: f"not applied: {plan.detail}", PlanStatus.REBOOT_REQUIRED: plan.detail}
+    details = {
+        PlanStatus.ERROR: f"not applied: {plan.detail}",
+        PlanStatus.REBOOT_REQUIRED: plan.detail,
+        PlanStatus.HELD: plan.detail,
+    }
     return ItemResult(plan, _NO_WRITE_OUTCOMES[plan.status], details.get(plan.status, ""))
 
 

@@ -25,6 +25,10 @@ a clock drop better than the drop itself, a full KV cache explains the queue beh
 queue that grows on clean GPUs is load.
 `regression_event` wraps the verdict into a `service_latency_regression` event whose `data` holds
 the evidence; `SloWatch` emits it once per breach (again when the cause changes), never per loop.
+
+`strain` judges the server as it is now with the same figures (a KV cache at >= 95 %, a waiting
+queue still growing over the last minute), for what must not start on a strained service: a
+`gpu-agent tune` sweep would measure the strain, not the setting.
 """
 
 from __future__ import annotations
@@ -195,6 +199,27 @@ def _queue_grew(history: Sequence[tuple[float, float]]) -> tuple[bool, float, fl
     first = history[0][1]
     peak = max(v for _, v in history)
     return peak > first and peak > 0, first, peak
+
+
+#: How far back `strain` looks for a growing queue: the queue as it moves now, not an hour-old burst.
+STRAIN_QUEUE_SECONDS = 60.0
+
+
+def strain(figures: ServiceFigures) -> list[str]:
+    """What strains the server now, one line each (none: it serves within its capacity): its KV
+    cache at KV_CACHE_FULL_RATIO or more, its waiting queue higher at the last scrape than a minute
+    earlier and at its peak of that minute (still growing, not a blip that drained)."""
+    found: list[str] = []
+    usage = figures.kv_cache_usage_ratio
+    if usage is not None and usage >= KV_CACHE_FULL_RATIO:
+        found.append(f"KV cache {usage:.0%} full (new requests wait for room)")
+    history = figures.waiting_history
+    recent = [(t, v) for t, v in history if history and t >= history[-1][0] - STRAIN_QUEUE_SECONDS]
+    grew, first, peak = _queue_grew(recent)
+    if grew and recent[-1][1] >= peak:
+        seconds = recent[-1][0] - recent[0][0]
+        found.append(f"waiting queue growing: {first:g} -> {peak:g} requests over the last {seconds:.0f} s")
+    return found
 
 
 def _round(seconds: float | None) -> float | None:

@@ -30,7 +30,7 @@ from agent.config import AgentConfig, ServiceConfig
 from agent.events import Event, EventKind
 from agent.host.paths import HostPaths
 from agent.logger import get_logger
-from agent.policy.engine import match_profile
+from agent.policy.profiles import resolve_profile
 from agent.services.attribution import GpuAttribution, Listeners, attribute_gpu_processes, command_service_pids
 from agent.services.counters import CounterBook, ServiceCounters, ServiceEnergy
 from agent.services.efficiency import EnergyHistory, service_gpus, window_tokens_per_joule
@@ -150,8 +150,8 @@ def expected_clocks_mhz(config: AgentConfig, samples: Sequence[GpuSample]) -> di
     expected: dict[int, int] = {}
     for sample in samples:
         identity = GpuIdentity(sample.index, sample.uuid, sample.name, sample.pci_bus_id, "", "", 0)
-        number = match_profile(config.policy.gpus, identity)
-        locked = None if number is None else config.policy.gpus[number].locked_clocks
+        resolved = resolve_profile(config.policy, identity)
+        locked = None if resolved is None else resolved.profile.locked_clocks
         if locked is not None and locked.gpu_mhz is not None:
             expected[sample.index] = locked.gpu_mhz[1]
     return expected

@@ -79,6 +79,16 @@ class TuneTables(Database):
         rows = self._query("SELECT id, document FROM tunes ORDER BY id DESC LIMIT 1")
         return TuneRow(rows[0][0], _with_id(rows[0][0], rows[0][1])) if rows else None
 
+    def last_measured_tunes(self) -> list[TuneRow]:
+        """The last sweep of each service and kind that measured to its end (done, or stopped early by
+        the traffic or the SLO), oldest first: what /metrics shows the fleet."""
+        rows = self._query(
+            "SELECT id, document FROM tunes WHERE id IN (SELECT MAX(id) FROM tunes WHERE state IN ('done', 'stopped')"
+            " GROUP BY json_extract(document, '$.request.service'), json_extract(document, '$.request.kind'))"
+            " ORDER BY id"
+        )
+        return [TuneRow(row_id, _with_id(row_id, text)) for row_id, text in rows]
+
     def tune(self, row_id: int) -> TuneRow | None:
         rows = self._query("SELECT id, document FROM tunes WHERE id = ?", (row_id,))
         return TuneRow(rows[0][0], _with_id(rows[0][0], rows[0][1])) if rows else None
@@ -96,7 +106,7 @@ class HistoryRow:
 
     service: str
     gpu_model: str
-    setting: str  # "power:700"
+    setting: str  # "power:700@2-4": the limit and the traffic band (agent.tune.passive); "power:700" before bands
     seconds: float
     tokens: float
     joules: float

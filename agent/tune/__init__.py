@@ -8,7 +8,9 @@ measures over the dwell, and the originals go back on every way out: the end, an
 (`gpu-agent tune --abort`, Ctrl-C on the CLI, SIGTERM to the daemon, a remediation that needs those
 GPUs), an error of any type, a reload that takes the write away or drops the service, and, through
 the journal, a kill -9 (the next start puts them back before the policy loop may touch those GPUs).
-A request that could take over two hours is refused before anything starts.
+A request that could take over two hours, a step a GPU does not accept, or (unless --force) a sick
+subject is refused before anything starts. A recommendation goes in force as a policy drop-in and
+comes out again in one step (`gpu-agent tune apply`, `undo`).
 
 | module | what it holds |
 |---|---|
@@ -16,10 +18,12 @@ A request that could take over two hours is refused before anything starts.
 | `measure.py` | one step: the GPUs' energy counters, clocks, temperatures and reasons over the dwell; |
 | | the server's token counter and latency histograms from its own `/metrics` (services.scrape) |
 | `recommend.py` | pure: traffic too thin or too uneven, the SLO per step (services.latency_cause), |
-| | the recommendation, its policy snippet and expected change |
+| | the recommendation (its rule, the edge of the range, the trade-off), its snippet and expected change |
+| `preflight.py` | the checks before a sweep starts (the board's range, a sick subject), the swept GPUs as found |
 | `sweep.py` | the job, run inside a hardware transaction: set, settle, measure, stop on an SLO breach; its row |
 | `runner.py` | the daemon side: preflight refusals (the sweep's length too), the job on the action worker, |
 | | closing the rows a killed run left, the API methods |
-| `passive.py` | advice without changes, from the per-limit history the daemon keeps |
+| `passive.py` | advice without changes, from the history the daemon keeps per limit and traffic band |
+| `apply.py` | `gpu-agent tune apply` / `undo`: the drop-in beside agent.yaml, checked, written, reloaded |
 | `cli.py` | `gpu-agent tune`: start, progress, abort, the table |
 """

@@ -4,11 +4,14 @@
     gpu-agent tune clocks --service NAME --from MHz --to MHz --step MHz --dwell SECONDS [--gpus ...] [--json]
     gpu-agent tune power  --service NAME --passive [--json]
     gpu-agent tune --abort | --last [--json]
+    gpu-agent tune apply | undo
 
 The sweep runs inside the daemon (one journaled job); this command starts it over the status
 socket, shows its progress on stderr (step i of n, time left), and prints the table and the
 recommendation. Ctrl-C asks the daemon to abort, and waits while it puts the original settings back.
 Exit codes: 0 a recommendation, 2 the sweep ended without one, 1 refused, failed or aborted.
+`tune apply` puts the last recommendation in force as a drop-in beside agent.yaml and `tune undo`
+takes it away (agent.tune.apply): 0 done, 1 refused.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from agent.tune.defaults import (
 )
 
 if TYPE_CHECKING:  # the sweep's models (dataclasses) only where a document is rendered: --help stays light
-    from agent.tune.model import TuneDocument
+    from agent.tune.model import Recommendation, TuneDocument
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -38,6 +41,8 @@ EXIT_NO_RECOMMENDATION = 2
 POLL_SECONDS = 0.5
 
 SocketPath = Callable[[argparse.Namespace], str]
+#: The config file a command runs with (None: built-in defaults), as agent.cli.common finds it.
+ConfigPath = Callable[[argparse.Namespace], "str | None"]
 
 
 def _gpu_list(text: str) -> list[int]:
@@ -50,18 +55,32 @@ def _gpu_list(text: str) -> list[int]:
     return gpus
 
 
-def _positive(text: str) -> float:
+def _number(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def _positive(text: str) -> float:
+    value = _number(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be positive")
     return value
 
 
-def add_parsers(sub: Any, common: argparse.ArgumentParser, socket_path: SocketPath) -> None:
-    """`tune` and its kinds, under the main parser's subcommands."""
+def _tolerance(text: str) -> float:
+    value = _number(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a ratio from 0 up to (not including) 1; 0.05 is 5 %")
+    return value
+
+
+def add_parsers(sub: Any, common: argparse.ArgumentParser, socket_path: SocketPath, config_path: ConfigPath) -> None:
+    """`tune`, its kinds and `apply`/`undo`, under the main parser's subcommands."""
     description = (
         "Measure what a power limit or a locked clock costs the service: the daemon sets each step,"
         " waits for the clocks to settle, measures tokens/s, tokens per joule, p95 latency, power,"
@@ -95,7 +114,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser, socket_path: SocketPa
         p.add_argument("--gpus", type=_gpu_list, help="only these of the service's GPUs (default: all of them)")
         p.add_argument(
             "--tolerance",
-            type=float,
+            type=_tolerance,
             metavar="RATIO",
             default=DEFAULT_THROUGHPUT_TOLERANCE,
             help="tokens/s the recommendation may give up against the best seen"
@@ -103,14 +122,14 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser, socket_path: SocketPa
         )
         p.add_argument(
             "--min-request-rate",
-            type=float,
+            type=_positive,
             metavar="PER_SECOND",
             default=DEFAULT_MIN_REQUEST_RATE,
             help=f"requests/s below which traffic is too thin (default {DEFAULT_MIN_REQUEST_RATE:g})",
         )
         p.add_argument(
             "--max-traffic-change",
-            type=float,
+            type=_positive,
             metavar="RATIO",
             default=DEFAULT_MAX_TRAFFIC_CHANGE,
             help=f"how far the offered load may move between steps (default {DEFAULT_MAX_TRAFFIC_CHANGE})",
@@ -122,14 +141,34 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser, socket_path: SocketPa
             metavar="SECONDS",
             help=f"at most this long for the clocks to settle after a change (default {DEFAULT_SETTLE_SECONDS:g})",
         )
+        p.add_argument(
+            "--force",
+            action="store_true",
+            help="sweep even a service whose GPUs are not healthy or whose server is strained (KV cache"
+            " near full, queue growing): its figures then measure that too",
+        )
         if kind == "power":
             p.add_argument(
                 "--passive",
                 action="store_true",
-                help="no changes: what the node's history says about the limits it has run at",
+                help="no changes: what the node's history says about the limits it has run at, per traffic band",
             )
         p.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
         p.set_defaults(func=lambda args: cmd_tune(args, socket_path))
+    for name, help_text in (
+        ("apply", "put the last recommendation in force: a drop-in beside agent.yaml, then a reload"),
+        ("undo", "take the drop-in `tune apply` wrote away, then a reload"),
+    ):
+        description = f"{help_text[0].upper()}{help_text[1:]}. Exit codes: 0 done, 1 refused."
+        p = kinds.add_parser(name, help=help_text, description=description)
+        p.add_argument("--config", metavar="PATH", default=argparse.SUPPRESS, help="config file (as for tune)")
+        p.set_defaults(func=lambda args: cmd_tune_dropin(args, socket_path, config_path))
+
+
+def cmd_tune_dropin(args: argparse.Namespace, socket_path: SocketPath, config_path: ConfigPath) -> int:
+    from agent.tune.apply import cmd_apply_or_undo
+
+    return cmd_apply_or_undo(socket_path(args), config_path(args), undoing=args.kind == "undo")
 
 
 def _call(socket: str, method: str, params: dict[str, Any] | None = None) -> Any:
@@ -176,6 +215,7 @@ def cmd_tune(args: argparse.Namespace, socket_path: SocketPath) -> int:
             "min_request_rate": args.min_request_rate,
             "max_traffic_change": args.max_traffic_change,
             "settle_seconds": args.settle,
+            "force": args.force,
         }
         started = _call(socket, "tune_start", params)
         document = _follow(socket, int(started["id"]))
@@ -261,7 +301,7 @@ def _passive(socket: str, args: argparse.Namespace) -> int:
 
     report = _call(socket, "tune_passive", {"service": args.service})
     print(json.dumps(report, indent=2, sort_keys=True) if args.json else render_passive(report))
-    return EXIT_OK
+    return EXIT_OK if report.get("comparable") else EXIT_NO_RECOMMENDATION
 
 
 # -- text ------------------------------------------------------------------------------------------
@@ -273,6 +313,18 @@ def _fmt(value: float | None, pattern: str) -> str:
 
 def _change(ratio: float | None) -> str:
     return "?" if ratio is None else f"{ratio * 100:+.1f} %"
+
+
+def _objective(document: TuneDocument, name: str, label: str) -> str:
+    limit = document.slo.get(name)
+    return f"{label} (SLO {limit:g} s)" if limit else f"{label} (no SLO)"
+
+
+def _against(value: float | None, limit: float | None) -> str:
+    """A p95 beside its objective: `0.912 s ok`, `1.920 s OVER`."""
+    if value is None:
+        return "-"
+    return f"{value:.3f} s" + ("" if limit is None else " ok" if value <= limit else " OVER")
 
 
 def render(document: TuneDocument) -> str:
@@ -288,21 +340,31 @@ def render(document: TuneDocument) -> str:
         + ","
         f" {request.start:g} -> {request.stop:g} {unit} by {request.step:g}, {request.dwell_seconds:g} s per step"
     ]
-    header = (knob, "mean power", "SM MHz", "tokens/s", "tokens/J", "p95 e2e / TTFT", "max temp", "throttle reasons")
+    header = (
+        knob,
+        "W per swept GPU",
+        f"W total ({len(document.measured_gpus)} GPU{'s' if len(document.measured_gpus) != 1 else ''})",
+        "SM MHz",
+        "tokens/s",
+        "tokens/J",
+        _objective(document, "e2e_p95", "p95 e2e"),
+        _objective(document, "ttft_p95", "p95 TTFT"),
+        "max temp",
+        "throttle reasons",
+    )
     rows = [header]
     for step in document.steps:
         setting = f"{step.setting:g} {unit}" + (" (current)" if step.baseline else "")
-        p95 = f"{_fmt(step.e2e_p95_seconds, '.3f')} / {_fmt(step.ttft_p95_seconds, '.3f')} s"
-        if step.slo_breaches:
-            p95 += " SLO!"
         rows.append(
             (
                 setting,
-                f"{step.mean_power_watts:.0f} W",
+                _fmt(document.swept_power_watts(step), ".0f"),
+                f"{step.mean_power_watts:.0f}",
                 f"{step.mean_sm_mhz:.0f}",
                 _fmt(step.tokens_per_second, ".1f"),
                 _fmt(step.tokens_per_joule, ".3f"),
-                p95,
+                _against(step.e2e_p95_seconds, document.slo.get("e2e_p95")),
+                _against(step.ttft_p95_seconds, document.slo.get("ttft_p95")),
                 "-" if step.max_temperature_celsius is None else f"{step.max_temperature_celsius} C",
                 ", ".join(step.throttle_reasons) or "none",
             )
@@ -316,15 +378,26 @@ def render(document: TuneDocument) -> str:
         lines.append("(no step measured)")
     recommendation = document.recommendation
     if recommendation is not None:
-        e2e = recommendation.e2e_p95_change_seconds
-        lines += [
-            "",
-            f"recommended: {recommendation.reason}",
-            f"expected against the current setting: tokens/J {_change(recommendation.tokens_per_joule_change_ratio)},"
-            f" tokens/s {_change(recommendation.tokens_per_second_change_ratio)},"
-            f" p95 e2e {'?' if e2e is None else f'{e2e:+.3f} s'}",
-            "policy snippet for agent.yaml:",
-            *("  " + line for line in recommendation.snippet.splitlines()),
-        ]
+        lines += ["", *_recommendation_lines(recommendation)]
     lines += ["", f"{document.state}: {document.detail}" if document.detail else document.state]
     return "\n".join(lines)
+
+
+def _recommendation_lines(recommendation: Recommendation) -> list[str]:
+    e2e = recommendation.e2e_p95_change_seconds
+    clock = recommendation.sm_clock_change_ratio
+    lines = [
+        f"recommended: {recommendation.reason}",
+        f"expected against the current setting: tokens/J {_change(recommendation.tokens_per_joule_change_ratio)},"
+        f" tokens/s {_change(recommendation.tokens_per_second_change_ratio)},"
+        f" p95 e2e {'?' if e2e is None else f'{e2e:+.3f} s'}"
+        + ("" if clock is None else f", SM clock {_change(clock)}")
+        + (" (the headroom for a load peak given up)" if clock is not None and clock < -0.05 else ""),
+    ]
+    lines += [f"note: {text}" for text in (recommendation.edge, recommendation.tradeoff) if text]
+    if recommendation.targets:
+        lines.append(
+            f"gpu-agent tune apply puts it in force for {recommendation.targets} (gpu-agent tune undo takes it back)"
+        )
+    lines.append("or make it agent.yaml's own, written against the profile in force:")
+    return lines + ["  " + line for line in recommendation.snippet.splitlines()]

@@ -1,8 +1,8 @@
 """One step of a sweep, measured over its dwell.
 
 GPU side (the service's GPUs): the energy counter (NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION) read at
-both ends gives the joules, its difference over the time between gives the mean power (summed
-over the GPUs); SM clock, temperature and clock-event reasons are sampled every `sample_seconds`
+both ends gives the joules, its difference over the time between gives the mean power (each GPU's,
+and their sum); SM clock, temperature and clock-event reasons are sampled every `sample_seconds`
 (mean clock, hottest reading, every reason seen). A GPU without the energy field falls back to
 integrating its sampled power.
 
@@ -164,7 +164,8 @@ def _reading(
     in_flight: Sequence[float],
 ) -> StepReading:
     figures = window.figures()
-    joules = sum(_joules(track, seconds) for track in tracks)
+    per_gpu_joules = [_joules(track, seconds) for track in tracks]
+    joules = sum(per_gpu_joules)
     tokens_per_second = figures.generation_tokens_per_second if figures is not None else None
     covered = figures.window_seconds if figures is not None and figures.window_seconds > 0 else seconds
     mean_power_watts = joules / seconds if seconds > 0 else 0.0
@@ -194,4 +195,5 @@ def _reading(
         requests_in_flight=round(sum(in_flight) / len(in_flight), 2) if in_flight else None,
         requests=e2e.requests if e2e is not None else 0.0,
         slo_breaches=slo_breaches(service.slo, figures),
+        gpu_power_watts=tuple(round(j / seconds, 1) if seconds > 0 else 0.0 for j in per_gpu_joules),
     )

@@ -32,6 +32,7 @@ class TuneRequest:
     min_request_rate: float = DEFAULT_MIN_REQUEST_RATE
     max_traffic_change: float = DEFAULT_MAX_TRAFFIC_CHANGE
     settle_seconds: float = DEFAULT_SETTLE_SECONDS
+    force: bool = False  # sweep a strained or unhealthy subject anyway (--force)
 
     def settings(self) -> list[float]:
         """The values the sweep sets, in order: start, start -/+ step, ... up to stop (included when on the grid)."""
@@ -63,7 +64,7 @@ class StepReading:
     setting: float  # the power limit (W) or locked graphics clock (MHz) set at this step
     baseline: bool  # the setting the node ran at before the sweep
     seconds: float  # the span measured
-    mean_power_watts: float  # summed over the service's GPUs
+    mean_power_watts: float  # summed over the service's GPUs (the measured ones): the total
     mean_sm_mhz: float  # mean over samples and GPUs
     tokens_per_second: float | None
     tokens_per_joule: float | None
@@ -75,11 +76,13 @@ class StepReading:
     requests_in_flight: float | None  # running + waiting, mean of the scrapes
     requests: float  # requests finished inside the dwell
     slo_breaches: tuple[str, ...] = ()  # "e2e_p95 1.92 s > 1.5 s"
+    gpu_power_watts: tuple[float, ...] = ()  # each measured GPU's mean power, in the document's measured order
 
     def to_json(self) -> dict[str, Any]:
         document = asdict(self)
         document["throttle_reasons"] = list(self.throttle_reasons)
         document["slo_breaches"] = list(self.slo_breaches)
+        document["gpu_power_watts"] = list(self.gpu_power_watts)
         return document
 
     @staticmethod
@@ -87,6 +90,7 @@ class StepReading:
         values = dict(document)
         values["throttle_reasons"] = tuple(values.get("throttle_reasons", ()))
         values["slo_breaches"] = tuple(values.get("slo_breaches", ()))
+        values["gpu_power_watts"] = tuple(values.get("gpu_power_watts", ()))
         return StepReading(**values)
 
 
@@ -94,11 +98,16 @@ class StepReading:
 class Recommendation:
     setting: float
     gpu_model: str
-    snippet: str  # the policy lines to paste into agent.yaml
+    snippet: str  # the agent.yaml lines that make it the policy, written against the profile in force
     tokens_per_joule_change_ratio: float | None  # against the baseline: 0.12 = 12 % more tokens per joule
     tokens_per_second_change_ratio: float | None
     e2e_p95_change_seconds: float | None
-    reason: str
+    reason: str  # "450 W: " and the rule
+    rule: str = ""  # the rule applied: "most tokens per joule with p95 under the objective and ..."
+    sm_clock_change_ratio: float | None = None  # the headroom given up: -0.3 = the SM clock 30 % lower
+    edge: str = ""  # the step is at the edge of the range measured: which way to extend it
+    tradeoff: str = ""  # what the step with the most tokens per joule would cost, when not chosen
+    targets: str = ""  # what `gpu-agent tune apply` puts it on: "GPU 0 (GPU-...)", "every NVIDIA H200"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -106,6 +115,28 @@ class Recommendation:
     @staticmethod
     def from_json(document: dict[str, Any]) -> Recommendation:
         return Recommendation(**document)
+
+
+@dataclass(frozen=True)
+class SweptGpu:
+    """A swept GPU as the sweep found it: what `tune apply` checks is still so, and what the snippet
+    is written against (the profile in force, apart from an earlier `tune apply`'s drop-in)."""
+
+    gpu: int
+    uuid: str
+    model: str
+    whole_model: bool  # every GPU of its model on the node is swept: `tune apply` matches the model
+    profile: int | None  # its profile in policy.gpus (None: none matches)
+    profile_alone: bool  # that profile applies to no GPU outside the sweep: the snippet edits it in place
+    profile_match: str  # that profile's match as agent.yaml spells it
+    settings: dict[str, Any] = field(default_factory=dict)  # the settings in force for it, as agent.yaml spells them
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(document: dict[str, Any]) -> SweptGpu:
+        return SweptGpu(**document)
 
 
 @dataclass(frozen=True)
@@ -152,6 +183,8 @@ class TuneDocument:
     # Every GPU of the service: measured at each step (its tokens come from all of them), while
     # only `gpus` are swept.
     service_gpus: tuple[int, ...] = ()
+    swept: tuple[SweptGpu, ...] = ()  # the swept GPUs as the sweep found them
+    setting_range: tuple[float, float] | None = None  # what every swept GPU accepts (W or MHz), lowest and highest
 
     @property
     def measured_gpus(self) -> tuple[int, ...]:
@@ -173,6 +206,8 @@ class TuneDocument:
             "progress": dict(self.progress),
             "slo": dict(self.slo),
             "service_gpus": list(self.service_gpus),
+            "swept": [g.to_json() for g in self.swept],
+            "setting_range": list(self.setting_range) if self.setting_range is not None else None,
         }
 
     @staticmethod
@@ -192,4 +227,19 @@ class TuneDocument:
             progress=dict(document.get("progress", {})),
             slo=dict(document.get("slo", {})),
             service_gpus=tuple(int(g) for g in document.get("service_gpus", ())),
+            swept=tuple(SweptGpu.from_json(g) for g in document.get("swept", ())),
+            setting_range=_range(document.get("setting_range")),
         )
+
+    def swept_power_watts(self, step: StepReading) -> float | None:
+        """The mean power per swept GPU at `step` (what the limit caps), None for a step measured
+        before per-GPU figures were kept."""
+        measured = list(self.measured_gpus)
+        watts = [step.gpu_power_watts[measured.index(g)] for g in self.gpus if g in measured]
+        if len(step.gpu_power_watts) != len(measured) or not watts:
+            return None
+        return sum(watts) / len(watts)
+
+
+def _range(value: Any) -> tuple[float, float] | None:
+    return (float(value[0]), float(value[1])) if value else None

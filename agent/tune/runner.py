@@ -1,31 +1,34 @@
 """The daemon's side of `gpu-agent tune`: the API methods, the refusals, the job on the action
-worker, the recovery of a sweep an earlier run left half-done, and the last tune for `status`.
+worker, the recovery of a sweep an earlier run left half-done, the last tune for `status` and the
+last measured sweep of each service and kind for /metrics.
 
-Refusals (before anything is journaled or changed), each with its reason: the item the sweep turns
-(`power_limit`, `locked_clocks`) is not in enforce mode; the service is unknown, has no metrics,
-is down or not probed yet; its traffic over the daemon's latency window is below the floor;
-another tune, a remediation or a queued action is running; the GPUs asked for are not the
-service's.
+Refusals (before anything is journaled or changed), each with its reason: a request out of bounds
+(`checked_request`); the item the sweep turns (`power_limit`, `locked_clocks`) is not in enforce
+mode; the service is unknown, has no metrics, is down or not probed yet; its traffic over the
+daemon's latency window is below the floor; another tune, a remediation or a queued action is
+running; the GPUs asked for are not the service's; a step a GPU does not accept; and, unless
+`--force`, a sick subject (agent.tune.preflight).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from agent.api import ApiError
 from agent.backend.base import GpuBackend
-from agent.backend.errors import GpuError
 from agent.config import AgentConfig, Mode, ServiceConfig
 from agent.logger import get_logger
 from agent.policy.holds import PolicyHolds
 from agent.services.window import ServiceFigures
-from agent.state import ServiceStatus
+from agent.state import NodeSnapshot, ServiceStatus, TuneResult, TuneStepFigures
 from agent.store.database import Store, StoreError
 from agent.tune.defaults import POLICY_ITEMS
 from agent.tune.model import TuneDocument, TuneRequest
 from agent.tune.passive import PowerHistory, passive_report
+from agent.tune.preflight import identities, setting_range, sick_subject, swept_gpus
 from agent.tune.sweep import TuneJob, close_interrupted, hold_owner
 
 if TYPE_CHECKING:  # the daemon imports this module: only the type, never the import
@@ -43,11 +46,16 @@ MAX_DWELL_SECONDS = 3600.0
 MAX_SWEEP_SECONDS = 2 * 3600.0
 
 
-def _gpu_model(backend: GpuBackend, gpu: int) -> str:
-    try:
-        return backend.identity(gpu).name
-    except GpuError:
-        return "*"
+#: Sweep states whose steps measured what they meant to: the last of them is what /metrics shows.
+MEASURED_STATES = ("done", "stopped")
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """What the advisor reads of the running node beyond its other parts: the last published
+    snapshot (the GPUs that answer, their identities and health: the preflight's)."""
+
+    snapshot: Callable[[], NodeSnapshot | None]
 
 
 class TuneRunner:
@@ -62,6 +70,8 @@ class TuneRunner:
         figures: Callable[[], Mapping[str, ServiceFigures]],
         gpu_count: Callable[[], int],
         clock: Callable[[], float],
+        *,
+        node: NodeView,
     ) -> None:
         self.config = config
         self.backend = backend
@@ -72,7 +82,10 @@ class TuneRunner:
         self.figures = figures
         self.gpu_count = gpu_count
         self.clock = clock
+        self.node = node
         self.job: TuneJob | None = None
+        self._measured: dict[tuple[str, str], TuneResult] = {}  # (service, kind) -> its last measured sweep
+        self._measured_id = 0  # the newest sweep taken into it
         self.history = PowerHistory()  # fed every loop by the daemon (observe), kept for --passive
         self._lock = threading.Lock()  # one start at a time
         self._interrupted: dict[str, TuneDocument] = {}  # sweeps an earlier run left, by hold owner
@@ -109,6 +122,16 @@ class TuneRunner:
             config = self.config()
             service = self._check(config, request)
             gpus, service_gpus = self._gpus(request, service)
+            backend, snapshot = self.backend(), self.node.snapshot()
+            if backend is None or snapshot is None:
+                raise ApiError("refused: the daemon has not read the GPUs yet; try again in a moment")
+            bounds = setting_range(backend, request, gpus)
+            sick = sick_subject(snapshot, service.name, service_gpus, self.figures().get(service.name))
+            if sick and not request.force:
+                raise ApiError(
+                    f"refused: {'; '.join(sick)}: a sweep would measure that, not the setting (--force sweeps anyway)"
+                )
+            swept = swept_gpus(config.policy, identities(snapshot), gpus)
             store = self.store()
             if store is None:
                 raise ApiError("refused: the state database is unavailable, and a sweep never runs unjournaled")
@@ -119,12 +142,23 @@ class TuneRunner:
                 objectives = {
                     k: v for k, v in (("e2e_p95", slo.e2e_p95_seconds), ("ttft_p95", slo.ttft_p95_seconds)) if v
                 }
-            document = TuneDocument(0, request, gpus, (), "running", started, slo=objectives, service_gpus=service_gpus)
+            document = TuneDocument(
+                0,
+                request,
+                gpus,
+                (),
+                "running",
+                started,
+                slo=objectives,
+                service_gpus=service_gpus,
+                swept=swept,
+                setting_range=bounds,
+            )
             try:
                 document.id = store.begin_tune(started, document.to_json())
             except StoreError as exc:
                 raise ApiError(f"refused: cannot journal the sweep: {exc}") from exc
-            job = TuneJob(document, service, self.backend, self.store, self.holds, self.clock, _gpu_model)
+            job = TuneJob(document, service, self.backend, self.store, self.holds, self.clock)
             self.job = job
             self.worker().submit_task(job)
         log.info("tune started", tune=document.id, kind=request.kind, service=service.name, gpus=list(gpus))
@@ -151,6 +185,22 @@ class TuneRunner:
         job.abort(str(params.get("reason") or "aborted by gpu-agent tune --abort"))
         return {"id": job.document.id, "aborting": True}
 
+    def results(self) -> tuple[TuneResult, ...]:
+        """The last measured sweep of each service and kind (/metrics): read from the store at start
+        (`recover`), then taken from each sweep as it ends, never from the store on the loop."""
+        job = self.job
+        if job is not None and job.finished.is_set() and job.document.id > self._measured_id:
+            with job.lock:
+                document = job.document.to_json()
+            self._take(document)
+        return tuple(self._measured.values())
+
+    def _take(self, document: dict[str, Any]) -> None:
+        self._measured_id = max(self._measured_id, int(document.get("id") or 0))
+        result = measured_result(document)
+        if result is not None:
+            self._measured[(result.service, result.kind)] = result
+
     def last(self) -> dict[str, Any] | None:
         """The last tune, short, for `status`."""
         try:
@@ -170,6 +220,8 @@ class TuneRunner:
             return
         try:
             rows = store.running_tunes()
+            for measured in store.last_measured_tunes():
+                self._take(measured.document)
         except StoreError as exc:
             log.error("cannot read the tune journal: an interrupted sweep is not closed", error=str(exc))
             return
@@ -263,6 +315,10 @@ def checked_request(params: Mapping[str, Any]) -> TuneRequest:
         raise ApiError(f"bad tune request: --dwell must be {MIN_DWELL_SECONDS:g}-{MAX_DWELL_SECONDS:g} s")
     if not 0 <= request.throughput_tolerance < 1 or not request.max_traffic_change > 0:
         raise ApiError("bad tune request: tolerances must be ratios (0.05 = 5 %)")
+    if not request.min_request_rate > 0:
+        raise ApiError("bad tune request: --min-request-rate must be positive")
+    if not isinstance(request.force, bool):
+        raise ApiError("bad tune request: force is true or false")
     if len(request.settings()) > MAX_STEPS:
         raise ApiError(f"bad tune request: more than {MAX_STEPS} steps; use a larger --step")
     if not 0 <= request.settle_seconds <= MAX_DWELL_SECONDS:
@@ -277,6 +333,29 @@ def checked_request(params: Mapping[str, Any]) -> TuneRequest:
             f" {_duration(MAX_SWEEP_SECONDS)}: fewer steps (a larger --step) or a shorter --dwell"
         )
     return request
+
+
+def measured_result(document: dict[str, Any]) -> TuneResult | None:
+    """A sweep's figures for /metrics; None for one that did not measure to its end (running,
+    aborted, failed, interrupted: its figures stand for nothing) or measured no step."""
+    if document.get("state") not in MEASURED_STATES or not document.get("steps"):
+        return None
+    parsed = TuneDocument.from_json(document)
+    recommendation = parsed.recommendation
+    model = parsed.swept[0].model if parsed.swept else (recommendation.gpu_model if recommendation else "")
+    # A setting measured twice (the current one apart from the sweep's own step): the sweep's step counts.
+    by_setting = {s.setting: s for s in sorted(parsed.steps, key=lambda s: not s.baseline)}
+    return TuneResult(
+        service=parsed.request.service,
+        kind=parsed.request.kind,
+        gpu_model=model,
+        finished_seconds=parsed.finished_seconds or parsed.started_seconds,
+        steps=tuple(
+            TuneStepFigures(s.setting, s.tokens_per_joule, s.tokens_per_second, s.e2e_p95_seconds)
+            for _, s in sorted(by_setting.items())
+        ),
+        recommended=recommendation.setting if recommendation is not None else None,
+    )
 
 
 def _duration(seconds: float) -> str:

@@ -12,6 +12,7 @@ the transaction put back, however the job ended, so no row stays `running` once 
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Callable
 
@@ -61,7 +62,6 @@ class TuneJob:
         store: Callable[[], Store | None],
         holds: PolicyHolds,
         clock: Callable[[], float],
-        gpu_model: Callable[[GpuBackend, int], str],
     ) -> None:
         self.document = document
         self.service = service
@@ -69,7 +69,6 @@ class TuneJob:
         self.store = store
         self.holds = holds
         self.clock = clock
-        self.gpu_model = gpu_model
         self.lock = threading.Lock()
         kind = document.request.kind
         self.name = f"tune {kind} sweep {document.id} of service {service.name}"
@@ -108,13 +107,13 @@ class TuneJob:
         """Inside the transaction: the originals are read, held and journaled already."""
         if self.aborted():
             raise TuneStop("aborted", f"aborted before it started: {self._abort_reason}")
-        backend = transaction.backend
-        self._check_settings(backend)
         with self.lock:
             self.document.originals = originals_of(transaction, self.document.request.kind)
         self._save()
         state, detail = self._sweep(transaction)
-        recommendation, why = recommend(self.document.request, self._steps(), self._gpu_model(backend))
+        with self.lock:
+            measured = copy.deepcopy(self.document)
+        recommendation, why = recommend(measured)
         with self.lock:
             self.document.recommendation = recommendation
         if recommendation is None and self._steps():
@@ -133,34 +132,9 @@ class TuneJob:
         self._close(state, "; ".join(parts))
         self.finished.set()
 
-    def _gpu_model(self, backend: GpuBackend) -> str:
-        return self.gpu_model(backend, self.document.gpus[0])
-
     def _steps(self) -> list[StepReading]:
         with self.lock:
             return list(self.document.steps)
-
-    def _check_settings(self, backend: GpuBackend) -> None:
-        """Every step must be settable on every GPU before the first change."""
-        request = self.document.request
-        settings = request.settings()
-        if not settings:
-            raise TuneStop("failed", "no settings between --from and --to")
-        unit = KNOB_UNITS[request.kind]
-        for gpu in self.document.gpus:
-            if request.kind == "power":
-                low, high = backend.power_limit_constraints_watts(gpu)
-                outside = [s for s in settings if not low <= s <= high]
-                if outside:
-                    raise TuneStop(
-                        "failed", f"{outside[0]:g} {unit} is outside GPU {gpu}'s power limit range {low:g}-{high:g} W"
-                    )
-            else:
-                memory = backend.supported_memory_clocks_mhz(gpu)[0]
-                supported = set(backend.supported_graphics_clocks_mhz(gpu, memory))
-                unsupported = [s for s in settings if int(s) != s or int(s) not in supported]
-                if unsupported:
-                    raise TuneStop("failed", f"{unsupported[0]:g} MHz is not a supported graphics clock of GPU {gpu}")
 
     def _current_setting(self, backend: GpuBackend) -> float:
         """The baseline's setting: the first GPU's original limit, or its lock's top (its maximum clock unlocked)."""

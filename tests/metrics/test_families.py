@@ -20,7 +20,7 @@ from agent.metrics.catalog import DEFAULT_SWITCHES, FAMILIES, FAMILY_NAMES, Fami
 from agent.metrics.collector import SnapshotCollector
 from agent.metrics.families import Families
 from agent.metrics.server import MetricsServer, accepts_gzip, serve_metrics
-from agent.state import NodeSnapshot
+from agent.state import NodeSnapshot, TuneResult, TuneStepFigures
 
 ROOT = Path(__file__).resolve().parents[2]
 METRICS_DOC = ROOT / "docs" / "metrics.md"
@@ -30,7 +30,17 @@ Series = set[tuple[str, frozenset[tuple[str, str]]]]
 
 def full_snapshot() -> NodeSnapshot:
     gpu0, *others = telemetry_gpus()
-    return node_snapshot(gpus=(replace(gpu0, retired_pages_pending=False), *others), **inference_fields())
+    last_sweep = TuneResult(
+        "sglang",
+        "power",
+        "NVIDIA H200",
+        1_700_000_000.0,
+        (TuneStepFigures(600, 2.1, 900.0, 0.8), TuneStepFigures(450, 2.4, 880.0, 0.9)),
+        450,
+    )
+    return node_snapshot(
+        gpus=(replace(gpu0, retired_pages_pending=False), *others), tunes=(last_sweep,), **inference_fields()
+    )
 
 
 def render(snapshot: NodeSnapshot, switches: FamilySwitches) -> str:

@@ -223,6 +223,7 @@ def test_policy_series(full: Samples) -> None:
         "not_applicable": 0,
         "reboot_required": 1,
         "error": 0,
+        "held": 0,  # a job drives it (a tune sweep): not drift
     }
     assert value(full, "gpu_agent_policy_status", item="power_limit", status="error", **gpu(3)) == 1
     assert value(full, "gpu_agent_policy_enforced", item="power_limit") == 1

@@ -17,11 +17,14 @@ from typing import Any
 import pytest
 from helpers import action_context, http_server, make_event, wait_until
 from hosttree import make_host_tree
+from snapshots import snapshot_from_backend
 
+from agent import verdict
 from agent.backend.base import ClockDomain, GpuBackend, WriteGuard
 from agent.backend.sim import SimulatedBackend
 from agent.config import AgentConfig, ServiceConfig
-from agent.policy.base import HostContext
+from agent.policy import holds as holds_module
+from agent.policy.base import HostContext, ItemPlan, PlanStatus
 from agent.policy.engine import PolicyEngine
 from agent.policy.holds import PolicyHolds
 from agent.rules.actions.dispatch import execute
@@ -158,15 +161,7 @@ class Node:
         document.id = self.store.begin_tune(document.started_seconds, document.to_json())
         backend: GpuBackend = Through(self.plain, seams, "backend")  # type: ignore[assignment]
         store: Store = Through(self.store, seams, "store")  # type: ignore[assignment]
-        return TuneJob(
-            document,
-            self.service,
-            lambda: backend,
-            lambda: store,
-            holds,
-            time.time,
-            seams.wrap("gpu_model", lambda _backend, _gpu: "NVIDIA H200"),
-        )
+        return TuneJob(document, self.service, lambda: backend, lambda: store, holds, time.time)
 
     def row(self, job: TuneJob) -> dict[str, Any]:
         row = self.store.tune(job.document.id)
@@ -389,3 +384,53 @@ def test_the_agent_stopping_puts_the_originals_back_even_while_the_job_is_stuck(
     row = node.row(job)
     assert row["state"] == "aborted" and row["detail"].startswith("the agent is stopping"), row["detail"]
     assert node.plain.power_limit_watts(0) == 700.0
+
+
+# -- a hold is not drift while its job runs; one that outlives its job is --------------------------
+
+
+def test_a_held_setting_is_held_while_its_job_runs_and_drift_once_the_hold_outlives_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A killed sweep left GPU 0 at 450 W. While the recovery task waits for the backend, the
+    plan says `held`, naming the sweep (no attention). When it gives up without a backend, the hold
+    outlives its job: drift again, and the verdict's line names the job whose hold it is."""
+    plain = SimulatedBackend("h200x2", tmp_path / "sim", writable_items=WRITABLE)
+    plain.init()
+    config = AgentConfig.model_validate(
+        {"mode": "enforce", "policy": {"gpus": [{"match": {"model": "NVIDIA H200*"}, "power_limit_watts": 700}]}}
+    )
+    store = Store.open(tmp_path / "state")
+    try:
+        killed = PolicyHolds(lambda: store, "boot-a")
+        killed.begin("tune-1", "tune sweep 1 drives it", plain, [("power_limit", 0)]).write("power_limit", 0, 450.0)
+        started = PolicyHolds(lambda: store, "boot-a")
+        task = started.recover(lambda: None)  # the GPU backend does not open
+        assert task is not None
+        engine = PolicyEngine(config, plain, HostContext(make_host_tree(tmp_path / "host")), started)
+
+        def power(gpu: int) -> ItemPlan:
+            return next(p for p in engine.plan().items if (p.item, p.gpu) == ("power_limit", gpu))
+
+        def attention(plan: ItemPlan) -> list[str]:
+            snapshot = snapshot_from_backend(plain, policy=(plan,), item_modes={"power_limit": "enforce"})
+            return [line for line in verdict.attention(snapshot, "enforce") if line.startswith("policy drift")]
+
+        pending = power(0)
+        assert pending.status is PlanStatus.HELD and pending.detail.startswith(
+            "held: tune-1 left it changed; being put back"
+        )
+        assert attention(pending) == []
+        monkeypatch.setattr(holds_module, "RECOVERY_BACKEND_WAIT_SECONDS", 0.1)
+        task.run()
+        orphan = power(0)
+        assert orphan.status is PlanStatus.DRIFT and orphan.detail.startswith(
+            "held for tune-1, whose job has ended (tune-1 left it changed; being put back)"
+        )
+        assert attention(orphan) == [
+            "policy drift: power_limit on GPU 0 (want 700 W, have 450 W): held for tune-1, whose job has ended"
+        ]
+        assert plain.power_limit_watts(0) == 450.0 and power(1).status is PlanStatus.IN_SYNC
+        assert engine.apply().results[0].detail.startswith("held:")  # still never written by the loop
+    finally:
+        store.close()

@@ -3,6 +3,7 @@ the recommendation rule, the policy engine's holds, the passive report and the s
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,8 @@ from agent.policy.engine import PolicyEngine
 from agent.policy.holds import PolicyHolds
 from agent.store.database import Store
 from agent.store.tunes import HistoryRow
-from agent.tune.model import StepReading, TuneDocument, TuneRequest
-from agent.tune.passive import passive_report
+from agent.tune.model import StepReading, SweptGpu, TuneDocument, TuneRequest
+from agent.tune.passive import passive_report, traffic_band
 from agent.tune.recommend import recommend, thin_traffic, uneven_traffic
 from agent.tune.runner import PRIVILEGED_METHODS, checked_request
 
@@ -74,6 +75,19 @@ def test_settings_walk_down_or_up_and_include_the_end_on_the_grid() -> None:
     assert again == request(gpus=(0, 1))
 
 
+H200 = "NVIDIA H200"
+#: GPU 0 of four H200s, under the one profile that matches them all (so not its alone).
+GPU0 = SweptGpu(0, "GPU-0", H200, False, 0, False, '{model: "NVIDIA H200*"}', {"power_limit_watts": 700.0})
+
+
+def measured(steps: list[StepReading], swept: tuple[SweptGpu, ...] = (GPU0,), **values: object) -> TuneDocument:
+    slo: dict[str, float] = {"e2e_p95": 0.8}
+    bounds = (200.0, 700.0)
+    return TuneDocument(
+        1, request(**values), (0,), (), "done", 0.0, steps=steps, slo=slo, swept=swept, setting_range=bounds
+    )
+
+
 def test_the_recommendation_is_the_best_tokens_per_joule_within_slo_and_tolerance() -> None:
     steps = [
         step(700, 1000, 1.50, baseline=True),
@@ -81,21 +95,82 @@ def test_the_recommendation_is_the_best_tokens_per_joule_within_slo_and_toleranc
         step(500, 900, 1.80),  # better tokens/J, but 10 % slower
         step(400, 800, 1.90, breach=True),
     ]
-    chosen, why = recommend(request(), steps, "NVIDIA H200")
+    chosen, why = recommend(measured(steps))
     assert chosen is not None and chosen.setting == 600, why
-    assert chosen.snippet == 'policy:\n  gpus:\n    - match: {model: "NVIDIA H200"}\n      power_limit_watts: 600'
+    assert chosen.reason == (
+        "600 W: most tokens per joule with p95 under the objective and tokens/s within 5 % of the best (1000.0/s)"
+    )
     assert round(chosen.tokens_per_joule_change_ratio or 0, 3) == 0.08
     assert round(chosen.tokens_per_second_change_ratio or 0, 3) == -0.03
     assert chosen.e2e_p95_change_seconds == 0.0
-    wider, _ = recommend(request(throughput_tolerance=0.15), steps, "NVIDIA H200")
-    assert wider is not None and wider.setting == 500
+    # The trade-off the tolerance ruled out, as what it is, and the tolerance that would take it.
+    assert chosen.tradeoff == (
+        "the most tokens per joule within the objective is at 500 W (+20.0 % tokens/J, -10.0 % tokens/s against"
+        " the current setting), but its tokens/s are 10.0 % under the best, outside the 5 % tolerance"
+        " (--tolerance 0.1 takes it)"
+    )
+    assert chosen.edge == "" and chosen.targets == "GPU 0 (GPU-0)"
+    wider, _ = recommend(measured(steps, throughput_tolerance=0.15))
+    assert wider is not None and wider.setting == 500 and wider.tradeoff == ""
     # A breach is never recommended however good its tokens/J.
-    loose, _ = recommend(request(throughput_tolerance=0.5), steps, "NVIDIA H200")
+    loose, _ = recommend(measured(steps, throughput_tolerance=0.5))
     assert loose is not None and loose.setting == 500
-    none, why = recommend(request(), [step(700, 1000, 1.5, baseline=True, breach=True)], "NVIDIA H200")
+    none, why = recommend(measured([step(700, 1000, 1.5, baseline=True, breach=True)]))
     assert none is None and "every step missed" in why
-    clocks, _ = recommend(request(kind="clocks"), [step(1500, 10, 1.0, baseline=True)], "X")
-    assert clocks is not None and "locked_clocks: {gpu_mhz: [1500, 1500]}" in clocks.snippet
+
+
+def test_a_best_step_at_the_edge_says_which_way_to_extend_the_sweep() -> None:
+    """The lowest step best: the optimum may lie lower, and the flag that goes there; at the board's
+    lowest there is nothing further; an ascending clock sweep extends with --from."""
+    low = [step(700, 1000, 1.5, baseline=True), step(600, 990, 1.7), step(500, 985, 1.9)]
+    chosen, _ = recommend(measured(low, stop=500))
+    assert chosen is not None and chosen.setting == 500
+    assert (
+        chosen.edge
+        == "500 W is the lowest setting measured: the best may lie below it (extend the sweep with --to 400)"
+    )
+    at_floor = [step(700, 1000, 1.5, baseline=True), step(450, 990, 1.7), step(200, 985, 1.9)]
+    floor, _ = recommend(measured(at_floor, stop=200, step=250))
+    assert (
+        floor is not None
+        and floor.edge == "200 W is the lowest setting measured and the board's lowest: nothing beyond it"
+    )
+    clocks = [step(1980, 1000, 1.5, baseline=True), step(1380, 995, 1.9), step(1680, 998, 1.7)]
+    up, _ = recommend(measured(clocks, kind="clocks", start=1380, stop=1980, step=300))
+    assert up is not None and up.setting == 1380
+    assert up.edge.endswith("(extend the sweep with --from 1080)")
+    # The SM clock the step gives up: the headroom for a peak, which flat tokens/s hides.
+    slow = [step(700, 1000, 1.5, baseline=True), replace(step(500, 990, 1.9), mean_sm_mhz=1050)]
+    headroom, _ = recommend(measured(slow))
+    assert headroom is not None and round(headroom.sm_clock_change_ratio or 0, 2) == -0.3
+
+
+def test_the_snippet_is_written_against_the_profile_in_force() -> None:
+    """GPU 0 of a model-wide profile: a profile of its own before that one, every other key copied
+    (pasted at the end it would be shadowed; pasted first without them, the other keys would go).
+    A profile only the swept GPUs have: its one key changed in place. A clock lock keeps its memory lock."""
+    steps = [step(700, 1000, 1.5, baseline=True), step(600, 990, 1.7)]
+    settings = {"power_limit_watts": 700.0, "persistence": "enabled", "locked_clocks": {"gpu_mhz": [1980, 1980]}}
+    subset = replace(GPU0, settings=settings)
+    chosen, _ = recommend(measured(steps, swept=(subset,)))
+    assert chosen is not None and chosen.snippet == (
+        "policy:\n  gpus:\n"
+        '    - match: {uuid: "GPU-0"}  # before policy.gpus[0], its other keys copied\n'
+        "      power_limit_watts: 600\n"
+        "      persistence: enabled\n"
+        "      locked_clocks: {gpu_mhz: [1980, 1980]}"
+    )
+    alone = tuple(replace(GPU0, gpu=g, uuid=f"GPU-{g}", whole_model=True, profile_alone=True) for g in range(4))
+    everyone, _ = recommend(measured(steps, swept=alone))
+    assert everyone is not None and everyone.snippet == (
+        'policy:\n  gpus:\n    - match: {model: "NVIDIA H200*"}  # policy.gpus[0]: change this key\n'
+        "      power_limit_watts: 600"
+    )
+    assert everyone.targets == "every NVIDIA H200 (GPU 0, 1, 2, 3)"
+    memory = replace(GPU0, settings={"locked_clocks": {"gpu_mhz": [1980, 1980], "memory_mhz": [3201, 3201]}})
+    clocks, _ = recommend(measured([step(1500, 10, 1.0, baseline=True)], swept=(memory,), kind="clocks"))
+    assert clocks is not None
+    assert "locked_clocks: {gpu_mhz: [1500, 1500], memory_mhz: [3201, 3201]}" in clocks.snippet
 
 
 def test_thin_and_uneven_traffic() -> None:
@@ -144,24 +219,53 @@ def test_the_journal_keeps_running_sweeps_and_the_last_one(tmp_path: Path) -> No
         assert done is not None and TuneDocument.from_json(done.document).state == "done"
 
 
-def test_passive_advice_from_history(tmp_path: Path) -> None:
+def test_passive_advice_compares_limits_only_at_the_same_traffic(tmp_path: Path) -> None:
     model = "NVIDIA H200"
     with Store.open(tmp_path) as store:
-        store.add_history([HistoryRow("sglang", model, "power:700", 3600, 3.6e6, 2.3e6, 0.7, 10.0)])
-        store.add_history([HistoryRow("sglang", model, "power:700", 3600, 3.6e6, 2.3e6, 0.9, 20.0)])
-        store.add_history([HistoryRow("sglang", model, "power:550", 3600, 3.5e6, 1.9e6, 0.8, 30.0)])
-        store.add_history([HistoryRow("sglang", model, "power:400", 30, 2e4, 1e4, 1.9, 40.0)])  # too short
+        store.add_history([HistoryRow("sglang", model, "power:700@4-8", 3600, 3.6e6, 2.3e6, 0.7, 10.0)])
+        store.add_history([HistoryRow("sglang", model, "power:700@4-8", 3600, 3.6e6, 2.3e6, 0.9, 20.0)])
+        store.add_history([HistoryRow("sglang", model, "power:550@4-8", 3600, 3.5e6, 1.9e6, 0.8, 30.0)])
+        # An idle night at 400 W: a fine tokens/J of nothing, never compared with the busy hours.
+        store.add_history([HistoryRow("sglang", model, "power:400@idle", 36000, 1e5, 5e6, 0.3, 40.0)])
+        store.add_history([HistoryRow("sglang", model, "power:400@4-8", 30, 2e4, 1e4, 1.9, 40.0)])  # too short
+        store.add_history([HistoryRow("sglang", model, "power:600@16-32", 600, 2e6, 3e5, 1.0, 50.0)])
         rows = store.history("sglang")
-    top = next(r for r in rows if r.setting == "power:700")
+    top = next(r for r in rows if r.setting == "power:700@4-8")
     assert (top.seconds, top.e2e_p95_max_seconds) == (7200, 0.9)
     report = passive_report("sglang", rows, slo_e2e_p95_seconds=1.5)
-    assert [item["power_limit_watts"] for item in report["limits"]] == [700, 550, 400]
-    assert report["limits"][2]["enough"] is False
-    (verdict,) = report["verdicts"]
-    assert verdict.startswith("NVIDIA H200: 550 W looked free: +17.7% tokens/J against 700 W")
+    shown = [(item["traffic_band"], item["power_limit_watts"], item["enough"]) for item in report["limits"]]
+    assert shown == [
+        ("idle", 400, True),
+        ("4-8", 700, True),
+        ("4-8", 550, True),
+        ("4-8", 400, False),
+        ("16-32", 600, True),
+    ]
+    assert report["verdicts"] == [
+        "NVIDIA H200 at idle (under 0.1 requests/s): not compared (tokens per joule there says nothing about a limit)",
+        "NVIDIA H200 at 4-8 requests/s: 550 W looked free: +17.7% tokens/J against 700 W with tokens/s within 5%"
+        " and p95 within the SLO (confirm with a sweep)",
+        "NVIDIA H200 at 16-32 requests/s: too little history to compare limits: 600 W for 10.0 min; each limit"
+        " needs 1 min at this traffic (a sweep, gpu-agent tune power, measures them now)",
+    ]
+    assert report["comparable"] is True and report["changed"] is False
     strict = passive_report("sglang", rows, slo_e2e_p95_seconds=0.75)
-    assert strict["verdicts"] == ["NVIDIA H200: no lower limit looked free against 700 W"]
-    assert report["changed"] is False
+    assert "NVIDIA H200 at 4-8 requests/s: no lower limit looked free against 700 W" in strict["verdicts"]
+    # History from before the bands: shown, never compared; with nothing to compare, not comparable.
+    old = [HistoryRow("sglang", model, "power:700", 3600, 3.6e6, 2.3e6, 0.7, 10.0)]
+    unbanded = passive_report("sglang", old, None)
+    assert unbanded["limits"][0]["traffic_band"] == "unbanded" and unbanded["comparable"] is False
+    assert unbanded["verdicts"][0].startswith(
+        "NVIDIA H200 at traffic unknown (kept before traffic bands): not compared"
+    )
+    empty = passive_report("sglang", [], None)
+    assert empty["comparable"] is False and empty["verdicts"][0].startswith("no history yet")
+
+
+def test_traffic_bands_are_powers_of_two() -> None:
+    assert [traffic_band(r) for r in (0.0, 0.05, 0.1, 1.0, 3.0, 4.0, 100.0)] == [
+        "idle", "idle", "0.0625-0.125", "1-2", "2-4", "4-8", "64-128"
+    ]  # fmt: skip
 
 
 def test_only_a_trusted_peer_may_start_or_abort_a_sweep() -> None:
