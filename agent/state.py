@@ -55,7 +55,7 @@ class RemediationCount:
 
 @dataclass(frozen=True)
 class RecentRemediation:
-    """One decision of the remediator, for the status screen ("3m ago: would restart sglang")."""
+    """One decision of the remediator, for the status screen ("3m ago  observe mode: would run ...")."""
 
     started_seconds: float
     rule: str

@@ -324,7 +324,7 @@ def run_trusted(
     it; a symlink or file swapped in after the check is never run. The program still gets argv[0]
     as given as its name, and the result names argv as given; a script's interpreter gets the
     /proc path as its script name and opens the same file. Raises UntrustedError (refuse the
-    action), or OSError (it cannot run). The hook runner (agent.rules.actions.hooks) calls it.
+    action), or OSError (it cannot run). The hook runner (agent.rules.actions.kinds.run_hook) calls it.
     """
     from agent.host.commands import run_process
 

@@ -41,7 +41,7 @@ from agent.watch.throttle import EXPECTED_REASONS
 THROTTLE_PROBLEM_REASONS: tuple[str, ...] = tuple(sorted(SLOWDOWN_REASONS - EXPECTED_REASONS))
 #: The GPU that could not be read at all is planned as item "gpu"; it is a lost GPU, not drift.
 _UNREADABLE_GPU_ITEM = "gpu"
-# The flag is a few lines of JSON (agent.rules.actions.reboot writes it).
+# The flag is a few lines of JSON (agent.rules.actions.kinds.recommend_reboot writes it).
 _FLAG_LIMIT_BYTES = 64 * 1024
 
 

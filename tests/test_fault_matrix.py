@@ -33,6 +33,7 @@ from typing import Any
 
 import pytest
 import structlog
+from action_kinds import ActionKind, action_spec
 from helpers import FakeClock, make_event, wait_until
 from hosttree import make_host_tree
 
@@ -49,7 +50,7 @@ from agent.policy.base import ApplyOutcome, HostContext, PlanStatus
 from agent.policy.engine import PolicyEngine
 from agent.rules.actions.context import ActionContext
 from agent.rules.actions.dispatch import execute
-from agent.rules.model import ActionKind, ActionSpec, Decision, Outcome, Target
+from agent.rules.model import Decision, Outcome, Target
 from agent.state import NodeSnapshot
 from agent.watch.fake_kernel_log import append_kmsg, xid_line
 from agent.watch.nvml_events import NvmlEventSource
@@ -717,7 +718,7 @@ def test_action(node: Node, calls: Calls, method: str, kind: str) -> None:
         suggested_action=SuggestedAction.RESET_GPU,
         xid=48,
     )
-    decision = Decision("xid-reset", event, Target(gpu=0, uuid=uuid), ActionSpec(ActionKind.RESET_GPU), 0, 1, "Xid 48")
+    decision = Decision("xid-reset", event, Target(gpu=0, uuid=uuid), action_spec(ActionKind.RESET_GPU), 0, 1, "Xid 48")
     node.inject(method, kind)
     outcome = execute(decision, ctx)
     resets = calls.made("reset_gpu")

@@ -28,6 +28,10 @@ PROCESS_RUNNER = "agent.host.commands"
 #: Apart from it: the demo (it starts the daemon, a stand-in server and Alertmanager as a user's
 #: shell would, and stops them) and the build-time version code (git, before anything is installed).
 STARTS_PROCESSES_APART = ("agent.demo", "agent.version")
+#: Modules that import every module of a package by finding it (importlib), not by name: an edge to
+#: each, which the source does not spell, so the graph adds it (a kind importing the registry that
+#: finds it is a cycle like any other).
+DISCOVERS = {"agent.rules.actions.registry": "agent.rules.actions.kinds"}
 #: Modules that start programs, and the os functions that do.
 PROCESS_MODULES = ("subprocess", "multiprocessing", "pty")
 OS_PROCESS_CALL = re.compile(r"(system|popen|exec\w*|spawn\w*|posix_spawn\w*|fork\w*)")
@@ -87,6 +91,9 @@ def import_graph(root: Path) -> dict[str, set[str]]:
             if name is not None and f"{base}.{name}" in modules:
                 targets.add(f"{base}.{name}")
             graph[module.name] |= {t for t in targets if t is not None and t != module.name}
+    for discoverer, package in DISCOVERS.items():
+        if discoverer in graph:
+            graph[discoverer] |= {name for name in graph if name.startswith(package + ".")}
     return graph
 
 

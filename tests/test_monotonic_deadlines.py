@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from action_kinds import ActionKind, action_spec
 from helpers import FakeClock, action_context, http_server, make_event
 from hosttree import make_host_tree
 from snapshots import TIMESTAMP_SECONDS, node_snapshot
@@ -26,7 +27,7 @@ from agent.demo.standin_process import free_port
 from agent.metrics.server import serve_metrics
 from agent.policy.base import HostContext
 from agent.rules.actions.service_actions import drain_service
-from agent.rules.model import ActionKind, ActionSpec, Decision, Target
+from agent.rules.model import Decision, Target
 from agent.services.health import HealthProber
 from agent.tune.measure import measure_step
 
@@ -109,7 +110,7 @@ def test_a_wall_clock_step_during_a_drain_neither_holds_the_restart_nor_cuts_the
         config, backend, HostContext(make_host_tree(tmp_path / "host")), {}, clock=wall, drain_poll_seconds=0.05
     )
     restart = Decision(
-        "restart", make_event(), Target(service="sglang"), ActionSpec(ActionKind.RESTART_SERVICE), 0, 1, "", False
+        "restart", make_event(), Target(service="sglang"), action_spec(ActionKind.RESTART_SERVICE), 0, 1, "", False
     )
     steps: list[str] = []
     _, seconds = timed(lambda: drain_service(service, restart, ctx, steps))

@@ -21,8 +21,8 @@ from agent.daemon.remediator import Remediator
 from agent.daemon.sd_notify import SdNotifier
 from agent.documents import snapshot_document
 from agent.events import EventKind
-from agent.rules.model import ActionKind, ActionSpec, Decision, Target
-from agent.rules.params import RestartServiceParams
+from agent.rules.actions.kinds.restart_service import RestartServiceParams
+from agent.rules.model import ActionSpec, Decision, Target
 from agent.state import RecentRemediation
 from agent.store.database import Store
 from agent.textview import (
@@ -207,7 +207,7 @@ def test_observe_mode_records_what_it_would_have_done(tmp_path: Path) -> None:
     remediator.store = Store.open(tmp_path / "state")
     try:
         event = make_event(EventKind.SERVICE_UNHEALTHY, None, timestamp_seconds=1000.0)
-        spec = ActionSpec(ActionKind.RESTART_SERVICE, RestartServiceParams())
+        spec = ActionSpec(RestartServiceParams())
         decision = Decision("service-unhealthy", event, Target(service="sglang"), spec, 0, 1, "probe failed")
         remediator._act(decision, 1000.0)
         (recent,) = remediator.recent()
@@ -215,11 +215,11 @@ def test_observe_mode_records_what_it_would_have_done(tmp_path: Path) -> None:
     finally:
         remediator.store.close()
     assert recent.outcome == "dry_run"
-    assert recent.detail == "observe mode: would restart service sglang (rule service-unhealthy)"
+    assert recent.detail == "observe mode: would run restart_service on service sglang (rule service-unhealthy)"
     assert [(c.rule, c.outcome, c.count) for c in counts] == [("service-unhealthy", "dry_run", 1)]
     snap = replace(node_snapshot(), recent_remediations=(recent,))
     text = status_text(snapshot_document(snap, source="daemon"), now=1180.0)
-    assert "  3m ago  observe mode: would restart service sglang (rule service-unhealthy)" in text
+    assert "  3m ago  observe mode: would run restart_service on service sglang (rule service-unhealthy)" in text
     assert (
         json.loads(json.dumps(snapshot_document(snap, source="daemon")))["recent_remediations"][0]["outcome"]
         == "dry_run"

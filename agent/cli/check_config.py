@@ -33,7 +33,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     resolved = resolve_rules(Path(d) for d in (args.rules or config.remediation.rules_dirs))
     _check_rules_dirs_exist(Path(path), resolved.missing_dirs, from_config=not args.rules)
     rules = load_rules(resolved.paths, allow_reboot=config.remediation.allow_reboot)
-    _check_hooks(rules)
+    _check_steps(rules)
     _check_drain_hooks(config, str(path))
     print_text(
         f"{path}: ok ({config.mode.value} mode, {config.backend} backend, {len(config.policy.gpus)} GPU profiles, "
@@ -87,22 +87,18 @@ def _check_rules_dirs_exist(path: Path, missing: Sequence[Path], *, from_config:
     raise ConfigError(problems)
 
 
-def _check_hooks(rules: Sequence[Rule]) -> None:
-    """The hooks the rules would run, checked now rather than refused at 3 a.m. when a fault needs them."""
+def _check_steps(rules: Sequence[Rule]) -> None:
+    """What each step's kind can check now rather than at 3 a.m. when a fault needs it (the hooks the
+    rules would run are trusted programs)."""
     from agent.config_errors import ConfigError, ConfigProblem
-    from agent.rules.model import ActionKind
-    from agent.trust import executable_problem
 
     problems: list[ConfigProblem] = []
     for rule in rules:
         file, _, line = rule.source.rpartition(":")
         for ladder in ("actions", "on_exhausted"):
             for position, step in enumerate(getattr(rule, ladder)):
-                if step.kind is not ActionKind.RUN_HOOK:
-                    continue
-                problem = executable_problem(str(step.spec().params["argv"][0]))
-                if problem is not None:
-                    where = f"rule {rule.name}: {ladder}[{position}].run_hook.argv[0]"
+                for field, problem in step.action.problems(step.spec().options):
+                    where = f"rule {rule.name}: {ladder}[{position}].{step.kind}.{field}"
                     problems.append(ConfigProblem(file, int(line) if line.isdigit() else None, where, problem))
     if problems:
         raise ConfigError(problems)

@@ -34,10 +34,11 @@ from agent.logger import get_logger
 from agent.policy.holds import PolicyHolds
 from agent.rules.actions.context import ActionContext
 from agent.rules.actions.dispatch import execute
-from agent.rules.actions.footprint import Footprint
+from agent.rules.actions.footprint import lane
+from agent.rules.actions.kind import Footprint, Lane
+from agent.rules.actions.registry import KINDS
 from agent.rules.actions.steps import DRAINING, services_left_down, step
-from agent.rules.model import ActionKind, ActionOutcome, Decision, Outcome
-from agent.rules.params import ACTION_LANES, Lane
+from agent.rules.model import ActionOutcome, Decision, Outcome
 from agent.services.managers import ServiceError, ServiceManager
 from agent.store.attempt_clock import AttemptClock, ClockReading, effective_wall_seconds
 from agent.store.database import JournalEntry, Store, StoreError
@@ -96,11 +97,11 @@ class ActionWorker:
         if store is None:
             raise StoreError("no event store: an action is never run unrecorded")
         row_id = store.begin_remediation(decision, self.attempt_clock.reading(now))
-        lane = ACTION_LANES[decision.action.kind] if decision.action is not None else Lane.NOTIFY
-        footprint = frozenset() if lane is Lane.NOTIFY else self.footprint(decision)
-        job = LaneJob(f"remediation {decision.rule}", lane, footprint, lambda: None)
+        its_lane = lane(decision)
+        footprint = frozenset() if its_lane is Lane.NOTIFY else self.footprint(decision)
+        job = LaneJob(f"remediation {decision.rule}", its_lane, footprint, lambda: None)
         job.work = lambda: self._run_job(job, decision, row_id)
-        if lane is not Lane.NOTIFY:
+        if its_lane is not Lane.NOTIFY:
             for running in self.lanes.running():
                 if running.abort is not None and overlaps(running.footprint, footprint):
                     running.abort(f"remediation {decision.rule} needs the node")
@@ -195,15 +196,15 @@ class ActionWorker:
         log.info(
             "action finished",
             rule=decision.rule,
-            action=decision.action.kind.value if decision.action else None,
+            action=decision.action.kind if decision.action else None,
             outcome=outcome.outcome.value,
             detail=outcome.detail,
             seconds=round(outcome.finished_seconds - outcome.started_seconds, 3),
             **target_fields(decision),
         )
         action = decision.action
-        reset_done = action is not None and action.kind is ActionKind.RESET_GPU and outcome.outcome is Outcome.SUCCESS
-        if reset_done and decision.target.gpu is not None:
+        fresh_gpu = action is not None and KINDS[action.kind].clears_xids and outcome.outcome is Outcome.SUCCESS
+        if fresh_gpu and decision.target.gpu is not None:
             self.on_reset(decision.target.gpu)
 
     def _journal(self, row_id: int, step: str) -> None:

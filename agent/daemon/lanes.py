@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 from queue import SimpleQueue
 
 from agent.logger import get_logger
-from agent.rules.actions.footprint import Footprint
-from agent.rules.params import Lane
+from agent.rules.actions.kind import Footprint, Lane
 
 log = get_logger()
 

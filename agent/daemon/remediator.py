@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.config import AgentConfig, Mode
+from agent.config import AgentConfig
 from agent.daemon.action_worker import ActionWorker, target_fields
 from agent.daemon.alert_delivery import AlertDelivery
 from agent.daemon.timing import due
@@ -20,11 +20,11 @@ from agent.logger import get_logger
 from agent.policy.holds import PolicyHolds
 from agent.rules.actions.alertmanager import AlertTracker
 from agent.rules.actions.context import ActionContext
+from agent.rules.actions.dispatch import observe_mode
 from agent.rules.actions.footprint import footprint
 from agent.rules.config import Rule, load_rules
 from agent.rules.engine import evaluate, gpus_by_service
 from agent.rules.model import ActionOutcome, Decision, Outcome
-from agent.rules.params import NODE_CHANGING_ACTIONS
 from agent.rules.sources import describe as describe_rules
 from agent.rules.sources import resolve_rules
 from agent.services.managers import ServiceManager
@@ -180,15 +180,18 @@ class Remediator:
             store.mark_handled(event.key)
 
     def _act(self, decision: Decision, now: float) -> None:
-        observed = self._observe_only(decision)
-        if decision.action is None or decision.dry_run or observed:
+        # In observe mode an action that changes the node is recorded as what the agent would have
+        # done, never queued: the operator sees the decision, and a refusal keeps meaning a safety
+        # check said no.
+        observed = observe_mode(decision, self.config.mode)
+        if decision.action is None or decision.dry_run or observed is not None:
             outcome = Outcome.SUPPRESSED if decision.action is None else Outcome.DRY_RUN
-            detail = _would(decision) if observed else decision.reason
+            detail = observed.detail if observed is not None else decision.reason
             self._record(ActionOutcome(decision, outcome, detail, now, now), self.attempt_clock.reading(now))
             log.info(
                 f"action {outcome.value}",
                 rule=decision.rule,
-                action=decision.action.kind.value if decision.action else None,
+                action=decision.action.kind if decision.action else None,
                 reason=decision.reason,
                 **target_fields(decision),
             )
@@ -197,18 +200,11 @@ class Remediator:
         log.info(
             "action started",
             rule=decision.rule,
-            action=decision.action.kind.value,
+            action=decision.action.kind,
             attempt=decision.attempt,
             reason=decision.reason,
             **target_fields(decision),
         )
-
-    def _observe_only(self, decision: Decision) -> bool:
-        """In observe mode an action that changes the node is recorded as what the agent would have
-        done (a dry run), not sent to the worker to be refused: the operator sees the decision, and a
-        refusal keeps meaning a safety check said no."""
-        action = decision.action
-        return action is not None and action.kind in NODE_CHANGING_ACTIONS and self.config.mode is Mode.OBSERVE
 
     def _refresh_alerts(self, events: Sequence[Event], now: float) -> None:
         """Queued for the alert delivery thread: nothing outbound runs on the loop."""
@@ -256,14 +252,6 @@ class Remediator:
             self.store.record_outcome(outcome, reading)
         except StoreError as exc:
             log.error("could not record a remediation", error=str(exc), rule=outcome.decision.rule)
-
-
-def _would(decision: Decision) -> str:
-    """What the agent would have done, as "observe mode: would restart service sglang (rule ...)"."""
-    target = decision.target
-    what = target.service or (f"GPU {target.gpu}" if target.gpu is not None else "the node")
-    kind = decision.action.kind.value if decision.action is not None else "act"
-    return f"observe mode: would {kind.replace('_', ' ')} {what} (rule {decision.rule})"
 
 
 @dataclass(frozen=True)

@@ -35,15 +35,11 @@ A full example::
           - webhook: {url: "https://hooks.example/gpu", headers: {X-Token: abc}, timeout_seconds: 5}
           - run_hook: {argv: [/usr/local/bin/drain-node, --reason, gpu], timeout_seconds: 60}
 
-Action kinds and their parameters (the pydantic models in agent/rules/params.py, which the handlers
-receive as validated here; `timeout_seconds` of webhook is the request's total deadline):
-`restart_service: {service?, ready_timeout_seconds?}`, `reset_gpu: {}`,
-`run_hook: {argv: [ABSOLUTE_PATH, args...], timeout_seconds?}`, `webhook: {url, headers?,
-timeout_seconds?}`, `alertmanager: {url?, severity?, alertname?, labels?, summary?,
-description?, annotations?}` (url defaults to `remediation.alertmanager_url`, severity to the
-event's), `recommend_reboot: {reason?, url?}` (writes `<state_dir>/reboot-recommended` and
-alerts), `reboot: {}` (refused at load time unless `remediation.allow_reboot: true`). A step
-without parameters may be written bare: `- reset_gpu`. What each action does: agent/rules/actions/.
+Action kinds and their parameters: one module per kind under agent/rules/actions/kinds/, whose
+pydantic model the step is validated against here and which its handler then receives as
+validated (README's table of actions lists them, written from those modules). A step without
+parameters may be written bare: `- reset_gpu`. A kind that needs `remediation.allow_reboot: true`
+(reboot) is refused at load time without it.
 
 What each condition reads (see agent/rules/engine.py for targets and storm protection):
 
@@ -69,9 +65,9 @@ import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import Field, ModelWrapValidatorHandler, PrivateAttr, create_model, field_validator, model_validator
 
 from agent.config import (
     ConfigError,
@@ -85,19 +81,9 @@ from agent.config import (
     validate_model,
 )
 from agent.events import EventKind, Severity, SuggestedAction
+from agent.rules.actions.kind import ActionType, Targets
+from agent.rules.actions.registry import KINDS
 from agent.rules.model import ActionSpec
-from agent.rules.params import (
-    PARAMS_BY_KIND,
-    ActionKind,
-    ActionParams,
-    AlertmanagerParams,
-    RebootParams,
-    RecommendRebootParams,
-    ResetGpuParams,
-    RestartServiceParams,
-    RunHookParams,
-    WebhookParams,
-)
 from agent.trust import directory_problem
 from agent.watch import xid_catalog
 from agent.watch.clock_events import SLOWDOWN_REASONS
@@ -115,8 +101,8 @@ def _empty_for_null(value: Any) -> Any:
     return value
 
 
-def _exactly_one(model: StrictModel, names: Iterable[str], what: str) -> None:
-    chosen = [name for name in names if getattr(model, name) is not None]
+def _exactly_one(chosen: list[str], names: Iterable[str], what: str) -> None:
+    """`chosen`, those of `names` given, must be one."""
     if len(chosen) != 1:
         given = f"got {', '.join(chosen)}" if chosen else "got none"
         raise ValueError(f"needs exactly one {what} ({given}); one of: {', '.join(names)}")
@@ -272,7 +258,9 @@ class Match(StrictModel):
 
     @model_validator(mode="after")
     def _one_condition(self) -> Match:
-        _exactly_one(self, CONDITION_KINDS, "condition")
+        _exactly_one(
+            [name for name in CONDITION_KINDS if getattr(self, name) is not None], CONDITION_KINDS, "condition"
+        )
         return self
 
     @property
@@ -283,47 +271,42 @@ class Match(StrictModel):
 # -- actions ---------------------------------------------------------------------------------
 
 
-ACTION_KINDS = tuple(kind.value for kind in ActionKind)
+class _Step(StrictModel):
+    """One step of a ladder: `{KIND: {params}}` with exactly one KIND. `ActionStep` below has a field
+    per action kind (agent/rules/actions/registry.py), holding that kind's parameter model."""
 
-
-class ActionStep(StrictModel):
-    """One step of a ladder: `{KIND: {params}}` with exactly one KIND (field names are ActionKind values)."""
-
-    restart_service: RestartServiceParams | None = None
-    reset_gpu: ResetGpuParams | None = None
-    run_hook: RunHookParams | None = None
-    webhook: WebhookParams | None = None
-    alertmanager: AlertmanagerParams | None = None
-    recommend_reboot: RecommendRebootParams | None = None
-    reboot: RebootParams | None = None
-
-    @model_validator(mode="before")
+    @model_validator(mode="wrap")
     @classmethod
-    def _shorthand(cls, value: Any) -> Any:
+    def _one_action(cls, value: Any, handler: ModelWrapValidatorHandler[_Step]) -> _Step:
         # `- reset_gpu` is `- reset_gpu: {}`.
-        if isinstance(value, str):
-            return {value: {}}
-        return _empty_for_null(value)
-
-    @model_validator(mode="after")
-    def _one_action(self) -> ActionStep:
-        _exactly_one(self, ACTION_KINDS, "action kind per step (write two steps for two actions)")
-        return self
+        value = {value: {}} if isinstance(value, str) else _empty_for_null(value)
+        step = handler(value)
+        chosen = [name for name in value if name in KINDS]  # in the order written
+        _exactly_one(chosen, KINDS, "action kind per step (write two steps for two actions)")
+        return step
 
     @property
-    def kind(self) -> ActionKind:
-        return ActionKind(next(name for name in ACTION_KINDS if getattr(self, name) is not None))
+    def kind(self) -> str:
+        return next(name for name in KINDS if getattr(self, name) is not None)
+
+    @property
+    def action(self) -> ActionType[Any]:
+        """The step's kind, as its module declares it."""
+        return KINDS[self.kind]
 
     def spec(self) -> ActionSpec:
-        options: ActionParams = getattr(self, self.kind.value)
-        return ActionSpec(self.kind, options)
+        return ActionSpec(getattr(self, self.kind))
 
 
-# A step's keys are the ActionKind values, each holding that kind's parameter model: checked at import.
-if {name: get_args(field.annotation) for name, field in ActionStep.model_fields.items()} != {
-    kind.value: (PARAMS_BY_KIND[kind], type(None)) for kind in ActionKind
-}:
-    raise ImportError("ActionStep's fields must be the ActionKind values, each `<its params model> | None`")
+if TYPE_CHECKING:
+    ActionStep = _Step
+else:
+    ActionStep = create_model(
+        "ActionStep",
+        __base__=_Step,
+        __module__=__name__,
+        **{name: (action.params | None, None) for name, action in KINDS.items()},
+    )
 
 
 # -- rules -----------------------------------------------------------------------------------
@@ -360,8 +343,9 @@ class Rule(StrictModel):
         if self.match.service_unhealthy is not None:
             if self.gpus != "all":
                 raise ValueError("gpus does not apply to service_unhealthy (it watches services, not GPUs)")
-            if any(step.kind is ActionKind.RESET_GPU for step in (*self.actions, *self.on_exhausted)):
-                raise ValueError("reset_gpu needs a GPU: service_unhealthy faults have none")
+            needs_gpu = [step.kind for step in self.steps if step.action.targets is Targets.GPU]
+            if needs_gpu:
+                raise ValueError(f"{needs_gpu[0]} needs a GPU: service_unhealthy faults have none")
         return self
 
     @property
@@ -370,8 +354,14 @@ class Rule(StrictModel):
         return self._source
 
     @property
-    def restarts_services(self) -> bool:
-        return any(step.kind is ActionKind.RESTART_SERVICE for step in (*self.actions, *self.on_exhausted))
+    def steps(self) -> tuple[ActionStep, ...]:
+        """Every step: the ladder, then `on_exhausted`."""
+        return (*self.actions, *self.on_exhausted)
+
+    @property
+    def aims_at_services(self) -> bool:
+        """A step of the rule is aimed at services (restart_service): the engine then targets each service."""
+        return any(step.action.targets is Targets.SERVICES for step in self.steps)
 
     def watches_gpu(self, gpu: int | None) -> bool:
         """A rule limited to some GPUs does not act on a fault whose GPU is unknown."""
@@ -411,9 +401,9 @@ def _load_file(file: Path, allow_reboot: bool) -> list[Rule]:
             continue
         for ladder in ("actions", "on_exhausted"):
             for position, step in enumerate(getattr(rule, ladder)):
-                if step.kind is ActionKind.REBOOT:
-                    path: PathKey = ("rules", index, ladder, position, "reboot")
-                    message = "not allowed: set remediation.allow_reboot: true in agent.yaml to let rules reboot"
+                if step.action.needs_allow_reboot:
+                    path: PathKey = ("rules", index, ladder, position, step.kind)
+                    message = f"not allowed: set remediation.allow_reboot: true in agent.yaml to let rules {step.kind}"
                     line = lines.get(path, lines.get(path[:-1]))  # `- reboot` has no key of its own
                     problems.append(ConfigProblem(where, line, format_path(path), message))
     if problems:

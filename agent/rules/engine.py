@@ -19,12 +19,14 @@ skipped), oldest first. State conditions read the snapshot and synthesize an eve
 Targets
 -------
 A GPU fault targets `Target(gpu, uuid)` (the uuid or index filled in from the snapshot when the
-event lacks it). A rule with a `restart_service` step instead targets each service using that GPU
-(`services[].gpus`; every service when the GPU is unknown; a service named in the step is used
-as is), one decision per service, `Target(gpu, uuid, service)`: attempts are then counted per
-service, so an Xid storm on eight GPUs of one tensor-parallel server restarts it once. Every step
-of the ladder aims at that target (`reset_gpu` resets `target.gpu`). A `service_unhealthy` fault
-targets `Target(service=...)`; a fault without GPU or service targets the node, `Target()`.
+event lacks it). A rule with a step aimed at services (its kind's `targets` is `Targets.SERVICES`:
+restart_service) instead targets each service using that GPU (`services[].gpus`; every service
+when the GPU is unknown; a service named in the step is used as is), one decision per service,
+`Target(gpu, uuid, service)`: attempts are then counted per service, so an Xid storm on eight GPUs
+of one tensor-parallel server restarts it once. Every step of the ladder aims at that target (a
+kind aimed at the GPU, `Targets.GPU`, at `target.gpu`: nothing runs for a fault that names none).
+A `service_unhealthy` fault targets `Target(service=...)`; a fault without GPU or service targets
+the node, `Target()`.
 
 Whose fault: an app-level Xid (catalog action restart_service: 13, 31, 43, ...) is the faulting
 process's own, so a service is restarted for it only when that process is the service's (the
@@ -45,7 +47,8 @@ Storm protection, per (rule, target key), counting the decisions of this call as
    ones included. The circuit stays open until `gpu-agent ack`.
 4. otherwise: attempt N uses ladder step N-1; past the end, the last step repeats.
 
-Within one call, one GPU reset per GPU and one (recommended) reboot per node are decided; a second
+Within one call, a kind decided once per GPU or per node (its `once`: one GPU reset per GPU, one
+reboot and one reboot recommendation per node) is decided once, whichever rules ask; a second
 decision for the same is SUPPRESSED as a duplicate. A suppressed decision has `action=None` and
 its `reason` says why. Decisions of a `dry_run` rule carry `dry_run=True`.
 
@@ -62,9 +65,11 @@ from typing import Literal, Protocol
 
 from agent.config import ServiceConfig
 from agent.events import Event, EventKind, Severity, SuggestedAction
+from agent.rules.actions.kind import Once, Targets
+from agent.rules.actions.registry import KINDS
 from agent.rules.config import Rule
-from agent.rules.model import ActionKind, ActionSpec, Decision, Target
-from agent.rules.params import RestartServiceParams
+from agent.rules.model import ActionSpec, Decision, Target
+from agent.rules.params import ServiceParams
 from agent.state import NodeSnapshot
 from agent.watch import xid_catalog
 
@@ -75,8 +80,6 @@ SOURCE = "rules"
 ServiceGpus = Mapping[str, list[int] | Literal["all"]]
 
 _SEVERITY_RANK = {Severity.INFO: 0, Severity.WARNING: 1, Severity.CRITICAL: 2, Severity.FATAL: 3}
-# One of these per GPU (reset) or per node (reboot) is enough, whichever rules asked for it.
-_ONCE_PER_CALL = frozenset({ActionKind.RESET_GPU, ActionKind.RECOMMEND_REBOOT, ActionKind.REBOOT})
 
 
 class AttemptHistory(Protocol):
@@ -133,7 +136,7 @@ class _Call:
         rule = fault.rule
         if rule.match.service_unhealthy is not None:
             return [Target(service=str(fault.event.data["service"]))]
-        if rule.restarts_services:
+        if rule.aims_at_services:
             services = self._services(rule, fault.gpu)
             if _app_level(fault.event):
                 services = [name for name in services if name == fault.event.data.get("process_service")]
@@ -142,9 +145,12 @@ class _Call:
         return [Target(fault.gpu, fault.uuid)]
 
     def _services(self, rule: Rule, gpu: int | None) -> list[str]:
-        steps = [s.restart_service for s in (*rule.actions, *rule.on_exhausted) if s.restart_service is not None]
-        names = {step.service for step in steps if step.service is not None}
-        if any(step.service is None for step in steps):
+        # A step aimed at services (Targets.SERVICES) takes ServiceParams: ActionType checks it.
+        named = [
+            options.service for options in (s.spec().options for s in rule.steps) if isinstance(options, ServiceParams)
+        ]
+        names = {name for name in named if name is not None}
+        if None in named:
             names |= {
                 name
                 for name, gpus in self.service_gpus.items()
@@ -182,7 +188,7 @@ class _Call:
         tally.decided += 1
         reason = (
             f"attempt {count + 1} of {rule.max_attempts} within {rule.window_seconds:g} s: "
-            f"step {step + 1} of {len(rule.actions)}, {spec.kind.value}"
+            f"step {step + 1} of {len(rule.actions)}, {spec.kind}"
         )
         return [Decision(rule.name, fault.event, target, spec, step, count + 1, reason, rule.dry_run)]
 
@@ -205,18 +211,19 @@ class _Call:
 
     def _resolve(self, spec: ActionSpec, target: Target, rule: Rule, event: Event) -> tuple[ActionSpec | None, str]:
         """The step's action aimed at the target, or (None, why it cannot run)."""
-        options = spec.options
-        if isinstance(options, RestartServiceParams):
+        kind, options = KINDS[spec.kind], spec.options
+        if kind.targets is Targets.SERVICES:
+            assert isinstance(options, ServiceParams)  # ActionType checks it
             service = options.service or target.service
             if _app_level(event) and (service is None or service != event.data.get("process_service")):
-                return None, f"restart_service: {_not_a_service(event)}: no service restarted"
+                return None, f"{spec.kind}: {_not_a_service(event)}: no service restarted"
             if service is None:
-                return None, f"restart_service: no service uses GPU {target.gpu} (services[].gpus in agent.yaml)"
-            spec = ActionSpec(spec.kind, options.model_copy(update={"service": service}))
-        elif spec.kind is ActionKind.RESET_GPU and target.gpu is None:
-            return None, "reset_gpu: the fault names no GPU"
-        if spec.kind in _ONCE_PER_CALL:
-            what = f"{spec.kind.value} of GPU {target.gpu}" if spec.kind is ActionKind.RESET_GPU else spec.kind.value
+                return None, f"{spec.kind}: no service uses GPU {target.gpu} (services[].gpus in agent.yaml)"
+            spec = ActionSpec(options.model_copy(update={"service": service}))
+        elif kind.targets is Targets.GPU and target.gpu is None:
+            return None, f"{spec.kind}: the fault names no GPU"
+        if kind.once is not Once.PER_TARGET:
+            what = f"{spec.kind} of GPU {target.gpu}" if kind.once is Once.PER_GPU else spec.kind
             owner = self.reserved.get((what, rule.dry_run))
             if owner is not None:
                 return None, f"duplicate: {what} already decided in this evaluation by {owner}"

@@ -11,8 +11,7 @@ from enum import Enum
 from typing import Any
 
 from agent.events import Event
-from agent.rules.params import PARAMS_BY_KIND, ActionParams
-from agent.rules.params import ActionKind as ActionKind
+from agent.rules.params import ActionParams
 
 
 class Outcome(str, Enum):
@@ -20,8 +19,8 @@ class Outcome(str, Enum):
 
     SUCCESS = "success"
     FAILED = "failed"
-    REFUSED = "refused"  # a safety check said no (Xid 79, MIG on, processes remain, observe mode, ...)
-    DRY_RUN = "dry_run"
+    REFUSED = "refused"  # a safety check said no (Xid 79, MIG on, processes remain, reboot not allowed, ...)
+    DRY_RUN = "dry_run"  # not run: what the agent would have done (a dry-run rule; observe mode, see dispatch)
     SUPPRESSED = "suppressed"  # cooldown, attempts exhausted, circuit open
     RUNNING = "running"  # journaled before the action starts; replaced by how it went once it ends
     INTERRUPTED = "interrupted"  # the agent stopped or died mid-action; what was rolled back is in the detail
@@ -48,19 +47,15 @@ class Target:
 
 @dataclass(frozen=True, init=False)
 class ActionSpec:
-    """One step of a rule's escalation ladder: its kind and its parameters, validated by the kind's
-    pydantic model (the rules file is validated against the same models)."""
+    """One step of a rule's escalation ladder: its parameters, validated by its kind's pydantic model
+    (the rules file is validated against the same models), and the kind they belong to."""
 
-    kind: ActionKind
+    kind: str
     options: ActionParams = field(hash=False, compare=False)
 
-    def __init__(self, kind: ActionKind, options: ActionParams | None = None) -> None:
-        """`options` None: the kind's defaults (only for kinds whose parameters are all optional)."""
-        chosen = PARAMS_BY_KIND[kind]() if options is None else options
-        if chosen.kind is not kind:
-            raise ValueError(f"{type(chosen).__name__} are the parameters of {chosen.kind.value}, not {kind.value}")
-        object.__setattr__(self, "kind", kind)
-        object.__setattr__(self, "options", chosen)
+    def __init__(self, options: ActionParams) -> None:
+        object.__setattr__(self, "kind", options.kind)
+        object.__setattr__(self, "options", options)
 
     @property
     def params(self) -> dict[str, Any]:

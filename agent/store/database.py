@@ -7,10 +7,11 @@ It is what makes storm protection survive a restart: `Store` implements the engi
 
 What counts as an attempt (`attempts`, `last_attempt`): a recorded ladder decision (step >= 0)
 whose outcome is SUCCESS, FAILED, REFUSED, DRY_RUN, RUNNING or INTERRUPTED (an action counts from
-the moment it started). REFUSED counts because the agent did try (observe mode, a process holding
-the GPU): the ladder must still move on to its alerting steps,
-and a refusal repeated on every fault is itself a storm. DRY_RUN counts so a dry run shows what
-escalation and circuits would do. SUPPRESSED never counts.
+the moment it started). REFUSED counts because the agent did try (a process holding the GPU, Xid
+79): the ladder must still move on to its alerting steps,
+and a refusal repeated on every fault is itself a storm. DRY_RUN (a dry-run rule, or observe mode's
+record of what would change the node) counts so a dry run shows what escalation and circuits would
+do, and observe mode still reaches a ladder's alerts. SUPPRESSED never counts.
 
 The remediation journal: an action that runs is written down before it starts
 (`begin_remediation`: outcome RUNNING, counted, its event marked handled, in one transaction), each of
@@ -111,7 +112,7 @@ class StoredRemediation:
     started_seconds: float
     finished_seconds: float
     rule: str
-    action: str  # ActionKind value, or "none" for a decision without an action
+    action: str  # the action kind's name, or "none" for a decision without an action
     params: dict[str, Any]
     target_key: str
     gpu: int | None
@@ -210,7 +211,7 @@ class _RemediationRow:
 
 
 def _action_name(decision: Decision) -> str:
-    return decision.action.kind.value if decision.action is not None else "none"
+    return decision.action.kind if decision.action is not None else "none"
 
 
 def _insert_remediation(db: sqlite3.Connection, decision: Decision, row: _RemediationRow) -> int | None:

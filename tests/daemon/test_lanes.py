@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from action_kinds import ActionKind, action_spec
 from helpers import FakeClock, WaitingTask, make_event, wait_until
 
 from agent.config import AgentConfig, ServiceConfig
+from agent.daemon import action_worker
 from agent.daemon.action_worker import ActionWorker
 from agent.daemon.lanes import LaneJob, Lanes
-from agent.rules.actions.footprint import Footprint, footprint
-from agent.rules.model import ActionKind, ActionSpec, Decision, Target
-from agent.rules.params import PARAMS_BY_KIND, Lane
+from agent.rules.actions.footprint import footprint
+from agent.rules.actions.kind import Footprint, Lane
+from agent.rules.model import ActionOutcome, Decision, Outcome, Target
 from agent.store.attempt_clock import AttemptClock
 from agent.store.database import Store
 
@@ -69,7 +72,7 @@ def test_a_job_waits_only_for_the_earlier_jobs_it_overlaps() -> None:
 
 
 def decision(kind: ActionKind, gpu: int, key: str) -> Decision:
-    return Decision(f"rule-{key}", make_event(gpu=gpu, key=key), Target(gpu=gpu), ActionSpec(kind), 0, 1, "", False)
+    return Decision(f"rule-{key}", make_event(gpu=gpu, key=key), Target(gpu=gpu), action_spec(kind), 0, 1, "", False)
 
 
 def test_a_repair_ends_only_the_sweep_on_its_gpus_and_an_alert_ends_none(tmp_path: Path) -> None:
@@ -127,14 +130,40 @@ def test_the_footprint_of_each_action_kind(
     kind: ActionKind, gpu: int, options: dict[str, object], expected: Footprint
 ) -> None:
     config = AgentConfig(services=SERVICES)
-    spec = ActionSpec(kind, PARAMS_BY_KIND[kind].model_validate(options))
+    spec = action_spec(kind, options)
     chosen = Decision("rule", make_event(gpu=gpu), Target(gpu=gpu), spec, 0, 1, "", False)
     assert footprint(chosen, config) == expected
 
 
 def test_a_reset_touches_its_gpu_and_every_gpu_of_the_services_it_stops() -> None:
     config = AgentConfig(services=SERVICES[:2])
-    spec = ActionSpec(ActionKind.RESET_GPU, PARAMS_BY_KIND[ActionKind.RESET_GPU].model_validate({}))
+    spec = action_spec(ActionKind.RESET_GPU)
     for gpu, expected in ((1, {0, 1}), (3, {2, 3}), (6, {6})):
         chosen = Decision("rule", make_event(gpu=gpu), Target(gpu=gpu), spec, 0, 1, "", False)
         assert footprint(chosen, config) == frozenset(expected)
+
+
+def test_only_a_reset_that_worked_gives_its_gpu_a_fresh_xid_history(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kind that clears its GPU's Xid history (reset_gpu) does, once it succeeded; nothing else does."""
+    went = {"reset-ok": Outcome.SUCCESS, "reset-failed": Outcome.FAILED, "restart-ok": Outcome.SUCCESS}
+    monkeypatch.setattr(action_worker, "execute", lambda d, _ctx: ActionOutcome(d, went[d.event.key], "", 0.0, 0.0))
+    store = Store.open(tmp_path / "state")
+    clock = FakeClock()
+    fresh: list[int] = []
+    worker = ActionWorker(
+        lambda: SimpleNamespace(), lambda: store, fresh.append, clock, AttemptClock("boot", clock.monotonic)
+    )
+    worker.start()
+    try:
+        worker.submit(decision(ActionKind.RESET_GPU, 1, "reset-ok"), clock())
+        worker.submit(decision(ActionKind.RESET_GPU, 2, "reset-failed"), clock())
+        worker.submit(decision(ActionKind.RESTART_SERVICE, 3, "restart-ok"), clock())
+        wait_until(
+            lambda: all(r.outcome is not Outcome.RUNNING for r in store.remediations()), 5, "the three actions done"
+        )
+    finally:
+        worker.stop(5)
+        store.close()
+    assert fresh == [1]

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from action_kinds import ActionKind, action_spec
 from helpers import action_context, http_server, make_event, wait_until
 from hosttree import make_host_tree
 from snapshots import snapshot_from_backend
@@ -28,7 +29,7 @@ from agent.policy.base import HostContext, ItemPlan, PlanStatus
 from agent.policy.engine import PolicyEngine
 from agent.policy.holds import PolicyHolds
 from agent.rules.actions.dispatch import execute
-from agent.rules.model import ActionKind, ActionSpec, Decision, Outcome, Target
+from agent.rules.model import Decision, Outcome, Target
 from agent.store.database import Store
 from agent.tune import measure, sweep
 from agent.tune.model import TuneDocument, TuneRequest
@@ -228,7 +229,7 @@ def test_an_unexpected_error_at_any_call_of_a_sweep_puts_the_settings_back(
 
 def reset_decision() -> Decision:
     event = make_event(gpu=0, uuid=None, xid=48)
-    return Decision("xid-reset-gpu", event, Target(gpu=0), ActionSpec(ActionKind.RESET_GPU), 0, 1, "Xid 48", False)
+    return Decision("xid-reset-gpu", event, Target(gpu=0), action_spec(ActionKind.RESET_GPU), 0, 1, "Xid 48", False)
 
 
 def test_an_unexpected_error_at_any_call_of_a_reset_puts_the_settings_back(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from agent.policy import driver, next_boot, vbios
 from agent.policy.base import ApplyOutcome, GpuContext, HostContext, PlanStatus
 from agent.policy.engine import PolicyEngine
 from agent.policy.item import enforce
-from agent.rules.actions.reboot import next_boot_problem
+from agent.rules.actions.kinds.reboot import next_boot_problem
 
 H200_VBIOS = "96.00.A5.00.1A"
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import structlog
+from action_kinds import ActionKind
 from helpers import action_context, http_server, make_event, wait_until
 from hosttree import NOBODY_ID, ScriptedHostContext, make_host_tree
 from pydantic import ValidationError
@@ -38,11 +39,13 @@ from agent.policy.base import HostContext
 from agent.rules.actions.alertmanager import AlertTracker
 from agent.rules.actions.base import ActionError
 from agent.rules.actions.context import ActionContext
-from agent.rules.actions.dispatch import HANDLERS, execute
+from agent.rules.actions.dispatch import execute
 from agent.rules.actions.http_client import post_json, redacted_url
+from agent.rules.actions.kinds.reset_gpu import ResetGpuParams
+from agent.rules.actions.kinds.restart_service import RestartServiceParams
+from agent.rules.actions.registry import KINDS
 from agent.rules.config import ActionStep
-from agent.rules.model import ActionKind, ActionSpec, Decision, Outcome, Target
-from agent.rules.params import PARAMS_BY_KIND, ResetGpuParams, RestartServiceParams
+from agent.rules.model import ActionSpec, Decision, Outcome, Target
 from agent.services.managers import CommandManager, build_managers
 from agent.services.scrape import scrape
 
@@ -211,14 +214,38 @@ def test_suppressed_and_dry_run_decisions_do_nothing(tmp_path: Path) -> None:
     assert dry.started_seconds <= dry.finished_seconds
 
 
-@pytest.mark.parametrize("kind", [ActionKind.RESTART_SERVICE, ActionKind.RESET_GPU, ActionKind.REBOOT])
-def test_observe_mode_refuses_actions_that_change_the_node(tmp_path: Path, kind: ActionKind) -> None:
-    node = make_node(tmp_path, mode=Mode.OBSERVE, remediation=RemediationConfig(allow_reboot=True))
+@pytest.mark.parametrize(
+    ("kind", "target", "would"),
+    [
+        (
+            ActionKind.RESTART_SERVICE,
+            Target(gpu=0, uuid=UUID0, service="sglang"),
+            "run restart_service on service sglang",
+        ),
+        (ActionKind.RESET_GPU, Target(gpu=0, uuid=UUID0), "run reset_gpu on GPU 0"),
+        (ActionKind.REBOOT, Target(gpu=0, uuid=UUID0), "run reboot on the node"),
+    ],
+)
+def test_observe_mode_records_what_would_change_the_node_as_a_dry_run(
+    tmp_path: Path, kind: ActionKind, target: Target, would: str
+) -> None:
+    host = ScriptedHostContext(make_host_tree(tmp_path / "host"))
+    node = make_node(tmp_path, mode=Mode.OBSERVE, remediation=RemediationConfig(allow_reboot=True), host=host)
+    first = node.start_service()
     node.backend.set_recovery_action(0, RecoveryAction.GPU_RESET)
-    outcome = execute(decision(kind), node.ctx)
-    assert outcome.outcome is Outcome.REFUSED
-    assert outcome.detail.startswith(f"observe mode: {kind.value} changes the node")
+    outcome = execute(decision(kind, target=target), node.ctx)
+    assert (outcome.outcome, outcome.detail) == (Outcome.DRY_RUN, f"observe mode: would {would} (rule xid-reset)")
     assert node.backend.recovery_action(0) == RecoveryAction.GPU_RESET  # no reset happened
+    assert node.service_pid() == first  # no restart either
+    assert host.calls == []  # nor a reboot
+
+
+def test_the_kinds_that_change_the_node_are_the_restart_the_reset_and_the_reboot() -> None:
+    assert sorted(name for name, kind in KINDS.items() if kind.changes_node) == [
+        "reboot",
+        "reset_gpu",
+        "restart_service",
+    ]
 
 
 def test_observe_mode_still_runs_hooks_and_notifications(tmp_path: Path) -> None:
@@ -253,17 +280,17 @@ def test_an_unexpected_error_is_a_failed_outcome_not_an_exception(
     assert logs[0]["log_level"] == "error" and logs[1]["outcome"] == "failed"
 
 
-def test_parameters_arrive_as_the_kinds_model() -> None:
+def test_parameters_arrive_as_the_kinds_model(tmp_path: Path) -> None:
     """The rules file's models are what the handlers get: no dict, no second check."""
-    assert set(HANDLERS) == set(ActionKind)
-    for kind, handler in HANDLERS.items():
-        assert handler.params_type is PARAMS_BY_KIND[kind]
+    for name, kind in KINDS.items():
+        assert ActionStep.model_fields[name].annotation == kind.params | None
     restart = spec(ActionKind.RESTART_SERVICE, {"service": "sglang", "ready_timeout_seconds": 30})
     assert restart.options == RestartServiceParams(service="sglang", ready_timeout_seconds=30)
     assert restart.params == {"service": "sglang", "ready_timeout_seconds": 30.0}  # as the store records it
-    assert ActionSpec(ActionKind.RESET_GPU).options == ResetGpuParams()
-    with pytest.raises(ValueError, match="parameters of reset_gpu, not reboot"):
-        ActionSpec(ActionKind.REBOOT, ResetGpuParams())
+    assert spec(ActionKind.RESET_GPU).options == ResetGpuParams()
+    assert ActionSpec(ResetGpuParams()).kind == "reset_gpu"  # the kind is its parameters' own
+    with pytest.raises(TypeError, match="reboot got ResetGpuParams"):
+        KINDS["reboot"].execute(decision(ActionKind.REBOOT), ResetGpuParams(), make_node(tmp_path).ctx)
 
 
 # -- restart_service --------------------------------------------------------------------------------

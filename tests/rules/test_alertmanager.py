@@ -20,11 +20,11 @@ from agent.demo.standin_process import free_port
 from agent.events import Event, EventKind, Severity, SuggestedAction
 from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
-from agent.rules.actions.alertmanager import AlertTracker, alert_for, post_alert, resolve_alert
+from agent.rules.actions.alertmanager import AlertTracker, post_alert, resolve_alert
 from agent.rules.actions.context import ActionContext
 from agent.rules.actions.dispatch import execute
-from agent.rules.model import ActionKind, ActionSpec, Decision, Outcome, Target
-from agent.rules.params import AlertmanagerParams
+from agent.rules.actions.kinds.alertmanager import AlertmanagerParams, alert_for
+from agent.rules.model import ActionSpec, Decision, Outcome, Target
 
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
 pytestmark = pytest.mark.skipif(
@@ -135,7 +135,7 @@ def event(kind: EventKind, gpu: int | None = 0, uuid: str | None = UUID0, **data
 
 
 def decision(ev: Event, target: Target, params: AlertmanagerParams | None = None) -> Decision:
-    return Decision("page-oncall", ev, target, ActionSpec(ActionKind.ALERTMANAGER, params), 0, 1, "fired")
+    return Decision("page-oncall", ev, target, ActionSpec(params or AlertmanagerParams()), 0, 1, "fired")
 
 
 def wait_for(alertmanager: Alertmanager, predicate: Any, timeout_seconds: float = 5.0) -> list[dict[str, Any]]:

@@ -13,16 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from action_kinds import ActionKind
 from helpers import make_event
 from snapshots import gpu_uuid, h200_snapshot
 
 from agent.config import ConfigError
 from agent.events import Event, EventKind, SuggestedAction
-from agent.rules.actions.alertmanager import alert_for
+from agent.rules.actions.kinds.alertmanager import AlertmanagerParams, alert_for
 from agent.rules.config import Rule, load_rules
 from agent.rules.engine import EXHAUSTED_STEP, evaluate
-from agent.rules.model import ActionKind, ActionOutcome, Decision, Outcome, Target
-from agent.rules.params import AlertmanagerParams
+from agent.rules.model import ActionOutcome, Decision, Outcome, Target
 from agent.services.latency_cause import CauseFinding, SloBreach, regression_event
 from agent.services.window import ServiceFigures
 from agent.state import NodeSnapshot, ServiceStatus
@@ -82,7 +82,7 @@ def node(tmp_path: Path) -> Any:
 
 
 def actions(decisions: Sequence[Decision]) -> list[tuple[str, str]]:
-    return [(d.rule, d.action.kind.value) for d in decisions if d.action is not None]
+    return [(d.rule, d.action.kind) for d in decisions if d.action is not None]
 
 
 # -- the shipped files ------------------------------------------------------------------------------
@@ -93,7 +93,7 @@ def test_default_rules_load_without_reboot_permission() -> None:
     assert [r.name for r in rules][:2] == ["xid-restart-service", "xid-reset-gpu"]  # 10-xid.yaml first
     assert len({r.name for r in rules}) == len(rules)
     assert all(r.description for r in rules)
-    assert all(step.kind is not ActionKind.REBOOT for r in rules for step in (*r.actions, *r.on_exhausted))
+    assert all(step.kind != ActionKind.REBOOT for r in rules for step in (*r.actions, *r.on_exhausted))
     assert all(re.fullmatch(r".*/rules/\d\d-[a-z-]+\.yaml:\d+", r.source) for r in rules)
 
 
@@ -242,7 +242,7 @@ def test_default_xid_rules_follow_the_catalog(tmp_path: Path) -> None:
             continue
         with Store.open(tmp_path / str(code), now_seconds=T0) as store:
             decisions = evaluate(snapshot(), [xid(code)], rules, store, T0, {"sglang": "all"})
-        got = [d.action.kind.value for d in decisions if d.action is not None]
+        got = [d.action.kind for d in decisions if d.action is not None]
         if got != CATALOG_TO_RULE_ACTION[info.action]:
             mismatches.append((code, info.action, got))
     assert mismatches == []
@@ -295,7 +295,7 @@ def test_xid_79_is_never_met_with_a_reset(node: Node) -> None:
     for n in range(48):  # every 30 minutes for a day, through both watchers
         now = T0 + n * 1800
         seen += node.run(now, [xid(79, at=now), event(EventKind.GPU_LOST, at=now, suggested=SuggestedAction.REBOOT)])
-    assert not any(d.action is not None and d.action.kind is ActionKind.RESET_GPU for d in seen)
+    assert not any(d.action is not None and d.action.kind == ActionKind.RESET_GPU for d in seen)
     assert {d.action.kind for d in seen if d.action is not None} == {ActionKind.RECOMMEND_REBOOT}
     # Both watchers seeing the same loss in the same loop: one recommendation, the other a duplicate.
     assert len(actions(seen[:2])) == 1
@@ -334,7 +334,7 @@ def test_reset_class_xid_resets_then_recommends_a_reboot_then_alerts(node: Node)
     kinds = []
     for n in range(4):
         now = T0 + n * 700  # past the 600 s cooldown
-        kinds += [d.action.kind.value if d.action else None for d in node.run(now, [xid(48, at=now)])]
+        kinds += [d.action.kind if d.action else None for d in node.run(now, [xid(48, at=now)])]
     assert kinds == ["reset_gpu", "recommend_reboot", "alertmanager", None]
 
 
@@ -343,9 +343,7 @@ def test_a_service_that_stays_down_is_restarted_three_times_then_alerted(node: N
     for second in range(0, 3600, 10):
         now = T0 + second
         status = ServiceStatus("sglang", "sglang.service", up=False, consecutive_failures=3 + second // 10)
-        got += [
-            (second, d.action.kind.value) for d in node.run(now, snap=snapshot(now, services=(status,))) if d.action
-        ]
+        got += [(second, d.action.kind) for d in node.run(now, snap=snapshot(now, services=(status,))) if d.action]
     assert got == [(0, "restart_service"), (300, "restart_service"), (600, "restart_service"), (900, "alertmanager")]
 
 

@@ -110,7 +110,7 @@ def acted(decisions: Sequence[Decision]) -> list[Decision]:
 
 
 def kinds(decisions: Sequence[Decision]) -> list[str | None]:
-    return [d.action.kind.value if d.action else None for d in decisions]
+    return [d.action.kind if d.action else None for d in decisions]
 
 
 # -- conditions ----------------------------------------------------------------------------------
@@ -281,7 +281,7 @@ def test_service_down_escalates_while_it_stays_down(loop_factory: Any) -> None:
     for second in range(0, 1500, 5):  # one loop every 5 s, the service never comes back
         now = T0 + second
         for decision in loop.run(now, snap=snapshot(now, services=(service("sglang", 3 + second // 5),))):
-            seen.append((second, decision.action.kind.value if decision.action else None, decision.step))
+            seen.append((second, decision.action.kind if decision.action else None, decision.step))
     # Restarts at 0, 300, 600 (cooldown), the circuit at the next loop after the third cooldown; no
     # "still in cooldown" decision on any of the loops between.
     assert seen == [
@@ -306,7 +306,7 @@ def test_escalation_follows_the_ladder_and_repeats_the_last_step(loop_factory: A
     steps = []
     for n in range(5):
         (decision,) = loop.run(T0 + n * 60, [xid(48, at=T0 + n * 60)])
-        steps.append((decision.attempt, decision.step, decision.action.kind.value if decision.action else None))
+        steps.append((decision.attempt, decision.step, decision.action.kind if decision.action else None))
     assert steps == [
         (1, 0, "reset_gpu"),
         (2, 1, "recommend_reboot"),

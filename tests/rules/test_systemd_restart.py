@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from action_kinds import ActionKind, action_spec
 from helpers import action_context
 from hosttree import make_host_tree
 from systemd_sandbox import SystemdSandbox, missing_requirements
@@ -18,7 +19,7 @@ from agent.events import Event, EventKind, Severity
 from agent.policy.base import HostContext
 from agent.rules.actions.context import ActionContext
 from agent.rules.actions.dispatch import execute
-from agent.rules.model import ActionKind, ActionSpec, Decision, Outcome, Target
+from agent.rules.model import Decision, Outcome, Target
 from agent.services.managers import SystemdManager, build_managers
 
 pytestmark = [
@@ -82,7 +83,7 @@ def restart(service: str) -> Decision:
         {"service": service},
     )
     return Decision(
-        "restart-unhealthy", event, Target(service=service), ActionSpec(ActionKind.RESTART_SERVICE), 0, 1, "unhealthy"
+        "restart-unhealthy", event, Target(service=service), action_spec(ActionKind.RESTART_SERVICE), 0, 1, "unhealthy"
     )
 
 

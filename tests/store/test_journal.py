@@ -9,13 +9,14 @@ import threading
 from pathlib import Path
 
 import pytest
+from action_kinds import ActionKind, action_spec
 from helpers import FakeClock, WaitingTask, make_event, wait_until
 
 from agent.config import AgentConfig, ServiceConfig
 from agent.daemon.action_worker import ActionWorker, ClockHistory
 from agent.events import EventKind
 from agent.rules.actions.steps import services_left_down
-from agent.rules.model import ActionKind, ActionOutcome, ActionSpec, Decision, Outcome, Target
+from agent.rules.model import ActionOutcome, Decision, Outcome, Target
 from agent.services.managers import CommandManager
 from agent.store.attempt_clock import AttemptClock, ClockReading, elapsed_seconds
 from agent.store.database import Store
@@ -26,7 +27,7 @@ GPU0 = Target(0, "GPU-0")
 
 def decision(key: str = "e1", rule: str = "reset", action: ActionKind = ActionKind.RESET_GPU) -> Decision:
     event = make_event(key=key)
-    return Decision(rule, event, GPU0, ActionSpec(action), 0, 1, "because", dry_run=False)
+    return Decision(rule, event, GPU0, action_spec(action), 0, 1, "because", dry_run=False)
 
 
 @pytest.fixture

@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 import structlog.testing
+from action_kinds import ActionKind, action_spec
 from helpers import make_event
 
 from agent.events import Event, EventKind, Severity, SuggestedAction
-from agent.rules.model import ActionKind, ActionOutcome, ActionSpec, Decision, Outcome, Target
+from agent.rules.model import ActionOutcome, Decision, Outcome, Target
 from agent.state import RemediationCount
 from agent.store import schema as schema_module
 from agent.store.database import DB_NAME, RETENTION_SECONDS, Store, StoreError
@@ -50,7 +51,7 @@ def outcome(
     target: Target = GPU3,
     key: str = "e",
 ) -> ActionOutcome:
-    spec = ActionSpec(action) if action is not None else None
+    spec = action_spec(action) if action is not None else None
     decision = Decision(rule, event(key, at), target, spec, step, 1, "because", dry_run=outcome is Outcome.DRY_RUN)
     return ActionOutcome(decision, outcome, "detail", at, at + 2.5)
 

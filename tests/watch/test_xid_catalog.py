@@ -10,9 +10,9 @@ from importlib import resources
 from typing import Any
 
 import pytest
+from action_kinds import ActionKind
 
 from agent.events import ACTION_ORDER, SuggestedAction, more_drastic
-from agent.rules.params import ActionKind
 from agent.watch import xid_catalog
 from agent.watch.xid_catalog import ACTIONS, CatalogError, XidInfo, parse_catalog
 

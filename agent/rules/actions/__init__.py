@@ -6,32 +6,34 @@ wait until the services answer again (up to `ready_timeout_seconds`, 600 s by de
 large model loads for minutes), so the daemon calls it from a worker, not from its collection loop.
 
 Each handler receives its action's parameters as the pydantic model the rules file was validated
-against (agent/rules/params.py); nothing here checks a parameter again.
+against (its kind's `params`); nothing here checks a parameter again.
 
 What runs when
 --------------
 - A suppressed decision (no action) is SUPPRESSED and a dry-run decision is DRY_RUN: nothing runs.
-- In observe mode (`mode: observe`, the default) the actions that change the node, namely
-  `restart_service`, `reset_gpu` and `reboot`, are REFUSED. The others still run: `webhook`,
-  `alertmanager`, `recommend_reboot` (a flag file and an alert) and `run_hook` tell people and
-  systems about a fault without touching the GPUs or the services, which is what observing is for.
-  A hook runs whatever its owner wrote, so an operator who wants nothing run at all does not
-  configure hooks.
+- In observe mode (`mode: observe`, the default) an action whose kind changes the node
+  (`changes_node`: restart_service, reset_gpu, reboot) is not run: it is recorded as DRY_RUN, with
+  the detail "observe mode: would run restart_service on service sglang (rule service-unhealthy)",
+  what the agent would have done (`dispatch.observe_mode`, asked by the remediator before it queues a decision and
+  by `execute` before it runs one). It counts as an attempt, as a dry-run rule's does, so the ladder
+  moves on to its next steps. The others run: `webhook`, `alertmanager`, `recommend_reboot` (a flag
+  file and an alert) and `run_hook` tell people and systems about a fault without the agent touching
+  the GPUs or the services, which is what observing is for. A hook runs whatever its owner wrote,
+  so an operator who wants nothing run at all does not configure hooks. (Under all of this, the GPU
+  backend's write guard refuses a GPU reset in observe mode: agent/backend/base.py.)
 
 Where each action lives
 -----------------------
-- dispatch.py: `execute`, the observe-mode refusal, one handler per kind.
-- service_actions.py: restart_service (the step's service, else the decision's, else every service
-  using the target GPU; restarted through its manager, then healthy within `ready_timeout_seconds`
-  or FAILED).
-- reset.py: reset_gpu, the safe sequence (services stopped, GPU idle, reset inside a hardware
-  transaction that puts the power limit and clock lock back (agent/policy/holds.py), policy
-  re-applied, services started and healthy; refused for Xid 79, a lost GPU, MIG, a re-enumerated
-  index).
-- hooks.py: run_hook (argv, never a shell; event JSON on stdin; trusted files only).
-- notify.py: webhook and alertmanager; alertmanager.py: alerts and the AlertTracker;
-  http_client.py: POST with a total deadline, no redirects, no secrets in errors.
-- reboot.py: recommend_reboot (flag file + alert) and reboot (`remediation.allow_reboot` only).
-- footprint.py: the GPUs a decision touches, by its kind's lane (agent/rules/params.py
-  `ACTION_LANES`): what the daemon's action worker keeps it apart from.
+- kinds/: one module per action kind, named for it, declaring it once (`ACTION`, an `ActionType`
+  from kind.py: parameters, handler, what it does, whether it changes the node, lane and footprint,
+  aim, once per evaluation); registry.py finds them (`KINDS`), and every list of kinds is read from it.
+- dispatch.py: `execute`, and `observe_mode`.
+- footprint.py: the lane and the GPUs a decision touches, from its kind: what the daemon's action
+  worker keeps it apart from.
+- service_actions.py: what restart_service and reset_gpu share (which services, their managers,
+  draining, starting again, waiting until healthy).
+- alertmanager.py: alerts and the AlertTracker; http_client.py: POST with a total deadline, no
+  redirects, no secrets in errors (webhook, alertmanager, recommend_reboot).
+- base.py: the result and the error every handler shares; context.py: what a handler reaches;
+  steps.py: the steps an action journals, for recovery.
 """

@@ -1,4 +1,5 @@
-"""Alertmanager alerts: built from a decision, posted to the v2 API, remembered until resolved.
+"""Alertmanager alerts: posted to the v2 API, remembered until resolved (the alertmanager action
+kind builds them from a decision: agent/rules/actions/kinds/alertmanager.py).
 
 Alertmanager resolves an alert it has not heard about for `resolve_timeout` (5 m by default), so
 the `AlertTracker` re-sends the active ones on `refresh()` (one request per Alertmanager, every
@@ -15,10 +16,9 @@ from typing import Any
 
 from agent.events import CLEARS, Event
 from agent.logger import get_logger
-from agent.rules.actions.base import ActionError, gpu_of, iso, service_of, uuid_of, xid_of
+from agent.rules.actions.base import ActionError, iso
 from agent.rules.actions.http_client import post_json
-from agent.rules.model import Decision
-from agent.rules.params import DEFAULT_HTTP_DEADLINE_SECONDS, AlertmanagerParams
+from agent.rules.params import DEFAULT_HTTP_DEADLINE_SECONDS
 
 log = get_logger()
 
@@ -46,40 +46,6 @@ class Alert:
         if ends_at_seconds is not None:
             body["endsAt"] = iso(ends_at_seconds)
         return body
-
-
-def _camel(kind: str) -> str:
-    return "".join(part.capitalize() for part in kind.split("_"))
-
-
-def alert_for(decision: Decision, hostname: str, params: AlertmanagerParams) -> Alert:
-    """The alert for a decision. Labels: alertname (`params.alertname`, else `GpuAgent<EventKind>`),
-    severity, instance, event, rule, and gpu, uuid, service, xid, reason where known, plus
-    `params.labels`. Annotations: summary, description, suggested_action, plus `params.annotations`."""
-    event = decision.event
-    labels: dict[str, str] = {
-        "alertname": params.alertname or f"GpuAgent{_camel(event.kind.value)}",
-        "severity": (params.severity or event.severity).value,
-        "instance": hostname,
-        "event": event.kind.value,
-        "rule": decision.rule,
-    }
-    optional = {
-        "gpu": gpu_of(decision),
-        "uuid": uuid_of(decision),
-        "service": service_of(decision),
-        "xid": xid_of(event),
-        "reason": event.data.get("reason"),
-    }
-    labels.update({name: str(value) for name, value in optional.items() if value is not None and value != ""})
-    labels.update(params.labels)
-    annotations = {
-        "summary": params.summary or event.message,
-        "description": params.description or f"{decision.rule}: {decision.reason}",
-        "suggested_action": event.suggested_action.value,
-    }
-    annotations.update(params.annotations)
-    return Alert(labels, annotations, event.timestamp_seconds)
 
 
 def alerts_url(base_url: str) -> str:

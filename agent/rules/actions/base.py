@@ -63,7 +63,7 @@ def event_payload(decision: Decision, hostname: str) -> dict[str, Any]:
     return {
         "host": hostname,
         "rule": decision.rule,
-        "action": decision.action.kind.value if decision.action else None,
+        "action": decision.action.kind if decision.action else None,
         "step": decision.step,
         "attempt": decision.attempt,
         "reason": decision.reason,

@@ -1,62 +1,36 @@
-"""execute(decision, ctx): run one decision through the handler of its action kind."""
+"""execute(decision, ctx): run one decision through its kind's handler; observe mode decided in one place."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
-
 from agent.config import Mode
 from agent.logger import get_logger
-from agent.rules.actions import hooks, notify, reboot, reset, service_actions
-from agent.rules.actions.base import ActionError, Result, failed, refused
+from agent.rules.actions.base import ActionError, Result, failed
 from agent.rules.actions.context import ActionContext
+from agent.rules.actions.kind import Lane
+from agent.rules.actions.registry import KINDS
 from agent.rules.model import ActionOutcome, Decision, Outcome
-from agent.rules.params import (
-    NODE_CHANGING_ACTIONS,
-    ActionKind,
-    ActionParams,
-    AlertmanagerParams,
-    RebootParams,
-    RecommendRebootParams,
-    ResetGpuParams,
-    RestartServiceParams,
-    RunHookParams,
-    WebhookParams,
-)
 
 log = get_logger()
 
-P = TypeVar("P", bound=ActionParams)
 
-
-@dataclass(frozen=True)
-class Handler(Generic[P]):
-    """An action kind's handler, typed on the kind's parameter model."""
-
-    params_type: type[P]
-    run: Callable[[Decision, P, ActionContext], Result]
-
-    def __call__(self, decision: Decision, params: ActionParams, ctx: ActionContext) -> Result:
-        if not isinstance(params, self.params_type):
-            raise TypeError(f"{self.params_type.kind.value} got {type(params).__name__}")
-        return self.run(decision, params, ctx)
-
-
-HANDLERS: dict[ActionKind, Handler[Any]] = {
-    handler.params_type.kind: handler
-    for handler in (
-        Handler(RestartServiceParams, service_actions.restart_service),
-        Handler(ResetGpuParams, reset.reset_gpu),
-        Handler(RunHookParams, hooks.run_hook),
-        Handler(WebhookParams, notify.webhook),
-        Handler(AlertmanagerParams, notify.alertmanager),
-        Handler(RecommendRebootParams, reboot.recommend_reboot),
-        Handler(RebootParams, reboot.reboot),
-    )
-}
-if set(HANDLERS) != set(ActionKind):
-    raise ImportError(f"action kinds without a handler: {sorted(set(ActionKind) - set(HANDLERS))}")
+def observe_mode(decision: Decision, mode: Mode) -> Result | None:
+    """What observe mode makes of a decision: an action whose kind changes the node (`changes_node`)
+    is not run but recorded as a dry run, what the agent would have done ("observe mode: would run
+    restart_service on service sglang (rule service-unhealthy)"); None: it runs (every other kind, or
+    enforce mode). The remediator asks before it queues a decision, `execute` again before it runs
+    one (a reload may have switched to observe mode in between): one outcome and one wording."""
+    action = decision.action
+    if action is None or mode is not Mode.OBSERVE:
+        return None
+    kind = KINDS[action.kind]
+    if not kind.changes_node:
+        return None
+    target = decision.target
+    if kind.lane is Lane.NODE or (target.service is None and target.gpu is None):
+        what = "the node"
+    else:
+        what = f"service {target.service}" if target.service is not None else f"GPU {target.gpu}"
+    return Result(Outcome.DRY_RUN, f"observe mode: would run {action.kind} on {what} (rule {decision.rule})")
 
 
 def execute(decision: Decision, ctx: ActionContext) -> ActionOutcome:
@@ -67,7 +41,7 @@ def execute(decision: Decision, ctx: ActionContext) -> ActionOutcome:
     # The daemon logs the outcome at info with the target's fields; this is the trace of execute itself.
     log.debug(
         "action carried out",
-        action=decision.action.kind.value if decision.action else "none",
+        action=decision.action.kind if decision.action else "none",
         rule=decision.rule,
         target=decision.target.key,
         outcome=result.outcome.value,
@@ -81,13 +55,14 @@ def _dispatch(decision: Decision, ctx: ActionContext) -> Result:
     if action is None:
         return Result(Outcome.SUPPRESSED, decision.reason)
     if decision.dry_run:
-        return Result(Outcome.DRY_RUN, f"dry run: would {action.kind.value} ({decision.target.key})")
-    if action.kind in NODE_CHANGING_ACTIONS and ctx.config.mode is Mode.OBSERVE:
-        return refused(f"observe mode: {action.kind.value} changes the node (set mode: enforce to allow it)")
+        return Result(Outcome.DRY_RUN, f"dry run: would {action.kind} ({decision.target.key})")
+    observed = observe_mode(decision, ctx.config.mode)
+    if observed is not None:
+        return observed
     try:
-        return HANDLERS[action.kind](decision, action.options, ctx)
+        return KINDS[action.kind].execute(decision, action.options, ctx)
     except ActionError as exc:
         return failed(str(exc))
     except Exception as exc:  # the backstop: one broken action must not take the daemon down
-        log.exception("action failed unexpectedly", action=action.kind.value, rule=decision.rule)
+        log.exception("action failed unexpectedly", action=action.kind, rule=decision.rule)
         return failed(f"internal error: {type(exc).__name__}: {exc}")

@@ -1,4 +1,4 @@
-"""restart_service, and the service handling the GPU reset shares: which services, their managers,
+"""What the actions on services share (restart_service, reset_gpu): which services, their managers,
 draining them before they stop, waiting until they answer again."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from collections.abc import Callable, Mapping, Sequence
 
 from agent.config import AgentConfig, ServiceConfig
 from agent.logger import get_logger
-from agent.rules.actions.base import ActionError, Result, event_payload, failed, gpu_of, refused
+from agent.rules.actions.base import ActionError, event_payload, gpu_of
 from agent.rules.actions.context import ActionContext
-from agent.rules.actions.hooks import hook_env
-from agent.rules.actions.steps import DRAINED, DRAINING, RESTARTED, RESTARTING, STARTED, step
-from agent.rules.model import Decision, Outcome
-from agent.rules.params import RestartServiceParams
+from agent.rules.actions.kinds.run_hook import hook_env
+from agent.rules.actions.steps import DRAINED, DRAINING, STARTED, step
+from agent.rules.model import Decision
+from agent.rules.params import ServiceParams
 from agent.services.drain import wait_until_idle
 from agent.services.managers import ServiceError, ServiceManager
 from agent.trust import UntrustedError, run_trusted
@@ -25,7 +25,7 @@ def services_for_gpu(config: AgentConfig, gpu: int) -> list[ServiceConfig]:
     return [s for s in config.services if s.gpus == "all" or gpu in s.gpus]
 
 
-def named_services(decision: Decision, params: RestartServiceParams, config: AgentConfig) -> list[ServiceConfig]:
+def named_services(decision: Decision, params: ServiceParams, config: AgentConfig) -> list[ServiceConfig]:
     """The step's service, else the decision's, else every service using the decision's GPU."""
     name = params.service or decision.target.service or decision.event.data.get("service")
     if not name:
@@ -111,7 +111,7 @@ def _drain(service: ServiceConfig, decision: Decision, ctx: ActionContext, steps
     steps.append(waited.describe(service.name))
 
 
-def _managed(
+def managed(
     call: Callable[[ServiceConfig], None], verb: str, service: ServiceConfig, ctx: ActionContext, steps: list[str]
 ) -> bool:
     """Run one service manager call; when it fails, say so in `steps` and return False."""
@@ -131,7 +131,7 @@ def start_again(
     """Start the stopped services again and wait until they are healthy; False if any is not."""
     ok = True
     for service in services:
-        if not _managed(managers[service.name].start, "start", service, ctx, steps):
+        if not managed(managers[service.name].start, "start", service, ctx, steps):
             ok = False
             continue
         steps.append(step(STARTED, service.name))
@@ -140,29 +140,3 @@ def start_again(
         ok = ok and healthy
         steps.append(what)
     return ok
-
-
-def restart_service(decision: Decision, params: RestartServiceParams, ctx: ActionContext) -> Result:
-    """Restart the services through their managers, then healthy within the ready timeout or FAILED."""
-    services = named_services(decision, params, ctx.config)
-    if not services:
-        return failed("no service to restart: the decision names none and no service uses its GPU")
-    managers = managers_for(services, ctx)
-    if isinstance(managers, str):
-        return refused(managers)
-    steps: list[str] = []
-    ok = True
-    for service in services:
-        if ctx.prober is not None:
-            budget = service.command_timeout_seconds + ready_timeout(service, params.ready_timeout_seconds)
-            ctx.prober.expect_down(service.name, drain_timeout(service) + budget)
-        drain_service(service, decision, ctx, steps)
-        ctx.journal(step(RESTARTING, service.name))  # before: a restart cut short may leave it stopped
-        if not _managed(managers[service.name].restart, "restart", service, ctx, steps):
-            ok = False
-            continue
-        ctx.journal(step(RESTARTED, service.name))
-        healthy, what = verify_healthy(service, params.ready_timeout_seconds, ctx)
-        ok = ok and healthy
-        steps.append(f"restarted {service.name}; {what}")
-    return Result(Outcome.SUCCESS if ok else Outcome.FAILED, "; ".join(steps))

@@ -1,4 +1,4 @@
-"""reset_gpu, the safe sequence.
+"""reset_gpu: the safe sequence, once per GPU in an evaluation.
 
 Refused for Xid 79 / a lost GPU (a reset cannot bring it back: reboot territory), for MIG enabled
 or pending (a reset destroys the instances or changes the mode), for a GPU whose index now names
@@ -13,16 +13,18 @@ healthy. The outcome's detail lists every step.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar, Final
 
 from agent.backend.base import GpuProcess
 from agent.backend.errors import GpuError, GpuErrorKind, WriteRefused
-from agent.config import ServiceConfig
-from agent.events import EventKind
+from agent.config import AgentConfig, ServiceConfig
+from agent.events import EventKind, SuggestedAction
 from agent.logger import get_logger
 from agent.policy.base import ApplyOutcome
 from agent.policy.transaction import SETTINGS, TransactionClosed, TransactionError
 from agent.rules.actions.base import Result, failed, gpu_of, refused, uuid_of, xid_of
 from agent.rules.actions.context import ActionContext
+from agent.rules.actions.kind import ActionType, Footprint, Lane, Once, Targets, gpus_of
 from agent.rules.actions.service_actions import (
     drain_service,
     drain_timeout,
@@ -33,12 +35,17 @@ from agent.rules.actions.service_actions import (
 )
 from agent.rules.actions.steps import GPU_RESET, POLICY_APPLIED, STOPPED, STOPPING, step
 from agent.rules.model import Decision, Outcome
-from agent.rules.params import ResetGpuParams
+from agent.rules.params import ActionParams
 from agent.services.attribution import attribute_gpu_processes, command_of_pid, command_service_pids
 from agent.services.managers import ServiceError
 from agent.watch.kernel_log import FALLEN_OFF_BUS_XID
 
 log = get_logger()
+
+
+class ResetGpuParams(ActionParams):
+    # Spelled as the remedy it carries out (SuggestedAction), as a rule's `xid: {catalog_action: ...}` names it.
+    kind: ClassVar[str] = SuggestedAction.RESET_GPU.value
 
 
 def _reset_refusal(decision: Decision, gpu: int, ctx: ActionContext) -> str | None:
@@ -211,3 +218,26 @@ def _reset_idle_gpu(gpu: int, ctx: ActionContext, steps: list[str]) -> Outcome:
     steps.append(f"{POLICY_APPLIED} ({applied} item(s) set)")
     ctx.journal(POLICY_APPLIED)
     return Outcome.SUCCESS
+
+
+def _touches(decision: Decision, config: AgentConfig) -> Footprint:
+    """Its GPU and every GPU of the services it stops first."""
+    gpu = gpu_of(decision)
+    return None if gpu is None else gpus_of(services_for_gpu(config, gpu), (gpu,))
+
+
+ACTION: Final = ActionType(
+    ResetGpuParams,
+    reset_gpu,
+    does=(
+        "Stops the services on the GPU, waits until NVML shows no process on it, `nvidia-smi --gpu-reset`, puts "
+        "its power limit and clock lock back, re-applies the policy, starts the services and checks them; "
+        "refused for Xid 79, a lost GPU, MIG, a re-enumerated index, or processes that remain."
+    ),
+    changes_node=True,
+    lane=Lane.GPUS,
+    touches=_touches,
+    targets=Targets.GPU,
+    once=Once.PER_GPU,
+    clears_xids=True,
+)

@@ -1,0 +1,86 @@
+"""recommend_reboot: `<state_dir>/reboot-recommended` written (JSON), and an alert when an Alertmanager is set.
+
+The flag says why, for which rule, event and GPU, on which boot, and whether the kernel that boots
+next would bring the GPUs back (as reboot checks it). Nothing on the node changes: it runs in
+observe mode too, one per node in an evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import ClassVar, Final
+
+from pydantic import field_validator
+
+from agent.defaults import REBOOT_FLAG_NAME
+from agent.rules.actions.base import ActionError, Result, failed, gpu_of, iso, success, uuid_of, xid_of
+from agent.rules.actions.context import ActionContext
+from agent.rules.actions.kind import ActionType, Lane, Once
+from agent.rules.actions.kinds.alertmanager import AlertmanagerParams, alert_for, alertmanager_url
+from agent.rules.actions.kinds.reboot import next_boot_problem_of
+from agent.rules.model import Decision
+from agent.rules.params import ActionParams, http_url
+
+REBOOT_ALERTNAME = "GpuAgentRebootRecommended"
+
+
+class RecommendRebootParams(ActionParams):
+    kind: ClassVar[str] = "recommend_reboot"
+
+    reason: str | None = None  # None: the event's message
+    url: str | None = None  # Alertmanager for its alert; None: remediation.alertmanager_url
+
+    _check_url = field_validator("url")(http_url)
+
+
+def recommend_reboot(decision: Decision, params: RecommendRebootParams, ctx: ActionContext) -> Result:
+    now = ctx.clock()
+    not_ready = next_boot_problem_of(ctx)
+    event = decision.event
+    flag = {
+        "reason": params.reason or event.message,
+        "rule": decision.rule,
+        "event": event.kind.value,
+        "gpu": gpu_of(decision),
+        "uuid": uuid_of(decision),
+        "xid": xid_of(event),
+        "time_seconds": now,
+        "time": iso(now),
+        # So a reader can tell a flag written before the last boot (and so already acted on).
+        "boot_id": ctx.host.paths.boot_id() or None,
+        # A reboot now would not bring the GPUs back: fix this first.
+        "next_boot_not_ready": not_ready,
+    }
+    path = Path(ctx.config.state_dir) / REBOOT_FLAG_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(flag, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    detail = f"reboot recommended: wrote {path}"
+    if not_ready is not None:
+        detail += f"; but the next boot is not ready: {not_ready}"
+    url = alertmanager_url(params.url, ctx)
+    if url is None:
+        return success(detail)
+    alert = alert_for(decision, ctx.hostname, AlertmanagerParams(alertname=REBOOT_ALERTNAME))
+    try:
+        ctx.alerts.fire(url, alert)
+    except ActionError as exc:
+        return failed(f"{detail}; alert not delivered: {exc}")
+    return success(f"{detail}; alert {alert.labels['alertname']} sent")
+
+
+ACTION: Final = ActionType(
+    RecommendRebootParams,
+    recommend_reboot,
+    does=(
+        f"Writes `state_dir/{REBOOT_FLAG_NAME}` (why, and whether the kernel that boots next would bring the GPUs "
+        f"back) and raises `{REBOOT_ALERTNAME}` when an Alertmanager is set (`url`, else "
+        "`remediation.alertmanager_url`)."
+    ),
+    changes_node=False,  # a flag file and an alert: nothing on the node changes
+    lane=Lane.NOTIFY,
+    once=Once.PER_NODE,
+)
