@@ -1041,8 +1041,11 @@ def test_man_page_names_every_command() -> None:
         assert re.search(rf'^\.BI? "?{re.escape(name)}\b', man, re.MULTILINE), f"gpu-agent.8 lacks `{name}`"
 
 
-def model_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
-    """Every key of a pydantic model, nested ones dotted, a list of models marked `[]`."""
+def model_keys(model: type[BaseModel], prefix: str = "", described: set[type] | None = None) -> list[str]:
+    """Every key of a pydantic model, nested ones dotted, a list of models marked `[]`. A model met
+    again under another key (`policy.gpu_overrides[]` holds what `policy.gpus[]` does) is described
+    once, under the first: the second key itself must be named, not its keys again."""
+    described = set() if described is None else described
     keys = []
     for name, field in model.model_fields.items():
         path = f"{prefix}{field.alias or name}"
@@ -1051,8 +1054,9 @@ def model_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
         listed = typing.get_origin(annotation) is list
         for inner in typing.get_args(annotation) or (annotation,):
             for candidate in typing.get_args(inner) or (inner,):
-                if isinstance(candidate, type) and issubclass(candidate, BaseModel):
-                    keys += model_keys(candidate, f"{path}[]." if listed else f"{path}.")
+                if isinstance(candidate, type) and issubclass(candidate, BaseModel) and candidate not in described:
+                    described.add(candidate)
+                    keys += model_keys(candidate, f"{path}[]." if listed else f"{path}.", described)
     return sorted(set(keys))
 
 
@@ -1076,16 +1080,16 @@ def test_config_man_page_describes_every_key() -> None:
 
 
 def test_rules_man_page_describes_every_key() -> None:
-    """gpu-agent-rules(5) names every key of a rule, every condition and every action with its
-    parameters, as agent/rules/config.py and params.py have them."""
+    """gpu-agent-rules(5) names every key of a rule, every condition and every action kind the
+    registry declares with its parameters, as agent/rules/config.py and the kinds have them."""
+    from agent.rules.actions.registry import KINDS
     from agent.rules.config import Match, Rule
-    from agent.rules.params import PARAMS_BY_KIND
 
     page = man_text("gpu-agent-rules.5")
     wanted = [f".B {name}\n" for name in Rule.model_fields]
     wanted += [f"match.{key}" for key in model_keys(Match)]
-    for kind, params in PARAMS_BY_KIND.items():
-        wanted += [f".B {kind.value}\n", *(f"{kind.value}.{name}" for name in params.model_fields)]
+    for kind, action in KINDS.items():
+        wanted += [f".B {kind}\n", *(f"{kind}.{name}" for name in action.params.model_fields)]
     assert len(wanted) > 40
     assert [text for text in wanted if text not in page] == []
 
