@@ -9,13 +9,19 @@ import textwrap
 import time
 from collections.abc import Sequence
 
-from agent.policy.names import DRIVER, NEXT_BOOT
 from agent.printable import printable, printable_document
 from agent.services.text import service_figures_line, unattributed_lines
 
 TYPE_CHECKING = False  # typing loads only for the type checker: a tenth of `status`'s start
 if TYPE_CHECKING:
-    from typing import IO, Any
+    from typing import IO, Any, Final
+
+    from agent.policy.names import NodeItemName
+
+#: The report-only items the screen gives lines of their own, named here rather than imported: the
+#: names module loads `typing` (mypy holds each to the item names all the same).
+NEXT_BOOT: Final[NodeItemName] = "next_boot"
+DRIVER: Final[NodeItemName] = "driver"
 
 JSON_SCHEMA_VERSION = 1
 
