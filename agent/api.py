@@ -18,9 +18,9 @@ import json
 import socket
 from collections.abc import Mapping
 
+from agent import TYPE_CHECKING
 from agent.host import safe_json
 
-TYPE_CHECKING = False  # typing loads only for the type checker: a tenth of `status`'s start
 if TYPE_CHECKING:
     from pathlib import Path
     from typing import Any

@@ -9,10 +9,10 @@ import textwrap
 import time
 from collections.abc import Sequence
 
+from agent import TYPE_CHECKING
 from agent.printable import printable, printable_document
 from agent.services.text import service_figures_line, unattributed_lines
 
-TYPE_CHECKING = False  # typing loads only for the type checker: a tenth of `status`'s start
 if TYPE_CHECKING:
     from typing import IO, Any, Final
 

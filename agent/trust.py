@@ -29,7 +29,8 @@ import os
 import stat
 from collections.abc import Mapping, Sequence
 
-TYPE_CHECKING = False  # typing and pathlib load only for the type checker: `status` reads its config through here
+from agent import TYPE_CHECKING
+
 if TYPE_CHECKING:
     from pathlib import Path
 

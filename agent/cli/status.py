@@ -7,10 +7,10 @@ import argparse
 import re
 import sys
 
+from agent import TYPE_CHECKING
 from agent.cli.common import CliError, config_path, load, make_engine, print_text
 from agent.defaults import DEFAULT_SOCKET_PATH
 
-TYPE_CHECKING = False  # typing loads only for the type checker: a tenth of `status`'s start
 if TYPE_CHECKING:
     from agent.config import AgentConfig
 
