@@ -13,8 +13,8 @@ import pytest
 from daemon_harness import running_agent
 
 from agent import safe_yaml
+from agent.cli.config_socket import api_socket_without_yaml
 from agent.cli.parser import INJECT_HELP, build_parser
-from agent.cli.status import api_socket_without_yaml
 from agent.defaults import DEFAULT_SOCKET_PATH
 from agent.tune.defaults import TUNE_HELP
 
