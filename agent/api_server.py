@@ -177,6 +177,11 @@ class ApiServer:
         self._server.privileged = privileged
         self._serving = ServingThread(self._server, "api")
 
+    @property
+    def socket_file(self) -> tuple[int, int]:
+        """The bound socket's device and inode: what the daemon's published record names (agent/api.py)."""
+        return self._inode
+
     def start(self) -> None:
         self._serving.start()
 

@@ -10,7 +10,8 @@ import sys
 import threading
 from collections.abc import Callable
 
-TYPE_CHECKING = False  # typing loads only for the type checker
+from agent import TYPE_CHECKING
+
 if TYPE_CHECKING:
     from typing import Any
 

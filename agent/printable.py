@@ -3,7 +3,8 @@ Standard library only: the thin `status` client imports it."""
 
 from __future__ import annotations
 
-TYPE_CHECKING = False  # typing loads only for the type checker: a tenth of `status`'s start
+from agent import TYPE_CHECKING
+
 if TYPE_CHECKING:
     from typing import Any
 

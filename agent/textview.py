@@ -1,21 +1,27 @@
 """Rendering that needs nothing but the standard library: `gpu-agent status` against a running
-daemon imports only this, the socket client and the config file's `api.socket`, so it starts fast."""
+daemon imports only this, the socket client and what the daemon published of its socket, so it
+starts fast (agent/cli/fast_start.py)."""
 
 from __future__ import annotations
 
 import json
 import os
-import textwrap
 import time
 from collections.abc import Sequence
 
-from agent.policy.names import DRIVER, NEXT_BOOT
+from agent import TYPE_CHECKING
 from agent.printable import printable, printable_document
 from agent.services.text import service_figures_line, unattributed_lines
 
-TYPE_CHECKING = False  # typing loads only for the type checker: a tenth of `status`'s start
 if TYPE_CHECKING:
-    from typing import IO, Any
+    from typing import IO, Any, Final
+
+    from agent.policy.names import NodeItemName
+
+#: The report-only items the screen gives lines of their own, named here rather than imported: the
+#: names module loads `typing` (mypy holds each to the item names all the same).
+NEXT_BOOT: Final[NodeItemName] = "next_boot"
+DRIVER: Final[NodeItemName] = "driver"
 
 JSON_SCHEMA_VERSION = 1
 
@@ -47,10 +53,7 @@ def table_blocks(
             room -= widths[column]
     blocks = [["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]]
     for row in rows:
-        cells = [
-            textwrap.wrap(cell, w, break_on_hyphens=False) or [""] if i in wrap else [cell]
-            for i, (cell, w) in enumerate(zip(row, widths))
-        ]
+        cells = [_wrapped(cell, w) if i in wrap else [cell] for i, (cell, w) in enumerate(zip(row, widths))]
         height = max(len(c) for c in cells)
         blocks.append(
             [
@@ -59,6 +62,16 @@ def table_blocks(
             ]
         )
     return blocks
+
+
+def _wrapped(text: str, width: int) -> list[str]:
+    """`text` in lines of at most `width` (one line when it fits: textwrap, a few regular expressions
+    compiled at import, loads only for a screen too narrow)."""
+    if len(text) <= width:
+        return [text]
+    import textwrap
+
+    return textwrap.wrap(text, width, break_on_hyphens=False) or [""]
 
 
 def dumps(document: dict[str, Any]) -> str:
@@ -110,6 +123,8 @@ def fit(line: str, width: int | None) -> list[str]:
     under its text; whole when there is no width (a pipe, a file)."""
     if width is None or len(line) <= width:
         return [line]
+    import textwrap
+
     indent = " " * (len(line) - len(line.lstrip(" ")) + 2)
     return textwrap.wrap(line, width, subsequent_indent=indent, break_on_hyphens=False) or [line]
 

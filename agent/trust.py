@@ -23,13 +23,13 @@ the check changes nothing: what was checked is what is read or run.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import stat
 from collections.abc import Mapping, Sequence
 
-TYPE_CHECKING = False  # typing and pathlib load only for the type checker: `status` reads its config through here
+from agent import TYPE_CHECKING
+
 if TYPE_CHECKING:
     from pathlib import Path
 
@@ -351,6 +351,15 @@ def _kind(mode: int) -> str:
     return f"mode {mode:o}"
 
 
+def _followed(path: str, link: os.stat_result) -> os.stat_result:
+    """What the link at `path` points to; the link itself when that cannot be read. (Not
+    contextlib.suppress: `status` reads through this module, and contextlib is a tenth of it.)"""
+    try:
+        return os.stat(path)
+    except OSError:
+        return link
+
+
 def state_directory_problem(path: str | Path, what: str, agent_uid: int | None = None) -> str | None:
     """Why directory `path` must not hold the agent's state (state_dir) or its socket: it is not a
     directory, or it or a directory above it could be changed by someone else (who could then plant
@@ -368,8 +377,7 @@ def state_directory_problem(path: str | Path, what: str, agent_uid: int | None =
                 return None
             existing = os.path.dirname(existing)
     if stat.S_ISLNK(info.st_mode):
-        with contextlib.suppress(OSError):
-            info = os.stat(existing)
+        info = _followed(existing, info)
     if not stat.S_ISDIR(info.st_mode):
         return f"{what} {given}: {existing} is {_kind(info.st_mode)}, not a directory"
     problem = directory_problem(existing, agent_uid)

@@ -12,6 +12,8 @@ shows):
 - `argparse_floor`: a python process that builds an argparse parser of 12 commands and prints its
   help, the floor of any argparse CLI's `--help` (argparse loads re, gettext and textwrap);
 - `status_daemon`: `gpu-agent status` while a daemon runs on the node (one socket request);
+- `complete_values`: `gpu-agent --complete-values gpus`, what shell completion runs at TAB (the
+  store of the daemon running the config);
 - `status_direct`: `gpu-agent status --direct` (no daemon asked: a full read, plan and verdict);
 - `nvidia_smi` (its screen), `nvidia_smi_query` (`--query-gpu`, 13 fields) and `nvitop_once`
   (`nvitop -1`), when they are installed.
@@ -28,7 +30,12 @@ same again with the pages read every second (`scrape_interval_seconds: 1`), for 
 
 Needs nothing but the repository and the agent's runtime dependencies (nvidia-ml-py on nvml).
 `--agent-tree DIR` times the CLI commands of another checkout of the agent (an earlier commit,
-for a before/after) against the same daemon and references.
+for a before/after) against the same daemon and references. `--before-tree DIR` times that
+checkout's `--version`, `--help`, `status` and `--complete-values` in the same rounds as this one's
+(`version_before`, `help_before`, `status_daemon_before`, `complete_values_before`): a before/after
+paired round by round, which a loaded machine needs. `--quoted-socket` writes the node's
+`api.socket` quoted, a config `status` could only read through the YAML parser before the daemon
+published its socket.
 
 Usage: python3 -m bench.cli_speed [--backend nvml] [--runs 15] [--cpu-seconds 60] [--out FILE.json]
 """
@@ -46,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import (
+    CLI_ENTRY,
     REPO_ROOT,
     Node,
     Report,
@@ -140,6 +148,7 @@ def commands_for(node: Node, report: Report) -> dict[str, list[str]]:
         "argparse_floor": [sys.executable, "-c", ARGPARSE_FLOOR],
         "status_daemon": node.cli("status"),
         "status_direct": node.cli("status", "--direct"),
+        "complete_values": agent_command("--complete-values", "gpus"),  # the config from $GPU_AGENT_CONFIG
     }
     smi = shutil.which("nvidia-smi")
     if smi is not None:
@@ -160,13 +169,26 @@ def commands_for(node: Node, report: Report) -> dict[str, list[str]]:
     return commands
 
 
+def before_commands(node: Node, tree: Path) -> dict[str, list[str]]:
+    """`--version`, `--help` and `status` of the agent in `tree`, put first on sys.path."""
+    entry = f"import sys; sys.path.insert(0, {str(tree.resolve())!r}); {CLI_ENTRY}"
+    return {
+        "version_before": [sys.executable, "-c", entry, "--version"],
+        "help_before": [sys.executable, "-c", entry, "--help"],
+        "status_daemon_before": [sys.executable, "-c", entry, "status", "--config", str(node.config_path)],
+        "complete_values_before": [sys.executable, "-c", entry, "--complete-values", "gpus"],
+    }
+
+
 def time_commands(
     node: Node, commands: dict[str, list[str]], runs: int, agent_tree: Path | None
 ) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
     require_daemon_status(node)
     # `python -m` puts the working directory first on sys.path: the tree to time is where it runs.
     tree = (agent_tree or REPO_ROOT).resolve()
-    return time_processes(commands, runs, env=agent_env({"PYTHONPATH": str(tree)}), cwd=tree)
+    # $GPU_AGENT_CONFIG: the config shell completion hands `--complete-values`.
+    env = node.env({"PYTHONPATH": str(tree), "GPU_AGENT_CONFIG": str(node.config_path)})
+    return time_processes(commands, runs, env=env, cwd=tree)
 
 
 def start_standins(count: int, directory: Path) -> tuple[list[subprocess.Popen[bytes]], list[int]]:
@@ -219,7 +241,7 @@ def daemon_cpu(args: argparse.Namespace, directory: Path, scrape_interval_second
             last, elapsed = read_stat(daemon.pid), time.monotonic() - started
             status = json.loads(
                 subprocess.run(
-                    node.cli("status", "--json"), capture_output=True, text=True, env=agent_env(), timeout=60
+                    node.cli("status", "--json"), capture_output=True, text=True, env=node.env(), timeout=60
                 ).stdout
             )
         finally:
@@ -241,14 +263,20 @@ def daemon_cpu(args: argparse.Namespace, directory: Path, scrape_interval_second
 
 def run(args: argparse.Namespace, report: Report) -> None:
     with scratch_dir("gab-cli-") as directory:
-        node = make_node(directory / "node", args.backend, args.profile, interval_seconds=1.0)
+        node = make_node(
+            directory / "node", args.backend, args.profile, interval_seconds=1.0, quoted_socket=args.quoted_socket
+        )
         commands = commands_for(node, report)
+        if args.before_tree is not None:
+            commands.update(before_commands(node, args.before_tree))
         report.parameters.update(
             runs=args.runs,
             cpu_seconds=args.cpu_seconds,
             commands={name: " ".join(argv) for name, argv in commands.items()},
             python=sys.version.split()[0],
             agent_tree=str(args.agent_tree or REPO_ROOT),
+            before_tree=None if args.before_tree is None else str(args.before_tree),
+            quoted_socket=args.quoted_socket,
         )
         with running_daemon(node):
             times, exits = time_commands(node, commands, args.runs, args.agent_tree)
@@ -265,6 +293,12 @@ def run(args: argparse.Namespace, report: Report) -> None:
         "status_daemon_over_nvidia_smi": paired_ratio(times, "status_daemon", "nvidia_smi"),
         "status_daemon_over_nvitop_once": paired_ratio(times, "status_daemon", "nvitop_once"),
         "status_direct_over_nvidia_smi": paired_ratio(times, "status_direct", "nvidia_smi"),
+        "status_daemon_before_over_python_bare": paired_ratio(times, "status_daemon_before", "python_bare"),
+        "status_daemon_over_status_daemon_before": paired_ratio(times, "status_daemon", "status_daemon_before"),
+        "version_before_over_python_bare": paired_ratio(times, "version_before", "python_bare"),
+        "help_before_over_python_bare": paired_ratio(times, "help_before", "python_bare"),
+        "complete_values_over_python_bare": paired_ratio(times, "complete_values", "python_bare"),
+        "complete_values_before_over_python_bare": paired_ratio(times, "complete_values_before", "python_bare"),
     }
     report.results.update(
         wall_ms={name: summarize(values, 1e3, 1) for name, values in times.items()},
@@ -324,6 +358,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--cpu-seconds", type=float, default=60.0, help="daemon CPU window; 0 skips it (default 60)")
     parser.add_argument("--warmup", type=float, default=5.0, help="seconds after READY=1 left out (default 5)")
     parser.add_argument("--agent-tree", type=Path, help="time the CLI of this checkout instead (a before/after)")
+    parser.add_argument(
+        "--before-tree", type=Path, help="also time this checkout's CLI fast paths, paired round by round"
+    )
+    parser.add_argument(
+        "--quoted-socket", action="store_true", help="api.socket quoted in the config (the YAML parser read it before)"
+    )
     args = parser.parse_args(argv)
     report = Report("cli_speed", args)
     run(args, report)

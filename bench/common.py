@@ -286,6 +286,15 @@ class Node:
         """`gpu-agent ARGS --config <this node>` as an argv."""
         return agent_command(*args, "--config", str(self.config_path))
 
+    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        """The environment of a command run against this node: `status` finds the socket its daemon
+        published in the runtime directory under its host_root (on nvml, the host's own)."""
+        from agent.api import RUNTIME_DIR_VARIABLE
+        from agent.defaults import DEFAULT_RUNTIME_DIR
+
+        runtime_dir = self.host_root / DEFAULT_RUNTIME_DIR.lstrip("/")
+        return agent_env({RUNTIME_DIR_VARIABLE: str(runtime_dir), **(extra or {})})
+
 
 def make_node(
     directory: Path,
@@ -296,8 +305,10 @@ def make_node(
     rules_yaml: str | None = None,
     extra_yaml: str = "",
     mode: str = "observe",
+    quoted_socket: bool = False,
 ) -> Node:
-    """Write a config for `backend` under `directory` (observe mode unless told; rules only when given)."""
+    """Write a config for `backend` under `directory` (observe mode unless told; rules only when given;
+    `quoted_socket`: `api.socket` in quotes, as some write it)."""
     directory.mkdir(parents=True, exist_ok=True)
     state_dir = directory / "state"
     rules_dir = directory / "rules.d"
@@ -325,7 +336,7 @@ def make_node(
         + f"state_dir: {state_dir}\n"
         + f"interval_seconds: {interval_seconds:g}\n"
         + f'metrics: {{listen: "127.0.0.1:{port}"}}\n'
-        + f"api: {{socket: {socket_path}}}\n"
+        + (f'api: {{socket: "{socket_path}"}}\n' if quoted_socket else f"api: {{socket: {socket_path}}}\n")
         # no rules given: remediation off, said so (an empty rules directory is a verdict line)
         + (
             f"remediation: {{rules_dirs: [{rules_dir}]}}\n"
@@ -537,7 +548,7 @@ def require_daemon_status(node: Node) -> None:
     """Raise unless `gpu-agent status` on `node` answers from its daemon (not a direct read): what
     a benchmark of `status` against the daemon must time."""
     answered = subprocess.run(
-        node.cli("status", "--json"), capture_output=True, text=True, env=agent_env(), cwd=REPO_ROOT, timeout=60
+        node.cli("status", "--json"), capture_output=True, text=True, env=node.env(), cwd=REPO_ROOT, timeout=60
     )
     try:
         source = json.loads(answered.stdout).get("source")

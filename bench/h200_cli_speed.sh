@@ -23,10 +23,15 @@ fi
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 unset PYTHONDONTWRITEBYTECODE
 py=/tmp/pkgvenv/bin/python
-timeout 420 $py -m bench.cli_speed --backend nvml --runs "${RUNS:-15}" --cpu-seconds "${CPU_SECONDS:-60}" --label "H200 (nvml)" \
-    --out $OUT/cli_speed.json > $OUT/cli_speed.log 2>&1; echo "cli_speed rc=$?"
+# With an earlier agent/ there: its --version, --help and status timed in the same rounds (paired).
+before=()
 if [ -d .whl/before/agent ]; then
     $py -I -m compileall -q "$PWD/.whl/before/agent" >/dev/null
+    before=(--before-tree "$PWD/.whl/before")
+fi
+timeout 420 $py -m bench.cli_speed --backend nvml --runs "${RUNS:-15}" --cpu-seconds "${CPU_SECONDS:-60}" --label "H200 (nvml)" \
+    ${before[@]+"${before[@]}"} --out $OUT/cli_speed.json > $OUT/cli_speed.log 2>&1; echo "cli_speed rc=$?"
+if [ -d .whl/before/agent ]; then
     timeout 200 $py -m bench.cli_speed --backend nvml --runs 9 --cpu-seconds 0 --agent-tree "$PWD/.whl/before" \
         --label "H200 (nvml), before" --out $OUT/cli_speed_before.json > $OUT/cli_speed_before.log 2>&1
     echo "before rc=$?"

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace, report: Report) -> None:
         )
         with running_daemon(node):
             require_daemon_status(node)
-            times, exits = time_processes(commands, args.runs)
+            times, exits = time_processes(commands, args.runs, env=node.env())
     results: dict[str, Any] = {
         "wall_ms": {name: summarize(values, 1e3, 1) for name, values in times.items()},
         "exit_codes": exits,

@@ -1,4 +1,5 @@
-"""Runs `gpu-agent run` as a real process on a simulated node, with a real sd_notify socket."""
+"""Runs `gpu-agent run` as a real process on a simulated node, with a real sd_notify socket (or, with
+`serving_daemon`, a `Daemon` in the test's own process, its listeners up)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,14 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hosttree import make_host_tree
 
 from agent.host.paths import BOOT_ID_PATH
+
+if TYPE_CHECKING:
+    from agent.daemon import Daemon
 
 #: The slow tier (PCIe, ECC, remapping) every second: a slow-tier fault shows within a second or two.
 COUNTERS_INTERVAL_SECONDS = 1.0
@@ -231,3 +235,27 @@ def running_agent(
                 process.kill()
                 process.wait()
         sock.close()
+
+
+@contextlib.contextmanager
+def serving_daemon(tmp_path: Path, **config: Any) -> Iterator[tuple[Daemon, Path, int]]:
+    """A daemon in this process with its listeners up and one snapshot published: (it, its config, its metrics port)."""
+    from agent.config import load_config
+    from agent.daemon import Daemon
+    from agent.daemon.sd_notify import SdNotifier
+
+    config_path, port = write_agent_config(tmp_path, **config)
+    daemon = Daemon(load_config(config_path), config_path, notifier=SdNotifier(None, None))
+    try:
+        daemon.start_services()
+        daemon.loop_once()
+        yield daemon, config_path, port
+    finally:
+        daemon.shutdown()
+
+
+def edit(config_path: Path, old: str, new: str) -> None:
+    """Replace `old` (which must be there) with `new` in the config file."""
+    text = config_path.read_text()
+    assert old in text
+    config_path.write_text(text.replace(old, new))

@@ -1,95 +1,141 @@
-"""The CLI's fast paths: `status` against a daemon, `--version` and `--help` import only what they
-use (no pydantic models, no GPU backend, no structlog, no YAML parser for the configs people write),
-and the YAML-free reading of `api.socket` agrees with the YAML parser whenever it answers."""
+"""The CLI's fast start (agent/cli/fast_start.py): `--version`, `--help`, `status` against a running
+daemon and `--complete-values` import only their set, run in a fresh interpreter as /usr/bin/gpu-agent
+starts them; and the YAML-free reading of `api.socket` agrees with the YAML parser whenever it answers."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from daemon_harness import running_agent
+from daemon_harness import RunningAgent, running_agent
 
 from agent import safe_yaml
+from agent.api import RUNTIME_DIR_VARIABLE
+from agent.cli import fast_start
+from agent.cli.config_socket import api_socket_without_yaml
 from agent.cli.parser import INJECT_HELP, build_parser
-from agent.cli.status import api_socket_without_yaml
-from agent.defaults import DEFAULT_SOCKET_PATH
+from agent.defaults import DEFAULT_RUNTIME_DIR, DEFAULT_SOCKET_PATH
 from agent.tune.defaults import TUNE_HELP
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-#: Imported by none of the thin paths: the config models, the backends, logging, the YAML parser,
-#: the policy engine and the store, and what they pull in.
-HEAVY = (
-    "pydantic",
-    "agent.config",
-    "agent.backend.base",
-    "agent.backend.sim",
-    "agent.backend.nvml",
-    "pynvml",
-    "structlog",
-    "rich",
-    "yaml",
-    "agent.policy.engine",
-    "agent.store.database",
-    "agent.demo.inject",
-    "sqlite3",
-    "asyncio",
-    "shutil",
-    "dataclasses",
-    # what status, --version and --help used to load for nothing: a tenth of a start each (pathlib
-    # too, but the editable install's own finder loads it at every start of the test venv)
-    "typing",
-    "socketserver",
-    "agent.api_server",
-    "agent.cli.commands",
-    "agent.cli.check_config",
-    "agent.tune.cli",
-)
-
+#: `gpu-agent ARGV` as /usr/bin/gpu-agent runs it (`-I -X faulthandler`, main() called directly) from a
+#: venv holding only the agent's dependencies: no .pth file runs at start (the test venv's editable
+#: install imports pathlib and more from one), and the version is baked in as the wheel bakes it.
+#: What it imported beyond the interpreter's own start goes to stderr on a line of its own.
 PROBE = """
-import runpy, sys, json
-sys.argv = ["gpu-agent", *json.loads(sys.argv[1])]
+import site, sys
+sys.path.insert(0, sys.argv.pop(1))
+baked = type(sys)("agent._build_info")
+baked.VERSION, baked.REVISION = "0.2.0", "0" * 40
+sys.modules["agent._build_info"] = baked
+started = set(sys.modules)
+sys.argv = ["gpu-agent", *sys.argv[1:]]
+from agent.cli import main
 try:
-    runpy.run_module("agent.cli", run_name="__main__")
+    main()
 except SystemExit:
     pass
 sys.stdout.flush()
-sys.stderr.write("MODULES " + json.dumps(sorted(sys.modules)) + "\\n")
+sys.stderr.write("\\nIMPORTED " + " ".join(sorted(set(sys.modules) - started)) + "\\n")
 """
 
 
-def modules_after(*argv: str) -> tuple[set[str], str]:
+def modules_after(*argv: str, env: dict[str, str] | None = None) -> tuple[list[str], str]:
     """What `gpu-agent ARGV` imported, and what it printed."""
     done = subprocess.run(
-        [sys.executable, "-c", PROBE, json.dumps(argv)], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT
+        [sys.executable, "-I", "-S", "-X", "faulthandler", "-c", PROBE, str(REPO_ROOT), *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO_ROOT,
+        env=env,
     )
-    line = next(line for line in done.stderr.splitlines() if line.startswith("MODULES "))
-    return set(json.loads(line.removeprefix("MODULES "))), done.stdout
+    line = next((line for line in done.stderr.splitlines() if line.startswith("IMPORTED ")), None)
+    assert line is not None, done.stderr
+    return line.removeprefix("IMPORTED ").split(), done.stdout
 
 
-def heavy(modules: set[str]) -> list[str]:
-    return sorted(m for m in modules if any(m == h or m.startswith(h + ".") for h in HEAVY))
+def runtime_env(agent: RunningAgent, **extra: str) -> dict[str, str]:
+    """The environment of a command run beside `agent`: its published socket where its host_root put it."""
+    return {**os.environ, RUNTIME_DIR_VARIABLE: f"{agent.host_root}{DEFAULT_RUNTIME_DIR}", **extra}
 
 
-def test_status_against_a_daemon_imports_none_of_the_heavy_modules(tmp_path: Path) -> None:
+def test_status_against_a_daemon_imports_only_the_fast_start(tmp_path: Path) -> None:
     with running_agent(tmp_path) as agent:
         agent.notifications.wait_for("READY", "1")
-        modules, shown = modules_after("status", "--config", str(agent.config_path))
+        env = runtime_env(agent)
+        modules, shown = modules_after("status", "--config", str(agent.config_path), env=env)
         assert "(daemon)" in shown.splitlines()[0], shown
-        assert heavy(modules) == []
-        modules, shown = modules_after("status", "--json", "--config", str(agent.config_path))
+        assert fast_start.beyond(fast_start.STATUS, modules) == []
+        assert "agent.cli.config_socket" not in modules  # the published socket: the config is not read
+        modules, shown = modules_after("status", "--json", "--config", str(agent.config_path), env=env)
         assert json.loads(shown)["source"] == "daemon"
-        assert heavy(modules) == []
+        assert fast_start.beyond(fast_start.STATUS, modules) == []
+        # No socket published where status looks (a daemon that predates it): the config's, without YAML.
+        modules, shown = modules_after(
+            "status",
+            "--config",
+            str(agent.config_path),
+            env=dict(env, **{RUNTIME_DIR_VARIABLE: str(tmp_path / "none")}),
+        )
+        assert "(daemon)" in shown.splitlines()[0], shown
+        assert "agent.cli.config_socket" in modules
+        assert fast_start.beyond(fast_start.STATUS, modules) == []
+        # Shell completion's values at TAB: the store the daemon published, no config models.
+        for kind, value in (("gpus", "0"), ("ack-targets", "all")):
+            modules, shown = modules_after(
+                "--complete-values", kind, env=runtime_env(agent, GPU_AGENT_CONFIG=str(agent.config_path))
+            )
+            assert value in shown.split(), shown
+            assert fast_start.beyond(fast_start.COMPLETE_VALUES, modules) == []
 
 
-@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["status", "--help"]])
-def test_version_and_help_import_none_of_the_heavy_modules(argv: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("argv", "allowed"),
+    [(["--version"], fast_start.VERSION), (["--help"], fast_start.HELP), (["status", "--help"], fast_start.HELP)],
+)
+def test_version_and_help_import_only_the_fast_start(argv: list[str], allowed: frozenset[str]) -> None:
     modules, shown = modules_after(*argv)
-    assert shown.startswith("gpu-agent 0") or "usage: gpu-agent" in shown
-    assert heavy(modules) == []
+    assert shown.startswith("gpu-agent 0.2.0\n") or "usage: gpu-agent" in shown
+    assert fast_start.beyond(allowed, modules) == []
+
+
+def test_what_the_fast_start_leaves_out_is_out_of_every_set() -> None:
+    for heavy in (
+        "pydantic",
+        "yaml",
+        "structlog",
+        "pynvml",
+        "typing",
+        "pathlib",
+        "dataclasses",
+        "shutil",
+        "subprocess",
+        "socket",
+        "selectors",
+        "contextlib",
+    ):
+        assert fast_start.beyond(fast_start.FAST_START, [heavy, f"{heavy}.part"]) == [heavy, f"{heavy}.part"]
+    assert fast_start.beyond(fast_start.FAST_START, ["agent.config", "agent.cli.commands", "agent.api"]) == [
+        "agent.cli.commands",
+        "agent.config",
+    ]
+
+
+def test_the_typing_flag_is_the_agent_packages_alone() -> None:
+    """`TYPE_CHECKING = False` is written once (agent/__init__.py), and once more in agent/version.py,
+    which setup.py loads without the package."""
+    defined = sorted(
+        str(path.relative_to(REPO_ROOT))
+        for path in (REPO_ROOT / "agent").rglob("*.py")
+        if any(line.startswith("TYPE_CHECKING =") for line in path.read_text().splitlines())
+    )
+    assert defined == ["agent/__init__.py", "agent/version.py"]
 
 
 @pytest.mark.parametrize(("name", "line"), [("inject", INJECT_HELP), ("tune", TUNE_HELP)])

@@ -3,7 +3,6 @@ old one closes), and a change only a restart applies is refused whole and shown 
 
 from __future__ import annotations
 
-import contextlib
 import grp
 import json
 import os
@@ -14,18 +13,14 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemon_harness import free_port, running_agent, write_agent_config
+from daemon_harness import edit, free_port, running_agent, serving_daemon
 from helpers import wait_until
 
 from agent import api, api_server
-from agent.config import load_config
-from agent.daemon import Daemon
 from agent.daemon.publisher import systemd_status_line
-from agent.daemon.sd_notify import SdNotifier
 
 WAIT_SECONDS = 10.0
 
@@ -53,25 +48,6 @@ def config_lines(config_path: Path) -> list[str]:
     """The verdict's lines about the config, as `status --json` gives them."""
     document = json.loads(status_cli(config_path, "--json").stdout)
     return [line for line in document["verdict"]["attention"] if line.startswith("config ")]
-
-
-@contextlib.contextmanager
-def serving_daemon(tmp_path: Path, **config: object) -> Iterator[tuple[Daemon, Path, int]]:
-    """A daemon in this process with its listeners up and one snapshot published."""
-    config_path, port = write_agent_config(tmp_path, **config)  # type: ignore[arg-type]
-    daemon = Daemon(load_config(config_path), config_path, notifier=SdNotifier(None, None))
-    try:
-        daemon.start_services()
-        daemon.loop_once()
-        yield daemon, config_path, port
-    finally:
-        daemon.shutdown()
-
-
-def edit(config_path: Path, old: str, new: str) -> None:
-    text = config_path.read_text()
-    assert old in text
-    config_path.write_text(text.replace(old, new))
 
 
 def test_sighup_moves_the_metrics_listener_and_the_status_socket(tmp_path: Path) -> None:

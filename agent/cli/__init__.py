@@ -1,8 +1,10 @@
 """gpu-agent command line. Read commands take --json; every command takes --config.
 
-The parts: parser.py (the argparse tree), common.py (what every command shares), status.py,
-check_config.py, commands.py (the other commands), completion.py (bash and zsh scripts written from
-the parser) and completion_values.py (the values only the node knows, read at TAB time)."""
+The parts: parser.py (the argparse tree), common.py (what every command shares), status.py and
+config_socket.py (a config's socket, when its daemon published none), check_config.py, commands.py
+(the other commands), completion.py (bash and zsh scripts written from the parser),
+completion_values.py (the values only the node knows, read at TAB time) and output.py (stdout that
+cannot be written). fast_start.py: what `--version`, `--help`, `status` and completion may import."""
 
 from __future__ import annotations
 

@@ -23,12 +23,14 @@ if TYPE_CHECKING:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from agent.daemon import Daemon
+    from agent.daemon.socket_record import config_file_identity
     from agent.logs import configure_logging
 
     configure_logging(args.log_level, args.log_format)
     from agent.trust import state_directory_problem
 
     path, _ = config_path(args)
+    identity = config_file_identity(path)  # before the read: an edit after it shows as one in `status`
     config = load(args)
     # What the daemon reads back from these (its verdicts, journal, flags) and who may talk to it.
     for directory, what in (
@@ -39,7 +41,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if problem is not None:
             raise CliError(f"refusing to start: {problem}")
     try:
-        return Daemon(config, None if path is None else Path(path)).run()
+        return Daemon(config, None if path is None else Path(path), config_identity=identity).run()
     except OSError as exc:
         if exc.errno != errno.EADDRINUSE:
             raise

@@ -8,9 +8,9 @@ import argparse
 import os
 import sys
 
+from agent import TYPE_CHECKING
 from agent.defaults import DEFAULT_CONFIG_PATH
 
-TYPE_CHECKING = False  # typing loads only for the type checker: a tenth of `status`'s start
 if TYPE_CHECKING:  # the heavy modules (pydantic models, the policy engine) load only for commands that use them
     from agent.config import AgentConfig
     from agent.policy.engine import PolicyEngine

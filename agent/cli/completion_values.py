@@ -1,7 +1,8 @@
 """The values shell completion offers that only the node knows, read when TAB is pressed through
 `gpu-agent --complete-values KIND` (agent/cli/completion.py writes the scripts that ask). Nothing is
 written: the store is opened read-only, and nothing heavy is imported until a value is asked for
-(`--help` builds the option that offers them)."""
+(`--help` builds the option that offers them); with a daemon running the config, not even the config
+models: its state_dir is the one the daemon published."""
 
 from __future__ import annotations
 
@@ -19,19 +20,21 @@ def dynamic_values(kind: str, config_path: str | None = None) -> list[str]:
                    attempts ran out or circuit is open, and the missing GPUs not acknowledged
       gpus         the GPU indices the store has seen on this node"""
     import sqlite3
-    from pathlib import Path
 
-    from agent.config import load_config
-    from agent.config_errors import ConfigError
     from agent.defaults import DEFAULT_CONFIG_PATH
 
     path = config_path or os.environ.get("GPU_AGENT_CONFIG") or DEFAULT_CONFIG_PATH
+    state_dir = _state_dir(path)
+    if state_dir is None:
+        return []
+    database = os.path.join(state_dir, "gpu-agent.db")
+    # A URI's own characters escaped (SQLite reads the rest of a file: URI as it is).
+    uri = "file:" + database.replace("%", "%25").replace("?", "%3f").replace("#", "%23") + "?mode=ro"
     try:
-        database = Path(load_config(Path(path)).state_dir) / "gpu-agent.db"
-        if not database.is_file():
+        if not os.path.isfile(database):
             return []
-        connection = sqlite3.connect(f"{database.as_uri()}?mode=ro", uri=True, timeout=1)
-    except (ConfigError, OSError, sqlite3.Error, ValueError):
+        connection = sqlite3.connect(uri, uri=True, timeout=1)
+    except (OSError, sqlite3.Error, ValueError):
         return []
     try:
         if kind == "gpus":
@@ -58,3 +61,22 @@ def dynamic_values(kind: str, config_path: str | None = None) -> list[str]:
         return []
     finally:
         connection.close()
+
+
+def _state_dir(config_path: str) -> str | None:
+    """The state_dir of the daemon running the config at `config_path`, as it published it (no config
+    read: agent/api.py `read_published`), else the config's; None when the config cannot be read."""
+    from agent.api import read_published
+
+    published = read_published(config_path)
+    if published is not None:
+        return published.state_dir
+    from pathlib import Path
+
+    from agent.config import load_config
+    from agent.config_errors import ConfigError
+
+    try:
+        return load_config(Path(config_path)).state_dir
+    except (ConfigError, OSError, ValueError):
+        return None

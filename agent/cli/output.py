@@ -14,7 +14,8 @@ import errno
 import os
 import sys
 
-TYPE_CHECKING = False  # typing loads only for the type checker: a tenth of `status`'s start
+from agent import TYPE_CHECKING
+
 if TYPE_CHECKING:
     from typing import Any, TextIO
 

@@ -10,11 +10,11 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from agent import TYPE_CHECKING
 from agent.cli.completion_values import DYNAMIC_KINDS
 from agent.defaults import DEFAULT_CONFIG_PATH
 from agent.tune.defaults import TUNE_HELP
 
-TYPE_CHECKING = False  # typing loads only for the type checker: a tenth of `status`'s start
 if TYPE_CHECKING:
     from typing import Any
 

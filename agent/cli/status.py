@@ -1,41 +1,28 @@
-"""`gpu-agent status`: the daemon's view over its socket, read with nothing heavy imported (not
-even the YAML parser for the configs people write); without a daemon, one direct read of the node."""
+"""`gpu-agent status`: the daemon's view over its socket, found with nothing heavy imported (not even
+the YAML parser for the configs people write); without a daemon, one direct read of the node."""
 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 
+from agent import TYPE_CHECKING
 from agent.cli.common import CliError, config_path, load, make_engine, print_text
 from agent.defaults import DEFAULT_SOCKET_PATH
 
-TYPE_CHECKING = False  # typing loads only for the type checker: a tenth of `status`'s start
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from typing import Any
+
+    from agent.api import Published
     from agent.config import AgentConfig
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from agent import api, textview
+    from agent import textview
     from agent.version import package_notice
 
-    document = None
-    if not args.direct:
-        # Against a running daemon only `api.socket` is read from the config (no validation, no
-        # pydantic): the daemon already validated it, and the answer comes back in a fraction of the time.
-        socket_path = socket_path_of(args)
-        try:
-            document = api.call(socket_path, "status")
-        except PermissionError:
-            # A daemon runs, and this user may not ask it: a direct read would miss what only it knows
-            # (its Xid history, services) and could call a node healthy that is not.
-            raise CliError(
-                f"{api.denied_reason(socket_path)}; `gpu-agent status --direct` reads what this user may"
-            ) from None
-        except (OSError, ValueError):
-            document = None  # no daemon (or not ours): read directly
-        except api.ApiError as exc:
-            raise CliError(f"daemon at {socket_path}: {exc}") from None
+    document = None if args.direct else daemon_document(args)
     if document is None or document.get("starting"):
         from agent.logger import log_to_stderr_when_used
 
@@ -60,92 +47,63 @@ def cmd_status(args: argparse.Namespace) -> int:
     return textview.status_exit_code(document)
 
 
+def daemon_document(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The running daemon's status document; None when no daemon answers. Its socket is the one the
+    daemon published for this config file (agent/api.py `read_published`: the config is not read),
+    else the config's `api.socket`. A config file changed since the daemon read it is noted."""
+    from agent import api
+
+    path, _ = config_path(args)
+    published = None if path is None else api.read_published(path)
+    for socket_path in _sockets(path, published):
+        try:
+            document: dict[str, Any] = api.call(socket_path, "status")
+        except PermissionError:
+            # A daemon runs, and this user may not ask it: a direct read would miss what only it knows
+            # (its Xid history, services) and could call a node healthy that is not.
+            raise CliError(
+                f"{api.denied_reason(socket_path)}; `gpu-agent status --direct` reads what this user may"
+            ) from None
+        except (OSError, ValueError):
+            continue  # no daemon there (or not ours)
+        except api.ApiError as exc:
+            raise CliError(f"daemon at {socket_path}: {exc}") from None
+        if published is not None and socket_path == published.socket and published.config_changed():
+            note = (
+                f"{published.config} has changed since the daemon read it (it runs what it read then):"
+                " check it with `gpu-agent check-config`, apply it with `systemctl reload gpu-agent`"
+            )
+            document["note"] = "; ".join(text for text in (document.get("note"), note) if text)
+        return document
+    return None
+
+
+def _sockets(path: str | None, published: Published | None) -> Iterator[str]:
+    """Where a daemon may answer, in order: the socket published for the config, then (only when that
+    one does not answer: its daemon was killed) the config's own, read from the file."""
+    if published is not None:
+        yield published.socket
+    from agent.cli.config_socket import configured_socket
+
+    configured = DEFAULT_SOCKET_PATH if path is None else configured_socket(path)
+    if published is None or configured != published.socket:
+        yield configured
+
+
 def socket_path_of(args: argparse.Namespace) -> str:
-    from agent.defaults import MAX_YAML_BYTES
-    from agent.trust import TooLargeError, UntrustedError, read_trusted
+    """The socket of the daemon running the config `args` name (`ack` and `tune` ask it): the one it
+    published for that config file, else the config's `api.socket`."""
+    from agent import api
 
     path, _ = config_path(args)
     if path is None:
         return DEFAULT_SOCKET_PATH
-    # The same trust check and bounded loader as the daemon's: a config that would be refused
-    # (or a parser bomb) must neither point status at another socket nor take the command down.
-    try:
-        raw = read_trusted(path, limit_bytes=MAX_YAML_BYTES)
-    except (OSError, UntrustedError, TooLargeError):
-        return DEFAULT_SOCKET_PATH  # the direct read then reports the config problem properly
-    socket_path = api_socket_without_yaml(raw)
-    if socket_path is not None:
-        return socket_path
-    from agent import safe_yaml
-    from agent.config_errors import ConfigError
+    published = api.read_published(path)
+    if published is not None:
+        return published.socket
+    from agent.cli.config_socket import configured_socket
 
-    try:
-        data = safe_yaml.load_bytes(raw, str(path)).data
-    except ConfigError:
-        return DEFAULT_SOCKET_PATH
-    api = data.get("api") if isinstance(data, dict) else None
-    socket = api.get("socket") if isinstance(api, dict) else None
-    return str(socket) if isinstance(socket, str) else DEFAULT_SOCKET_PATH
-
-
-#: What `api_socket_without_yaml` reads: a top-level `api:` key, its block's lines, a plain path.
-_API_KEY = re.compile(rb"^api[ \t]*:(?P<rest>.*)$", re.MULTILINE)
-_ANY_API_KEY = re.compile(rb"(?:^|[\s{,'\"?])api['\"]?[ \t]*:", re.MULTILINE)
-_PLAIN = rb"(?P<value>[A-Za-z0-9_./+-]+)"
-_BLOCK_PAIR = re.compile(rb"(?P<indent>[ ]+)(?P<key>[a-z_]+)[ ]*:[ ]+" + _PLAIN + rb"[ ]*(?:[ ]#.*)?")
-_FLOW_PAIR = re.compile(rb"[ ]*(?P<key>[a-z_]+)[ ]*:[ ]+" + _PLAIN + rb"[ ]*")
-_FLOW = re.compile(rb"[ ]*\{(?P<pairs>[^{}]*)\}[ ]*(?:[ ]#.*)?")
-_COMMENT_OR_BLANK = re.compile(rb"[ ]*(?:#.*)?")
-_COMMENT = re.compile(rb"(?:^|[ \t])#.*$", re.MULTILINE)
-# anchors, aliases, tags, merge keys, directives, document markers, complex keys: the parser's business
-_YAML_MACHINERY = re.compile(
-    rb"(?:^|[\s,\[{:?-])(?:[&*!][^\s,\]}\"']|<<)|^(?:%|---|\.\.\.|[ ]*\?(?:[ ]|$))", re.MULTILINE
-)
-
-
-def api_socket_without_yaml(raw: bytes) -> str | None:
-    """`api.socket` of a config in the shapes configs are written in (the shipped file's block, or
-    `api: {socket: PATH}`), read without importing the YAML parser, the largest import `status` had
-    left; None for anything else (quotes, escapes, anchors, merge keys, several documents, an `api`
-    key in any other place): then the YAML parser reads it. The default socket when there is no `api`."""
-    if not raw.isascii():  # a byte-order mark, another encoding, names beyond ASCII: the parser's
-        return None
-    content = _COMMENT.sub(b"", raw)
-    if _YAML_MACHINERY.search(content) or b"\\" in content:
-        return None
-    keys = list(_API_KEY.finditer(raw))
-    if len(_ANY_API_KEY.findall(raw)) != len(keys) or len(keys) > 1:
-        return None
-    if not keys:
-        return DEFAULT_SOCKET_PATH
-    match = keys[0]
-    rest = match.group("rest")
-    pairs: dict[bytes, bytes] = {}
-    if _COMMENT_OR_BLANK.fullmatch(rest):
-        indent = None
-        for line in raw[match.end() + 1 :].split(b"\n"):
-            if _COMMENT_OR_BLANK.fullmatch(line):
-                continue
-            if not line.startswith(b" "):
-                break  # the next top-level key
-            pair = _BLOCK_PAIR.fullmatch(line)
-            if pair is None or indent not in (None, pair.group("indent")) or pair.group("key") in pairs:
-                return None
-            indent = pair.group("indent")
-            pairs[pair.group("key")] = pair.group("value")
-    else:
-        flow = _FLOW.fullmatch(rest)
-        if flow is None:
-            return None
-        for text in flow.group("pairs").split(b","):
-            pair = _FLOW_PAIR.fullmatch(text)
-            if pair is None or pair.group("key") in pairs:
-                return None
-            pairs[pair.group("key")] = pair.group("value")
-    value = pairs.get(b"socket")
-    if value is None:
-        return DEFAULT_SOCKET_PATH
-    return value.decode() if value.startswith(b"/") else None
+    return configured_socket(path)
 
 
 def direct_status(config: AgentConfig, note: str) -> dict[str, object]:

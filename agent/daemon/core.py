@@ -33,6 +33,7 @@ from agent.daemon.publisher import ListenerError, Publisher, systemd_status_line
 from agent.daemon.remediator import LoadedRules, Remediator, load_rules_dir
 from agent.daemon.sd_notify import SdNotifier
 from agent.daemon.session import BackendSession
+from agent.daemon.socket_record import SocketRecord
 from agent.daemon.timing import LoopTiming
 from agent.daemon.watchdog import Watchdog
 from agent.events import Event
@@ -93,7 +94,10 @@ class Daemon:
         timing: LoopTiming | None = None,
         clock: Callable[[], float] = time.time,
         boottime: Callable[[], float] = boottime_seconds,
+        config_identity: list[int] | None = None,
     ) -> None:
+        """`config_identity`: the config file's, taken just before it was read (None: when the daemon
+        starts; agent/daemon/socket_record.py)."""
         self.config = config
         self.config_path = config_path
         self.timing = timing or LoopTiming()
@@ -134,6 +138,7 @@ class Daemon:
         # Shares the remediator's store: the memory is there as soon as the store is (start_services).
         self.memory = NodeMemory(lambda: self.remediator.store, read_boot_id(self.host.paths), clock)
         self.publisher = Publisher(notifier or SdNotifier.from_environment())
+        self.socket_record = SocketRecord(self.host.paths, config_path, config_identity)
         self.watchdog = Watchdog(
             self.publisher.notifier,
             lambda: self.timing.stall_seconds(self.config.interval_seconds),
@@ -333,6 +338,7 @@ class Daemon:
             self._restart_prober(new)
             self._restart_inference(new)
         self.publisher.note_reload()
+        self._publish_socket()
         log.info("config reloaded", path=str(self.config_path), mode=new.mode.value, moved=moved)
         return True
 
@@ -377,6 +383,7 @@ class Daemon:
         if self.config_path is None:
             log.warning("reload requested but the daemon runs on a built-in config; nothing to reload")
             return None
+        self.socket_record.reading()
         try:
             new = load_checked_config(self.config_path)
             rules = load_rules_dir(new)
@@ -384,6 +391,11 @@ class Daemon:
             self._reload_failed("; ".join(str(p) for p in exc.problems))
             return None
         return new, rules
+
+    def _publish_socket(self) -> None:
+        """Which socket serves the config this daemon runs, for `gpu-agent status` (socket_record.py)."""
+        api = self.publisher.api
+        self.socket_record.publish(self.config, None if api is None else api.socket_file)
 
     def _reload_failed(self, message: str) -> None:
         log.error("config reload failed; keeping the running config", error=message)
@@ -431,6 +443,8 @@ class Daemon:
     def start_services(self) -> None:
         stale_after = self.timing.stall_seconds(self.config.interval_seconds)
         self._closers.extend(self.publisher.serve(self.config, stale_after))
+        self._publish_socket()
+        self._closers.append(self.socket_record.withdraw)  # closed before the socket: no record outlives it
         self._record_known_good()
         self.kmsg.start()
         self._closers.append(self.kmsg.stop)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import re
 
-TYPE_CHECKING = False  # typing loads only for the type checker: a tenth of `status`'s start
+from agent import TYPE_CHECKING
+
 if TYPE_CHECKING:
     from typing import Any
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-TYPE_CHECKING = False  # typing loads only for the type checker: a tenth of `status`'s start
+from agent import TYPE_CHECKING
+
 if TYPE_CHECKING:
     from typing import Any
 

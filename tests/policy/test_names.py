@@ -1,52 +1,20 @@
-"""The policy items' names are spelled twice in agent/policy/names.py: as Literal types for mypy
-(under TYPE_CHECKING) and as plain tuples for run time, so that `gpu-agent status` needs no
-`typing`. Each type and its tuple must hold the same names, in the same order."""
+"""The policy items' names are written once, as Literal types (agent/policy/names.py); the tuples
+are read from them, and a union of Literal types drops a name given twice without a word."""
 
 from __future__ import annotations
 
-import ast
-import subprocess
-import sys
-from pathlib import Path
-from typing import get_args
-
-import pytest
-
 from agent.policy import names
 
-NAMES_PY = Path(names.__file__)
+
+def test_a_name_is_a_gpu_item_or_a_node_item_never_both() -> None:
+    # `policy.modes` keys, the registry and the `item` label take a name to mean one item: the union
+    # would fold a name in both lists into one, and one of the two items would go unregistered.
+    assert set(names.GPU_ITEM_NAMES).isdisjoint(names.NODE_ITEM_NAMES)
+    assert (*names.GPU_ITEM_NAMES, *names.NODE_ITEM_NAMES) == names.ITEM_NAMES
 
 
-def _literal_types() -> dict[str, tuple[str, ...]]:
-    """Each Literal alias of the TYPE_CHECKING block, with the aliases it names expanded."""
-    tree = ast.parse(NAMES_PY.read_text())
-    block = next(n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", None) == "TYPE_CHECKING")
-    types: dict[str, tuple[str, ...]] = {}
-    for node in block.body:
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Subscript):
-            parts = node.value.slice.elts if isinstance(node.value.slice, ast.Tuple) else [node.value.slice]
-            members: list[str] = []
-            for part in parts:
-                if isinstance(part, ast.Constant):
-                    members.append(part.value)
-                else:
-                    assert isinstance(part, ast.Name)
-                    members.extend(types[part.id])
-            types[node.targets[0].id] = tuple(members)  # type: ignore[attr-defined]
-    return types
-
-
-@pytest.mark.parametrize(
-    "alias", ["SettableGpuItemName", "ReportOnlyItemName", "GpuItemName", "NodeItemName", "ItemName", "GpuResetName"]
-)
-def test_each_literal_type_and_its_run_time_tuple_hold_the_same_names(alias: str) -> None:
-    spelled = _literal_types()[alias]
-    assert get_args(getattr(names, alias)) == spelled
-
-
-def test_the_names_load_without_typing() -> None:
-    probe = "import sys; import agent.policy.names as n; n.DRIVER; n.ITEM_NAMES; print('typing' in sys.modules)"
-    done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=NAMES_PY.parents[2]
-    )
-    assert done.stdout.strip() == "False", done.stderr
+def test_a_report_only_item_is_an_item_the_agent_never_writes() -> None:
+    assert set(names.REPORT_ONLY_ITEM_NAMES) <= set(names.ITEM_NAMES)
+    assert set(names.REPORT_ONLY_ITEM_NAMES).isdisjoint(names.SETTABLE_GPU_ITEM_NAMES)
+    # the settable ones first, in the order `gpu-agent plan` lists them
+    assert names.GPU_ITEM_NAMES[: len(names.SETTABLE_GPU_ITEM_NAMES)] == names.SETTABLE_GPU_ITEM_NAMES
