@@ -504,15 +504,18 @@ def test_the_database_from_before_a_downgrade_is_reused_after_the_next_upgrade(
     """An older agent (a downgraded package) sets this agent's database aside as newer than its
     schema and starts afresh; the agent of the next upgrade puts the history back, keeps the older
     agent's aside (the newest of those only), and the CLI leaves the files alone."""
+    # The agent of the upgrade has one migration more than the older one: the older agent is this
+    # code with its own schema (every table it reads is there), the newer one adds a column.
+    newer_agent = (*MIGRATIONS, ("ALTER TABLE events ADD COLUMN note TEXT NOT NULL DEFAULT ''",))
+    monkeypatch.setattr(schema_module, "MIGRATIONS", newer_agent)
     with Store.open(tmp_path, now_seconds=T0) as opened:
         opened.record_event(event("before-the-downgrade"))
-    older_agent = MIGRATIONS[:-1]
     for cycle in (1, 2):  # two downgrades and upgrades: no file piles up
-        monkeypatch.setattr(schema_module, "MIGRATIONS", older_agent)
+        monkeypatch.setattr(schema_module, "MIGRATIONS", MIGRATIONS)
         with Store.open(tmp_path, now_seconds=T0 + 10 * cycle) as opened:
             assert opened.events() == []
             opened.record_event(event(f"during-downgrade-{cycle}"))
-        monkeypatch.setattr(schema_module, "MIGRATIONS", MIGRATIONS)
+        monkeypatch.setattr(schema_module, "MIGRATIONS", newer_agent)
         with Store.open(tmp_path, now_seconds=T0 + 10 * cycle + 1, reuse_newer=False) as cli:
             assert [e.event.key for e in cli.events()] == [f"during-downgrade-{cycle}"]
         with Store.open(tmp_path, now_seconds=T0 + 10 * cycle + 2) as opened:
@@ -528,12 +531,14 @@ def test_a_current_database_newer_still_is_not_taken_for_the_older_agents(
 ) -> None:
     """A database from before a downgrade lies aside, and the current one is from a newer agent
     still: that one is set aside as newer, as always, never mistaken for the older agent's."""
+    newer_agent = (*MIGRATIONS, ("ALTER TABLE events ADD COLUMN note TEXT NOT NULL DEFAULT ''",))
+    monkeypatch.setattr(schema_module, "MIGRATIONS", newer_agent)
     with Store.open(tmp_path, now_seconds=T0) as opened:
         opened.record_event(event("before-the-downgrade"))
-    monkeypatch.setattr(schema_module, "MIGRATIONS", MIGRATIONS[:-1])
-    Store.open(tmp_path, now_seconds=T0 + 10).close()  # the older agent sets it aside
     monkeypatch.setattr(schema_module, "MIGRATIONS", MIGRATIONS)
-    sql(tmp_path / DB_NAME, f"PRAGMA user_version = {len(MIGRATIONS) + 1}")  # a newer agent's now
+    Store.open(tmp_path, now_seconds=T0 + 10).close()  # the older agent sets it aside
+    monkeypatch.setattr(schema_module, "MIGRATIONS", newer_agent)
+    sql(tmp_path / DB_NAME, f"PRAGMA user_version = {len(newer_agent) + 1}")  # a newer agent's still
     with Store.open(tmp_path, now_seconds=T0 + 20) as opened:
         assert opened.events() == []
     names = sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(("-wal", "-shm")))
