@@ -6,6 +6,7 @@ refused, never built as a guess. Everything else is in pyproject.toml."""
 from __future__ import annotations
 
 import importlib.util
+import shutil
 from pathlib import Path
 from types import ModuleType
 
@@ -36,6 +37,11 @@ except VERSION.VersionError as exc:
 
 class BuildPyWithVersion(build_py):
     def run(self) -> None:
+        if not self.editable_mode:
+            # setuptools builds in the tree (build/lib) and keeps what an earlier build of another
+            # commit left there: a module since deleted would ship again, and two builds of one
+            # commit would differ. The package is copied afresh each time.
+            shutil.rmtree(Path(self.build_lib) / "agent", ignore_errors=True)
         super().run()
         if not self.editable_mode:  # an editable install reads git at run time
             target = Path(self.build_lib) / "agent" / "_build_info.py"

@@ -612,10 +612,12 @@ def test_install_env_keeps_the_current_environment_when_the_new_version_rejects_
     link = extracted / "opt/gpu-agent/venv"
     current = os.readlink(link)
     config = extracted / "etc/gpu-agent/agent.yaml"
-    config.write_text(config.read_text().replace("mode: observe", "mode: obsrve", 1))
+    text = config.read_text()
+    line = text[: text.index("mode: observe")].count("\n") + 1
+    config.write_text(text.replace("mode: observe", "mode: obsrve", 1))
     upgrade = install_env(extracted, "build")
     assert upgrade.returncode == 3
-    assert f"{config}:14 mode: must be" in upgrade.stderr
+    assert f"{config}:{line} mode: must be" in upgrade.stderr
     assert "the current environment stays" in upgrade.stderr
     assert os.readlink(link) == current and envs(extracted) == [Path(current).name]
     # A first install has nothing to keep: the new environment, but still exit 3 (do not start it).

@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from types import ModuleType
 
@@ -390,3 +391,18 @@ def test_check_config_and_status_give_the_notice(
         assert "warning: the running daemon is gpu-agent 0.1.0" in said.err
     finally:
         server.close()
+
+
+def test_a_module_an_earlier_build_left_in_build_lib_is_not_in_the_wheel(project: Path, tmp_path: Path) -> None:
+    """setuptools builds in the tree (build/lib): a module an earlier build of another commit copied
+    there, and since deleted, must not ship again (two builds of one commit would differ)."""
+    release = export_release(project, "7.8.9", tmp_path / "release")
+    stale = release / "build" / "lib" / "agent" / "rules" / "actions" / "deleted_since.py"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("LEFT = 'by an earlier build'\n")
+    built = pip_wheel(release, tmp_path / "wheels")
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = (tmp_path / "wheels").glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "agent/rules/actions/dispatch.py" in names
+    assert "agent/rules/actions/deleted_since.py" not in names

@@ -31,7 +31,7 @@ from agent.backend.base import CLOCK_EVENT_REASONS, VIOLATION_REASONS
 from agent.demo.standin_process import StandinServer, free_port
 from agent.events import EventKind, FaultCause, HealthState
 from agent.policy.base import PlanStatus
-from agent.rules.params import ActionKind
+from agent.rules.actions.registry import KINDS
 from agent.verdict import AttentionCause, NodeProblem
 from bench.metrics_series import SERIES_BUDGET
 
@@ -55,8 +55,7 @@ VOCABULARY: dict[str, frozenset[str]] = {
     | frozenset(k.value for k in EventKind)
     | frozenset(BOOT_CAUSES | {"none", "unknown", "unreadable", "correctable", "uncorrectable", "initramfs_nouveau"}),
     "status": frozenset(s.value for s in PlanStatus),
-    "action": frozenset(a.value for a in ActionKind)
-    | frozenset(("none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset")),
+    "action": frozenset(KINDS) | frozenset(("none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset")),
     "reason": frozenset(CLOCK_EVENT_REASONS.values()) | frozenset(VIOLATION_REASONS) | frozenset(("power", "thermal")),
 }
 
