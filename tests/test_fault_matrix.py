@@ -46,8 +46,9 @@ from agent.daemon import Daemon, LoopTiming
 from agent.daemon.sd_notify import SdNotifier
 from agent.events import Event, EventKind, HealthState, SuggestedAction
 from agent.host.paths import HostPaths
-from agent.policy.base import ApplyOutcome, HostContext, PlanStatus
+from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
+from agent.policy.plan import ApplyOutcome, PlanStatus
 from agent.rules.actions.context import ActionContext
 from agent.rules.actions.dispatch import execute
 from agent.rules.model import Decision, Outcome, Target

@@ -31,7 +31,7 @@ from agent.daemon import Daemon, LoopTiming
 from agent.daemon.sd_notify import SdNotifier
 from agent.events import EventKind
 from agent.host.paths import HostPaths
-from agent.policy.base import PlanStatus
+from agent.policy.plan import PlanStatus
 from agent.rules.config import load_rules
 from agent.rules.model import Outcome
 from agent.state import NodeSnapshot

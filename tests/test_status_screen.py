@@ -179,7 +179,7 @@ def test_exit_codes_like_plan() -> None:
 
 
 def test_fewer_gpus_than_seen_before_is_a_problem_everywhere() -> None:
-    """Node memory (agent.store.node_memory) keeps a GPU that left the bus in the daemon's snapshot, down, until
+    """Node memory (agent/node_memory/) keeps a GPU that left the bus in the daemon's snapshot, down, until
     it answers again or is acknowledged gone: the publisher expects every GPU the snapshot holds."""
     publisher = Publisher(SdNotifier(None, None))
     full = node_snapshot(health={}, policy=(), xids=())

@@ -20,7 +20,6 @@ from types import FrameType
 from typing import Any
 
 from agent.api import ApiError
-from agent.backend import load_checked_config
 from agent.backend.base import GpuEvent
 from agent.config import AgentConfig, ConfigError
 from agent.daemon.ack_api import ACK_METHODS, ack_handlers
@@ -28,6 +27,7 @@ from agent.daemon.allocator import return_large_buffers
 from agent.daemon.bounded import BoundedRunner
 from agent.daemon.collector import GpuCollector
 from agent.daemon.intake import EventIntake
+from agent.daemon.node_memory import NodeMemory
 from agent.daemon.policy_loop import PolicyLoop
 from agent.daemon.publisher import ListenerError, Publisher, systemd_status_line
 from agent.daemon.remediator import LoadedRules, Remediator, load_rules_dir
@@ -40,11 +40,13 @@ from agent.events import Event
 from agent.host.boottime import boottime_seconds
 from agent.host.paths import HostPaths
 from agent.logger import get_logger
+from agent.names.policy_items import FAN_CURVE
+from agent.node_memory.inventory import read_boot_id
 from agent.policy import known_good
 from agent.policy.base import HostContext
+from agent.policy.dropins import load_checked_config
 from agent.policy.engine import PolicyEngine
 from agent.policy.holds import PolicyHolds
-from agent.policy.names import FAN_CURVE
 from agent.policy.registry import RESTORABLE_NAMES
 from agent.rules.actions.alertmanager import AlertTracker
 from agent.rules.actions.context import ActionContext
@@ -55,7 +57,6 @@ from agent.services.watch import InferenceMonitor
 from agent.snapshot import DaemonParts, NodeWatchers, build_snapshot
 from agent.state import CollectorStatus, GpuSample, NodeSnapshot
 from agent.store.attempt_clock import AttemptClock
-from agent.store.node_memory import NodeMemory, read_boot_id
 from agent.tune.runner import PRIVILEGED_METHODS, NodeView, TuneRunner
 from agent.watch.devices import UdevWakeup
 from agent.watch.kernel_log import KernelXid

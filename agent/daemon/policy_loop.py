@@ -18,11 +18,12 @@ from agent.daemon.session import FaultSink
 from agent.daemon.timing import due, timed
 from agent.events import Event
 from agent.logger import get_logger
+from agent.names.policy_items import FAN_CURVE, GPU_RESET_ITEM
 from agent.policy import fan_curve
-from agent.policy.base import ApplyOutcome, HostContext, ItemPlan, PlanStatus
+from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
 from agent.policy.holds import PolicyHolds
-from agent.policy.names import FAN_CURVE, GPU_RESET_ITEM
+from agent.policy.plan import ApplyOutcome, ItemPlan, PlanStatus
 from agent.policy.profiles import resolve_profile
 from agent.state import CollectorStatus, GpuSample
 

@@ -15,24 +15,20 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from agent.api import ApiError
 from agent.backend.base import GpuBackend
 from agent.config import AgentConfig, Mode, ServiceConfig
 from agent.logger import get_logger
 from agent.policy.holds import PolicyHolds
-from agent.services.window import ServiceFigures
-from agent.state import NodeSnapshot, ServiceStatus, TuneResult, TuneStepFigures
+from agent.state import NodeSnapshot, ServiceFigures, ServiceStatus, TuneResult, TuneStepFigures
 from agent.store.database import Store, StoreError
 from agent.tune.defaults import POLICY_ITEMS
 from agent.tune.model import TuneDocument, TuneRequest
 from agent.tune.passive import PowerHistory, passive_report
 from agent.tune.preflight import identities, setting_range, sick_subject, swept_gpus
 from agent.tune.sweep import TuneJob, close_interrupted, hold_owner
-
-if TYPE_CHECKING:  # the daemon imports this module: only the type, never the import
-    from agent.daemon.action_worker import ActionWorker
 
 log = get_logger()
 
@@ -50,6 +46,14 @@ MAX_SWEEP_SECONDS = 2 * 3600.0
 MEASURED_STATES = ("done", "stopped")
 
 
+class TaskQueue(Protocol):
+    """Where a sweep runs: the daemon's action worker (agent/daemon/action_worker.py), behind whatever
+    touches the sweep's GPUs, and what it is busy with (None: the node is quiet)."""
+
+    def submit_task(self, task: TuneJob) -> None: ...
+    def busy(self) -> str | None: ...
+
+
 @dataclass(frozen=True)
 class NodeView:
     """What the advisor reads of the running node beyond its other parts: the last published
@@ -64,7 +68,7 @@ class TuneRunner:
         config: Callable[[], AgentConfig],
         backend: Callable[[], GpuBackend | None],
         store: Callable[[], Store | None],
-        worker: Callable[[], ActionWorker],
+        worker: Callable[[], TaskQueue],
         holds: PolicyHolds,
         services: Callable[[], list[ServiceStatus]],
         figures: Callable[[], Mapping[str, ServiceFigures]],

@@ -11,11 +11,11 @@ from helpers import FakeClock
 from test_node_memory import BOOT, UUIDS, sample, xid_watcher
 
 from agent.config import ServiceConfig
+from agent.daemon.node_memory import NodeMemory
 from agent.events import EventKind
 from agent.services.health import HealthProber
 from agent.state import GpuSample
 from agent.store.database import DB_NAME, Store
-from agent.store.node_memory import NodeMemory
 from agent.watch.throttle import ThrottleWatcher
 
 SW_THERMAL = 0x20

@@ -10,19 +10,14 @@ from helpers import FakeClock, make_event
 
 from agent.backend.base import GpuIdentity
 from agent.backend.errors import GpuErrorKind
+from agent.daemon.node_memory import PRUNE_EVERY_SECONDS, NodeMemory
 from agent.events import EventKind, HealthState
 from agent.host.paths import HostPaths
+from agent.node_memory.inventory import MISSING_READ_ERROR, UNKNOWN_BOOT, read_boot_id
 from agent.state import GpuSample, NodeSnapshot, XidCount
 from agent.store.database import DB_NAME, RETENTION_SECONDS, InventoryGpu, Store
-from agent.store.node_memory import (
-    MISSING_READ_ERROR,
-    PRUNE_EVERY_SECONDS,
-    UNKNOWN_BOOT,
-    NodeMemory,
-    expected_gpu_count,
-    read_boot_id,
-)
 from agent.store.schema import MIGRATIONS
+from agent.verdict import expected_gpu_count
 from agent.watch.gpu_lost import GpuLostWatcher
 from agent.watch.kernel_log import KernelXid
 from agent.watch.xid import XidWatcher
