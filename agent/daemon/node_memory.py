@@ -5,19 +5,21 @@ start."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from agent.backend.base import GpuIdentity
 from agent.logger import get_logger
 from agent.node_memory.inventory import with_missing
-from agent.services.health import HealthProber
 from agent.state import GpuSample, ProbeStreak, XidCount
 from agent.store.boot import InventoryGpu
 from agent.store.database import RETENTION_SECONDS, Store, StoreError
 from agent.store.db import TableCache
-from agent.watch.throttle import ClockEventTotal, ThrottleWatcher
-from agent.watch.xid import XidMark, XidWatcher
+from agent.watch.throttle import ClockEventTotal
+from agent.watch.xid import XidMark
+
+if TYPE_CHECKING:
+    from agent.daemon.live import Live
 
 log = get_logger()
 
@@ -25,42 +27,31 @@ PRUNE_EVERY_SECONDS = 3600.0
 
 
 class NodeMemory:
-    """Reads and writes the node memory for the daemon. `store` returns the open store, or None
-    while there is none (not opened yet, or unusable): then nothing is remembered and the samples
-    pass through unchanged."""
+    """Reads and writes the node memory for the daemon, through its live parts (agent/daemon/live.py):
+    the store, the boot the memory is kept under, the collector's identities, the Xid and throttle
+    watchers and the prober. Loaded once, when the store opens (`Live.when_store_opens`); until then
+    (no store yet, or none usable) nothing is remembered and the samples pass through unchanged."""
 
-    def __init__(self, store: Callable[[], Store | None], boot_id: str, clock: Callable[[], float] = time.time) -> None:
-        self._store = store
-        self.boot_id = boot_id
-        self._clock = clock
+    def __init__(self, *, live: Live) -> None:
+        self.live = live
+        self.boot_id = live.memory_boot_id
         self._loaded = False
         self._inventory: dict[str, InventoryGpu] = {}
         # Read every loop, written once in a while: read from the store again only after a write.
-        self._inventory_reads: TableCache[Store, dict[str, InventoryGpu]] = TableCache(
-            "gpu_inventory", lambda store: {gpu.uuid: gpu for gpu in store.inventory(self.boot_id)}
-        )
-        self._marks_reads: TableCache[Store, list[XidMark]] = TableCache(
-            "xid_marks", lambda store: store.xid_marks(self.boot_id)
-        )
+        self._inventory_reads = TableCache("gpu_inventory", self._read_inventory)
+        self._marks_reads = TableCache("xid_marks", self._read_marks)
         self._saved_counts: list[XidCount] = []
         self._saved_marks: list[XidMark] = []
         self._saved_clock_events: list[ClockEventTotal] = []
         self._saved_streaks: list[ProbeStreak] = []
         self._last_prune_seconds = float("-inf")
 
-    def load(
-        self,
-        identities: dict[int, GpuIdentity],
-        xid: XidWatcher,
-        throttle: ThrottleWatcher | None = None,
-        prober: HealthProber | None = None,
-    ) -> None:
-        """Once, before the first collection with a store: the remembered GPUs seed the collector's
-        identities (a GPU NVML still counts but cannot identify keeps its name), the Xid watcher
-        gets its counters and health window back, the throttle watcher its totals and active
-        slowdowns, the prober its streaks."""
-        store = self._store()
-        if store is None or self._loaded:
+    def load(self, store: Store) -> None:
+        """Once, when the store opens (before the first collection, if it opens at start): the
+        remembered GPUs seed the collector's identities (a GPU NVML still counts but cannot identify
+        keeps its name), the Xid watcher gets its counters and health window back, the throttle
+        watcher its totals and active slowdowns, the prober its streaks."""
+        if self._loaded:
             return
         try:
             store.start_boot(self.boot_id)
@@ -74,17 +65,15 @@ class NodeMemory:
             return
         self._loaded = True
         self._inventory = {gpu.uuid: gpu for gpu in inventory}
+        identities = self.live.collector.identities
         for gpu in inventory:
             if not gpu.acked and gpu.index not in identities:
                 identities[gpu.index] = GpuIdentity(gpu.index, gpu.uuid, gpu.model, gpu.pci_bus_id, "", "", -1)
-        xid.restore(counts, marks)
+        self.live.watchers.xid.restore(counts, marks)
+        self.live.watchers.throttle.restore(clock_events)
+        self.live.prober.restore(streaks)
         self._saved_counts, self._saved_marks = counts, marks
-        if throttle is not None:
-            throttle.restore(clock_events)
-            self._saved_clock_events = clock_events
-        if prober is not None:
-            prober.restore(streaks)
-            self._saved_streaks = streaks
+        self._saved_clock_events, self._saved_streaks = clock_events, streaks
         log.info(
             "node memory loaded",
             boot_id=self.boot_id,
@@ -98,7 +87,7 @@ class NodeMemory:
     def remember(self, samples: Sequence[GpuSample], now: float) -> list[GpuSample]:
         """This loop's samples, with the inventory refreshed from them: remembered missing GPUs
         added, acknowledged ones that still do not answer left out."""
-        store = self._store()
+        store = self.live.store
         if store is None or not self._loaded:
             return list(samples)
         try:
@@ -117,10 +106,10 @@ class NodeMemory:
         self._inventory = stored
         return kept
 
-    def follow_acks(self, xid: XidWatcher) -> None:
+    def follow_acks(self) -> None:
         """Xids an operator marked dealt with (`gpu-agent ack` took them out of the stored health
         window since the last save) leave the watcher's window too, before this loop's verdict."""
-        store = self._store()
+        store = self.live.store
         if store is None or not self._loaded or not self._saved_marks:
             return
         try:
@@ -130,35 +119,28 @@ class NodeMemory:
             return
         gone = {(m.gpu, m.xid) for m in self._saved_marks} - {(m.gpu, m.xid) for m in stored}
         if gone:
-            xid.forget(gone)
+            self.live.watchers.xid.forget(gone)
             log.info("Xids acknowledged as dealt with", marks=sorted(gone))
         self._saved_marks = stored
 
-    def save(
-        self,
-        xid: XidWatcher,
-        now: float,
-        throttle: ThrottleWatcher | None = None,
-        prober: HealthProber | None = None,
-    ) -> None:
+    def save(self, now: float) -> None:
         """The Xid counters and health window, the throttle totals and the probe streaks, each when it
         changed; the history pruned now and then."""
-        store = self._store()
+        store = self.live.store
         if store is None or not self._loaded:
             return
+        xid = self.live.watchers.xid
         counts = xid.counts()
         marks = xid.marks()
+        clock_events = self.live.watchers.throttle.totals()
+        streaks = self.live.prober.streaks()
         try:
-            if throttle is not None:
-                clock_events = throttle.totals()
-                if clock_events != self._saved_clock_events:
-                    store.replace_clock_event_totals(self.boot_id, clock_events)
-                    self._saved_clock_events = clock_events
-            if prober is not None:
-                streaks = prober.streaks()
-                if streaks != self._saved_streaks:
-                    store.replace_probe_streaks(self.boot_id, streaks)
-                    self._saved_streaks = streaks
+            if clock_events != self._saved_clock_events:
+                store.replace_clock_event_totals(self.boot_id, clock_events)
+                self._saved_clock_events = clock_events
+            if streaks != self._saved_streaks:
+                store.replace_probe_streaks(self.boot_id, streaks)
+                self._saved_streaks = streaks
             if counts != self._saved_counts:
                 store.save_xid_counts(self.boot_id, counts)
                 self._saved_counts = counts
@@ -170,3 +152,9 @@ class NodeMemory:
                 store.prune(now - RETENTION_SECONDS)
         except StoreError as exc:
             log.error("could not save the node memory", error=str(exc))
+
+    def _read_inventory(self, store: Store) -> dict[str, InventoryGpu]:
+        return {gpu.uuid: gpu for gpu in store.inventory(self.boot_id)}
+
+    def _read_marks(self, store: Store) -> list[XidMark]:
+        return store.xid_marks(self.boot_id)
