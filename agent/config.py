@@ -24,9 +24,9 @@ from agent import safe_yaml
 from agent.config_errors import ConfigError as ConfigError
 from agent.config_errors import ConfigProblem as ConfigProblem
 from agent.defaults import DEFAULT_METRICS_PORT, DEFAULT_RULES_DIR, DEFAULT_RULES_DIRS, DEFAULT_SOCKET_PATH
-from agent.metrics.catalog import FAMILY_NAMES
-from agent.policy.names import GPU_RESET_ITEM, ITEM_NAMES, SETTABLE_GPU_ITEM_NAMES
-from agent.policy.names import ItemName as ItemName
+from agent.names.metric_families import FAMILY_NAMES
+from agent.names.policy_items import GPU_RESET_ITEM, ITEM_NAMES, SETTABLE_GPU_ITEM_NAMES
+from agent.names.policy_items import ItemName as ItemName
 from agent.trust import TooLargeError, UntrustedError, read_trusted
 
 
@@ -35,7 +35,7 @@ class Mode(str, Enum):
     ENFORCE = "enforce"
 
 
-#: The GPU policy items' names (from the one list, agent.policy.names): what a backend that may write every GPU
+#: The GPU policy items' names (from the one list, agent.names.policy_items): what a backend that may write every GPU
 #: setting is built with.
 GPU_ITEMS = SETTABLE_GPU_ITEM_NAMES
 EnabledState = Literal["enabled", "disabled"]
@@ -115,7 +115,7 @@ def listen_address(value: str) -> tuple[int, str]:
 
 class SimulatedConfig(StrictModel):
     # A built-in node profile name, or a path to a profile file. Whether it loads is the simulator's to
-    # say: agent.backend.load_checked_config reports a bad one as this key's error.
+    # say: agent.policy.dropins.load_checked_config reports a bad one as this key's error.
     profile: str = "h200x8"
     privileged: bool = True  # False: setters fail with NO_PERMISSION, as NVML does for non-root
 

@@ -7,10 +7,10 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from agent.events import event_json as event_json  # `render.event_json`: the CLI's events --json
-from agent.policy.base import ItemPlan, ItemResult
 from agent.policy.engine import ApplyReport, NodePlan
-from agent.services.export import status_document, unattributed_document
-from agent.state import GpuSample, NodeSnapshot, ServiceStatus
+from agent.policy.plan import ItemPlan, ItemResult
+from agent.services.window import QUANTILES
+from agent.state import GpuAttribution, GpuSample, NodeSnapshot, ServiceFigures, ServiceStatus
 from agent.verdict import attention_items, drifted, node_problem, throttled_reasons
 from agent.watch.clock_events import decode
 
@@ -50,6 +50,31 @@ def plan_json(plan: NodePlan) -> dict[str, Any]:
         },
         "items": [plan_item_json(p, plan.item_modes.get(p.item, plan.mode).value) for p in plan.items],
     }
+
+
+def status_document(figures: ServiceFigures, now_seconds: float) -> dict[str, Any]:
+    """One service's figures for `status --json` (the `metrics` of each service), with how long ago
+    they were read: a long `scrape_interval_seconds`, or scrapes failing since, leave them old."""
+    latency = sorted(figures.latency.items())
+    read_ago = round(max(0.0, now_seconds - figures.timestamp_seconds), 1) if figures.timestamp_seconds else None
+    return {
+        "kind": figures.kind or None,
+        "read_seconds_ago": read_ago,
+        "window_seconds": round(figures.window_seconds, 1),
+        "latency_seconds": {kind: {f"{q:g}": found.quantiles.get(q) for q in QUANTILES} for kind, found in latency},
+        "requests_in_window": {kind: found.requests for kind, found in latency},
+        "requests_running": figures.running,
+        "requests_waiting": figures.waiting,
+        "kv_cache_usage_ratio": figures.kv_cache_usage_ratio,
+        "generation_tokens_per_second": figures.generation_tokens_per_second,
+        "tokens_per_joule": None if figures.tokens_per_joule is None else round(figures.tokens_per_joule, 4),
+        "metrics_error": figures.error or None,
+    }
+
+
+def unattributed_document(attribution: GpuAttribution | None) -> list[dict[str, Any]]:
+    """GPU processes of no configured service, for `status --json`."""
+    return [asdict(process) for process in (() if attribution is None else attribution.unattributed)]
 
 
 def snapshot_document(snapshot: NodeSnapshot, source: str, note: str = "", mode: str = "observe") -> dict[str, Any]:

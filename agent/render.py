@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from agent.policy.base import ItemResult, PlanStatus
 from agent.policy.engine import NodePlan
+from agent.policy.plan import ItemResult, PlanStatus
 from agent.policy.profiles import profile_name
 from agent.printable import printable
 from agent.store.database import StoredEvent, StoredRemediation

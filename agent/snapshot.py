@@ -19,15 +19,15 @@ from agent.config import AgentConfig
 from agent.events import Event, FaultCause, Health, HealthState
 from agent.host.boottime import boottime_seconds
 from agent.host.paths import HostPaths
-from agent.policy.base import ItemPlan
-from agent.services.attribution import GpuAttribution
-from agent.services.window import ServiceFigures
+from agent.policy.plan import ItemPlan
 from agent.state import (
     CollectorStatus,
+    GpuAttribution,
     GpuSample,
     NodeSnapshot,
     RecentRemediation,
     RemediationCount,
+    ServiceFigures,
     ServiceStatus,
     SloBreachNow,
     TuneResult,

@@ -1,19 +1,18 @@
-"""Frozen snapshots of what the agent read: the one thing metrics, status and rules look at."""
+"""Frozen snapshots of what the agent read: the one thing metrics, status and rules look at.
+
+A data module: its types are made elsewhere (the collector, the watchers, the service prober and
+scraper, the advisor) and read everywhere, so it imports only other data (events, the plan types,
+the reading table) and no part that makes them.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from agent.events import Event, Health
-from agent.policy.base import ItemPlan
+from agent.policy.plan import ItemPlan
 from agent.readings.table import GpuSample as GpuSample  # the reading table: one GPU at one instant
-
-if TYPE_CHECKING:
-    # Annotations only: the snapshot types stay importable without psutil, the config models or the
-    # Prometheus parser (bench/h200_telemetry_compare.py runs where only nvidia-ml-py is installed).
-    from agent.services.attribution import GpuAttribution
-    from agent.services.window import ServiceFigures
 
 
 @dataclass(frozen=True)
@@ -43,6 +42,16 @@ class ServiceStatus:
     consecutive_failures: int = 0
     last_latency_seconds: float | None = None
     detail: str = ""
+
+
+@dataclass(frozen=True)
+class ProbeStreak:
+    """A service's declared state and its current run of failed probes (agent.services.health), kept
+    in the node memory across restarts."""
+
+    service: str
+    up: bool | None  # None before the first verdict
+    consecutive_failures: int
 
 
 @dataclass(frozen=True)
@@ -97,6 +106,107 @@ class TuneResult:
     finished_seconds: float
     steps: tuple[TuneStepFigures, ...]
     recommended: float | None  # the setting it recommends; None: none
+
+
+# -- the inference servers' figures (agent/services/) -------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuProcessInfo:
+    """A GPU process that belongs to no configured service (agent.services.attribution)."""
+
+    pid: int
+    gpu: int
+    uuid: str
+    used_memory_bytes: int | None
+    unit: str | None  # the systemd unit it runs in, when it runs in one
+    command: str  # /proc/PID/comm, "" when unreadable
+
+
+@dataclass(frozen=True)
+class GpuAttribution:
+    """Which service holds which GPU, and the GPU processes of none (agent.services.attribution)."""
+
+    memory_bytes: dict[str, dict[int, int]] = field(default_factory=dict)  # service -> GPU index -> bytes
+    pids: dict[str, tuple[int, ...]] = field(default_factory=dict)  # service -> its GPU processes
+    unattributed: tuple[GpuProcessInfo, ...] = ()
+
+
+@dataclass(frozen=True)
+class LatencyFigures:
+    """One latency histogram over the window."""
+
+    requests: float  # observations in the window
+    mean_seconds: float | None
+    quantiles: dict[float, float | None]  # 0.5 / 0.95 / 0.99 -> seconds
+
+
+#: Queue time "rises" when the newer half of the window waits this many times longer on average.
+QUEUE_TIME_RISE_RATIO = 1.5
+
+
+@dataclass(frozen=True)
+class QueueTimeTrend:
+    """The server's mean queue time in the older and the newer half of the window."""
+
+    earlier_mean_seconds: float | None
+    later_mean_seconds: float | None
+
+    @property
+    def rose(self) -> bool:
+        earlier, later = self.earlier_mean_seconds, self.later_mean_seconds
+        return (
+            earlier is not None and later is not None and later > earlier and later >= earlier * QUEUE_TIME_RISE_RATIO
+        )
+
+
+@dataclass(frozen=True)
+class ServiceFigures:
+    """What a service's server says about itself over the window (agent.services.window): the figures
+    status and metrics show."""
+
+    service: str
+    kind: str
+    timestamp_seconds: float
+    window_seconds: float  # the span the deltas cover (shorter than asked right after start)
+    latency: dict[str, LatencyFigures] = field(default_factory=dict)  # LATENCY_KINDS
+    running: float | None = None
+    waiting: float | None = None
+    kv_cache_usage_ratio: float | None = None
+    generation_tokens_per_second: float | None = None
+    waiting_history: tuple[tuple[float, float], ...] = ()  # (timestamp, waiting) inside the window
+    kv_cache_usage_history: tuple[tuple[float, float], ...] = ()  # (timestamp, usage) inside the window
+    queue_time_trend: QueueTimeTrend | None = None
+    # (scrape time, generated tokens since the window's first scrape): every series' increase added
+    # up, resets included; what tokens per joule is drawn from (agent.services.efficiency)
+    generated_tokens_history: tuple[tuple[float, float], ...] = ()
+    tokens_per_joule: float | None = None  # filled in by whoever knows the GPUs' energy
+    resets: int = 0  # counter resets (server restarts) seen so far, on the series that saw most
+    counters: ServiceCounters | None = None  # the same pages as counters, for /metrics (agent.services.counters)
+    error: str = ""  # the last scrape's error; figures are from earlier scrapes
+
+    def quantile(self, kind: str, q: float) -> float | None:
+        figures = self.latency.get(kind)
+        return None if figures is None else figures.quantiles.get(q)
+
+
+@dataclass(frozen=True)
+class CounterHistogram:
+    """One latency kind as a cumulative histogram: `bucket_counts[i]` requests at or below `bounds[i]`."""
+
+    bounds: tuple[float, ...]  # ends with +Inf
+    bucket_counts: tuple[float, ...]
+    count: float
+    sum: float
+
+
+@dataclass(frozen=True)
+class ServiceCounters:
+    """What `/metrics` exports of one service as counters."""
+
+    histograms: Mapping[str, CounterHistogram] = field(default_factory=dict)  # LATENCY_KINDS
+    generated_tokens: float | None = None
+    gpu_energy_joules: float | None = None  # set by whoever reads the GPUs (agent.services.watch)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from agent.services.text import service_figures_line, unattributed_lines
 if TYPE_CHECKING:
     from typing import IO, Any, Final
 
-    from agent.policy.names import NodeItemName
+    from agent.names.policy_items import NodeItemName
 
 #: The report-only items the screen gives lines of their own, named here rather than imported: the
 #: names module loads `typing` (mypy holds each to the item names all the same).

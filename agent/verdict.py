@@ -29,10 +29,10 @@ from agent.defaults import REBOOT_FLAG_NAME
 from agent.events import EventKind, HealthState
 from agent.host import file_reads, safe_json
 from agent.host.paths import HostPaths
-from agent.policy.base import CUDA_TOO_OLD_FACT, HELD_BY_ENDED_JOB_FACT, ItemPlan, PlanStatus
 
 # The report-only items with verdict lines of their own (whatever their mode), never "policy drift".
-from agent.policy.names import DRIVER, NEXT_BOOT
+from agent.names.policy_items import DRIVER, NEXT_BOOT
+from agent.policy.plan import CUDA_TOO_OLD_FACT, HELD_BY_ENDED_JOB_FACT, ItemPlan, PlanStatus
 from agent.state import NodeSnapshot
 from agent.watch.clock_events import SLOWDOWN_REASONS
 from agent.watch.throttle import EXPECTED_REASONS
@@ -55,6 +55,12 @@ class NodeProblem(str, Enum):
 class Problem:
     cause: NodeProblem
     detail: str
+
+
+def expected_gpu_count(snapshot: NodeSnapshot) -> int:
+    """GPUs this node should have: every GPU in the snapshot, a remembered missing one included
+    (the daemon's node memory keeps those in its samples; an acknowledged one is left out of them)."""
+    return len({sample.uuid or f"index:{sample.index}" for sample in snapshot.gpus})
 
 
 def node_problem(snapshot: NodeSnapshot) -> Problem | None:

@@ -8,7 +8,7 @@ are in the scrape:
 
 1. default: one scrape as Prometheus makes it (`Accept-Encoding: gzip`) and one plain: series,
    bytes on the wire and uncompressed;
-2. per family (agent/metrics/catalog.py): the config switches that one family from its default
+2. per family (agent/names/metric_families.py): the config switches that one family from its default
    (`metrics.families`, applied by SIGHUP), and the scrape's series change is what the family adds
    when on (or takes away when off): the table docs/metrics.md shows;
 3. everything on: the same figures as 1.
@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from agent.demo.standin_process import StandinServer
-from agent.metrics.catalog import FAMILIES
+from agent.names.metric_families import FAMILIES
 from bench.common import (
     Node,
     Report,

@@ -406,8 +406,8 @@ def run_soak(
         daemon.remediator.episodes.keyed = record  # type: ignore[method-assign]
         daemon.remediator.rules = load_rules([node.rules_dir])
         store = Store.open(config.state_dir, now_seconds=clock.now)
-        daemon.remediator.store = store
-        daemon.kmsg.start()
+        daemon.live.store_opened(store)
+        daemon.live.kmsg.start()
         daemon.remediator.worker.recover(store)  # what the previous daemon left running
         daemon.remediator.worker.start()
         daemon.remediator.alert_delivery.start()
@@ -416,11 +416,11 @@ def run_soak(
     def stop_daemon(daemon: Daemon) -> None:
         daemon.remediator.worker.stop(timeout_seconds=60)
         daemon.remediator.alert_delivery.stop()
-        daemon.kmsg.stop()
+        daemon.live.kmsg.stop()
         daemon.shutdown()
-        if daemon.remediator.store is not None:
-            daemon.remediator.store.close()
-            daemon.remediator.store = None
+        if daemon.live.store is not None:
+            daemon.live.store.close()
+            daemon.live.store = None
 
     tracemalloc.start()
     started = time.monotonic()
@@ -466,7 +466,7 @@ def run_soak(
                 _write_clock(node.clock_file, clock.now)
                 daemon.loop_once()
             daemon.remediator.worker.stop(timeout_seconds=60)
-            store = daemon.remediator.store
+            store = daemon.live.store
             assert store is not None
             stored = {stored.event.key for stored in store.events(limit=1_000_000)}
             result.events_produced = len(produced)

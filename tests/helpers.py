@@ -1,5 +1,6 @@
 """What many tests need, written once: a bounded wait, a clock the test moves, an event builder,
-the context actions run in, the live processes, a local HTTP server, a task that waits to be aborted."""
+the context actions run in, the daemon's live parts for a part tested alone, the live processes, a
+local HTTP server, a task that waits to be aborted."""
 
 from __future__ import annotations
 
@@ -16,12 +17,17 @@ from systemd_sandbox import live_processes as live_processes  # its home: the sa
 
 from agent.backend.base import GpuBackend
 from agent.config import AgentConfig
+from agent.daemon.live import Live
+from agent.daemon.sd_notify import SdNotifier
+from agent.daemon.timing import LoopTiming
 from agent.events import Event, EventKind, Severity, SuggestedAction
 from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
 from agent.rules.actions.context import ActionContext
 from agent.services.health import HealthProber
 from agent.services.managers import ServiceManager
+from agent.store.attempt_clock import AttemptClock
+from agent.store.database import Store
 
 T = TypeVar("T")
 
@@ -132,6 +138,33 @@ def action_context(
 
 #: What a test server answers a GET with: (status, headers, body).
 HttpAnswer = tuple[int, Mapping[str, str], bytes]
+
+
+def live_parts(
+    config: AgentConfig,
+    clock: FakeClock,
+    *,
+    boot: str = "boot",
+    store: Store | None = None,
+    context: Callable[[], object] | None = None,
+) -> Live:
+    """The daemon's live parts (agent/daemon/live.py), made as the daemon makes them, for one part
+    tested alone: on the test's clock, its attempts kept under `boot`, `store` open (the remediator
+    would have opened it), and every action given `context` (None: as with no GPU backend open)."""
+    live = Live(
+        config,
+        config_path=None,
+        config_identity=None,
+        timing=LoopTiming(),
+        clock=clock,
+        boottime=clock.monotonic,
+        notifier=SdNotifier(None, None),
+    )
+    live.attempt_clock = AttemptClock(boot, clock.monotonic)
+    live.store = store
+    if context is not None:
+        live.action_context = context  # type: ignore[method-assign]
+    return live
 
 
 @contextlib.contextmanager

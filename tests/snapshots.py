@@ -25,15 +25,18 @@ from typing import Any
 from agent.backend.base import GpuBackend, GpuProcess, NvLinkErrors
 from agent.collect import sample_all
 from agent.events import EventKind, FaultCause, Health, HealthState, Severity, SuggestedAction
-from agent.policy.base import ItemPlan, PlanStatus
-from agent.services.attribution import GpuAttribution, GpuProcessInfo
-from agent.services.counters import CounterHistogram, ServiceCounters
-from agent.services.window import LatencyFigures, ServiceFigures
+from agent.policy.plan import ItemPlan, PlanStatus
 from agent.state import (
     CollectorStatus,
+    CounterHistogram,
+    GpuAttribution,
+    GpuProcessInfo,
     GpuSample,
+    LatencyFigures,
     NodeSnapshot,
     RemediationCount,
+    ServiceCounters,
+    ServiceFigures,
     ServiceStatus,
     XidCount,
 )

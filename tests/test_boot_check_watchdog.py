@@ -119,7 +119,7 @@ def test_a_hung_boot_check_leaves_fans_drift_and_watchdog_untouched(
         assert plans["next_boot"].detail.startswith("the next-boot check is still running")
     finally:
         release.set()
-        daemon.stop_requested.set()
+        daemon.live.stop_requested.set()
         thread.join(15)
         receiver.close()
     assert not thread.is_alive()

@@ -25,9 +25,9 @@ from test_cli import gpu_agent, write_config
 
 from agent.api_server import ApiServer
 from agent.host.paths import HostPaths
+from agent.node_memory.inventory import read_boot_id
 from agent.rules.model import Target
 from agent.store.database import Store
-from agent.store.node_memory import read_boot_id
 from agent.watch.xid import XidMark
 
 # -- a stdout that cannot be written --------------------------------------------------------------

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.backend import load_checked_config
 from agent.config import AgentConfig, ConfigError, Mode, config_from_text, load_config
+from agent.policy.dropins import load_checked_config
 
 DESIGN_EXAMPLE = """\
 mode: observe

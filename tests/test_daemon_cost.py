@@ -28,7 +28,7 @@ def test_the_driver_version_is_read_once_per_backend_session(tmp_path: Path) -> 
     daemon = Daemon(load_config(config_path), config_path, notifier=SdNotifier(None, None))
     try:
         assert daemon.loop_once().driver_version == "580.159.04"
-        backend = daemon.session.backend
+        backend = daemon.live.session.backend
         assert backend is not None
         asked: list[str] = []
         read = backend.driver_version
@@ -42,9 +42,9 @@ def test_the_driver_version_is_read_once_per_backend_session(tmp_path: Path) -> 
             assert daemon.loop_once().driver_version == "580.159.04"
         assert asked == []
         # a new session (after a driver reload or upgrade) reads it again
-        daemon.session.close()
+        daemon.live.session.close()
         assert daemon.loop_once().driver_version == "580.159.04"
-        assert daemon.session.backend is not backend
+        assert daemon.live.session.backend is not backend
     finally:
         daemon.shutdown()
 

@@ -36,11 +36,12 @@ from agent.backend.base import RecoveryAction
 from agent.backend.errors import GpuErrorKind
 from agent.backend.sim import SimulatedBackend
 from agent.events import FaultCause, Health, HealthState
-from agent.metrics.catalog import FamilySwitches
 from agent.metrics.collector import SnapshotCollector
 from agent.metrics.server import serve_metrics
+from agent.names.metric_families import FamilySwitches
 from agent.policy import power_limit
-from agent.policy.base import GpuContext, ItemPlan, PlanStatus
+from agent.policy.base import GpuContext
+from agent.policy.plan import ItemPlan, PlanStatus
 from agent.state import CollectorStatus, GpuSample, NodeSnapshot, RemediationCount, ServiceStatus, XidCount
 from agent.watch.clock_events import SLOWDOWN_REASONS, decode
 from agent.watch.xid_catalog import all_codes, lookup

@@ -15,9 +15,9 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from snapshots import node_snapshot, telemetry_gpus
 
-from agent.metrics.catalog import FamilySwitches
 from agent.metrics.collector import SnapshotCollector
 from agent.metrics.dcgm import compat_rules
+from agent.names.metric_families import FamilySwitches
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "packaging/prometheus/gpu-agent-dcgm-compat.yaml"

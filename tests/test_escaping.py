@@ -23,8 +23,8 @@ from agent.documents import snapshot_document
 from agent.events import EventKind
 from agent.host.paths import HostPaths
 from agent.metrics.families import Families
-from agent.policy.base import ItemPlan, PlanStatus
 from agent.policy.engine import NodePlan
+from agent.policy.plan import ItemPlan, PlanStatus
 from agent.printable import printable
 from agent.render import history_text, plan_text
 from agent.services.attribution import command_of_pid

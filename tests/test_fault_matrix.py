@@ -46,8 +46,9 @@ from agent.daemon import Daemon, LoopTiming
 from agent.daemon.sd_notify import SdNotifier
 from agent.events import Event, EventKind, HealthState, SuggestedAction
 from agent.host.paths import HostPaths
-from agent.policy.base import ApplyOutcome, HostContext, PlanStatus
+from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
+from agent.policy.plan import ApplyOutcome, PlanStatus
 from agent.rules.actions.context import ActionContext
 from agent.rules.actions.dispatch import execute
 from agent.rules.model import Decision, Outcome, Target
@@ -430,7 +431,7 @@ def loop(daemon: Daemon, clock: FakeClock, calls: Calls) -> NodeSnapshot:
     snapshot = daemon.loop_once()
     # A step still running (hung) has written part of what it will report: judge it once it is taken.
     if daemon.policy.pending is None:
-        assert_no_half_read_write(snapshot, calls.writes(daemon.session.backend))
+        assert_no_half_read_write(snapshot, calls.writes(daemon.live.session.backend))
     return snapshot
 
 
@@ -481,9 +482,9 @@ def one_xid_from_both_reporters(node: Node, daemon: Daemon, clock: FakeClock, ca
     reader): one count, and one event naming the process only the kernel line names."""
     paths = HostPaths.at(node.tmp / "host")
     append_kmsg(paths, "kernel: the log every host has")
-    daemon.kmsg.start()
+    daemon.live.kmsg.start()
     try:
-        wait_until(lambda: daemon.kmsg.status()[0], RECOVERY_DEADLINE_SECONDS, "the kernel log followed")
+        wait_until(lambda: daemon.live.kmsg.status()[0], RECOVERY_DEADLINE_SECONDS, "the kernel log followed")
         node.operator.inject_xid(1, 13)
         append_kmsg(paths, xid_line(node.operator.identity(1).pci_bus_id, 13, pid=4242, process="python3"))
 
@@ -493,7 +494,7 @@ def one_xid_from_both_reporters(node: Node, daemon: Daemon, clock: FakeClock, ca
 
         wait_until(both_reporters, RECOVERY_DEADLINE_SECONDS, "an Xid through both reporters", poll_seconds=0.02)
     finally:
-        daemon.kmsg.stop()
+        daemon.live.kmsg.stop()
     snapshot = loop(daemon, clock, calls)
     (event,) = [e for e in snapshot.recent_events if e.kind is EventKind.XID]
     assert (event.data["xid"], event.data["pid"], event.data["process"]) == (13, 4242, "python3")
@@ -504,14 +505,14 @@ def test_driver_reload_reinitialises_nvml(node: Node, calls: Calls) -> None:
     """The whole driver goes away (every call, nvmlInit too), then comes back as a new version."""
     with node.running() as (daemon, clock):
         first = run_until_recovered(daemon, clock, calls)
-        old_backend = daemon.session.backend
+        old_backend = daemon.live.session.backend
         for method in PROTOCOL_METHODS - LIBRARY_CALLS - set(WRAPPED_CALLS):
             node.operator.fail_call(0, method, GpuErrorKind.DRIVER_NOT_LOADED)
             node.operator.fail_call(1, method, GpuErrorKind.DRIVER_NOT_LOADED)
         for method in ("init", "device_count", "driver_version", "wait_events"):
             node.operator.fail_call(None, method, GpuErrorKind.DRIVER_NOT_LOADED)
         gone = [loop(daemon, clock, calls) for _ in range(3)]
-        assert daemon.session.backend is None
+        assert daemon.live.session.backend is None
         for snapshot in gone[1:]:
             assert [(g.index, g.up, g.read_errors) for g in snapshot.gpus] == [
                 (0, False, {"backend": "driver_not_loaded"}),
@@ -526,7 +527,7 @@ def test_driver_reload_reinitialises_nvml(node: Node, calls: Calls) -> None:
             node.operator.fail_call(0, method, None)
             node.operator.fail_call(1, method, None)
         back = run_until_recovered(daemon, clock, calls)
-        assert daemon.session.backend is not None and daemon.session.backend is not old_backend
+        assert daemon.live.session.backend is not None and daemon.live.session.backend is not old_backend
         assert [g.uuid for g in back.gpus] == [g.uuid for g in first.gpus]
 
 
@@ -541,7 +542,7 @@ def test_version_mismatch_after_an_upgrade_keeps_the_agent_up_until_the_reload(n
             snapshot = loop(daemon, clock, calls)
             assert len(snapshot.gpus) == 2
         assert any(c.name == "backend" and not c.success for c in snapshot.collectors)
-        assert daemon.session.error is not None and daemon.session.error.kind is GpuErrorKind.VERSION_MISMATCH
+        assert daemon.live.session.error is not None and daemon.live.session.error.kind is GpuErrorKind.VERSION_MISMATCH
         for method in ("init", "device_count", "temperature_celsius"):
             node.operator.fail_call(None, method, None)
         run_until_recovered(daemon, clock, calls)

@@ -391,7 +391,7 @@ def daemon_handlers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     daemon = Daemon(load_config(config_path), config_path, notifier=SdNotifier(None, None))
     daemon.loop_once()
     daemon.shutdown()
-    handlers = daemon.publisher.api_handlers()
+    handlers = daemon.live.publisher.api_handlers()
 
     def broken(_params: Any) -> Any:
         raise KeyError("a handler with a bug")

@@ -31,7 +31,7 @@ from agent.daemon import Daemon, LoopTiming
 from agent.daemon.sd_notify import SdNotifier
 from agent.events import EventKind
 from agent.host.paths import HostPaths
-from agent.policy.base import PlanStatus
+from agent.policy.plan import PlanStatus
 from agent.rules.config import load_rules
 from agent.rules.model import Outcome
 from agent.state import NodeSnapshot
@@ -65,12 +65,12 @@ class Node:
         return self.daemon.loop_once()
 
     def events(self) -> list[Any]:
-        assert self.daemon.remediator.store is not None
-        return [e.event for e in self.daemon.remediator.store.events()]
+        assert self.daemon.live.store is not None
+        return [e.event for e in self.daemon.live.store.events()]
 
     def outcomes(self, rule: str) -> list[Outcome]:
-        assert self.daemon.remediator.store is not None
-        return [r.outcome for r in reversed(self.daemon.remediator.store.remediations()) if r.rule == rule]
+        assert self.daemon.live.store is not None
+        return [r.outcome for r in reversed(self.daemon.live.store.remediations()) if r.rule == rule]
 
 
 @contextlib.contextmanager
@@ -137,15 +137,15 @@ def node_at(
     )
     daemon.remediator.rules = load_rules([rules_dir])
     if open_store:
-        daemon.remediator.store = Store.open(state_dir)
+        daemon.live.store_opened(Store.open(state_dir))
     gpus = SimulatedBackend("h200x2", gpu_dir, writable_items=config.writable_items())
     gpus.init()
     try:
         yield Node(daemon, clock, gpus, host, state_dir)
     finally:
         daemon.shutdown()
-        if daemon.remediator.store is not None:
-            daemon.remediator.store.close()
+        if daemon.live.store is not None:
+            daemon.live.store.close()
 
 
 def wait_for(node: Node, predicate: Any, what: str, timeout_seconds: float = 5.0) -> NodeSnapshot:
@@ -224,15 +224,13 @@ def test_read_only_state_dir_at_start(tmp_path: Path, monkeypatch: pytest.Monkey
             # the database is open cannot be staged: a remount fails while files are open for writing; a
             # write failing mid-run is the full-disk test above.)
             daemon.start_services()
-            assert daemon.remediator.store is None
+            assert daemon.live.store is None
             node.gpus.inject_xid(1, 13)
             snapshot = wait_for(node, lambda s: any(e.data.get("xid") == 13 for e in s.recent_events), "Xid 13")
             assert not next(c for c in snapshot.collectors if c.name == "remediation").success
             subprocess.run(["mount", "-o", "remount,rw", str(state)], check=True)
             time.sleep(0.06)
-            wait_for(
-                node, lambda s: daemon.remediator.store is not None and len(xid_keys(node)) == 1, "store opened later"
-            )
+            wait_for(node, lambda s: daemon.live.store is not None and len(xid_keys(node)) == 1, "store opened later")
             assert node.outcomes("xid-note") == [Outcome.DRY_RUN]  # the event from the read-only time, kept
 
 
@@ -349,8 +347,8 @@ def test_wall_clock_jumps_break_neither_the_loop_nor_cooldowns_nor_throttle_time
         # A step back by more than the cooldown does not skip it: only time really elapsed counts.
         wait_for(node, lambda s: len(node.outcomes("xid-note")) == 2, "a decision after the step")
         assert sorted(node.outcomes("xid-note")) == [Outcome.DRY_RUN, Outcome.SUPPRESSED]
-        assert node.daemon.remediator.store is not None
-        suppressed = [r for r in node.daemon.remediator.store.remediations() if r.outcome is Outcome.SUPPRESSED]
+        assert node.daemon.live.store is not None
+        suppressed = [r for r in node.daemon.live.store.remediations() if r.outcome is Outcome.SUPPRESSED]
         assert suppressed[0].reason.startswith("cooldown: ")
 
         node.clock.advance(300)  # the cooldown really elapses
@@ -411,7 +409,7 @@ def test_a_flapping_service_is_neither_a_storm_nor_a_lost_event(
     cycles = 12
     try:
         with node_at(tmp_path, monkeypatch, rules=FLAP_RULE, services=[service]) as node:
-            prober = node.daemon.prober
+            prober = node.daemon.live.prober
             for _ in range(cycles):
                 for up in (False, False, False, True):  # down long enough to count, then up for a probe
                     health.up = up

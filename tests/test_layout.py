@@ -4,6 +4,10 @@ Every import counts: at module level, inside a function and under `if TYPE_CHECK
 cycle or a reach across layers closed by an in-function import is still one. `from P import N`
 depends on the package P itself (its `__init__` runs and N may be one of its re-exports) and, where
 N is a submodule, on P.N too.
+
+Two graphs are held acyclic: the modules', and the packages' (each module folded into the package
+it is in under agent/, a top-level module standing for itself), so the packages stack in layers
+and a new contributor can read them bottom up.
 """
 
 from __future__ import annotations
@@ -32,6 +36,18 @@ STARTS_PROCESSES_APART = ("agent.demo", "agent.version")
 #: each, which the source does not spell, so the graph adds it (a kind importing the registry that
 #: finds it is a cycle like any other).
 DISCOVERS = {"agent.rules.actions.registry": "agent.rules.actions.kinds"}
+#: The data every layer reads (the snapshot, its samples, plans and events, the names agent.yaml
+#: uses): made elsewhere, read everywhere, so they import only each other (and the `agent`
+#: package's flag), never a part that reads a device, a file, a socket or the config.
+DATA_MODULES = (
+    "agent.names",
+    "agent.events",
+    "agent.state",
+    "agent.policy.plan",
+    "agent.readings",
+    "agent.backend.base",
+    "agent.backend.errors",
+)
 #: Modules that start programs, and the os functions that do.
 PROCESS_MODULES = ("subprocess", "multiprocessing", "pty")
 OS_PROCESS_CALL = re.compile(r"(system|popen|exec\w*|spawn\w*|posix_spawn\w*|fork\w*)")
@@ -144,6 +160,32 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def package_of(name: str) -> str:
+    """The package under agent/ a module is folded into (agent.watch.xid -> agent.watch); a top-level
+    module (agent.state) and the agent package itself stand for themselves."""
+    return ".".join(name.split(".")[:2])
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Package -> the packages its modules import (an import inside one package is no edge)."""
+    packages: dict[str, set[str]] = {package_of(name): set() for name in graph}
+    for name, targets in graph.items():
+        packages[package_of(name)] |= {package_of(t) for t in targets} - {package_of(name)}
+    return packages
+
+
+def data_module_imports(graph: dict[str, set[str]], data: tuple[str, ...]) -> list[str]:
+    """'A -> B' for every data module A that imports a module B that is not data (the agent
+    package itself aside: its flag and version)."""
+    return [
+        f"{name} -> {target}"
+        for name in sorted(graph)
+        if any(in_package(name, d) for d in data)
+        for target in sorted(graph[name])
+        if target != "agent" and not any(in_package(target, d) for d in data)
+    ]
+
+
 def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
     seen: set[str] = set()
     todo = [start]
@@ -197,6 +239,14 @@ def process_starters(root: Path) -> list[str]:
 
 def test_the_agent_has_no_import_cycle() -> None:
     assert cycles(agent_graph()) == []
+
+
+def test_the_packages_import_each_other_in_no_circle() -> None:
+    assert cycles(package_graph(agent_graph())) == []
+
+
+def test_data_modules_import_only_each_other() -> None:
+    assert data_module_imports(agent_graph(), DATA_MODULES) == []
 
 
 def test_the_top_level_of_agent_stays_small() -> None:
@@ -407,6 +457,46 @@ def test_a_package_that_reexports_a_submodule_importing_it_is_a_cycle(tmp_path: 
     graph = import_graph(root)
     assert graph["agent.p.hooks"] == {"agent.p", "agent.p.base"}
     assert cycles(graph) == [["agent.p", "agent.p.dispatch", "agent.p.hooks"]]
+
+
+def test_two_packages_that_import_each_other_are_a_cycle_without_a_module_cycle(tmp_path: Path) -> None:
+    # backend.sim.faults took a constant from watch.kernel_log while the watchers read backend.base:
+    # no module imports itself again, yet neither package can be read before the other.
+    root = write_tree(
+        tmp_path,
+        {
+            "agent/__init__.py": "",
+            "agent/backend/__init__.py": "",
+            "agent/backend/base.py": "",
+            "agent/backend/sim/__init__.py": "",
+            "agent/backend/sim/faults.py": "from agent.watch.kernel_log import MAX_XID\n",
+            "agent/watch/__init__.py": "",
+            "agent/watch/kernel_log.py": "",
+            "agent/watch/xid.py": "from agent.backend.base import GpuEvent\nimport agent.state\n",
+            "agent/state.py": "",
+        },
+    )
+    graph = import_graph(root)
+    assert cycles(graph) == []
+    packages = package_graph(graph)
+    assert packages["agent.watch"] == {"agent.backend", "agent.state"}
+    assert packages["agent.state"] == set()
+    assert cycles(packages) == [["agent.backend", "agent.watch"]]
+
+
+def test_a_data_module_that_imports_a_part_is_found(tmp_path: Path) -> None:
+    root = write_tree(
+        tmp_path,
+        {
+            "agent/__init__.py": "",
+            "agent/events.py": "from agent import TYPE_CHECKING\n",
+            "agent/state.py": "from agent.events import Event\nfrom agent.policy.base import HostContext\n",
+            "agent/policy/__init__.py": "",
+            "agent/policy/base.py": "",
+        },
+    )
+    found = data_module_imports(import_graph(root), ("agent.events", "agent.state"))
+    assert found == ["agent.state -> agent.policy.base"]
 
 
 def test_a_reach_across_counts_imports_through_other_modules(tmp_path: Path) -> None:

@@ -1072,7 +1072,7 @@ def test_config_man_page_describes_every_key() -> None:
     """gpu-agent-config(5) names every key of agent.yaml, as the models in agent/config.py have
     them: a new key without its entry fails here."""
     from agent.config import AgentConfig
-    from agent.policy.names import ITEM_NAMES
+    from agent.names.policy_items import ITEM_NAMES
 
     page = man_text("gpu-agent-config.5")
     keys = model_keys(AgentConfig)

@@ -14,9 +14,9 @@ from daemon_harness import write_agent_config
 from test_safe_yaml import NESTED, alias_bomb, assert_cli_fails_with_one_line
 
 from agent import api_server
-from agent.backend import load_checked_config
 from agent.backend.sim.profiles import MAX_PROFILE_BYTES, MAX_PROFILE_DEPTH, ProfileError, load_profile
 from agent.config import ConfigError
+from agent.policy.dropins import load_checked_config
 
 
 @pytest.mark.parametrize("bomb", ["alias", "nested"])

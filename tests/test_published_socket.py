@@ -50,13 +50,13 @@ def test_status_reaches_the_daemon_that_runs_an_edited_config_and_says_so(tmp_pa
     runtime_dir = runtime_dir_of(tmp_path)
     with serving_daemon(tmp_path, mode="observe") as (daemon, config_path, _):
         record = json.loads(record_of(config_path, runtime_dir).read_text())
-        assert record["socket"] == daemon.config.api.socket
-        assert record["state_dir"] == daemon.config.state_dir
+        assert record["socket"] == daemon.live.config.api.socket
+        assert record["state_dir"] == daemon.live.config.state_dir
         shown = json.loads(status(config_path, runtime_dir, "--json").stdout)
         assert (shown["source"], shown["note"]) == ("daemon", "")
         # The socket moved in the file, not yet reloaded: the published one is the daemon's.
         moved = tmp_path / "moved.sock"
-        edit(config_path, f"socket: {daemon.config.api.socket}", f"socket: {moved}")
+        edit(config_path, f"socket: {daemon.live.config.api.socket}", f"socket: {moved}")
         shown = json.loads(status(config_path, runtime_dir, "--json").stdout)
         assert shown["source"] == "daemon"
         assert f"{config_path} {CHANGED}" in shown["note"]
@@ -65,11 +65,11 @@ def test_status_reaches_the_daemon_that_runs_an_edited_config_and_says_so(tmp_pa
         # A reload that is refused (not YAML) leaves the record as it was: still the old file's.
         text = config_path.read_text()
         config_path.write_text("mode: [observe\n")
-        assert daemon.reload() is False
+        assert daemon.reloader.reload() is False
         assert CHANGED in json.loads(status(config_path, runtime_dir, "--json").stdout)["note"]
         # Applied: the new socket is published with the file read, and nothing is said.
         config_path.write_text(text)
-        assert daemon.reload() is True
+        assert daemon.reloader.reload() is True
         assert json.loads(record_of(config_path, runtime_dir).read_text())["socket"] == str(moved)
         shown = json.loads(status(config_path, runtime_dir, "--json").stdout)
         assert (shown["source"], shown["note"]) == ("daemon", "")
@@ -204,5 +204,5 @@ def test_status_with_no_record_asks_the_configs_socket(tmp_path: Path) -> None:
         shown = json.loads(status(config_path, runtime_dir, "--json").stdout)
         assert (shown["source"], shown["note"]) == ("daemon", "")
         # and the config's socket moved, not reloaded: the config names no daemon, the node is read
-        edit(config_path, f"socket: {daemon.config.api.socket}", f"socket: {tmp_path / 'moved.sock'}")
+        edit(config_path, f"socket: {daemon.live.config.api.socket}", f"socket: {tmp_path / 'moved.sock'}")
         assert json.loads(status(config_path, runtime_dir, "--json").stdout)["source"] == "direct"

@@ -75,12 +75,12 @@ def test_a_listener_that_cannot_be_bound_keeps_everything_as_it_was(tmp_path: Pa
         busy = taken.getsockname()[1]
         edit(config_path, f"127.0.0.1:{port}", f"127.0.0.1:{busy}")
         edit(config_path, "mode: enforce", "mode: observe")
-        assert daemon.reload() is False
+        assert daemon.reloader.reload() is False
         # refused whole: the old port serves, the mode change in the same edit is not taken either
         assert metrics_answer(port)
-        assert daemon.config.metrics.listen == f"127.0.0.1:{port}"
-        assert daemon.config.mode.value == "enforce"
-        snapshot = daemon.publisher.get()
+        assert daemon.live.config.metrics.listen == f"127.0.0.1:{port}"
+        assert daemon.live.config.mode.value == "enforce"
+        snapshot = daemon.live.publisher.get()
         assert snapshot is not None
         assert f"cannot bind metrics.listen 127.0.0.1:{busy}" in snapshot.reload_error
         assert "still serving on the previous address" in snapshot.reload_error
@@ -93,36 +93,35 @@ def test_a_listener_that_cannot_be_bound_keeps_everything_as_it_was(tmp_path: Pa
         assert "config reload failed" in systemd_status_line(snapshot)
         # a later reload that binds clears it
         edit(config_path, f"127.0.0.1:{busy}", f"127.0.0.1:{port}")
-        assert daemon.reload() is True
-        snapshot = daemon.publisher.get()
+        assert daemon.reloader.reload() is True
+        snapshot = daemon.live.publisher.get()
         assert snapshot is not None and snapshot.reload_error == ""
         assert config_lines(config_path) == []
 
 
 def test_a_state_dir_change_is_refused_whole_and_shown_until_a_restart(tmp_path: Path) -> None:
     with serving_daemon(tmp_path) as (daemon, config_path, _port):
-        state = str(daemon.config.state_dir)
+        state = str(daemon.live.config.state_dir)
         edit(config_path, f"state_dir: {state}", f"state_dir: {tmp_path / 'elsewhere'}")
         edit(config_path, "mode: enforce", "mode: observe")
-        assert daemon.reload() is False
-        assert daemon.config.state_dir == state and daemon.config.mode.value == "enforce"
-        assert daemon.remediator.config.state_dir == state
+        assert daemon.reloader.reload() is False
+        assert daemon.live.config.state_dir == state and daemon.live.config.mode.value == "enforce"
         result = status_cli(config_path)
         assert result.returncode == 2
         assert "config change needs a restart: state_dir" in result.stdout
         document = json.loads(status_cli(config_path, "--json").stdout)
         assert "config change needs a restart: state_dir" in document["verdict"]["attention"]
-        snapshot = daemon.publisher.get()
+        snapshot = daemon.live.publisher.get()
         assert snapshot is not None
         assert "config change needs a restart: state_dir" in systemd_status_line(snapshot)
         assert "all healthy" not in systemd_status_line(snapshot)
         # the next loop's snapshot still says so
         daemon.loop_once()
-        snapshot = daemon.publisher.get()
+        snapshot = daemon.live.publisher.get()
         assert snapshot is not None and snapshot.config_pending_restart == ("state_dir",)
         # the file put back: nothing waits for a restart any more
         edit(config_path, f"state_dir: {tmp_path / 'elsewhere'}", f"state_dir: {state}")
-        assert daemon.reload() is True
+        assert daemon.reloader.reload() is True
         assert config_lines(config_path) == []
 
 
@@ -130,22 +129,22 @@ def test_backend_and_host_root_changes_are_named_too(tmp_path: Path) -> None:
     with serving_daemon(tmp_path) as (daemon, config_path, _port):
         edit(config_path, "backend: simulated", "backend: nvml")
         edit(config_path, f"host_root: {tmp_path / 'host'}", f"host_root: {tmp_path}")
-        assert daemon.reload() is False
-        snapshot = daemon.publisher.get()
+        assert daemon.reloader.reload() is False
+        snapshot = daemon.live.publisher.get()
         assert snapshot is not None and snapshot.config_pending_restart == ("backend", "host_root")
-        assert daemon.config.backend == "simulated"
+        assert daemon.live.config.backend == "simulated"
 
 
 def test_a_group_change_on_the_same_socket_swaps_it_without_a_gap(tmp_path: Path) -> None:
     group = grp.getgrgid(os.getgid()).gr_name
     with serving_daemon(tmp_path) as (daemon, config_path, _port):
-        socket_path = Path(daemon.config.api.socket)
+        socket_path = Path(daemon.live.config.api.socket)
         assert stat.S_IMODE(socket_path.stat().st_mode) == 0o600
         text = config_path.read_text().replace(
             f"api: {{socket: {socket_path}}}", f"api: {{socket: {socket_path}, group: {group}}}"
         )
         config_path.write_text(text)
-        assert daemon.reload() is True
+        assert daemon.reloader.reload() is True
         # the old server closed without taking the new socket with it
         assert stat.S_ISSOCK(socket_path.lstat().st_mode)
         assert stat.S_IMODE(socket_path.stat().st_mode) == 0o660

@@ -138,11 +138,11 @@ def test_a_reload_of_a_bomb_keeps_the_running_config(tmp_path: Path) -> None:
     good = config_path.read_text()
     for text in (alias_bomb(), NESTED, good.replace("mode: enforce", "mode: observe") + "# " + "x" * (1 << 20)):
         config_path.write_text(text)
-        assert daemon.reload() is False
-        assert daemon.config.mode.value == "enforce"
+        assert daemon.reloader.reload() is False
+        assert daemon.live.config.mode.value == "enforce"
     config_path.write_text(good.replace("mode: enforce", "mode: observe"))
-    assert daemon.reload() is True
-    assert daemon.config.mode.value == "observe"
+    assert daemon.reloader.reload() is True
+    assert daemon.live.config.mode.value == "observe"
 
 
 def test_the_rules_loader_refuses_bombs_too(tmp_path: Path) -> None:

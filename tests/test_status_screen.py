@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import make_event
+from helpers import FakeClock, live_parts, make_event
 from snapshots import node_snapshot
 
 from agent.config import AgentConfig, Mode
@@ -179,7 +179,7 @@ def test_exit_codes_like_plan() -> None:
 
 
 def test_fewer_gpus_than_seen_before_is_a_problem_everywhere() -> None:
-    """Node memory (agent.store.node_memory) keeps a GPU that left the bus in the daemon's snapshot, down, until
+    """Node memory (agent/node_memory/) keeps a GPU that left the bus in the daemon's snapshot, down, until
     it answers again or is acknowledged gone: the publisher expects every GPU the snapshot holds."""
     publisher = Publisher(SdNotifier(None, None))
     full = node_snapshot(health={}, policy=(), xids=())
@@ -203,8 +203,9 @@ def test_observe_mode_records_what_it_would_have_done(tmp_path: Path) -> None:
     """Observe mode: a restart the rules decide on is recorded as a dry run saying what the agent
     would have done (not sent to the worker to be refused), and the status screen shows it."""
     config = AgentConfig(mode=Mode.OBSERVE, state_dir=str(tmp_path / "state"))
-    remediator = Remediator(config, lambda _alerts: None, lambda _gpu: None, lambda: 1000.0)
-    remediator.store = Store.open(tmp_path / "state")
+    clock = FakeClock(wall_seconds=1000.0)
+    live = live_parts(config, clock, store=Store.open(tmp_path / "state"))
+    remediator = Remediator(live=live)
     try:
         event = make_event(EventKind.SERVICE_UNHEALTHY, None, timestamp_seconds=1000.0)
         spec = ActionSpec(RestartServiceParams())
@@ -213,7 +214,7 @@ def test_observe_mode_records_what_it_would_have_done(tmp_path: Path) -> None:
         (recent,) = remediator.recent()
         counts = remediator.counts()
     finally:
-        remediator.store.close()
+        live.store.close()
     assert recent.outcome == "dry_run"
     assert recent.detail == "observe mode: would run restart_service on service sglang (rule service-unhealthy)"
     assert [(c.rule, c.outcome, c.count) for c in counts] == [("service-unhealthy", "dry_run", 1)]

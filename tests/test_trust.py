@@ -118,12 +118,12 @@ def test_reload_of_an_untrusted_config_keeps_the_running_one(tmp_path: Path) -> 
     daemon = Daemon(load_config(config_path), config_path, notifier=SdNotifier(None, None))
     config_path.write_text(config_path.read_text().replace("mode: enforce", "mode: observe"))
     config_path.chmod(0o664)
-    assert daemon.reload() is False
-    assert daemon.config.mode.value == "enforce"
-    assert "refused" in daemon.publisher.reload_error and str(config_path) in daemon.publisher.reload_error
+    assert daemon.reloader.reload() is False
+    assert daemon.live.config.mode.value == "enforce"
+    assert "refused" in daemon.live.publisher.reload_error and str(config_path) in daemon.live.publisher.reload_error
     config_path.chmod(0o644)
-    assert daemon.reload() is True
-    assert daemon.config.mode.value == "observe"
+    assert daemon.reloader.reload() is True
+    assert daemon.live.config.mode.value == "observe"
 
 
 # -- rules.d and hooks ------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from snapshots import h200_snapshot
 
 from agent.daemon.publisher import systemd_status_line
 from agent.documents import snapshot_document
-from agent.policy.base import CUDA_TOO_OLD_FACT, ItemPlan, PlanStatus
+from agent.policy.plan import CUDA_TOO_OLD_FACT, ItemPlan, PlanStatus
 from agent.state import NodeSnapshot, ServiceStatus, SloBreachNow
 from agent.verdict import AttentionCause, attention, attention_items
 

@@ -15,7 +15,7 @@ from enum import Enum, IntEnum
 from typing import Protocol, runtime_checkable
 
 from agent.backend.errors import WriteRefused
-from agent.policy.names import GPU_RESET_ITEM, GpuItemName, GpuResetName
+from agent.names.policy_items import GPU_RESET_ITEM, GpuItemName, GpuResetName
 
 
 class ClockDomain(IntEnum):
@@ -70,6 +70,11 @@ class RecoveryAction(IntEnum):
     NODE_REBOOT = 2
     DRAIN_P2P = 3
     DRAIN_AND_RESET = 4
+
+
+#: The largest Xid code the driver reports (codes run 1-999): the kernel-log parser, `gpu-agent ack
+#: xid:CODE@N` and the simulator's injected faults take no other.
+MAX_XID = 999
 
 
 class GpuEventKind(str, Enum):
@@ -366,7 +371,7 @@ class GpuBackend(Protocol):
 
 
 #: The policy item each setter belongs to; a backend refuses setters outside its writable items.
-#: Typed on the item names (agent.policy.names), so a misspelt item cannot slip into the guard.
+#: Typed on the item names (agent.names.policy_items), so a misspelt item cannot slip into the guard.
 SETTER_ITEMS: dict[str, GpuItemName | GpuResetName] = {
     "set_power_limit_watts": "power_limit",
     "set_locked_clocks_mhz": "locked_clocks",

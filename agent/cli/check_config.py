@@ -19,8 +19,7 @@ if TYPE_CHECKING:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    from agent.backend import load_checked_config
-    from agent.policy.dropins import dropin_directory, dropin_files
+    from agent.policy.dropins import dropin_directory, dropin_files, load_checked_config
     from agent.policy.profiles import shadowed
     from agent.rules.config import load_rules
     from agent.rules.sources import describe, resolve_rules

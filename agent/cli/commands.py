@@ -65,7 +65,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_apply(args: argparse.Namespace) -> int:
     from agent import documents, render, textview
-    from agent.policy.base import ApplyOutcome, PlanStatus
+    from agent.policy.plan import ApplyOutcome, PlanStatus
 
     config = load(args)
     engine = make_engine(config)
@@ -97,9 +97,9 @@ def _hand_back_fans_without_daemon(config: AgentConfig, engine: PolicyEngine) ->
     curve as the GPU heats up. Without one answering on the socket (it runs this same config), fans
     go back to automatic control instead of staying at a fixed speed. What was done, per GPU."""
     from agent import api
+    from agent.names.policy_items import FAN_CURVE
     from agent.policy import fan_curve
-    from agent.policy.base import ApplyOutcome
-    from agent.policy.names import FAN_CURVE
+    from agent.policy.plan import ApplyOutcome
 
     if FAN_CURVE not in config.writable_items():
         return []
@@ -124,7 +124,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
     from agent import documents, render, textview
     from agent.config_errors import ConfigError
     from agent.policy import known_good
-    from agent.policy.base import ApplyOutcome
+    from agent.policy.plan import ApplyOutcome
     from agent.policy.registry import RESTORABLE_NAMES
 
     try:
@@ -241,7 +241,7 @@ def _ack_through_daemon(args: argparse.Namespace) -> AckResult | None:
 
 def _ack_in_store_file(args: argparse.Namespace, selector: AckSelector) -> AckResult:
     from agent.host.paths import HostPaths
-    from agent.store.node_memory import read_boot_id
+    from agent.node_memory.inventory import read_boot_id
 
     config = load(args)
     with open_store(config) as store:
@@ -319,9 +319,10 @@ def cmd_xid_parse(args: argparse.Namespace) -> int:
 
 def _identities_if_available(args: argparse.Namespace) -> dict[int, GpuIdentity]:
     """This host's GPUs, to map bus ids to GPUs, when a config and a backend are at hand; else {}."""
-    from agent.backend import load_checked_config, open_backend
+    from agent.backend import open_backend
     from agent.backend.errors import GpuError
     from agent.config_errors import ConfigError
+    from agent.policy.dropins import load_checked_config
 
     path, _ = config_path(args)
     if path is None:

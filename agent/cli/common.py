@@ -34,8 +34,8 @@ def config_path(args: argparse.Namespace) -> tuple[str | None, bool]:
 
 
 def load(args: argparse.Namespace) -> AgentConfig:
-    from agent.backend import load_checked_config
     from agent.config import AgentConfig
+    from agent.policy.dropins import load_checked_config
 
     path, _ = config_path(args)
     if path is None:

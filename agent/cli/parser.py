@@ -61,7 +61,7 @@ def ack_selector(text: str) -> str:
 
 def xid_code(text: str) -> int:
     """An Xid code the driver reports (1-999)."""
-    from agent.watch.kernel_log import MAX_XID
+    from agent.backend.base import MAX_XID
 
     if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_XID:
         raise argparse.ArgumentTypeError(f"{text!r}: an Xid code is a whole number from 1 to {MAX_XID}")

@@ -116,10 +116,11 @@ def direct_status(config: AgentConfig, note: str) -> dict[str, object]:
     from agent.backend.errors import GpuError, GpuErrorKind
     from agent.collect import sample_all
     from agent.host.paths import HostPaths
+    from agent.node_memory.inventory import read_boot_id
+    from agent.node_memory.remembered import read_remembered
     from agent.services.watch import read_once
     from agent.snapshot import DaemonParts, NodeWatchers, build_snapshot
     from agent.store.db import StoreError
-    from agent.store.node_memory import read_boot_id, read_remembered
 
     now = time.time()
     memory_closed = _closed_to_this_user(config.state_dir)

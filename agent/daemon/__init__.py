@@ -1,16 +1,21 @@
 """`gpu-agent run`: collect -> snapshot -> evaluate -> act -> publish, once per interval.
 
-The parts, one job each, wired by the thin `Daemon` (core.py):
+The parts, one job each, made by the thin `Daemon` (core.py), each handed the live parts (live.py)
+it asks, at the time of use, for what it needs:
 
+- live.py: the parts every other part reaches, and what a reload swaps (the config, the prober and
+  the inference monitor) or what opens late (the store);
 - session.py: the backend session (NVML opened and reopened in the library lane, library faults,
   the NVML event wait, the write guard);
 - collector.py: the GPU collector (enumeration, fast and slow tier, stale GPUs);
 - policy_loop.py and drift.py: the policy loop (plan/apply steps, drift events, apply failures);
 - agent.snapshot: the snapshot builder and the health watchers (shared with `status --direct`);
+- node_memory.py: the node memory (agent/node_memory/), loaded once the store opens, saved each loop;
 - remediator.py, action_worker.py and lanes.py: the event store, the rules, the action worker and
   its lanes;
 - publisher.py: the published snapshot, the metrics and API servers, systemd's STATUS= line;
-- intake.py: events from the source threads; watchdog.py: systemd's watchdog.
+- reload.py: a reload, all or nothing; intake.py: events from the source threads; watchdog.py:
+  systemd's watchdog.
 
 Threads: one lane per GPU for time-bounded NVML reads (agent.daemon.bounded), the NVML event wait and
 the kernel-log reader feeding the Xid watcher, the service prober, the metrics and API servers,

@@ -8,23 +8,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent.api import ApiError
-from agent.store.database import Store
 from agent.store.db import StoreError
 from agent.store.selector import parse_ack_selector
+
+if TYPE_CHECKING:
+    from agent.daemon.live import Live
 
 ACK_METHODS = frozenset({"ack"})
 #: A selector is a rule name, a UUID or a few words: a longer one is not one.
 MAX_SELECTOR_CHARS = 512
 
 
-def ack_handlers(
-    store: Callable[[], Store | None], boot_id: str, forget_xids: Callable[[set[tuple[int, int]]], None]
-) -> dict[str, Callable[[Any], Any]]:
-    """The `ack` method: {"selector": TEXT} -> AckResult as JSON; `forget_xids` takes the (GPU, Xid)
-    marks it cleared out of the daemon's own health window."""
+def ack_handlers(live: Live) -> dict[str, Callable[[Any], Any]]:
+    """The `ack` method: {"selector": TEXT} -> AckResult as JSON, made in the daemon's store under its
+    node memory's boot; the (GPU, Xid) marks it cleared leave the Xid watcher's health window."""
 
     def ack(params: Any) -> Any:
         selector = params.get("selector") if isinstance(params, dict) else None
@@ -34,14 +34,14 @@ def ack_handlers(
             parsed = parse_ack_selector(selector)
         except ValueError as exc:
             raise ApiError(str(exc)) from None
-        current = store()
+        current = live.store
         if current is None:
             raise ApiError("the daemon's event store is not open (`gpu-agent status` says why): nothing acknowledged")
         try:
-            result = current.acknowledge(parsed, boot_id)
+            result = current.acknowledge(parsed, live.memory_boot_id)
         except StoreError as exc:
             raise ApiError(f"the daemon's event store: {exc}") from None
-        forget_xids(set(result.cleared))
+        live.watchers.xid.forget(set(result.cleared))
         return asdict(result)
 
     return {"ack": ack}

@@ -4,10 +4,11 @@ must not wait for it), journaled in the store from before they start, each on it
 waits for a job on the node; an action that changes the node as soon as no job touching one of its
 GPUs (agent.rules.actions.footprint) runs or waits before it.
 
-Tasks (`submit_task`: a tune sweep, a recovery) are node jobs with their own footprint. A decided
-action that changes the node and touches a running task's GPUs aborts the task (`Task.abort`), so a
-repair never waits for an experiment for longer than the task takes to put its settings back; an
-alert never ends a task (a sweep's own power cap raises latency alerts) and never waits for one.
+Tasks (the lanes' `submit_task`: a tune sweep, a recovery) are node jobs with their own footprint.
+A decided action that changes the node and touches a running task's GPUs aborts the task
+(`Task.abort`), so a repair never waits for an experiment for longer than the task takes to put its
+settings back; an alert never ends a task (a sweep's own power cap raises latency alerts) and never
+waits for one.
 `submit` writes the journal row (outcome "running", counted as an attempt, its event handled) on
 the caller's thread and only then queues the action: an action the agent never recorded never
 runs, and one it recorded counts against the caps even if the agent dies a moment later. The
@@ -23,25 +24,25 @@ event and in the closed row, and nothing is started.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
-from agent.config import AgentConfig
-from agent.daemon.lanes import LaneJob, Lanes, overlaps
+from agent.daemon.lanes import LaneJob, overlaps
 from agent.events import Event, EventKind, Severity
 from agent.logger import get_logger
-from agent.policy.holds import PolicyHolds
-from agent.rules.actions.context import ActionContext
 from agent.rules.actions.dispatch import execute
+from agent.rules.actions.footprint import footprint as decision_footprint
 from agent.rules.actions.footprint import lane
-from agent.rules.actions.kind import Footprint, Lane
+from agent.rules.actions.kind import Lane
 from agent.rules.actions.registry import KINDS
 from agent.rules.actions.steps import DRAINING, services_left_down, step
 from agent.rules.model import ActionOutcome, Decision, Outcome
-from agent.services.managers import ServiceError, ServiceManager
-from agent.store.attempt_clock import AttemptClock, ClockReading, effective_wall_seconds
+from agent.services.managers import ServiceError
+from agent.store.attempt_clock import ClockReading, effective_wall_seconds
 from agent.store.database import JournalEntry, Store, StoreError
+
+if TYPE_CHECKING:
+    from agent.daemon.live import Live
 
 log = get_logger()
 
@@ -50,83 +51,43 @@ log = get_logger()
 STOP_TIMEOUT_SECONDS = 20.0
 
 
-class Task(Protocol):
-    """A job that is no rule's action (a tune sweep, a recovery): it journals itself, and gives up
-    where it safely can, putting back what it changed, once `abort` is called. `gpus`: what it
-    touches (None: the whole node)."""
-
-    name: str
-    gpus: frozenset[int] | None
-
-    def run(self) -> None: ...
-    def abort(self, reason: str) -> None: ...
-
-
-def _whole_node(_decision: Decision) -> Footprint:
-    return None
-
-
 class ActionWorker:
-    def __init__(
-        self,
-        context: Callable[[], ActionContext | None],
-        store: Callable[[], Store | None],
-        on_reset: Callable[[int], None],
-        clock: Callable[[], float],
-        attempt_clock: AttemptClock,
-        managers: Callable[[], tuple[AgentConfig, Mapping[str, ServiceManager]]] | None = None,
-        footprint: Callable[[Decision], Footprint] = _whole_node,
-        holds: PolicyHolds | None = None,
-    ) -> None:
-        self.context = context  # None while the GPU backend is unavailable
-        self.store = store
-        self.on_reset = on_reset  # a GPU reset succeeded: its Xid history starts afresh
-        self.clock = clock
-        self.attempt_clock = attempt_clock
-        self.managers = managers  # for recovery: the services and their managers, no GPU backend needed
-        self.footprint = footprint  # the GPUs a decision on a gpus lane touches (default: all of them)
-        self.holds = holds  # the ledger whose settings go back at stop, whatever still runs
-        self.cancel = threading.Event()
-        self.lanes = Lanes()
+    """Reads of the daemon's live parts (agent/daemon/live.py): the store and the config of the
+    moment, its lanes, the ledger of held settings (put back at stop, whatever still runs), the
+    action context (None while the GPU backend is unavailable), the Xid watcher (a GPU reset that
+    succeeded starts its GPU's Xid history afresh) and the services' managers (recovery needs no
+    GPU backend)."""
+
+    def __init__(self, *, live: Live) -> None:
+        self.live = live
+        self.lanes = live.lanes
         self._rows: dict[LaneJob, int] = {}  # a remediation's journal row, while it runs
 
     def submit(self, decision: Decision, now: float) -> None:
         """Journal the action as started, then queue it on its lane. StoreError when it cannot be
         journaled: then it does not run, and its event stays unhandled for a later loop."""
-        store = self.store()
+        store = self.live.store
         if store is None:
             raise StoreError("no event store: an action is never run unrecorded")
-        row_id = store.begin_remediation(decision, self.attempt_clock.reading(now))
+        row_id = store.begin_remediation(decision, self.live.attempt_clock.reading(now))
         its_lane = lane(decision)
-        footprint = frozenset() if its_lane is Lane.NOTIFY else self.footprint(decision)
+        footprint = frozenset() if its_lane is Lane.NOTIFY else decision_footprint(decision, self.live.config)
         job = LaneJob(f"remediation {decision.rule}", its_lane, footprint, lambda: None)
-        job.work = lambda: self._run_job(job, decision, row_id)
+        job.work = partial(self._run_job, job, decision, row_id)
         if its_lane is not Lane.NOTIFY:
             for running in self.lanes.running():
                 if running.abort is not None and overlaps(running.footprint, footprint):
                     running.abort(f"remediation {decision.rule} needs the node")
         self.lanes.put(job)
 
-    def submit_task(self, task: Task) -> None:
-        """Queue a task behind whatever touches its GPUs."""
-        self.lanes.put(LaneJob(task.name, Lane.NODE, task.gpus, lambda: self._run_task(task), task.abort))
-
-    def busy(self) -> str | None:
-        """What the worker is doing or has queued on the node, or None when the node is quiet."""
-        running = self.lanes.running()
-        if running:
-            return f"{running[0].name} is running"
-        waiting = self.lanes.waiting()
-        return f"{len(waiting)} job(s) are queued" if waiting else None
-
     def history(self, store: Store, now: float) -> ClockHistory:
-        return ClockHistory(store, self.attempt_clock.reading(now))
+        return ClockHistory(store, self.live.attempt_clock.reading(now))
 
     def recover(self, store: Store) -> None:
         """Queue the roll-back of what an earlier run left running (before any other node job)."""
         entries = store.running_remediations()
         if entries:
-            self.lanes.put(LaneJob("recovery of interrupted actions", Lane.NODE, None, lambda: self._recover(entries)))
+            self.lanes.put(LaneJob("recovery of interrupted actions", Lane.NODE, None, partial(self._recover, entries)))
 
     def start(self) -> None:
         self.lanes.start()
@@ -135,7 +96,7 @@ class ActionWorker:
         """Ask the running jobs to give up where they safely can, wait `timeout_seconds` for them,
         journal where each action still running was (its row stays "running", so the next start
         rolls it back), then put back what a job still holds."""
-        self.cancel.set()
+        self.lanes.stopping.set()
         for job in (*self.lanes.running(), *self.lanes.waiting()):
             if job.abort is not None:
                 job.abort("the agent is stopping")
@@ -146,22 +107,16 @@ class ActionWorker:
             if row_id is None:
                 continue
             log.error("action still running at stop", job=job.name)
-            store = self.store()
+            store = self.live.store
             if store is not None:
                 try:
                     store.journal_step(row_id, note)
                 except StoreError as exc:
                     log.error("could not journal the interrupted action", error=str(exc))
-        if self.holds is not None:
-            self.holds.end_all("the agent is stopping")
-
-    def _run_task(self, task: Task) -> None:
-        if self.cancel.is_set():
-            task.abort("the agent is stopping")
-        task.run()
+        self.live.holds.end_all("the agent is stopping")
 
     def _run_job(self, job: LaneJob, decision: Decision, row_id: int) -> None:
-        if self.cancel.is_set():
+        if self.lanes.stopping.is_set():
             self._close(row_id, "not started: the agent was stopping", started=False)
             return
         self._rows[job] = row_id
@@ -171,15 +126,16 @@ class ActionWorker:
             self._rows.pop(job, None)
 
     def _execute(self, decision: Decision, row_id: int) -> None:
-        started = self.clock()
-        context = self.context()
+        clock = self.live.clock
+        started = clock()
+        context = self.live.action_context()
         if context is None:
-            outcome = ActionOutcome(decision, Outcome.FAILED, "GPU backend unavailable", started, self.clock())
+            outcome = ActionOutcome(decision, Outcome.FAILED, "GPU backend unavailable", started, clock())
         else:
-            context.journal = lambda step: self._journal(row_id, step)
-            context.cancel = self.cancel
+            context.journal = partial(self._journal, row_id)
+            context.cancel = self.lanes.stopping
             outcome = execute(decision, context)
-        if self.cancel.is_set() and outcome.outcome is not Outcome.SUCCESS:
+        if self.lanes.stopping.is_set() and outcome.outcome is not Outcome.SUCCESS:
             outcome = ActionOutcome(
                 decision,
                 Outcome.INTERRUPTED,
@@ -187,7 +143,7 @@ class ActionWorker:
                 outcome.started_seconds,
                 outcome.finished_seconds,
             )
-        store = self.store()
+        store = self.live.store
         if store is not None:
             try:
                 store.finish_remediation(row_id, outcome)
@@ -205,10 +161,10 @@ class ActionWorker:
         action = decision.action
         fresh_gpu = action is not None and KINDS[action.kind].clears_xids and outcome.outcome is Outcome.SUCCESS
         if fresh_gpu and decision.target.gpu is not None:
-            self.on_reset(decision.target.gpu)
+            self.live.watchers.xid.clear(decision.target.gpu)
 
     def _journal(self, row_id: int, step: str) -> None:
-        store = self.store()
+        store = self.live.store
         if store is None:
             return
         try:
@@ -217,20 +173,20 @@ class ActionWorker:
             log.error("could not journal an action step", error=str(exc), step=step)
 
     def _close(self, row_id: int, detail: str, started: bool = True) -> None:
-        store = self.store()
+        store = self.live.store
         if store is None:
             return
         try:
-            store.close_interrupted(row_id, detail, self.clock(), started)
+            store.close_interrupted(row_id, detail, self.live.clock(), started)
         except StoreError as exc:
             log.error("could not close an interrupted action", error=str(exc))
 
     def _recover(self, entries: list[JournalEntry]) -> None:
         """Start again every service an interrupted action left down; close its row as interrupted."""
-        config, managers = self.managers() if self.managers is not None else (None, {})
-        services = {s.name: s for s in config.services} if config is not None else {}
+        services = {s.name: s for s in self.live.config.services}
+        managers = self.live.managers()
         for entry in entries:
-            if not entry.boot_id or entry.boot_id != self.attempt_clock.boot_id:
+            if not entry.boot_id or entry.boot_id != self.live.attempt_clock.boot_id:
                 self._report_earlier_boot(entry)
                 continue
             rolled_back: list[str] = []
@@ -282,7 +238,7 @@ class ActionWorker:
             gpu=entry.gpu,
             uuid=None,
             message=f"{entry.action} by rule {entry.rule} on {entry.target_key}: {detail}",
-            timestamp_seconds=self.clock(),
+            timestamp_seconds=self.live.clock(),
             source="remediation",
             key=f"remediation_interrupted:{entry.row_id}",
             data={
@@ -294,7 +250,7 @@ class ActionWorker:
                 "services_stopped": stopped,
             },
         )
-        store = self.store()
+        store = self.live.store
         if store is not None:
             try:
                 # A report: nothing for the rules to act on again.

@@ -110,7 +110,7 @@ class GpuCollector:
                     found[gpu] = backend.identity(gpu)
             return count, found
 
-        count, found = timed("enumerate", lambda: self.runner.run("library", read), self._record)
+        count, found = timed("enumerate", partial(self.runner.run, "library", read), self._record)
         # A GPU NVML still counts but cannot identify (lost) keeps its last identity, so its
         # kernel-log lines still map to it; one that left the count is gone.
         previous = self.identities

@@ -1,10 +1,12 @@
-"""The thin `Daemon`: wires the parts, runs the loop, handles signals, reloads and stops.
+"""The thin `Daemon`: makes the parts, runs the loop, handles signals and stops.
 
-Each loop is the data flow collect -> snapshot -> evaluate -> act -> publish:
-the backend session and the GPU collector read the GPUs, the watchers and the policy loop turn
-the readings into events and plans, the snapshot builder makes one NodeSnapshot of it, the
-remediator stores the events, evaluates the rules and queues actions, and the publisher hands the
-snapshot to the metrics endpoint, the status API and systemd.
+Each loop is the data flow collect -> snapshot -> evaluate -> act -> publish: the backend session
+and the GPU collector read the GPUs, the watchers and the policy loop turn the readings into events
+and plans, the snapshot builder makes one NodeSnapshot of it, the remediator stores the events,
+evaluates the rules and queues actions, and the publisher hands the snapshot to the metrics
+endpoint, the status API and systemd. Every part is handed the daemon's live parts
+(agent/daemon/live.py) and asks them for what it needs when it needs it; a reload is
+agent/daemon/reload.py.
 """
 
 from __future__ import annotations
@@ -13,75 +15,32 @@ import contextlib
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
-from agent.api import ApiError
-from agent.backend import load_checked_config
-from agent.backend.base import GpuEvent
-from agent.config import AgentConfig, ConfigError
+from agent.config import AgentConfig
 from agent.daemon.ack_api import ACK_METHODS, ack_handlers
 from agent.daemon.allocator import return_large_buffers
-from agent.daemon.bounded import BoundedRunner
-from agent.daemon.collector import GpuCollector
-from agent.daemon.intake import EventIntake
+from agent.daemon.live import Live
+from agent.daemon.node_memory import NodeMemory
 from agent.daemon.policy_loop import PolicyLoop
-from agent.daemon.publisher import ListenerError, Publisher, systemd_status_line
-from agent.daemon.remediator import LoadedRules, Remediator, load_rules_dir
+from agent.daemon.publisher import systemd_status_line
+from agent.daemon.reload import RELOAD_METHODS, Reloader, record_known_good
+from agent.daemon.remediator import Remediator
 from agent.daemon.sd_notify import SdNotifier
-from agent.daemon.session import BackendSession
-from agent.daemon.socket_record import SocketRecord
 from agent.daemon.timing import LoopTiming
 from agent.daemon.watchdog import Watchdog
 from agent.events import Event
 from agent.host.boottime import boottime_seconds
-from agent.host.paths import HostPaths
 from agent.logger import get_logger
-from agent.policy import known_good
-from agent.policy.base import HostContext
-from agent.policy.engine import PolicyEngine
-from agent.policy.holds import PolicyHolds
-from agent.policy.names import FAN_CURVE
-from agent.policy.registry import RESTORABLE_NAMES
-from agent.rules.actions.alertmanager import AlertTracker
-from agent.rules.actions.context import ActionContext
-from agent.services.attribution import service_of_pid
-from agent.services.health import HealthProber, ProberThread
-from agent.services.managers import build_managers
-from agent.services.watch import InferenceMonitor
-from agent.snapshot import DaemonParts, NodeWatchers, build_snapshot
+from agent.snapshot import DaemonParts, build_snapshot
 from agent.state import CollectorStatus, GpuSample, NodeSnapshot
-from agent.store.attempt_clock import AttemptClock
-from agent.store.node_memory import NodeMemory, read_boot_id
-from agent.tune.runner import PRIVILEGED_METHODS, NodeView, TuneRunner
+from agent.tune.runner import PRIVILEGED_METHODS, TuneRunner
 from agent.watch.devices import UdevWakeup
-from agent.watch.kernel_log import KernelXid
-from agent.watch.kmsg import KmsgSource
 
 log = get_logger()
-
-# How long the policy step waits for the next-boot check (it runs on a worker of its own): a slow
-# check is taken by a later pass instead of holding up the fan curve.
-BOOT_CHECK_WAIT_SECONDS = 5.0
-#: How long a `reload` asked over the socket (`gpu-agent tune apply`) waits for the loop to do it.
-RELOAD_ANSWER_SECONDS = 60.0
-
-
-#: Settings a running daemon cannot take: the backend is opened once, every host path and the node's
-#: identity are resolved under host_root at start, the event store, the action journal and the
-#: node memory live in state_dir. A reload that changes one is refused whole.
-RESTART_SETTINGS: tuple[str, ...] = ("backend", "simulated", "host_root", "state_dir")
-
-
-def restart_fields(running: AgentConfig, new: AgentConfig) -> tuple[str, ...]:
-    """The settings `new` changes that only a restart applies (`simulated` only matters on that backend)."""
-    changed = [name for name in RESTART_SETTINGS if getattr(running, name) != getattr(new, name)]
-    if "simulated" in changed and "simulated" not in (running.backend, new.backend):
-        changed.remove("simulated")
-    return tuple(changed)
 
 
 class Daemon:
@@ -98,147 +57,103 @@ class Daemon:
     ) -> None:
         """`config_identity`: the config file's, taken just before it was read (None: when the daemon
         starts; agent/daemon/socket_record.py)."""
-        self.config = config
-        self.config_path = config_path
-        self.timing = timing or LoopTiming()
-        self.clock = clock
-        self.started_seconds = clock()
-        self.stop_requested = threading.Event()
-        self.wake = threading.Event()  # set by event sources, signals: the loop reacts before its next tick
-        self.reload_requested = threading.Event()
-        # `reload` callers over the socket, each answered by the first reload that starts after it asked
-        self._reload_waiters: list[tuple[threading.Event, dict[str, Any]]] = []
-        self._reload_lock = threading.Lock()
-        self.host = HostContext(HostPaths.at(config.host_root), boot_check_wait_seconds=BOOT_CHECK_WAIT_SECONDS)
-        self.runner = BoundedRunner(self.timing.call_timeout_seconds)
-        self.intake = EventIntake(self.wake)
-        self.session = BackendSession(self.runner, self._on_nvml_event)
-        self.collector = GpuCollector(self.runner, self.timing, clock, self.session.note_fault)
-        self.watchers = NodeWatchers(
-            lambda: self.collector.identities,
-            clock,
-            boottime,
-            lambda pid: service_of_pid(pid, self.config.services, self.host.paths),
-            kernel_log_followed=lambda: self.kmsg.status()[0],
-            release_xids=self.intake.put,
-        )
-        # GPU settings a job drives (a tune sweep, a reset): the policy loop plans them, never writes
-        # them, and the ledger puts them back on every way out (journaled in the store).
-        self.holds = PolicyHolds(lambda: self.remediator.store, self.host.paths.boot_id(), clock)
-        self.policy = PolicyLoop(config, self.host, self.runner, self.session.note_fault, self.holds)
-        self.remediator = Remediator(
+        self.live = live = Live(
             config,
-            self._action_context,
-            self.watchers.xid.clear,
-            clock,
-            AttemptClock(self.host.paths.boot_id(), boottime),
-            lambda current: build_managers(current, self.host),
-            self.holds,
+            config_path=config_path,
+            config_identity=config_identity,
+            timing=timing or LoopTiming(),
+            clock=clock,
+            boottime=boottime,
+            notifier=notifier or SdNotifier.from_environment(),
         )
-        # Shares the remediator's store: the memory is there as soon as the store is (start_services).
-        self.memory = NodeMemory(lambda: self.remediator.store, read_boot_id(self.host.paths), clock)
-        self.publisher = Publisher(notifier or SdNotifier.from_environment())
-        self.socket_record = SocketRecord(self.host.paths, config_path, config_identity)
-        self.watchdog = Watchdog(
-            self.publisher.notifier,
-            lambda: self.timing.stall_seconds(self.config.interval_seconds),
-            self.stop_requested,
-        )
-        self.prober = self._new_prober(config)
-        self.prober_thread: ProberThread | None = None
-        self.inference = self._new_inference(config)
-        self.tune = TuneRunner(
-            lambda: self.config,
-            lambda: self.session.backend,
-            lambda: self.remediator.store,
-            lambda: self.remediator.worker,
-            self.holds,
-            lambda: self.prober.statuses(),
-            lambda: self.inference.figures(),
-            lambda: len(self.collector.identities),
-            clock,
-            node=NodeView(self.publisher.get),
-        )
-        self.publisher.extra_handlers = {
-            **self.tune.handlers(),
-            **ack_handlers(lambda: self.remediator.store, self.memory.boot_id, self.watchers.xid.forget),
-            "reload": self.reload_on_request,
-        }
-        self.publisher.privileged_methods = PRIVILEGED_METHODS | ACK_METHODS | {"reload"}
-        self.publisher.last_tune = self.tune.last
-        self.udev = UdevWakeup(self.collector.rescan.set, self.host.paths)
-        self.kmsg = KmsgSource(self.host.paths, self._on_kernel_xid, start_monotonic_seconds=time.monotonic())
+        self.started_seconds = clock()
+        self.policy = PolicyLoop(live=live)
+        self.remediator = Remediator(live=live)
+        self.memory = NodeMemory(live=live)
+        live.when_store_opens(self.memory.load)
+        self.tune = TuneRunner(node=live)
+        self.watchdog = Watchdog(live=live)
+        self.reloader = Reloader(live=live, policy=self.policy, remediator=self.remediator)
+        self.udev = UdevWakeup(live.collector.rescan.set, live.host.paths)
+        publisher = live.publisher
+        publisher.extra_handlers = {**self.tune.handlers(), **ack_handlers(live), "reload": self.reloader.on_request}
+        publisher.privileged_methods = PRIVILEGED_METHODS | ACK_METHODS | RELOAD_METHODS
+        publisher.last_tune = self.tune.last
         self._closers: list[Callable[[], None]] = []
         self.loop_hook: Callable[[], None] | None = None  # tests: runs inside each loop iteration
 
     # -- one loop: collect -> snapshot -> evaluate -> act -> publish ---------------------------
 
     def loop_once(self) -> NodeSnapshot:
-        now = self.clock()
+        live = self.live
+        now = live.clock()
         started = time.monotonic()
         if self.loop_hook is not None:
             self.loop_hook()
         samples, events = self._collect(now)
-        events += self.intake.take(self.prober.take_events())
-        events += self.inference.on_loop(samples, events)
-        self.intake.note(events)
+        events += live.intake.take(live.prober.take_events())
+        events += live.inference.on_loop(samples, events)
+        live.intake.note(events)
         snapshot = self._snapshot(now, samples, time.monotonic() - started)
         self._save_memory(now)
-        self.tune.history.observe(self.config, now, samples, snapshot.service_figures)
-        self.tune.history.flush(self.remediator.store)
+        self.tune.history.observe(live.config, now, samples, snapshot.service_figures)
+        self.tune.history.flush(live.store)
         self.remediator.remediate(snapshot, events, now)
-        snapshot = self.publisher.publish(snapshot)
+        snapshot = live.publisher.publish(snapshot)
         self.watchdog.beat()
         return snapshot
 
     def _collect(self, now: float) -> tuple[list[GpuSample], list[Event]]:
         """This loop's samples, and the events the watchers and the policy loop made of them."""
-        self.memory.load(self.collector.identities, self.watchers.xid, self.watchers.throttle, self.prober)
-        self.memory.follow_acks(self.watchers.xid)
-        wait_seconds = self.timing.step_wait(self.config.interval_seconds)
-        backend = self.session.begin_loop(self.config, wait_seconds)
+        live = self.live
+        self.memory.follow_acks()
+        wait_seconds = live.timing.step_wait(live.config.interval_seconds)
+        backend = live.session.begin_loop(live.config, wait_seconds)
         if backend is None:
-            return self.memory.remember(self.collector.unavailable(now, self.session.error), now), []
-        samples = self.memory.remember(self.collector.collect(backend, now, self.config.counters_interval_seconds), now)
-        events = self.watchers.observe(samples, now)
-        events += self.policy.step(backend, now, wait_seconds, self.collector.identities, samples)
-        if self.session.end_loop():
+            return self.memory.remember(live.collector.unavailable(now, live.session.error), now), []
+        samples = live.collector.collect(backend, now, live.config.counters_interval_seconds)
+        samples = self.memory.remember(samples, now)
+        events = live.watchers.observe(samples, now)
+        events += self.policy.step(backend, now, wait_seconds, samples)
+        if live.session.end_loop():
             self.policy.forget_backend()
         return samples, events
 
     def _snapshot(self, now: float, samples: list[GpuSample], duration_seconds: float) -> NodeSnapshot:
+        live = self.live
         return build_snapshot(
-            self.config,
+            live.config,
             now,
             samples,
-            self.watchers,
-            driver_version=self.session.driver_version(),
+            live.watchers,
+            driver_version=live.session.driver_version(),
             policy=self.policy.plans,
             daemon=self._daemon_parts(duration_seconds),
-            service_figures=self.inference.figures(),
-            gpu_attribution=self.inference.attribution(),
+            service_figures=live.inference.figures(),
+            gpu_attribution=live.inference.attribution(),
         )
 
     def _daemon_parts(self, duration_seconds: float) -> DaemonParts:
-        kmsg_ok, kmsg_detail = self.kmsg.status()
+        live = self.live
+        kmsg_ok, kmsg_detail = live.kmsg.status()
         collectors = (
-            *self.collector.statuses(),
+            *live.collector.statuses(),
             *(s for s in (self.policy.status, self.remediator.status) if s is not None),
             CollectorStatus("kmsg", kmsg_ok, 0.0, "" if kmsg_ok else kmsg_detail),
-            *self.session.statuses(),
+            *live.session.statuses(),
         )
         return DaemonParts(
             started_seconds=self.started_seconds,
-            stale_gpus=self.collector.stale,
-            backend_error=self.session.error,
-            services=tuple(self.prober.statuses()),
+            stale_gpus=live.collector.stale,
+            backend_error=live.session.error,
+            services=tuple(live.prober.statuses()),
             remediations=self.remediator.counts(),
             collectors=collectors,
-            recent_events=self.intake.recent,
+            recent_events=live.intake.recent,
             recent_remediations=self.remediator.recent(),
             rules_sources=self.remediator.rules_sources,
             rules_loaded=self.remediator.rules_loaded(),
-            slo_breaches=self.inference.breaches(),
+            slo_breaches=live.inference.breaches(),
             collect_duration_seconds=duration_seconds,
             tunes=self.tune.results(),
         )
@@ -246,181 +161,27 @@ class Daemon:
     def react(self) -> None:
         """Between loops: an Xid or a failed probe is evaluated at once, against the last snapshot,
         instead of waiting up to one interval for the next collection."""
-        snapshot = self.publisher.get()
-        events = self.intake.take(self.prober.take_events())
+        live = self.live
+        snapshot = live.snapshot()
+        events = live.intake.take(live.prober.take_events())
         if snapshot is None or not events:
-            self.intake.give_back(events)  # before the first snapshot: kept for the first loop
+            live.intake.give_back(events)  # before the first snapshot: kept for the first loop
             return
-        self.intake.note(events)
+        live.intake.note(events)
         snapshot = replace(
             snapshot,
-            services=tuple(self.prober.statuses()),
-            xids=tuple(self.watchers.xid.counts()),
-            recent_events=self.intake.recent,
-            health=self.watchers.health(snapshot.health, self.collector.stale, self.session.error),
+            services=tuple(live.prober.statuses()),
+            xids=tuple(live.watchers.xid.counts()),
+            recent_events=live.intake.recent,
+            health=live.watchers.health(snapshot.health, live.collector.stale, live.session.error),
         )
-        self._save_memory(self.clock())
-        self.remediator.remediate(snapshot, events, self.clock())
-        self.publisher.set(snapshot)
+        self._save_memory(live.clock())
+        self.remediator.remediate(snapshot, events, live.clock())
+        live.publisher.set(snapshot)
 
-    def _save_memory(self, now: float) -> None:
-        self.memory.follow_acks(self.watchers.xid)  # an ack since the loop began is not written over
-        self.memory.save(self.watchers.xid, now, self.watchers.throttle, self.prober)
-
-    # -- sources feeding the event intake ------------------------------------------------------
-
-    def _on_kernel_xid(self, record: KernelXid) -> None:
-        self.intake.put(self.watchers.xid.ingest_kernel(record))
-
-    def _on_nvml_event(self, event: GpuEvent) -> None:
-        self.intake.put(self.watchers.xid.ingest_nvml(event))
-
-    def _action_context(self, alerts: AlertTracker) -> ActionContext | None:
-        """What an action reaches, built when it runs (the backend of the moment); None without one."""
-        backend = self.session.backend
-        if backend is None:
-            return None
-        return ActionContext(
-            config=self.config,
-            backend=backend,
-            policy=PolicyEngine(self.config, backend, self.host, self.holds),
-            host=self.host,
-            managers=build_managers(self.config, self.host),
-            prober=self.prober,
-            alerts=alerts,
-            clock=self.clock,
-        )
-
-    def _new_prober(self, config: AgentConfig) -> HealthProber:
-        prober = HealthProber(config.services, build_managers(config, self.host))
-        prober.on_event = self.wake.set
-        return prober
-
-    def _new_inference(self, config: AgentConfig) -> InferenceMonitor:
-        # The backend of the moment: the session reopens it after a driver reload.
-        return InferenceMonitor(config, lambda: self.session.backend, clock=self.clock)
-
-    # -- reload --------------------------------------------------------------------------------
-
-    def reload(self) -> bool:
-        """SIGHUP: a new config is applied whole or not at all. One that is invalid, changes a setting
-        only a restart applies, or moves a listener that cannot be bound is logged, kept out, and shown
-        (status, STATUS=) until a later reload succeeds: the running config stays as it was."""
-        loaded = self._load_new_config()
-        if loaded is None:
-            return False
-        new, rules = loaded
-        pending = restart_fields(self.config, new)
-        if pending:
-            log.error("config change needs a restart; keeping the running config whole", settings=list(pending))
-            self.publisher.note_reload(pending_restart=pending)
-            return False
-        try:
-            moved = self.publisher.rebind(self.config, new, self.timing.stall_seconds(new.interval_seconds))
-        except ListenerError as exc:
-            self._reload_failed(f"{exc}; still serving on the previous address")
-            return False
-        old_services = self.config.services
-        # While the running config's write guard still allows it: fans it drove and `new` does not go
-        # back to automatic, or nothing would ever follow their curve again; and a job (a sweep) whose
-        # settings `new` would not let it write, or whose service `new` drops, ends with its
-        # originals put back now, not refused by the new guard later.
-        self.policy.hand_back_fans(new)
-        self.holds.end_conflicting(new)
-        old_items = self.config.writable_items()
-        self.config = new
-        # Before anything else runs under the new config: in observe mode no setter may reach the GPU.
-        self.session.set_writable(new.writable_items())
-        self._record_known_good(old_items)
-        self.remediator.reconfigure(new, rules)
-        self.policy.reconfigure(new)
-        if new.services != old_services:
-            self._restart_prober(new)
-            self._restart_inference(new)
-        self.publisher.note_reload()
-        self._publish_socket()
-        log.info("config reloaded", path=str(self.config_path), mode=new.mode.value, moved=moved)
-        return True
-
-    def reload_on_request(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        """The socket's `reload` (what `gpu-agent tune apply` and `undo` ask after writing their
-        drop-in): the same reload as SIGHUP, done by the loop, answered once it is done: `reloaded`,
-        and why not (`error`, `pending_restart`). Refused when the daemon runs another config file."""
-        wanted = params.get("config_path")
-        running = self.config_path
-        if running is None:
-            raise ApiError("the daemon runs on a built-in config: there is no file to reload")
-        if wanted is not None and Path(str(wanted)).resolve() != running.resolve():
-            raise ApiError(f"the daemon runs {running}, not {wanted}: nothing reloaded")
-        done: threading.Event = threading.Event()
-        answer: dict[str, Any] = {}
-        with self._reload_lock:
-            self._reload_waiters.append((done, answer))
-            self.reload_requested.set()
-        self.wake.set()
-        if not done.wait(RELOAD_ANSWER_SECONDS):
-            raise ApiError(f"the daemon did not get to the reload within {RELOAD_ANSWER_SECONDS:g} s")
-        return answer
-
-    def _reload_now(self) -> None:
-        """SIGHUP or `reload`: a reload, and its outcome to every caller that asked before it started
-        (one who asks meanwhile is answered by the next one, which reads what they wrote)."""
-        with self._reload_lock:
-            self.reload_requested.clear()
-            waiters, self._reload_waiters = self._reload_waiters, []
-        reloaded = self.reload()
-        outcome = {
-            "reloaded": reloaded,
-            "error": self.publisher.reload_error,
-            "pending_restart": list(self.publisher.pending_restart),
-            "config_path": str(self.config_path),
-        }
-        for done, answer in waiters:
-            answer.update(outcome)
-            done.set()
-
-    def _load_new_config(self) -> tuple[AgentConfig, LoadedRules] | None:
-        if self.config_path is None:
-            log.warning("reload requested but the daemon runs on a built-in config; nothing to reload")
-            return None
-        self.socket_record.reading()
-        try:
-            new = load_checked_config(self.config_path)
-            rules = load_rules_dir(new)
-        except ConfigError as exc:
-            self._reload_failed("; ".join(str(p) for p in exc.problems))
-            return None
-        return new, rules
-
-    def _publish_socket(self) -> None:
-        """Which socket serves the config this daemon runs, for `gpu-agent status` (socket_record.py)."""
-        api = self.publisher.api
-        self.socket_record.publish(self.config, None if api is None else api.socket_file)
-
-    def _reload_failed(self, message: str) -> None:
-        log.error("config reload failed; keeping the running config", error=message)
-        self.publisher.note_reload(error=message[:300])
-        self.publisher.notifier.status(f"config reload failed, running the previous config: {message}"[:400])
-
-    def _record_known_good(self, changed_before: frozenset[str] = frozenset()) -> None:
-        """For `gpu-agent restore` without a valid config: this backend and the items the agent may
-        have changed and not handed back (fans are handed back on a reload that stops driving them)."""
-        items = (changed_before | self.config.writable_items()) & RESTORABLE_NAMES
-        if FAN_CURVE not in self.config.writable_items():
-            items -= {FAN_CURVE}
-        known_good.record(self.config, items)
-
-    def _restart_prober(self, config: AgentConfig) -> None:
-        if self.prober_thread is not None:
-            self.prober_thread.stop()
-        self.prober = self._new_prober(config)
-        self.prober_thread = ProberThread(self.prober)
-        self.prober_thread.start()
-
-    def _restart_inference(self, config: AgentConfig) -> None:
-        self.inference.stop()
-        self.inference = self._new_inference(config)
-        self.inference.start()
+    def _save_memory(self, now: float | None = None) -> None:
+        self.memory.follow_acks()  # an ack since the loop began is not written over
+        self.memory.save(self.live.clock() if now is None else now)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -429,44 +190,42 @@ class Daemon:
             return  # embedded (tests): the caller stops the daemon through stop_requested
 
         def on_stop(signum: int, _frame: FrameType | None) -> None:
-            self.stop_requested.set()
-            self.wake.set()
+            self.live.stop_requested.set()
+            self.live.wake.set()
 
         def on_hup(_signum: int, _frame: FrameType | None) -> None:
-            self.reload_requested.set()
-            self.wake.set()
+            self.reloader.requested.set()
+            self.live.wake.set()
 
         signal.signal(signal.SIGTERM, on_stop)
         signal.signal(signal.SIGINT, on_stop)
         signal.signal(signal.SIGHUP, on_hup)
 
     def start_services(self) -> None:
-        stale_after = self.timing.stall_seconds(self.config.interval_seconds)
-        self._closers.extend(self.publisher.serve(self.config, stale_after))
-        self._publish_socket()
-        self._closers.append(self.socket_record.withdraw)  # closed before the socket: no record outlives it
-        self._record_known_good()
-        self.kmsg.start()
-        self._closers.append(self.kmsg.stop)
-        self.remediator.start()
+        live = self.live
+        stale_after = live.timing.stall_seconds(live.config.interval_seconds)
+        self._closers.extend(live.publisher.serve(live.config, stale_after))
+        self.reloader.publish_socket()
+        self._closers.append(live.socket_record.withdraw)  # closed before the socket: no record outlives it
+        record_known_good(live.config)
+        live.kmsg.start()
+        self._closers.append(live.kmsg.stop)
+        self.remediator.start()  # opens the store: the node memory loads
         self._closers.append(self.remediator.stop)
         # Before the first loop: the policy loop never sees a setting a killed job left changed unheld.
-        recovery = self.holds.recover(lambda: self.session.backend)
+        recovery = live.holds.recover(live.current_backend)
         self.tune.recover()  # its rows close once recovery has put their settings back
         if recovery is not None:
-            self.remediator.worker.submit_task(recovery)
+            live.lanes.submit_task(recovery)
         # Closed in reverse: after the prober stops, before the store closes, the last streaks are kept.
-        self._closers.append(lambda: self._save_memory(self.clock()))
-        self.prober_thread = ProberThread(self.prober)
-        self.prober_thread.start()
-        self._closers.append(lambda: self.prober_thread.stop() if self.prober_thread else None)
-        self.inference.start()
-        self._closers.append(lambda: self.inference.stop())
+        self._closers.append(self._save_memory)
+        live.start_service_watch()
+        self._closers.append(live.stop_service_watch)
         if self.udev.start():
             self._closers.append(self.udev.stop)
         else:
             log.info("udev not available; GPUs are re-enumerated by polling", reason=self.udev.reason)
-        log.info("serving", metrics=self.config.metrics.listen, socket=self.config.api.socket)
+        log.info("serving", metrics=live.config.metrics.listen, socket=live.config.api.socket)
 
     def run(self) -> int:
         self.install_signal_handlers()
@@ -474,7 +233,7 @@ class Daemon:
         try:
             self.start_services()
             snapshot = self.loop_once()
-            self.publisher.notifier.ready(systemd_status_line(snapshot))
+            self.live.publisher.notifier.ready(systemd_status_line(snapshot))
             self.watchdog.start()
             self._run_loops()
             return 0
@@ -482,30 +241,32 @@ class Daemon:
             self.shutdown()
 
     def _run_loops(self) -> None:
-        next_loop = time.monotonic() + self.config.interval_seconds
-        while not self.stop_requested.is_set():
-            self.wake.wait(max(0.0, next_loop - time.monotonic()))
-            self.wake.clear()
-            if self.stop_requested.is_set():
+        live = self.live
+        next_loop = time.monotonic() + live.config.interval_seconds
+        while not live.stop_requested.is_set():
+            live.wake.wait(max(0.0, next_loop - time.monotonic()))
+            live.wake.clear()
+            if live.stop_requested.is_set():
                 break
-            if self.reload_requested.is_set():
-                self._reload_now()
+            if self.reloader.requested.is_set():
+                self.reloader.run_requested()
             if time.monotonic() < next_loop:
                 self.react()  # woken early by an event
                 continue
             self.loop_once()
-            next_loop += self.config.interval_seconds
+            next_loop += live.config.interval_seconds
             if next_loop < time.monotonic():  # a slow loop: start again now, do not try to catch up
                 next_loop = time.monotonic()
 
     def shutdown(self) -> None:
-        self.stop_requested.set()
-        self.publisher.notifier.stopping()
+        live = self.live
+        live.stop_requested.set()
+        live.publisher.notifier.stopping()
         self.policy.restore_fans()  # fans the agent set to manual go back to automatic on every exit path
         for close in reversed(self._closers):
             with contextlib.suppress(Exception):
                 close()
-        self.session.close()
+        live.session.close()
         self.policy.forget_backend()
-        self.runner.shutdown()
+        live.runner.shutdown()
         log.info("stopped")

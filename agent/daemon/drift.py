@@ -15,8 +15,8 @@ from dataclasses import replace
 from agent.backend.base import GpuIdentity
 from agent.events import Event, EventKind, Severity
 from agent.logger import get_logger
-from agent.policy.base import ItemPlan
-from agent.policy.names import FAN_CURVE
+from agent.names.policy_items import FAN_CURVE
+from agent.policy.plan import ItemPlan
 
 log = get_logger()
 

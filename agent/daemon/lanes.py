@@ -6,6 +6,11 @@ job that changes the node (a restart, a reset, a reboot, a hook, a tune sweep, a
 its footprint, the GPUs it touches (None: the whole node), and runs on a thread of its own as soon
 as no running job and no earlier waiting job overlaps it: two jobs on the same GPU run in the order
 they came, a restart on GPU 1 never waits for a sweep on GPU 0.
+
+A task (`submit_task`: a tune sweep, a recovery) is a node job that is no rule's action: it
+journals itself, and gives up where it safely can once asked (`abort`). The lanes are one of the
+daemon's live parts (agent/daemon/live.py): the action worker puts its remediations on them, the
+advisor its sweeps, and both ask `busy`.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from queue import SimpleQueue
+from typing import Protocol
 
 from agent.logger import get_logger
 from agent.rules.actions.kind import Footprint, Lane
@@ -25,6 +32,18 @@ log = get_logger()
 def overlaps(a: Footprint, b: Footprint) -> bool:
     """Whether two footprints share a GPU (the whole node, None, overlaps everything)."""
     return a is None or b is None or bool(a & b)
+
+
+class Task(Protocol):
+    """A job that is no rule's action (a tune sweep, a recovery): it journals itself, and gives up
+    where it safely can, putting back what it changed, once `abort` is called. `gpus`: what it
+    touches (None: the whole node)."""
+
+    name: str
+    gpus: frozenset[int] | None
+
+    def run(self) -> None: ...
+    def abort(self, reason: str) -> None: ...
 
 
 @dataclass(eq=False)
@@ -49,6 +68,9 @@ class Lanes:
         self._notifying: list[LaneJob] = []  # the notify lane's jobs queued or running
         self._started = False
         self._notify_thread: threading.Thread | None = None
+        # Set once the agent is stopping: a job that starts now gives up at once (a task aborts, an
+        # action is closed unstarted), and a running action sees it (its context's `cancel`).
+        self.stopping = threading.Event()
 
     def start(self) -> None:
         self._notify_thread = threading.Thread(target=self._notify_loop, name="actions-notify", daemon=True)
@@ -66,6 +88,23 @@ class Lanes:
             self._waiting.append(job)
             if self._started:
                 self._dispatch()
+
+    def submit_task(self, task: Task) -> None:
+        """Queue a task behind whatever touches its GPUs."""
+        self.put(LaneJob(task.name, Lane.NODE, task.gpus, partial(self._run_task, task), task.abort))
+
+    def busy(self) -> str | None:
+        """What runs or is queued on the node, or None when the node is quiet."""
+        running = self.running()
+        if running:
+            return f"{running[0].name} is running"
+        waiting = self.waiting()
+        return f"{len(waiting)} job(s) are queued" if waiting else None
+
+    def _run_task(self, task: Task) -> None:
+        if self.stopping.is_set():
+            task.abort("the agent is stopping")
+        task.run()
 
     def running(self) -> list[LaneJob]:
         """The node jobs running now."""

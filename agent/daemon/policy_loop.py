@@ -4,27 +4,29 @@ enforce mode drift is applied. The step runs in its own lane and the loop waits 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
 from functools import partial
+from typing import TYPE_CHECKING
 
-from agent.backend.base import GpuBackend, GpuIdentity
+from agent.backend.base import GpuBackend
 from agent.backend.errors import GpuError
 from agent.config import AgentConfig
-from agent.daemon.bounded import BoundedRunner, StaleGpu
+from agent.daemon.bounded import StaleGpu
 from agent.daemon.drift import DriftBook, ItemKey
-from agent.daemon.session import FaultSink
 from agent.daemon.timing import due, timed
 from agent.events import Event
 from agent.logger import get_logger
+from agent.names.policy_items import FAN_CURVE, GPU_RESET_ITEM
 from agent.policy import fan_curve
-from agent.policy.base import ApplyOutcome, HostContext, ItemPlan, PlanStatus
 from agent.policy.engine import PolicyEngine
-from agent.policy.holds import PolicyHolds
-from agent.policy.names import FAN_CURVE, GPU_RESET_ITEM
+from agent.policy.plan import ApplyOutcome, ItemPlan, PlanStatus
 from agent.policy.profiles import resolve_profile
 from agent.state import CollectorStatus, GpuSample
+
+if TYPE_CHECKING:
+    from agent.daemon.live import Live
 
 log = get_logger()
 
@@ -33,19 +35,13 @@ _PolicyStep = tuple[tuple[ItemPlan, ...], list[ItemPlan], dict[ItemKey, str]]
 
 
 class PolicyLoop:
-    def __init__(
-        self,
-        config: AgentConfig,
-        host: HostContext,
-        runner: BoundedRunner,
-        on_fault: FaultSink,
-        holds: PolicyHolds | None = None,
-    ) -> None:
-        self.config = config
-        self.holds = holds or PolicyHolds()  # GPUs' items a tune sweep drives: never written meanwhile
-        self.host = host
-        self.runner = runner
-        self.on_fault = on_fault
+    """Reads of the daemon's live parts (agent/daemon/live.py): the config of the moment (a reload's
+    is planned whole at the next step), the host, the bounded runner, the backend session (told of
+    every GPU fault) and the ledger of GPU items a job drives (planned, never written meanwhile)."""
+
+    def __init__(self, *, live: Live) -> None:
+        self.live = live
+        self._config = live.config  # the config the last full pass planned against
         self.plans: tuple[ItemPlan, ...] = ()
         self.drift = DriftBook()
         self.status: CollectorStatus | None = None
@@ -53,13 +49,6 @@ class PolicyLoop:
         self.engine: PolicyEngine | None = None
         self.pending: tuple[Future[_PolicyStep], bool] | None = None  # (step still running, full pass?)
         self._planned_readings: dict[tuple[int, str], object] = {}  # the settings read when last planned
-
-    def reconfigure(self, config: AgentConfig) -> None:
-        """A reload: the next loop plans every item again against the new config."""
-        self.config = config
-        if self.engine is not None:
-            self.engine.config = config
-        self.last_full_seconds = float("-inf")
 
     def forget_backend(self) -> None:
         """The backend was closed: a step still running holds the old one, and its result is dropped."""
@@ -71,29 +60,34 @@ class PolicyLoop:
         backend: GpuBackend,
         now: float,
         wait_seconds: float,
-        identities: Mapping[int, GpuIdentity],
         samples: Sequence[GpuSample] = (),
     ) -> list[Event]:
         """Plan (all items every policy interval, the fan curve every loop); apply drift in enforce mode.
 
         A setting the loop's samples read differently from the last plan (someone ran `nvidia-smi -pl`)
         is planned again in this loop: the screen never shows the new reading beside the old verdict."""
+        config = self.live.config
+        if config is not self._config:  # a reload: every item is planned again against the new config
+            self._config = config
+            self.last_full_seconds = float("-inf")
+            if self.engine is not None:
+                self.engine.config = config
         readings = _planned_readings(samples)
         changed = any(self._planned_readings.get(key, value) != value for key, value in readings.items())
-        full = changed or due(now, self.last_full_seconds, self.config.policy_interval_seconds)
-        policy = self.config.policy
+        full = changed or due(now, self.last_full_seconds, config.policy_interval_seconds)
+        policy = config.policy
         wants_fans = any(p.fan_curve is not None for p in (*policy.gpus, *policy.gpu_overrides))
         if not full and not wants_fans:
             return []
         if self.engine is None or self.engine.backend is not backend:
-            self.engine = PolicyEngine(self.config, backend, self.host, self.holds)
+            self.engine = PolicyEngine(config, backend, self.live.host, self.live.holds)
             self.pending = None
         try:
             if self.pending is None:  # a step dropped with its backend may still hold the lane: StaleGpu
-                self.pending = (self.runner.submit("policy", partial(self._run, self.engine, full)), full)
+                self.pending = (self.live.runner.submit("policy", partial(self._run, self.engine, full)), full)
             future, full = self.pending  # possibly a step an earlier loop started
             plans, fixed, failed = timed(
-                "policy", lambda: self.runner.result("policy", future, wait_seconds), self._record
+                "policy", partial(self.live.runner.result, "policy", future, wait_seconds), self._record
             )
         except StaleGpu as exc:
             # Still running: the loop goes on and a later loop takes the result; the collector says so.
@@ -106,7 +100,7 @@ class PolicyLoop:
         self.pending = None
         for plan in plans:
             if plan.error_kind is not None:
-                self.on_fault(f"policy {plan.item}", plan.error_kind)
+                self.live.session.note_fault(f"policy {plan.item}", plan.error_kind)
         plans = self.drift.note_apply_failures(plans, failed)
         if full:
             self.last_full_seconds = now
@@ -114,7 +108,7 @@ class PolicyLoop:
             self._planned_readings.update(readings)
         else:
             self.plans = _merge_plans(self.plans, plans)
-        return self.drift.fixed(fixed, identities, now)
+        return self.drift.fixed(fixed, self.live.collector.identities, now)
 
     def fan_gpus(self, config: AgentConfig) -> set[int]:
         """The GPUs whose fans `config` drives from a curve (the fan curve enforced, the GPU's profile has one)."""
@@ -128,20 +122,20 @@ class PolicyLoop:
         """A reload: the GPUs whose fans the running config drove and `new` does not (observe mode,
         `modes.fan_curve: observe`, the curve removed) get automatic control back. Runs before the
         write guard takes the new config, which may no longer allow fan writes."""
-        released = self.fan_gpus(self.config) - self.fan_gpus(new)
+        released = self.fan_gpus(self.live.config) - self.fan_gpus(new)
         if released:
             self.restore_fans(released)
 
     def restore_fans(self, gpus: Collection[int] | None = None) -> None:
         """Fans the agent set to manual go back to automatic: on every exit path (all GPUs, when the
         config lets the agent drive fans), and for `gpus` when a reload stops owning them."""
-        if self.engine is None or FAN_CURVE not in self.config.writable_items():
+        if self.engine is None or FAN_CURVE not in self.live.config.writable_items():
             return
         for gpu, ctx in sorted(self.engine.state.contexts.items()):
             if gpus is not None and gpu not in gpus:
                 continue
             try:
-                result = self.runner.run(f"gpu{gpu}", partial(fan_curve.restore, ctx), timeout_seconds=5.0)
+                result = self.live.runner.run(f"gpu{gpu}", partial(fan_curve.restore, ctx), timeout_seconds=5.0)
             except (StaleGpu, GpuError) as exc:
                 log.error("could not restore automatic fan control", gpu=gpu, error=str(exc))
                 continue
@@ -152,7 +146,7 @@ class PolicyLoop:
 
     def _run(self, engine: PolicyEngine, full: bool) -> _PolicyStep:
         items = None if full else {FAN_CURVE}
-        if not self.config.writable_items() - {GPU_RESET_ITEM}:
+        if not self.live.config.writable_items() - {GPU_RESET_ITEM}:
             return engine.plan(only=items).items, [], {}
         # apply() only writes items whose plan was read completely and says DRIFT: an item with any
         # failed read is an ERROR plan and is skipped, never half-applied.
@@ -165,7 +159,7 @@ class PolicyLoop:
         self.pending = None
         log.error("policy step failed", error=str(exc))
         if isinstance(exc, GpuError):
-            self.on_fault("policy", exc.kind)
+            self.live.session.note_fault("policy", exc.kind)
         # What the last pass said is no longer known to hold.
         self.plans = tuple(_unknown_plan(p, exc) if full or p.item == FAN_CURVE else p for p in self.plans)
 

@@ -20,8 +20,7 @@ from agent.daemon.sd_notify import SdNotifier
 from agent.events import HealthState
 from agent.host.paths import HostPaths
 from agent.state import NodeSnapshot
-from agent.store.node_memory import expected_gpu_count
-from agent.verdict import AttentionCause, attention_items, drifted, node_problem
+from agent.verdict import AttentionCause, attention_items, drifted, expected_gpu_count, node_problem
 
 if TYPE_CHECKING:
     from agent.api_server import ApiServer
@@ -59,7 +58,7 @@ class Publisher:
 
     def publish(self, snapshot: NodeSnapshot) -> NodeSnapshot:
         """A loop's snapshot, with the expected GPU count: to the readers and, as one line, to systemd."""
-        # Node memory (agent.store.node_memory) keeps a GPU that left the bus in the snapshot, down, until it answers
+        # Node memory (agent/node_memory/) keeps a GPU that left the bus in the snapshot, down, until it answers
         # or is acknowledged gone: the snapshot's GPUs are the ones this node should have.
         snapshot = replace(
             snapshot, expected_gpus=expected_gpu_count(snapshot) or None, published_monotonic_seconds=time.monotonic()
@@ -88,8 +87,8 @@ class Publisher:
     def serve(self, config: AgentConfig, stale_after_seconds: float) -> list[Callable[[], None]]:
         """The metrics endpoint and the status API; what closes them."""
         from agent.api_server import ApiServer
-        from agent.metrics.catalog import FamilySwitches
         from agent.metrics.server import serve_metrics
+        from agent.names.metric_families import FamilySwitches
 
         self.hostname = HostPaths.at(config.host_root).hostname()
         self.metrics = serve_metrics(
@@ -108,8 +107,8 @@ class Publisher:
         """The listeners `new` moves, bound anew before the old ones close; what moved, for the log.
         Raises ListenerError, with the running listeners untouched, when one cannot be bound."""
         from agent.api_server import ApiServer
-        from agent.metrics.catalog import FamilySwitches
         from agent.metrics.server import serve_metrics
+        from agent.names.metric_families import FamilySwitches
 
         if self.metrics is None or self.api is None:
             return []  # not serving (an embedded daemon): nothing to move

@@ -7,9 +7,10 @@ meanwhile wait, bounded, and none is lost or handled twice."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agent.config import AgentConfig
 from agent.daemon.action_worker import ActionWorker, target_fields
@@ -17,22 +18,20 @@ from agent.daemon.alert_delivery import AlertDelivery
 from agent.daemon.timing import due
 from agent.events import Event
 from agent.logger import get_logger
-from agent.policy.holds import PolicyHolds
-from agent.rules.actions.alertmanager import AlertTracker
-from agent.rules.actions.context import ActionContext
 from agent.rules.actions.dispatch import observe_mode
-from agent.rules.actions.footprint import footprint
 from agent.rules.config import Rule, load_rules
 from agent.rules.engine import evaluate, gpus_by_service
 from agent.rules.model import ActionOutcome, Decision, Outcome
 from agent.rules.sources import describe as describe_rules
 from agent.rules.sources import resolve_rules
-from agent.services.managers import ServiceManager
 from agent.state import CollectorStatus, NodeSnapshot, RecentRemediation, RemediationCount
-from agent.store.attempt_clock import AttemptClock, ClockReading
+from agent.store.attempt_clock import ClockReading
 from agent.store.database import Store, StoredRemediation, StoreError
 from agent.store.db import TableCache
 from agent.watch.episodes import Episodes
+
+if TYPE_CHECKING:
+    from agent.daemon.live import Live
 
 log = get_logger()
 
@@ -51,53 +50,39 @@ def _recent(stored: Sequence[StoredRemediation]) -> Iterator[RecentRemediation]:
         yield RecentRemediation(r.started_seconds, r.rule, r.action, r.target_key, r.outcome.value, shown)
 
 
+def _read_counts(store: Store) -> tuple[RemediationCount, ...]:
+    return tuple(store.remediation_counts())
+
+
+def _read_recent(store: Store) -> tuple[RecentRemediation, ...]:
+    return tuple(_recent(store.remediations(limit=RECENT_REMEDIATIONS)))
+
+
 class Remediator:
-    def __init__(
-        self,
-        config: AgentConfig,
-        context: Callable[[AlertTracker], ActionContext | None],
-        on_reset: Callable[[int], None],
-        clock: Callable[[], float],
-        attempt_clock: AttemptClock | None = None,
-        managers: Callable[[AgentConfig], Mapping[str, ServiceManager]] | None = None,
-        holds: PolicyHolds | None = None,
-    ) -> None:
-        self.config = config
-        self.store: Store | None = None
+    """Reads of the daemon's live parts (agent/daemon/live.py): the config of the moment, the store
+    (which it opens, and opens again after it could not), the attempt clock and the alert tracker."""
+
+    def __init__(self, *, live: Live) -> None:
+        self.live = live
         self.rules: list[Rule] = []
         self.rules_sources: tuple[str, ...] = ()
         self.rules_read = False  # the rules dirs were read (start, reload): `rules` is what they gave
-        self.episodes = Episodes(config.state_dir)
-        self.alerts = AlertTracker()
-        self.alert_delivery = AlertDelivery(self.alerts)
-        self.attempt_clock = attempt_clock or AttemptClock("")
-        self.worker = ActionWorker(
-            lambda: context(self.alerts),
-            lambda: self.store,
-            on_reset,
-            clock,
-            self.attempt_clock,
-            (lambda: (self.config, managers(self.config))) if managers is not None else None,
-            lambda decision: footprint(decision, self.config),
-            holds,
-        )
+        self.episodes = Episodes(live.config.state_dir)  # state_dir never changes while the daemon runs
+        self.alert_delivery = AlertDelivery(live.alerts)
+        self.worker = ActionWorker(live=live)
         self.status: CollectorStatus | None = None
         self._store_failed_monotonic: float | None = None  # when opening the store last failed
         self._unstored: list[Event] = []  # keyed events the store could not take yet
         self._last_alert_refresh_seconds = 0.0
         # Shown every loop, changed by a remediation now and then: read again only after a write.
-        self._counts: TableCache[Store, tuple[RemediationCount, ...]] = TableCache(
-            "remediation_totals", lambda store: tuple(store.remediation_counts())
-        )
-        self._recent: TableCache[Store, tuple[RecentRemediation, ...]] = TableCache(
-            "remediations", lambda store: tuple(_recent(store.remediations(limit=RECENT_REMEDIATIONS)))
-        )
+        self._counts = TableCache("remediation_totals", _read_counts)
+        self._recent = TableCache("remediations", _read_recent)
 
     def start(self) -> None:
         """The rules, the event store and the action worker; a store that cannot open is retried later."""
-        self.reconfigure(self.config, load_rules_dir(self.config))
+        self.reconfigure(load_rules_dir(self.live.config))
         try:
-            self.store = Store.open(self.config.state_dir)
+            store = Store.open(self.live.config.state_dir)
         except StoreError as exc:
             log.error(
                 "event store unavailable: remediation is off until it can be opened",
@@ -106,19 +91,19 @@ class Remediator:
             )
             self.status = CollectorStatus("remediation", False, 0.0, str(exc))
             self._store_failed_monotonic = time.monotonic()
-        if self.store is not None:
-            self._recover(self.store)
+        else:
+            self._opened(store)
         self.worker.start()
         self.alert_delivery.start()
 
     def stop(self) -> None:
         self.worker.stop()
         self.alert_delivery.stop()
-        if self.store is not None:
-            self.store.close()
+        if self.live.store is not None:
+            self.live.store.close()
 
-    def reconfigure(self, config: AgentConfig, loaded: LoadedRules) -> None:
-        self.config = config
+    def reconfigure(self, loaded: LoadedRules) -> None:
+        """The rules a reload read (the config they go with is the live one)."""
         self.rules = loaded.rules
         self.rules_sources = loaded.sources
         self.rules_read = True
@@ -126,7 +111,7 @@ class Remediator:
     def rules_loaded(self) -> int | None:
         """How many rules run, for the verdict; None before the dirs were read or with remediation
         turned off (`remediation.rules_dirs: []`)."""
-        return len(self.rules) if self.rules_read and self.config.remediation.rules_dirs else None
+        return len(self.rules) if self.rules_read and self.live.config.remediation.rules_dirs else None
 
     def remediate(self, snapshot: NodeSnapshot, events: Sequence[Event], now: float) -> None:
         """Store new events, evaluate the rules (pure), queue the actions: the loop never waits on one."""
@@ -152,20 +137,22 @@ class Remediator:
         self._refresh_alerts(events, now)
 
     def counts(self) -> tuple[RemediationCount, ...]:
-        if self.store is None:
+        store = self.live.store
+        if store is None:
             return ()
         try:
-            return self._counts.get(self.store)
+            return self._counts.get(store)
         except StoreError as exc:
             log.error("cannot read remediation counts", error=str(exc))
             return ()
 
     def recent(self) -> tuple[RecentRemediation, ...]:
         """The newest decisions, for the status screen."""
-        if self.store is None:
+        store = self.live.store
+        if store is None:
             return ()
         try:
-            return self._recent.get(self.store)
+            return self._recent.get(store)
         except StoreError as exc:
             log.error("cannot read recent remediations", error=str(exc))
             return ()
@@ -173,7 +160,7 @@ class Remediator:
     def _evaluate(self, store: Store, snapshot: NodeSnapshot, keyed_events: list[Event], now: float) -> None:
         new = [keyed for keyed in keyed_events if store.record_event(keyed)]
         history = self.worker.history(store, now)
-        services = gpus_by_service(self.config.services)
+        services = gpus_by_service(self.live.config.services)
         for decision in evaluate(snapshot, new, self.rules, history, now, services):
             self._act(decision, now)
         for event in new:
@@ -183,11 +170,11 @@ class Remediator:
         # In observe mode an action that changes the node is recorded as what the agent would have
         # done, never queued: the operator sees the decision, and a refusal keeps meaning a safety
         # check said no.
-        observed = observe_mode(decision, self.config.mode)
+        observed = observe_mode(decision, self.live.config.mode)
         if decision.action is None or decision.dry_run or observed is not None:
             outcome = Outcome.SUPPRESSED if decision.action is None else Outcome.DRY_RUN
             detail = observed.detail if observed is not None else decision.reason
-            self._record(ActionOutcome(decision, outcome, detail, now, now), self.attempt_clock.reading(now))
+            self._record(ActionOutcome(decision, outcome, detail, now, now), self.live.attempt_clock.reading(now))
             log.info(
                 f"action {outcome.value}",
                 rule=decision.rule,
@@ -211,10 +198,13 @@ class Remediator:
         self.alert_delivery.resolve_cleared(list(events))
         if due(now, self._last_alert_refresh_seconds, ALERT_REFRESH_SECONDS):
             self._last_alert_refresh_seconds = now
-            if self.alerts.active():
+            if self.live.alerts.active():
                 self.alert_delivery.refresh()
 
-    def _recover(self, store: Store) -> None:
+    def _opened(self, store: Store) -> None:
+        """The store is open: every part reads it from now on (the node memory loads), and what an
+        earlier run left half-done is rolled back first."""
+        self.live.store_opened(store)
         try:
             self.worker.recover(store)
         except StoreError as exc:
@@ -222,20 +212,20 @@ class Remediator:
 
     def _reopen_store(self) -> Store | None:
         """A store that could not be opened (state dir full, read-only) is tried again now and then."""
-        if self.store is not None or self._store_failed_monotonic is None:
-            return self.store
+        if self.live.store is not None or self._store_failed_monotonic is None:
+            return self.live.store
         if time.monotonic() - self._store_failed_monotonic < STORE_RETRY_SECONDS:
             return None
         try:
-            self.store = Store.open(self.config.state_dir)
+            store = Store.open(self.live.config.state_dir)
         except StoreError as exc:
             self._store_failed_monotonic = time.monotonic()
             self.status = CollectorStatus("remediation", False, 0.0, str(exc))
             return None
-        log.info("event store open again: remediation resumes", path=str(self.store.path))
-        self._recover(self.store)
+        log.info("event store open again: remediation resumes", path=str(store.path))
+        self._opened(store)
         self._store_failed_monotonic = None
-        return self.store
+        return store
 
     def _keep_unstored(self, keyed_events: list[Event]) -> None:
         """Events the store could not take wait for the next loop (bounded: a store down for days must
@@ -246,10 +236,11 @@ class Remediator:
         self._unstored = keyed_events[-MAX_UNSTORED_EVENTS:]
 
     def _record(self, outcome: ActionOutcome, reading: ClockReading) -> None:
-        if self.store is None:
+        store = self.live.store
+        if store is None:
             return
         try:
-            self.store.record_outcome(outcome, reading)
+            store.record_outcome(outcome, reading)
         except StoreError as exc:
             log.error("could not record a remediation", error=str(exc), rule=outcome.decision.rule)
 

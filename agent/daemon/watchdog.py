@@ -5,19 +5,22 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from agent.daemon.sd_notify import SdNotifier
 from agent.logger import get_logger
+
+if TYPE_CHECKING:
+    from agent.daemon.live import Live
 
 log = get_logger()
 
 
 class Watchdog:
-    def __init__(self, notifier: SdNotifier, stall_seconds: Callable[[], float], stop: threading.Event) -> None:
-        self.notifier = notifier
-        self.stall_seconds = stall_seconds  # how late the loop may be (follows a reloaded interval)
-        self.stop = stop
+    """Reads of the daemon's live parts (agent/daemon/live.py): systemd's notifier, the stop flag,
+    and the loop's interval of the moment (how late the loop may be follows a reloaded interval)."""
+
+    def __init__(self, *, live: Live) -> None:
+        self.live = live
         self.heartbeat_seconds = time.monotonic()
         self._thread: threading.Thread | None = None
 
@@ -26,19 +29,20 @@ class Watchdog:
         self.heartbeat_seconds = time.monotonic()
 
     def loop_healthy(self) -> bool:
-        return time.monotonic() - self.heartbeat_seconds <= self.stall_seconds()
+        live = self.live
+        return time.monotonic() - self.heartbeat_seconds <= live.timing.stall_seconds(live.config.interval_seconds)
 
     def start(self) -> None:
         """Ping at half the period systemd asked for, if it asked (WATCHDOG_USEC)."""
-        period = self.notifier.watchdog_seconds
+        period = self.live.publisher.notifier.watchdog_seconds
         if period is None:
             return
         self._thread = threading.Thread(target=self._ping, args=(period / 2,), name="watchdog", daemon=True)
         self._thread.start()
 
     def _ping(self, period_seconds: float) -> None:
-        while not self.stop.wait(period_seconds):
+        while not self.live.stop_requested.wait(period_seconds):
             if self.loop_healthy():
-                self.notifier.watchdog()
+                self.live.publisher.notifier.watchdog()
             else:
                 log.error("main loop stalled: withholding watchdog pings so systemd restarts the agent")

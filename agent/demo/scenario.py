@@ -34,7 +34,7 @@ from agent import api
 from agent.demo import standin, standin_process
 from agent.demo.alertmanager import DemoAlertmanager, find_alertmanager
 from agent.host import safe_json
-from agent.policy.names import POWER_LIMIT
+from agent.names.policy_items import POWER_LIMIT
 
 SERVICE_PID_FILE = "sglang.pid"  # the stand-in inference server's, in the demo directory
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

@@ -11,7 +11,7 @@ are built on them, not on raw readings: `gpu_agent_gpu_health{state}` and `_heal
 `gpu_agent_policy_drift`, `gpu_agent_reboot_recommended`, `gpu_agent_backend_up`,
 `gpu_agent_node_problem{cause}`. Labels carry identities and bounded codes, never free text or pids.
 
-Every series belongs to a named family (agent/metrics/catalog.py): `metrics.families` switches
+Every series belongs to a named family (agent/names/metric_families.py): `metrics.families` switches
 them, and a family that is off lists only its notable series (a counter that counted, a fault that
 is open). The health one-hot, the node's verdicts and the per-GPU Xid total are present from 0.
 

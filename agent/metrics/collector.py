@@ -8,9 +8,9 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from agent.metrics import gpu, node, tune
-from agent.metrics.catalog import DEFAULT_SWITCHES, FamilySwitches
 from agent.metrics.families import Families, gpu_uuids
-from agent.services.export import service_metric_families
+from agent.metrics.services import service_metric_families
+from agent.names.metric_families import DEFAULT_SWITCHES, FamilySwitches
 from agent.state import NodeSnapshot
 from agent.version import current as current_build
 

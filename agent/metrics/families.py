@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from agent.metrics.catalog import DEFAULT_SWITCHES, FAMILIES, FamilySwitches
+from agent.names.metric_families import DEFAULT_SWITCHES, FAMILIES, FamilySwitches
 from agent.printable import printable
 from agent.readings.row import Notable, never
 from agent.state import NodeSnapshot
@@ -21,7 +21,7 @@ def flag(value: bool | None) -> float | None:
 class Families:
     """Metric families of one scrape, in first-use order; empty ones are not exposed.
 
-    Every series is added under the name of its family (agent/metrics/catalog.py): a family the
+    Every series is added under the name of its family (agent/names/metric_families.py): a family the
     switches show is written whole, one they do not show keeps only its `notable` series."""
 
     def __init__(self, switches: FamilySwitches = DEFAULT_SWITCHES) -> None:

@@ -7,13 +7,12 @@ from collections.abc import Mapping
 
 from agent.config import Mode
 from agent.metrics.families import Families, flag, gpu_label, gpu_uuids
-from agent.policy.base import PlanStatus
-from agent.policy.names import DRIVER, NEXT_BOOT
+from agent.names.policy_items import DRIVER, NEXT_BOOT
+from agent.policy.plan import PlanStatus
 from agent.readings.row import nonzero
 from agent.rules.model import Outcome
 from agent.state import NodeSnapshot
-from agent.store.node_memory import expected_gpu_count
-from agent.verdict import AttentionCause, NodeProblem, attention_items, is_drift, node_problem
+from agent.verdict import AttentionCause, NodeProblem, attention_items, expected_gpu_count, is_drift, node_problem
 
 #: Plan statuses listed with the policy_detail family off: an item that could not be read, or waits
 #: for a reboot (drift is gpu_agent_policy_drift's; in sync and not applicable need nobody).

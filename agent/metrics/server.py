@@ -21,8 +21,8 @@ from prometheus_client.registry import CollectorRegistry
 
 from agent.api_server import ServingThread
 from agent.logger import get_logger
-from agent.metrics.catalog import DEFAULT_SWITCHES, FamilySwitches
 from agent.metrics.collector import SnapshotCollector, SnapshotGetter
+from agent.names.metric_families import DEFAULT_SWITCHES, FamilySwitches
 from agent.state import NodeSnapshot
 from agent.verdict import attention_items, node_problem
 

@@ -27,8 +27,9 @@ from agent.host.driver import (
     fabric_manager_matches,
     version_tuple,
 )
-from agent.policy.base import CUDA_TOO_OLD_FACT, HostContext, ItemPlan, PlanStatus
+from agent.policy.base import HostContext
 from agent.policy.item import HostItem, Planned, planned
+from agent.policy.plan import CUDA_TOO_OLD_FACT, ItemPlan, PlanStatus
 from agent.policy.report_only import OperatorTask, refuse
 
 _WHY = "the agent never installs or removes drivers"

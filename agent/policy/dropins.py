@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field
 
@@ -26,6 +27,7 @@ from agent.config import (
     GpuProfile,
     PolicyConfig,
     StrictModel,
+    load_config,
     parse_yaml,
     read_trusted_text,
     validate_model,
@@ -138,3 +140,19 @@ def without_dropin(policy: PolicyConfig, name: str = TUNE_DROPIN) -> PolicyConfi
     `tune apply` compares with, so an earlier `tune apply` never counts as the operator's policy."""
     kept = [override for override in policy.gpu_overrides if not from_dropin(override, name)]
     return policy if len(kept) == len(policy.gpu_overrides) else policy.model_copy(update={"gpu_overrides": kept})
+
+
+def load_checked_config(path: str | Path, dropin_edits: Mapping[str, str | None] | None = None) -> AgentConfig:
+    """The config in `path` (agent.config.load_config) with the check only the simulator can make: a
+    `simulated.profile` that does not load is a ConfigError naming the file, line and key, so
+    check-config, `run` and a reload report it instead of the backend failing when it opens. Then
+    the policy drop-ins beside it (`dropin_edits` as `with_dropins` takes them)."""
+    config = load_config(path, checks=[(("simulated", "profile"), _validate_profile)])
+    return with_dropins(config, path, dropin_edits)
+
+
+def _validate_profile(value: Any) -> str:
+    # The simulator loads only for a config that names a profile: an NVML node's config never does.
+    from agent.backend.sim.profiles import validate_profile
+
+    return validate_profile(value)

@@ -9,9 +9,10 @@ from typing import Final
 
 from agent.backend.base import EnabledPending
 from agent.config import EnabledState
-from agent.policy.base import GpuContext, ItemPlan, PlanStatus
+from agent.policy.base import GpuContext
 from agent.policy.gpu_item import ProfileGpuItem, enabled_text
 from agent.policy.item import Planned, planned
+from agent.policy.plan import ItemPlan, PlanStatus
 
 
 def _mode_text(mode: EnabledPending) -> str:

@@ -17,17 +17,10 @@ from typing import Any, TypeVar
 from agent.backend.base import GpuBackend, GpuIdentity
 from agent.backend.errors import GpuError, WriteRefused
 from agent.config import AgentConfig, Mode
-from agent.policy.base import (
-    HELD_BY_ENDED_JOB_FACT,
-    ApplyOutcome,
-    GpuContext,
-    HostContext,
-    ItemPlan,
-    ItemResult,
-    PlanStatus,
-)
+from agent.policy.base import GpuContext, HostContext
 from agent.policy.holds import PolicyHolds
 from agent.policy.item import Change, PolicyItem, enforce, plan_item, result_without_write
+from agent.policy.plan import HELD_BY_ENDED_JOB_FACT, ApplyOutcome, ItemPlan, ItemResult, PlanStatus
 from agent.policy.profiles import ResolvedProfile, resolve_profile
 from agent.policy.registry import GPU_ITEMS, NODE_ITEMS, RESTORABLE_ITEMS, RESTORABLE_NAMES
 

@@ -17,10 +17,11 @@ from typing import Final
 
 from agent.backend.errors import GpuError, GpuErrorKind
 from agent.config import FanCurve
-from agent.policy.base import GpuContext, ItemPlan, ItemResult, PlanStatus
+from agent.names.policy_items import FAN_CURVE
+from agent.policy.base import GpuContext
 from agent.policy.gpu_item import ProfileGpuItem, not_applicable_plan, run_restore
 from agent.policy.item import Planned, RestorableGpuItem, compared, planned
-from agent.policy.names import FAN_CURVE
+from agent.policy.plan import ItemPlan, ItemResult, PlanStatus
 
 _NO_FANS = "has no fans: no fan curve to enforce"
 # A fan at a manual speed reads back within a point or two of what was set; closer is in sync.

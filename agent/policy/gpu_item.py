@@ -20,9 +20,10 @@ from typing import Any, Final, TypeVar
 
 from agent.backend.errors import GpuError, GpuErrorKind
 from agent.config import GpuProfile
-from agent.policy.base import ApplyOutcome, GpuContext, ItemPlan, ItemResult, PlanStatus, describe_error
+from agent.names.policy_items import GpuItemName
+from agent.policy.base import GpuContext, describe_error
 from agent.policy.item import Change, GpuItem, Planned, planned
-from agent.policy.names import GpuItemName
+from agent.policy.plan import ApplyOutcome, ItemPlan, ItemResult, PlanStatus
 
 C = TypeVar("C", bound=Change)
 W = TypeVar("W")

@@ -19,8 +19,9 @@ from typing import Final, Generic, Literal, Protocol, TypeVar, runtime_checkable
 
 from agent.backend.errors import GpuError, WriteRefused
 from agent.config import AgentConfig, GpuProfile, NodePolicy
-from agent.policy.base import ApplyOutcome, GpuContext, HostContext, ItemPlan, ItemResult, PlanStatus, describe_error
-from agent.policy.names import GpuItemName, ItemName, NodeItemName
+from agent.names.policy_items import GpuItemName, ItemName, NodeItemName
+from agent.policy.base import GpuContext, HostContext, describe_error
+from agent.policy.plan import ApplyOutcome, ItemPlan, ItemResult, PlanStatus
 
 Scope = Literal["gpu", "node"]
 

@@ -11,9 +11,10 @@ from typing import Final
 from agent.backend.base import ClockDomain
 from agent.backend.errors import GpuError, GpuErrorKind
 from agent.config import LockedClocks
-from agent.policy.base import GpuContext, ItemPlan, ItemResult, PlanStatus
+from agent.policy.base import GpuContext
 from agent.policy.gpu_item import ProfileGpuItem, not_applicable_plan, run_restore
 from agent.policy.item import Planned, RestorableGpuItem, compared, planned
+from agent.policy.plan import ItemPlan, ItemResult, PlanStatus
 
 # The domains this item manages, with what nvidia-smi calls their lock and reset flags.
 _DOMAINS: tuple[tuple[ClockDomain, str, str, str], ...] = (

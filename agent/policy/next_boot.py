@@ -23,8 +23,9 @@ from agent.backend.errors import GpuError
 from agent.config import AgentConfig, NodePolicy
 from agent.host.boot import NOT_MANAGED, BootReadiness, boot_signature, check_next_boot, host_tool_runner
 from agent.host.paths import HostPaths
-from agent.policy.base import HostContext, ItemPlan, PlanStatus
+from agent.policy.base import HostContext
 from agent.policy.item import HostItem, Planned, planned
+from agent.policy.plan import ItemPlan, PlanStatus
 from agent.policy.report_only import OperatorTask, refuse
 
 RECHECK_SECONDS = 3600.0

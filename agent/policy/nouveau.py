@@ -18,8 +18,9 @@ from typing import Final, Literal
 from agent.config import AgentConfig, NodePolicy
 from agent.host.paths import HostPaths
 from agent.policy import next_boot
-from agent.policy.base import HostContext, ItemPlan, PlanStatus
+from agent.policy.base import HostContext
 from agent.policy.item import ChangeFailed, HostItem, Planned, planned
+from agent.policy.plan import ItemPlan, PlanStatus
 
 CONF = "/etc/modprobe.d/gpu-agent-nouveau.conf"
 CONF_CONTENT = (

@@ -6,9 +6,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from agent.policy.base import GpuContext, ItemPlan, ItemResult, PlanStatus
+from agent.policy.base import GpuContext
 from agent.policy.gpu_item import POWER_TOLERANCE_WATTS, ProfileGpuItem, format_watts, run_restore
 from agent.policy.item import Planned, RestorableGpuItem, compared, planned
+from agent.policy.plan import ItemPlan, ItemResult, PlanStatus
 
 
 @dataclass(frozen=True)

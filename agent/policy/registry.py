@@ -1,4 +1,4 @@
-"""Every policy item implementation, keyed by its name in `agent.policy.names`.
+"""Every policy item implementation, keyed by its name in `agent.names.policy_items`.
 
 The names module decides which items exist and their order; this module pairs each name with
 its implementation and fails at import if one is missing or misnamed, so a new item cannot be
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from agent.names.policy_items import GPU_ITEM_NAMES, NODE_ITEM_NAMES, GpuItemName, NodeItemName
 from agent.policy import (
     driver,
     ecc,
@@ -23,7 +24,6 @@ from agent.policy import (
     vbios,
 )
 from agent.policy.item import GpuItem, NodeItem, RestorableGpuItem
-from agent.policy.names import GPU_ITEM_NAMES, NODE_ITEM_NAMES, GpuItemName, NodeItemName
 
 _GPU: dict[GpuItemName, GpuItem[Any, Any]] = {
     item.name: item
@@ -37,7 +37,7 @@ _NODE: dict[NodeItemName, NodeItem[Any, Any]] = {
 GPU_ITEMS: tuple[GpuItem[Any, Any], ...] = tuple(_GPU.pop(name) for name in GPU_ITEM_NAMES)
 NODE_ITEMS: tuple[NodeItem[Any, Any], ...] = tuple(_NODE.pop(name) for name in NODE_ITEM_NAMES)
 if _GPU or _NODE:
-    raise ImportError(f"policy items without a name in agent.policy.names: {sorted([*_GPU, *_NODE])}")
+    raise ImportError(f"policy items without a name in agent.names.policy_items: {sorted([*_GPU, *_NODE])}")
 
 #: What `gpu-agent restore` resets, fans first: a fan left at a fixed low speed is the failure
 #: restore exists to prevent.

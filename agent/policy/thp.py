@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Final
 
 from agent.config import AgentConfig, NodePolicy, TransparentHugepages
-from agent.policy.base import HostContext, ItemPlan, PlanStatus
+from agent.policy.base import HostContext
 from agent.policy.item import ChangeFailed, HostItem, Planned, compared, planned
+from agent.policy.plan import ItemPlan, PlanStatus
 
 SYSFS_DIR = "/sys/kernel/mm/transparent_hugepage"
 SETTINGS = ("enabled", "defrag")

@@ -23,7 +23,7 @@ from functools import partial
 from typing import Any, Protocol
 
 from agent.backend.base import ClockDomain, GpuBackend
-from agent.policy.names import LOCKED_CLOCKS, POWER_LIMIT
+from agent.names.policy_items import LOCKED_CLOCKS, POWER_LIMIT
 
 #: A setting's value: a power limit in watts, or a graphics clock lock (min, max MHz; None: unlocked).
 SettingValue = float | tuple[int, int] | None

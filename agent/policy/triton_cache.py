@@ -23,8 +23,9 @@ from typing import Final
 
 from agent.config import AgentConfig, NodePolicy
 from agent.host import safe_fs
-from agent.policy.base import HostContext, ItemPlan, PlanStatus
+from agent.policy.base import HostContext
 from agent.policy.item import ChangeFailed, HostItem, Planned, compared, planned
+from agent.policy.plan import ItemPlan, PlanStatus
 
 SYSTEMD_DIR = "/etc/systemd/system"
 DROPIN_NAME = "gpu-agent-triton.conf"

@@ -8,9 +8,10 @@ from collections.abc import Sequence
 from typing import Final
 
 from agent.host.driver import vbios_tuple
-from agent.policy.base import GpuContext, ItemPlan, PlanStatus
+from agent.policy.base import GpuContext
 from agent.policy.gpu_item import ProfileGpuItem
 from agent.policy.item import Planned, planned
+from agent.policy.plan import ItemPlan, PlanStatus
 from agent.policy.report_only import OperatorTask, refuse
 
 

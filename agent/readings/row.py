@@ -116,7 +116,7 @@ def counter(name: str, help: str) -> Metric:
 Series = Callable[[Any, Any], Iterable[tuple[Labels, Any]]]
 
 #: Whether one series (its labels, its value in base units) is worth showing while its family is
-#: switched off (agent/metrics/catalog.py): a counter or flag that is not 0, a link that is down.
+#: switched off (agent/names/metric_families.py): a counter or flag that is not 0, a link that is down.
 Notable = Callable[[Mapping[str, str], float], bool]
 
 
@@ -264,7 +264,7 @@ def reading(
     notable: Notable = never,
 ) -> Any:
     """A `GpuSample` field that is a reading (None until read), and its row. `notable`: which of its
-    series `/metrics` shows while `family` is switched off (agent/metrics/catalog.py)."""
+    series `/metrics` shows while `family` is switched off (agent/names/metric_families.py)."""
     if dcgm and metric is None:
         raise ValueError("a dcgm-exporter field records a metric: give the row one")
     row = Row(

@@ -723,7 +723,7 @@ class GpuSample:
     )
     # Compute processes with their GPU memory, for `status` and the attribution to services; not a
     # metric: a pid label would add a series per process incarnation. /metrics has the memory per
-    # service and, for processes of no service, per command name (agent/services/export.py).
+    # service and, for processes of no service, per command name (agent/metrics/services.py).
     processes: tuple[GpuProcess, ...] | None = reading(
         slow(lambda b, gpu: tuple(b.compute_processes(gpu)), remember_unsupported=True), family="processes"
     )

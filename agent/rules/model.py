@@ -15,7 +15,7 @@ from agent.rules.params import ActionParams
 
 
 class Outcome(str, Enum):
-    """How a Decision went. (How a policy item's apply went is agent.policy.base.ApplyOutcome.)"""
+    """How a Decision went. (How a policy item's apply went is agent.policy.plan.ApplyOutcome.)"""
 
     SUCCESS = "success"
     FAILED = "failed"

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import psutil
 
@@ -27,28 +26,10 @@ from agent.backend.base import GpuProcess
 from agent.config import ServiceConfig
 from agent.host.paths import HostPaths
 from agent.printable import printable
+from agent.state import GpuAttribution, GpuProcessInfo
 
 # /proc/PID/comm is 16 bytes, a cgroup line a path; far more is not what /proc gives.
 _PROC_LIMIT_BYTES = 64 * 1024
-
-
-@dataclass(frozen=True)
-class GpuProcessInfo:
-    """A GPU process that belongs to no configured service."""
-
-    pid: int
-    gpu: int
-    uuid: str
-    used_memory_bytes: int | None
-    unit: str | None  # the systemd unit it runs in, when it runs in one
-    command: str  # /proc/PID/comm, "" when unreadable
-
-
-@dataclass(frozen=True)
-class GpuAttribution:
-    memory_bytes: dict[str, dict[int, int]] = field(default_factory=dict)  # service -> GPU index -> bytes
-    pids: dict[str, tuple[int, ...]] = field(default_factory=dict)  # service -> its GPU processes
-    unattributed: tuple[GpuProcessInfo, ...] = ()
 
 
 def unit_of_pid(pid: int, paths: HostPaths) -> str | None:

@@ -27,10 +27,10 @@ With these, `histogram_quantile(0.95, sum by (le) (rate(..._bucket[5m])))` is a 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 from agent.readings.table import GpuSample
 from agent.services.scrape import SeriesKey, ServerReading
+from agent.state import CounterHistogram, ServiceCounters
 
 #: A series of the page not seen for this long is forgotten (an engine removed).
 FORGET_AFTER_SECONDS = 600.0
@@ -38,25 +38,6 @@ FORGET_AFTER_SECONDS = 600.0
 #: a label that takes a new value on every scrape would make a new series each time): a page that
 #: would take them past it is not counted, and the counters keep the values of the pages before.
 MAX_COUNTER_SERIES = 1024
-
-
-@dataclass(frozen=True)
-class CounterHistogram:
-    """One latency kind as a cumulative histogram: `bucket_counts[i]` requests at or below `bounds[i]`."""
-
-    bounds: tuple[float, ...]  # ends with +Inf
-    bucket_counts: tuple[float, ...]
-    count: float
-    sum: float
-
-
-@dataclass(frozen=True)
-class ServiceCounters:
-    """What `/metrics` exports of one service as counters."""
-
-    histograms: Mapping[str, CounterHistogram] = field(default_factory=dict)  # LATENCY_KINDS
-    generated_tokens: float | None = None
-    gpu_energy_joules: float | None = None  # set by whoever reads the GPUs (agent.services.watch)
 
 
 def _increase(raw: tuple[float, ...], last: tuple[float, ...] | None) -> tuple[float, ...]:

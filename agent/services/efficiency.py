@@ -19,8 +19,7 @@ from collections import deque
 from collections.abc import Collection, Iterable, Sequence
 
 from agent.config import ServiceConfig
-from agent.services.attribution import GpuAttribution
-from agent.state import GpuSample
+from agent.state import GpuAttribution, GpuSample
 
 
 def tokens_per_joule(generated_tokens: float, energy_joules: float) -> float | None:

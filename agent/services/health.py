@@ -8,7 +8,7 @@ declares it healthy again. SERVICE_UNHEALTHY and SERVICE_HEALTHY events are emit
 transitions only (collect them with `take_events()`), so a service that stays down is one fault,
 not one event per probe. A service without a health URL is probed by asking its manager whether
 it runs (`systemctl is-active`, or the `status_command`). The declared states and streaks
-survive an agent restart on the same boot (`streaks`/`restore`, kept by agent/store/node_memory.py): a restart
+survive an agent restart on the same boot (`streaks`/`restore`, kept by agent/daemon/node_memory.py): a restart
 mid-outage neither starts the count again nor reports the outage a second time.
 
 While the agent itself restarts a service (`expect_down`, `wait_healthy`), failed probes are not
@@ -29,8 +29,7 @@ from agent.host import http_read
 from agent.logger import get_logger
 from agent.services.generate_probe import generate_probe
 from agent.services.managers import ServiceError, ServiceManager
-from agent.state import ServiceStatus
-from agent.store.database import ProbeStreak
+from agent.state import ProbeStreak, ServiceStatus
 
 log = get_logger()
 

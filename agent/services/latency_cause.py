@@ -40,9 +40,8 @@ from typing import Any
 
 from agent.config import ServiceSlo
 from agent.events import Event, EventKind, Severity, SuggestedAction
-from agent.policy.names import FAN_CURVE
-from agent.services.window import QueueTimeTrend, ServiceFigures
-from agent.state import GpuSample, SloBreachNow
+from agent.names.policy_items import FAN_CURVE
+from agent.state import GpuSample, QueueTimeTrend, ServiceFigures, SloBreachNow
 from agent.watch.clock_events import decode
 
 THERMAL_REASONS = frozenset({"hw_slowdown", "hw_thermal_slowdown", "sw_thermal_slowdown"})

@@ -1,4 +1,4 @@
-"""`gpu-agent status` lines for the inference figures, from the status JSON (`agent.services.export`
+"""`gpu-agent status` lines for the inference figures, from the status JSON (agent/documents.py
 builds it). Standard library only: the status command imports it without prometheus-client."""
 
 from __future__ import annotations

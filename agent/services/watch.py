@@ -31,13 +31,13 @@ from agent.events import Event, EventKind
 from agent.host.paths import HostPaths
 from agent.logger import get_logger
 from agent.policy.profiles import resolve_profile
-from agent.services.attribution import GpuAttribution, Listeners, attribute_gpu_processes, command_service_pids
-from agent.services.counters import CounterBook, ServiceCounters, ServiceEnergy
+from agent.services.attribution import Listeners, attribute_gpu_processes, command_service_pids
+from agent.services.counters import CounterBook, ServiceEnergy
 from agent.services.efficiency import EnergyHistory, service_gpus, window_tokens_per_joule
 from agent.services.latency_cause import CauseFinding, SloWatch, attribute_cause
 from agent.services.scrape import DEFAULT_MAX_BYTES, UNREADABLE, ScrapeError, ServerReading, fetch_text, parse_reading
-from agent.services.window import DEFAULT_WINDOW_SECONDS, LatencyWindow, ServiceFigures
-from agent.state import GpuSample, SloBreachNow
+from agent.services.window import DEFAULT_WINDOW_SECONDS, LatencyWindow
+from agent.state import GpuAttribution, GpuSample, ServiceCounters, ServiceFigures, SloBreachNow
 
 log = get_logger()
 

@@ -27,10 +27,9 @@ import sys
 from array import array
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
-from agent.services.counters import ServiceCounters
 from agent.services.scrape import UNREADABLE, SeriesKey, ServerReading
+from agent.state import LatencyFigures, QueueTimeTrend, ServiceFigures
 
 QUANTILES: tuple[float, ...] = (0.5, 0.95, 0.99)
 DEFAULT_WINDOW_SECONDS = 300.0
@@ -220,63 +219,6 @@ def _added_increase(group: SeriesGroup) -> tuple[float, float, tuple[float, ...]
     if shape is None:
         return None
     return start, end, shape, tuple(total)
-
-
-@dataclass(frozen=True)
-class LatencyFigures:
-    """One latency histogram over the window."""
-
-    requests: float  # observations in the window
-    mean_seconds: float | None
-    quantiles: dict[float, float | None]  # 0.5 / 0.95 / 0.99 -> seconds
-
-
-#: Queue time "rises" when the newer half of the window waits this many times longer on average.
-QUEUE_TIME_RISE_RATIO = 1.5
-
-
-@dataclass(frozen=True)
-class QueueTimeTrend:
-    """The server's mean queue time in the older and the newer half of the window."""
-
-    earlier_mean_seconds: float | None
-    later_mean_seconds: float | None
-
-    @property
-    def rose(self) -> bool:
-        earlier, later = self.earlier_mean_seconds, self.later_mean_seconds
-        return (
-            earlier is not None and later is not None and later > earlier and later >= earlier * QUEUE_TIME_RISE_RATIO
-        )
-
-
-@dataclass(frozen=True)
-class ServiceFigures:
-    """What a service's server says about itself over the window: the figures status and metrics show."""
-
-    service: str
-    kind: str
-    timestamp_seconds: float
-    window_seconds: float  # the span the deltas cover (shorter than asked right after start)
-    latency: dict[str, LatencyFigures] = field(default_factory=dict)  # LATENCY_KINDS
-    running: float | None = None
-    waiting: float | None = None
-    kv_cache_usage_ratio: float | None = None
-    generation_tokens_per_second: float | None = None
-    waiting_history: tuple[tuple[float, float], ...] = ()  # (timestamp, waiting) inside the window
-    kv_cache_usage_history: tuple[tuple[float, float], ...] = ()  # (timestamp, usage) inside the window
-    queue_time_trend: QueueTimeTrend | None = None
-    # (scrape time, generated tokens since the window's first scrape): every series' increase added
-    # up, resets included; what tokens per joule is drawn from (agent.services.efficiency)
-    generated_tokens_history: tuple[tuple[float, float], ...] = ()
-    tokens_per_joule: float | None = None  # filled in by whoever knows the GPUs' energy
-    resets: int = 0  # counter resets (server restarts) seen so far, on the series that saw most
-    counters: ServiceCounters | None = None  # the same pages as counters, for /metrics (agent.services.counters)
-    error: str = ""  # the last scrape's error; figures are from earlier scrapes
-
-    def quantile(self, kind: str, q: float) -> float | None:
-        figures = self.latency.get(kind)
-        return None if figures is None else figures.quantiles.get(q)
 
 
 class LatencyWindow:

@@ -1,6 +1,6 @@
 """Node memory, all of it per boot (`/proc/sys/kernel/random/boot_id`): the GPU inventory, the Xid
 counters and health window, the throttle watcher's clock-event totals and the service prober's
-failure streaks (see agent.store.database for the schema and agent/store/node_memory.py for who reads them). A restart
+failure streaks (see agent.store.database for the schema and agent/daemon/node_memory.py for who reads them). A restart
 of the agent is not a reboot and must not forget; a reboot starts afresh (`start_boot`)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from agent.logger import get_logger
-from agent.state import XidCount
+from agent.state import ProbeStreak, XidCount
 from agent.store.db import Database
 from agent.watch.throttle import ClockEventTotal
 from agent.watch.xid import XidMark
@@ -39,15 +39,6 @@ def _total_row(total: ClockEventTotal) -> tuple[object, ...]:
         total.active_since_seconds,
         total.active_since_boottime_seconds,
     )
-
-
-@dataclass(frozen=True)
-class ProbeStreak:
-    """A service's declared state and its current run of failed probes."""
-
-    service: str
-    up: bool | None  # None before the first verdict
-    consecutive_failures: int
 
 
 _UNKNOWN_GPU = -1  # xid_counts.gpu for an Xid no GPU could be named for
@@ -141,7 +132,7 @@ class BootTables(Database):
     def clear_xid_marks(self, boot_id: str, gpu: int | str | None = None, xid: int | None = None) -> list[XidMark]:
         """Take Xids out of the health window (`gpu-agent ack`): every mark, or those of one GPU (its
         index, or its UUID as the inventory knows it), or of one Xid on it. The marks taken out;
-        the counters stay. A running daemon follows (agent.store.node_memory)."""
+        the counters stay. A running daemon follows (agent.daemon.node_memory)."""
         with self._transaction(("xid_marks",)) as db:
             if isinstance(gpu, str):
                 row = db.execute(

@@ -30,7 +30,7 @@ One connection, shared by the threads of the process behind a lock; other proces
 writer. A database that is not a database, fails its integrity check or was written by a newer
 schema is kept aside as `gpu-agent.db.corrupt-<unix time>` (or `.newer-<unix time>`) and a new
 one is created: losing history is better than not starting. Rows older than `RETENTION_SECONDS`
-are pruned on open and by `prune` while the daemon runs (agent/store/node_memory.py calls it hourly); lifetime
+are pruned on open and by `prune` while the daemon runs (agent/daemon/node_memory.py calls it hourly); lifetime
 totals per (rule, action, outcome) are kept apart and never pruned, because they feed a Prometheus
 counter that must not go down.
 
@@ -40,7 +40,7 @@ every other boot). The GPU inventory (`InventoryGpu`: every GPU seen on this boo
 acknowledged with `gpu-agent ack gpu:UUID`), the Xid counters and last-seen times (`XidCount`),
 the Xid health window (`XidMark`) and (schema 4) the throttle watcher's time per clock-event reason
 with the start of each slowdown active now (`ClockEventTotal`; schema 5 adds that start on
-CLOCK_BOOTTIME) and the service prober's failure streaks (`ProbeStreak`). agent/store/node_memory.py
+CLOCK_BOOTTIME) and the service prober's failure streaks (`ProbeStreak`). agent/daemon/node_memory.py
 reads and writes them for the daemon.
 
 The advisor's journal (schema 6, agent/store/tunes.py) and the journal of GPU settings a job holds,
@@ -67,7 +67,7 @@ from agent.rules.model import ActionOutcome, Decision, Outcome
 from agent.state import RemediationCount
 from agent.store.acks import Acknowledgements, Circuit
 from agent.store.attempt_clock import ClockReading
-from agent.store.boot import BootTables, InventoryGpu, ProbeStreak
+from agent.store.boot import BootTables, InventoryGpu
 from agent.store.db import StoreError
 from agent.store.holds import HoldTables
 from agent.store.schema import Unusable, connect_or_replace
@@ -86,7 +86,6 @@ __all__ = [
     "Circuit",
     "InventoryGpu",
     "JournalEntry",
-    "ProbeStreak",
     "Store",
     "StoreError",
     "StoredEvent",

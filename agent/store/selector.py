@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from agent.watch.kernel_log import MAX_XID
+from agent.backend.base import MAX_XID
 
 ALL = "all"
 #: NVML names a device by an unsigned int.

@@ -125,7 +125,7 @@ def _call(socket: str, method: str, params: dict[str, Any] | None = None, timeou
 def _checked(config_path: Path, text: str | None) -> AgentConfig:
     """agent.yaml with every drop-in and the tune drop-in as `text` (None: without it), as the daemon
     would load it; ApplyRefused naming what the config rejects."""
-    from agent.backend import load_checked_config
+    from agent.policy.dropins import load_checked_config
 
     try:
         return load_checked_config(config_path, {TUNE_DROPIN: text})

@@ -24,8 +24,7 @@ from typing import Any
 
 from agent.config import AgentConfig
 from agent.logger import get_logger
-from agent.services.window import ServiceFigures
-from agent.state import GpuSample
+from agent.state import GpuSample, ServiceFigures
 from agent.store.database import Store, StoreError
 from agent.store.tunes import HistoryRow
 from agent.tune.defaults import DEFAULT_THROUGHPUT_TOLERANCE

@@ -24,8 +24,7 @@ from agent.events import HealthState
 from agent.policy.dropins import without_dropin
 from agent.policy.profiles import match_text, resolve_profile
 from agent.services.latency_cause import strain
-from agent.services.window import ServiceFigures
-from agent.state import NodeSnapshot
+from agent.state import NodeSnapshot, ServiceFigures
 from agent.tune.defaults import KNOB_UNITS
 from agent.tune.model import SweptGpu, TuneRequest
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from agent.config import ServiceSlo
 from agent.services.latency_cause import check_slo
-from agent.services.window import ServiceFigures
+from agent.state import ServiceFigures
 from agent.tune.defaults import KNOB_UNITS
 from agent.tune.model import Recommendation, StepReading, SweptGpu, TuneDocument, TuneKind
 

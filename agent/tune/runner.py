@@ -14,25 +14,26 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from agent.api import ApiError
-from agent.backend.base import GpuBackend
 from agent.config import AgentConfig, Mode, ServiceConfig
 from agent.logger import get_logger
-from agent.policy.holds import PolicyHolds
-from agent.services.window import ServiceFigures
-from agent.state import NodeSnapshot, ServiceStatus, TuneResult, TuneStepFigures
-from agent.store.database import Store, StoreError
+from agent.state import TuneResult, TuneStepFigures
+from agent.store.database import StoreError
 from agent.tune.defaults import POLICY_ITEMS
 from agent.tune.model import TuneDocument, TuneRequest
 from agent.tune.passive import PowerHistory, passive_report
 from agent.tune.preflight import identities, setting_range, sick_subject, swept_gpus
 from agent.tune.sweep import TuneJob, close_interrupted, hold_owner
 
-if TYPE_CHECKING:  # the daemon imports this module: only the type, never the import
-    from agent.daemon.action_worker import ActionWorker
+if TYPE_CHECKING:
+    from agent.backend.base import GpuBackend
+    from agent.policy.holds import PolicyHolds
+    from agent.services.health import HealthProber
+    from agent.services.watch import InferenceMonitor
+    from agent.state import NodeSnapshot
+    from agent.store.database import Store
 
 log = get_logger()
 
@@ -50,38 +51,41 @@ MAX_SWEEP_SECONDS = 2 * 3600.0
 MEASURED_STATES = ("done", "stopped")
 
 
-@dataclass(frozen=True)
-class NodeView:
-    """What the advisor reads of the running node beyond its other parts: the last published
-    snapshot (the GPUs that answer, their identities and health: the preflight's)."""
+class TaskQueue(Protocol):
+    """Where a sweep runs: the action worker's lanes (agent/daemon/lanes.py), behind whatever touches
+    the sweep's GPUs, and what they are busy with (None: the node is quiet)."""
 
-    snapshot: Callable[[], NodeSnapshot | None]
+    def submit_task(self, task: TuneJob) -> None: ...
+    def busy(self) -> str | None: ...
+
+
+class TuneNode(Protocol):
+    """What the advisor reads of the running daemon (its live parts, agent/daemon/live.py), each when
+    it needs it: the config a reload swapped in, the backend and the store of the moment, the lanes
+    a sweep runs on, the ledger that holds its settings, the services' probes and figures, the GPUs
+    the collector knows and the last published snapshot (the GPUs that answer, their identities
+    and health: the preflight's)."""
+
+    @property
+    def config(self) -> AgentConfig: ...
+    @property
+    def clock(self) -> Callable[[], float]: ...
+    @property
+    def holds(self) -> PolicyHolds: ...
+    @property
+    def lanes(self) -> TaskQueue: ...
+    @property
+    def prober(self) -> HealthProber: ...
+    @property
+    def inference(self) -> InferenceMonitor: ...
+    def current_backend(self) -> GpuBackend | None: ...
+    def current_store(self) -> Store | None: ...
+    def gpu_count(self) -> int: ...
+    def snapshot(self) -> NodeSnapshot | None: ...
 
 
 class TuneRunner:
-    def __init__(
-        self,
-        config: Callable[[], AgentConfig],
-        backend: Callable[[], GpuBackend | None],
-        store: Callable[[], Store | None],
-        worker: Callable[[], ActionWorker],
-        holds: PolicyHolds,
-        services: Callable[[], list[ServiceStatus]],
-        figures: Callable[[], Mapping[str, ServiceFigures]],
-        gpu_count: Callable[[], int],
-        clock: Callable[[], float],
-        *,
-        node: NodeView,
-    ) -> None:
-        self.config = config
-        self.backend = backend
-        self.store = store
-        self.worker = worker
-        self.holds = holds
-        self.services = services
-        self.figures = figures
-        self.gpu_count = gpu_count
-        self.clock = clock
+    def __init__(self, *, node: TuneNode) -> None:
         self.node = node
         self.job: TuneJob | None = None
         self._measured: dict[tuple[str, str], TuneResult] = {}  # (service, kind) -> its last measured sweep
@@ -89,7 +93,7 @@ class TuneRunner:
         self.history = PowerHistory()  # fed every loop by the daemon (observe), kept for --passive
         self._lock = threading.Lock()  # one start at a time
         self._interrupted: dict[str, TuneDocument] = {}  # sweeps an earlier run left, by hold owner
-        holds.on_recovered(self._recovered)
+        node.holds.on_recovered(self._recovered)
 
     # -- the API ------------------------------------------------------------------------------------
 
@@ -104,10 +108,10 @@ class TuneRunner:
     def passive(self, params: Mapping[str, Any]) -> dict[str, Any]:
         """Advice from the node's history; changes nothing (and so needs no enforce mode)."""
         name = str(params.get("service", ""))
-        service = next((s for s in self.config().services if s.name == name), None)
+        service = next((s for s in self.node.config.services if s.name == name), None)
         if service is None:
             raise ApiError(f"no service named {name!r}")
-        store = self.store()
+        store = self.node.current_store()
         if store is None:
             raise ApiError("the state database is unavailable")
         self.history.flush(store, force=True)
@@ -119,23 +123,23 @@ class TuneRunner:
         (state running) or ApiError(reason)."""
         request = checked_request(params)
         with self._lock:
-            config = self.config()
+            config = self.node.config
             service = self._check(config, request)
             gpus, service_gpus = self._gpus(request, service)
-            backend, snapshot = self.backend(), self.node.snapshot()
+            backend, snapshot = self.node.current_backend(), self.node.snapshot()
             if backend is None or snapshot is None:
                 raise ApiError("refused: the daemon has not read the GPUs yet; try again in a moment")
             bounds = setting_range(backend, request, gpus)
-            sick = sick_subject(snapshot, service.name, service_gpus, self.figures().get(service.name))
+            sick = sick_subject(snapshot, service.name, service_gpus, self.node.inference.figures().get(service.name))
             if sick and not request.force:
                 raise ApiError(
                     f"refused: {'; '.join(sick)}: a sweep would measure that, not the setting (--force sweeps anyway)"
                 )
             swept = swept_gpus(config.policy, identities(snapshot), gpus)
-            store = self.store()
+            store = self.node.current_store()
             if store is None:
                 raise ApiError("refused: the state database is unavailable, and a sweep never runs unjournaled")
-            started = self.clock()
+            started = self.node.clock()
             slo = service.slo
             objectives = {}
             if slo is not None:
@@ -158,9 +162,10 @@ class TuneRunner:
                 document.id = store.begin_tune(started, document.to_json())
             except StoreError as exc:
                 raise ApiError(f"refused: cannot journal the sweep: {exc}") from exc
-            job = TuneJob(document, service, self.backend, self.store, self.holds, self.clock)
+            node = self.node
+            job = TuneJob(document, service, node.current_backend, node.current_store, node.holds, node.clock)
             self.job = job
-            self.worker().submit_task(job)
+            node.lanes.submit_task(job)
         log.info("tune started", tune=document.id, kind=request.kind, service=service.name, gpus=list(gpus))
         with job.lock:
             return document.to_json()
@@ -172,7 +177,7 @@ class TuneRunner:
         if job is not None and (wanted is None or wanted == job.document.id):
             with job.lock:
                 return job.document.to_json()
-        store = self.store()
+        store = self.node.current_store()
         if store is None:
             return None
         row = store.tune(int(wanted)) if wanted is not None else store.last_tune()
@@ -215,7 +220,7 @@ class TuneRunner:
         """Close the sweeps an earlier run left running (before the first loop): one whose settings
         the hold journal still holds once recovery has put them back (`holds.recover`, run first),
         any other at once (it was stopped before its first change, or after its restore)."""
-        store = self.store()
+        store = self.node.current_store()
         if store is None:
             return
         try:
@@ -227,19 +232,19 @@ class TuneRunner:
             return
         for row in rows:
             document = TuneDocument.from_json(row.document)
-            if self.holds.recovering(hold_owner(document.id)):
+            if self.node.holds.recovering(hold_owner(document.id)):
                 with self._lock:
                     self._interrupted[hold_owner(document.id)] = document
             else:
-                close_interrupted(document, store, self.clock, "nothing left to put back")
+                close_interrupted(document, store, self.node.clock, "nothing left to put back")
 
     def _recovered(self, owner: str, what: str) -> None:
         """The hold journal's recovery put back (or not) what sweep `owner` left changed."""
         with self._lock:
             document = self._interrupted.pop(owner, None)
-        store = self.store()
+        store = self.node.current_store()
         if document is not None and store is not None:
-            close_interrupted(document, store, self.clock, what)
+            close_interrupted(document, store, self.node.clock, what)
 
     # -- checks --------------------------------------------------------------------------------------
 
@@ -256,7 +261,7 @@ class TuneRunner:
             raise ApiError(f"refused: no service named {request.service!r} (configured: {names})")
         if service.effective_metrics_url is None:
             raise ApiError(f"refused: service {service.name} has no metrics (set metrics_url or health_url)")
-        status = next((s for s in self.services() if s.name == service.name), None)
+        status = next((s for s in self.node.prober.statuses() if s.name == service.name), None)
         if status is None or status.up is None:
             raise ApiError(f"refused: service {service.name} has not been probed yet; try again in a moment")
         if not status.up:
@@ -265,16 +270,16 @@ class TuneRunner:
         job = self.job
         if job is not None and not job.finished.is_set():
             raise ApiError(f"refused: tune {job.document.id} is running (gpu-agent tune --abort stops it)")
-        busy = self.worker().busy()
+        busy = self.node.lanes.busy()
         if busy is not None:
             raise ApiError(f"refused: {busy}; a sweep waits for the node to be quiet")
-        store = self.store()
+        store = self.node.current_store()
         if store is not None and store.running_remediations():
             raise ApiError("refused: a remediation is running")
         return service
 
     def _check_traffic(self, service: ServiceConfig, request: TuneRequest) -> None:
-        figures = self.figures().get(service.name)
+        figures = self.node.inference.figures().get(service.name)
         e2e = figures.latency.get("e2e") if figures is not None else None
         if figures is None or e2e is None or figures.window_seconds <= 0:
             raise ApiError(f"refused: no request figures from service {service.name}'s metrics yet")
@@ -287,7 +292,7 @@ class TuneRunner:
 
     def _gpus(self, request: TuneRequest, service: ServiceConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The GPUs to sweep, and all of the service's (each step measures them all)."""
-        own = list(range(self.gpu_count())) if service.gpus == "all" else list(service.gpus)
+        own = list(range(self.node.gpu_count())) if service.gpus == "all" else list(service.gpus)
         if not own:
             raise ApiError(f"refused: no GPUs known for service {service.name}")
         if request.gpus is None:

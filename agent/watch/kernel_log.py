@@ -31,9 +31,9 @@ import re
 from collections import deque
 from dataclasses import dataclass
 
+from agent.backend.base import MAX_XID
 from agent.printable import printable
 
-MAX_XID = 999
 FALLEN_OFF_BUS_XID = 79  # "GPU has fallen off the bus": only a reboot (or a repair) brings the GPU back
 RECOVERY_ACTION_XID = 154
 NVLINK5_XIDS = range(144, 151)

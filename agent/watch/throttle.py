@@ -16,7 +16,7 @@ Where the board keeps its own counter the total follows the counter instead:
   covers both sw_thermal_slowdown and hw_thermal_slowdown and cannot be split between them, so
   those two are integrated from samples and the counter is not used.
 
-An agent restart is not a reboot: `totals` gives the daemon's node memory (agent/store/node_memory.py) each
+An agent restart is not a reboot: `totals` gives the daemon's node memory (agent/daemon/node_memory.py) each
 board's time per reason and the start of each slowdown active now, and `restore` takes them back at
 start, so the exported counter does not go down and a held slowdown keeps its start time (a rule's
 "held 60 s" does not start again). The time between the two runs is not counted.

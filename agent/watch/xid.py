@@ -23,7 +23,7 @@ reboot or reset_gpu -> UNHEALTHY, restart_service or alert -> DEGRADED, none -> 
 replaces earlier ones: the driver is stating the GPU's current need, not adding a fault.
 
 Counters, last-seen times and the health window outlive an agent restart: the daemon saves
-``counts()`` and ``marks()`` in the store and hands them back to ``restore`` at start (agent/store/node_memory.py).
+``counts()`` and ``marks()`` in the store and hands them back to ``restore`` at start (agent/daemon/node_memory.py).
 
 Both windows run on ``window_clock``, CLOCK_BOOTTIME by default: a step of the wall clock (NTP, an
 operator) neither clears a fresh verdict nor holds an old one, and the readings stay comparable

@@ -840,8 +840,8 @@ def nvml_daemon(replay: Replay, tmp_path: Path) -> Iterator[tuple[Daemon, Path]]
 
 def _reload_into(daemon: Daemon, config_path: Path, mode: str) -> None:
     config_path.write_text(NVML_AGENT_CONFIG.format(mode=mode, root=config_path.parent))
-    assert daemon.reload()
-    assert daemon.config.mode.value == mode
+    assert daemon.reloader.reload()
+    assert daemon.live.config.mode.value == mode
 
 
 def test_a_daemon_reloaded_from_enforce_to_observe_writes_nothing_through_nvml(
@@ -855,7 +855,7 @@ def test_a_daemon_reloaded_from_enforce_to_observe_writes_nothing_through_nvml(
     replay.calls.clear()
     snapshot = daemon.loop_once()  # a full policy pass: the limit still reads 700 W
     assert [(p.item, p.status.value) for p in snapshot.policy if not p.in_sync] == [("power_limit", "drift")]
-    backend = daemon.session.backend
+    backend = daemon.live.session.backend
     assert backend is not None
     for setter, write in GUARDED:  # whatever else in the daemon would write (an action, a restore)
         with pytest.raises(WriteRefused) as refused:

@@ -4,7 +4,9 @@ and what an acknowledgement does to the daemon's own store and health window."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -15,6 +17,13 @@ from agent.store.database import Store
 from agent.watch.xid import XidMark
 
 BOOT = "boot-1"
+
+
+def daemon_live(store: Store | None, forget: Callable[[set[tuple[int, int]]], None] | None = None) -> SimpleNamespace:
+    """What `ack` reads of the daemon's live parts (agent/daemon/live.py): its store, the boot its
+    node memory is kept under, and the Xid watcher whose window an ack takes marks out of."""
+    xid = SimpleNamespace(forget=forget or (lambda marks: None))
+    return SimpleNamespace(store=store, memory_boot_id=BOOT, watchers=SimpleNamespace(xid=xid))
 
 
 @pytest.mark.parametrize(
@@ -30,13 +39,13 @@ BOOT = "boot-1"
 )
 def test_a_request_the_store_must_not_see_is_an_error(tmp_path: Path, params: dict[str, object], said: str) -> None:
     with Store.open(tmp_path) as store:
-        ack = ack_handlers(lambda: store, BOOT, lambda marks: None)["ack"]
+        ack = ack_handlers(daemon_live(store))["ack"]
         with pytest.raises(ApiError, match=re.escape(said)):
             ack(params)
 
 
 def test_without_a_store_nothing_is_acknowledged() -> None:
-    ack = ack_handlers(lambda: None, BOOT, lambda marks: None)["ack"]
+    ack = ack_handlers(daemon_live(None))["ack"]
     with pytest.raises(ApiError, match="event store is not open"):
         ack({"selector": "all"})
 
@@ -46,7 +55,7 @@ def test_an_ack_rearms_in_the_store_and_takes_the_xids_out_of_the_window(tmp_pat
     with Store.open(tmp_path) as store:
         store.replace_xid_marks(BOOT, [XidMark(1, 48, "reset_gpu", "Xid 48", 1.0), XidMark(2, 13, "alert", "x", 1.0)])
         store.open_circuit("xid-reset-gpu", Target(gpu=1, uuid="GPU-1"), "attempts ran out")
-        answer = ack_handlers(lambda: store, BOOT, forgotten.append)["ack"]({"selector": "gpu:1"})
+        answer = ack_handlers(daemon_live(store, forgotten.append))["ack"]({"selector": "gpu:1"})
         assert answer == {"rearmed": 1, "gone": (), "cleared": ((1, 48),)}
         assert store.circuits() == [] and [(m.gpu, m.xid) for m in store.xid_marks(BOOT)] == [(2, 13)]
     assert forgotten == [{(1, 48)}]

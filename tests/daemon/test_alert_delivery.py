@@ -39,8 +39,8 @@ def with_alerts(self):
     start_services(self)
     for n in range(6):
         labels = {"alertname": "GpuAgentServiceUnhealthy", "event": "service_unhealthy", "service": f"svc{n}"}
-        self.remediator.alerts.fire(url, Alert(labels, {}, 0.0))
-    self.intake.put([
+        self.live.alerts.fire(url, Alert(labels, {}, 0.0))
+    self.live.intake.put([
         Event(EventKind.SERVICE_HEALTHY, Severity.INFO, None, None, "healthy", 0.0, "probe", f"ok{n}", {"service": f"svc{n}"})
         for n in range(6)
     ])

@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from daemon_harness import running_agent, write_agent_config
 from helpers import wait_until
 
@@ -19,6 +20,7 @@ from agent.backend.base import ClockDomain
 from agent.backend.sim import SimulatedBackend
 from agent.config import load_config
 from agent.daemon import Daemon, LoopTiming
+from agent.daemon.node_memory import NodeMemory
 from agent.daemon.sd_notify import SdNotifier
 from agent.events import EventKind, Severity
 from agent.watch.fake_kernel_log import append_kmsg, xid_line
@@ -183,10 +185,35 @@ def test_a_stuck_loop_stops_the_watchdog_pings(tmp_path: Path) -> None:
         assert deadline - pings[-1] > 3.0
     finally:
         release.set()
-        daemon.stop_requested.set()
+        daemon.live.stop_requested.set()
         thread.join(15)
         receiver.close()
     assert not thread.is_alive()
+
+
+def test_the_node_memory_is_loaded_once_when_the_store_opens_not_every_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store opens at start and the node memory goes into the watchers then, before the first
+    loop; the loops that follow only follow acks and save what changed."""
+    loaded = []
+    load = NodeMemory.load
+
+    def counted(memory: NodeMemory, store: object) -> None:
+        loaded.append(store)
+        load(memory, store)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(NodeMemory, "load", counted)
+    config_path, _ = write_agent_config(tmp_path)
+    daemon = Daemon(load_config(config_path), config_path, notifier=SdNotifier(None, None))
+    try:
+        daemon.start_services()
+        assert daemon.live.store is not None and loaded == [daemon.live.store]
+        for _loop in range(3):
+            daemon.loop_once()
+        assert loaded == [daemon.live.store]
+    finally:
+        daemon.shutdown()
 
 
 def test_the_fan_curve_following_the_temperature_is_not_drift(tmp_path: Path) -> None:

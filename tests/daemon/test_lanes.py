@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 from action_kinds import ActionKind, action_spec
-from helpers import FakeClock, WaitingTask, make_event, wait_until
+from helpers import FakeClock, WaitingTask, live_parts, make_event, wait_until
 
 from agent.config import AgentConfig, ServiceConfig
 from agent.daemon import action_worker
@@ -19,7 +19,6 @@ from agent.daemon.lanes import LaneJob, Lanes
 from agent.rules.actions.footprint import footprint
 from agent.rules.actions.kind import Footprint, Lane
 from agent.rules.model import ActionOutcome, Decision, Outcome, Target
-from agent.store.attempt_clock import AttemptClock
 from agent.store.database import Store
 
 
@@ -79,18 +78,12 @@ def test_a_repair_ends_only_the_sweep_on_its_gpus_and_an_alert_ends_none(tmp_pat
     store = Store.open(tmp_path / "state")
     clock = FakeClock()
     ran: list[str] = []
-    worker = ActionWorker(
-        lambda: ran.append("ran"),  # type: ignore[arg-type,func-returns-value]
-        lambda: store,
-        lambda _gpu: None,
-        clock,
-        AttemptClock("boot", clock.monotonic),
-        footprint=lambda d: frozenset({d.target.gpu}) if d.target.gpu is not None else None,
-    )
+    # The footprint of each decision is its kind's (a reset: its GPU; no services are configured).
+    worker = ActionWorker(live=live_parts(AgentConfig(), clock, store=store, context=lambda: ran.append("ran")))
     task = WaitingTask(frozenset({0}))
     worker.start()
     try:
-        worker.submit_task(task)
+        worker.lanes.submit_task(task)
         assert task.started.wait(5)
         worker.submit(decision(ActionKind.RECOMMEND_REBOOT, 1, "xid79"), clock())
         worker.submit(decision(ActionKind.RESET_GPU, 1, "xid48"), clock())
@@ -151,10 +144,10 @@ def test_only_a_reset_that_worked_gives_its_gpu_a_fresh_xid_history(
     monkeypatch.setattr(action_worker, "execute", lambda d, _ctx: ActionOutcome(d, went[d.event.key], "", 0.0, 0.0))
     store = Store.open(tmp_path / "state")
     clock = FakeClock()
+    live = live_parts(AgentConfig(), clock, store=store, context=SimpleNamespace)
+    worker = ActionWorker(live=live)
     fresh: list[int] = []
-    worker = ActionWorker(
-        lambda: SimpleNamespace(), lambda: store, fresh.append, clock, AttemptClock("boot", clock.monotonic)
-    )
+    monkeypatch.setattr(live.watchers.xid, "clear", fresh.append)
     worker.start()
     try:
         worker.submit(decision(ActionKind.RESET_GPU, 1, "reset-ok"), clock())

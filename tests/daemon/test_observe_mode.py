@@ -8,7 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from helpers import FakeClock, make_event, wait_until
+from helpers import FakeClock, live_parts, make_event, wait_until
 from snapshots import node_snapshot
 
 from agent.config import AgentConfig, Mode
@@ -40,8 +40,8 @@ def test_a_reset_is_recorded_as_a_dry_run_and_the_ladder_goes_on_to_its_webhook(
     monkeypatch.setattr(action_worker, "execute", carried_out)
     clock = FakeClock()
     config = AgentConfig(mode=Mode.OBSERVE, state_dir=str(tmp_path / "state"))
-    remediator = Remediator(config, lambda _alerts: SimpleNamespace(), lambda _gpu: None, clock)
-    remediator.store = store = Store.open(tmp_path / "state")
+    store = Store.open(tmp_path / "state")
+    remediator = Remediator(live=live_parts(config, clock, store=store, context=SimpleNamespace))
     remediator.rules = [Rule.model_validate(RULE)]
     remediator.worker.start()
     try:

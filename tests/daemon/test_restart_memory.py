@@ -15,7 +15,7 @@ from helpers import wait_until
 from hosttree import make_host_tree
 
 from agent.defaults import REBOOT_FLAG_NAME
-from agent.store.node_memory import BOOT_ID_PATH
+from agent.host.paths import BOOT_ID_PATH
 
 PROFILE = "h200x8"
 BOOT_A = "1f0e4c52-0000-4000-8000-00000000000a"

@@ -13,8 +13,8 @@ from agent.config import ServiceSlo
 from agent.demo.standin_process import StandinServer
 from agent.services.latency_cause import attribute_cause, check_slo, regression_event
 from agent.services.scrape import scrape
-from agent.services.window import LatencyWindow, ServiceFigures
-from agent.state import GpuSample
+from agent.services.window import LatencyWindow
+from agent.state import GpuSample, ServiceFigures
 
 
 def measure(url: str, backend: SimulatedBackend, seconds: float = 2.0) -> tuple[ServiceFigures, list[GpuSample]]:

@@ -16,8 +16,8 @@ from race import attempts, fingerprint, swapping
 from agent.host import safe_fs
 from agent.host.paths import HostPaths
 from agent.policy import thp
-from agent.policy.base import ApplyOutcome
 from agent.policy.item import enforce, plan_item
+from agent.policy.plan import ApplyOutcome
 from agent.policy.triton_cache import TritonCacheItem, TritonCacheWant
 
 ROUNDS = 2000

@@ -16,10 +16,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from snapshots import inference_fields, node_snapshot, telemetry_gpus
 
 from agent.config import ConfigError, config_from_text
-from agent.metrics.catalog import DEFAULT_SWITCHES, FAMILIES, FAMILY_NAMES, FamilySwitches
 from agent.metrics.collector import SnapshotCollector
 from agent.metrics.families import Families
 from agent.metrics.server import MetricsServer, accepts_gzip, serve_metrics
+from agent.names.metric_families import DEFAULT_SWITCHES, FAMILIES, FAMILY_NAMES, FamilySwitches
 from agent.state import NodeSnapshot, TuneResult, TuneStepFigures
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -32,9 +32,9 @@ from agent import __version__
 from agent.backend.base import CLOCK_EVENT_REASONS
 from agent.backend.sim import SimulatedBackend
 from agent.collect import sample_all
-from agent.metrics.catalog import DEFAULT_SWITCHES, FamilySwitches
 from agent.metrics.collector import SnapshotCollector
 from agent.metrics.server import MetricsServer, parse_listen, serve_metrics
+from agent.names.metric_families import DEFAULT_SWITCHES, FamilySwitches
 from agent.state import GpuSample, NodeSnapshot
 from agent.verdict import attention, attention_items
 from agent.version import current

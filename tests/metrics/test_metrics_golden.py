@@ -21,8 +21,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from snapshots import REVISION, VERSION, inference_fields, node_snapshot, telemetry_gpus
 
-from agent.metrics.catalog import DEFAULT_SWITCHES, FamilySwitches
 from agent.metrics.collector import SnapshotCollector
+from agent.names.metric_families import DEFAULT_SWITCHES, FamilySwitches
 from agent.state import NodeSnapshot
 
 GOLDEN = Path(__file__).parents[1] / "fixtures" / "metrics-golden.txt"

@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent.backend.base import CLOCK_EVENT_REASONS, VIOLATION_REASONS
 from agent.demo.standin_process import StandinServer, free_port
 from agent.events import EventKind, FaultCause, HealthState
-from agent.policy.base import PlanStatus
+from agent.policy.plan import PlanStatus
 from agent.rules.actions.registry import KINDS
 from agent.verdict import AttentionCause, NodeProblem
 from bench.metrics_series import SERIES_BUDGET

@@ -25,9 +25,10 @@ from agent.backend.base import ClockDomain, GpuBackend, WriteGuard
 from agent.backend.sim import SimulatedBackend
 from agent.config import AgentConfig, ServiceConfig
 from agent.policy import holds as holds_module
-from agent.policy.base import HostContext, ItemPlan, PlanStatus
+from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
 from agent.policy.holds import PolicyHolds
+from agent.policy.plan import ItemPlan, PlanStatus
 from agent.rules.actions.dispatch import execute
 from agent.rules.model import Decision, Outcome, Target
 from agent.store.database import Store

@@ -1,9 +1,9 @@
-"""The policy items' names are written once, as Literal types (agent/policy/names.py); the tuples
+"""The policy items' names are written once, as Literal types (agent/names/policy_items.py); the tuples
 are read from them, and a union of Literal types drops a name given twice without a word."""
 
 from __future__ import annotations
 
-from agent.policy import names
+from agent.names import policy_items as names
 
 
 def test_a_name_is_a_gpu_item_or_a_node_item_never_both() -> None:

@@ -16,12 +16,13 @@ from agent.backend.errors import GpuErrorKind, WriteRefused
 from agent.backend.sim import SimulatedBackend
 from agent.config import GPU_ITEMS, AgentConfig, FanCurve, GpuMatch, GpuProfile, LockedClocks, Mode, PolicyConfig
 from agent.host.paths import HostPaths
+from agent.names.policy_items import GPU_ITEM_NAMES, GPU_RESET_ITEM, NODE_ITEM_NAMES
 from agent.policy import ecc, fan_curve, locked_clocks, persistence, power_limit
-from agent.policy.base import ERROR_LABELS, ApplyOutcome, GpuContext, HostContext, ItemPlan, PlanStatus
+from agent.policy.base import ERROR_LABELS, GpuContext, HostContext
 from agent.policy.engine import PolicyEngine
 from agent.policy.gpu_item import format_watts
 from agent.policy.item import GpuItem, NodeItem, Planned, PolicyItem, RestorableGpuItem, enforce, planned
-from agent.policy.names import GPU_ITEM_NAMES, GPU_RESET_ITEM, NODE_ITEM_NAMES
+from agent.policy.plan import ApplyOutcome, ItemPlan, PlanStatus
 from agent.policy.registry import GPU_ITEMS as REGISTERED
 from agent.policy.registry import NODE_ITEMS, RESTORABLE_ITEMS, RESTORABLE_NAMES
 

@@ -24,8 +24,9 @@ from hosttree import (
 from agent.config import AgentConfig, NodePolicy, ServiceConfig, TransparentHugepages, TritonCache
 from agent.host.paths import HostPaths
 from agent.policy import nouveau, thp, triton_cache
-from agent.policy.base import ApplyOutcome, HostContext, ItemPlan, ItemResult, PlanStatus
+from agent.policy.base import HostContext
 from agent.policy.item import enforce
+from agent.policy.plan import ApplyOutcome, ItemPlan, ItemResult, PlanStatus
 from agent.policy.triton_cache import TritonCacheWant
 
 ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"

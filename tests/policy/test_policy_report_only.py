@@ -21,9 +21,10 @@ from agent.backend.sim import SimulatedBackend
 from agent.config import GPU_ITEMS, AgentConfig, DriverPolicy, NodePolicy, ServiceConfig
 from agent.host.paths import HostPaths
 from agent.policy import driver, next_boot, vbios
-from agent.policy.base import ApplyOutcome, GpuContext, HostContext, PlanStatus
+from agent.policy.base import GpuContext, HostContext
 from agent.policy.engine import PolicyEngine
 from agent.policy.item import enforce
+from agent.policy.plan import ApplyOutcome, PlanStatus
 from agent.rules.actions.kinds.reboot import next_boot_problem
 
 H200_VBIOS = "96.00.A5.00.1A"

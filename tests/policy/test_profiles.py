@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.backend import load_checked_config
 from agent.backend.base import GpuIdentity
 from agent.config import AgentConfig, ConfigError
-from agent.policy.dropins import TUNE_DROPIN, without_dropin
+from agent.policy.dropins import TUNE_DROPIN, load_checked_config, without_dropin
 from agent.policy.profiles import covers, resolve_profile, shadowed
 
 H200 = GpuIdentity(0, "GPU-aaaa", "NVIDIA H200", "0000:01:00.0", "", "", 0)

@@ -13,7 +13,7 @@ from collections import defaultdict
 
 import pytest
 
-from agent.metrics.catalog import FAMILIES as CATALOG
+from agent.names.metric_families import FAMILIES as CATALOG
 from agent.readings.row import Dcgm, Metric, Row, fast, reading
 from agent.readings.table import FAST_READERS, ROWS, SLOW_READERS, GpuSample
 from agent.state import GpuSample as StateGpuSample
@@ -54,7 +54,7 @@ def exported(rows: tuple[Row, ...] = ROWS) -> list[tuple[Row, Metric]]:
 def test_the_families_are_the_known_ones() -> None:
     assert {row.family for row in ROWS} == FAMILIES
     assert all(re.fullmatch(r"[a-z][a-z_]*", family) for family in FAMILIES)
-    # every exported row's family is one `metrics.families` knows (agent/metrics/catalog.py)
+    # every exported row's family is one `metrics.families` knows (agent/names/metric_families.py)
     assert {row.family for row in ROWS if row.metric is not None} <= set(CATALOG)
     assert {row.family for row in ROWS if row.metric is None} == {"processes", "clock_events"}
 

@@ -24,8 +24,7 @@ from agent.rules.config import Rule, load_rules
 from agent.rules.engine import EXHAUSTED_STEP, evaluate
 from agent.rules.model import ActionOutcome, Decision, Outcome, Target
 from agent.services.latency_cause import CauseFinding, SloBreach, regression_event
-from agent.services.window import ServiceFigures
-from agent.state import NodeSnapshot, ServiceStatus
+from agent.state import NodeSnapshot, ServiceFigures, ServiceStatus
 from agent.store.database import Store
 from agent.watch import xid_catalog
 from agent.watch.kernel_log import RECOVERY_ACTION_XID

@@ -115,13 +115,13 @@ def test_a_reload_with_a_bomb_for_a_rules_file_keeps_the_running_rules(tmp_path:
     config_path, _ = write_agent_config(tmp_path, rules_dir=rules)
     daemon = Daemon(load_config(config_path), config_path, notifier=SdNotifier(None, None))
     good = rules_file(rules / "10-a.yaml", "one")
-    assert daemon.reload() is True
+    assert daemon.reloader.reload() is True
     assert [rule.name for rule in daemon.remediator.rules] == ["one"]
     for bomb in (alias_bomb(), "rules:\n  - " + NESTED + "\n"):
         good.write_text(bomb)
-        assert daemon.reload() is False
+        assert daemon.reloader.reload() is False
         assert [rule.name for rule in daemon.remediator.rules] == ["one"]
-        assert f"{good}:" in daemon.publisher.reload_error
+        assert f"{good}:" in daemon.live.publisher.reload_error
     rules_file(good, "two")
-    assert daemon.reload() is True
+    assert daemon.reloader.reload() is True
     assert [rule.name for rule in daemon.remediator.rules] == ["two"]

@@ -13,7 +13,6 @@ from agent.config import ServiceConfig
 from agent.demo.standin_process import StandinServer, free_port
 from agent.host.paths import HostPaths
 from agent.services.attribution import (
-    GpuProcessInfo,
     Listeners,
     attribute_gpu_processes,
     command_service_pids,
@@ -22,6 +21,7 @@ from agent.services.attribution import (
     service_of_pid,
     unit_of_pid,
 )
+from agent.state import GpuProcessInfo
 
 GIB = 1024**3
 

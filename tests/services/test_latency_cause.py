@@ -10,8 +10,7 @@ import pytest
 from agent.config import ServiceSlo
 from agent.events import Event, EventKind, Severity, SuggestedAction
 from agent.services.latency_cause import CauseFinding, SloWatch, attribute_cause, check_slo, regression_event
-from agent.services.window import LatencyFigures, QueueTimeTrend, ServiceFigures
-from agent.state import GpuSample
+from agent.state import GpuSample, LatencyFigures, QueueTimeTrend, ServiceFigures
 
 GIB = 1024**3
 HW_SLOWDOWN = 0x8

@@ -19,7 +19,8 @@ from slow_endpoint import SlowEndpoint
 from agent.config import ServiceConfig
 from agent.services.drain import wait_until_idle
 from agent.services.scrape import MAX_SERIES_PER_FAMILY, Histogram, ScrapeError, ServerReading, parse_reading
-from agent.services.window import MAX_WINDOW_BYTES, MAX_WINDOW_SERIES, LatencyWindow, ServiceFigures
+from agent.services.window import MAX_WINDOW_BYTES, MAX_WINDOW_SERIES, LatencyWindow
+from agent.state import ServiceFigures
 
 INF = math.inf
 E2E = "sglang:e2e_request_latency_seconds"

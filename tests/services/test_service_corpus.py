@@ -24,8 +24,8 @@ from agent.demo.standin_process import StandinServer
 from agent.services import scrape as scrape_module
 from agent.services.scrape import ScrapeError, fetch_text, parse_reading
 from agent.services.watch import LatencyRegressionWatch
-from agent.services.window import QUANTILES, LatencyWindow, ServiceFigures
-from agent.state import GpuSample
+from agent.services.window import QUANTILES, LatencyWindow
+from agent.state import GpuSample, ServiceFigures
 
 PROMTOOL = shutil.which("promtool")
 BY_NAME = {case.name: case for case in CASES}

@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 
 from agent.config import ServiceConfig
-from agent.services.attribution import GpuAttribution
 from agent.services.efficiency import EnergyHistory, service_gpus, tokens_per_joule, window_tokens_per_joule
-from agent.state import GpuSample
+from agent.state import GpuAttribution, GpuSample
 
 
 def sample(gpu: int, t: float, joules: float | None, up: bool = True) -> GpuSample:

@@ -12,20 +12,19 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from snapshots import inference_fields, node_snapshot
 
-from agent.documents import snapshot_document
-from agent.metrics.catalog import DEFAULT_SWITCHES, FamilySwitches
+from agent.documents import snapshot_document, status_document, unattributed_document
 from agent.metrics.families import Families
-from agent.services.attribution import GpuAttribution, GpuProcessInfo
-from agent.services.counters import CounterHistogram, ServiceCounters
-from agent.services.export import (
-    UNATTRIBUTED_NAMES,
-    service_metric_families,
-    status_document,
-    unattributed_by_command,
-    unattributed_document,
-)
+from agent.metrics.services import UNATTRIBUTED_NAMES, service_metric_families, unattributed_by_command
+from agent.names.metric_families import DEFAULT_SWITCHES, FamilySwitches
 from agent.services.text import service_figures_line, unattributed_lines
-from agent.services.window import LatencyFigures, ServiceFigures
+from agent.state import (
+    CounterHistogram,
+    GpuAttribution,
+    GpuProcessInfo,
+    LatencyFigures,
+    ServiceCounters,
+    ServiceFigures,
+)
 from agent.textview import status_text
 
 GIB = 2**30

@@ -19,8 +19,7 @@ from agent.config import AgentConfig, ServiceConfig
 from agent.demo.standin_process import StandinServer, free_port
 from agent.events import Event, EventKind, Severity
 from agent.services.watch import InferenceMonitor, LatencyRegressionWatch, ServiceScraper, expected_clocks_mhz
-from agent.services.window import LatencyFigures, ServiceFigures
-from agent.state import GpuSample
+from agent.state import GpuSample, LatencyFigures, ServiceFigures
 
 
 def scraped(port: int, name: str) -> ServiceConfig:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from action_kinds import ActionKind, action_spec
-from helpers import FakeClock, WaitingTask, make_event, wait_until
+from helpers import FakeClock, WaitingTask, live_parts, make_event, wait_until
 
 from agent.config import AgentConfig, ServiceConfig
 from agent.daemon.action_worker import ActionWorker, ClockHistory
@@ -82,12 +82,9 @@ def command_service(tmp_path: Path, active: bool) -> tuple[ServiceConfig, Path]:
 
 
 def recovering_worker(store: Store, service: ServiceConfig) -> ActionWorker:
-    config = AgentConfig(services=[service])
-    clock = FakeClock()
-    return ActionWorker(
-        lambda: None, lambda: store, lambda _gpu: None, clock, AttemptClock(BOOT, clock.monotonic),
-        lambda: (config, {service.name: CommandManager()}),
-    )  # fmt: skip
+    live = live_parts(AgentConfig(services=[service]), FakeClock(), boot=BOOT, store=store)
+    live.managers = lambda: {service.name: CommandManager()}  # type: ignore[method-assign]
+    return ActionWorker(live=live)
 
 
 @pytest.mark.parametrize("active", [False, True], ids=["down", "already-up"])
@@ -141,12 +138,9 @@ def test_an_action_a_reboot_interrupted_is_reported_not_rolled_back(
 def test_a_queued_action_not_yet_started_at_stop_is_closed_not_run(tmp_path: Path, store: Store) -> None:
     ran = threading.Event()
     clock = FakeClock()
-    worker = ActionWorker(
-        lambda: ran.set(),  # type: ignore[arg-type,func-returns-value]
-        lambda: store, lambda _gpu: None, clock, AttemptClock(BOOT, clock.monotonic),
-    )  # fmt: skip
+    worker = ActionWorker(live=live_parts(AgentConfig(), clock, boot=BOOT, store=store, context=ran.set))
     worker.submit(decision(), clock())
-    worker.cancel.set()
+    worker.lanes.stopping.set()
     worker.start()
     worker.stop(5)
     assert not ran.is_set()
@@ -225,31 +219,29 @@ def test_a_decided_action_aborts_a_running_task_and_runs_after_it(store: Store) 
     neither waits for the sweep nor ends it (a sweep's own cap raises alerts)."""
     ran: list[str] = []
     clock = FakeClock()
-    worker = ActionWorker(
-        lambda: ran.append("action"),  # type: ignore[arg-type,func-returns-value]
-        lambda: store, lambda _gpu: None, clock, AttemptClock(BOOT, clock.monotonic),
-    )  # fmt: skip
+    live = live_parts(AgentConfig(), clock, boot=BOOT, store=store, context=lambda: ran.append("action"))
+    worker = ActionWorker(live=live)
     task = WaitingTask()
     worker.start()
-    worker.submit_task(task)
+    worker.lanes.submit_task(task)
     assert task.started.wait(5)
-    assert worker.busy() == "test task is running"
+    assert worker.lanes.busy() == "test task is running"
     worker.submit(decision("alert", rule="alert", action=ActionKind.ALERTMANAGER), clock())
     wait_until(lambda: ran == ["action"], 5, "the alert run beside the task")
     assert not task.aborted.is_set()
     worker.submit(decision(), clock())
     assert task.aborted.wait(5) and task.reason == "remediation reset needs the node"
     wait_until(lambda: ran == ["action", "action"], 5, "the action run once the task gave the node back")
-    wait_until(lambda: worker.busy() is None, 5, "the worker idle again")
+    wait_until(lambda: worker.lanes.busy() is None, 5, "the worker idle again")
     worker.stop(5)
 
 
 def test_stopping_the_worker_aborts_its_task(store: Store) -> None:
     clock = FakeClock()
-    worker = ActionWorker(lambda: None, lambda: store, lambda _gpu: None, clock, AttemptClock(BOOT, clock.monotonic))
+    worker = ActionWorker(live=live_parts(AgentConfig(), clock, boot=BOOT, store=store))
     task = WaitingTask()
     worker.start()
-    worker.submit_task(task)
+    worker.lanes.submit_task(task)
     assert task.started.wait(5)
     worker.stop(5)
     assert task.reason == "the agent is stopping"

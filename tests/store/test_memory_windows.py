@@ -8,14 +8,14 @@ import sqlite3
 from pathlib import Path
 
 from helpers import FakeClock
-from test_node_memory import BOOT, UUIDS, sample, xid_watcher
+from test_node_memory import BOOT, UUIDS, memory_of, sample, xid_watcher
 
 from agent.config import ServiceConfig
+from agent.daemon.node_memory import NodeMemory
 from agent.events import EventKind
 from agent.services.health import HealthProber
 from agent.state import GpuSample
 from agent.store.database import DB_NAME, Store
-from agent.store.node_memory import NodeMemory
 from agent.watch.throttle import ThrottleWatcher
 
 SW_THERMAL = 0x20
@@ -43,18 +43,20 @@ def agent_run(
     store: Store, clock: FakeClock, url: str, boot: str = BOOT, after: int = 5
 ) -> tuple[NodeMemory, ThrottleWatcher, HealthProber]:
     """One run of the agent: a fresh memory, throttle watcher and prober, loaded from the store."""
-    memory = NodeMemory(lambda: store, boot, clock)
     throttle = ThrottleWatcher(clock=clock.monotonic)
     prober = HealthProber(
         [ServiceConfig(name="sglang", health_url=url, unhealthy_after_probes=after, probe_timeout_seconds=1.0)],
         clock=clock,
     )
-    memory.load({}, xid_watcher(clock), throttle, prober)
+    memory = memory_of(store, xid_watcher(clock), boot, throttle, prober)
+    memory.load(store)
     return memory, throttle, prober
 
 
 def save(memory: NodeMemory, throttle: ThrottleWatcher, prober: HealthProber, clock: FakeClock) -> None:
-    memory.save(xid_watcher(clock), clock(), throttle, prober)
+    """What the run's memory saves: its own throttle watcher's and prober's (the ones `agent_run` gave it)."""
+    assert memory.live.watchers.throttle is throttle and memory.live.prober is prober
+    memory.save(clock())
 
 
 def test_clock_event_time_and_an_active_slowdown_outlive_a_restart_not_a_reboot(tmp_path: Path) -> None:
@@ -111,11 +113,10 @@ def ten_seconds_of_slowdown_saved(store: Store, clock: FakeClock) -> None:
 def loaded_late(store: Store, clock: FakeClock, *seen: GpuSample) -> ThrottleWatcher:
     """A new run whose throttle watcher observed `seen` (one sample a loop) before the store opened
     and the memory loaded."""
-    memory = NodeMemory(lambda: store, BOOT, clock)
     throttle = ThrottleWatcher(clock=clock.monotonic)
     for sample_seen in seen:
         observe(throttle, clock, sample_seen)
-    memory.load({}, xid_watcher(clock), throttle, None)
+    memory_of(store, xid_watcher(clock), BOOT, throttle).load(store)
     return throttle
 
 

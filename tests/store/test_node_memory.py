@@ -5,26 +5,24 @@ from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
+from types import SimpleNamespace
 
 from helpers import FakeClock, make_event
 
 from agent.backend.base import GpuIdentity
 from agent.backend.errors import GpuErrorKind
+from agent.daemon.node_memory import PRUNE_EVERY_SECONDS, NodeMemory
 from agent.events import EventKind, HealthState
 from agent.host.paths import HostPaths
+from agent.node_memory.inventory import MISSING_READ_ERROR, UNKNOWN_BOOT, read_boot_id
+from agent.services.health import HealthProber
 from agent.state import GpuSample, NodeSnapshot, XidCount
 from agent.store.database import DB_NAME, RETENTION_SECONDS, InventoryGpu, Store
-from agent.store.node_memory import (
-    MISSING_READ_ERROR,
-    PRUNE_EVERY_SECONDS,
-    UNKNOWN_BOOT,
-    NodeMemory,
-    expected_gpu_count,
-    read_boot_id,
-)
 from agent.store.schema import MIGRATIONS
+from agent.verdict import expected_gpu_count
 from agent.watch.gpu_lost import GpuLostWatcher
 from agent.watch.kernel_log import KernelXid
+from agent.watch.throttle import ThrottleWatcher
 from agent.watch.xid import XidWatcher
 
 BOOT = "boot-a"
@@ -61,15 +59,33 @@ def kernel_xid(xid: int, gpu: int) -> KernelXid:
     )
 
 
+def memory_of(
+    store: Store | None,
+    xid: XidWatcher,
+    boot: str = BOOT,
+    throttle: ThrottleWatcher | None = None,
+    prober: HealthProber | None = None,
+) -> NodeMemory:
+    """The daemon's node memory over what it reads of the live parts (agent/daemon/live.py): the
+    store, the boot, a fresh collector's identities, the Xid and throttle watchers, the prober."""
+    live = SimpleNamespace(
+        store=store,
+        memory_boot_id=boot,
+        collector=SimpleNamespace(identities={}),
+        watchers=SimpleNamespace(xid=xid, throttle=throttle or ThrottleWatcher()),
+        prober=prober or HealthProber([]),
+    )
+    return NodeMemory(live=live)
+
+
 def started(
     store: Store, clock: FakeClock, boot: str = BOOT, gpus: int = 2
 ) -> tuple[NodeMemory, XidWatcher, dict[int, GpuIdentity]]:
     """A daemon start: its memory loaded into a fresh collector's identities and Xid watcher."""
-    memory = NodeMemory(lambda: store, boot, clock)
     watcher = xid_watcher(clock, gpus)
-    seeded: dict[int, GpuIdentity] = {}
-    memory.load(seeded, watcher)
-    return memory, watcher, seeded
+    memory = memory_of(store, watcher, boot)
+    memory.load(store)
+    return memory, watcher, memory.live.collector.identities
 
 
 def test_a_gpu_that_leaves_stays_as_lost_until_acknowledged_and_is_expected_again_when_back(tmp_path: Path) -> None:
@@ -132,7 +148,7 @@ def test_xid_counters_last_seen_and_health_window_outlive_a_restart_not_a_reboot
         clock.advance(60)
         watcher.ingest_kernel(kernel_xid(48, 1))
         watcher.ingest_kernel(kernel_xid(13, 0))
-        memory.save(watcher, clock())
+        memory.save(clock())
         counts, health = watcher.counts(), watcher.health(1)
         assert [(c.gpu, c.xid, c.count) for c in counts] == [(0, 13, 1), (1, 48, 2)]
         assert health.state is HealthState.UNHEALTHY
@@ -142,10 +158,10 @@ def test_xid_counters_last_seen_and_health_window_outlive_a_restart_not_a_reboot
         assert restarted.counts() == counts
         assert restarted.health(1) == health
         restarted.ingest_kernel(kernel_xid(48, 1))  # counting goes on from where it was
-        memory.save(restarted, clock())
+        memory.save(clock())
         assert [(c.xid, c.count) for c in restarted.counts() if c.gpu == 1] == [(48, 3)]
         restarted.clear(1)  # a GPU reset ends its Xid health; the counters stay
-        memory.save(restarted, clock())
+        memory.save(clock())
         assert [m.gpu for m in store.xid_marks(BOOT)] == [0]
 
         _, rebooted, seeded = started(store, clock, boot="boot-b")
@@ -161,8 +177,8 @@ def test_the_loop_reads_the_inventory_and_xid_marks_again_only_after_another_pro
     with Store.open(tmp_path) as store, Store.open(tmp_path) as cli:
         memory, watcher, _ = started(store, clock, gpus=3)
         watcher.ingest_kernel(kernel_xid(48, 1))
-        memory.save(watcher, clock())
-        memory.follow_acks(watcher)
+        memory.save(clock())
+        memory.follow_acks()
         memory.remember([sample(0), sample(1), sample(2)], clock())
         memory.remember([sample(0), sample(1)], clock())  # GPU 2 leaves the bus
         memory.remember([sample(0), sample(1)], clock())  # read back once after its own write
@@ -170,14 +186,14 @@ def test_the_loop_reads_the_inventory_and_xid_marks_again_only_after_another_pro
         store._db.set_trace_callback(statements.append)
         for _ in range(5):
             clock.advance(1)
-            memory.follow_acks(watcher)
+            memory.follow_acks()
             assert [s.up for s in memory.remember([sample(0), sample(1)], clock())] == [True, True, False]
-            memory.save(watcher, clock())
+            memory.save(clock())
         assert [s for s in statements if "FROM gpu_inventory" in s or "FROM xid_marks" in s] == []
 
         assert cli.acknowledge_gone("all") == [UUIDS[2]]
         assert [m.xid for m in cli.clear_xid_marks(BOOT, 1)] == [48]
-        memory.follow_acks(watcher)
+        memory.follow_acks()
         assert watcher.health(1).state is HealthState.HEALTHY
         assert [s.index for s in memory.remember([sample(0), sample(1)], clock())] == [0, 1]
 
@@ -192,18 +208,18 @@ def test_an_xid_of_an_unknown_gpu_is_remembered_too(tmp_path: Path) -> None:
 def test_the_store_is_pruned_while_the_daemon_runs(tmp_path: Path) -> None:
     clock = FakeClock()
     with Store.open(tmp_path, now_seconds=clock()) as store:
-        memory, watcher, _ = started(store, clock)
-        memory.save(watcher, clock())  # the first save prunes: nothing old yet
+        memory, _, _ = started(store, clock)
+        memory.save(clock())  # the first save prunes: nothing old yet
         store.record_event(make_event(EventKind.XID, 0, key="old", timestamp_seconds=clock()))
         clock.advance(RETENTION_SECONDS + 60)
-        memory.save(watcher, clock())
+        memory.save(clock())
         assert store.events() == []
         store.record_event(make_event(EventKind.XID, 0, key="new", timestamp_seconds=clock() - RETENTION_SECONDS - 1))
         clock.advance(PRUNE_EVERY_SECONDS - 1)
-        memory.save(watcher, clock())
+        memory.save(clock())
         assert [e.event.key for e in store.events()] == ["new"]  # not yet: pruned hourly
         clock.advance(1)
-        memory.save(watcher, clock())
+        memory.save(clock())
         assert store.events() == []
 
 
@@ -231,12 +247,9 @@ def test_boot_id_read_under_host_root(tmp_path: Path) -> None:
 
 
 def test_without_a_store_samples_pass_through(tmp_path: Path) -> None:
-    memory = NodeMemory(lambda: None, BOOT)
-    watcher = xid_watcher(FakeClock())
-    seeded: dict[int, GpuIdentity] = {}
-    memory.load(seeded, watcher)
+    memory = memory_of(None, xid_watcher(FakeClock()))
     samples = [sample(0)]
-    assert memory.remember(samples, 0.0) == samples and seeded == {}
+    assert memory.remember(samples, 0.0) == samples and memory.live.collector.identities == {}
 
 
 def test_faults_counted_before_the_store_opened_add_to_the_stored_counts(tmp_path: Path) -> None:
@@ -244,11 +257,11 @@ def test_faults_counted_before_the_store_opened_add_to_the_stored_counts(tmp_pat
     with Store.open(tmp_path) as store:
         memory, watcher, _ = started(store, clock)
         watcher.ingest_kernel(kernel_xid(48, 1))
-        memory.save(watcher, clock())
+        memory.save(clock())
         clock.advance(30)
-        late = NodeMemory(lambda: store, BOOT, clock)
         restarted = xid_watcher(clock)
+        late = memory_of(store, restarted)
         restarted.ingest_kernel(kernel_xid(48, 1))  # seen while the store could not be opened yet
-        late.load({}, restarted)
+        late.load(store)
         [count] = restarted.counts()
         assert (count.count, count.last_seen_seconds) == (2, clock())

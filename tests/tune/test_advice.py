@@ -14,9 +14,10 @@ from agent.api_server import handle_request
 from agent.backend.base import ClockDomain, WriteGuard
 from agent.backend.sim import SimulatedBackend
 from agent.config import AgentConfig
-from agent.policy.base import ApplyOutcome, HostContext
+from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
 from agent.policy.holds import PolicyHolds
+from agent.policy.plan import ApplyOutcome
 from agent.store.database import Store
 from agent.store.tunes import HistoryRow
 from agent.tune.model import StepReading, SweptGpu, TuneDocument, TuneRequest

@@ -15,7 +15,7 @@ from agent.backend.sim import SimulatedBackend
 from agent.config import AgentConfig
 from agent.events import Health, HealthState
 from agent.services.latency_cause import strain
-from agent.services.window import ServiceFigures
+from agent.state import ServiceFigures
 from agent.tune.apply import dropin_text, stale
 from agent.tune.model import Recommendation, SweptGpu, TuneDocument, TuneRequest
 from agent.tune.preflight import setting_range, sick_subject, swept_gpus

@@ -20,7 +20,7 @@ from agent.backend.sim import REASON_HW_POWER_BRAKE, REASON_HW_SLOWDOWN, REASON_
 from agent.collect import sample_gpu, sample_identified
 from agent.events import Event, EventKind, FaultCause, Health, HealthState, Severity, SuggestedAction
 from agent.host.paths import HostPaths
-from agent.policy.names import GPU_RESET_ITEM
+from agent.names.policy_items import GPU_RESET_ITEM
 from agent.rules.config import Rule
 from agent.rules.engine import evaluate
 from agent.rules.model import Decision

@@ -29,7 +29,7 @@ ones live in `agent/backend/profiles/models/NAME.json` and `agent/backend/profil
 `list_profiles()` names the built-in node profiles (h200, h200x2, h200x8, rtx-pro-6000,
 rtx-pro-6000x2, mixed). A path to a JSON file works wherever a profile name does. A bad
 profile is a `ProfileError` (a ValueError) naming the file and the field; `load_checked_config`
-(agent.backend) checks `simulated.profile` with `validate_profile`, so `gpu-agent check-config`
+(agent.policy.dropins) checks `simulated.profile` with `validate_profile`, so `gpu-agent check-config`
 reports it.
 
 Node profile (built-in file or your own)::

@@ -16,11 +16,17 @@ import math
 from collections.abc import Iterator
 from typing import TypeVar
 
-from agent.backend.base import NVLINK_ERROR_COUNTERS, FabricState, GpuEvent, GpuEventKind, RecoveryAction
+from agent.backend.base import (
+    MAX_XID,
+    NVLINK_ERROR_COUNTERS,
+    FabricState,
+    GpuEvent,
+    GpuEventKind,
+    RecoveryAction,
+)
 from agent.backend.errors import GpuErrorKind
 from agent.backend.sim.profiles import NodeProfile
 from agent.backend.sim.state import PROTOCOL_METHODS, GpuState, MachineState
-from agent.watch.kernel_log import MAX_XID  # the codes the agent reads from the kernel log
 
 # nvmlEventType* bits
 EVENT_SINGLE_BIT_ECC = 0x1

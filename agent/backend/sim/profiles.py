@@ -440,7 +440,7 @@ def load_profile(profile: str | Path) -> NodeProfile:
 def validate_profile(profile: str) -> str:
     """`profile` unchanged when it names a usable profile (built-in or file); ProfileError otherwise.
 
-    For the config's `simulated.profile` (agent.backend.load_checked_config), so a bad profile is a
+    For the config's `simulated.profile` (agent.policy.dropins.load_checked_config), so a bad profile is a
     config error at load time.
     """
     load_profile(profile)

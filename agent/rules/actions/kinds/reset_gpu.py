@@ -20,7 +20,7 @@ from agent.backend.errors import GpuError, GpuErrorKind, WriteRefused
 from agent.config import AgentConfig, ServiceConfig
 from agent.events import EventKind, SuggestedAction
 from agent.logger import get_logger
-from agent.policy.base import ApplyOutcome
+from agent.policy.plan import ApplyOutcome
 from agent.policy.transaction import SETTINGS, TransactionClosed, TransactionError
 from agent.rules.actions.base import Result, failed, gpu_of, refused, uuid_of, xid_of
 from agent.rules.actions.context import ActionContext

@@ -1,6 +1,6 @@
-"""The inference figures as the agent exports them: Prometheus families for `/metrics`, and the
-JSON of `gpu-agent status` (its text lines: `agent.services.text`). Pure functions of
-`ServiceFigures` and `GpuAttribution`, so the exporter and the status view stay one call each.
+"""The inference figures in `/metrics`: the families of each configured service, a pure function of
+the snapshot's `ServiceFigures` and `GpuAttribution` (their JSON for `gpu-agent status` is in
+agent/documents.py, its text lines in agent/services/text.py).
 
     gpu_agent_service_request_duration_seconds_bucket{service,kind,le}   the server's histograms as
         _sum, _count                                                    counters (agent.services.counters)
@@ -26,15 +26,11 @@ is absent, not 0.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
 
-from agent.services.attribution import GpuAttribution
+from agent.metrics.families import Families
 from agent.services.scrape import LATENCY_KINDS
-from agent.services.window import QUANTILES, ServiceFigures
-
-if TYPE_CHECKING:  # the exporter's writer; `status` documents need none of it
-    from agent.metrics.families import Families
+from agent.services.window import QUANTILES
+from agent.state import GpuAttribution, ServiceFigures
 
 #: The latency kinds whose histograms a default scrape shows (what services[].slo bounds); the
 #: others are in the service_latency_detail family.
@@ -160,28 +156,3 @@ def unattributed_by_command(attribution: GpuAttribution, gpus: Mapping[int, str]
         if rest:
             found[(gpu, OTHER_PROCESSES)] = found.get((gpu, OTHER_PROCESSES), 0) + rest
     return found
-
-
-def status_document(figures: ServiceFigures, now_seconds: float) -> dict[str, Any]:
-    """One service's figures for `status --json` (the `metrics` of each service), with how long ago
-    they were read: a long `scrape_interval_seconds`, or scrapes failing since, leave them old."""
-    latency = sorted(figures.latency.items())
-    read_ago = round(max(0.0, now_seconds - figures.timestamp_seconds), 1) if figures.timestamp_seconds else None
-    return {
-        "kind": figures.kind or None,
-        "read_seconds_ago": read_ago,
-        "window_seconds": round(figures.window_seconds, 1),
-        "latency_seconds": {kind: {f"{q:g}": found.quantiles.get(q) for q in QUANTILES} for kind, found in latency},
-        "requests_in_window": {kind: found.requests for kind, found in latency},
-        "requests_running": figures.running,
-        "requests_waiting": figures.waiting,
-        "kv_cache_usage_ratio": figures.kv_cache_usage_ratio,
-        "generation_tokens_per_second": figures.generation_tokens_per_second,
-        "tokens_per_joule": None if figures.tokens_per_joule is None else round(figures.tokens_per_joule, 4),
-        "metrics_error": figures.error or None,
-    }
-
-
-def unattributed_document(attribution: GpuAttribution | None) -> list[dict[str, Any]]:
-    """GPU processes of no configured service, for `status --json`."""
-    return [asdict(process) for process in (() if attribution is None else attribution.unattributed)]

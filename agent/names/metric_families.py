@@ -51,7 +51,7 @@ _FAMILIES: dict[str, FamilyInfo] = {
     "nvlink": FamilyInfo(False, "NVLink error counters per GPU (all links added up); non-zero ones always"),
     "nvlink_links": FamilyInfo(False, "NVLink state and error counters per link; a link with errors or down always"),
     "fabric": FamilyInfo(False, "NVSwitch fabric registration; an unfinished or failed one always"),
-    # -- the agent's own families (agent/metrics/, agent/services/export.py) ----------------------
+    # -- the agent's own families (agent/metrics/) -------------------------------------------------
     "gpu": FamilyInfo(True, "GPU identity, up, health verdict and its cause, failed readings"),
     "faults": FamilyInfo(
         False,
