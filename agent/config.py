@@ -21,6 +21,10 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agent import safe_yaml
+from agent.alerts.catalog import BY_NAME as _ALERTS
+from agent.alerts.catalog import DEFAULT_JOB as DEFAULT_ALERT_JOB
+from agent.alerts.catalog import DEFAULT_RUNBOOK_URL
+from agent.alerts.catalog import RESERVED_LABELS as RESERVED_ALERT_LABELS
 from agent.config_errors import ConfigError as ConfigError
 from agent.config_errors import ConfigProblem as ConfigProblem
 from agent.defaults import DEFAULT_METRICS_PORT, DEFAULT_RULES_DIR, DEFAULT_RULES_DIRS, DEFAULT_SOCKET_PATH
@@ -80,6 +84,19 @@ def http_url(value: str) -> str:
     return value
 
 
+N = TypeVar("N", bound=Mapping[str, object])
+
+
+def known_names(given: N, names: Sequence[str], what: str, where: str) -> N:
+    """`given` when each of its keys is one of `names`; else ValueError naming the closest."""
+    for name in given:
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ValueError(f"unknown {what} '{name}'{hint}; the {where}")
+    return given
+
+
 def absolute_argv(argv: list[str]) -> list[str]:
     """argv as run without a shell: an absolute program (no PATH lookup: which binary runs must not
     depend on the environment the agent inherited) and no line breaks or NUL in any string."""
@@ -113,6 +130,9 @@ def listen_address(value: str) -> tuple[int, str]:
     return family, bare
 
 
+ALERT_NAMES = tuple(_ALERTS)
+
+
 class SimulatedConfig(StrictModel):
     # A built-in node profile name, or a path to a profile file. Whether it loads is the simulator's to
     # say: agent.backend.load_checked_config reports a bad one as this key's error.
@@ -134,12 +154,7 @@ class MetricsConfig(StrictModel):
     @field_validator("families")
     @classmethod
     def _known_families(cls, value: dict[str, bool]) -> dict[str, bool]:
-        for name in value:
-            if name not in FAMILY_NAMES:
-                close = difflib.get_close_matches(name, FAMILY_NAMES, n=1)
-                hint = f" (did you mean '{close[0]}'?)" if close else ""
-                raise ValueError(f"unknown family '{name}'{hint}; the families are listed in docs/metrics.md")
-        return value
+        return known_names(value, FAMILY_NAMES, "family", "families are listed in docs/metrics.md")
 
 
 class ApiConfig(StrictModel):
@@ -446,18 +461,54 @@ def _origin(url: str | None) -> str | None:
     return match.group(1) if match else None
 
 
+class AlertsConfig(StrictModel):
+    """The agent's alert pushes, labelled as Prometheus labels this target: the rules' alerts (docs/alerts.md)."""
+
+    instance: str | None = None  # None: "<host name>:<metrics.listen port>"
+    job: str = DEFAULT_ALERT_JOB
+    #: The target's other labels (cluster, rack, ...) and Prometheus' external labels.
+    labels: dict[str, str] = Field(default_factory=dict)
+    #: Where docs/alerts.md is read: each alert's `runbook_url` is this with the alert's section.
+    runbook_url: str = DEFAULT_RUNBOOK_URL
+    #: Seconds an alert's condition holds before it is pushed, by name; else the catalogue's `for`, as the rules'.
+    for_seconds: dict[str, Annotated[float, Field(ge=0, le=86400)]] = Field(default_factory=dict)
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", name) or name.startswith("__"):
+                raise ValueError(f"{name!r} is not a Prometheus label name")
+            if name in RESERVED_ALERT_LABELS:
+                raise ValueError(f"{name!r} is set by the agent (alerts.instance, alerts.job, the catalogue)")
+        return {name: no_line_breaks(text) for name, text in value.items()}
+
+    _one_line = field_validator("instance", "job")(lambda value: None if value is None else no_line_breaks(value))
+    _known_alerts = field_validator("for_seconds")(
+        lambda value: known_names(value, ALERT_NAMES, "alert", "alerts are listed in docs/alerts.md")
+    )
+
+
 class RemediationConfig(StrictModel):
     # Lowest priority first; a same-named file in a later one replaces or masks (agent/rules/sources.py).
     # [] turns remediation off on purpose; a daemon that finds no rules in the dirs given needs attention.
     rules_dirs: list[str] = Field(default_factory=lambda: list(DEFAULT_RULES_DIRS))
     allow_reboot: bool = False  # a rule may only use the `reboot` action when the operator allows it
-    alertmanager_url: str | None = None  # e.g. http://127.0.0.1:9093; the default for alertmanager actions
+    # e.g. http://127.0.0.1:9093, or a list (an HA pair): where the agent pushes its alerts
+    alertmanager_url: str | list[str] | None = None
     reboot_command: list[str] = Field(default_factory=lambda: ["/usr/bin/systemctl", "reboot"], min_length=1)
 
-    @field_validator("alertmanager_url")
-    @classmethod
-    def _http_url(cls, value: str | None) -> str | None:
-        return None if value is None else http_url(value)
+    _http_urls = field_validator("alertmanager_url")(
+        lambda value: (
+            [http_url(u) for u in value] if isinstance(value, list) else None if value is None else http_url(value)
+        )
+    )
+
+    @property
+    def alertmanager_urls(self) -> tuple[str, ...]:
+        """Every Alertmanager the agent pushes to (none: no pushes)."""
+        given = self.alertmanager_url
+        return tuple(dict.fromkeys([given] if isinstance(given, str) else given or []))
 
     @field_validator("reboot_command")
     @classmethod
@@ -498,6 +549,7 @@ class AgentConfig(StrictModel):
     policy: PolicyConfig = PolicyConfig()
     services: list[ServiceConfig] = Field(default_factory=list)
     remediation: RemediationConfig = RemediationConfig()
+    alerts: AlertsConfig = AlertsConfig()
 
     @field_validator("services")
     @classmethod

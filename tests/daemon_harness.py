@@ -153,6 +153,7 @@ def write_agent_config(
     rules_dir: Path | None = None,
     backend: str = "simulated",  # "nvml" on a test machine: a host without the NVIDIA driver
     extra: str = "",  # more top-level YAML, e.g. "policy_interval_seconds: 1\n"
+    alertmanager_url: str | list[str] | None = None,  # remediation.alertmanager_url
 ) -> tuple[Path, int]:
     root = tmp_path / "host"
     if not root.exists():
@@ -164,7 +165,9 @@ def write_agent_config(
     port = free_port()
     # No rules directory given: remediation off on purpose (a daemon with rules dirs but no rules in
     # them needs attention, and would say so in every verdict).
-    remediation = f"{{rules_dir: {rules_dir}}}" if rules_dir is not None else "{rules_dirs: []}"
+    remediation = f"{{rules_dir: {rules_dir}" if rules_dir is not None else "{rules_dirs: []"
+    remediation += "" if alertmanager_url is None else f", alertmanager_url: {json.dumps(alertmanager_url)}"
+    remediation += "}"
     config = tmp_path / "agent.yaml"
     config.write_text(
         AGENT_CONFIG.format(

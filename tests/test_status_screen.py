@@ -61,6 +61,8 @@ def test_the_screen_says_when_things_happened() -> None:
     lines = text.splitlines()
     assert max(len(line) for line in lines) <= 100, text
     assert "REBOOT RECOMMENDED: Xid 79 on GPU 3" in lines
+    # and how it clears, right under it
+    assert "`gpu-agent ack reboot`" in lines[lines.index("REBOOT RECOMMENDED: Xid 79 on GPU 3") + 1]
     assert any("3m ago" in line and "Xid 48" in line for line in lines), text
     assert any("2h01m ago" in line and "restart_service service:sglang -> success" in line for line in lines), text
     assert all("last 45s ago" in line for line in lines if line.startswith("  GPU ") and " Xid " in line)
@@ -203,7 +205,7 @@ def test_observe_mode_records_what_it_would_have_done(tmp_path: Path) -> None:
     """Observe mode: a restart the rules decide on is recorded as a dry run saying what the agent
     would have done (not sent to the worker to be refused), and the status screen shows it."""
     config = AgentConfig(mode=Mode.OBSERVE, state_dir=str(tmp_path / "state"))
-    remediator = Remediator(config, lambda _alerts: None, lambda _gpu: None, lambda: 1000.0)
+    remediator = Remediator(config, lambda _alerts: None, lambda _decision, _gpus: None, lambda: 1000.0)
     remediator.store = Store.open(tmp_path / "state")
     try:
         event = make_event(EventKind.SERVICE_UNHEALTHY, None, timestamp_seconds=1000.0)

@@ -36,7 +36,7 @@ from agent.rules.actions.context import ActionContext
 from agent.rules.actions.dispatch import execute
 from agent.rules.actions.footprint import Footprint
 from agent.rules.actions.steps import DRAINING, services_left_down, step
-from agent.rules.model import ActionKind, ActionOutcome, Decision, Outcome
+from agent.rules.model import ActionOutcome, Decision, Outcome
 from agent.rules.params import ACTION_LANES, Lane
 from agent.services.managers import ServiceError, ServiceManager
 from agent.store.attempt_clock import AttemptClock, ClockReading, effective_wall_seconds
@@ -70,7 +70,7 @@ class ActionWorker:
         self,
         context: Callable[[], ActionContext | None],
         store: Callable[[], Store | None],
-        on_reset: Callable[[int], None],
+        on_fixed: Callable[[Decision, Footprint], None],
         clock: Callable[[], float],
         attempt_clock: AttemptClock,
         managers: Callable[[], tuple[AgentConfig, Mapping[str, ServiceManager]]] | None = None,
@@ -79,7 +79,8 @@ class ActionWorker:
     ) -> None:
         self.context = context  # None while the GPU backend is unavailable
         self.store = store
-        self.on_reset = on_reset  # a GPU reset succeeded: its Xid history starts afresh
+        # An action succeeded, with the GPUs it touched: what it fixed leaves the verdict (remediator.py).
+        self.on_fixed = on_fixed
         self.clock = clock
         self.attempt_clock = attempt_clock
         self.managers = managers  # for recovery: the services and their managers, no GPU backend needed
@@ -201,10 +202,8 @@ class ActionWorker:
             seconds=round(outcome.finished_seconds - outcome.started_seconds, 3),
             **target_fields(decision),
         )
-        action = decision.action
-        reset_done = action is not None and action.kind is ActionKind.RESET_GPU and outcome.outcome is Outcome.SUCCESS
-        if reset_done and decision.target.gpu is not None:
-            self.on_reset(decision.target.gpu)
+        if outcome.outcome is Outcome.SUCCESS:
+            self.on_fixed(decision, self.footprint(decision))
 
     def _journal(self, row_id: int, step: str) -> None:
         store = self.store()

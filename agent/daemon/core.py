@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
+from agent.alerts.book import PushBook
 from agent.backend import load_checked_config
 from agent.backend.base import GpuEvent
 from agent.config import AgentConfig, ConfigError
@@ -28,7 +29,7 @@ from agent.daemon.collector import GpuCollector
 from agent.daemon.intake import EventIntake
 from agent.daemon.policy_loop import PolicyLoop
 from agent.daemon.publisher import ListenerError, Publisher, systemd_status_line
-from agent.daemon.remediator import LoadedRules, Remediator, load_rules_dir
+from agent.daemon.remediator import LoadedRules, Remediator, fixed_xids, load_rules_dir
 from agent.daemon.sd_notify import SdNotifier
 from agent.daemon.session import BackendSession
 from agent.daemon.timing import LoopTiming
@@ -43,7 +44,6 @@ from agent.policy.engine import PolicyEngine
 from agent.policy.holds import PolicyHolds
 from agent.policy.names import FAN_CURVE
 from agent.policy.registry import RESTORABLE_NAMES
-from agent.rules.actions.alertmanager import AlertTracker
 from agent.rules.actions.context import ActionContext
 from agent.services.attribution import service_of_pid
 from agent.services.health import HealthProber, ProberThread
@@ -118,7 +118,7 @@ class Daemon:
         self.remediator = Remediator(
             config,
             self._action_context,
-            self.watchers.xid.clear,
+            fixed_xids(self.watchers.xid),
             clock,
             AttemptClock(self.host.paths.boot_id(), boottime),
             lambda current: build_managers(current, self.host),
@@ -174,6 +174,7 @@ class Daemon:
         self.tune.history.flush(self.remediator.store)
         self.remediator.remediate(snapshot, events, now)
         snapshot = self.publisher.publish(snapshot)
+        self.remediator.push_alerts(snapshot)
         self.watchdog.beat()
         return snapshot
 
@@ -209,7 +210,7 @@ class Daemon:
         kmsg_ok, kmsg_detail = self.kmsg.status()
         collectors = (
             *self.collector.statuses(),
-            *(s for s in (self.policy.status, self.remediator.status) if s is not None),
+            *(s for s in (self.policy.status, self.remediator.status, self.remediator.alert_delivery.status) if s),
             CollectorStatus("kmsg", kmsg_ok, 0.0, "" if kmsg_ok else kmsg_detail),
             *self.session.statuses(),
         )
@@ -219,6 +220,7 @@ class Daemon:
             backend_error=self.session.error,
             services=tuple(self.prober.statuses()),
             remediations=self.remediator.counts(),
+            remediation_failing=self.remediator.failing(),
             collectors=collectors,
             recent_events=self.intake.recent,
             recent_remediations=self.remediator.recent(),
@@ -241,6 +243,7 @@ class Daemon:
             snapshot,
             services=tuple(self.prober.statuses()),
             xids=tuple(self.watchers.xid.counts()),
+            open_xids=self.watchers.xid.open_marks(),
             recent_events=self.intake.recent,
             health=self.watchers.health(snapshot.health, self.collector.stale, self.session.error),
         )
@@ -260,7 +263,7 @@ class Daemon:
     def _on_nvml_event(self, event: GpuEvent) -> None:
         self.intake.put(self.watchers.xid.ingest_nvml(event))
 
-    def _action_context(self, alerts: AlertTracker) -> ActionContext | None:
+    def _action_context(self, alerts: PushBook) -> ActionContext | None:
         """What an action reaches, built when it runs (the backend of the moment); None without one."""
         backend = self.session.backend
         if backend is None:

@@ -1,6 +1,7 @@
 """The remediator: new events into the event store, the rules evaluated against the snapshot (a
-pure function), the decided actions journaled and queued for the action worker, and Alertmanager
-alerts kept fresh by the alert delivery thread (never on the loop). A store that cannot be opened
+pure function), the decided actions journaled and queued for the action worker, and the catalogue's
+alerts the published snapshot holds kept in the push book, which the alert delivery thread sends to
+Alertmanager (never on the loop). A store that cannot be opened
 or written (state dir full, read-only) turns remediation off until it works again; the events
 meanwhile wait, bounded, and none is lost or handled twice."""
 
@@ -11,32 +12,32 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.alerts.book import PushBook
+from agent.alerts.evaluate import found_alerts
 from agent.config import AgentConfig, Mode
 from agent.daemon.action_worker import ActionWorker, target_fields
 from agent.daemon.alert_delivery import AlertDelivery
-from agent.daemon.timing import due
 from agent.events import Event
 from agent.logger import get_logger
 from agent.policy.holds import PolicyHolds
-from agent.rules.actions.alertmanager import AlertTracker
 from agent.rules.actions.context import ActionContext
-from agent.rules.actions.footprint import footprint
+from agent.rules.actions.footprint import Footprint, footprint
 from agent.rules.config import Rule, load_rules
 from agent.rules.engine import evaluate, gpus_by_service
 from agent.rules.model import ActionOutcome, Decision, Outcome
-from agent.rules.params import NODE_CHANGING_ACTIONS
+from agent.rules.params import NODE_CHANGING_ACTIONS, ActionKind
 from agent.rules.sources import describe as describe_rules
 from agent.rules.sources import resolve_rules
 from agent.services.managers import ServiceManager
-from agent.state import CollectorStatus, NodeSnapshot, RecentRemediation, RemediationCount
+from agent.state import CollectorStatus, NodeSnapshot, RecentRemediation, RemediationCount, RemediationFailing
 from agent.store.attempt_clock import AttemptClock, ClockReading
 from agent.store.database import Store, StoredRemediation, StoreError
 from agent.store.db import TableCache
 from agent.watch.episodes import Episodes
+from agent.watch.xid import XidWatcher
 
 log = get_logger()
 
-ALERT_REFRESH_SECONDS = 60.0
 STORE_RETRY_SECONDS = 30.0
 MAX_UNSTORED_EVENTS = 10_000
 
@@ -55,8 +56,8 @@ class Remediator:
     def __init__(
         self,
         config: AgentConfig,
-        context: Callable[[AlertTracker], ActionContext | None],
-        on_reset: Callable[[int], None],
+        context: Callable[[PushBook], ActionContext | None],
+        on_fixed: Callable[[Decision, Footprint], None],
         clock: Callable[[], float],
         attempt_clock: AttemptClock | None = None,
         managers: Callable[[AgentConfig], Mapping[str, ServiceManager]] | None = None,
@@ -68,13 +69,13 @@ class Remediator:
         self.rules_sources: tuple[str, ...] = ()
         self.rules_read = False  # the rules dirs were read (start, reload): `rules` is what they gave
         self.episodes = Episodes(config.state_dir)
-        self.alerts = AlertTracker()
-        self.alert_delivery = AlertDelivery(self.alerts)
         self.attempt_clock = attempt_clock or AttemptClock("")
+        self.alerts = PushBook(lambda: self.store, self.attempt_clock.boot_id, clock)
+        self.alert_delivery = AlertDelivery(self.alerts)
         self.worker = ActionWorker(
             lambda: context(self.alerts),
             lambda: self.store,
-            on_reset,
+            on_fixed,
             clock,
             self.attempt_clock,
             (lambda: (self.config, managers(self.config))) if managers is not None else None,
@@ -84,13 +85,15 @@ class Remediator:
         self.status: CollectorStatus | None = None
         self._store_failed_monotonic: float | None = None  # when opening the store last failed
         self._unstored: list[Event] = []  # keyed events the store could not take yet
-        self._last_alert_refresh_seconds = 0.0
         # Shown every loop, changed by a remediation now and then: read again only after a write.
         self._counts: TableCache[Store, tuple[RemediationCount, ...]] = TableCache(
             "remediation_totals", lambda store: tuple(store.remediation_counts())
         )
         self._recent: TableCache[Store, tuple[RecentRemediation, ...]] = TableCache(
             "remediations", lambda store: tuple(_recent(store.remediations(limit=RECENT_REMEDIATIONS)))
+        )
+        self._failing: TableCache[Store, tuple[RemediationFailing, ...]] = TableCache(
+            "remediations", lambda store: tuple(store.failing_rules())
         )
 
     def start(self) -> None:
@@ -149,7 +152,6 @@ class Remediator:
             self._keep_unstored(keyed_events)
             return
         self.status = CollectorStatus("remediation", True, time.monotonic() - started)
-        self._refresh_alerts(events, now)
 
     def counts(self) -> tuple[RemediationCount, ...]:
         if self.store is None:
@@ -158,6 +160,16 @@ class Remediator:
             return self._counts.get(self.store)
         except StoreError as exc:
             log.error("cannot read remediation counts", error=str(exc))
+            return ()
+
+    def failing(self) -> tuple[RemediationFailing, ...]:
+        """The rules that cannot fix their fault now (the store's last outcomes and open circuits)."""
+        if self.store is None:
+            return ()
+        try:
+            return self._failing.get(self.store)
+        except StoreError as exc:
+            log.error("cannot read failing remediations", error=str(exc))
             return ()
 
     def recent(self) -> tuple[RecentRemediation, ...]:
@@ -210,13 +222,14 @@ class Remediator:
         action = decision.action
         return action is not None and action.kind in NODE_CHANGING_ACTIONS and self.config.mode is Mode.OBSERVE
 
-    def _refresh_alerts(self, events: Sequence[Event], now: float) -> None:
-        """Queued for the alert delivery thread: nothing outbound runs on the loop."""
-        self.alert_delivery.resolve_cleared(list(events))
-        if due(now, self._last_alert_refresh_seconds, ALERT_REFRESH_SECONDS):
-            self._last_alert_refresh_seconds = now
-            if self.alerts.active():
-                self.alert_delivery.refresh()
+    def push_alerts(self, snapshot: NodeSnapshot) -> None:
+        """The catalogue's alerts the published snapshot holds, into the push book; the delivery thread
+        is told at once when one fired or resolved (nothing outbound runs on the loop). Evaluated only
+        while there is somewhere to push or something kept."""
+        urls = self.config.remediation.alertmanager_urls
+        found = found_alerts(snapshot, self.config) if self.alerts.wanted(urls) else []
+        if self.alerts.update(found, urls):
+            self.alert_delivery.poke()
 
     def _recover(self, store: Store) -> None:
         try:
@@ -256,6 +269,21 @@ class Remediator:
             self.store.record_outcome(outcome, reading)
         except StoreError as exc:
             log.error("could not record a remediation", error=str(exc), rule=outcome.decision.rule)
+
+
+def fixed_xids(xid: XidWatcher) -> Callable[[Decision, Footprint], None]:
+    """What a successful action fixed, out of the Xid health window: a GPU reset every Xid of its GPU,
+    a service restart the app-level Xids of the GPUs it touched (its processes' own faults). The
+    counters stay."""
+
+    def fixed(decision: Decision, touched: Footprint) -> None:
+        kind = decision.action.kind if decision.action is not None else None
+        if kind is ActionKind.RESET_GPU and decision.target.gpu is not None:
+            xid.clear(decision.target.gpu)
+        elif kind is ActionKind.RESTART_SERVICE:
+            xid.restarted(touched)
+
+    return fixed
 
 
 def _would(decision: Decision) -> str:

@@ -25,13 +25,13 @@ A full example::
         actions:                          # the escalation ladder, one action per step:
           - restart_service: {service: sglang}   # service optional: the services on that GPU
           - reset_gpu: {}                 # attempt 2 within the window
-          - alertmanager: {severity: critical, labels: {team: inference}}   # attempt 3 and later
+          - alertmanager                  # attempt 3 and later: page now (the fault's alert, docs/alerts.md)
         cooldown_seconds: 300             # no new attempt on the same target sooner than this
         max_attempts: 3                   # per window and target; then the rule's circuit opens
         window_seconds: 3600
         dry_run: false                    # decide and record, but change nothing
         on_exhausted:                     # runs once, when the circuit opens
-          - alertmanager: {severity: critical}
+          - alertmanager                  # GpuAgentRemediationFailing for this rule
           - webhook: {url: "https://hooks.example/gpu", headers: {X-Token: abc}, timeout_seconds: 5}
           - run_hook: {argv: [/usr/local/bin/drain-node, --reason, gpu], timeout_seconds: 60}
 
@@ -39,11 +39,13 @@ Action kinds and their parameters (the pydantic models in agent/rules/params.py,
 receive as validated here; `timeout_seconds` of webhook is the request's total deadline):
 `restart_service: {service?, ready_timeout_seconds?}`, `reset_gpu: {}`,
 `run_hook: {argv: [ABSOLUTE_PATH, args...], timeout_seconds?}`, `webhook: {url, headers?,
-timeout_seconds?}`, `alertmanager: {url?, severity?, alertname?, labels?, summary?,
-description?, annotations?}` (url defaults to `remediation.alertmanager_url`, severity to the
-event's), `recommend_reboot: {reason?, url?}` (writes `<state_dir>/reboot-recommended` and
-alerts), `reboot: {}` (refused at load time unless `remediation.allow_reboot: true`). A step
-without parameters may be written bare: `- reset_gpu`. What each action does: agent/rules/actions/.
+timeout_seconds?}`, `alertmanager: {url?, summary?, description?, annotations?}` (raises the
+catalogue's alert of the fault at once, without waiting for its `for`: the agent pushes it to
+`remediation.alertmanager_url`, and `url`, while its verdict holds the fault; its name, severity
+and labels are the catalogue's, docs/alerts.md), `recommend_reboot: {reason?, url?}` (writes
+`<state_dir>/reboot-recommended` and raises GpuRebootRecommended), `reboot: {}` (refused at load
+time unless `remediation.allow_reboot: true`). A step without parameters may be written bare:
+`- reset_gpu`. What each action does: agent/rules/actions/.
 
 What each condition reads (see agent/rules/engine.py for targets and storm protection):
 

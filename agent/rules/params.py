@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import re
 from enum import Enum
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from agent.config import StrictModel
-from agent.events import Severity, SuggestedAction
+from agent.events import SuggestedAction
 
 LABEL_NAME_PATTERN = r"^[a-zA-Z_][a-zA-Z0-9_]*$"
 DEFAULT_HTTP_DEADLINE_SECONDS = 10.0
@@ -109,20 +109,34 @@ class WebhookParams(ActionParams):
     _check_url = field_validator("url")(_http_url)
 
 
+#: What an alert's identity is made of, which the catalogue decides (docs/alerts.md), not a rule step.
+_CATALOGUE_FIELDS = ("severity", "alertname", "labels")
+
+
 class AlertmanagerParams(ActionParams):
+    """The step raises the catalogue's alert of its fault at once (agent/rules/actions/alertmanager.py)."""
+
     kind: ClassVar[ActionKind] = ActionKind.ALERTMANAGER
 
-    url: str | None = None  # None: remediation.alertmanager_url from agent.yaml
-    severity: Severity | None = None  # None: the event's severity
-    alertname: str | None = Field(default=None, pattern=LABEL_NAME_PATTERN)  # None: GpuAgent<EventKind>
-    labels: dict[str, str] = Field(default_factory=dict)
-    summary: str | None = None  # None: the event's message
-    description: str | None = None  # None: the rule and the decision's reason
+    url: str | None = None  # an Alertmanager besides remediation.alertmanager_url's
+    summary: str | None = None  # None: the catalogue's text
+    description: str | None = None
     annotations: dict[str, str] = Field(default_factory=dict)
 
     _check_url = field_validator("url")(_http_url)
 
-    @field_validator("labels", "annotations")
+    @model_validator(mode="before")
+    @classmethod
+    def _no_identity(cls, data: Any) -> Any:
+        given = [name for name in _CATALOGUE_FIELDS if isinstance(data, dict) and name in data]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)}: an alert's name, severity and labels are the catalogue's, the same as the"
+                " Prometheus rules' (docs/alerts.md); remove them"
+            )
+        return data
+
+    @field_validator("annotations")
     @classmethod
     def _label_names(cls, labels: dict[str, str]) -> dict[str, str]:
         bad = [name for name in labels if not re.fullmatch(LABEL_NAME_PATTERN, name)]
@@ -135,7 +149,7 @@ class RecommendRebootParams(ActionParams):
     kind: ClassVar[ActionKind] = ActionKind.RECOMMEND_REBOOT
 
     reason: str | None = None  # None: the event's message
-    url: str | None = None  # Alertmanager for its alert; None: remediation.alertmanager_url
+    url: str | None = None  # an Alertmanager for GpuRebootRecommended besides remediation.alertmanager_url's
 
     _check_url = field_validator("url")(_http_url)
 

@@ -79,7 +79,7 @@ def test_a_repair_ends_only_the_sweep_on_its_gpus_and_an_alert_ends_none(tmp_pat
     worker = ActionWorker(
         lambda: ran.append("ran"),  # type: ignore[arg-type,func-returns-value]
         lambda: store,
-        lambda _gpu: None,
+        lambda _decision, _gpus: None,
         clock,
         AttemptClock("boot", clock.monotonic),
         footprint=lambda d: frozenset({d.target.gpu}) if d.target.gpu is not None else None,

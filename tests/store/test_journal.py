@@ -84,7 +84,7 @@ def recovering_worker(store: Store, service: ServiceConfig) -> ActionWorker:
     config = AgentConfig(services=[service])
     clock = FakeClock()
     return ActionWorker(
-        lambda: None, lambda: store, lambda _gpu: None, clock, AttemptClock(BOOT, clock.monotonic),
+        lambda: None, lambda: store, lambda _decision, _gpus: None, clock, AttemptClock(BOOT, clock.monotonic),
         lambda: (config, {service.name: CommandManager()}),
     )  # fmt: skip
 
@@ -142,7 +142,7 @@ def test_a_queued_action_not_yet_started_at_stop_is_closed_not_run(tmp_path: Pat
     clock = FakeClock()
     worker = ActionWorker(
         lambda: ran.set(),  # type: ignore[arg-type,func-returns-value]
-        lambda: store, lambda _gpu: None, clock, AttemptClock(BOOT, clock.monotonic),
+        lambda: store, lambda _decision, _gpus: None, clock, AttemptClock(BOOT, clock.monotonic),
     )  # fmt: skip
     worker.submit(decision(), clock())
     worker.cancel.set()
@@ -226,7 +226,7 @@ def test_a_decided_action_aborts_a_running_task_and_runs_after_it(store: Store) 
     clock = FakeClock()
     worker = ActionWorker(
         lambda: ran.append("action"),  # type: ignore[arg-type,func-returns-value]
-        lambda: store, lambda _gpu: None, clock, AttemptClock(BOOT, clock.monotonic),
+        lambda: store, lambda _decision, _gpus: None, clock, AttemptClock(BOOT, clock.monotonic),
     )  # fmt: skip
     task = WaitingTask()
     worker.start()
@@ -245,7 +245,9 @@ def test_a_decided_action_aborts_a_running_task_and_runs_after_it(store: Store) 
 
 def test_stopping_the_worker_aborts_its_task(store: Store) -> None:
     clock = FakeClock()
-    worker = ActionWorker(lambda: None, lambda: store, lambda _gpu: None, clock, AttemptClock(BOOT, clock.monotonic))
+    worker = ActionWorker(
+        lambda: None, lambda: store, lambda _decision, _gpus: None, clock, AttemptClock(BOOT, clock.monotonic)
+    )
     task = WaitingTask()
     worker.start()
     worker.submit_task(task)

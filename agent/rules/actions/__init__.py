@@ -29,8 +29,9 @@ Where each action lives
   re-applied, services started and healthy; refused for Xid 79, a lost GPU, MIG, a re-enumerated
   index).
 - hooks.py: run_hook (argv, never a shell; event JSON on stdin; trusted files only).
-- notify.py: webhook and alertmanager; alertmanager.py: alerts and the AlertTracker;
-  http_client.py: POST with a total deadline, no redirects, no secrets in errors.
+- notify.py: webhook and alertmanager; alertmanager.py: which catalogue alert a step raises in the
+  push book (agent/alerts/book.py); http_client.py: POST with a total deadline, no redirects, no
+  secrets in errors.
 - reboot.py: recommend_reboot (flag file + alert) and reboot (`remediation.allow_reboot` only).
 - footprint.py: the GPUs a decision touches, by its kind's lane (agent/rules/params.py
   `ACTION_LANES`): what the daemon's action worker keeps it apart from.

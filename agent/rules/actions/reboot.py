@@ -1,8 +1,9 @@
 """recommend_reboot and reboot.
 
-recommend_reboot writes `<state_dir>/reboot-recommended` (JSON) and raises an alert when an
-Alertmanager is configured. reboot runs only with `remediation.allow_reboot: true`, through the
-host context, which runs nothing unless `host_root` is the real `/`.
+recommend_reboot writes `<state_dir>/reboot-recommended` (JSON) and, when an Alertmanager is
+configured, raises GpuRebootRecommended at once (it holds until the reboot or `gpu-agent ack
+reboot`). reboot runs only with `remediation.allow_reboot: true`, through the host context, which
+runs nothing unless `host_root` is the real `/`.
 """
 
 from __future__ import annotations
@@ -15,14 +16,13 @@ from pathlib import Path
 from agent.defaults import REBOOT_FLAG_NAME
 from agent.policy import next_boot
 from agent.policy.base import HostContext
-from agent.rules.actions.alertmanager import alert_for
-from agent.rules.actions.base import ActionError, Result, failed, gpu_of, iso, refused, success, uuid_of, xid_of
+from agent.rules.actions.alertmanager import alertmanager_urls, raise_alerts
+from agent.rules.actions.base import Result, failed, gpu_of, iso, refused, success, uuid_of, xid_of
 from agent.rules.actions.context import ActionContext
-from agent.rules.actions.notify import alertmanager_url
 from agent.rules.model import Decision
-from agent.rules.params import AlertmanagerParams, RebootParams, RecommendRebootParams
+from agent.rules.params import RebootParams, RecommendRebootParams
 
-REBOOT_ALERTNAME = "GpuAgentRebootRecommended"
+REBOOT_ALERTNAME = "GpuRebootRecommended"
 
 
 def next_boot_problem(host: HostContext) -> str | None:
@@ -68,15 +68,9 @@ def recommend_reboot(decision: Decision, params: RecommendRebootParams, ctx: Act
     detail = f"reboot recommended: wrote {path}"
     if not_ready is not None:
         detail += f"; but the next boot is not ready: {not_ready}"
-    url = alertmanager_url(params.url, ctx)
-    if url is None:
+    if not alertmanager_urls(params.url, ctx):
         return success(detail)
-    alert = alert_for(decision, ctx.hostname, AlertmanagerParams(alertname=REBOOT_ALERTNAME))
-    try:
-        ctx.alerts.fire(url, alert)
-    except ActionError as exc:
-        return failed(f"{detail}; alert not delivered: {exc}")
-    return success(f"{detail}; alert {alert.labels['alertname']} sent")
+    return success(f"{detail}; {raise_alerts(decision, [REBOOT_ALERTNAME], {}, params.url, {}, ctx)}")
 
 
 def reboot(decision: Decision, params: RebootParams, ctx: ActionContext) -> Result:
