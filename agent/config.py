@@ -6,7 +6,6 @@ taken from the YAML node the field came from, so an operator can jump straight t
 
 from __future__ import annotations
 
-import difflib
 import grp
 import itertools
 import os
@@ -27,6 +26,7 @@ from agent.alerts.catalog import DEFAULT_RUNBOOK_URL
 from agent.alerts.catalog import RESERVED_LABELS as RESERVED_ALERT_LABELS
 from agent.config_errors import ConfigError as ConfigError
 from agent.config_errors import ConfigProblem as ConfigProblem
+from agent.config_errors import data_path, error_message, known_names, suggestion
 from agent.defaults import DEFAULT_METRICS_PORT, DEFAULT_RULES_DIR, DEFAULT_RULES_DIRS, DEFAULT_SOCKET_PATH
 from agent.metrics.catalog import FAMILY_NAMES
 from agent.policy.names import GPU_RESET_ITEM, ITEM_NAMES, SETTABLE_GPU_ITEM_NAMES
@@ -82,19 +82,6 @@ def http_url(value: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"must be an http:// or https:// URL, not {value!r}")
     return value
-
-
-N = TypeVar("N", bound=Mapping[str, object])
-
-
-def known_names(given: N, names: Sequence[str], what: str, where: str) -> N:
-    """`given` when each of its keys is one of `names`; else ValueError naming the closest."""
-    for name in given:
-        if name not in names:
-            close = difflib.get_close_matches(name, names, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise ValueError(f"unknown {what} '{name}'{hint}; the {where}")
-    return given
 
 
 def absolute_argv(argv: list[str]) -> list[str]:
@@ -329,6 +316,9 @@ class ServiceSlo(StrictModel):
     ttft_p95_seconds: float | None = Field(default=None, gt=0)
     # Fewer requests than this in the window: no verdict (a p95 of three requests is noise).
     min_requests: int = Field(default=20, ge=1)
+    # The window the p95 is over (None: the agent's 5 minutes); a breach ends when the slow requests
+    # are fewer than 5 % of it.
+    window_seconds: float | None = Field(default=None, ge=10, le=3600)
 
     @model_validator(mode="after")
     def _not_empty(self) -> ServiceSlo:
@@ -590,44 +580,6 @@ format_path = safe_yaml.format_path
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
-def _data_path(data: Any, loc: tuple[str | int, ...]) -> PathKey:
-    """Pydantic's error location minus its union/validator tags, following the actual data."""
-    path: list[str | int] = []
-    node = data
-    for part in loc:
-        if isinstance(node, Mapping) and isinstance(part, str) and "[" not in part:
-            path.append(part)
-            node = node.get(part)
-        elif isinstance(node, list) and isinstance(part, int):
-            path.append(part)
-            node = node[part] if 0 <= part < len(node) else None
-    return tuple(path)
-
-
-def _message(error: Mapping[str, Any]) -> str:
-    kind = error["type"]
-    ctx = error.get("ctx") or {}
-    if kind == "greater_than":
-        return f"must be > {ctx['gt']:g}"
-    if kind == "greater_than_equal":
-        return f"must be >= {ctx['ge']:g}"
-    if kind == "less_than_equal":
-        return f"must be <= {ctx['le']:g}"
-    if kind == "missing":
-        return "required"
-    if kind == "extra_forbidden":
-        return "unknown key"
-    msg = str(error["msg"])
-    msg = msg.removeprefix("Value error, ")
-    return re.sub(r"^Input should be", "must be", msg)
-
-
-def _suggest(path: PathKey, known: list[str]) -> str:
-    name = path[-1] if path else ""
-    close = difflib.get_close_matches(str(name), known, n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
-
-
 def _known_keys(model: type[BaseModel], path: PathKey) -> list[str]:
     """Field names valid at the parent of `path`, for 'did you mean' hints."""
     current: Any = model
@@ -669,16 +621,16 @@ def validate_model(model: type[ModelT], data: Any, lines: dict[PathKey, int], fi
         found: list[tuple[PathKey, bool, ConfigProblem]] = []
         for error in exc.errors():
             loc = tuple(error["loc"])
-            path = _data_path(data, loc)
+            path = data_path(data, loc)
             line = next((lines[path[:n]] for n in range(len(path), -1, -1) if path[:n] in lines), None)
-            message = _message(error)
+            message = error_message(error)
             if error["type"] == "extra_forbidden":
                 key = loc[-1] if loc else None
                 if isinstance(key, str) and path[-1:] != (key,):
                     # a shorthand (`- restart_servce` for `- restart_servce: {}`): the value is the key
-                    message = f"unknown key '{key}'" + _suggest((*path, key), _known_keys(model, (*path, key)))
+                    message = f"unknown key '{key}'" + suggestion((*path, key), _known_keys(model, (*path, key)))
                 else:
-                    message += _suggest(path, _known_keys(model, path))
+                    message += suggestion(path, _known_keys(model, path))
             from_union = any(isinstance(part, str) and "[" in part for part in loc)
             found.append((path, from_union, ConfigProblem(file, line, format_path(path), message)))
         problems: list[ConfigProblem] = []

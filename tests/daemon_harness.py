@@ -183,17 +183,22 @@ def write_agent_config(
             remediation=remediation,
             policy=policy,
         )
-        + extra
+        + extra.replace("$PORT", str(port))  # the metrics port, for what the extra keys must name it by
     )
     return config, port
 
 
 @contextlib.contextmanager
 def running_agent(
-    tmp_path: Path, watchdog_usec: int | None = 1_000_000, source: Path | None = None, **config: Any
+    tmp_path: Path,
+    watchdog_usec: int | None = 1_000_000,
+    source: Path | None = None,
+    again: RunningAgent | None = None,
+    **config: Any,
 ) -> Iterator[RunningAgent]:
-    """`source`: a directory holding another `agent` package to run (`python -m` puts it first on the path)."""
-    config_path, port = write_agent_config(tmp_path, **config)
+    """`source`: a directory holding another `agent` package to run (`python -m` puts it first on the path);
+    `again`: an agent that ran in `tmp_path` before (stopped or killed), started again on its config and port."""
+    config_path, port = (again.config_path, again.port) if again is not None else write_agent_config(tmp_path, **config)
     notify_path = tmp_path / "notify.sock"
     notify_path.unlink(missing_ok=True)  # left by an earlier agent in the same directory
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

@@ -473,16 +473,17 @@ class Prometheus:
         rule_files: Sequence[Path] = (ALERTS, RECORDING),
         other_jobs: Mapping[str, Sequence[int]] | None = None,
         target_labels: Mapping[str, str] | None = None,
-        rule_interval: str = "1s",
+        alertmanagers: Sequence[str] = (),
     ) -> None:
         """`other_jobs`: more scrape jobs (name -> ports), e.g. the inference servers themselves;
-        `target_labels`: what the fleet puts on the agents' targets (cluster, rack...)."""
+        `target_labels`: what the fleet puts on the agents' targets (cluster, rack...);
+        `alertmanagers`: host:port of the Alertmanagers its alerts go to."""
         assert PROMETHEUS is not None
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         jobs = {"gpu-agent": target_ports, **(other_jobs or {})}
-        config = {
-            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": rule_interval},
+        config: dict[str, Any] = {
+            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(path) for path in rule_files],
             "scrape_configs": [
                 {
@@ -497,6 +498,8 @@ class Prometheus:
                 for job, ports in jobs.items()
             ],
         }
+        if alertmanagers:
+            config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": list(alertmanagers)}]}]}
         config_path = workdir / "prometheus.yml"
         config_path.write_text(yaml.safe_dump(config))
         self.log_path = workdir / "prometheus.log"
