@@ -15,6 +15,7 @@ Durations run on CLOCK_BOOTTIME; `startsAt`/`endsAt` are wall time, as Alertmana
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 import time
@@ -111,8 +112,8 @@ class PushBook:
         url: str | None = None,
         overrides: Mapping[str, str] | None = None,
     ) -> None:
-        """Fire the alerts of these names whose labels include `match` as soon as the verdict holds
-        them, without their `for` (a rule's step: this fault pages now); to `url` too when given, with
+        """Fire the alerts of these names that agree with `match` as soon as the verdict holds them,
+        without their `for` (a rule's step: this fault pages now); to `url` too when given, with
         `overrides` over their annotations."""
         with self._lock:
             self._raises.append(
@@ -160,7 +161,7 @@ class PushBook:
         if not self._urls and not extra:
             return key  # nowhere to push it: not kept
         overrides = {**(current.overrides if current else {}), **{k: v for r in raises for k, v in r.overrides.items()}}
-        row = current or AlertRow(key, dict(alert.labels), {}, self.boot_id, tick, None, None, False, {}, (), ())
+        row = current or AlertRow(key, dict(alert.labels), {}, self.boot_id, tick, None, None, False, {}, ())
         if row.starts_at is None and row.boot_id != self.boot_id:
             row = replace(row, boot_id=self.boot_id, pending_since=tick)  # its `for` started on another boot
         row = replace(
@@ -210,7 +211,8 @@ class PushBook:
             self._alerts = {row.key: row for row in rows}
             if rows:
                 self._settle_until = self.monotonic() + SETTLE_SECONDS
-                self._resend = True  # what an earlier run left is delivered now
+            # what an earlier run left firing, or resolved and not delivered, goes out now
+            self._resend = any(row.starts_at is not None for row in rows)
 
     # -- what the delivery thread sends ----------------------------------------------------------
 
@@ -231,7 +233,7 @@ class PushBook:
                     "endsAt": iso(ends),
                 }
                 for url in dict.fromkeys((*self._urls, *row.urls)):
-                    if row.ends_at is None or url not in row.delivered:
+                    if row.ends_at is None or url_id(url) not in row.delivered:
                         found.setdefault(url, []).append((key, body))
         return found
 
@@ -241,10 +243,10 @@ class PushBook:
         with self._lock:
             for key in keys:
                 row = self._alerts.get(key)
-                if row is None or row.ends_at is None or url in row.delivered:
+                if row is None or row.ends_at is None or url_id(url) in row.delivered:
                     continue
-                row = replace(row, delivered=(*row.delivered, url))
-                if set(self._urls) | set(row.urls) <= set(row.delivered):
+                row = replace(row, delivered=(*row.delivered, url_id(url)))
+                if {url_id(u) for u in (*self._urls, *row.urls)} <= set(row.delivered):
                     changes.drop(key)
                 else:
                     changes.put(row)
@@ -256,5 +258,12 @@ class PushBook:
             return sorted(self._alerts.values(), key=lambda row: row.key)
 
 
+def url_id(url: str) -> str:
+    """What the store keeps of an Alertmanager's URL (which may carry a token): a digest."""
+    return hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
 def _includes(labels: Mapping[str, str], match: Mapping[str, str]) -> bool:
-    return all(labels.get(name) == value for name, value in match.items())
+    """The alert is the raised fault's: every label of `match` it carries has that value (the fault as
+    the event knows it; what the alert does not carry, the latency alert's GPU of the cause, says nothing)."""
+    return all(labels[name] == value for name, value in match.items() if name in labels)

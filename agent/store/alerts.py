@@ -24,7 +24,6 @@ ALERTS_MIGRATION: tuple[str, ...] = (
         ends_at REAL,
         raised INTEGER NOT NULL,
         overrides TEXT NOT NULL,
-        urls TEXT NOT NULL,
         delivered TEXT NOT NULL
     )""",
 )
@@ -33,9 +32,10 @@ ALERTS_MIGRATION: tuple[str, ...] = (
 @dataclass(frozen=True)
 class AlertRow:
     """One pushed alert. `pending_since` is CLOCK_BOOTTIME on `boot_id`; `starts_at`/`ends_at` wall
-    time (None: not firing yet / not resolved); `urls` the Alertmanagers a rule's step named besides the
-    configured ones; `overrides` the annotations such a step set; `delivered` the Alertmanagers that
-    have its resolution."""
+    time (None: not firing yet / not resolved); `overrides` the annotations a rule's step set;
+    `delivered` the Alertmanagers that have its resolution, by a digest of their URL; `urls` the
+    Alertmanagers a rule's step named besides the configured ones, kept in memory only (a URL may
+    carry a token, and tokens stay out of the store)."""
 
     key: str
     labels: dict[str, str]
@@ -46,11 +46,11 @@ class AlertRow:
     ends_at: float | None
     raised: bool
     overrides: dict[str, str]
-    urls: tuple[str, ...]
     delivered: tuple[str, ...]
+    urls: tuple[str, ...] = ()
 
 
-_COLUMNS = "key, labels, annotations, boot_id, pending_since, starts_at, ends_at, raised, overrides, urls, delivered"
+_COLUMNS = "key, labels, annotations, boot_id, pending_since, starts_at, ends_at, raised, overrides, delivered"
 
 
 class AlertTables(Database):
@@ -68,7 +68,6 @@ class AlertTables(Database):
                 bool(row[7]),
                 json.loads(row[8]),
                 tuple(json.loads(row[9])),
-                tuple(json.loads(row[10])),
             )
             for row in rows
         ]
@@ -77,7 +76,7 @@ class AlertTables(Database):
         """Write these rows (as they are now) and delete the alerts of `gone` keys, in one transaction."""
         with self._transaction(("alert_pushes",)) as db:
             db.executemany(
-                f"INSERT OR REPLACE INTO alert_pushes ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",  # noqa: S608  # nosec B608
+                f"INSERT OR REPLACE INTO alert_pushes ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",  # noqa: S608  # nosec B608
                 [
                     (
                         row.key,
@@ -89,7 +88,6 @@ class AlertTables(Database):
                         row.ends_at,
                         int(row.raised),
                         json.dumps(row.overrides, sort_keys=True),
-                        json.dumps(list(row.urls)),
                         json.dumps(list(row.delivered)),
                     )
                     for row in changed

@@ -50,7 +50,7 @@ class Endpoint:
 
 def firing(service: str) -> AlertRow:
     labels = {"alertname": "InferenceServiceDown", "severity": "critical", "service": service}
-    return AlertRow(alert_key(labels), labels, {}, "", None, 1.0, None, False, {}, (), ())
+    return AlertRow(alert_key(labels), labels, {}, "", None, 1.0, None, False, {}, ())
 
 
 def test_a_silent_alertmanager_does_not_stop_the_watchdog_pings(tmp_path: Path) -> None:
