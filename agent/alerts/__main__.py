@@ -1,4 +1,5 @@
-"""`python -m agent.alerts [--job NAME] [--runbook-url URL]`: the Prometheus alert rules on stdout."""
+"""`python -m agent.alerts [--job NAME] [--runbook-url URL]`: the Prometheus alert rules on stdout;
+`--runbooks`: the alerts' sections of docs/alerts.md instead."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 import sys
 
 from agent.alerts.catalog import DEFAULT_JOB, DEFAULT_RUNBOOK_URL
-from agent.alerts.rules_file import alert_rules
+from agent.alerts.rules_file import alert_rules, runbooks
 
 
 def main() -> None:
@@ -15,8 +16,9 @@ def main() -> None:
     parser.add_argument(
         "--runbook-url", default=DEFAULT_RUNBOOK_URL, help=f"where docs/alerts.md is served ({DEFAULT_RUNBOOK_URL})"
     )
+    parser.add_argument("--runbooks", action="store_true", help="the runbook sections of docs/alerts.md instead")
     args = parser.parse_args()
-    sys.stdout.write(alert_rules(args.job, args.runbook_url))
+    sys.stdout.write(runbooks() if args.runbooks else alert_rules(args.job, args.runbook_url))
 
 
 if __name__ == "__main__":

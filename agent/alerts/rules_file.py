@@ -1,6 +1,7 @@
-"""The Prometheus alert rules file, written from the catalogue: `python -m agent.alerts >
-packaging/prometheus/gpu-agent-alerts.yaml` (tests/alerts/test_rules_file.py fails while the shipped
-file differs). `--job` and `--runbook-url` write it for a fleet whose job or docs live elsewhere."""
+"""What is written from the catalogue: the Prometheus alert rules file (`python -m agent.alerts >
+packaging/prometheus/gpu-agent-alerts.yaml`; `--job` and `--runbook-url` write it for a fleet whose
+job or docs live elsewhere) and the alerts' runbook sections, the end of docs/alerts.md (`python -m
+agent.alerts --runbooks`). tests/alerts/ fail while either differs from what is shipped."""
 
 from __future__ import annotations
 
@@ -96,3 +97,36 @@ def _groups(job: str, runbook_url: str) -> Iterator[str]:
 def alert_rules(job: str = DEFAULT_JOB, runbook_url: str = DEFAULT_RUNBOOK_URL) -> str:
     """The whole rules file."""
     return _header(job) + "".join(_groups(job, runbook_url))
+
+
+#: Where docs/alerts.md's generated part begins: everything after this line is `runbooks()`.
+RUNBOOKS_MARK = "<!-- The sections below are written by `python -m agent.alerts --runbooks`: edit the catalogue. -->"
+
+
+def _placeholders(template: str) -> str:
+    return re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda found: f"<{found.group(1)}>", template)
+
+
+def _condition(spec: AlertSpec) -> str:
+    if not isinstance(spec.expr, AlertExpr):
+        first, *more = spec.expr.splitlines()
+        return f"`{first}`{' ...' if more else ''}; judged by Prometheus only (about the agent itself)"
+    expr = spec.expr
+    found = f"`{expr.when.series.promql()} {expr.when.op} {expr.when.value:g}`"
+    if expr.only_if is not None:
+        found += f" where `{expr.only_if.series.promql()} {expr.only_if.op} {expr.only_if.value:g}`"
+    if expr.join is not None:
+        found += f", with `{expr.join.promql()}`'s {', '.join(expr.take)}"
+    return found + "; judged by Prometheus and pushed by the agent"
+
+
+def runbooks() -> str:
+    """One section per alert, in the catalogue's order: severity, `for`, condition, what to do."""
+    sections = [RUNBOOKS_MARK]
+    for spec in CATALOGUE:
+        waits = f"for {_duration(spec.for_seconds)}" if spec.for_seconds else "at once"
+        sections.append(
+            f"### {spec.name}\n\n**{spec.severity.value}**, {waits}: {_condition(spec)}.\n\n"
+            f"{_placeholders(spec.description)}"
+        )
+    return "\n\n".join(sections) + "\n"

@@ -5,6 +5,7 @@ of the same condition over the same series, with the same `for`, fires the same 
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from collections.abc import Mapping
@@ -17,7 +18,7 @@ from alert_cases import CASES, Case
 
 from agent.alerts.catalog import BY_NAME, CATALOGUE, NODE_PROBLEMS
 from agent.alerts.expr import AlertExpr, Sample
-from agent.alerts.rules_file import alert_rules
+from agent.alerts.rules_file import RUNBOOKS_MARK, alert_rules, runbooks
 from agent.alerts.text import check, render
 from agent.verdict import NodeProblem
 
@@ -30,6 +31,16 @@ IDENTITY = ("alertname", "severity", "instance", "job")
 
 def test_the_shipped_rules_are_the_catalogues() -> None:
     assert SHIPPED.read_text() == alert_rules(), f"regenerate: python -m agent.alerts > {SHIPPED.relative_to(ROOT)}"
+
+
+def test_every_alert_has_its_runbook_section_in_the_docs() -> None:
+    """docs/alerts.md ends with the catalogue's sections (each alert's runbook_url points at one)."""
+    text = (ROOT / "docs/alerts.md").read_text()
+    assert RUNBOOKS_MARK in text
+    assert text[text.index(RUNBOOKS_MARK) :] == runbooks(), "regenerate: python -m agent.alerts --runbooks"
+    assert {re.sub(r"[^a-z0-9]", "", h.lower()) for h in re.findall(r"^### (\w+)$", text, re.M)} == {
+        spec.anchor for spec in CATALOGUE
+    }
 
 
 def test_every_alert_has_a_case_where_it_fires_and_one_where_it_does_not() -> None:
