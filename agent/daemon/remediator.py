@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from agent.alerts.book import PushBook
 from agent.alerts.evaluate import found_alerts
@@ -37,6 +38,7 @@ from agent.watch.episodes import Episodes
 from agent.watch.xid import XidWatcher
 
 log = get_logger()
+T = TypeVar("T")
 
 STORE_RETRY_SECONDS = 30.0
 MAX_UNSTORED_EVENTS = 10_000
@@ -154,32 +156,24 @@ class Remediator:
         self.status = CollectorStatus("remediation", True, time.monotonic() - started)
 
     def counts(self) -> tuple[RemediationCount, ...]:
-        if self.store is None:
-            return ()
-        try:
-            return self._counts.get(self.store)
-        except StoreError as exc:
-            log.error("cannot read remediation counts", error=str(exc))
-            return ()
+        return self._read(self._counts, "remediation counts")
 
     def failing(self) -> tuple[RemediationFailing, ...]:
         """The rules that cannot fix their fault now (the store's last outcomes and open circuits)."""
-        if self.store is None:
-            return ()
-        try:
-            return self._failing.get(self.store)
-        except StoreError as exc:
-            log.error("cannot read failing remediations", error=str(exc))
-            return ()
+        return self._read(self._failing, "failing remediations")
 
     def recent(self) -> tuple[RecentRemediation, ...]:
         """The newest decisions, for the status screen."""
+        return self._read(self._recent, "recent remediations")
+
+    def _read(self, cache: TableCache[Store, tuple[T, ...]], what: str) -> tuple[T, ...]:
+        """What the loop shows of the store; nothing while there is no store or it cannot be read."""
         if self.store is None:
             return ()
         try:
-            return self._recent.get(self.store)
+            return cache.get(self.store)
         except StoreError as exc:
-            log.error("cannot read recent remediations", error=str(exc))
+            log.error("cannot read the store", what=what, error=str(exc))
             return ()
 
     def _evaluate(self, store: Store, snapshot: NodeSnapshot, keyed_events: list[Event], now: float) -> None:
