@@ -473,7 +473,9 @@ class AlertsConfig(StrictModel):
                 raise ValueError(f"{name!r} is set by the agent (alerts.instance, alerts.job, the catalogue)")
         return {name: no_line_breaks(text) for name, text in value.items()}
 
-    _one_line = field_validator("instance", "job")(lambda value: None if value is None else no_line_breaks(value))
+    _one_line = field_validator("instance", "job", "runbook_url")(
+        lambda value: None if value is None else no_line_breaks(value)
+    )
     _known_alerts = field_validator("for_seconds")(
         lambda value: known_names(value, ALERT_NAMES, "alert", "alerts are listed in docs/alerts.md")
     )

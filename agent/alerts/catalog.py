@@ -43,7 +43,7 @@ def alert_severity(severity: Severity) -> AlertSeverity:
 
 def severities_of(alert: AlertSeverity) -> str:
     """The Xid catalog severities that map to `alert`, as a PromQL regular expression (`critical|fatal`)."""
-    return "|".join(sorted(s.value for s, mapped in _SEVERITY.items() if mapped is alert))
+    return "|".join(sorted(s.value for s in Severity if alert_severity(s) is alert))
 
 
 #: Where each alert's runbook section is: the docs the package installs (docs/alerts.md).

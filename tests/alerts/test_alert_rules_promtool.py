@@ -16,11 +16,13 @@ import pytest
 import yaml
 from alert_cases import CASES, Case
 
-from agent.alerts.catalog import BY_NAME, CATALOGUE, NODE_PROBLEMS
+from agent.alerts.catalog import BY_NAME, CATALOGUE, NODE_PROBLEMS, AlertSeverity, alert_severity
 from agent.alerts.expr import AlertExpr, Sample
 from agent.alerts.rules_file import RUNBOOKS_MARK, alert_rules, runbooks
 from agent.alerts.text import check, render
+from agent.events import Severity
 from agent.verdict import NodeProblem
+from agent.watch import xid_catalog
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "packaging/prometheus/gpu-agent-alerts.yaml"
@@ -56,6 +58,17 @@ def test_every_text_is_in_the_one_template_form_the_agent_renders() -> None:
         check(spec.summary)
         check(spec.description)
         assert "{{ $labels.instance }}" in spec.summary, spec.name
+
+
+def test_one_severity_mapping_pages_fatal_as_critical() -> None:
+    """The Xid catalog's severities are all mapped: the Xid alerts select on exactly these."""
+    assert {s: alert_severity(s) for s in Severity} == {
+        Severity.FATAL: AlertSeverity.CRITICAL,
+        Severity.CRITICAL: AlertSeverity.CRITICAL,
+        Severity.WARNING: AlertSeverity.WARNING,
+        Severity.INFO: AlertSeverity.INFO,
+    }
+    assert {xid_catalog.verdict(code).severity for code in xid_catalog.all_codes()} <= {s.value for s in Severity}
 
 
 def test_the_node_problems_are_the_verdicts() -> None:
