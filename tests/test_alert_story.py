@@ -131,13 +131,21 @@ class Webhooks:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
 
-    def firing(self, receiver: str, instance: str, since: float, until: float) -> list[Notification]:
+    def announcing(self, receiver: str, instance: str, since: float, until: float) -> list[Notification]:
+        """The notifications that told the receiver of an alert its last one did not list as firing:
+        what a person is paged or ticketed for (a group's update that only resolves one of its alerts
+        announces nothing)."""
+        announced: list[Notification] = []
+        before: set[str] = set()
         with self._lock:
-            return [
-                n
-                for n in self.received
-                if n.receiver == receiver and n.instance == instance and n.status == "firing" and since <= n.at < until
-            ]
+            for n in self.received:
+                if n.receiver != receiver or n.instance != instance:
+                    continue
+                firing = {name for name, status in n.alerts if status == "firing"}
+                if firing - before and since <= n.at < until:
+                    announced.append(n)
+                before = firing
+        return announced
 
     def close(self) -> None:
         self.server.shutdown()
@@ -252,11 +260,11 @@ def severities(story: Story, node: Node) -> dict[str, str]:
 
 
 def pages_and_tickets(story: Story, node: Node, since: float) -> tuple[int, int]:
-    """The firing notifications the pager and the ticket receivers got about the node since `since`."""
+    """The notifications the pager and the ticket receivers got about new alerts of the node since `since`."""
     until = time.monotonic()
     return (
-        len(story.hooks.firing(PAGER, node.instance, since, until)),
-        len(story.hooks.firing(TICKETS, node.instance, since, until)),
+        len(story.hooks.announcing(PAGER, node.instance, since, until)),
+        len(story.hooks.announcing(TICKETS, node.instance, since, until)),
     )
 
 
@@ -406,7 +414,8 @@ def slo_breach(story: Story, node: Node) -> None:
     node.cli("inject", "throttle", "--gpu", str(SERVICE_GPU), "--clear")
     story.note("SLO breach", resolved_after=story.wait_clear(node, wanted, timeout=25.0))
     pages, tickets = pages_and_tickets(story, node, began)
-    assert pages == 0 and 1 <= tickets <= 2
+    # the two warnings start apart: two tickets at most (one with Alertmanager's 5 min group_interval)
+    assert pages == 0 and 1 <= tickets <= 2, story.hooks.received
 
 
 def app_xid(story: Story, node: Node) -> None:
