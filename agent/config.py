@@ -6,7 +6,6 @@ taken from the YAML node the field came from, so an operator can jump straight t
 
 from __future__ import annotations
 
-import difflib
 import grp
 import itertools
 import os
@@ -21,8 +20,13 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from agent import safe_yaml
+from agent.alerts.catalog import BY_NAME as _ALERTS
+from agent.alerts.catalog import DEFAULT_JOB as DEFAULT_ALERT_JOB
+from agent.alerts.catalog import DEFAULT_RUNBOOK_URL
+from agent.alerts.catalog import RESERVED_LABELS as RESERVED_ALERT_LABELS
 from agent.config_errors import ConfigError as ConfigError
 from agent.config_errors import ConfigProblem as ConfigProblem
+from agent.config_errors import data_path, error_message, known_names, suggestion
 from agent.defaults import DEFAULT_METRICS_PORT, DEFAULT_RULES_DIR, DEFAULT_RULES_DIRS, DEFAULT_SOCKET_PATH
 from agent.names.metric_families import FAMILY_NAMES
 from agent.names.policy_items import GPU_RESET_ITEM, ITEM_NAMES, SETTABLE_GPU_ITEM_NAMES
@@ -113,6 +117,9 @@ def listen_address(value: str) -> tuple[int, str]:
     return family, bare
 
 
+ALERT_NAMES = tuple(_ALERTS)
+
+
 class SimulatedConfig(StrictModel):
     # A built-in node profile name, or a path to a profile file. Whether it loads is the simulator's to
     # say: agent.policy.dropins.load_checked_config reports a bad one as this key's error.
@@ -134,12 +141,7 @@ class MetricsConfig(StrictModel):
     @field_validator("families")
     @classmethod
     def _known_families(cls, value: dict[str, bool]) -> dict[str, bool]:
-        for name in value:
-            if name not in FAMILY_NAMES:
-                close = difflib.get_close_matches(name, FAMILY_NAMES, n=1)
-                hint = f" (did you mean '{close[0]}'?)" if close else ""
-                raise ValueError(f"unknown family '{name}'{hint}; the families are listed in docs/metrics.md")
-        return value
+        return known_names(value, FAMILY_NAMES, "family", "families are listed in docs/metrics.md")
 
 
 class ApiConfig(StrictModel):
@@ -329,6 +331,9 @@ class ServiceSlo(StrictModel):
     ttft_p95_seconds: float | None = Field(default=None, gt=0)
     # Fewer requests than this in the window: no verdict (a p95 of three requests is noise).
     min_requests: int = Field(default=20, ge=1)
+    # The window the p95 is over (None: the agent's 5 minutes); a breach ends when the slow requests
+    # are fewer than 5 % of it.
+    window_seconds: float | None = Field(default=None, ge=10, le=3600)
 
     @model_validator(mode="after")
     def _not_empty(self) -> ServiceSlo:
@@ -461,18 +466,56 @@ def _origin(url: str | None) -> str | None:
     return match.group(1) if match else None
 
 
+class AlertsConfig(StrictModel):
+    """The agent's alert pushes, labelled as Prometheus labels this target: the rules' alerts (docs/alerts.md)."""
+
+    instance: str | None = None  # None: "<host name>:<metrics.listen port>"
+    job: str = DEFAULT_ALERT_JOB
+    #: The target's other labels (cluster, rack, ...) and Prometheus' external labels.
+    labels: dict[str, str] = Field(default_factory=dict)
+    #: Where docs/alerts.md is read: each alert's `runbook_url` is this with the alert's section.
+    runbook_url: str = DEFAULT_RUNBOOK_URL
+    #: Seconds an alert's condition holds before it is pushed, by name; else the catalogue's `for`, as the rules'.
+    for_seconds: dict[str, Annotated[float, Field(ge=0, le=86400)]] = Field(default_factory=dict)
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", name) or name.startswith("__"):
+                raise ValueError(f"{name!r} is not a Prometheus label name")
+            if name in RESERVED_ALERT_LABELS:
+                raise ValueError(f"{name!r} is set by the agent (alerts.instance, alerts.job, the catalogue)")
+        return {name: no_line_breaks(text) for name, text in value.items()}
+
+    _one_line = field_validator("instance", "job", "runbook_url")(
+        lambda value: None if value is None else no_line_breaks(value)
+    )
+    _known_alerts = field_validator("for_seconds")(
+        lambda value: known_names(value, ALERT_NAMES, "alert", "alerts are listed in docs/alerts.md")
+    )
+
+
 class RemediationConfig(StrictModel):
     # Lowest priority first; a same-named file in a later one replaces or masks (agent/rules/sources.py).
     # [] turns remediation off on purpose; a daemon that finds no rules in the dirs given needs attention.
     rules_dirs: list[str] = Field(default_factory=lambda: list(DEFAULT_RULES_DIRS))
     allow_reboot: bool = False  # a rule may only use the `reboot` action when the operator allows it
-    alertmanager_url: str | None = None  # e.g. http://127.0.0.1:9093; the default for alertmanager actions
+    # e.g. http://127.0.0.1:9093, or a list (an HA pair): where the agent pushes its alerts
+    alertmanager_url: str | list[str] | None = None
     reboot_command: list[str] = Field(default_factory=lambda: ["/usr/bin/systemctl", "reboot"], min_length=1)
 
-    @field_validator("alertmanager_url")
-    @classmethod
-    def _http_url(cls, value: str | None) -> str | None:
-        return None if value is None else http_url(value)
+    _http_urls = field_validator("alertmanager_url")(
+        lambda value: (
+            [http_url(u) for u in value] if isinstance(value, list) else None if value is None else http_url(value)
+        )
+    )
+
+    @property
+    def alertmanager_urls(self) -> tuple[str, ...]:
+        """Every Alertmanager the agent pushes to (none: no pushes)."""
+        given = self.alertmanager_url
+        return tuple(dict.fromkeys([given] if isinstance(given, str) else given or []))
 
     @field_validator("reboot_command")
     @classmethod
@@ -513,6 +556,7 @@ class AgentConfig(StrictModel):
     policy: PolicyConfig = PolicyConfig()
     services: list[ServiceConfig] = Field(default_factory=list)
     remediation: RemediationConfig = RemediationConfig()
+    alerts: AlertsConfig = AlertsConfig()
 
     @field_validator("services")
     @classmethod
@@ -551,44 +595,6 @@ class AgentConfig(StrictModel):
 PathKey = safe_yaml.PathKey
 format_path = safe_yaml.format_path
 ModelT = TypeVar("ModelT", bound=BaseModel)
-
-
-def _data_path(data: Any, loc: tuple[str | int, ...]) -> PathKey:
-    """Pydantic's error location minus its union/validator tags, following the actual data."""
-    path: list[str | int] = []
-    node = data
-    for part in loc:
-        if isinstance(node, Mapping) and isinstance(part, str) and "[" not in part:
-            path.append(part)
-            node = node.get(part)
-        elif isinstance(node, list) and isinstance(part, int):
-            path.append(part)
-            node = node[part] if 0 <= part < len(node) else None
-    return tuple(path)
-
-
-def _message(error: Mapping[str, Any]) -> str:
-    kind = error["type"]
-    ctx = error.get("ctx") or {}
-    if kind == "greater_than":
-        return f"must be > {ctx['gt']:g}"
-    if kind == "greater_than_equal":
-        return f"must be >= {ctx['ge']:g}"
-    if kind == "less_than_equal":
-        return f"must be <= {ctx['le']:g}"
-    if kind == "missing":
-        return "required"
-    if kind == "extra_forbidden":
-        return "unknown key"
-    msg = str(error["msg"])
-    msg = msg.removeprefix("Value error, ")
-    return re.sub(r"^Input should be", "must be", msg)
-
-
-def _suggest(path: PathKey, known: list[str]) -> str:
-    name = path[-1] if path else ""
-    close = difflib.get_close_matches(str(name), known, n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def _known_keys(model: type[BaseModel], path: PathKey) -> list[str]:
@@ -632,16 +638,16 @@ def validate_model(model: type[ModelT], data: Any, lines: dict[PathKey, int], fi
         found: list[tuple[PathKey, bool, ConfigProblem]] = []
         for error in exc.errors():
             loc = tuple(error["loc"])
-            path = _data_path(data, loc)
+            path = data_path(data, loc)
             line = next((lines[path[:n]] for n in range(len(path), -1, -1) if path[:n] in lines), None)
-            message = _message(error)
+            message = error_message(error)
             if error["type"] == "extra_forbidden":
                 key = loc[-1] if loc else None
                 if isinstance(key, str) and path[-1:] != (key,):
                     # a shorthand (`- restart_servce` for `- restart_servce: {}`): the value is the key
-                    message = f"unknown key '{key}'" + _suggest((*path, key), _known_keys(model, (*path, key)))
+                    message = f"unknown key '{key}'" + suggestion((*path, key), _known_keys(model, (*path, key)))
                 else:
-                    message += _suggest(path, _known_keys(model, path))
+                    message += suggestion(path, _known_keys(model, path))
             from_union = any(isinstance(part, str) and "[" in part for part in loc)
             found.append((path, from_union, ConfigProblem(file, line, format_path(path), message)))
         problems: list[ConfigProblem] = []

@@ -25,11 +25,10 @@ from yaml.events import AliasEvent, CollectionEndEvent, CollectionStartEvent, No
 
 from agent import defaults
 from agent.config_errors import ConfigError, ConfigProblem
+from agent.config_errors import PathKey as PathKey
 
 MAX_YAML_BYTES = defaults.MAX_YAML_BYTES
 MAX_DEPTH = 64
-
-PathKey = tuple[str | int, ...]
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from agent.state import (
     NodeSnapshot,
     RecentRemediation,
     RemediationCount,
+    RemediationFailing,
     ServiceFigures,
     ServiceStatus,
     SloBreachNow,
@@ -120,6 +121,7 @@ class DaemonParts:
     backend_error: GpuError | None = None  # the backend is not open: every GPU is degraded
     services: tuple[ServiceStatus, ...] = ()
     remediations: tuple[RemediationCount, ...] = ()
+    remediation_failing: tuple[RemediationFailing, ...] = ()
     collectors: tuple[CollectorStatus, ...] = ()
     recent_events: tuple[Event, ...] = ()
     recent_remediations: tuple[RecentRemediation, ...] = ()
@@ -175,10 +177,12 @@ def build_snapshot(
         item_modes=item_modes(config, policy),
         services=parts.services,
         remediations=parts.remediations,
+        remediation_failing=parts.remediation_failing,
         clock_event_seconds=watchers.throttle.clock_event_seconds(),
         throttle_active_since=watchers.throttle.active_since(),
         throttle_held_seconds=watchers.throttle.held_seconds(),
         xids=tuple(watchers.xid.counts()),
+        open_xids=watchers.xid.open_marks(),
         collectors=parts.collectors,
         recent_events=parts.recent_events,
         collect_duration_seconds=parts.collect_duration_seconds,

@@ -63,6 +63,15 @@ class RemediationCount:
 
 
 @dataclass(frozen=True)
+class RemediationFailing:
+    """A rule that cannot fix its fault now: its last attempt on some target failed or was refused,
+    or its attempts ran out (the circuit is open until `gpu-agent ack RULE`)."""
+
+    rule: str
+    cause: str  # "failed" | "refused" | "exhausted"
+
+
+@dataclass(frozen=True)
 class RecentRemediation:
     """One decision of the remediator, for the status screen ("3m ago  observe mode: would run ...")."""
 
@@ -228,8 +237,12 @@ class NodeSnapshot:
     # How long each of those has been held, on CLOCK_BOOTTIME: what a rule's held_seconds compares with.
     throttle_held_seconds: dict[tuple[int, str], float] = field(default_factory=dict)
     xids: tuple[XidCount, ...] = ()
+    # (GPU, Xid) of the Xids that hold a GPU's health now: not fixed by the agent, not acknowledged,
+    # within the health window (agent/watch/xid.py); what the Xid alerts fire on
+    open_xids: frozenset[tuple[int, int]] = frozenset()
     services: tuple[ServiceStatus, ...] = ()
     remediations: tuple[RemediationCount, ...] = ()
+    remediation_failing: tuple[RemediationFailing, ...] = ()
     collectors: tuple[CollectorStatus, ...] = ()
     recent_events: tuple[Event, ...] = ()
     collect_duration_seconds: float = 0.0

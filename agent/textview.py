@@ -233,6 +233,7 @@ def status_text(
         screen.add(f"PROBLEM: {problem['detail']}", key="problem")
     if verdict.get("reboot_recommended"):
         screen.add(f"REBOOT RECOMMENDED: {verdict['reboot_recommended']}", key="reboot")
+        screen.add("  (after the reboot it clears; `gpu-agent ack reboot` withdraws it once dealt with otherwise)")
     screen.add("")
     screen.add_fitted(_gpu_table(document, width, paint))
     screen.add(*(_telemetry_line(g) for g in document["gpus"] if g["up"]))

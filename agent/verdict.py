@@ -134,7 +134,10 @@ def attention_items(snapshot: NodeSnapshot, mode: str = "observe") -> list[Atten
         elif health is not None and health.state is not HealthState.HEALTHY:
             add(AttentionCause.GPU_HEALTH, f"GPU {sample.index} {health.state.value}: {health.reason}")
     if snapshot.reboot_recommended is not None:
-        add(AttentionCause.REBOOT_RECOMMENDED, f"reboot recommended: {snapshot.reboot_recommended}")
+        add(
+            AttentionCause.REBOOT_RECOMMENDED,
+            f"reboot recommended: {snapshot.reboot_recommended} (`gpu-agent ack reboot` once dealt with otherwise)",
+        )
     for plan in drifted(snapshot):
         if plan.item == NEXT_BOOT or (plan.item == DRIVER and _cuda_too_old(plan)):
             continue  # their own lines below

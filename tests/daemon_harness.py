@@ -157,6 +157,7 @@ def write_agent_config(
     rules_dir: Path | None = None,
     backend: str = "simulated",  # "nvml" on a test machine: a host without the NVIDIA driver
     extra: str = "",  # more top-level YAML, e.g. "policy_interval_seconds: 1\n"
+    alertmanager_url: str | list[str] | None = None,  # remediation.alertmanager_url
 ) -> tuple[Path, int]:
     root = tmp_path / "host"
     if not root.exists():
@@ -168,7 +169,9 @@ def write_agent_config(
     port = free_port()
     # No rules directory given: remediation off on purpose (a daemon with rules dirs but no rules in
     # them needs attention, and would say so in every verdict).
-    remediation = f"{{rules_dir: {rules_dir}}}" if rules_dir is not None else "{rules_dirs: []}"
+    remediation = f"{{rules_dir: {rules_dir}" if rules_dir is not None else "{rules_dirs: []"
+    remediation += "" if alertmanager_url is None else f", alertmanager_url: {json.dumps(alertmanager_url)}"
+    remediation += "}"
     config = tmp_path / "agent.yaml"
     config.write_text(
         AGENT_CONFIG.format(
@@ -184,17 +187,22 @@ def write_agent_config(
             remediation=remediation,
             policy=policy,
         )
-        + extra
+        + extra.replace("$PORT", str(port))  # the metrics port, for what the extra keys must name it by
     )
     return config, port
 
 
 @contextlib.contextmanager
 def running_agent(
-    tmp_path: Path, watchdog_usec: int | None = 1_000_000, source: Path | None = None, **config: Any
+    tmp_path: Path,
+    watchdog_usec: int | None = 1_000_000,
+    source: Path | None = None,
+    again: RunningAgent | None = None,
+    **config: Any,
 ) -> Iterator[RunningAgent]:
-    """`source`: a directory holding another `agent` package to run (`python -m` puts it first on the path)."""
-    config_path, port = write_agent_config(tmp_path, **config)
+    """`source`: a directory holding another `agent` package to run (`python -m` puts it first on the path);
+    `again`: an agent that ran in `tmp_path` before (stopped or killed), started again on its config and port."""
+    config_path, port = (again.config_path, again.port) if again is not None else write_agent_config(tmp_path, **config)
     notify_path = tmp_path / "notify.sock"
     notify_path.unlink(missing_ok=True)  # left by an earlier agent in the same directory
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

@@ -35,6 +35,7 @@ from agent.state import (
     LatencyFigures,
     NodeSnapshot,
     RemediationCount,
+    RemediationFailing,
     ServiceCounters,
     ServiceFigures,
     ServiceStatus,
@@ -321,6 +322,7 @@ def node_snapshot(**overrides: Any) -> NodeSnapshot:
             # a kernel-log line whose PCI address matched no GPU the agent knows
             XidCount(None, "", 13, 1, TIMESTAMP_SECONDS - 300.0),
         ),
+        open_xids=frozenset({(1, 48), (3, 79)}),  # Xid 63 on GPU 1 was acknowledged
         services=(
             ServiceStatus("sglang", "sglang.service", up=True, last_latency_seconds=0.0123),
             ServiceStatus(
@@ -337,6 +339,7 @@ def node_snapshot(**overrides: Any) -> NodeSnapshot:
             RemediationCount("service-unhealthy", "restart_service", "succeeded", 2),
             RemediationCount("xid-reset-gpu", "reset_gpu", "failed", 1),
         ),
+        remediation_failing=(RemediationFailing("xid-reset-gpu", "failed"),),
         collectors=(
             CollectorStatus("gpu", True, 0.0042),
             CollectorStatus("policy", True, 0.0170),

@@ -332,7 +332,7 @@ def test_demo_plays_the_scenario_on_a_live_daemon_twice_in_one_dir(tmp_path: Pat
     assert first.returncode == 0, first.stdout + first.stderr
     assert_scenario_played(first.stdout)
     assert "a real Alertmanager (" in first.stdout
-    assert "   Alertmanager received GpuAgentServiceLatencyRegression: service sglang: e2e p95" in first.stdout
+    assert "   Alertmanager received InferenceLatencyAboveSlo (warning): service sglang: e2e p95" in first.stdout
     assert "   curl -s http://127.0.0.1:" in first.stdout
 
     (directory / "notes.txt").write_text("mine")  # not the demo's: left alone
@@ -552,6 +552,22 @@ def test_ack_of_nothing_is_an_error_but_ack_all_is_not(tmp_path: Path) -> None:
     everything = gpu_agent("ack", "all", "--config", str(config))
     assert everything.returncode == 0, everything.stderr
     assert "all: nothing to acknowledge" in everything.stdout
+
+
+def test_ack_reboot_withdraws_the_recommendation_from_status(tmp_path: Path) -> None:
+    """The reboot recommendation shows how it clears, and `ack reboot` clears it (no daemon here:
+    in the store's directory); a second ack finds nothing."""
+    config = write_config(tmp_path)
+    gpu_agent("ack", "all", "--config", str(config))  # the store, made as a daemon would
+    (tmp_path / "state" / "reboot-recommended").write_text(json.dumps({"reason": "Xid 79", "event": "xid"}))
+    before = gpu_agent("status", "--config", str(config))
+    assert "reboot recommended: Xid 79 (`gpu-agent ack reboot` once dealt with otherwise)" in before.stdout
+    acked = gpu_agent("ack", "reboot", "--config", str(config))
+    assert acked.returncode == 0, acked.stderr
+    assert acked.stdout == "reboot: reboot recommendation withdrawn: no longer in the verdict or the alerts\n"
+    assert "REBOOT RECOMMENDED" not in gpu_agent("status", "--config", str(config)).stdout
+    again = gpu_agent("ack", "reboot", "--config", str(config))
+    assert again.returncode == 1 and "nothing to acknowledge" in again.stderr
 
 
 @pytest.mark.parametrize(

@@ -106,6 +106,7 @@ def choices(path: str, option: str) -> set[str]:
 NODE_BIN = Path("/nonexistent")  # set by the `node` fixture: where the shells find `gpu-agent`
 ACK_TARGETS = {
     "all",
+    "reboot",
     "xid-79-reset",
     "gpu:1",
     "gpu:GPU-1111",
@@ -119,7 +120,8 @@ ACK_TARGETS = {
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A config whose store has an open circuit (Xid 79 on GPU 1), a service rule whose attempts ran
-    out, and a missing GPU 3; `gpu-agent` on the shells' PATH runs this checkout. Returns the config."""
+    out, a missing GPU 3 and a reboot recommended; `gpu-agent` on the shells' PATH runs this checkout.
+    Returns the config."""
     global NODE_BIN
     directory = tmp_path_factory.mktemp("node")
     state = directory / "state"
@@ -139,6 +141,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 "INSERT INTO gpu_inventory VALUES ('boot', ?, '0000:00:00.0', 'NVIDIA H200', ?, 1, 1, ?, 0)",
                 (uuid, gpu, present),
             )
+    (state / "reboot-recommended").write_text('{"reason": "Xid 79"}')
     config = directory / "agent.yaml"
     config.write_text(f"mode: observe\nbackend: simulated\nstate_dir: {state}\n")
     NODE_BIN = directory / "bin"

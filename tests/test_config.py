@@ -194,6 +194,23 @@ UNKNOWN_GROUP = "gpu-agent-no-such-group"
             "agent.yaml:1 remediation.alertmanager_url: must be an http:// or https:// URL: Port out of range",
         ),
         (
+            "remediation:\n  alertmanager_url: [http://am-1:9093, 'file:///x']\n",
+            "agent.yaml:2 remediation.alertmanager_url: must be an http:// or https:// URL, not 'file:///x'",
+        ),
+        (
+            "alerts: {for_seconds: {GpuLots: 30}}\n",
+            "agent.yaml:1 alerts.for_seconds: unknown alert 'GpuLots' (did you mean 'GpuLost'?); the alerts are"
+            " listed in docs/alerts.md",
+        ),
+        (
+            "alerts: {labels: {instance: x}}\n",
+            "agent.yaml:1 alerts.labels: 'instance' is set by the agent (alerts.instance, alerts.job, the catalogue)",
+        ),
+        (
+            "services:\n  - {name: a, slo: {e2e_p95_seconds: 1, window_seconds: 5}}\n",
+            "agent.yaml:2 services[0].slo.window_seconds: must be >= 10",
+        ),
+        (
             "services:\n  - {name: a, health_url: 'ftp://127.0.0.1/health'}\n",
             "agent.yaml:2 services[0].health_url: must be an http:// or https:// URL",
         ),

@@ -1,10 +1,13 @@
 """The fleet view end to end: one real Prometheus scrapes three real agents (`gpu-agent run` on three
-simulated nodes, loopback ports) with different faults; every fleet recording rule, every query of
-the dashboard's fleet row and the alerts name the right nodes."""
+simulated nodes, loopback ports, targets labelled with a cluster and a rack as a fleet labels them)
+with different faults; every fleet recording rule keeps those labels and the GPU model, every query
+of the dashboard's fleet row and the alerts name the right nodes. (A node whose agent dies:
+tests/test_alert_story.py.)"""
 
 from __future__ import annotations
 
 import contextlib
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -22,11 +25,14 @@ from test_dashboard_prometheus import (
     Prometheus,
     all_panels,
     dashboard,
+    substitute,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
 FLEET_ROW = "Fleet"
 NODES = ("clean", "lost", "xid")
+TARGET = {"cluster": "eu-1", "rack": "r7"}
+MODEL = "NVIDIA H200"
 #: What each node suffers: nothing; GPU 1 fell off the bus; an Xid 48 on GPU 0 and a hot, slowed GPU 1.
 FAULTS: dict[str, tuple[tuple[str, ...], ...]] = {
     "clean": (),
@@ -59,13 +65,12 @@ def inject(agent: RunningAgent, *args: str) -> None:
 
 
 def fleet_queries() -> list[tuple[str, str]]:
-    """(panel title, expression) of every query in the dashboard's fleet row."""
+    """(panel title, expression) of every query in the dashboard's fleet row: the panels up to the next row."""
     panels = dashboard()["panels"]
     start = next(i for i, panel in enumerate(panels) if panel["type"] == "row" and panel["title"].startswith(FLEET_ROW))
+    end = next((i for i in range(start + 1, len(panels)) if panels[i]["type"] == "row"), len(panels))
     return [
-        (panel["title"], target["expr"])
-        for panel in all_panels(panels[start + 1 :])
-        for target in panel.get("targets", [])
+        (panel["title"], target["expr"]) for panel in all_panels(panels[start + 1 : end]) for target in panel["targets"]
     ]
 
 
@@ -110,7 +115,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                 poll_seconds=0.5,
             )
         prometheus = Prometheus(
-            tmp_path_factory.mktemp("prometheus"), [agent.port for agent in agents.values()], [ALERTS, RECORDING]
+            tmp_path_factory.mktemp("prometheus"),
+            [agent.port for agent in agents.values()],
+            [ALERTS, RECORDING],
+            target_labels=TARGET,
         )
         stack.callback(prometheus.stop)
         node_of = {f"127.0.0.1:{agent.port}": name for name, agent in agents.items()}
@@ -135,16 +143,18 @@ def test_promtool_check_recording_rules() -> None:
     assert PROMTOOL is not None
     result = subprocess.run([PROMTOOL, "check", "rules", str(RECORDING)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 11 rules found" in result.stdout
+    assert "SUCCESS: 18 rules found" in result.stdout
 
 
-def test_fleet_row_is_appended_and_reads_the_recording_rules() -> None:
+def test_the_dashboard_opens_on_the_fleet_row_and_it_reads_the_recording_rules() -> None:
     recorded = {rule["record"] for group in yaml.safe_load(RECORDING.read_text())["groups"] for rule in group["rules"]}
+    assert dashboard()["panels"][0]["title"].startswith(FLEET_ROW)
     queries = fleet_queries()
-    assert len(queries) >= 6
+    assert len(queries) >= 10
     for title, expr in queries:
         assert any(name in expr for name in recorded), (title, expr)
-        assert "$" not in expr, f"{title}: the fleet row ignores the instance and GPU selectors"
+        assert set(re.findall(r"\$(\w+)", expr)) <= {"job", "cluster"}, f"{title}: the fleet row is not one node's"
+        assert "by (instance" not in expr, f"{title}: aggregated by node drops what a fleet labels its nodes with"
 
 
 def test_recording_rules_rank_every_gpu_of_every_node(fleet: Fleet) -> None:
@@ -157,30 +167,39 @@ def test_recording_rules_rank_every_gpu_of_every_node(fleet: Fleet) -> None:
         timeout_seconds=30.0,
         detail=lambda: str(fleet.by_node("instance_gpu:gpu_agent_gpu_health:rank", "gpu")),
     )
-    by_state = fleet.by_node("instance:gpu_agent_gpu_health:sum_by_state", "state")
+    # every series keeps what the fleet labels its targets with, and the GPU's model
+    for series in fleet.prometheus.query("instance_gpu:gpu_agent_gpu_health:rank"):
+        assert {k: series["metric"].get(k) for k in ("cluster", "rack", "model")} == {**TARGET, "model": MODEL}
+    states = {**{key: state for key, state in HEALTH.items()}, ("lost", "1"): "missing"}
+    by_state = fleet.by_node("instance:gpu_agent_gpus:by_state", "state")
     assert by_state == {
-        (node, state): float(sum(1 for (n, _), s in HEALTH.items() if n == node and s == state))
+        (node, state): float(sum(1 for (n, _), s in states.items() if n == node and s == state))
         for node in NODES
-        for state in rank
+        for state in (*rank, "missing")
     }
     assert fleet.by_node("instance:gpu_agent_gpu_health:worst") == {("clean",): 0, ("lost",): 3, ("xid",): 2}
     assert fleet.by_node("instance:gpu_agent_gpus_expected:missing") == {("clean",): 0, ("lost",): 1, ("xid",): 0}
 
 
 def test_fleet_aggregates(fleet: Fleet) -> None:
+    by_state = "sum by (state) (fleet:gpu_agent_gpus:by_state)"
     fleet.prometheus.wait_for(
         "the fleet totals",
-        lambda: (
-            fleet.scalar_by("fleet:gpu_agent_gpu_health:sum_by_state", "state")
-            == {"healthy": 3, "degraded": 1, "unhealthy": 2}
-        ),
+        lambda: fleet.scalar_by(by_state, "state") == {"healthy": 3, "degraded": 1, "unhealthy": 1, "missing": 1},
         timeout_seconds=30.0,
-        detail=lambda: str(fleet.scalar_by("fleet:gpu_agent_gpu_health:sum_by_state", "state")),
+        detail=lambda: str(fleet.scalar_by(by_state, "state")),
     )
-    assert fleet.scalar_by("fleet:gpu_agent_gpus_expected:sum") == {"": 6}
-    assert fleet.scalar_by("fleet:gpu_agent_gpus_expected:missing") == {"": 1}
-    assert fleet.scalar_by("fleet:gpu_agent_gpus_expected:nodes_missing_gpus") == {"": 1}
-    assert fleet.scalar_by("fleet:gpu_agent_gpu_health:nodes_not_healthy") == {"": 2}
+    # per job and the fleet's labels: the rack's totals
+    (series,) = fleet.prometheus.query("fleet:gpu_agent_gpus_expected:sum")
+    assert series["metric"] == {"__name__": "fleet:gpu_agent_gpus_expected:sum", "job": "gpu-agent", **TARGET}
+    assert fleet.scalar_by("sum(fleet:gpu_agent_gpus_expected:sum)") == {"": 6}
+    assert fleet.scalar_by("sum(fleet:gpu_agent_gpus_expected:missing)") == {"": 1}
+    assert fleet.scalar_by("sum(fleet:gpu_agent_nodes:missing_gpus)") == {"": 1}
+    assert fleet.scalar_by("sum(fleet:gpu_agent_nodes:not_healthy)") == {"": 2}
+    assert fleet.scalar_by("sum(fleet:gpu_agent_nodes:not_reporting)") == {"": 0}
+    # capacity: the healthy GPUs of each model, of all of them
+    assert fleet.scalar_by("sum by (model) (fleet_model:gpu_agent_gpus:healthy)", "model") == {MODEL: 3}
+    assert fleet.scalar_by("sum by (model) (fleet_model:gpu_agent_gpus:count)", "model") == {MODEL: 6}
 
 
 def test_worst_node_first(fleet: Fleet) -> None:
@@ -201,7 +220,7 @@ def test_worst_node_first(fleet: Fleet) -> None:
 def test_every_fleet_panel_query_returns_the_right_nodes(fleet: Fleet) -> None:
     failures = []
     for title, expr in fleet_queries():
-        result = fleet.prometheus.query(expr)
+        result = fleet.prometheus.query(substitute(expr))
         if not result:
             failures.append(f"{title}: no data for {expr}")
             continue

@@ -83,7 +83,7 @@ VALID_RULES: dict[str, Any] = {
             "actions": [
                 {"restart_service": {"service": "sglang"}},
                 "reset_gpu",
-                {"alertmanager": {"severity": "critical"}},
+                {"alertmanager": {"summary": "page the on-call"}},
             ],
             "cooldown_seconds": 300,
             "max_attempts": 3,

@@ -126,6 +126,7 @@ def expected_files(target: str) -> set[str]:
         "/usr/share/bash-completion/completions/gpu-agent",
         "/usr/share/gpu-agent/prometheus/gpu-agent-dcgm-compat.yaml",
         "/usr/share/gpu-agent/prometheus/gpu-agent-recording.yaml",
+        "/usr/share/gpu-agent/alertmanager/gpu-agent-alertmanager.yaml",
     }
     files |= {f"/usr/share/gpu-agent/rules.d/{name}" for name in RULES}
     files |= {f"/opt/gpu-agent/wheels/{name}" for name in wheel_names(target)}
@@ -263,6 +264,7 @@ def test_deb_ships_the_repository_files(packages: dict[str, Path], tmp_path: Pat
         "opt/gpu-agent/lib/legacy-rules.sha256": "packaging/legacy-rules.sha256",
         "usr/share/gpu-agent/prometheus/gpu-agent-dcgm-compat.yaml": "packaging/prometheus/gpu-agent-dcgm-compat.yaml",
         "usr/share/gpu-agent/prometheus/gpu-agent-recording.yaml": "packaging/prometheus/gpu-agent-recording.yaml",
+        "usr/share/gpu-agent/alertmanager/gpu-agent-alertmanager.yaml": "packaging/alertmanager/gpu-agent-alertmanager.yaml",
         **{f"usr/share/gpu-agent/rules.d/{n}": f"rules/{n}" for n in RULES},
     }
     for installed, source in same.items():

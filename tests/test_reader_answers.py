@@ -1,6 +1,7 @@
 """Whatever a server answers, each reader of outside data gives a result or its own error, never
 another exception: the scrape a ScrapeError, the health and generate probes a failed probe, the
-drain an "unreadable" wait, a webhook and Alertmanager an ActionError. The boundary that makes it so
+drain an "unreadable" wait, a webhook an ActionError, the agent's alert push the `alerts` collector's
+error. The boundary that makes it so
 is agent/host/http_read.py; these tests drive every reader through a real socket server in this
 process that answers with random status lines, headers, Locations, interim (1xx) answers and
 bodies. A `302 Location: http://127.0.0.1:99999/metrics` raised ValueError out of the scrape (and so
@@ -23,10 +24,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from slow_endpoint import read_request
 
+from agent.alerts.book import Found, PushBook
 from agent.config import ServiceConfig
+from agent.daemon.alert_delivery import AlertDelivery
 from agent.host import http_read
 from agent.printable import printable
-from agent.rules.actions.alertmanager import Alert, AlertTracker
 from agent.rules.actions.base import ActionError
 from agent.rules.actions.http_client import post_json
 from agent.services.drain import DrainWait, wait_until_idle
@@ -139,17 +141,19 @@ def read_webhook(origin: str) -> str:
         return detail
 
 
-ALERT = Alert({"alertname": "GpuAgentTest", "instance": "node"}, {"summary": "test"}, 1_800_000_000.0)
-
-
 def read_alertmanager(origin: str) -> str:
-    tracker = AlertTracker(timeout_seconds=DEADLINE_SECONDS)
-    try:
-        tracker.fire(origin, ALERT)
-    except ActionError as exc:
-        return detail_of(str(exc))
-    errors = tracker.refresh() + [str(alert) for alert in tracker.resolve({"alertname": "GpuAgentTest"})]
-    return "; ".join(detail_of(error) for error in errors)
+    """The agent's push of one alert, then its resolution: each round's error is the `alerts`
+    collector's, whatever the server answered."""
+    book = PushBook()
+    delivery = AlertDelivery(book, timeout_seconds=DEADLINE_SECONDS)
+    errors = []
+    for found in ([Found("GpuLost", {"alertname": "GpuLost", "instance": "node"}, {"summary": "test"}, 0.0)], []):
+        book.update(found, (origin,))
+        delivery.poke()
+        delivery.deliver()
+        assert delivery.status is not None
+        errors.append(delivery.status.last_error)
+    return "; ".join(detail_of(error) for error in errors if error)
 
 
 READERS: dict[str, Callable[[str], str]] = {

@@ -214,5 +214,11 @@ def test_another_users_app_xid_restarts_nothing_and_the_services_own_does(tmp_pa
             assert standin.read_pid(pid_file) == first_pid  # not restarted
             assert gpu_agent(agent.config_path, *inject, "--gpu", "0", "--pid", str(first_pid)).returncode == 0
             wait_until(lambda: standin.read_pid(pid_file) not in (None, first_pid), WAIT_SECONDS, "restart")
+            # the restart dealt with the app-level Xid: the GPU is healthy again, not degraded for an hour
+            wait_until(
+                lambda: agent.status()["gpus"][0]["health"]["state"] == "healthy",
+                WAIT_SECONDS,
+                "GPU 0 healthy once its service restarted",
+            )
     finally:
         subprocess.run(stop, timeout=30, check=False)

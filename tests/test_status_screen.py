@@ -61,6 +61,8 @@ def test_the_screen_says_when_things_happened() -> None:
     lines = text.splitlines()
     assert max(len(line) for line in lines) <= 100, text
     assert "REBOOT RECOMMENDED: Xid 79 on GPU 3" in lines
+    # and how it clears, right under it
+    assert "`gpu-agent ack reboot`" in lines[lines.index("REBOOT RECOMMENDED: Xid 79 on GPU 3") + 1]
     assert any("3m ago" in line and "Xid 48" in line for line in lines), text
     assert any("2h01m ago" in line and "restart_service service:sglang -> success" in line for line in lines), text
     assert all("last 45s ago" in line for line in lines if line.startswith("  GPU ") and " Xid " in line)

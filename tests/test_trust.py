@@ -424,7 +424,7 @@ rules:
     match: {{xid: {{codes: [13]}}}}
     cooldown_seconds: 0
     actions:
-      - alertmanager: {{severity: warning}}
+      - alertmanager
   - name: nobody-listens
     match: {{xid: {{codes: [13]}}}}
     cooldown_seconds: 0

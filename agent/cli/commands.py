@@ -198,16 +198,21 @@ def cmd_ack(args: argparse.Namespace) -> int:
         )
     for uuid in result.gone:
         print_text(f"{uuid}: missing GPU acknowledged gone; no longer expected (until it answers again)")
-    if result.rearmed or result.gone or result.cleared:
+    if result.reboot:
+        print_text(f"{args.selector}: reboot recommendation withdrawn: no longer in the verdict or the alerts")
+    if result.rearmed or result.gone or result.cleared or result.reboot:
         return EXIT_OK
     if selector.every:
-        print_text("all: nothing to acknowledge (no Xid in the verdict, no rule's attempts ran out, no GPU missing)")
+        print_text(
+            "all: nothing to acknowledge (no Xid in the verdict, no rule's attempts ran out, no GPU missing,"
+            " no reboot recommended)"
+        )
         return EXIT_OK
     # Most often a typo: exit 1, so a script that acknowledges something learns it did not.
     raise CliError(
-        f"{args.selector}: nothing to acknowledge: no Xid in the verdict, no rule whose attempts ran out and no"
-        " missing GPU matches (a rule name, gpu:INDEX, gpu:UUID, xid:CODE@GPU, service:NAME or all;"
-        " `gpu-agent events` lists the rules)"
+        f"{args.selector}: nothing to acknowledge: no Xid in the verdict, no rule whose attempts ran out, no"
+        " missing GPU and no reboot recommendation matches (a rule name, gpu:INDEX, gpu:UUID, xid:CODE@GPU,"
+        " service:NAME, reboot or all; `gpu-agent events` lists the rules)"
     )
 
 

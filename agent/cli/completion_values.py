@@ -17,11 +17,12 @@ def dynamic_values(kind: str, config_path: str | None = None) -> list[str]:
     the config at `config_path` ($GPU_AGENT_CONFIG, else the default), opened read-only; nothing
     when there is no config or store, or it cannot be read (completion never fails loudly).
       ack-targets  `all`, then the rules, `gpu:INDEX`, `gpu:UUID` and `service:NAME` whose
-                   attempts ran out or circuit is open, and the missing GPUs not acknowledged
+                   attempts ran out or circuit is open, the missing GPUs not acknowledged, and
+                   `reboot` while a reboot is recommended
       gpus         the GPU indices the store has seen on this node"""
     import sqlite3
 
-    from agent.defaults import DEFAULT_CONFIG_PATH
+    from agent.defaults import DEFAULT_CONFIG_PATH, REBOOT_FLAG_NAME
 
     path = config_path or os.environ.get("GPU_AGENT_CONFIG") or DEFAULT_CONFIG_PATH
     state_dir = _state_dir(path)
@@ -56,6 +57,8 @@ def dynamic_values(kind: str, config_path: str | None = None) -> list[str]:
         for gpu, uuid in connection.execute(missing).fetchall():
             found[f"gpu:{gpu}"] = None
             found[f"gpu:{uuid}"] = None
+        if os.path.isfile(os.path.join(state_dir, REBOOT_FLAG_NAME)):
+            found["reboot"] = None
         return list(found)
     except sqlite3.Error:
         return []

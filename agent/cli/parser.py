@@ -213,11 +213,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "ack",
         parents=[common],
-        help="mark Xids dealt with, re-arm rules whose attempts ran out, forget a missing GPU",
+        help="mark Xids dealt with, re-arm rules whose attempts ran out, forget a missing GPU, withdraw a reboot",
         description="SELECTOR: a rule name, gpu:INDEX, gpu:UUID, xid:CODE@GPU (GPU: index or UUID), "
-        "service:NAME, or all. A GPU or Xid selector (or all) marks the GPU's Xids (or that one) dealt with: "
+        "service:NAME, reboot, or all. A GPU or Xid selector (or all) marks the GPU's Xids (or that one) dealt with: "
         "they leave the verdict, their counts stay. A GPU selector (or all) also re-arms the rules acting on it "
         "and acknowledges a missing GPU as gone: it leaves status and /metrics until it answers again. "
+        "reboot (or all) withdraws the reboot recommendation (dealt with another way): it leaves status, /metrics "
+        "and the alerts. Their alerts resolve. "
         "Through the running daemon (its own store); in the store file the config names only when no daemon "
         "answers on the socket. "
         "Exit codes: 0 something acknowledged (or `all` with nothing to do), 1 nothing matched (a typo?) or "

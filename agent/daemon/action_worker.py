@@ -33,7 +33,7 @@ from agent.logger import get_logger
 from agent.rules.actions.dispatch import execute
 from agent.rules.actions.footprint import footprint as decision_footprint
 from agent.rules.actions.footprint import lane
-from agent.rules.actions.kind import Lane
+from agent.rules.actions.kind import ClearsXids, Lane
 from agent.rules.actions.registry import KINDS
 from agent.rules.actions.steps import DRAINING, services_left_down, step
 from agent.rules.model import ActionOutcome, Decision, Outcome
@@ -54,8 +54,8 @@ STOP_TIMEOUT_SECONDS = 20.0
 class ActionWorker:
     """Reads of the daemon's live parts (agent/daemon/live.py): the store and the config of the
     moment, its lanes, the ledger of held settings (put back at stop, whatever still runs), the
-    action context (None while the GPU backend is unavailable), the Xid watcher (a GPU reset that
-    succeeded starts its GPU's Xid history afresh) and the services' managers (recovery needs no
+    action context (None while the GPU backend is unavailable), the Xid watcher (what a successful
+    action fixed leaves the verdict: `_clear_xids`) and the services' managers (recovery needs no
     GPU backend)."""
 
     def __init__(self, *, live: Live) -> None:
@@ -158,10 +158,18 @@ class ActionWorker:
             seconds=round(outcome.finished_seconds - outcome.started_seconds, 3),
             **target_fields(decision),
         )
-        action = decision.action
-        fresh_gpu = action is not None and KINDS[action.kind].clears_xids and outcome.outcome is Outcome.SUCCESS
-        if fresh_gpu and decision.target.gpu is not None:
-            self.live.watchers.xid.clear(decision.target.gpu)
+        if decision.action is not None and outcome.outcome is Outcome.SUCCESS:
+            self._clear_xids(decision, KINDS[decision.action.kind].clears_xids)
+
+    def _clear_xids(self, decision: Decision, clears: ClearsXids) -> None:
+        """What a successful action fixed leaves the Xid health window (and so the verdict and the Xid
+        alerts); the counters stay. A GPU reset: every Xid of its GPU. A service restart: the app-level
+        Xids of the GPUs it touched (its processes' own faults)."""
+        xid = self.live.watchers.xid
+        if clears is ClearsXids.GPU and decision.target.gpu is not None:
+            xid.clear(decision.target.gpu)
+        elif clears is ClearsXids.APP_LEVEL:
+            xid.restarted(decision_footprint(decision, self.live.config))
 
     def _journal(self, row_id: int, step: str) -> None:
         store = self.live.store

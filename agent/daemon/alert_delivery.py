@@ -1,52 +1,55 @@
-"""Alertmanager traffic off the main loop: resolving the alerts a clearing event ends and
-re-sending the active ones run on their own thread, so a slow or silent Alertmanager (each request
-has a total deadline, but several of them add up) never delays a loop or systemd's `WATCHDOG=1`.
+"""The agent's alerts to Alertmanager, off the main loop: a thread sends what the push book holds
+(agent/alerts/book.py) to every Alertmanager, one request each with all of its alerts, so a slow or
+silent one (each request has a total deadline) never delays a loop or systemd's `WATCHDOG=1`.
 
-The queue is bounded: refreshes coalesce into one pending refresh, and beyond `MAX_PENDING`
-clearing events the oldest are dropped (logged; their alerts stay active and Alertmanager resolves
-them after its own `resolve_timeout`, since nothing refreshes a resolved fault's alert for long).
+It sends at once when an alert fired or resolved (`poke`), every REFRESH_SECONDS anyway (a firing
+alert's `endsAt` lies FIRING_VALIDITY_SECONDS ahead, and must keep moving), and again after a failed
+request, backing off from RETRY_FIRST_SECONDS to REFRESH_SECONDS, per Alertmanager. Its last round
+is the `alerts` collector of `/metrics` and `gpu-agent status` (GpuAgentCollectorFailing when an
+Alertmanager keeps refusing).
 """
 
 from __future__ import annotations
 
 import threading
-from collections import deque
+import time
 
-from agent.events import CLEARS, Event
+from agent.alerts.book import PushBook
 from agent.logger import get_logger
-from agent.rules.actions.alertmanager import AlertTracker
+from agent.rules.actions.base import ActionError
+from agent.rules.actions.http_client import post_json, redacted_url
+from agent.rules.params import DEFAULT_HTTP_DEADLINE_SECONDS
+from agent.state import CollectorStatus
 
 log = get_logger()
 
-MAX_PENDING = 256
+ALERTS_API_PATH = "/api/v2/alerts"
+REFRESH_SECONDS = 60.0
+RETRY_FIRST_SECONDS = 1.0
 STOP_TIMEOUT_SECONDS = 2.0
 
 
+def alerts_url(base_url: str) -> str:
+    return base_url.rstrip("/") + ALERTS_API_PATH
+
+
 class AlertDelivery:
-    def __init__(self, tracker: AlertTracker, max_pending: int = MAX_PENDING) -> None:
-        self.tracker = tracker
-        self._clearing: deque[Event] = deque(maxlen=max_pending)
-        self._refresh = False
+    def __init__(self, book: PushBook, timeout_seconds: float = DEFAULT_HTTP_DEADLINE_SECONDS) -> None:
+        self.book = book
+        self.timeout_seconds = timeout_seconds
+        self.status: CollectorStatus | None = None  # None before the first round
+        self._next_monotonic: dict[str, float] = {}  # per Alertmanager: when it is due
+        self._backoff: dict[str, float] = {}
+        self._poked = False
         self._stopping = False
-        self._dropped = 0
         self._ready = threading.Condition()
         self._thread: threading.Thread | None = None
 
-    def resolve_cleared(self, events: list[Event]) -> None:
-        """Queue the clearing events among `events` (returns at once)."""
-        clearing = [e for e in events if CLEARS.get(e.kind)]
-        if not clearing:
-            return
+    def poke(self) -> None:
+        """An alert fired or resolved: every Alertmanager hears it at the next round, now (returns at once)."""
         with self._ready:
-            room = self._clearing.maxlen or 0
-            self._dropped += max(0, len(self._clearing) + len(clearing) - room)
-            self._clearing.extend(clearing)
-            self._ready.notify()
-
-    def refresh(self) -> None:
-        """Queue one re-send of the active alerts (a refresh already pending covers this one)."""
-        with self._ready:
-            self._refresh = True
+            self._poked = True
+            self._next_monotonic = dict.fromkeys(self._next_monotonic, 0.0)
             self._ready.notify()
 
     def start(self) -> None:
@@ -61,28 +64,46 @@ class AlertDelivery:
         if self._thread is not None:
             self._thread.join(timeout_seconds)
 
-    def _next(self) -> tuple[list[Event], bool] | None:
+    def _wait(self) -> bool:
+        """Until poked, stopped, an Alertmanager is due, or REFRESH_SECONDS passed; False when stopping."""
         with self._ready:
-            while not (self._stopping or self._clearing or self._refresh):
-                self._ready.wait()
-            if self._stopping:
-                return None
-            if self._dropped:
-                log.warning("alert queue full: oldest clearing events dropped", dropped=self._dropped)
-                self._dropped = 0
-            clearing, refresh = list(self._clearing), self._refresh
-            self._clearing.clear()
-            self._refresh = False
-            return clearing, refresh
+            idle_until = time.monotonic() + REFRESH_SECONDS
+            while not self._stopping and not self._poked:
+                wake = min(self._next_monotonic.values(), default=idle_until)
+                if wake <= time.monotonic():
+                    break
+                self._ready.wait(wake - time.monotonic())
+            self._poked = False
+            return not self._stopping
 
     def _run(self) -> None:
-        while (work := self._next()) is not None:
-            clearing, refresh = work
-            for event in clearing:
-                try:
-                    self.tracker.resolve_cleared(event)
-                except Exception:  # one broken resolve must not end deliveries
-                    log.exception("could not resolve the alerts of a clearing event", kind=event.kind.value)
-            if refresh:
-                for error in self.tracker.refresh():
-                    log.warning("could not refresh an alert", error=error)
+        while self._wait():
+            try:
+                self.deliver()
+            except Exception:  # one broken round must not end deliveries
+                log.exception("alert delivery failed unexpectedly")
+
+    def deliver(self) -> None:
+        """One round: every Alertmanager that is due gets what it should hear now."""
+        started = time.monotonic()
+        errors: list[str] = []
+        payloads = self.book.payloads()
+        for url in set(self._next_monotonic) - set(payloads):
+            del self._next_monotonic[url]  # nothing left for it
+        for url, alerts in payloads.items():
+            if self._next_monotonic.get(url, 0.0) > time.monotonic():
+                continue
+            try:
+                post_json(alerts_url(url), [body for _, body in alerts], self.timeout_seconds)
+            except ActionError as exc:
+                errors.append(str(exc))
+                backoff = min(self._backoff.get(url, RETRY_FIRST_SECONDS / 2) * 2, REFRESH_SECONDS)
+                self._backoff[url] = backoff
+                self._next_monotonic[url] = time.monotonic() + backoff
+                log.warning("could not deliver alerts", alertmanager=redacted_url(url), error=str(exc), retry=backoff)
+                continue
+            self._backoff.pop(url, None)
+            self._next_monotonic[url] = time.monotonic() + REFRESH_SECONDS
+            self.book.delivered(url, [key for key, _ in alerts])
+        if payloads:
+            self.status = CollectorStatus("alerts", not errors, time.monotonic() - started, "; ".join(errors)[:300])

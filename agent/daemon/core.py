@@ -100,6 +100,7 @@ class Daemon:
         self.tune.history.flush(live.store)
         self.remediator.remediate(snapshot, events, now)
         snapshot = live.publisher.publish(snapshot)
+        self.remediator.push_alerts(snapshot)
         self.watchdog.beat()
         return snapshot
 
@@ -138,7 +139,7 @@ class Daemon:
         kmsg_ok, kmsg_detail = live.kmsg.status()
         collectors = (
             *live.collector.statuses(),
-            *(s for s in (self.policy.status, self.remediator.status) if s is not None),
+            *(s for s in (self.policy.status, self.remediator.status, self.remediator.alert_delivery.status) if s),
             CollectorStatus("kmsg", kmsg_ok, 0.0, "" if kmsg_ok else kmsg_detail),
             *live.session.statuses(),
         )
@@ -148,6 +149,7 @@ class Daemon:
             backend_error=live.session.error,
             services=tuple(live.prober.statuses()),
             remediations=self.remediator.counts(),
+            remediation_failing=self.remediator.failing(),
             collectors=collectors,
             recent_events=live.intake.recent,
             recent_remediations=self.remediator.recent(),
@@ -172,6 +174,7 @@ class Daemon:
             snapshot,
             services=tuple(live.prober.statuses()),
             xids=tuple(live.watchers.xid.counts()),
+            open_xids=live.watchers.xid.open_marks(),
             recent_events=live.intake.recent,
             health=live.watchers.health(snapshot.health, live.collector.stale, live.session.error),
         )

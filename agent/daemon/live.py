@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from agent.alerts.book import PushBook
 from agent.backend.base import GpuBackend, GpuEvent, GpuIdentity
 from agent.config import AgentConfig
 from agent.daemon.bounded import BoundedRunner
@@ -40,7 +41,6 @@ from agent.node_memory.inventory import read_boot_id
 from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
 from agent.policy.holds import PolicyHolds
-from agent.rules.actions.alertmanager import AlertTracker
 from agent.rules.actions.context import ActionContext
 from agent.services.attribution import service_of_pid
 from agent.services.health import HealthProber, ProberThread
@@ -99,7 +99,9 @@ class Live:
         self.holds = PolicyHolds(self.current_store, boot_id, clock)
         self.attempt_clock = AttemptClock(boot_id, boottime)
         self.lanes = Lanes()
-        self.alerts = AlertTracker()
+        self.alerts = PushBook(
+            self.current_store, boot_id, clock
+        )  # the alerts pushed to Alertmanager, kept in the store
         self.publisher = Publisher(notifier)
         self.socket_record = SocketRecord(self.host.paths, config_path, config_identity)
         self.kmsg = KmsgSource(self.host.paths, self._on_kernel_xid, start_monotonic_seconds=time.monotonic())

@@ -1,8 +1,9 @@
 """The remediator: new events into the event store, the rules evaluated against the snapshot (a
-pure function), the decided actions journaled and queued for the action worker, and Alertmanager
-alerts kept fresh by the alert delivery thread (never on the loop). A store that cannot be opened
-or written (state dir full, read-only) turns remediation off until it works again; the events
-meanwhile wait, bounded, and none is lost or handled twice."""
+pure function), the decided actions journaled and queued for the action worker, and the catalogue's
+alerts the published snapshot holds kept in the push book, which the alert delivery thread sends to
+Alertmanager (never on the loop). A store that cannot be opened or written (state dir full,
+read-only) turns remediation off until it works again; the events meanwhile wait, bounded, and none
+is lost or handled twice."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
+from agent.alerts.evaluate import found_alerts
 from agent.config import AgentConfig
 from agent.daemon.action_worker import ActionWorker, target_fields
 from agent.daemon.alert_delivery import AlertDelivery
-from agent.daemon.timing import due
 from agent.events import Event
 from agent.logger import get_logger
 from agent.rules.actions.dispatch import observe_mode
@@ -24,7 +25,7 @@ from agent.rules.engine import evaluate, gpus_by_service
 from agent.rules.model import ActionOutcome, Decision, Outcome
 from agent.rules.sources import describe as describe_rules
 from agent.rules.sources import resolve_rules
-from agent.state import CollectorStatus, NodeSnapshot, RecentRemediation, RemediationCount
+from agent.state import CollectorStatus, NodeSnapshot, RecentRemediation, RemediationCount, RemediationFailing
 from agent.store.attempt_clock import ClockReading
 from agent.store.database import Store, StoredRemediation, StoreError
 from agent.store.db import TableCache
@@ -34,8 +35,8 @@ if TYPE_CHECKING:
     from agent.daemon.live import Live
 
 log = get_logger()
+T = TypeVar("T")
 
-ALERT_REFRESH_SECONDS = 60.0
 STORE_RETRY_SECONDS = 30.0
 MAX_UNSTORED_EVENTS = 10_000
 
@@ -58,9 +59,13 @@ def _read_recent(store: Store) -> tuple[RecentRemediation, ...]:
     return tuple(_recent(store.remediations(limit=RECENT_REMEDIATIONS)))
 
 
+def _read_failing(store: Store) -> tuple[RemediationFailing, ...]:
+    return tuple(store.failing_rules())
+
+
 class Remediator:
     """Reads of the daemon's live parts (agent/daemon/live.py): the config of the moment, the store
-    (which it opens, and opens again after it could not), the attempt clock and the alert tracker."""
+    (which it opens, and opens again after it could not), the attempt clock and the push book of alerts."""
 
     def __init__(self, *, live: Live) -> None:
         self.live = live
@@ -73,10 +78,10 @@ class Remediator:
         self.status: CollectorStatus | None = None
         self._store_failed_monotonic: float | None = None  # when opening the store last failed
         self._unstored: list[Event] = []  # keyed events the store could not take yet
-        self._last_alert_refresh_seconds = 0.0
         # Shown every loop, changed by a remediation now and then: read again only after a write.
         self._counts = TableCache("remediation_totals", _read_counts)
         self._recent = TableCache("remediations", _read_recent)
+        self._failing = TableCache("remediations", _read_failing)
 
     def start(self) -> None:
         """The rules, the event store and the action worker; a store that cannot open is retried later."""
@@ -134,27 +139,27 @@ class Remediator:
             self._keep_unstored(keyed_events)
             return
         self.status = CollectorStatus("remediation", True, time.monotonic() - started)
-        self._refresh_alerts(events, now)
 
     def counts(self) -> tuple[RemediationCount, ...]:
-        store = self.live.store
-        if store is None:
-            return ()
-        try:
-            return self._counts.get(store)
-        except StoreError as exc:
-            log.error("cannot read remediation counts", error=str(exc))
-            return ()
+        return self._read(self._counts, "remediation counts")
+
+    def failing(self) -> tuple[RemediationFailing, ...]:
+        """The rules that cannot fix their fault now (the store's last outcomes and open circuits)."""
+        return self._read(self._failing, "failing remediations")
 
     def recent(self) -> tuple[RecentRemediation, ...]:
         """The newest decisions, for the status screen."""
+        return self._read(self._recent, "recent remediations")
+
+    def _read(self, cache: TableCache[Store, tuple[T, ...]], what: str) -> tuple[T, ...]:
+        """What the loop shows of the store; nothing while there is no store or it cannot be read."""
         store = self.live.store
         if store is None:
             return ()
         try:
-            return self._recent.get(store)
+            return cache.get(store)
         except StoreError as exc:
-            log.error("cannot read recent remediations", error=str(exc))
+            log.error("cannot read the store", what=what, error=str(exc))
             return ()
 
     def _evaluate(self, store: Store, snapshot: NodeSnapshot, keyed_events: list[Event], now: float) -> None:
@@ -193,13 +198,15 @@ class Remediator:
             **target_fields(decision),
         )
 
-    def _refresh_alerts(self, events: Sequence[Event], now: float) -> None:
-        """Queued for the alert delivery thread: nothing outbound runs on the loop."""
-        self.alert_delivery.resolve_cleared(list(events))
-        if due(now, self._last_alert_refresh_seconds, ALERT_REFRESH_SECONDS):
-            self._last_alert_refresh_seconds = now
-            if self.live.alerts.active():
-                self.alert_delivery.refresh()
+    def push_alerts(self, snapshot: NodeSnapshot) -> None:
+        """The catalogue's alerts the published snapshot holds, into the push book; the delivery thread
+        is told at once when one fired or resolved (nothing outbound runs on the loop). Evaluated only
+        while there is somewhere to push or something kept."""
+        config, alerts = self.live.config, self.live.alerts
+        urls = config.remediation.alertmanager_urls
+        found = found_alerts(snapshot, config) if alerts.wanted(urls) else []
+        if alerts.update(found, urls):
+            self.alert_delivery.poke()
 
     def _opened(self, store: Store) -> None:
         """The store is open: every part reads it from now on (the node memory loads), and what an

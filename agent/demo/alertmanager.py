@@ -29,11 +29,13 @@ def find_alertmanager() -> str | None:
 
 
 class DemoAlertmanager:
-    """`start()` runs it under `directory`; `alerts()` what it holds; `stop()` ends it."""
+    """`start()` runs it under `directory` with `config` (routes and receivers); `alerts()` what it
+    holds; `stop()` ends it."""
 
-    def __init__(self, program: str, directory: Path) -> None:
+    def __init__(self, program: str, directory: Path, config: str = CONFIG) -> None:
         self.program = program
         self.directory = directory
+        self.config = config
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -42,7 +44,7 @@ class DemoAlertmanager:
     def start(self) -> DemoAlertmanager:
         (self.directory / "data").mkdir(parents=True, exist_ok=True)
         config = self.directory / "alertmanager.yml"
-        config.write_text(CONFIG, encoding="utf-8")
+        config.write_text(self.config, encoding="utf-8")
         self._log = (self.directory / "alertmanager.log").open("wb")
         self.proc = subprocess.Popen(
             [

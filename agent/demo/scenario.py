@@ -365,7 +365,7 @@ def _play(demo: Demo) -> None:
     demo.wait("the latency regression", lambda s: bool(_latency_regressions(s, gpu=2)), 120)
     say("   " + _latency_regressions(demo.status(), gpu=2)[-1]["message"])
     say("   (rule service-latency-regression-alert alerts with that cause; never a restart)")
-    say("   " + _alert_arrival(demo, "service-latency-regression-alert"))
+    say("   " + _alert_arrival(demo, "service-latency-regression-alert", "InferenceLatencyAboveSlo"))
     demo.cli("inject", "temperature", "--gpu", "2", "--clear")
 
     say("\n== 5. an app-level Xid 13 on GPU 1 (NVML event and kernel log)")
@@ -420,9 +420,9 @@ def _play(demo: Demo) -> None:
     say(f"   agent log: {demo.log_path}")
 
 
-def _alert_arrival(demo: Demo, rule: str) -> str:
-    """The alert `rule` sent, as the demo's Alertmanager received it; without one, the action's
-    outcome (not configured: there is nowhere to send it)."""
+def _alert_arrival(demo: Demo, rule: str, alertname: str) -> str:
+    """The alert `rule` raised (`alertname`), as the demo's Alertmanager received it from the agent;
+    without one, the action's outcome (not configured: there is nowhere to send it)."""
     alertmanager = demo.alertmanager
     if alertmanager is None:
         demo.wait(
@@ -434,11 +434,11 @@ def _alert_arrival(demo: Demo, rule: str) -> str:
         return f"the alert: {decided['outcome'].replace('_', ' ')} ({decided['detail']})"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        arrived = [a for a in alertmanager.alerts() if (a.get("labels") or {}).get("rule") == rule]
+        arrived = [a for a in alertmanager.alerts() if (a.get("labels") or {}).get("alertname") == alertname]
         if arrived:
             labels, annotations = arrived[-1]["labels"], arrived[-1].get("annotations") or {}
-            summary = annotations.get("summary") or annotations.get("description") or ""
-            return f"Alertmanager received {labels.get('alertname')}: {summary}"
+            said = annotations.get("event") or annotations.get("summary") or ""
+            return f"Alertmanager received {alertname} ({labels.get('severity')}): {said}"
         time.sleep(0.25)
     raise RuntimeError(f"the {rule} alert never reached Alertmanager at {alertmanager.url}; see {demo.log_path}")
 

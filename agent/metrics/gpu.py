@@ -178,6 +178,16 @@ def xids(out: Families, snap: NodeSnapshot) -> None:
             xid.last_seen_seconds,
             family="xid",
         )
+        if xid.gpu is not None:
+            out.gauge(
+                "gpu_agent_xid_open",
+                "1 while the Xid holds the GPU's health: not fixed by the agent (a reset, the restart of the "
+                "service whose process faulted), not acknowledged (gpu-agent ack), within its health window.",
+                labels,
+                float((xid.gpu, xid.xid) in snap.open_xids),
+                family="xid",
+                notable=nonzero,
+            )
     # The catalog's classification, so alert rules can select on it without copying code lists.
     for code in sorted({xid.xid for xid in counted}):
         verdict = xid_catalog.verdict(code)

@@ -208,6 +208,17 @@ def services(out: Families, snap: NodeSnapshot) -> None:
             service.last_latency_seconds,
             family="services",
         )
+    breached = {(b.service, b.objective.removesuffix("_p95")) for b in snap.slo_breaches}
+    for name, objectives in sorted(snap.service_slo_seconds.items()):
+        for kind in sorted(objectives):
+            out.gauge(
+                "gpu_agent_service_latency_slo_breached",
+                "1 while the service's p95 over the agent's window is above its objective (services[].slo), "
+                "as gpu-agent status says; the likely cause is in its service_latency_regression event.",
+                {"service": name, "kind": kind},
+                float((name, kind) in breached),
+                family="services",
+            )
 
 
 def remediations(out: Families, snap: NodeSnapshot) -> None:
@@ -226,6 +237,15 @@ def remediations(out: Families, snap: NodeSnapshot) -> None:
                 counts.get((rule, action, outcome), 0),
                 family="remediation",
             )
+    for failing in snap.remediation_failing:
+        out.gauge(
+            "gpu_agent_remediation_failing",
+            "1 while a rule cannot fix its fault, by cause: failed or refused (its last attempt on a target), "
+            "exhausted (its attempts ran out); listed while it holds, until a later success or gpu-agent ack RULE.",
+            {"rule": failing.rule, "cause": failing.cause},
+            1,
+            family="remediation",
+        )
     for outcome in outcomes:
         out.counter(
             "gpu_agent_remediation_outcomes",

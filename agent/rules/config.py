@@ -25,13 +25,13 @@ A full example::
         actions:                          # the escalation ladder, one action per step:
           - restart_service: {service: sglang}   # service optional: the services on that GPU
           - reset_gpu: {}                 # attempt 2 within the window
-          - alertmanager: {severity: critical, labels: {team: inference}}   # attempt 3 and later
+          - alertmanager                  # attempt 3 and later: page now (the fault's alert, docs/alerts.md)
         cooldown_seconds: 300             # no new attempt on the same target sooner than this
         max_attempts: 3                   # per window and target; then the rule's circuit opens
         window_seconds: 3600
         dry_run: false                    # decide and record, but change nothing
         on_exhausted:                     # runs once, when the circuit opens
-          - alertmanager: {severity: critical}
+          - alertmanager                  # GpuAgentRemediationFailing for this rule
           - webhook: {url: "https://hooks.example/gpu", headers: {X-Token: abc}, timeout_seconds: 5}
           - run_hook: {argv: [/usr/local/bin/drain-node, --reason, gpu], timeout_seconds: 60}
 

@@ -61,7 +61,10 @@ class ServiceScraper:
     ) -> None:
         self.max_bytes = max_bytes
         self._services = {s.name: s for s in services if s.effective_metrics_url is not None}
-        self._windows = {name: LatencyWindow(name, window_seconds) for name in self._services}
+        self._windows = {
+            name: LatencyWindow(name, s.slo.window_seconds if s.slo and s.slo.window_seconds else window_seconds)
+            for name, s in self._services.items()
+        }
         self._books = {name: CounterBook() for name in self._services}  # the same pages as counters
         self._figures: dict[str, ServiceFigures] = {}
         # A detected kind is kept while its families are on the page (detection reads every line),

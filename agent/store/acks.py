@@ -109,8 +109,8 @@ def _selector(selector: AckSelector) -> tuple[str, tuple[Any, ...]]:
     """SQL condition (over rule, target_key, gpu, uuid, service columns) for an ack selector."""
     if selector.every:
         return "1 = 1", ()
-    if selector.xid is not None:
-        return "0 = 1", ()  # an Xid selector marks that Xid dealt with; it re-arms no rule
+    if selector.xid is not None or selector.reboot:
+        return "0 = 1", ()  # an Xid or the reboot recommendation dealt with re-arms no rule
     if selector.gpu_index is not None:
         return "(gpu = ? OR target_key = ?)", (selector.gpu_index, f"gpu-index:{selector.gpu_index}")
     if selector.gpu_uuid is not None:

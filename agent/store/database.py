@@ -60,12 +60,14 @@ from pathlib import Path
 from typing import Any
 
 from agent import trust
+from agent.defaults import REBOOT_FLAG_NAME
 from agent.events import Event, event_from_json, event_json
 from agent.host import safe_json
 from agent.logger import get_logger
 from agent.rules.model import ActionOutcome, Decision, Outcome
-from agent.state import RemediationCount
+from agent.state import RemediationCount, RemediationFailing
 from agent.store.acks import Acknowledgements, Circuit
+from agent.store.alerts import AlertTables
 from agent.store.attempt_clock import ClockReading
 from agent.store.boot import BootTables, InventoryGpu
 from agent.store.db import StoreError
@@ -95,6 +97,8 @@ __all__ = [
 DB_NAME = "gpu-agent.db"
 RETENTION_SECONDS = 30 * 24 * 3600.0
 EXHAUSTED_STEP = -1  # agent.rules.engine.EXHAUSTED_STEP (not imported: the store must not need the rules)
+#: The cause of a failing rule whose attempts ran out (its circuit is open).
+EXHAUSTED = "exhausted"
 COUNTED_OUTCOMES = frozenset(
     {Outcome.SUCCESS, Outcome.FAILED, Outcome.REFUSED, Outcome.DRY_RUN, Outcome.RUNNING, Outcome.INTERRUPTED}
 )
@@ -260,7 +264,7 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, default=_json_default, sort_keys=True)
 
 
-class Store(BootTables, Acknowledgements, TuneTables, TuneHistoryTables, HoldTables):
+class Store(BootTables, Acknowledgements, TuneTables, TuneHistoryTables, HoldTables, AlertTables):
     """See the module docstring. Build it with `Store.open(state_dir)`. Node memory is
     `agent.store.boot`, circuits and acknowledgements `agent.store.acks`, the shared connection
     `agent.store.db`."""
@@ -366,14 +370,27 @@ class Store(BootTables, Acknowledgements, TuneTables, TuneHistoryTables, HoldTab
 
     def acknowledge(self, selector: AckSelector, boot_id: str) -> AckResult:
         """`gpu-agent ack` on this store (the daemon's own, or the file when no daemon answers): the
-        selected Xids marked dealt with on this boot, rules re-armed, missing GPUs acknowledged gone."""
+        selected Xids marked dealt with on this boot, rules re-armed, missing GPUs acknowledged gone, the
+        reboot recommendation withdrawn (its flag beside the store removed)."""
         marks = selector.xid_marks()
         cleared = self.clear_xid_marks(boot_id, *marks) if marks is not None else []
         return AckResult(
             rearmed=self.ack(selector.text),
             gone=tuple(self.acknowledge_gone(selector.text)),
             cleared=tuple((mark.gpu, mark.xid) for mark in cleared),
+            reboot=selector.reboot and self._withdraw_reboot_recommendation(),
         )
+
+    def _withdraw_reboot_recommendation(self) -> bool:
+        """Remove `state_dir/reboot-recommended`; whether there was one."""
+        try:
+            (self.path.parent / REBOOT_FLAG_NAME).unlink()
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise StoreError(f"cannot remove {self.path.parent / REBOOT_FLAG_NAME}: {exc.strerror or exc}") from exc
+        log.info("reboot recommendation acknowledged")
+        return True
 
     # -- remediations -------------------------------------------------------------------------
 
@@ -438,6 +455,26 @@ class Store(BootTables, Acknowledgements, TuneTables, TuneHistoryTables, HoldTab
             for row in rows
         ]
         return stored[::-1]
+
+    def failing_rules(self) -> list[RemediationFailing]:
+        """Each rule that cannot fix its fault now, and why: the last finished attempt of the rule on
+        some target failed or was refused (a later success on that target clears it), or the rule's
+        attempts ran out there (its circuit is open). `gpu-agent ack` clears both."""
+        rows = self._query(
+            "SELECT DISTINCT r.rule, r.outcome FROM remediations AS r JOIN ("
+            " SELECT MAX(id) AS id FROM remediations WHERE counted = 1 AND acked = 0 AND outcome IN (?, ?, ?)"
+            " GROUP BY rule, target_key) AS last ON r.id = last.id WHERE r.outcome IN (?, ?)"
+            " UNION SELECT DISTINCT rule, ? FROM circuits ORDER BY 1, 2",
+            (
+                Outcome.SUCCESS.value,
+                Outcome.FAILED.value,
+                Outcome.REFUSED.value,
+                Outcome.FAILED.value,
+                Outcome.REFUSED.value,
+                EXHAUSTED,
+            ),
+        )
+        return [RemediationFailing(rule, cause) for rule, cause in rows]
 
     def remediation_counts(self) -> list[RemediationCount]:
         """Lifetime totals per (rule, action, outcome), for gpu_agent_remediations_total."""

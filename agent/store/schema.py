@@ -13,6 +13,7 @@ from pathlib import Path
 
 from agent.host import file_reads
 from agent.logger import get_logger
+from agent.store.alerts import ALERTS_MIGRATION
 from agent.store.holds import HOLDS_MIGRATION
 from agent.store.tunes import TUNES_MIGRATION
 
@@ -157,6 +158,7 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
     ("ALTER TABLE clock_event_totals ADD COLUMN active_since_boottime REAL",),
     TUNES_MIGRATION,  # the advisor's journal and per-limit history (agent.store.tunes)
     HOLDS_MIGRATION,  # GPU settings a job holds, with the originals to put back (agent.store.holds)
+    ALERTS_MIGRATION,  # the alerts the agent pushes to Alertmanager (agent.store.alerts)
 )
 
 

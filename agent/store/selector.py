@@ -5,7 +5,8 @@ it with an error, and the store builds its conditions from the parsed form only,
 is out of SQLite's range.
 
 Selectors: `all`; a rule name; `gpu:INDEX`, `gpu:UUID` or a bare `GPU-...` UUID; `xid:CODE@GPU` (GPU:
-an index or a UUID); `service:NAME`. An index is ASCII digits (`gpu:²` names no index: it is read as a
+an index or a UUID); `service:NAME`; `reboot` (the reboot recommendation: dealt with, or not to be
+followed; `all` includes it). An index is ASCII digits (`gpu:²` names no index: it is read as a
 UUID and matches nothing), within NVML's device index (an unsigned int); a code within the codes the
 agent reads from the kernel log."""
 
@@ -17,6 +18,7 @@ from typing import Any
 from agent.backend.base import MAX_XID
 
 ALL = "all"
+REBOOT = "reboot"
 #: NVML names a device by an unsigned int.
 MAX_GPU_INDEX = 2**32 - 1
 
@@ -30,6 +32,7 @@ class AckSelector:
     xid: int | None = None  # `xid:CODE@GPU`: that Xid on that GPU only
     service: str | None = None
     rule: str | None = None
+    reboot: bool = False  # `reboot`, or `all`: the reboot recommendation
 
     @property
     def names_gpu(self) -> bool:
@@ -58,7 +61,9 @@ def _index(text: str, what: str, selector: str) -> int | None:
 def parse_ack_selector(text: str) -> AckSelector:
     """The selector `text` names; ValueError (its message for the operator) when a number in it is out of range."""
     if text == ALL:
-        return AckSelector(text, every=True)
+        return AckSelector(text, every=True, reboot=True)
+    if text == REBOOT:
+        return AckSelector(text, reboot=True)
     if text.startswith("GPU-"):
         return AckSelector(text, gpu_uuid=text)
     kind, sep, value = text.partition(":")
@@ -79,11 +84,13 @@ def parse_ack_selector(text: str) -> AckSelector:
 @dataclass(frozen=True)
 class AckResult:
     """What one `gpu-agent ack` did: rule/target pairs re-armed, missing GPUs acknowledged gone (their
-    UUIDs) and Xid marks taken out of the health window ((GPU, Xid) pairs). As JSON: `asdict`."""
+    UUIDs), Xid marks taken out of the health window ((GPU, Xid) pairs) and whether a reboot
+    recommendation was withdrawn. As JSON: `asdict`."""
 
     rearmed: int
     gone: tuple[str, ...]
     cleared: tuple[tuple[int, int], ...]
+    reboot: bool = False
 
     @classmethod
     def from_json(cls, document: Any) -> AckResult:
@@ -93,6 +100,7 @@ class AckResult:
                 rearmed=int(document["rearmed"]),
                 gone=tuple(str(uuid) for uuid in document["gone"]),
                 cleared=tuple((int(gpu), int(xid)) for gpu, xid in document["cleared"]),
+                reboot=document.get("reboot") is True,  # a daemon from before `ack reboot` leaves it out
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not an ack result: {exc}") from None

@@ -177,6 +177,11 @@ def _catalog_row(xid: int) -> tuple[str, str, Severity, SuggestedAction]:
     return verdict.name, verdict.resolution, Severity(verdict.severity), verdict.action
 
 
+def _app_level(xid: int) -> bool:
+    """The code is its process's own fault (catalog action restart_service)."""
+    return _catalog_row(xid)[3] is SuggestedAction.RESTART_SERVICE
+
+
 def recovery_suggested_action(recovery_action: str) -> SuggestedAction:
     """Xid 154's recovery action text ("GPU Reset Required", ...) -> SuggestedAction; unknown text -> ALERT."""
     mapped = xid_catalog.action_for_recovery(recovery_action)
@@ -377,7 +382,7 @@ class XidWatcher:
         where = sighting.gpu if sighting.gpu is not None else sighting.pci_bus_id
         key: tuple[int | str | None, int, int | None]
         unnamed: tuple[int | str | None, int, int | None] = (where, sighting.xid, None)
-        if _catalog_row(sighting.xid)[3] is not SuggestedAction.RESTART_SERVICE:
+        if not _app_level(sighting.xid):
             return unnamed, self._faults.get(unnamed)
         if sighting.pid is None:
             open_faults = [k for k in self._faults if k[:2] == unnamed[:2]]
@@ -509,6 +514,18 @@ class XidWatcher:
                 return Health.healthy()
             return Health(_ACTION_HEALTH[worst.action], worst.reason, worst.action, (FaultCause.XID,))
 
+    def open_marks(self) -> frozenset[tuple[int, int]]:
+        """(GPU, Xid) of each Xid that holds its GPU's health now: within the health window, not fixed
+        (`clear`, `restarted`), not acknowledged (`forget`), and not informational."""
+        with self._lock:
+            tick = self._window_clock()
+            return frozenset(
+                key
+                for key, mark in self._marks.items()
+                if mark.action is not SuggestedAction.NONE
+                and _within(tick - mark.seen_seconds, self._health_window_seconds)
+            )
+
     def marks(self) -> list[XidMark]:
         """The health window: what each (GPU, Xid) seen within it says, for the store."""
         with self._lock:
@@ -548,6 +565,19 @@ class XidWatcher:
         with self._lock:
             for key in marks:
                 self._marks.pop(key, None)
+
+    def restarted(self, gpus: frozenset[int] | None) -> None:
+        """The services on these GPUs (None: on every GPU) were restarted and answer again: the
+        app-level Xids (catalog action restart_service) they took were their processes' faults, dealt
+        with by the restart, and leave the health window; their open faults close (a late report of
+        one is that fault, a repeat is a new one). The counters stay."""
+        with self._lock:
+            for key in [key for key in self._marks if _app_level(key[1]) and (gpus is None or key[0] in gpus)]:
+                del self._marks[key]
+            for fault_key, fault in self._faults.items():
+                where, xid, _ = fault_key
+                if _app_level(xid) and isinstance(where, int) and (gpus is None or where in gpus):
+                    fault.closed = True
 
     def clear(self, gpu: int) -> None:
         """Forget a GPU's Xid health and close its open faults (after a successful reset); counters stay.

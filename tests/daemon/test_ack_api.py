@@ -56,6 +56,6 @@ def test_an_ack_rearms_in_the_store_and_takes_the_xids_out_of_the_window(tmp_pat
         store.replace_xid_marks(BOOT, [XidMark(1, 48, "reset_gpu", "Xid 48", 1.0), XidMark(2, 13, "alert", "x", 1.0)])
         store.open_circuit("xid-reset-gpu", Target(gpu=1, uuid="GPU-1"), "attempts ran out")
         answer = ack_handlers(daemon_live(store, forgotten.append))["ack"]({"selector": "gpu:1"})
-        assert answer == {"rearmed": 1, "gone": (), "cleared": ((1, 48),)}
+        assert answer == {"rearmed": 1, "gone": (), "cleared": ((1, 48),), "reboot": False}
         assert store.circuits() == [] and [(m.gpu, m.xid) for m in store.xid_marks(BOOT)] == [(2, 13)]
     assert forgotten == [{(1, 48)}]

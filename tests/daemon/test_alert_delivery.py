@@ -1,6 +1,6 @@
 """Alertmanager traffic never delays the loop or systemd's watchdog: a real agent process with six
-active alerts, an Alertmanager that accepts connections and never answers (tests/slow_endpoint.py),
-six clearing events to resolve and refreshes due every half second. WATCHDOG=1 must keep coming."""
+firing alerts kept from an earlier run (its store), pushing to an Alertmanager that accepts
+connections and never answers (tests/slow_endpoint.py). WATCHDOG=1 must keep coming."""
 
 from __future__ import annotations
 
@@ -16,39 +16,10 @@ from pathlib import Path
 from daemon_harness import Notifications, write_agent_config
 from helpers import wait_until
 
+from agent.alerts.book import PushBook, alert_key
 from agent.daemon.alert_delivery import AlertDelivery
-from agent.events import Event, EventKind, Severity
-from agent.rules.actions.alertmanager import AlertTracker
-
-# The agent as `gpu-agent run`, with six alerts already fired (the endpoint answered those) and six
-# clearing events queued once it serves, and refreshes due every 0.5 s instead of every minute.
-AGENT_WITH_ALERTS = """\
-import sys
-
-from agent import cli
-from agent.daemon import core, remediator
-from agent.events import Event, EventKind, Severity
-from agent.rules.actions.alertmanager import Alert
-
-remediator.ALERT_REFRESH_SECONDS = 0.5
-url = sys.argv[2]
-start_services = core.Daemon.start_services
-
-
-def with_alerts(self):
-    start_services(self)
-    for n in range(6):
-        labels = {"alertname": "GpuAgentServiceUnhealthy", "event": "service_unhealthy", "service": f"svc{n}"}
-        self.live.alerts.fire(url, Alert(labels, {}, 0.0))
-    self.live.intake.put([
-        Event(EventKind.SERVICE_HEALTHY, Severity.INFO, None, None, "healthy", 0.0, "probe", f"ok{n}", {"service": f"svc{n}"})
-        for n in range(6)
-    ])
-
-
-core.Daemon.start_services = with_alerts
-sys.exit(cli.main(["run", "--log-format", "json", "--config", sys.argv[1]]))
-"""
+from agent.store.alerts import AlertRow
+from agent.store.database import Store
 
 
 class Endpoint:
@@ -77,9 +48,18 @@ class Endpoint:
         self.process.wait()
 
 
+def firing(service: str) -> AlertRow:
+    labels = {"alertname": "InferenceServiceDown", "severity": "critical", "service": service}
+    return AlertRow(alert_key(labels), labels, {}, "", None, 1.0, None, False, {}, ())
+
+
 def test_a_silent_alertmanager_does_not_stop_the_watchdog_pings(tmp_path: Path) -> None:
-    endpoint = Endpoint(answer=6)
-    config, _ = write_agent_config(tmp_path, mode="observe", policy="  gpus: []\n", interval=0.2)
+    endpoint = Endpoint(answer=0)
+    config, _ = write_agent_config(
+        tmp_path, mode="observe", policy="  gpus: []\n", interval=0.2, alertmanager_url=endpoint.url
+    )
+    with Store.open(tmp_path / "state") as store:  # what an earlier run left firing
+        store.save_pushed_alerts([firing(f"svc{n}") for n in range(6)], ())
     notify = tmp_path / "notify.sock"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(str(notify))
@@ -90,15 +70,15 @@ def test_a_silent_alertmanager_does_not_stop_the_watchdog_pings(tmp_path: Path) 
     try:
         with open(log_path, "w") as log:
             process = subprocess.Popen(
-                [sys.executable, "-c", AGENT_WITH_ALERTS, str(config), endpoint.url],
+                [sys.executable, "-m", "agent.cli", "run", "--log-format", "json", "--config", str(config)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
             )
         try:
             notifications.wait_for("READY", "1")
-            # the six fires were answered; the resolves and refreshes now hang on the silent endpoint
-            wait_until(lambda: endpoint.requests() >= 7, 10, "a resolve sent to the silent Alertmanager")
+            # the six alerts go out in one request, which hangs on the silent endpoint (and its retries)
+            wait_until(lambda: endpoint.requests() >= 1, 10, "the alerts sent to the silent Alertmanager")
             began = time.monotonic()
             notifications.poll(8.0)
             pings = [t for t in notifications.times("WATCHDOG") if t >= began]
@@ -117,20 +97,11 @@ def test_a_silent_alertmanager_does_not_stop_the_watchdog_pings(tmp_path: Path) 
         endpoint.close()
 
 
-def test_the_delivery_queue_is_bounded_and_refreshes_coalesce() -> None:
-    """A stuck delivery thread: clearing events beyond the bound are dropped, oldest first, and any
-    number of refresh requests is one refresh."""
-    tracker = AlertTracker()
-    delivery = AlertDelivery(tracker, max_pending=3)
-    events = [
-        Event(EventKind.SERVICE_HEALTHY, Severity.INFO, None, None, "ok", 0.0, "probe", f"k{n}", {"service": f"s{n}"})
-        for n in range(5)
-    ]
-    delivery.resolve_cleared(events)
-    delivery.resolve_cleared([Event(EventKind.XID, Severity.INFO, 0, None, "x", 0.0, "nvml", "x", {})])  # not clearing
+def test_pokes_coalesce_into_one_round() -> None:
+    """However many alerts fired since the last round, the thread makes one round for them."""
+    delivery = AlertDelivery(PushBook())
     for _ in range(10):
-        delivery.refresh()
-    work = delivery._next()  # what the thread would take now
-    assert work is not None
-    clearing, refresh = work
-    assert [e.key for e in clearing] == ["k2", "k3", "k4"] and refresh is True
+        delivery.poke()
+    assert delivery._wait() is True  # one round now
+    delivery.stop()
+    assert delivery._wait() is False

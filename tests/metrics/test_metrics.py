@@ -177,6 +177,7 @@ def test_gpu_state_health_stale_and_lost(full: Samples) -> None:
         "gpu_agent_gpu_read_error",
         "gpu_agent_xid_errors_total",
         "gpu_agent_xid_last_seen_timestamp_seconds",
+        "gpu_agent_xid_open",
         "gpu_agent_gpu_xid_last_code",
         "gpu_agent_policy_in_sync",
         "gpu_agent_policy_status",

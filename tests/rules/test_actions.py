@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from pydantic import ValidationError
 from race import attempts, swapping
 from slow_endpoint import SlowEndpoint
 
+from agent.alerts.book import Found
 from agent.backend.base import RecoveryAction
 from agent.backend.errors import GpuErrorKind
 from agent.backend.sim import SimulatedBackend
@@ -36,7 +37,6 @@ from agent.demo.standin import running
 from agent.demo.standin_process import free_port
 from agent.events import Event, EventKind, Severity, SuggestedAction, event_json
 from agent.policy.base import HostContext
-from agent.rules.actions.alertmanager import AlertTracker
 from agent.rules.actions.base import ActionError
 from agent.rules.actions.context import ActionContext
 from agent.rules.actions.dispatch import execute
@@ -825,38 +825,71 @@ def test_webhook_to_a_dripping_server_is_cut_at_its_total_deadline(tmp_path: Pat
         assert server.wait_for("gone 1", timeout_seconds=5)  # the agent hung up
 
 
-def test_alertmanager_that_never_answers_costs_one_deadline(tmp_path: Path) -> None:
-    """An Alertmanager that accepts and never answers: the action fails at the tracker's deadline,
-    and re-sending six active alerts is one request, so one deadline, not six."""
-    with SlowEndpoint("silent", "--answer", "6") as alertmanager:
-        node = make_node(tmp_path, remediation=RemediationConfig(alertmanager_url=alertmanager.url()))
-        node.ctx.alerts = AlertTracker(timeout_seconds=2.0)
-        for gpu in range(6):
-            ev = event(gpu=gpu, uuid=f"GPU-{gpu}", data={"xid": 48})
-            fired = execute(decision(ActionKind.ALERTMANAGER, ev=ev, target=Target(gpu=gpu)), node.ctx)
-            assert fired.outcome is Outcome.SUCCESS, fired.detail
-        assert len(node.ctx.alerts.active()) == 6
-        errors, took = timed(node.ctx.alerts.refresh)
-        assert 2 <= took < 2 + DEADLINE_MARGIN_SECONDS, took
-        assert errors == [f"POST {alertmanager.url()}/…: timed out: no complete answer within 2 s"]
-        assert alertmanager.wait_for("gone 7", timeout_seconds=5)
-        outcome, took = timed(lambda: execute(decision(ActionKind.ALERTMANAGER), node.ctx))
-        assert 2 <= took < 2 + DEADLINE_MARGIN_SECONDS, took
-        assert outcome.outcome is Outcome.FAILED and outcome.detail.endswith("timed out: no complete answer within 2 s")
+def found(name: str, for_seconds: float = 600.0, **labels: str) -> Found:
+    """What the agent's verdict holds: the catalogue's alert `name` with these labels."""
+    return Found(name, {"alertname": name, **labels}, {"summary": f"{name} from the catalogue"}, for_seconds)
 
 
-def test_refresh_resends_every_alert_in_one_request(tmp_path: Path) -> None:
-    with Receiver() as alertmanager:
-        node = make_node(tmp_path, remediation=RemediationConfig(alertmanager_url=alertmanager.url("")))
-        for gpu in range(3):
-            ev = event(gpu=gpu, uuid=f"GPU-{gpu}", data={"xid": 48})
-            assert execute(decision(ActionKind.ALERTMANAGER, ev=ev, target=Target(gpu=gpu)), node.ctx).outcome is (
-                Outcome.SUCCESS
-            )
-        assert node.ctx.alerts.refresh() == []
-    assert len(alertmanager.requests) == 4
-    resent = json.loads(alertmanager.requests[-1].body)
-    assert sorted(alert["labels"]["gpu"] for alert in resent) == ["0", "1", "2"]
+def test_an_alertmanager_step_raises_the_catalogues_alert_of_its_fault_at_once(tmp_path: Path) -> None:
+    """The step names no alert of its own: it raises the catalogue's alert of the decision's fault (an
+    Xid 48 on GPU 0: GpuXidCritical, with those labels), which then fires as soon as the verdict holds
+    it, without its `for`, and carries the event's text; the same alert on another GPU waits."""
+    node = make_node(tmp_path, remediation=RemediationConfig(alertmanager_url="http://127.0.0.1:9"))
+    params = {"summary": "paged by the rule", "annotations": {"team": "inference"}}
+    outcome = execute(decision(ActionKind.ALERTMANAGER, params), node.ctx)
+    assert (outcome.outcome, outcome.detail) == (
+        Outcome.SUCCESS,
+        f"alert GpuXidCritical or GpuXidError (gpu=0, uuid={UUID0}, xid=48) raised: pushed while the verdict holds it",
+    )
+    book = node.ctx.alerts
+    ours = found("GpuXidCritical", gpu="0", uuid=UUID0, xid="48", action="reset_gpu")
+    other = found("GpuXidCritical", gpu="1", uuid="GPU-1", xid="48", action="reset_gpu")
+    assert book.update([ours, other], ("http://127.0.0.1:9",)) is True
+    firing = {row.labels["gpu"]: row for row in book.active()}
+    assert firing["0"].starts_at is not None and firing["1"].starts_at is None  # raised at once; the other waits
+    assert firing["0"].annotations == {
+        "summary": "paged by the rule",
+        "team": "inference",
+        "event": "xid on GPU 0",
+    }
+
+
+def test_an_on_exhausted_step_raises_the_rules_remediation_failing(tmp_path: Path) -> None:
+    node = make_node(tmp_path, remediation=RemediationConfig(alertmanager_url=["http://127.0.0.1:9"]))
+    exhausted = replace(decision(ActionKind.ALERTMANAGER), step=-1)
+    outcome = execute(exhausted, node.ctx)
+    assert outcome.detail == (
+        "alert GpuAgentRemediationFailing (rule=xid-reset) raised: pushed while the verdict holds it"
+    )
+    failing = found("GpuAgentRemediationFailing", rule="xid-reset", cause="exhausted")
+    assert node.ctx.alerts.update([failing], node.config.remediation.alertmanager_urls)
+    (row,) = node.ctx.alerts.active()
+    assert row.starts_at is not None
+
+
+def test_an_alertmanager_step_with_nowhere_to_go_is_not_configured(tmp_path: Path) -> None:
+    """No Alertmanager set is no failure of the alert (GpuAgentRemediationFailing must not page for
+    every fault of a node without one), and neither is an event no alert of the catalogue is about."""
+    outcome = execute(decision(ActionKind.ALERTMANAGER), make_node(tmp_path).ctx)
+    assert (outcome.outcome, outcome.detail) == (
+        Outcome.NOT_CONFIGURED,
+        "no Alertmanager configured: set remediation.alertmanager_url or the step's url",
+    )
+    node = make_node(tmp_path, remediation=RemediationConfig(alertmanager_url="http://127.0.0.1:9"))
+    corrected = event(EventKind.ECC_CORRECTED, data={"new_errors": 1})
+    outcome = execute(decision(ActionKind.ALERTMANAGER, ev=corrected), node.ctx)
+    assert (outcome.outcome, outcome.detail) == (
+        Outcome.NOT_CONFIGURED,
+        "no alert in the catalogue for a ecc_corrected event (docs/alerts.md)",
+    )
+    assert execute(
+        decision(ActionKind.ALERTMANAGER, {"url": "http://127.0.0.1:9"}), make_node(tmp_path).ctx
+    ).outcome is (Outcome.SUCCESS)
+
+
+def test_an_alertmanager_step_may_not_name_its_own_alert() -> None:
+    with pytest.raises(ValidationError, match="an alert's name, severity and labels are the catalogue's"):
+        spec(ActionKind.ALERTMANAGER, {"severity": "critical", "labels": {"team": "x"}})
 
 
 def test_redacted_url_keeps_only_where_it_goes() -> None:
@@ -867,26 +900,24 @@ def test_redacted_url_keeps_only_where_it_goes() -> None:
 # -- recommend_reboot and reboot -------------------------------------------------------------------
 
 
-def test_recommend_reboot_writes_the_flag_and_alerts(tmp_path: Path) -> None:
+def test_recommend_reboot_writes_the_flag_and_raises_its_alert(tmp_path: Path) -> None:
     boot_id = tmp_path / "host/proc/sys/kernel/random/boot_id"
-    with Receiver() as alertmanager:
-        node = make_node(tmp_path, remediation=RemediationConfig(alertmanager_url=alertmanager.url("")))
-        boot_id.parent.mkdir(parents=True)
-        boot_id.write_text("7c1e9a4e-0000-4000-8000-000000000001\n")
-        outcome = execute(decision(ActionKind.RECOMMEND_REBOOT, ev=event(data={"xid": 79})), node.ctx)
+    node = make_node(tmp_path, remediation=RemediationConfig(alertmanager_url="http://127.0.0.1:9"))
+    boot_id.parent.mkdir(parents=True)
+    boot_id.write_text("7c1e9a4e-0000-4000-8000-000000000001\n")
+    outcome = execute(decision(ActionKind.RECOMMEND_REBOOT, ev=event(data={"xid": 79})), node.ctx)
     flag_path = Path(node.config.state_dir) / "reboot-recommended"
     assert outcome.outcome is Outcome.SUCCESS, outcome.detail
-    assert outcome.detail == f"reboot recommended: wrote {flag_path}; alert GpuAgentRebootRecommended sent"
+    assert outcome.detail == (
+        f"reboot recommended: wrote {flag_path}; alert GpuRebootRecommended raised: pushed while the verdict holds it"
+    )
     flag = json.loads(flag_path.read_text())
     assert flag["reason"] == "xid on GPU 0"
     assert (flag["rule"], flag["gpu"], flag["uuid"], flag["xid"]) == ("xid-reset", 0, UUID0, 79)
     assert flag["boot_id"] == "7c1e9a4e-0000-4000-8000-000000000001"
     assert flag["time"].endswith("Z")
-    (request,) = alertmanager.requests
-    assert request.path == "/api/v2/alerts"
-    (alert,) = json.loads(request.body)
-    assert alert["labels"]["alertname"] == "GpuAgentRebootRecommended"
-    assert alert["labels"]["xid"] == "79"
+    # the verdict reads the flag on the next loop: the alert fires then, not after its `for`
+    assert node.ctx.alerts.update([found("GpuRebootRecommended", cause="xid")], ("http://127.0.0.1:9",))
 
 
 def test_recommend_reboot_without_alertmanager_only_writes_the_flag(tmp_path: Path) -> None:

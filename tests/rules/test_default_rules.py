@@ -19,7 +19,7 @@ from snapshots import gpu_uuid, h200_snapshot
 
 from agent.config import ConfigError
 from agent.events import Event, EventKind, SuggestedAction
-from agent.rules.actions.kinds.alertmanager import AlertmanagerParams, alert_for
+from agent.rules.actions.alertmanager import alerts_of
 from agent.rules.config import Rule, load_rules
 from agent.rules.engine import EXHAUSTED_STEP, evaluate
 from agent.rules.model import ActionOutcome, Decision, Outcome, Target
@@ -78,6 +78,10 @@ def node(tmp_path: Path) -> Any:
     built = Node(tmp_path)
     yield built
     built.store.close()
+
+
+def gpu_match(gpu: int | None) -> dict[str, str]:
+    return {} if gpu is None else {"gpu": str(gpu), "uuid": gpu_uuid(gpu)}
 
 
 def actions(decisions: Sequence[Decision]) -> list[tuple[str, str]]:
@@ -211,11 +215,9 @@ def test_a_latency_regression_alerts_with_its_cause_and_never_restarts(
     assert actions(decisions) == [("service-latency-regression-alert", "alertmanager")]
     assert decisions[0].target.gpu == target_gpu
     assert decisions[0].action is not None
-    params = decisions[0].action.options
-    assert isinstance(params, AlertmanagerParams)
-    alert = alert_for(decisions[0], "node-1", params)
-    assert alert.annotations["summary"] == f"service sglang: e2e p95 2.10 s > 1.5 s; likely cause: {finding.summary}"
-    assert (alert.labels["service"], alert.labels["severity"]) == ("sglang", "warning")
+    # the step raises the service's InferenceLatencyAboveSlo, whose `event` text carries the cause
+    assert alerts_of(decisions[0]) == (["InferenceLatencyAboveSlo"], {"service": "sglang"} | gpu_match(target_gpu))
+    assert decisions[0].event.message == f"service sglang: e2e p95 2.10 s > 1.5 s; likely cause: {finding.summary}"
     # Still breached later: never a restart, whatever the ladder reaches.
     later = [latency_regression(finding, T0 + k * 1000) for k in range(1, 12)]
     assert {a for _, a in actions([d for e in later for d in node.run(e.timestamp_seconds, [e])])} <= {"alertmanager"}
@@ -309,7 +311,8 @@ def test_app_xids_restart_three_times_an_hour_then_alert(node: Node) -> None:
     assert actions(decisions) == [("xid-restart-service", "restart_service")] * 3 + [
         ("xid-restart-service", "alertmanager")
     ]
-    assert decisions[3].step == EXHAUSTED_STEP and decisions[3].action.params["severity"] == "critical"
+    assert decisions[3].step == EXHAUSTED_STEP  # GpuAgentRemediationFailing for the rule, raised at once
+    assert alerts_of(decisions[3]) == (["GpuAgentRemediationFailing"], {"rule": "xid-restart-service"})
     assert all(d.action is None for d in decisions[4:])
     assert node.store.ack("service:sglang") == 1
     assert actions(node.run(T0 + 5000, [xid(13, at=T0 + 5000)])) == [("xid-restart-service", "restart_service")]
@@ -419,8 +422,8 @@ rules:
             ":5 rules[0].actions[0].webhook.url: must be an http:// or https:// URL",
         ),
         (
-            "rules:\n  - name: a\n    match: {gpu_lost: {}}\n    actions: [alertmanager: {labels: {bad-name: x}}]\n",
-            ":4 rules[0].actions[0].alertmanager.labels: not a Prometheus label name: bad-name",
+            "rules:\n  - name: a\n    match: {gpu_lost: {}}\n    actions: [alertmanager: {annotations: {bad-name: x}}]\n",
+            ":4 rules[0].actions[0].alertmanager.annotations: not a Prometheus label name: bad-name",
         ),
         (
             "rules:\n  - name: a\n    match: {gpu_lost: {}}\n    actions: []\n",

@@ -274,7 +274,7 @@ def test_service_down_escalates_while_it_stays_down(loop_factory: Any) -> None:
         actions=["restart_service"],
         cooldown_seconds=300,
         max_attempts=3,
-        on_exhausted=[{"alertmanager": {"severity": "critical"}}],
+        on_exhausted=[{"alertmanager": {"summary": "page the on-call"}}],
     )
     loop = loop_factory([rule])
     seen: list[tuple[float, str | None, int]] = []
@@ -298,7 +298,7 @@ def test_service_down_escalates_while_it_stays_down(loop_factory: Any) -> None:
 def test_escalation_follows_the_ladder_and_repeats_the_last_step(loop_factory: Any) -> None:
     rule = make_rule(
         match={"xid": {"codes": [48]}},
-        actions=["reset_gpu", "recommend_reboot", {"alertmanager": {"severity": "critical"}}],
+        actions=["reset_gpu", "recommend_reboot", {"alertmanager": {"summary": "page the on-call"}}],
         cooldown_seconds=0,
         max_attempts=5,
     )
@@ -314,7 +314,7 @@ def test_escalation_follows_the_ladder_and_repeats_the_last_step(loop_factory: A
         (4, 2, "alertmanager"),
         (5, 2, "alertmanager"),
     ]
-    assert loop.store.remediations()[2].params["severity"] == "critical"
+    assert loop.store.remediations()[2].params["summary"] == "page the on-call"
 
 
 def test_cooldown_suppresses_with_time_left(loop_factory: Any) -> None:
@@ -344,7 +344,7 @@ def test_ten_faults_give_three_actions_then_one_circuit(loop_factory: Any, resta
         cooldown_seconds=60,
         max_attempts=3,
         window_seconds=HOUR,
-        on_exhausted=[{"alertmanager": {"severity": "critical"}}],
+        on_exhausted=[{"alertmanager": {"summary": "page the on-call"}}],
     )
     loop = loop_factory([rule])
     decisions: list[Decision] = []

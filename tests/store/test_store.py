@@ -16,11 +16,12 @@ from helpers import make_event
 
 from agent.events import Event, EventKind, Severity, SuggestedAction
 from agent.rules.model import ActionOutcome, Decision, Outcome, Target
-from agent.state import RemediationCount
+from agent.state import RemediationCount, RemediationFailing
 from agent.store import schema as schema_module
 from agent.store.database import DB_NAME, RETENTION_SECONDS, Store, StoreError
 from agent.store.db import TableCache
 from agent.store.schema import MIGRATIONS
+from agent.store.selector import parse_ack_selector
 
 T0 = 1_780_000_000.0
 DAY = 86400.0
@@ -384,6 +385,41 @@ def test_ack_all(store: Store) -> None:
     store.record_outcome(outcome(rule="b", step=-1, action=None, outcome=Outcome.SUPPRESSED))
     assert store.ack("all") == 2
     assert store.circuits() == [] and store.ack("all") == 0
+
+
+def test_ack_reboot_withdraws_the_recommendation_and_all_does_too(store: Store, tmp_path: Path) -> None:
+    flag = tmp_path / "reboot-recommended"
+    store.record_outcome(outcome(rule="reboot"))  # a rule named like the selector is not re-armed by it
+    assert store.acknowledge(parse_ack_selector("reboot"), "boot").reboot is False  # none to withdraw
+    flag.write_text('{"reason": "Xid 79"}')
+    result = store.acknowledge(parse_ack_selector("reboot"), "boot")
+    assert (result.reboot, result.rearmed) == (True, 0)
+    assert not flag.exists()
+    flag.write_text('{"reason": "Xid 79"}')
+    assert store.acknowledge(parse_ack_selector("all"), "boot").reboot is True
+    assert not flag.exists()
+
+
+# -- rules that cannot fix their fault ---------------------------------------------------------------
+
+
+def test_a_rule_is_failing_from_its_last_failure_until_a_success_or_an_ack(store: Store) -> None:
+    """What GpuAgentRemediationFailing fires on: the last finished attempt per target (dry runs,
+    interruptions and on_exhausted steps do not count), and a rule whose circuit is open."""
+    assert store.failing_rules() == []
+    store.record_outcome(outcome(Outcome.FAILED, at=T0, rule="reset"))
+    store.record_outcome(outcome(Outcome.REFUSED, at=T0, rule="restart", target=Target(service="sglang")))
+    store.record_outcome(outcome(Outcome.DRY_RUN, at=T0, rule="observed"))
+    assert store.failing_rules() == [RemediationFailing("reset", "failed"), RemediationFailing("restart", "refused")]
+    store.record_outcome(outcome(Outcome.SUCCESS, at=T0 + 60, rule="reset"))  # the next attempt helped
+    store.record_outcome(outcome(Outcome.INTERRUPTED, at=T0 + 60, rule="restart", target=Target(service="sglang")))
+    assert store.failing_rules() == [RemediationFailing("restart", "refused")]
+    # the attempts ran out: the circuit is open until an ack, whatever the last outcome was
+    store.record_outcome(outcome(Outcome.SUPPRESSED, at=T0 + 120, rule="reset", step=-1, action=None))
+    assert store.failing_rules() == [RemediationFailing("reset", "exhausted"), RemediationFailing("restart", "refused")]
+    store.ack("reset")
+    store.ack("service:sglang")
+    assert store.failing_rules() == []
 
 
 # -- threads and processes --------------------------------------------------------------------------

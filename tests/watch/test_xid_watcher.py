@@ -535,6 +535,33 @@ def test_clear_forgets_health_and_open_faults_but_not_counts() -> None:
     assert [(c.gpu, c.xid, c.count) for c in watcher.counts()] == [(0, 48, 2), (1, 13, 1)]
 
 
+def test_a_restart_of_the_services_clears_their_gpus_app_level_xids_only() -> None:
+    """The restart of a service whose process faulted deals with its app-level Xids (13, 31, 43, 45):
+    they leave the health window of its GPUs, and what is open (`open_marks`, gpu_agent_xid_open) is
+    what the restart did not deal with: a reset-class Xid, another GPU's app Xid. The counts stay."""
+    watcher, clock = make_watcher()
+    for gpu, code in ((0, 13), (0, 45), (0, 48), (1, 13), (1, 63)):
+        watcher.ingest_nvml(nvml(gpu, code))
+    assert watcher.open_marks() == {(0, 13), (0, 45), (0, 48), (1, 13)}  # 63 is informational: never open
+    watcher.restarted(frozenset({0}))
+    assert watcher.open_marks() == {(0, 48), (1, 13)}
+    assert watcher.health(0).suggested_action is SuggestedAction.RESET_GPU
+    clock.advance(0.5)
+    late = "NVRM: Xid (PCI:0000:18:00): 13, pid=4242, name=python3, Graphics Exception"
+    assert watcher.ingest_kernel(kernel(late)) == []  # the fault the restart dealt with, its line late
+    assert (0, 13) not in watcher.open_marks()
+    watcher.restarted(None)  # a service on every GPU
+    assert watcher.open_marks() == {(0, 48)}
+    assert watcher.health(1).state is HealthState.HEALTHY
+    assert [(c.gpu, c.xid, c.count) for c in watcher.counts()] == [
+        (0, 13, 1),
+        (0, 45, 1),
+        (0, 48, 1),
+        (1, 13, 1),
+        (1, 63, 1),
+    ]
+
+
 def test_the_second_report_of_a_fault_a_reset_dealt_with_is_not_a_new_fault() -> None:
     """The reset for an Xid NVML reported can end before the kernel-log line of that same Xid is read:
     the line folds into the fault the reset dealt with (no event, no count, no health mark)."""

@@ -8,11 +8,11 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from agent.alerts.book import PushBook
 from agent.backend.base import GpuBackend
 from agent.config import AgentConfig
 from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
-from agent.rules.actions.alertmanager import AlertTracker
 from agent.services.health import HealthProber
 from agent.services.managers import ServiceManager
 
@@ -28,7 +28,7 @@ class ActionContext:
     host: HostContext
     managers: Mapping[str, ServiceManager]
     prober: HealthProber | None = None
-    alerts: AlertTracker = field(default_factory=AlertTracker)
+    alerts: PushBook = field(default_factory=PushBook)  # where an alertmanager step raises its alert
     clock: Callable[[], float] = time.time  # wall time, for what is recorded and shown
     #: Every deadline and wait an action measures (a drain, a reset waiting for the GPU to go idle,
     #: a service becoming healthy): a wall-clock step must not lengthen or cut one.

@@ -40,6 +40,17 @@ class Targets(str, Enum):
     SERVICES = "services"
 
 
+class ClearsXids(str, Enum):
+    """What a success of a kind fixed, taken out of the Xid health window (agent.watch.xid): the
+    verdict and the Xid alerts no longer hold it; the counters stay."""
+
+    NOTHING = "nothing"
+    GPU = "gpu"  # the GPU starts afresh (a reset): every Xid of the decision's GPU
+    #: The services it restarted answer again: the app-level Xids (catalog action restart_service) of
+    #: the GPUs it touched were their processes' own faults.
+    APP_LEVEL = "app_level"
+
+
 class Once(str, Enum):
     """How many of a kind one evaluation decides, whichever rules ask; the rest are suppressed as duplicates."""
 
@@ -90,8 +101,8 @@ class ActionType(Generic[P]):
     once: Once = Once.PER_TARGET
     #: A rule may use it only with `remediation.allow_reboot: true` (refused when the rules load).
     needs_allow_reboot: bool = False
-    #: A success gives its GPU a fresh start: the GPU's Xid history starts again.
-    clears_xids: bool = False
+    #: What a success fixed, out of the Xid health window.
+    clears_xids: ClearsXids = ClearsXids.NOTHING
     #: What `gpu-agent check-config` checks of a step now rather than when a fault needs it:
     #: (field, problem) for each problem found.
     check: Callable[[P], list[tuple[str, str]]] | None = None

@@ -1,7 +1,8 @@
-"""recommend_reboot: `<state_dir>/reboot-recommended` written (JSON), and an alert when an Alertmanager is set.
+"""recommend_reboot: `<state_dir>/reboot-recommended` written (JSON), and GpuRebootRecommended raised.
 
 The flag says why, for which rule, event and GPU, on which boot, and whether the kernel that boots
-next would bring the GPUs back (as reboot checks it). Nothing on the node changes: it runs in
+next would bring the GPUs back (as reboot checks it). When an Alertmanager is configured it raises
+GpuRebootRecommended at once, held until the reboot or `gpu-agent ack reboot`. Nothing on the node changes: it runs in
 observe mode too, one per node in an evaluation.
 """
 
@@ -15,22 +16,22 @@ from typing import ClassVar, Final
 from pydantic import field_validator
 
 from agent.defaults import REBOOT_FLAG_NAME
-from agent.rules.actions.base import ActionError, Result, failed, gpu_of, iso, success, uuid_of, xid_of
+from agent.rules.actions.alertmanager import alertmanager_urls, raise_alerts
+from agent.rules.actions.base import Result, gpu_of, iso, success, uuid_of, xid_of
 from agent.rules.actions.context import ActionContext
 from agent.rules.actions.kind import ActionType, Lane, Once
-from agent.rules.actions.kinds.alertmanager import AlertmanagerParams, alert_for, alertmanager_url
 from agent.rules.actions.kinds.reboot import next_boot_problem_of
 from agent.rules.model import Decision
 from agent.rules.params import ActionParams, http_url
 
-REBOOT_ALERTNAME = "GpuAgentRebootRecommended"
+REBOOT_ALERTNAME = "GpuRebootRecommended"
 
 
 class RecommendRebootParams(ActionParams):
     kind: ClassVar[str] = "recommend_reboot"
 
     reason: str | None = None  # None: the event's message
-    url: str | None = None  # Alertmanager for its alert; None: remediation.alertmanager_url
+    url: str | None = None  # an Alertmanager for GpuRebootRecommended besides remediation.alertmanager_url's
 
     _check_url = field_validator("url")(http_url)
 
@@ -61,15 +62,9 @@ def recommend_reboot(decision: Decision, params: RecommendRebootParams, ctx: Act
     detail = f"reboot recommended: wrote {path}"
     if not_ready is not None:
         detail += f"; but the next boot is not ready: {not_ready}"
-    url = alertmanager_url(params.url, ctx)
-    if url is None:
+    if not alertmanager_urls(params.url, ctx):
         return success(detail)
-    alert = alert_for(decision, ctx.hostname, AlertmanagerParams(alertname=REBOOT_ALERTNAME))
-    try:
-        ctx.alerts.fire(url, alert)
-    except ActionError as exc:
-        return failed(f"{detail}; alert not delivered: {exc}")
-    return success(f"{detail}; alert {alert.labels['alertname']} sent")
+    return success(f"{detail}; {raise_alerts(decision, [REBOOT_ALERTNAME], {}, params.url, {}, ctx)}")
 
 
 ACTION: Final = ActionType(
@@ -77,8 +72,8 @@ ACTION: Final = ActionType(
     recommend_reboot,
     does=(
         f"Writes `state_dir/{REBOOT_FLAG_NAME}` (why, and whether the kernel that boots next would bring the GPUs "
-        f"back) and raises `{REBOOT_ALERTNAME}` when an Alertmanager is set (`url`, else "
-        "`remediation.alertmanager_url`)."
+        f"back) and raises `{REBOOT_ALERTNAME}` at once when an Alertmanager is set (`remediation.alertmanager_url`, "
+        "and `url`), held until the reboot or `gpu-agent ack reboot`."
     ),
     changes_node=False,  # a flag file and an alert: nothing on the node changes
     lane=Lane.NOTIFY,

@@ -24,7 +24,7 @@ from agent.policy.plan import ApplyOutcome
 from agent.policy.transaction import SETTINGS, TransactionClosed, TransactionError
 from agent.rules.actions.base import Result, failed, gpu_of, refused, uuid_of, xid_of
 from agent.rules.actions.context import ActionContext
-from agent.rules.actions.kind import ActionType, Footprint, Lane, Once, Targets, gpus_of
+from agent.rules.actions.kind import ActionType, ClearsXids, Footprint, Lane, Once, Targets, gpus_of
 from agent.rules.actions.service_actions import (
     drain_service,
     drain_timeout,
@@ -239,5 +239,5 @@ ACTION: Final = ActionType(
     touches=_touches,
     targets=Targets.GPU,
     once=Once.PER_GPU,
-    clears_xids=True,
+    clears_xids=ClearsXids.GPU,
 )

@@ -16,7 +16,7 @@ from agent.config import AgentConfig
 from agent.events import SuggestedAction
 from agent.rules.actions.base import ActionError, Result, failed, refused
 from agent.rules.actions.context import ActionContext
-from agent.rules.actions.kind import ActionType, Footprint, Lane, Targets, gpus_of
+from agent.rules.actions.kind import ActionType, ClearsXids, Footprint, Lane, Targets, gpus_of
 from agent.rules.actions.service_actions import (
     drain_service,
     drain_timeout,
@@ -87,4 +87,5 @@ ACTION: Final = ActionType(
     lane=Lane.GPUS,
     touches=_touches,
     targets=Targets.SERVICES,
+    clears_xids=ClearsXids.APP_LEVEL,
 )
