@@ -20,14 +20,13 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from agent import safe_yaml
-from agent.alerts.catalog import BY_NAME as _ALERTS
-from agent.alerts.catalog import DEFAULT_JOB as DEFAULT_ALERT_JOB
-from agent.alerts.catalog import DEFAULT_RUNBOOK_URL
-from agent.alerts.catalog import RESERVED_LABELS as RESERVED_ALERT_LABELS
 from agent.config_errors import ConfigError as ConfigError
 from agent.config_errors import ConfigProblem as ConfigProblem
 from agent.config_errors import data_path, error_message, known_names, suggestion
 from agent.defaults import DEFAULT_METRICS_PORT, DEFAULT_RULES_DIR, DEFAULT_RULES_DIRS, DEFAULT_SOCKET_PATH
+from agent.names.alerts import ALERT_NAMES, DEFAULT_RUNBOOK_URL
+from agent.names.alerts import DEFAULT_JOB as DEFAULT_ALERT_JOB
+from agent.names.alerts import RESERVED_LABELS as RESERVED_ALERT_LABELS
 from agent.names.metric_families import FAMILY_NAMES
 from agent.names.policy_items import GPU_RESET_ITEM, ITEM_NAMES, SETTABLE_GPU_ITEM_NAMES
 from agent.names.policy_items import ItemName as ItemName
@@ -115,9 +114,6 @@ def listen_address(value: str) -> tuple[int, str]:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ValueError(f"cannot listen on {bare}: {reason}") from None
     return family, bare
-
-
-ALERT_NAMES = tuple(_ALERTS)
 
 
 class SimulatedConfig(StrictModel):

@@ -3,6 +3,7 @@ store consume."""
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -178,3 +179,9 @@ def event_from_json(document: Mapping[str, Any], key: str) -> Event:
         data=document["data"],
         suggested_action=SuggestedAction(document["suggested_action"]),
     )
+
+
+def iso_utc(seconds: float) -> str:
+    """Wall-clock `seconds` as ISO 8601 in UTC (`2026-12-05T12:00:00Z`): what Alertmanager reads, and
+    what the reboot flag records."""
+    return datetime.datetime.fromtimestamp(seconds, tz=datetime.timezone.utc).isoformat().replace("+00:00", "Z")

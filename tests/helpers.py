@@ -17,6 +17,7 @@ from systemd_sandbox import live_processes as live_processes  # its home: the sa
 
 from agent.backend.base import GpuBackend
 from agent.config import AgentConfig
+from agent.daemon.alert_book import PushBook
 from agent.daemon.live import Live
 from agent.daemon.sd_notify import SdNotifier
 from agent.daemon.timing import LoopTiming
@@ -132,7 +133,7 @@ def action_context(
         host=host,
         managers=managers,
         prober=HealthProber(config.services, managers),
-        **fields,
+        **{"alerts": PushBook(), **fields},
     )
 
 

@@ -381,6 +381,23 @@ def test_check_config_validates_rules_with_file_and_line(tmp_path: Path) -> None
     assert shipped.returncode == 0, shipped.stderr
 
 
+def test_the_rules_an_admin_kept_from_0_1_load_and_their_alert_identity_is_warned_of(tmp_path: Path) -> None:
+    """0.1's alertmanager steps named their own severity (the rules 0.1 shipped, which an upgrade keeps
+    as the admin's: packaging/legacy-rules): they load, and each such field is a warning that names
+    file, line and field (`--strict`: exit 1); the step raises the catalogue's alert regardless."""
+    legacy = Path(__file__).parent.parent / "packaging/legacy-rules"
+    config = tmp_path / "agent.yaml"
+    config.write_text(f"remediation: {{rules_dirs: [{legacy}]}}\n")
+    result = gpu_agent("check-config", "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    warned = [line for line in result.stderr.splitlines() if "alertmanager.severity: ignored" in line]
+    assert len(warned) == 7, result.stderr
+    assert warned[0].startswith(f"warning: {legacy / '10-xid.yaml'}:")
+    assert ": on_exhausted[0].alertmanager.severity: ignored: an alert's name, severity and labels are the" in warned[0]
+    strict = gpu_agent("check-config", "--config", str(config), "--strict")
+    assert strict.returncode == 1 and strict.stderr == result.stderr
+
+
 def test_check_config_shows_where_each_rule_came_from(tmp_path: Path) -> None:
     shipped, admin = tmp_path / "shipped", tmp_path / "admin"
     for directory in (shipped, admin):

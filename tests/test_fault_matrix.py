@@ -43,6 +43,7 @@ from agent.backend.errors import GpuError, GpuErrorKind
 from agent.backend.sim import PROTOCOL_METHODS, STATE_FILE_NAME, SimulatedBackend
 from agent.config import AgentConfig
 from agent.daemon import Daemon, LoopTiming
+from agent.daemon.alert_book import PushBook
 from agent.daemon.sd_notify import SdNotifier
 from agent.events import Event, EventKind, HealthState, SuggestedAction
 from agent.host.paths import HostPaths
@@ -704,6 +705,7 @@ def test_action(node: Node, calls: Calls, method: str, kind: str) -> None:
         policy=PolicyEngine(node.config, backend, host),
         host=host,
         managers={},
+        alerts=PushBook(),
         drain_timeout_seconds=0.2,
         drain_poll_seconds=0.05,
     )

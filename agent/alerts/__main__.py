@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from agent.alerts.catalog import DEFAULT_JOB, DEFAULT_RUNBOOK_URL
 from agent.alerts.rules_file import alert_rules, runbooks
+from agent.names.alerts import DEFAULT_JOB, DEFAULT_RUNBOOK_URL
 
 
 def main() -> None:

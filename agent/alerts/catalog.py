@@ -1,6 +1,6 @@
 """The catalogue of gpu-agent's alerts: one list that the shipped Prometheus rules
 (packaging/prometheus/gpu-agent-alerts.yaml, written by `python -m agent.alerts`) and the agent's own
-pushes to Alertmanager (agent/alerts/book.py) are both made of.
+pushes to Alertmanager (agent/daemon/alert_book.py) are both made of.
 
 Each alert has one name, one severity from {critical, warning, info}, one condition (an `AlertExpr`
 over the verdict series `/metrics` exports; the few only Prometheus can judge, about the agent
@@ -20,6 +20,7 @@ from enum import Enum
 
 from agent.alerts.expr import AlertExpr, Compare, CompareOp, series
 from agent.events import EventKind, Severity
+from agent.names.alerts import DEFAULT_JOB, DEFAULT_RUNBOOK_URL
 
 
 class AlertSeverity(str, Enum):
@@ -46,18 +47,12 @@ def severities_of(alert: AlertSeverity) -> str:
     return "|".join(sorted(s.value for s in Severity if alert_severity(s) is alert))
 
 
-#: Where each alert's runbook section is: the docs the package installs (docs/alerts.md).
-DEFAULT_RUNBOOK_URL = "file:///usr/share/doc/gpu-agent/docs/alerts.md"
 #: The rule groups of the shipped file, in order: the agent and its node's GPUs, then the services.
 NODE_GROUP = "gpu-agent"
 INFERENCE_GROUP = "gpu-agent-inference"
 #: The node problems (agent.verdict.NodeProblem) that are the node's as a whole; GPUs missing one by
 #: one (gpus_missing) are GpuLost's.
 NODE_PROBLEMS = ("backend_unreadable", "no_gpus")
-#: Labels the agent sets on every push itself, which `alerts.labels` may not.
-RESERVED_LABELS = frozenset({"alertname", "severity", "instance", "job"})
-#: The job the shipped rules expect gpu-agent's targets under (GpuAgentDown; `alerts.job` for pushes).
-DEFAULT_JOB = "gpu-agent"
 
 
 @dataclass(frozen=True)

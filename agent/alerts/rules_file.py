@@ -10,8 +10,9 @@ import re
 import textwrap
 from collections.abc import Iterator
 
-from agent.alerts.catalog import CATALOGUE, DEFAULT_JOB, DEFAULT_RUNBOOK_URL, INFERENCE_GROUP, NODE_GROUP, AlertSpec
+from agent.alerts.catalog import CATALOGUE, INFERENCE_GROUP, NODE_GROUP, AlertSpec
 from agent.alerts.expr import KEEP_FIRING, AlertExpr
+from agent.names.alerts import DEFAULT_JOB, DEFAULT_RUNBOOK_URL
 
 _WIDTH = 110
 _NO_BREAK = "\x00"

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 def cmd_check_config(args: argparse.Namespace) -> int:
     from agent.policy.dropins import dropin_directory, dropin_files, load_checked_config
     from agent.policy.profiles import shadowed
-    from agent.rules.config import load_rules
+    from agent.rules.config import ignored_parameters, load_rules
     from agent.rules.sources import describe, resolve_rules
     from agent.version import package_notice
 
@@ -45,7 +45,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         print_text(f"policy drop-ins, read after {path} in this order:")
         for dropin in dropins:
             print_text(f"  {dropin}")
-    warnings = shadowed(config.policy) + resolved.warnings()
+    warnings = shadowed(config.policy) + resolved.warnings() + ignored_parameters(rules)
     notice = package_notice(_daemon_version(config.api.socket))
     if notice is not None:
         warnings.append(notice)

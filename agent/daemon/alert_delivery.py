@@ -1,5 +1,5 @@
 """The agent's alerts to Alertmanager, off the main loop: a thread sends what the push book holds
-(agent/alerts/book.py) to every Alertmanager, one request each with all of its alerts, so a slow or
+(agent/daemon/alert_book.py) to every Alertmanager, one request each with all of its alerts, so a slow or
 silent one (each request has a total deadline) never delays a loop or systemd's `WATCHDOG=1`.
 
 It sends at once when an alert fired or resolved (`poke`), every REFRESH_SECONDS anyway (a firing
@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 
-from agent.alerts.book import PushBook
+from agent.daemon.alert_book import PushBook
 from agent.logger import get_logger
 from agent.rules.actions.base import ActionError
 from agent.rules.actions.http_client import post_json, redacted_url

@@ -24,9 +24,9 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from agent.alerts.book import PushBook
 from agent.backend.base import GpuBackend, GpuEvent, GpuIdentity
 from agent.config import AgentConfig
+from agent.daemon.alert_book import PushBook
 from agent.daemon.bounded import BoundedRunner
 from agent.daemon.collector import GpuCollector
 from agent.daemon.intake import EventIntake

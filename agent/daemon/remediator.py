@@ -13,14 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from agent.alerts.evaluate import found_alerts
 from agent.config import AgentConfig
 from agent.daemon.action_worker import ActionWorker, target_fields
 from agent.daemon.alert_delivery import AlertDelivery
+from agent.daemon.alert_found import found_alerts
 from agent.events import Event
 from agent.logger import get_logger
 from agent.rules.actions.dispatch import observe_mode
-from agent.rules.config import Rule, load_rules
+from agent.rules.config import Rule, ignored_parameters, load_rules
 from agent.rules.engine import evaluate, gpus_by_service
 from agent.rules.model import ActionOutcome, Decision, Outcome
 from agent.rules.sources import describe as describe_rules
@@ -268,6 +268,8 @@ def load_rules_dir(config: AgentConfig) -> LoadedRules:
     for warning in resolved.warnings():
         log.warning("rules not as expected", problem=warning)
     rules = load_rules(resolved.paths, allow_reboot=config.remediation.allow_reboot)
+    for ignored in ignored_parameters(rules):
+        log.warning("rules not as expected", problem=ignored)
     masked = [str(m.mask) for m in resolved.masked]
     log.info("rules loaded", files=[str(p) for p in resolved.paths], masked=masked, count=len(rules))
     return LoadedRules(rules, tuple(line.strip() for line in describe_rules(resolved)))

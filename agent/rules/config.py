@@ -462,3 +462,16 @@ def load_rules(paths: Iterable[Path], allow_reboot: bool = False) -> list[Rule]:
     if problems:
         raise ConfigError(problems)
     return rules
+
+
+def ignored_parameters(rules: Iterable[Rule]) -> list[str]:
+    """What the rules' steps carry that does nothing any more (a kind's `ignored`, kept from an earlier
+    release so that an upgrade loads the admin's files): `FILE:LINE rule NAME: LADDER[i].KIND.FIELD:
+    why`, one line each, for check-config's warnings and the daemon's log."""
+    found: list[str] = []
+    for rule in rules:
+        for ladder in ("actions", "on_exhausted"):
+            for position, step in enumerate(getattr(rule, ladder)):
+                for field, why in step.action.ignored_fields(step.spec().options):
+                    found.append(f"{rule.source} rule {rule.name}: {ladder}[{position}].{step.kind}.{field}: {why}")
+    return found

@@ -1,4 +1,4 @@
-"""The alerts the agent pushes to Alertmanager (agent.alerts.book), kept across restarts: one row per
+"""The alerts the agent pushes to Alertmanager (agent.daemon.alert_book), kept across restarts: one row per
 alert (its labels are its identity), pending, firing or resolved and not yet told to every
 Alertmanager. A restarted agent goes on from them: a firing alert keeps its start (Alertmanager sees
 the same alert, no new page), a pending one its `for` on the same boot, a resolution still owed is

@@ -16,11 +16,11 @@ from helpers import wait_until
 from slow_endpoint import SlowEndpoint
 from snapshots import gpu_uuid, node_snapshot
 
-from agent.alerts.book import FIRING_VALIDITY_SECONDS, Found, PushBook
 from agent.alerts.catalog import BY_NAME
-from agent.alerts.evaluate import found_alerts
 from agent.config import AgentConfig
+from agent.daemon.alert_book import FIRING_VALIDITY_SECONDS, Found, PushBook
 from agent.daemon.alert_delivery import AlertDelivery
+from agent.daemon.alert_found import found_alerts
 from agent.demo.alertmanager import DemoAlertmanager, find_alertmanager
 from agent.demo.standin_process import free_port
 from agent.store.database import Store

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agent.alerts.book import RAISE_SECONDS, SETTLE_SECONDS, Found, PushBook, url_id
+from agent.daemon.alert_book import RAISE_SECONDS, SETTLE_SECONDS, Found, PushBook, url_id
 from agent.store.database import Store
 
 URL = "http://am:9093"

@@ -16,7 +16,7 @@ from pathlib import Path
 from daemon_harness import Notifications, write_agent_config
 from helpers import wait_until
 
-from agent.alerts.book import PushBook, alert_key
+from agent.daemon.alert_book import PushBook, alert_key
 from agent.daemon.alert_delivery import AlertDelivery
 from agent.store.alerts import AlertRow
 from agent.store.database import Store

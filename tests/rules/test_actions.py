@@ -27,11 +27,11 @@ from pydantic import ValidationError
 from race import attempts, swapping
 from slow_endpoint import SlowEndpoint
 
-from agent.alerts.book import Found
 from agent.backend.base import RecoveryAction
 from agent.backend.errors import GpuErrorKind
 from agent.backend.sim import SimulatedBackend
 from agent.config import AgentConfig, Mode, RemediationConfig, ServiceConfig
+from agent.daemon.alert_book import Found
 from agent.demo import standin
 from agent.demo.standin import running
 from agent.demo.standin_process import free_port

@@ -557,7 +557,7 @@ def test_a_sweep_is_held_not_drift_in_every_view_and_a_sick_subject_is_refused(t
     assert values[("gpu_agent_policy_targets", "power_limit", None, "held")] == 1
     assert ("gpu_agent_policy_targets", "power_limit", None, "drift") not in values
     if PROMTOOL is not None:
-        fired = expected_alerts(document, samples)
+        fired = expected_alerts(document)
         assert fired["GpuPolicyDrift"] == []
         case = tmp_path / "alerts-test.yaml"
         case.write_text(json.dumps(promtool_case(samples, fired)))

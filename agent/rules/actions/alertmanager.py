@@ -1,5 +1,5 @@
 """What a rule's `alertmanager` step pushes: the catalogue's alert of the decision's fault
-(agent/alerts/catalog.py), raised at once in the agent's push book (agent/alerts/book.py) instead
+(agent/alerts/catalog.py), raised at once in the agent's push book (agent/daemon/alert_book.py) instead
 of after the alert's `for`. Like every push it fires while the agent's verdict holds the fault and
 resolves when the fault is fixed, acknowledged or gone, with the same name and labels as the
 shipped Prometheus rule's alert. A step of `on_exhausted` raises GpuAgentRemediationFailing for its

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,10 +51,6 @@ def service_of(decision: Decision) -> str | None:
 def xid_of(event: Event) -> int | None:
     xid = event.data.get("xid")
     return xid if isinstance(xid, int) and not isinstance(xid, bool) else None
-
-
-def iso(seconds: float) -> str:
-    return datetime.datetime.fromtimestamp(seconds, tz=datetime.timezone.utc).isoformat().replace("+00:00", "Z")
 
 
 def event_payload(decision: Decision, hostname: str) -> dict[str, Any]:

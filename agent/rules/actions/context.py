@@ -5,16 +5,29 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from agent.alerts.book import PushBook
 from agent.backend.base import GpuBackend
 from agent.config import AgentConfig
 from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
 from agent.services.health import HealthProber
 from agent.services.managers import ServiceManager
+
+
+class AlertRaiser(Protocol):
+    """Where an `alertmanager` or `recommend_reboot` step raises the catalogue's alerts: the daemon's
+    push book (agent/daemon/alert_book.py), which pushes them while the verdict holds them."""
+
+    def raise_alerts(
+        self,
+        names: Iterable[str],
+        match: Mapping[str, str],
+        url: str | None = None,
+        overrides: Mapping[str, str] | None = None,
+    ) -> None: ...
 
 
 @dataclass
@@ -27,8 +40,8 @@ class ActionContext:
     policy: PolicyEngine
     host: HostContext
     managers: Mapping[str, ServiceManager]
+    alerts: AlertRaiser  # where an alertmanager or recommend_reboot step raises its alert
     prober: HealthProber | None = None
-    alerts: PushBook = field(default_factory=PushBook)  # where an alertmanager step raises its alert
     clock: Callable[[], float] = time.time  # wall time, for what is recorded and shown
     #: Every deadline and wait an action measures (a drain, a reset waiting for the GPU to go idle,
     #: a service becoming healthy): a wall-clock step must not lengthen or cut one.

@@ -106,6 +106,10 @@ class ActionType(Generic[P]):
     #: What `gpu-agent check-config` checks of a step now rather than when a fault needs it:
     #: (field, problem) for each problem found.
     check: Callable[[P], list[tuple[str, str]]] | None = None
+    #: The parameters a step may still carry from an earlier release that no longer do anything: the
+    #: rules load (an upgrade must not refuse the admin's files), and the loader warns of each:
+    #: (field, why) for each one set.
+    ignored: Callable[[P], list[tuple[str, str]]] | None = None
 
     def __post_init__(self) -> None:
         name = getattr(self.params, "kind", None)
@@ -127,6 +131,10 @@ class ActionType(Generic[P]):
     def problems(self, params: ActionParams) -> list[tuple[str, str]]:
         """What check-config finds wrong with a step's parameters (`check`): (field, problem) each."""
         return [] if self.check is None else self.check(self._own(params))
+
+    def ignored_fields(self, params: ActionParams) -> list[tuple[str, str]]:
+        """The fields of a step's parameters that are set and do nothing (`ignored`): (field, why) each."""
+        return [] if self.ignored is None else self.ignored(self._own(params))
 
     def _own(self, params: ActionParams) -> P:
         if not isinstance(params, self.params):

@@ -71,8 +71,15 @@ def _parameter(name: str, field: FieldInfo) -> str:
 
 
 def _parameters(action: ActionType[Any]) -> str:
-    """`{name, other=10, optional?}`: the parameters a step takes; `{}` for none."""
-    return "`{" + ", ".join(_parameter(name, field) for name, field in action.params.model_fields.items()) + "}`"
+    """`{name, other=10, optional?}`: the parameters a step takes (not those kept only so that older rules
+    load, which do nothing); `{}` for none."""
+    return (
+        "`{"
+        + ", ".join(
+            _parameter(name, field) for name, field in action.params.model_fields.items() if not field.deprecated
+        )
+        + "}`"
+    )
 
 
 def _row(action: ActionType[Any]) -> str:

@@ -11,9 +11,9 @@ observe mode too.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Final
+from typing import ClassVar, Final
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from agent.rules.actions.alertmanager import alertmanager_urls, alerts_of, raise_alerts
 from agent.rules.actions.base import Result, not_configured, success
@@ -22,8 +22,10 @@ from agent.rules.actions.kind import ActionType, Lane
 from agent.rules.model import Decision
 from agent.rules.params import ActionParams, http_url, label_names
 
-#: What an alert's identity is made of, which the catalogue decides (docs/alerts.md), not a rule step.
-_CATALOGUE_FIELDS = ("severity", "alertname", "labels")
+#: Parameters of the steps written for 0.1, when a step made its own alert: an alert's name, severity
+#: and labels are the catalogue's now (docs/alerts.md), so they are ignored, with a warning.
+_IGNORED_SINCE_CATALOGUE = ("severity", "alertname", "labels")
+_IGNORED_WHY = "ignored: an alert's name, severity and labels are the catalogue's (docs/alerts.md); remove it"
 
 
 class AlertmanagerParams(ActionParams):
@@ -35,20 +37,17 @@ class AlertmanagerParams(ActionParams):
     summary: str | None = None  # None: the catalogue's text
     description: str | None = None
     annotations: dict[str, str] = Field(default_factory=dict)
+    # Ignored (_IGNORED_SINCE_CATALOGUE): accepted so that the rules an admin kept from 0.1 still load.
+    severity: str | None = Field(default=None, deprecated=_IGNORED_WHY)
+    alertname: str | None = Field(default=None, deprecated=_IGNORED_WHY)
+    labels: dict[str, str] = Field(default_factory=dict, deprecated=_IGNORED_WHY)
 
     _check_url = field_validator("url")(http_url)
     _annotation_names = field_validator("annotations")(label_names)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _no_identity(cls, data: Any) -> Any:
-        given = [name for name in _CATALOGUE_FIELDS if isinstance(data, dict) and name in data]
-        if given:
-            raise ValueError(
-                f"{', '.join(given)}: an alert's name, severity and labels are the catalogue's, the same as the"
-                " Prometheus rules' (docs/alerts.md); remove them"
-            )
-        return data
+
+def _ignored(params: AlertmanagerParams) -> list[tuple[str, str]]:
+    return [(name, _IGNORED_WHY) for name in _IGNORED_SINCE_CATALOGUE if name in params.model_fields_set]
 
 
 def alertmanager(decision: Decision, params: AlertmanagerParams, ctx: ActionContext) -> Result:
@@ -78,4 +77,5 @@ ACTION: Final = ActionType(
     ),
     changes_node=False,
     lane=Lane.NOTIFY,
+    ignored=_ignored,
 )

@@ -16,8 +16,9 @@ from typing import ClassVar, Final
 from pydantic import field_validator
 
 from agent.defaults import REBOOT_FLAG_NAME
+from agent.events import iso_utc
 from agent.rules.actions.alertmanager import alertmanager_urls, raise_alerts
-from agent.rules.actions.base import Result, gpu_of, iso, success, uuid_of, xid_of
+from agent.rules.actions.base import Result, gpu_of, success, uuid_of, xid_of
 from agent.rules.actions.context import ActionContext
 from agent.rules.actions.kind import ActionType, Lane, Once
 from agent.rules.actions.kinds.reboot import next_boot_problem_of
@@ -48,7 +49,7 @@ def recommend_reboot(decision: Decision, params: RecommendRebootParams, ctx: Act
         "uuid": uuid_of(decision),
         "xid": xid_of(event),
         "time_seconds": now,
-        "time": iso(now),
+        "time": iso_utc(now),
         # So a reader can tell a flag written before the last boot (and so already acted on).
         "boot_id": ctx.host.paths.boot_id() or None,
         # A reboot now would not bring the GPUs back: fix this first.

@@ -6,11 +6,11 @@ The labels are the rule's: what the series leaves, the target's as `alerts` in a
 
 from __future__ import annotations
 
-from agent.alerts.book import Found
 from agent.alerts.catalog import AlertSpec, pushed
 from agent.alerts.expr import Sample
 from agent.alerts.text import render
 from agent.config import AgentConfig
+from agent.daemon.alert_book import Found
 from agent.metrics.collector import SnapshotCollector
 from agent.names.metric_families import FamilySwitches
 from agent.state import NodeSnapshot

@@ -1,5 +1,5 @@
 """The alerts the agent pushes to Alertmanager: each is an alert of the catalogue that the agent's own
-verdict holds now (agent/alerts/evaluate.py finds them), firing while it holds and resolved (`endsAt`)
+verdict holds now (agent/daemon/alert_found.py finds them), firing while it holds and resolved (`endsAt`)
 when it no longer does (the fault fixed, acknowledged, or gone), sent to every Alertmanager of
 `remediation.alertmanager_url` and retried until each has it (agent/daemon/alert_delivery.py).
 
@@ -23,9 +23,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from agent.events import iso_utc
 from agent.host.boottime import boottime_seconds
 from agent.logger import get_logger
-from agent.rules.actions.base import iso
 from agent.store.alerts import AlertRow, AlertTables
 from agent.store.db import StoreError
 
@@ -229,8 +229,8 @@ class PushBook:
                 body = {
                     "labels": dict(row.labels),
                     "annotations": dict(row.annotations),
-                    "startsAt": iso(row.starts_at),
-                    "endsAt": iso(ends),
+                    "startsAt": iso_utc(row.starts_at),
+                    "endsAt": iso_utc(ends),
                 }
                 for url in dict.fromkeys((*self._urls, *row.urls)):
                     if row.ends_at is None or url_id(url) not in row.delivered:
