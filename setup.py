@@ -5,12 +5,15 @@ refused, never built as a guess. Everything else is in pyproject.toml."""
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import shutil
+import tempfile
 from pathlib import Path
 from types import ModuleType
 
 from setuptools import setup
+from setuptools.command.build import build
 from setuptools.command.build_py import build_py
 from setuptools.command.sdist import sdist
 
@@ -35,13 +38,18 @@ except VERSION.VersionError as exc:
     raise SystemExit(f"gpu-agent: {exc}") from None
 
 
+class BuildApart(build):
+    def initialize_options(self) -> None:
+        super().initialize_options()
+        # Each build in a directory of its own, not the tree's build/: two builds of the checkout at
+        # once (a package build beside a test's wheel) shared build/lib and build/bdist.* and broke each
+        # other, and a module an earlier build of another commit left there shipped again.
+        self.build_base = tempfile.mkdtemp(prefix="gpu-agent-build-")
+        atexit.register(shutil.rmtree, self.build_base, True)
+
+
 class BuildPyWithVersion(build_py):
     def run(self) -> None:
-        if not self.editable_mode:
-            # setuptools builds in the tree (build/lib) and keeps what an earlier build of another
-            # commit left there: a module since deleted would ship again, and two builds of one
-            # commit would differ. The package is copied afresh each time.
-            shutil.rmtree(Path(self.build_lib) / "agent", ignore_errors=True)
         super().run()
         if not self.editable_mode:  # an editable install reads git at run time
             target = Path(self.build_lib) / "agent" / "_build_info.py"
@@ -58,4 +66,4 @@ class SdistWithVersion(sdist):
         target.write_text(VERSION.archival_text(INFO, VERSION.commit_time(HERE)), encoding="utf-8")
 
 
-setup(version=INFO.version, cmdclass={"build_py": BuildPyWithVersion, "sdist": SdistWithVersion})
+setup(version=INFO.version, cmdclass={"build": BuildApart, "build_py": BuildPyWithVersion, "sdist": SdistWithVersion})

@@ -394,8 +394,8 @@ def test_check_config_and_status_give_the_notice(
 
 
 def test_a_module_an_earlier_build_left_in_build_lib_is_not_in_the_wheel(project: Path, tmp_path: Path) -> None:
-    """setuptools builds in the tree (build/lib): a module an earlier build of another commit copied
-    there, and since deleted, must not ship again (two builds of one commit would differ)."""
+    """A module an earlier build of another commit left in the tree's build/lib, and since deleted,
+    must not ship again (two builds of one commit would differ): each build has a directory of its own."""
     release = export_release(project, "7.8.9", tmp_path / "release")
     stale = release / "build" / "lib" / "agent" / "rules" / "actions" / "deleted_since.py"
     stale.parent.mkdir(parents=True)
@@ -406,3 +406,34 @@ def test_a_module_an_earlier_build_left_in_build_lib_is_not_in_the_wheel(project
     names = zipfile.ZipFile(wheel).namelist()
     assert "agent/rules/actions/dispatch.py" in names
     assert "agent/rules/actions/deleted_since.py" not in names
+
+
+def test_two_builds_of_one_tree_at_once_both_make_their_wheel(project: Path, tmp_path: Path) -> None:
+    """A package build and a test's wheel of the same checkout at the same time (two test workers):
+    sharing the tree's build/ broke one of them ("File exists: build/bdist.../wheel/...dist-info")."""
+    release = export_release(project, "7.8.9", tmp_path / "release")
+    environ = {k: v for k, v in os.environ.items() if k != "GPU_AGENT_VERSION"}
+    builds = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "wheel",
+                "-q",
+                "--no-deps",
+                "--wheel-dir",
+                str(tmp_path / f"w{n}"),
+                str(release),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=environ,
+        )
+        for n in range(3)
+    ]
+    outputs = [build.communicate(timeout=600)[0] for build in builds]
+    assert [build.returncode for build in builds] == [0, 0, 0], outputs
+    assert [len(list((tmp_path / f"w{n}").glob("gpu_agent-7.8.9-*.whl"))) for n in range(3)] == [1, 1, 1]
+    assert not (release / "build").exists()  # nothing left in the tree to ship with a later build
