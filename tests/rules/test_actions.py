@@ -887,9 +887,22 @@ def test_an_alertmanager_step_with_nowhere_to_go_is_not_configured(tmp_path: Pat
     ).outcome is (Outcome.SUCCESS)
 
 
-def test_an_alertmanager_step_may_not_name_its_own_alert() -> None:
-    with pytest.raises(ValidationError, match="an alert's name, severity and labels are the catalogue's"):
-        spec(ActionKind.ALERTMANAGER, {"severity": "critical", "labels": {"team": "x"}})
+def test_an_alertmanager_step_that_names_its_own_alert_loads_and_raises_the_catalogues(tmp_path: Path) -> None:
+    """0.1's steps named a severity, an alertname and labels: the rules still load (an upgrade keeps the
+    admin's files), each such field is reported as ignored, and the alert raised is the catalogue's."""
+    params = {"severity": "info", "alertname": "Mine", "labels": {"team": "x"}}
+    step = spec(ActionKind.ALERTMANAGER, params)
+    assert [field for field, _ in KINDS["alertmanager"].ignored_fields(step.options)] == [
+        "severity",
+        "alertname",
+        "labels",
+    ]
+    assert KINDS["alertmanager"].ignored_fields(spec(ActionKind.ALERTMANAGER, {"summary": "s"}).options) == []
+    node = make_node(tmp_path, remediation=RemediationConfig(alertmanager_url="http://127.0.0.1:9"))
+    outcome = execute(decision(ActionKind.ALERTMANAGER, params), node.ctx)
+    assert outcome.detail.startswith("alert GpuXidCritical or GpuXidError (gpu=0, "), outcome.detail
+    with pytest.raises(ValidationError, match="severity"):  # still a string, as 0.1 took it
+        spec(ActionKind.ALERTMANAGER, {"severity": ["critical"]})
 
 
 def test_redacted_url_keeps_only_where_it_goes() -> None:
