@@ -17,11 +17,11 @@ from helpers import make_event, wait_until
 from services.test_gpu_attribution import fake_proc
 from snapshots import node_snapshot
 
-from agent import logs
 from agent.config import Mode
 from agent.documents import snapshot_document
 from agent.events import EventKind
 from agent.host.paths import HostPaths
+from agent.logs import destinations as log_destinations
 from agent.metrics.families import Families
 from agent.policy.engine import NodePlan
 from agent.policy.plan import ItemPlan, PlanStatus
@@ -85,10 +85,10 @@ def test_status_events_and_plan_text_show_escapes_not_raw_controls() -> None:
 
 def test_log_lines_and_metric_labels_are_escaped(capsys: pytest.CaptureFixture[str]) -> None:
     try:
-        logs.configure_logging("info", "console")
+        log_destinations.configure_logging("info", "console")
         structlog.get_logger("test").warning(f"Xid 13 by {HOSTILE}", process=HOSTILE)
     finally:
-        logs.configure_cli_logging()
+        log_destinations.configure_cli_logging()
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "\\x1b]0;pwned" in err and not RAW.search(err)
     families = Families()

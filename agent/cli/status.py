@@ -24,7 +24,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     document = None if args.direct else daemon_document(args)
     if document is None or document.get("starting"):
-        from agent.logger import log_to_stderr_when_used
+        from agent.logs import log_to_stderr_when_used
 
         log_to_stderr_when_used()  # a direct read imports what logs; its lines must not reach stdout
         config = load(args)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from agent.backend.base import GpuIdentity
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.node_memory.inventory import with_missing
 from agent.state import GpuSample, ProbeStreak, XidCount
 from agent.store.boot import InventoryGpu

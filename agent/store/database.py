@@ -63,7 +63,7 @@ from agent import trust
 from agent.defaults import REBOOT_FLAG_NAME
 from agent.events import Event, event_from_json, event_json
 from agent.host import safe_json
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.rules.model import ActionOutcome, Decision, Outcome
 from agent.state import RemediationCount, RemediationFailing
 from agent.store.acks import Acknowledgements, Circuit

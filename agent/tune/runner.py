@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from agent.api import ApiError
 from agent.config import AgentConfig, Mode, ServiceConfig
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.state import TuneResult, TuneStepFigures
 from agent.store.database import StoreError
 from agent.tune.defaults import POLICY_ITEMS

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from agent.host.commands import ProcessStream
 from agent.host.paths import HostPaths
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.watch.kernel_log import KernelLogParser, KernelXid, parse_kmsg_record
 
 log = get_logger()
