@@ -41,7 +41,7 @@ from test_fleet_metrics_prometheus import host_tree
 
 from agent.alerts.catalog import CATALOGUE
 from agent.backend.sim import SimulatedBackend
-from agent.demo.alertmanager import DemoAlertmanager, find_alertmanager
+from agent.demo.alertmanager_process import DemoAlertmanager, find_alertmanager
 from agent.demo.standin_process import StandinServer, free_port
 from agent.host.paths import HostPaths
 from agent.watch.fake_kernel_log import append_kmsg

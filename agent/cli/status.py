@@ -118,7 +118,7 @@ def direct_status(config: AgentConfig, note: str) -> dict[str, object]:
     from agent.host.paths import HostPaths
     from agent.node_memory.inventory import read_boot_id
     from agent.node_memory.remembered import read_remembered
-    from agent.services.watch import read_once
+    from agent.services.monitor import read_once
     from agent.snapshot import DaemonParts, NodeWatchers, build_snapshot
     from agent.store.db import StoreError
 

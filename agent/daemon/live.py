@@ -43,9 +43,9 @@ from agent.policy.engine import PolicyEngine
 from agent.policy.holds import PolicyHolds
 from agent.rules.actions.context import ActionContext
 from agent.services.attribution import service_of_pid
-from agent.services.health import HealthProber, ProberThread
 from agent.services.managers import ServiceManager, build_managers
-from agent.services.watch import InferenceMonitor
+from agent.services.monitor import InferenceMonitor
+from agent.services.prober import HealthProber, ProberThread
 from agent.snapshot import NodeWatchers
 from agent.state import NodeSnapshot
 from agent.store.attempt_clock import AttemptClock

@@ -69,7 +69,7 @@ from agent.state import RemediationCount, RemediationFailing
 from agent.store.acks import Acknowledgements, Circuit
 from agent.store.alerts import AlertTables
 from agent.store.attempt_clock import ClockReading
-from agent.store.boot import BootTables, InventoryGpu
+from agent.store.boot_tables import BootTables, InventoryGpu
 from agent.store.db import StoreError
 from agent.store.holds import HoldTables
 from agent.store.schema import Unusable, connect_or_replace
@@ -266,7 +266,7 @@ def _dumps(value: Any) -> str:
 
 class Store(BootTables, Acknowledgements, TuneTables, TuneHistoryTables, HoldTables, AlertTables):
     """See the module docstring. Build it with `Store.open(state_dir)`. Node memory is
-    `agent.store.boot`, circuits and acknowledgements `agent.store.acks`, the shared connection
+    `agent.store.boot_tables`, circuits and acknowledgements `agent.store.acks`, the shared connection
     `agent.store.db`."""
 
     # -- opening ------------------------------------------------------------------------------

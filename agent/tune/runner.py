@@ -30,8 +30,8 @@ from agent.tune.sweep import TuneJob, close_interrupted, hold_owner
 if TYPE_CHECKING:
     from agent.backend.base import GpuBackend
     from agent.policy.holds import PolicyHolds
-    from agent.services.health import HealthProber
-    from agent.services.watch import InferenceMonitor
+    from agent.services.monitor import InferenceMonitor
+    from agent.services.prober import HealthProber
     from agent.state import NodeSnapshot
     from agent.store.database import Store
 
