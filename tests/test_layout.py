@@ -28,7 +28,7 @@ MAX_TOP_LEVEL_MODULES = 20
 MAX_MODULE_LINES = 750
 #: Every process the agent starts goes through one runner: bounded output, a scrubbed environment,
 #: a total deadline that kills the process group.
-PROCESS_RUNNER = "agent.host.commands"
+PROCESS_RUNNER = "agent.host.processes"
 #: Apart from it: the demo (it starts the daemon, a stand-in server and Alertmanager as a user's
 #: shell would, and stops them) and the build-time version code (git, before anything is installed).
 STARTS_PROCESSES_APART = ("agent.demo", "agent.version")

@@ -28,7 +28,7 @@ from agent.backend.base import GpuBackend, GpuEvent, GpuIdentity
 from agent.config import AgentConfig
 from agent.daemon.alert_book import PushBook
 from agent.daemon.bounded import BoundedRunner
-from agent.daemon.collector import GpuCollector
+from agent.daemon.gpu_collector import GpuCollector
 from agent.daemon.intake import EventIntake
 from agent.daemon.lanes import Lanes
 from agent.daemon.publisher import Publisher
