@@ -28,8 +28,8 @@ import pytest
 import yaml
 from daemon_harness import COUNTERS_INTERVAL_SECONDS, DEFAULT_POLICY, RunningAgent, free_port, running_agent
 from helpers import wait_until
+from host.test_boot_readiness import OLD, ubuntu_tree
 from hosttree import make_host_tree
-from policy.test_boot_readiness import OLD, ubuntu_tree
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.alerts.catalog import NODE_PROBLEMS

@@ -1,4 +1,4 @@
-"""The shape of the `agent` package, held by reading its source (nothing is imported).
+"""The shape of the `agent` package, and of its tests, held by reading their source (nothing is imported).
 
 Every import counts: at module level, inside a function and under `if TYPE_CHECKING:`, since a
 cycle or a reach across layers closed by an in-function import is still one. `from P import N`
@@ -302,6 +302,76 @@ def test_every_source_path_the_docs_name_exists() -> None:
     }
     assert {path.split("/")[0] for _, path in named} == {"agent", "tests", "bench"}, "the pattern no longer matches"
     assert sorted((doc, path) for doc, path in named if not (REPO / path).is_file()) == []
+
+
+# -- the tests' own shape --------------------------------------------------------------------------
+#
+# tests/ mirrors agent/: a test of one package lives in tests/<package>/ (agent/cli/ in tests/cli/),
+# so a module at the top of tests/ says why it is there: it tests the whole system (a real daemon
+# with its neighbours, the packages, the benchmarks, this layout), or one module at the top of
+# agent/ (named by its path).
+
+TESTS = REPO / "tests"
+TOP_LEVEL_TESTS = {
+    "test_alert_story.py": "the whole system: two agents, Prometheus and Alertmanager",
+    "test_bench_service_scrape.py": "a benchmark (bench/)",
+    "test_bench_smoke.py": "the benchmarks (bench/)",
+    "test_collect.py": "agent/collect.py",
+    "test_config.py": "agent/config.py",
+    "test_dashboard_prometheus.py": "the shipped dashboard and rules (packaging/) on real Prometheus parts",
+    "test_escaping.py": "every surface a human reads",
+    "test_event_json.py": "agent/events.py",
+    "test_fault_agreement.py": "the whole system: every fault, every surface",
+    "test_fault_matrix.py": "the whole system: every backend call, every error",
+    "test_fleet_metrics_prometheus.py": "the whole system: a fleet on real Prometheus",
+    "test_fleet_prometheus.py": "the whole system: a fleet on real Prometheus",
+    "test_fuzz.py": "every input from outside",
+    "test_h200_telemetry_compare.py": "a benchmark (bench/)",
+    "test_helpers.py": "the tests' own helpers",
+    "test_history_text.py": "agent/render.py",
+    "test_host_faults.py": "the whole system: the host misbehaving",
+    "test_layout.py": "the shape of agent/ and tests/",
+    "test_monotonic_deadlines.py": "every deadline, across the packages",
+    "test_package_dist_upgrade.py": "the packages",
+    "test_package_e2e.py": "the packages",
+    "test_package_nosystemd.py": "the packages",
+    "test_package_rpm_scriptlets.py": "the packages",
+    "test_packaging.py": "the packages",
+    "test_packaging_container.py": "the packages",
+    "test_parser_limits.py": "every parser's limits, across the packages",
+    "test_published_socket.py": "agent/api.py",
+    "test_reader_answers.py": "every reader of outside data, across the packages",
+    "test_remediation_e2e.py": "the whole system: remediation on real processes",
+    "test_safe_yaml.py": "agent/safe_yaml.py",
+    "test_sandbox_lock.py": "the tests' own systemd sandbox",
+    "test_sandbox_on_systemd.py": "the tests' own systemd sandbox",
+    "test_soak_short.py": "the whole system: the soak (bench/soak.py)",
+    "test_source_containment.py": "the whole system: every source contained",
+    "test_state_trust.py": "agent/trust.py",
+    "test_status_direct.py": "agent/snapshot.py",
+    "test_status_screen.py": "agent/textview.py",
+    "test_trust.py": "agent/trust.py",
+    "test_unit_file.py": "the systemd unit (systemd/)",
+    "test_verdict.py": "agent/verdict.py",
+    "test_version.py": "agent/version.py",
+}
+
+
+def test_a_test_of_one_package_lives_in_its_directory() -> None:
+    top_level = {path.name for path in TESTS.glob("test_*.py")}
+    assert sorted(top_level - set(TOP_LEVEL_TESTS)) == [], (
+        "a test of one package goes in tests/<package>/; at the top of tests/ only the whole system or a top-level "
+        "module of agent/ (TOP_LEVEL_TESTS says which, and why)"
+    )
+    assert sorted(set(TOP_LEVEL_TESTS) - top_level) == [], "stale entries in TOP_LEVEL_TESTS"
+    modules = [why for why in TOP_LEVEL_TESTS.values() if why.startswith("agent/")]
+    assert [path for path in modules if not (REPO / path).is_file() or path.count("/") != 1] == [], (
+        "a top-level test names a module at the top of agent/"
+    )
+    directories = {path.parent.relative_to(TESTS).as_posix() for path in TESTS.rglob("test_*.py")} - {"."}
+    assert sorted(d for d in directories if not (AGENT / d / "__init__.py").is_file()) == [], (
+        "tests/<directory>/ is named for the package of agent/ its modules test"
+    )
 
 
 # -- deadlines run on a monotonic clock ------------------------------------------------------------

@@ -119,7 +119,7 @@ def _imports_stdlib_logging(path: Path) -> bool:
 
 def test_agent_modules_log_through_structlog_not_stdlib_logging() -> None:
     """Messages logged through stdlib `logging` lose their fields in the journal (GPU_UUID, XID, ...)."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     importing = {
         path.relative_to(root).as_posix() for path in (root / "agent").rglob("*.py") if _imports_stdlib_logging(path)
     }
@@ -132,7 +132,7 @@ def test_agent_modules_log_through_structlog_not_stdlib_logging() -> None:
 def test_every_module_logs_as_the_daemon_through_get_logger() -> None:
     """Every module logs as "gpu-agent" (the journal's SYSLOG_IDENTIFIER and the JSON lines agree),
     through agent/logs's `get_logger()`, so structlog loads only when a line is logged."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     configuring = {"agent/logs/__init__.py", "agent/logs/destinations.py"}
     for path in (root / "agent").rglob("*.py"):
         relative = path.relative_to(root).as_posix()
@@ -159,7 +159,7 @@ assert "structlog" in sys.modules
 
 def test_structlog_loads_on_the_first_line_and_the_cli_configuration_applies_then() -> None:
     done = subprocess.run(
-        [sys.executable, "-c", LAZY_PROBE], capture_output=True, text=True, timeout=60, cwd=Path(__file__).parent.parent
+        [sys.executable, "-c", LAZY_PROBE], capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[2]
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == ""
