@@ -58,10 +58,13 @@ SERVICE_GPU = 1  # each node's sglang runs on its GPU 1; GPU 0 takes the GPU fau
 RESOLVE_SECONDS = 6.0
 PAGER, TICKETS = "gpu-agent-pager", "gpu-agent-tickets"
 
-pytestmark = pytest.mark.skipif(
-    PROMETHEUS is None or ALERTMANAGER is None,
-    reason="needs prometheus and prometheus-alertmanager (apt-get install prometheus prometheus-alertmanager)",
-)
+pytestmark = [
+    pytest.mark.real_daemon,
+    pytest.mark.skipif(
+        PROMETHEUS is None or ALERTMANAGER is None,
+        reason="needs prometheus and prometheus-alertmanager (apt-get install prometheus prometheus-alertmanager)",
+    ),
+]
 
 
 # -- the shipped files, time scaled --------------------------------------------------------------

@@ -33,6 +33,8 @@ from agent.textview import status_text
 from agent.watch.fake_kernel_log import append_kmsg, xid_line
 from agent.watch.kernel_log import KernelLogParser
 
+pytestmark = pytest.mark.real_daemon
+
 #: Clears the screen, sets the terminal title, rings the bell, then reverses what follows.
 HOSTILE = "\x1b[2J\x1b]0;pwned\x07ev\u202eil\nNVRM"
 RAW = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")

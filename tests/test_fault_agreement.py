@@ -63,7 +63,10 @@ VERDICT_ALERTS = (
 #: Attention causes STATUS= carries as lines of their own ("ATTENTION: ..."); the GPU ones it counts.
 STATUS_LINE_CAUSES = {"service_down", "service_slo", "next_boot", "driver", "no_rules", "config"}
 
-pytestmark = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (apt-get install prometheus)")
+pytestmark = [
+    pytest.mark.real_daemon,
+    pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (apt-get install prometheus)"),
+]
 
 SEEN_WITHIN_SECONDS = COUNTERS_INTERVAL_SECONDS + 20.0
 

@@ -22,6 +22,8 @@ from agent.cli.commands import XID_PARSE_MAX_LINE_BYTES, bounded_lines
 from agent.defaults import DEFAULT_RULES_DIR
 from agent.demo import standin
 
+pytestmark = pytest.mark.real_daemon
+
 H200_POLICY = """\
 mode: {mode}
 backend: simulated
