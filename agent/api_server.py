@@ -18,7 +18,7 @@ from typing import Any
 
 from agent.api import ApiError
 from agent.host import safe_json
-from agent.logger import get_logger
+from agent.logs import get_logger
 
 MAX_REQUEST_BYTES = 64 * 1024
 REQUEST_TIMEOUT_SECONDS = 5.0

@@ -36,8 +36,8 @@ from agent.state import (
 from agent.verdict import reboot_recommendation
 from agent.watch.devices import DeviceWatcher
 from agent.watch.fabric import FabricWatcher
+from agent.watch.gpu_health import HealthBook, PollWatcher
 from agent.watch.gpu_lost import GpuLostWatcher
-from agent.watch.health import HealthBook, PollWatcher
 from agent.watch.memory_errors import MemoryWatcher
 from agent.watch.nvlink import NvLinkWatcher
 from agent.watch.pcie import PcieWatcher

@@ -46,7 +46,7 @@ class ServiceStatus:
 
 @dataclass(frozen=True)
 class ProbeStreak:
-    """A service's declared state and its current run of failed probes (agent.services.health), kept
+    """A service's declared state and its current run of failed probes (agent.services.prober), kept
     in the node memory across restarts."""
 
     service: str
@@ -215,7 +215,7 @@ class ServiceCounters:
 
     histograms: Mapping[str, CounterHistogram] = field(default_factory=dict)  # LATENCY_KINDS
     generated_tokens: float | None = None
-    gpu_energy_joules: float | None = None  # set by whoever reads the GPUs (agent.services.watch)
+    gpu_energy_joules: float | None = None  # set by whoever reads the GPUs (agent.services.monitor)
 
 
 @dataclass(frozen=True)

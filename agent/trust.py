@@ -33,7 +33,7 @@ from agent import TYPE_CHECKING
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from agent.host.commands import ProcessResult
+    from agent.host.processes import ProcessResult
 
 MAX_SYMLINKS = 40  # as the kernel's own limit for one path lookup
 DEFAULT_LIMIT_BYTES = 1024 * 1024
@@ -326,7 +326,7 @@ def run_trusted(
     /proc path as its script name and opens the same file. Raises UntrustedError (refuse the
     action), or OSError (it cannot run). The hook runner (agent.rules.actions.kinds.run_hook) calls it.
     """
-    from agent.host.commands import run_process
+    from agent.host.processes import run_process
 
     fd = open_trusted_executable(argv[0], agent_uid=agent_uid)
     try:

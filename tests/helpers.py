@@ -25,8 +25,8 @@ from agent.events import Event, EventKind, Severity, SuggestedAction
 from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
 from agent.rules.actions.context import ActionContext
-from agent.services.health import HealthProber
 from agent.services.managers import ServiceManager
+from agent.services.prober import HealthProber
 from agent.store.attempt_clock import AttemptClock
 from agent.store.database import Store
 

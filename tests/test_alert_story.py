@@ -41,7 +41,7 @@ from test_fleet_metrics_prometheus import host_tree
 
 from agent.alerts.catalog import CATALOGUE
 from agent.backend.sim import SimulatedBackend
-from agent.demo.alertmanager import DemoAlertmanager, find_alertmanager
+from agent.demo.alertmanager_process import DemoAlertmanager, find_alertmanager
 from agent.demo.standin_process import StandinServer, free_port
 from agent.host.paths import HostPaths
 from agent.watch.fake_kernel_log import append_kmsg
@@ -58,10 +58,13 @@ SERVICE_GPU = 1  # each node's sglang runs on its GPU 1; GPU 0 takes the GPU fau
 RESOLVE_SECONDS = 6.0
 PAGER, TICKETS = "gpu-agent-pager", "gpu-agent-tickets"
 
-pytestmark = pytest.mark.skipif(
-    PROMETHEUS is None or ALERTMANAGER is None,
-    reason="needs prometheus and prometheus-alertmanager (apt-get install prometheus prometheus-alertmanager)",
-)
+pytestmark = [
+    pytest.mark.real_daemon,
+    pytest.mark.skipif(
+        PROMETHEUS is None or ALERTMANAGER is None,
+        reason="needs prometheus and prometheus-alertmanager (apt-get install prometheus prometheus-alertmanager)",
+    ),
+]
 
 
 # -- the shipped files, time scaled --------------------------------------------------------------

@@ -37,6 +37,8 @@ from bench import (
 )
 from bench.common import REPO_ROOT, SCHEMA, make_node, percentile, summarize
 
+pytestmark = pytest.mark.real_daemon
+
 
 def sane_number(value: Any, low: float, high: float, what: str) -> None:
     assert isinstance(value, (int, float)) and not isinstance(value, bool), f"{what}: {value!r} is not a number"

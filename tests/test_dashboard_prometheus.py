@@ -52,7 +52,7 @@ from agent.state import (
     XidCount,
 )
 from agent.watch.clock_events import SLOWDOWN_REASONS, decode
-from agent.watch.health import combine
+from agent.watch.gpu_health import combine
 from agent.watch.xid_catalog import all_codes, lookup
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,11 +17,11 @@ from helpers import make_event, wait_until
 from services.test_gpu_attribution import fake_proc
 from snapshots import node_snapshot
 
-from agent import logs
 from agent.config import Mode
 from agent.documents import snapshot_document
 from agent.events import EventKind
 from agent.host.paths import HostPaths
+from agent.logs import destinations as log_destinations
 from agent.metrics.families import Families
 from agent.policy.engine import NodePlan
 from agent.policy.plan import ItemPlan, PlanStatus
@@ -32,6 +32,8 @@ from agent.store.database import StoredEvent
 from agent.textview import status_text
 from agent.watch.fake_kernel_log import append_kmsg, xid_line
 from agent.watch.kernel_log import KernelLogParser
+
+pytestmark = pytest.mark.real_daemon
 
 #: Clears the screen, sets the terminal title, rings the bell, then reverses what follows.
 HOSTILE = "\x1b[2J\x1b]0;pwned\x07ev\u202eil\nNVRM"
@@ -85,10 +87,10 @@ def test_status_events_and_plan_text_show_escapes_not_raw_controls() -> None:
 
 def test_log_lines_and_metric_labels_are_escaped(capsys: pytest.CaptureFixture[str]) -> None:
     try:
-        logs.configure_logging("info", "console")
+        log_destinations.configure_logging("info", "console")
         structlog.get_logger("test").warning(f"Xid 13 by {HOSTILE}", process=HOSTILE)
     finally:
-        logs.configure_cli_logging()
+        log_destinations.configure_cli_logging()
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "\\x1b]0;pwned" in err and not RAW.search(err)
     families = Families()

@@ -28,8 +28,8 @@ import pytest
 import yaml
 from daemon_harness import COUNTERS_INTERVAL_SECONDS, DEFAULT_POLICY, RunningAgent, free_port, running_agent
 from helpers import wait_until
+from host.test_boot_readiness import OLD, ubuntu_tree
 from hosttree import make_host_tree
-from policy.test_boot_readiness import OLD, ubuntu_tree
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.alerts.catalog import NODE_PROBLEMS
@@ -63,7 +63,10 @@ VERDICT_ALERTS = (
 #: Attention causes STATUS= carries as lines of their own ("ATTENTION: ..."); the GPU ones it counts.
 STATUS_LINE_CAUSES = {"service_down", "service_slo", "next_boot", "driver", "no_rules", "config"}
 
-pytestmark = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (apt-get install prometheus)")
+pytestmark = [
+    pytest.mark.real_daemon,
+    pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (apt-get install prometheus)"),
+]
 
 SEEN_WITHIN_SECONDS = COUNTERS_INTERVAL_SECONDS + 20.0
 

@@ -29,6 +29,8 @@ from test_dashboard_prometheus import ALERTS, COMPAT_RULES, PROMETHEUS, RECORDIN
 from agent.demo.standin_process import StandinServer, free_port
 from agent.host.paths import BOOT_ID_PATH
 
+pytestmark = pytest.mark.real_daemon
+
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD_QUERIES = ROOT / "tests/fixtures/dcgm-exporter-dashboard-queries.json"
 #: (host name, the stand-in's requests per second): two nodes that differ in name and in load.

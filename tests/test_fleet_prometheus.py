@@ -28,6 +28,8 @@ from test_dashboard_prometheus import (
     substitute,
 )
 
+pytestmark = pytest.mark.real_daemon
+
 ROOT = Path(__file__).resolve().parent.parent
 FLEET_ROW = "Fleet"
 NODES = ("clean", "lost", "xid")

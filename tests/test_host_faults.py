@@ -39,6 +39,8 @@ from agent.store.database import DB_NAME, Store
 from agent.watch.fake_kernel_log import append_kmsg, xid_line
 from agent.watch.nvml_events import NvmlEventSource
 
+pytestmark = pytest.mark.real_daemon
+
 INTERVAL_SECONDS = 5.0
 XID_RULE = """\
 rules:

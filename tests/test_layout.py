@@ -1,4 +1,4 @@
-"""The shape of the `agent` package, held by reading its source (nothing is imported).
+"""The shape of the `agent` package, and of its tests, held by reading their source (nothing is imported).
 
 Every import counts: at module level, inside a function and under `if TYPE_CHECKING:`, since a
 cycle or a reach across layers closed by an in-function import is still one. `from P import N`
@@ -13,6 +13,7 @@ and a new contributor can read them bottom up.
 from __future__ import annotations
 
 import ast
+import itertools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ MAX_TOP_LEVEL_MODULES = 20
 MAX_MODULE_LINES = 750
 #: Every process the agent starts goes through one runner: bounded output, a scrubbed environment,
 #: a total deadline that kills the process group.
-PROCESS_RUNNER = "agent.host.commands"
+PROCESS_RUNNER = "agent.host.processes"
 #: Apart from it: the demo (it starts the daemon, a stand-in server and Alertmanager as a user's
 #: shell would, and stops them) and the build-time version code (git, before anything is installed).
 STARTS_PROCESSES_APART = ("agent.demo", "agent.version")
@@ -304,6 +305,192 @@ def test_every_source_path_the_docs_name_exists() -> None:
     assert sorted((doc, path) for doc, path in named if not (REPO / path).is_file()) == []
 
 
+# -- the tests' own shape --------------------------------------------------------------------------
+#
+# tests/ mirrors agent/: a test of one package lives in tests/<package>/ (agent/cli/ in tests/cli/),
+# so a module at the top of tests/ says why it is there: it tests the whole system (a real daemon
+# with its neighbours, the packages, the benchmarks, this layout), or one module at the top of
+# agent/ (named by its path).
+
+TESTS = REPO / "tests"
+TOP_LEVEL_TESTS = {
+    "test_alert_story.py": "the whole system: two agents, Prometheus and Alertmanager",
+    "test_bench_service_scrape.py": "a benchmark (bench/)",
+    "test_bench_smoke.py": "the benchmarks (bench/)",
+    "test_collect.py": "agent/collect.py",
+    "test_config.py": "agent/config.py",
+    "test_dashboard_prometheus.py": "the shipped dashboard and rules (packaging/) on real Prometheus parts",
+    "test_escaping.py": "every surface a human reads",
+    "test_event_json.py": "agent/events.py",
+    "test_fault_agreement.py": "the whole system: every fault, every surface",
+    "test_fault_matrix.py": "the whole system: every backend call, every error",
+    "test_fleet_metrics_prometheus.py": "the whole system: a fleet on real Prometheus",
+    "test_fleet_prometheus.py": "the whole system: a fleet on real Prometheus",
+    "test_fuzz.py": "every input from outside",
+    "test_h200_telemetry_compare.py": "a benchmark (bench/)",
+    "test_helpers.py": "the tests' own helpers",
+    "test_history_text.py": "agent/render.py",
+    "test_host_faults.py": "the whole system: the host misbehaving",
+    "test_layout.py": "the shape of agent/ and tests/",
+    "test_monotonic_deadlines.py": "every deadline, across the packages",
+    "test_package_dist_upgrade.py": "the packages",
+    "test_package_e2e.py": "the packages",
+    "test_package_nosystemd.py": "the packages",
+    "test_package_rpm_scriptlets.py": "the packages",
+    "test_packaging.py": "the packages",
+    "test_packaging_container.py": "the packages",
+    "test_parser_limits.py": "every parser's limits, across the packages",
+    "test_published_socket.py": "agent/api.py",
+    "test_reader_answers.py": "every reader of outside data, across the packages",
+    "test_remediation_e2e.py": "the whole system: remediation on real processes",
+    "test_safe_yaml.py": "agent/safe_yaml.py",
+    "test_sandbox_lock.py": "the tests' own systemd sandbox",
+    "test_sandbox_on_systemd.py": "the tests' own systemd sandbox",
+    "test_soak_short.py": "the whole system: the soak (bench/soak.py)",
+    "test_source_containment.py": "the whole system: every source contained",
+    "test_state_trust.py": "agent/trust.py",
+    "test_status_direct.py": "agent/snapshot.py",
+    "test_status_screen.py": "agent/textview.py",
+    "test_trust.py": "agent/trust.py",
+    "test_unit_file.py": "the systemd unit (systemd/)",
+    "test_verdict.py": "agent/verdict.py",
+    "test_version.py": "agent/version.py",
+}
+
+#: The real_daemon marker (pyproject.toml) is on every test module that starts the agent for real,
+#: so `-m "not real_daemon"` runs the fast part. What starts it: an argv naming the CLI with `run` or
+#: `demo` and its `--config` or `--dir` (`[sys.executable, "-m", "agent.cli", "run", ..., "--config",
+#: path]`), a call whose first argument is `run` or `demo` with options after (`gpu_agent("run",
+#: "--config", ...)`, bench's `node.cli("run", ...)`), a real systemd (tests/systemd_sandbox.py) and
+#: the packages built and installed into a root; and whatever uses one of them through the helpers
+#: of tests/ and bench/ (tests/daemon_harness.py `running_agent`, bench/common.py `RunningDaemon`,
+#: a fixture of another test module).
+REAL_DAEMON_MARK = "real_daemon"
+DAEMON_COMMANDS = ("run", "demo")
+CLI_NAMES = ("agent.cli", "gpu-agent")
+DAEMON_OPTIONS = ("--config", "--dir")
+STARTS_FOR_REAL = ("SystemdSandbox", "Chroot", "build_packages")
+_MODULE_LEVEL = "<module>"
+
+
+def _strings(nodes: list[ast.expr]) -> list[str | None]:
+    return [node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None for node in nodes]
+
+
+def starts_a_daemon_itself(node: ast.AST) -> bool:
+    """Whether `node`'s source starts the agent without a helper: the argv, the call, the names above."""
+    for inner in ast.walk(node):
+        if isinstance(inner, ast.List | ast.Tuple):
+            words = _strings(inner.elts)
+            named = any(a in CLI_NAMES and b in DAEMON_COMMANDS for a, b in itertools.pairwise(words))
+            if named and any(option in words for option in DAEMON_OPTIONS):
+                return True
+        elif isinstance(inner, ast.Call) and inner.args:
+            words = _strings(inner.args)
+            if words[0] in DAEMON_COMMANDS and any(word and word.startswith("--") for word in words[1:]):
+                return True
+        elif (isinstance(inner, ast.Name) and inner.id in STARTS_FOR_REAL) or (
+            isinstance(inner, ast.Attribute) and inner.attr in STARTS_FOR_REAL
+        ):
+            return True
+    return False
+
+
+def _imported_file(root: Path, importer: Path, module: str, name: str) -> tuple[Path, str | None] | None:
+    """Where `from MODULE import NAME` in `importer` comes from, as pytest's path has it (the test's own
+    directory, tests/, the repository): (the file, the name in it), or (the file, None) for a module."""
+    for base in (importer.parent, root / "tests", root):
+        path = base.joinpath(*module.split("."))
+        if (path / f"{name}.py").is_file():
+            return path / f"{name}.py", None
+        for file in (path.with_suffix(".py"), path / "__init__.py"):
+            if file.is_file():
+                return file, name
+    return None
+
+
+def daemon_starting_tests(root: Path) -> list[str]:
+    """The test modules under root/tests that start the agent for real, themselves or through what
+    they import from tests/ and bench/."""
+    units: dict[Path, dict[str, ast.AST]] = {}
+    imports: dict[Path, dict[str, tuple[Path, str | None]]] = {}
+    for path in sorted([*(root / "tests").rglob("*.py"), *(root / "bench").glob("*.py")]):
+        tree = ast.parse(path.read_text(), str(path))
+        definitions = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+        units[path] = {node.name: node for node in tree.body if isinstance(node, definitions)}
+        body = [node for node in tree.body if not isinstance(node, definitions)]
+        units[path][_MODULE_LEVEL] = ast.Module(body=body, type_ignores=[])
+        imports[path] = {
+            alias.asname or alias.name: found
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+            for alias in node.names
+            if (found := _imported_file(root, path, node.module, alias.name)) is not None
+        }
+    starting = {
+        path: {name for name, node in found.items() if starts_a_daemon_itself(node)} for path, found in units.items()
+    }
+
+    def starts(path: Path, name: str) -> bool:
+        if name in units[path]:
+            return name in starting[path]
+        file, imported = imports[path].get(name, (None, None))
+        return file in starting and (bool(starting[file]) if imported is None else imported in starting[file])
+
+    changed = True
+    while changed:
+        changed = False
+        for path, found in units.items():
+            for unit, node in found.items():
+                used = {inner.id for inner in ast.walk(node) if isinstance(inner, ast.Name)}
+                if unit == _MODULE_LEVEL:
+                    used |= set(imports[path])  # a fixture imported is used by its name as a parameter
+                if unit not in starting[path] and any(starts(path, name) for name in used - {unit}):
+                    starting[path].add(unit)
+                    changed = True
+    return sorted(
+        path.relative_to(root).as_posix()
+        for path, found in starting.items()
+        if found and path.name.startswith("test_") and path.is_relative_to(root / "tests")
+    )
+
+
+def marked_real_daemon(path: Path) -> bool:
+    """Whether the module sets `pytestmark` with pytest.mark.real_daemon in it."""
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
+            return any(
+                isinstance(inner, ast.Attribute) and inner.attr == REAL_DAEMON_MARK for inner in ast.walk(node.value)
+            )
+    return False
+
+
+def test_a_test_of_one_package_lives_in_its_directory() -> None:
+    top_level = {path.name for path in TESTS.glob("test_*.py")}
+    assert sorted(top_level - set(TOP_LEVEL_TESTS)) == [], (
+        "a test of one package goes in tests/<package>/; at the top of tests/ only the whole system or a top-level "
+        "module of agent/ (TOP_LEVEL_TESTS says which, and why)"
+    )
+    assert sorted(set(TOP_LEVEL_TESTS) - top_level) == [], "stale entries in TOP_LEVEL_TESTS"
+    modules = [why for why in TOP_LEVEL_TESTS.values() if why.startswith("agent/")]
+    assert [path for path in modules if not (REPO / path).is_file() or path.count("/") != 1] == [], (
+        "a top-level test names a module at the top of agent/"
+    )
+    directories = {path.parent.relative_to(TESTS).as_posix() for path in TESTS.rglob("test_*.py")} - {"."}
+    assert sorted(d for d in directories if not (AGENT / d / "__init__.py").is_file()) == [], (
+        "tests/<directory>/ is named for the package of agent/ its modules test"
+    )
+
+
+def test_the_modules_that_start_real_daemons_are_marked() -> None:
+    starting = daemon_starting_tests(REPO)
+    assert "tests/cli/test_cli_thin.py" in starting, "the rule no longer sees running_agent"
+    assert "tests/test_package_e2e.py" in starting, "the rule no longer sees the systemd sandbox"
+    marked = sorted(path.relative_to(REPO).as_posix() for path in TESTS.rglob("test_*.py") if marked_real_daemon(path))
+    assert sorted(set(starting) - set(marked)) == [], "set `pytestmark = pytest.mark.real_daemon` in these modules"
+    assert sorted(set(marked) - set(starting)) == [], "marked real_daemon, but they start no daemon this test sees"
+
+
 # -- deadlines run on a monotonic clock ------------------------------------------------------------
 #
 # The rule: a deadline is named for what it is (`deadline`, `*_deadline`, `*_until`: a moment by which
@@ -572,3 +759,43 @@ def passed(deadline):
     inner_deadline = deadline - 1.0
 """
     assert wall_clock_deadlines(monotonic, "m.py") == []
+
+
+def test_a_daemon_started_through_a_helper_or_a_fixture_is_seen(tmp_path: Path) -> None:
+    root = write_tree(
+        tmp_path,
+        {
+            "tests/harness.py": (
+                "import subprocess, sys\n"
+                "def start(config):\n"
+                "    return subprocess.Popen([sys.executable, '-m', 'agent.cli', 'run', '--config', config])\n"
+                "def started(config):\n"
+                "    return start(config)\n"
+                "def words():\n"
+                "    return ['gpu-agent', 'run', '--log-format', 'json']\n"
+            ),
+            "tests/test_direct.py": "def test_it(gpu_agent):\n    gpu_agent('demo', '--dir', 'x')\n",
+            "tests/cli/test_helper.py": "from harness import started\ndef test_it():\n    started('a.yaml')\n",
+            "tests/cli/test_fixture.py": (
+                "import pytest\nfrom harness import start\n@pytest.fixture\ndef agent():\n    yield start('a.yaml')\n"
+            ),
+            "tests/cli/test_imported_fixture.py": "from test_fixture import agent\ndef test_it(agent):\n    pass\n",
+            "tests/test_sandbox.py": "from sandbox import SystemdSandbox\ndef test_it():\n    SystemdSandbox()\n",
+            "tests/test_quiet.py": (
+                "from harness import words\ndef test_it(complete):\n"
+                "    assert words() == ['gpu-agent', 'run', '--log-format', 'json']\n"
+                "    complete('gpu-agent', 'run', '--config')\n"
+            ),
+            "bench/common.py": "def daemon(node):\n    return node.cli('run', '--log-format', 'json')\n",
+            "bench/startup.py": "from bench.common import daemon\ndef main(node):\n    daemon(node)\n",
+            "tests/test_bench.py": "from bench import startup\ndef test_it():\n    startup.main(None)\n",
+        },
+    )
+    assert daemon_starting_tests(root) == [
+        "tests/cli/test_fixture.py",
+        "tests/cli/test_helper.py",
+        "tests/cli/test_imported_fixture.py",
+        "tests/test_bench.py",
+        "tests/test_direct.py",
+        "tests/test_sandbox.py",
+    ]

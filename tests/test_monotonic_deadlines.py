@@ -28,7 +28,7 @@ from agent.metrics.server import serve_metrics
 from agent.policy.base import HostContext
 from agent.rules.actions.service_actions import drain_service
 from agent.rules.model import Decision, Target
-from agent.services.health import HealthProber
+from agent.services.prober import HealthProber
 from agent.tune.measure import measure_step
 
 STEPS = pytest.mark.parametrize("step_seconds", [-3600.0, 3600.0], ids=["back-1h", "forward-1h"])

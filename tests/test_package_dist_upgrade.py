@@ -38,6 +38,7 @@ from test_packaging import (
 TOOLS = ("unshare", "chroot", "mount", "debootstrap", "dpkg-deb")
 _MISSING = [tool for tool in TOOLS if shutil.which(tool) is None]
 pytestmark = [
+    pytest.mark.real_daemon,
     pytest.mark.e2e,
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root (an overlay mount and chroot)"),
     pytest.mark.skipif(bool(_MISSING), reason=f"needs {', '.join(_MISSING)} (scripts/install-test-deps)"),

@@ -34,6 +34,7 @@ from test_packaging import PKG_VERSION, REPO, RULES, VERSION, build_packages
 from agent.demo.standin_process import free_port
 
 pytestmark = [
+    pytest.mark.real_daemon,
     pytest.mark.e2e,
     pytest.mark.skipif(missing_requirements() is not None, reason=str(missing_requirements())),
 ]

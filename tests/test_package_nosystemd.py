@@ -34,6 +34,7 @@ from agent.demo.standin_process import free_port
 TOOLS = ("unshare", "chroot", "mount", "debootstrap", "strace")
 _MISSING = [tool for tool in TOOLS if shutil.which(tool) is None]
 pytestmark = [
+    pytest.mark.real_daemon,
     pytest.mark.e2e,
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root (an overlay mount and chroot)"),
     pytest.mark.skipif(bool(_MISSING), reason=f"needs {', '.join(_MISSING)} (scripts/install-test-deps)"),

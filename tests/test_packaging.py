@@ -25,6 +25,8 @@ import yaml
 from pydantic import BaseModel
 from systemd_sandbox import lock_or_wait
 
+pytestmark = pytest.mark.real_daemon
+
 REPO = Path(__file__).resolve().parent.parent
 BUILD_OUT = REPO / "build" / "test-packages"
 

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from test_packaging import DEB_TARGETS, TARGETS, build_packages, install_env, python_for, run, run_script
 
+pytestmark = pytest.mark.real_daemon
+
 SKIPPED = {
     "start": "gpu-agent: systemd is not running: gpu-agent.service was not started; run 'gpu-agent run' by hand",
     "stop": "gpu-agent: systemd is not running: no service to stop (stop a 'gpu-agent run' started by hand)",

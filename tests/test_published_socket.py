@@ -22,6 +22,8 @@ from daemon_harness import edit, running_agent, serving_daemon
 from agent import api
 from agent.defaults import DEFAULT_RUNTIME_DIR
 
+pytestmark = pytest.mark.real_daemon
+
 CHANGED = "has changed since the daemon read it"
 
 

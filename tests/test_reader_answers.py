@@ -33,7 +33,7 @@ from agent.rules.actions.base import ActionError
 from agent.rules.actions.http_client import post_json
 from agent.services.drain import DrainWait, wait_until_idle
 from agent.services.generate_probe import generate_probe
-from agent.services.health import http_probe
+from agent.services.prober import http_probe
 from agent.services.scrape import ScrapeError, ServerReading, fetch_text, scrape
 
 DEADLINE_SECONDS = 1.0

@@ -11,11 +11,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from daemon_harness import running_agent
 from helpers import wait_until
 
 from agent.demo import standin
 from agent.demo.standin_process import free_port
+
+pytestmark = pytest.mark.real_daemon
 
 POLICY = "  gpus: []\n"
 #: How long a test waits for the agent to do what it is asked.

@@ -34,7 +34,7 @@ def cgroup2_root() -> Path | None:
 _SKIP = missing_requirements() or (
     "the host runs systemd: the e2e tests themselves run in delegated scopes" if host_runs_systemd() else None
 )
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))]
+pytestmark = [pytest.mark.real_daemon, pytest.mark.e2e, pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))]
 
 CACHE_INSIDE = "/srv/gpu-agent-sandbox-cache"  # the cached root file system, bound read-only
 TESTS_INSIDE = "/srv/gpu-agent-tests"

@@ -15,11 +15,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from daemon_harness import RunningAgent, running_agent
 from helpers import wait_until
 from slow_endpoint import SlowEndpoint
 
 from agent.backend.sim import SimulatedBackend
+
+pytestmark = pytest.mark.real_daemon
 
 WAIT_SECONDS = 20.0
 

@@ -22,6 +22,8 @@ from agent.store.database import DB_NAME, Store, StoreError
 from agent.trust import state_directory_problem
 from agent.verdict import reboot_recommended
 
+pytestmark = pytest.mark.real_daemon
+
 T = TypeVar("T")
 NOBODY = pwd.getpwnam("nobody").pw_uid
 

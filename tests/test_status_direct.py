@@ -18,6 +18,8 @@ from agent.backend.base import RecoveryAction
 from agent.backend.sim import SimulatedBackend
 from agent.demo.inject import REASON_BITS
 
+pytestmark = pytest.mark.real_daemon
+
 
 def _thermal_slowdown(gpus: SimulatedBackend) -> None:
     gpus.set_clock_event_reasons(0, REASON_BITS["hw_thermal_slowdown"])

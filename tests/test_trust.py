@@ -40,6 +40,8 @@ from agent.trust import (
     run_trusted,
 )
 
+pytestmark = pytest.mark.real_daemon
+
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="ownership checks apply when the agent runs as root")
 
 

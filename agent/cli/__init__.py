@@ -48,7 +48,7 @@ def _run_command(arguments: list[str]) -> int:
     command = next((word for word in arguments if not word.startswith("-")), None)
     args = build_parser(command or "").parse_args(arguments)  # "": no command given, no whole tree
     if args.command not in ("run", "status"):  # run configures its own; status stays lean (no store)
-        from agent.logger import log_to_stderr_when_used
+        from agent.logs import log_to_stderr_when_used
 
         log_to_stderr_when_used()
     try:

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 def cmd_run(args: argparse.Namespace) -> int:
     from agent.daemon import Daemon
     from agent.daemon.socket_record import config_file_identity
-    from agent.logs import configure_logging
+    from agent.logs.destinations import configure_logging
 
     configure_logging(args.log_level, args.log_format)
     from agent.trust import state_directory_problem

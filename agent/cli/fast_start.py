@@ -1,6 +1,6 @@
 """The fast start: every module `gpu-agent --version`, `--help`, `status` against a running daemon and
 shell completion's `--complete-values` may import, beyond what the interpreter loaded to start.
-tests/test_cli_thin.py runs each in a fresh interpreter, as /usr/bin/gpu-agent starts it, and holds
+tests/cli/test_cli_thin.py runs each in a fresh interpreter, as /usr/bin/gpu-agent starts it, and holds
 what it imported to its set here; bench/cli_speed.py times them against a bare `python3 -c pass`
 (docs/performance.md: `status` within 4 times that).
 

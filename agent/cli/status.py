@@ -24,7 +24,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     document = None if args.direct else daemon_document(args)
     if document is None or document.get("starting"):
-        from agent.logger import log_to_stderr_when_used
+        from agent.logs import log_to_stderr_when_used
 
         log_to_stderr_when_used()  # a direct read imports what logs; its lines must not reach stdout
         config = load(args)
@@ -118,7 +118,7 @@ def direct_status(config: AgentConfig, note: str) -> dict[str, object]:
     from agent.host.paths import HostPaths
     from agent.node_memory.inventory import read_boot_id
     from agent.node_memory.remembered import read_remembered
-    from agent.services.watch import read_once
+    from agent.services.monitor import read_once
     from agent.snapshot import DaemonParts, NodeWatchers, build_snapshot
     from agent.store.db import StoreError
 

@@ -7,7 +7,7 @@ it asks, at the time of use, for what it needs:
   the inference monitor) or what opens late (the store);
 - session.py: the backend session (NVML opened and reopened in the library lane, library faults,
   the NVML event wait, the write guard);
-- collector.py: the GPU collector (enumeration, fast and slow tier, stale GPUs);
+- gpu_collector.py: the GPU collector (enumeration, fast and slow tier, stale GPUs);
 - policy_loop.py and drift.py: the policy loop (plan/apply steps, drift events, apply failures);
 - agent.snapshot: the snapshot builder and the health watchers (shared with `status --direct`);
 - node_memory.py: the node memory (agent/node_memory/), loaded once the store opens, saved each loop;

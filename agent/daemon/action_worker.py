@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from agent.daemon.lanes import LaneJob, overlaps
 from agent.events import Event, EventKind, Severity
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.rules.actions.dispatch import execute
 from agent.rules.actions.footprint import footprint as decision_footprint
 from agent.rules.actions.footprint import lane

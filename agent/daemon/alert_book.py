@@ -25,7 +25,7 @@ from typing import Any
 
 from agent.events import iso_utc
 from agent.host.boottime import boottime_seconds
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.store.alerts import AlertRow, AlertTables
 from agent.store.db import StoreError
 

@@ -15,7 +15,7 @@ import threading
 import time
 
 from agent.daemon.alert_book import PushBook
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.rules.actions.base import ActionError
 from agent.rules.actions.http_client import post_json, redacted_url
 from agent.rules.params import DEFAULT_HTTP_DEADLINE_SECONDS

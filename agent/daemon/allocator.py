@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ctypes
 
-from agent.logger import get_logger
+from agent.logs import get_logger
 
 log = get_logger()
 

@@ -34,7 +34,7 @@ from agent.daemon.timing import LoopTiming
 from agent.daemon.watchdog import Watchdog
 from agent.events import Event
 from agent.host.boottime import boottime_seconds
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.snapshot import DaemonParts, build_snapshot
 from agent.state import CollectorStatus, GpuSample, NodeSnapshot
 from agent.tune.runner import PRIVILEGED_METHODS, TuneRunner

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from agent.backend.base import GpuIdentity
 from agent.events import Event, EventKind, Severity
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.names.policy_items import FAN_CURVE
 from agent.policy.plan import ItemPlan
 

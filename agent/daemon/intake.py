@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from agent.events import Event
-from agent.logger import get_logger
+from agent.logs import get_logger
 
 log = get_logger()
 

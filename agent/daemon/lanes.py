@@ -23,7 +23,7 @@ from functools import partial
 from queue import SimpleQueue
 from typing import Protocol
 
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.rules.actions.kind import Footprint, Lane
 
 log = get_logger()

@@ -28,7 +28,7 @@ from agent.backend.base import GpuBackend, GpuEvent, GpuIdentity
 from agent.config import AgentConfig
 from agent.daemon.alert_book import PushBook
 from agent.daemon.bounded import BoundedRunner
-from agent.daemon.collector import GpuCollector
+from agent.daemon.gpu_collector import GpuCollector
 from agent.daemon.intake import EventIntake
 from agent.daemon.lanes import Lanes
 from agent.daemon.publisher import Publisher
@@ -43,9 +43,9 @@ from agent.policy.engine import PolicyEngine
 from agent.policy.holds import PolicyHolds
 from agent.rules.actions.context import ActionContext
 from agent.services.attribution import service_of_pid
-from agent.services.health import HealthProber, ProberThread
 from agent.services.managers import ServiceManager, build_managers
-from agent.services.watch import InferenceMonitor
+from agent.services.monitor import InferenceMonitor
+from agent.services.prober import HealthProber, ProberThread
 from agent.snapshot import NodeWatchers
 from agent.state import NodeSnapshot
 from agent.store.attempt_clock import AttemptClock

@@ -9,10 +9,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from agent.backend.base import GpuIdentity
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.node_memory.inventory import with_missing
 from agent.state import GpuSample, ProbeStreak, XidCount
-from agent.store.boot import InventoryGpu
+from agent.store.boot_tables import InventoryGpu
 from agent.store.database import RETENTION_SECONDS, Store, StoreError
 from agent.store.db import TableCache
 from agent.watch.throttle import ClockEventTotal

@@ -17,7 +17,7 @@ from agent.daemon.bounded import StaleGpu
 from agent.daemon.drift import DriftBook, ItemKey
 from agent.daemon.timing import due, timed
 from agent.events import Event
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.names.policy_items import FAN_CURVE, GPU_RESET_ITEM
 from agent.policy import fan_curve
 from agent.policy.engine import PolicyEngine

@@ -21,7 +21,7 @@ from agent.api import ApiError
 from agent.config import AgentConfig, ConfigError
 from agent.daemon.publisher import ListenerError
 from agent.daemon.remediator import LoadedRules, load_rules_dir
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.names.policy_items import FAN_CURVE
 from agent.policy import known_good
 from agent.policy.dropins import load_checked_config

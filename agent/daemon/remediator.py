@@ -18,7 +18,7 @@ from agent.daemon.action_worker import ActionWorker, target_fields
 from agent.daemon.alert_delivery import AlertDelivery
 from agent.daemon.alert_found import found_alerts
 from agent.events import Event
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.rules.actions.dispatch import observe_mode
 from agent.rules.config import Rule, ignored_parameters, load_rules
 from agent.rules.engine import evaluate, gpus_by_service

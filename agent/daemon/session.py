@@ -20,7 +20,7 @@ from agent.backend.base import GpuBackend, GpuEvent, WriteGuard
 from agent.backend.errors import NO_DRIVER_KINDS, GpuError, GpuErrorKind
 from agent.config import AgentConfig
 from agent.daemon.bounded import BoundedRunner, StaleGpu
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.state import CollectorStatus
 from agent.watch.nvml_events import NvmlEventSource
 

@@ -17,7 +17,7 @@ import os
 from typing import TYPE_CHECKING
 
 from agent.api import MAX_PUBLISHED_BYTES, file_identity, published_path, published_record
-from agent.logger import get_logger
+from agent.logs import get_logger
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -7,7 +7,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from agent.logger import get_logger
+from agent.logs import get_logger
 
 if TYPE_CHECKING:
     from agent.daemon.live import Live

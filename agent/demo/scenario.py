@@ -32,7 +32,7 @@ from typing import Any
 
 from agent import api
 from agent.demo import standin, standin_process
-from agent.demo.alertmanager import DemoAlertmanager, find_alertmanager
+from agent.demo.alertmanager_process import DemoAlertmanager, find_alertmanager
 from agent.host import safe_json
 from agent.names.policy_items import POWER_LIMIT
 

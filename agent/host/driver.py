@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from agent.host.boot import ToolRunner
+from agent.host.boot_readiness import ToolRunner
 from agent.host.paths import HostPaths
 
 DPKG_STATUS = "/var/lib/dpkg/status"

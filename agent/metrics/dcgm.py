@@ -3,7 +3,7 @@ field becomes a recording rule that gives the row's series dcgm-exporter's name,
 
     python -m agent.metrics.dcgm > packaging/prometheus/gpu-agent-dcgm-compat.yaml
 
-tests/test_dcgm_compat.py fails while the shipped file differs from what this writes.
+tests/metrics/test_dcgm_compat.py fails while the shipped file differs from what this writes.
 """
 
 from __future__ import annotations

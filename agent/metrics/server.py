@@ -20,7 +20,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 
 from agent.api_server import ServingThread
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.metrics.collector import SnapshotCollector, SnapshotGetter
 from agent.names.metric_families import DEFAULT_SWITCHES, FamilySwitches
 from agent.state import NodeSnapshot

@@ -5,7 +5,7 @@ A restart of the agent is not a reboot: a GPU that fell off the bus is still gon
 happened. So the daemon keeps, per boot (`/proc/sys/kernel/random/boot_id` under host_root), the
 GPU inventory, the Xid counters and health window, the time per clock-event reason with the start
 of each slowdown active now, and each service's declared state and failure streak in the store
-(its tables: agent/store/boot.py), and reads them back when it starts. A reboot starts a new, empty
+(its tables: agent/store/boot_tables.py), and reads them back when it starts. A reboot starts a new, empty
 memory. Each part is written only when it changed since the last write.
 
 - inventory.py: the boot a memory belongs to, and the samples as the memory sees them: a

@@ -10,7 +10,7 @@ from dataclasses import replace
 from agent.backend.errors import GpuErrorKind
 from agent.host.paths import HostPaths
 from agent.state import GpuSample
-from agent.store.boot import InventoryGpu
+from agent.store.boot_tables import InventoryGpu
 
 UNKNOWN_BOOT = "unknown"  # no boot id readable: one memory for every boot (a reboot is not seen)
 LAST_SEEN_EVERY_SECONDS = 60.0  # how stale an answering GPU's stored last_seen may get

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from agent.node_memory.inventory import with_missing
 from agent.state import GpuSample, ProbeStreak, ServiceStatus, XidCount
-from agent.store.boot import BootTables, InventoryGpu
+from agent.store.boot_tables import BootTables, InventoryGpu
 from agent.store.database import DB_NAME
 from agent.store.db import StoreError
 from agent.store.schema import BUSY_TIMEOUT_SECONDS

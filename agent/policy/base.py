@@ -17,8 +17,8 @@ from pathlib import Path
 
 from agent.backend.base import GpuBackend, GpuIdentity
 from agent.backend.errors import GpuError, GpuErrorKind
-from agent.host.commands import run_process
 from agent.host.paths import HostPaths
+from agent.host.processes import run_process
 
 #: Operator wording for each error kind; the kind's value follows it in brackets for grepping.
 ERROR_LABELS: dict[GpuErrorKind, str] = {
@@ -57,7 +57,7 @@ class CommandResult:
     argv: tuple[str, ...]
     ran: bool
     returncode: int | None  # None: not run, or killed at the timeout
-    output: str  # its last words (agent.host.commands keeps a bounded tail)
+    output: str  # its last words (agent.host.processes keeps a bounded tail)
 
     @property
     def ended(self) -> str:
@@ -89,7 +89,7 @@ class HostContext:
         return self.paths.root.resolve() == Path("/")
 
     def run_command(self, argv: Sequence[str], outside_sandbox: bool = False) -> CommandResult:
-        """Run a host-wide command through agent.host.commands (scrubbed environment, its group
+        """Run a host-wide command through agent.host.processes (scrubbed environment, its group
         killed at `command_timeout_seconds`, the tail of its output). `outside_sandbox`: when the
         agent runs as a hardened systemd service (it cannot write /boot or read the module tree),
         run the command as a transient unit of its own, `systemd-run --wait --pipe --collect`, with

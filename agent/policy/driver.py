@@ -19,7 +19,7 @@ from typing import Final
 from agent.backend.errors import GpuError
 from agent.config import AgentConfig, DriverPolicy, NodePolicy
 from agent.host import file_reads
-from agent.host.boot import host_tool_runner, running_driver_version
+from agent.host.boot_readiness import host_tool_runner, running_driver_version
 from agent.host.driver import (
     cuda_supported,
     cuda_version_text,

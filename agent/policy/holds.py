@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from agent.backend.base import GpuBackend
 from agent.config import AgentConfig
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.policy.transaction import (
     SETTINGS,
     Ending,

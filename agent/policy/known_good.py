@@ -19,7 +19,7 @@ from typing import Any
 
 from agent.config import AgentConfig, Mode, SimulatedConfig
 from agent.host import file_reads, safe_json
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.names.policy_items import FAN_CURVE, LOCKED_CLOCKS
 
 log = get_logger()

@@ -1,6 +1,6 @@
 """Next-boot readiness (report-only): will the GPUs come back after a reboot?
 
-Checked for the kernel that boots next (agent.host.boot): the NVIDIA module for the running
+Checked for the kernel that boots next (agent.host.boot_readiness): the NVIDIA module for the running
 driver exists for it, is signed when Secure Boot is on, and its initramfs keeps nouveau out.
 Unset in the config, it is checked whenever the backend is nvml (`policy.node.next_boot: ignore`
 turns it off; `ready` turns it on for any backend). Reading a module means decompressing ~100 MB,
@@ -21,7 +21,7 @@ from typing import Final, Literal
 
 from agent.backend.errors import GpuError
 from agent.config import AgentConfig, NodePolicy
-from agent.host.boot import NOT_MANAGED, BootReadiness, boot_signature, check_next_boot, host_tool_runner
+from agent.host.boot_readiness import NOT_MANAGED, BootReadiness, boot_signature, check_next_boot, host_tool_runner
 from agent.host.paths import HostPaths
 from agent.policy.base import HostContext
 from agent.policy.item import HostItem, Planned, planned

@@ -165,7 +165,7 @@ def _rebuild(ctx: HostContext, argv: tuple[str, ...]) -> tuple[bool, str]:
 
 
 def _stale_initramfs(host: HostContext, command: tuple[str, ...]) -> tuple[str, RebuildInitramfs] | None:
-    """With the blacklist in place, the image the next boot uses is read (agent.host.boot, cached
+    """With the blacklist in place, the image the next boot uses is read (agent.host.boot_readiness, cached
     until /boot changes): one that still carries nouveau without the blacklist is rebuilt for that
     kernel. An image that cannot be read or found is not a reason to rebuild (next_boot reports it)."""
     try:

@@ -8,7 +8,7 @@ directory reaches each systemd inference service as a drop-in
 sees a new environment only when restarted: apply reloads systemd but never restarts a service
 (the operator or a remediation rule chooses when). A `manager: command` service has no unit to
 carry a drop-in: the agent puts the variable in its start command's environment instead
-(agent.services.health.triton_environments), and this item only names it.
+(`triton_environments` below, which agent.services.managers hands it), and this item only names it.
 """
 
 from __future__ import annotations

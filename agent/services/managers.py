@@ -3,7 +3,7 @@
 `SystemdManager` drives a unit with `systemctl`; its argv prefix is configurable so tests can
 reach a sandboxed systemd (`nsenter -t PID -p -m -u -i chroot ROOT systemctl`). `CommandManager`
 runs the service's configured `start_command`/`stop_command` (argv lists, never a shell, through
-agent.host.commands); restart is stop then start. A start command should hand the server to a
+agent.host.processes); restart is stop then start. A start command should hand the server to a
 supervisor of its own (a container runtime, `systemd-run`): whatever it leaves running in the
 agent's cgroup is stopped together with the agent.
 """
@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from agent.config import AgentConfig, ServiceConfig
-from agent.host.commands import ProcessResult, run_process
+from agent.host.processes import ProcessResult, run_process
 from agent.policy.base import HostContext
 from agent.policy.triton_cache import triton_environments
 

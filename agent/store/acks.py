@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.rules.model import Target
 from agent.store.db import Database
 from agent.store.selector import AckSelector, parse_ack_selector

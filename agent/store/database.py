@@ -63,13 +63,13 @@ from agent import trust
 from agent.defaults import REBOOT_FLAG_NAME
 from agent.events import Event, event_from_json, event_json
 from agent.host import safe_json
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.rules.model import ActionOutcome, Decision, Outcome
 from agent.state import RemediationCount, RemediationFailing
 from agent.store.acks import Acknowledgements, Circuit
 from agent.store.alerts import AlertTables
 from agent.store.attempt_clock import ClockReading
-from agent.store.boot import BootTables, InventoryGpu
+from agent.store.boot_tables import BootTables, InventoryGpu
 from agent.store.db import StoreError
 from agent.store.holds import HoldTables
 from agent.store.schema import Unusable, connect_or_replace
@@ -266,7 +266,7 @@ def _dumps(value: Any) -> str:
 
 class Store(BootTables, Acknowledgements, TuneTables, TuneHistoryTables, HoldTables, AlertTables):
     """See the module docstring. Build it with `Store.open(state_dir)`. Node memory is
-    `agent.store.boot`, circuits and acknowledgements `agent.store.acks`, the shared connection
+    `agent.store.boot_tables`, circuits and acknowledgements `agent.store.acks`, the shared connection
     `agent.store.db`."""
 
     # -- opening ------------------------------------------------------------------------------

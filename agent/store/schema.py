@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from agent.host import file_reads
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.store.alerts import ALERTS_MIGRATION
 from agent.store.holds import HOLDS_MIGRATION
 from agent.store.tunes import TUNES_MIGRATION

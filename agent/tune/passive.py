@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agent.config import AgentConfig
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.state import GpuSample, ServiceFigures
 from agent.store.database import Store, StoreError
 from agent.store.tunes import HistoryRow

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from agent.api import ApiError
 from agent.config import AgentConfig, Mode, ServiceConfig
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.state import TuneResult, TuneStepFigures
 from agent.store.database import StoreError
 from agent.tune.defaults import POLICY_ITEMS
@@ -30,8 +30,8 @@ from agent.tune.sweep import TuneJob, close_interrupted, hold_owner
 if TYPE_CHECKING:
     from agent.backend.base import GpuBackend
     from agent.policy.holds import PolicyHolds
-    from agent.services.health import HealthProber
-    from agent.services.watch import InferenceMonitor
+    from agent.services.monitor import InferenceMonitor
+    from agent.services.prober import HealthProber
     from agent.state import NodeSnapshot
     from agent.store.database import Store
 

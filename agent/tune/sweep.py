@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from agent.backend.base import ClockDomain, GpuBackend
 from agent.config import AgentConfig, ServiceConfig
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.policy.holds import PolicyHolds
 from agent.policy.transaction import Ending, HardwareTransaction, JobStop, retried
 from agent.store.database import Store, StoreError

@@ -20,7 +20,7 @@ from typing import Any
 
 from agent.events import Event, EventKind, FaultCause, Health, HealthState, Severity, SuggestedAction
 from agent.host.paths import HostPaths
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.state import GpuSample
 
 log = get_logger()

@@ -18,7 +18,7 @@ What it reads, in order:
   records (dmesg or syslog text) go to the parser as they are.
 - when the path is missing or cannot be read: ``journalctl -k -f -o json --since now`` (the journal's
   kernel messages, one JSON object per record, so a newline inside a record stays data there too;
-  run through ``agent.host.commands``: a scrubbed environment, its process group killed on stop),
+  run through ``agent.host.processes``: a scrubbed environment, its process group killed on stop),
   but only when host_root is ``/``; under any other root the journal would describe
   the wrong machine. With neither, the source reports itself degraded through ``status()`` and keeps
   looking for the path, so a fake log created later is picked up.
@@ -36,9 +36,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from agent.host.commands import ProcessStream
 from agent.host.paths import HostPaths
-from agent.logger import get_logger
+from agent.host.processes import ProcessStream
+from agent.logs import get_logger
 from agent.watch.kernel_log import KernelLogParser, KernelXid, parse_kmsg_record
 
 log = get_logger()

@@ -31,7 +31,7 @@ from agent.backend.base import RecoveryAction
 from agent.events import Event, EventKind, FaultCause, Health, HealthState, Severity, SuggestedAction
 from agent.state import GpuSample
 from agent.watch.boards import BoardStates, sample_event
-from agent.watch.health import combine
+from agent.watch.gpu_health import combine
 
 CORRECTED_EVENT_INTERVAL_SECONDS = 600.0
 

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from agent.backend.base import GpuBackend, GpuEvent
 from agent.backend.errors import GpuError, GpuErrorKind
-from agent.logger import get_logger
+from agent.logs import get_logger
 
 log = get_logger()
 T = TypeVar("T")

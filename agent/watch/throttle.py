@@ -41,7 +41,7 @@ from agent.host.boottime import boottime_seconds
 from agent.state import GpuSample
 from agent.watch.boards import BoardStates, sample_event
 from agent.watch.clock_events import SLOWDOWN_REASONS, decode
-from agent.watch.health import combine
+from agent.watch.gpu_health import combine
 
 #: Violation counter field of GpuSample -> the reason whose time it measures (see module docstring).
 COUNTER_REASONS: dict[str, str] = {"power_violation_ns": "sw_power_cap"}

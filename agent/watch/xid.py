@@ -43,7 +43,7 @@ from typing import Any
 from agent.backend.base import GpuEvent, GpuEventKind, GpuIdentity
 from agent.events import Event, EventKind, FaultCause, Health, HealthState, Severity, SuggestedAction
 from agent.host.boottime import boottime_seconds
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.state import XidCount
 from agent.watch import xid_catalog
 from agent.watch.kernel_log import RECOVERY_ACTION_XID, KernelXid, normalise_pci_bus_id

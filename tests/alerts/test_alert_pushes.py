@@ -21,7 +21,7 @@ from agent.config import AgentConfig
 from agent.daemon.alert_book import FIRING_VALIDITY_SECONDS, Found, PushBook
 from agent.daemon.alert_delivery import AlertDelivery
 from agent.daemon.alert_found import found_alerts
-from agent.demo.alertmanager import DemoAlertmanager, find_alertmanager
+from agent.demo.alertmanager_process import DemoAlertmanager, find_alertmanager
 from agent.demo.standin_process import free_port
 from agent.store.database import Store
 

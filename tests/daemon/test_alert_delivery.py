@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from daemon_harness import Notifications, write_agent_config
 from helpers import wait_until
 
@@ -20,6 +21,8 @@ from agent.daemon.alert_book import PushBook, alert_key
 from agent.daemon.alert_delivery import AlertDelivery
 from agent.store.alerts import AlertRow
 from agent.store.database import Store
+
+pytestmark = pytest.mark.real_daemon
 
 
 class Endpoint:

@@ -25,6 +25,8 @@ from agent.daemon.sd_notify import SdNotifier
 from agent.events import EventKind, Severity
 from agent.watch.fake_kernel_log import append_kmsg, xid_line
 
+pytestmark = pytest.mark.real_daemon
+
 #: How long a test waits for the agent to do what it is asked.
 WAIT_SECONDS = 10.0
 

@@ -25,6 +25,8 @@ from helpers import wait_until
 from agent.backend.base import ClockDomain
 from agent.backend.sim import SimulatedBackend
 
+pytestmark = pytest.mark.real_daemon
+
 PROFILE = "rtx-pro-6000x2"
 POLICY = """\
   gpus:

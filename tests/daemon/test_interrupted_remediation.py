@@ -17,12 +17,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 from daemon_harness import RunningAgent, running_agent
 from helpers import wait_until
 
 from agent.backend.sim import SimulatedBackend
 from agent.demo import standin
 from agent.demo.standin_process import free_port
+
+pytestmark = pytest.mark.real_daemon
 
 POLICY = "  gpus: []\n"
 RESTART_RULE = """rules:

@@ -10,12 +10,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from daemon_harness import DEFAULT_POLICY, RunningAgent, free_port, running_agent
 from helpers import wait_until
 from hosttree import make_host_tree
 
 from agent.defaults import REBOOT_FLAG_NAME
 from agent.host.paths import BOOT_ID_PATH
+
+pytestmark = pytest.mark.real_daemon
 
 PROFILE = "h200x8"
 BOOT_A = "1f0e4c52-0000-4000-8000-00000000000a"

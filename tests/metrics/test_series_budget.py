@@ -35,6 +35,8 @@ from agent.rules.actions.registry import KINDS
 from agent.verdict import AttentionCause, NodeProblem
 from bench.metrics_series import SERIES_BUDGET
 
+pytestmark = pytest.mark.real_daemon
+
 GPUS = 8
 POLICY = """\
   node: {transparent_hugepages: never}

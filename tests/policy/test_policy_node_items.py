@@ -766,7 +766,7 @@ def test_a_host_command_runs_scrubbed_bounded_and_within_its_timeout(
 
 def test_initramfs_rebuild_leaves_the_service_sandbox_under_systemd(monkeypatch: pytest.MonkeyPatch) -> None:
     """Inside the hardened unit /boot is read-only: the rebuild runs as a transient unit of its own."""
-    from agent.host.commands import ProcessResult
+    from agent.host.processes import ProcessResult
     from agent.policy.base import HostContext
 
     ran: list[list[str]] = []

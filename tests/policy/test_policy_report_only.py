@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 from helpers import wait_until
-from test_boot_readiness import NEW, ubuntu_tree
+from host.test_boot_readiness import NEW, ubuntu_tree
 
 from agent.backend.sim import SimulatedBackend
 from agent.config import GPU_ITEMS, AgentConfig, DriverPolicy, NodePolicy, ServiceConfig

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from daemon_harness import RunningAgent, running_agent
 
+pytestmark = pytest.mark.real_daemon
+
 REPO = Path(__file__).resolve().parents[2]
 PROMTOOL = shutil.which("promtool")
 

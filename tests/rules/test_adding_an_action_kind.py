@@ -19,8 +19,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from daemon_harness import running_agent, write_agent_config
 from helpers import wait_until
+
+pytestmark = pytest.mark.real_daemon
 
 REPO = Path(__file__).resolve().parents[2]
 WAIT_SECONDS = 20.0

@@ -19,7 +19,7 @@ from snapshots import gpu_uuid, h200_snapshot
 
 from agent.config import ConfigError
 from agent.events import Event, EventKind, SuggestedAction
-from agent.rules.actions.alertmanager import alerts_of
+from agent.rules.actions.raise_alert import alerts_of
 from agent.rules.config import Rule, load_rules
 from agent.rules.engine import EXHAUSTED_STEP, evaluate
 from agent.rules.model import ActionOutcome, Decision, Outcome, Target

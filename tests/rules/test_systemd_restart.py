@@ -23,6 +23,7 @@ from agent.rules.model import Decision, Outcome, Target
 from agent.services.managers import SystemdManager, build_managers
 
 pytestmark = [
+    pytest.mark.real_daemon,
     pytest.mark.e2e,
     pytest.mark.skipif(missing_requirements() is not None, reason=str(missing_requirements())),
 ]

@@ -11,7 +11,7 @@ from agent.config import ServiceConfig
 from agent.demo.standin import MODEL_NAME
 from agent.demo.standin_process import StandinServer, free_port
 from agent.services.generate_probe import generate_probe
-from agent.services.health import HealthProber
+from agent.services.prober import HealthProber
 
 
 def origin(server: StandinServer) -> str:

@@ -134,7 +134,7 @@ def test_a_process_that_exited_leaves_the_list_at_once(tmp_path: Path) -> None:
     lists it no more) and leaves what status shows now, not at the next refresh."""
     from agent.backend.sim import SimulatedBackend
     from agent.config import AgentConfig
-    from agent.services.watch import GpuAttributor
+    from agent.services.monitor import GpuAttributor
 
     gpus = SimulatedBackend("h200x2", tmp_path / "sim")
     gpus.init()

@@ -22,6 +22,8 @@ from agent.backend.sim import SimulatedBackend
 from agent.demo.standin_process import StandinServer, free_port
 from agent.textview import status_text
 
+pytestmark = pytest.mark.real_daemon
+
 SERVICE = """\
 services:
   - name: sglang

@@ -11,8 +11,8 @@ import pytest
 from pydantic import ValidationError
 
 from agent.config import AgentConfig, ConfigError, ServiceConfig, config_from_text
-from agent.host.commands import MINIMAL_ENV
 from agent.host.paths import HostPaths
+from agent.host.processes import MINIMAL_ENV
 from agent.policy.base import HostContext
 from agent.policy.triton_cache import triton_environments
 from agent.services.managers import CommandManager, build_managers

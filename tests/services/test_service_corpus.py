@@ -22,8 +22,8 @@ from service_pages import CASES, SCRAPE_SECONDS, Case
 from agent.config import AgentConfig
 from agent.demo.standin_process import StandinServer
 from agent.services import scrape as scrape_module
+from agent.services.monitor import LatencyRegressionWatch
 from agent.services.scrape import ScrapeError, fetch_text, parse_reading
-from agent.services.watch import LatencyRegressionWatch
 from agent.services.window import QUANTILES, LatencyWindow
 from agent.state import GpuSample, ServiceFigures
 

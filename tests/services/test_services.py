@@ -18,8 +18,8 @@ from agent.demo.standin_process import StandinServer, free_port
 from agent.events import EventKind, Severity, SuggestedAction
 from agent.host.paths import HostPaths
 from agent.policy.base import HostContext
-from agent.services.health import HealthProber, ProberThread
 from agent.services.managers import CommandManager, ServiceError, SystemdManager, build_managers
+from agent.services.prober import HealthProber, ProberThread
 
 STANDIN = str(Path(standin.__file__))
 

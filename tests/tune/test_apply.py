@@ -14,12 +14,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from daemon_harness import RunningAgent
 from helpers import wait_until
 from tune.test_sweep import node, sweep_json, tune
 
 from agent import api
 from agent.store.database import Store
+
+pytestmark = pytest.mark.real_daemon
 
 DROPIN = Path("agent.d") / "90-tune.yaml"
 

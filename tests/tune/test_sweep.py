@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 from daemon_harness import RunningAgent, running_agent
 from helpers import HttpAnswer, http_server, wait_until
 
@@ -27,6 +28,8 @@ from agent.backend.sim.physics import busy_power_mw, capped_clock_ratio
 from agent.demo.standin_process import StandinServer, free_port
 from agent.store.database import Store
 from agent.textview import status_text
+
+pytestmark = pytest.mark.real_daemon
 
 PROFILE = "h200x2"
 

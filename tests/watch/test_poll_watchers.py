@@ -27,8 +27,8 @@ from agent.rules.model import Decision
 from agent.state import GpuSample
 from agent.store.database import Store
 from agent.watch.devices import DeviceWatcher, UdevWakeup, is_nvidia_pci_event
+from agent.watch.gpu_health import ACTION_ORDER, HealthBook, HealthSource, PollWatcher, combine
 from agent.watch.gpu_lost import GpuLostWatcher
-from agent.watch.health import ACTION_ORDER, HealthBook, HealthSource, PollWatcher, combine
 from agent.watch.memory_errors import MemoryWatcher
 from agent.watch.pcie import PcieWatcher
 from agent.watch.throttle import ThrottleWatcher

@@ -15,7 +15,7 @@ from agent.backend.nvml.events import EventWait
 from agent.backend.nvml.profiling import ProfilingReads
 from agent.backend.nvml.reads import DeviceReads
 from agent.backend.nvml.setters import DeviceSetters
-from agent.host.commands import run_process
+from agent.host.processes import run_process
 
 # nvidia-smi --gpu-reset takes seconds; a reset that hangs is a fault of its own.
 _RESET_TIMEOUT_SECONDS = 120.0

@@ -32,7 +32,7 @@ Where each action lives
   worker keeps it apart from.
 - service_actions.py: what restart_service and reset_gpu share (which services, their managers,
   draining, starting again, waiting until healthy).
-- alertmanager.py: which catalogue alert an alertmanager or recommend_reboot step raises in the
+- raise_alert.py: which catalogue alert an alertmanager or recommend_reboot step raises in the
   push book (agent/daemon/alert_book.py); http_client.py: POST with a total deadline, no redirects, no
   secrets in errors (webhook).
 - base.py: the result and the error every handler shares; context.py: what a handler reaches;

@@ -13,8 +13,8 @@ from agent.backend.base import GpuBackend
 from agent.config import AgentConfig
 from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
-from agent.services.health import HealthProber
 from agent.services.managers import ServiceManager
+from agent.services.prober import HealthProber
 
 
 class AlertRaiser(Protocol):
@@ -33,7 +33,7 @@ class AlertRaiser(Protocol):
 @dataclass
 class ActionContext:
     """Everything actions reach. `managers` maps service names to their manager (a service without
-    one cannot be restarted: see agent.services.health.build_managers)."""
+    one cannot be restarted: see agent.services.managers.build_managers)."""
 
     config: AgentConfig
     backend: GpuBackend

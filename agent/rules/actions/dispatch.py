@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from agent.config import Mode
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.rules.actions.base import ActionError, Result, failed
 from agent.rules.actions.context import ActionContext
 from agent.rules.actions.kind import Lane

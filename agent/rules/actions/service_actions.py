@@ -7,7 +7,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 
 from agent.config import AgentConfig, ServiceConfig
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.rules.actions.base import ActionError, event_payload, gpu_of
 from agent.rules.actions.context import ActionContext
 from agent.rules.actions.kinds.run_hook import hook_env

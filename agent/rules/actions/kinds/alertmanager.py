@@ -2,7 +2,7 @@
 
 The step does not build an alert of its own: it raises the alert the catalogue (agent/alerts/catalog.py,
 docs/alerts.md) has for the fault, with the same name, severity and labels as the shipped Prometheus
-rule's, without waiting for the rule's `for` (agent/rules/actions/alertmanager.py). The agent pushes it
+rule's, without waiting for the rule's `for` (agent/rules/actions/raise_alert.py). The agent pushes it
 to `remediation.alertmanager_url`, and to the step's `url`, while its verdict holds the fault, and
 resolves it when the fault is fixed, acknowledged or gone. With no Alertmanager anywhere the outcome is
 not_configured (nothing tried, nothing counted). It tells people and changes nothing: it runs in
@@ -15,10 +15,10 @@ from typing import ClassVar, Final
 
 from pydantic import Field, field_validator
 
-from agent.rules.actions.alertmanager import alertmanager_urls, alerts_of, raise_alerts
 from agent.rules.actions.base import Result, not_configured, success
 from agent.rules.actions.context import ActionContext
 from agent.rules.actions.kind import ActionType, Lane
+from agent.rules.actions.raise_alert import alertmanager_urls, alerts_of, raise_alerts
 from agent.rules.model import Decision
 from agent.rules.params import ActionParams, http_url, label_names
 

@@ -17,11 +17,11 @@ from pydantic import field_validator
 
 from agent.defaults import REBOOT_FLAG_NAME
 from agent.events import iso_utc
-from agent.rules.actions.alertmanager import alertmanager_urls, raise_alerts
 from agent.rules.actions.base import Result, gpu_of, success, uuid_of, xid_of
 from agent.rules.actions.context import ActionContext
 from agent.rules.actions.kind import ActionType, Lane, Once
 from agent.rules.actions.kinds.reboot import next_boot_problem_of
+from agent.rules.actions.raise_alert import alertmanager_urls, raise_alerts
 from agent.rules.model import Decision
 from agent.rules.params import ActionParams, http_url
 

@@ -19,7 +19,7 @@ from agent.backend.base import GpuProcess
 from agent.backend.errors import GpuError, GpuErrorKind, WriteRefused
 from agent.config import AgentConfig, ServiceConfig
 from agent.events import EventKind, SuggestedAction
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.policy.plan import ApplyOutcome
 from agent.policy.transaction import SETTINGS, TransactionClosed, TransactionError
 from agent.rules.actions.base import Result, failed, gpu_of, refused, uuid_of, xid_of

@@ -18,7 +18,7 @@ an initramfs that still loads nouveau. This module answers, for the kernel that 
 
 Everything is read under `host_root`; host tools (`grubby`, `mokutil`, `lsinitramfs`, `lsinitrd`)
 run only when `host_root` is `/`. Every tool, the zstd decompressor included, runs through
-agent.host.commands: a scrubbed environment, a 60 s deadline, bounded output. Nothing here writes.
+agent.host.processes: a scrubbed environment, a 60 s deadline, bounded output. Nothing here writes.
 
 Whoever can write /boot or a module tree can put anything there, and a disk can hang: every file
 is opened as a regular file only (agent.host.file_reads: a FIFO or `nvidia.ko` -> `/dev/zero` is
@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import IO, BinaryIO, Protocol, cast
 
 from agent.host import file_reads
-from agent.host.commands import ProcessStream, run_process
 from agent.host.paths import HostPaths
+from agent.host.processes import ProcessStream, run_process
 
 SECURE_BOOT_VAR = "/sys/firmware/efi/efivars/SecureBoot-8be4df61-93ca-11d2-aa0d-00e098032b8c"
 SIGNATURE_MAGIC = b"~Module signature appended~\n"

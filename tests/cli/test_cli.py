@@ -22,6 +22,8 @@ from agent.cli.commands import XID_PARSE_MAX_LINE_BYTES, bounded_lines
 from agent.defaults import DEFAULT_RULES_DIR
 from agent.demo import standin
 
+pytestmark = pytest.mark.real_daemon
+
 H200_POLICY = """\
 mode: {mode}
 backend: simulated
@@ -272,7 +274,7 @@ def test_status_without_a_driver_says_so_in_one_line(tmp_path: Path) -> None:
 )
 def test_check_config_exit_codes(tmp_path: Path, text: str, code: int) -> None:
     config = tmp_path / "agent.yaml"
-    config.write_text(text + f"remediation: {{rules_dirs: [{Path(__file__).parent.parent / 'rules'}]}}\n")
+    config.write_text(text + f"remediation: {{rules_dirs: [{Path(__file__).parents[2] / 'rules'}]}}\n")
     result = gpu_agent("check-config", "--config", str(config))
     assert result.returncode == code, result.stderr
     if code:
@@ -377,7 +379,7 @@ def test_check_config_validates_rules_with_file_and_line(tmp_path: Path) -> None
     )
     ok = gpu_agent("check-config", "--config", str(config))
     assert ok.returncode == 0 and "1 rules from" in ok.stdout
-    shipped = gpu_agent("check-config", "--config", str(config), "--rules", str(Path(__file__).parent.parent / "rules"))
+    shipped = gpu_agent("check-config", "--config", str(config), "--rules", str(Path(__file__).parents[2] / "rules"))
     assert shipped.returncode == 0, shipped.stderr
 
 
@@ -385,7 +387,7 @@ def test_the_rules_an_admin_kept_from_0_1_load_and_their_alert_identity_is_warne
     """0.1's alertmanager steps named their own severity (the rules 0.1 shipped, which an upgrade keeps
     as the admin's: packaging/legacy-rules): they load, and each such field is a warning that names
     file, line and field (`--strict`: exit 1); the step raises the catalogue's alert regardless."""
-    legacy = Path(__file__).parent.parent / "packaging/legacy-rules"
+    legacy = Path(__file__).parents[2] / "packaging/legacy-rules"
     config = tmp_path / "agent.yaml"
     config.write_text(f"remediation: {{rules_dirs: [{legacy}]}}\n")
     result = gpu_agent("check-config", "--config", str(config))
@@ -434,7 +436,7 @@ def test_check_config_refuses_a_rules_dir_that_does_not_exist(tmp_path: Path) ->
 
 
 def test_check_config_lets_the_default_override_dir_be_absent(tmp_path: Path) -> None:
-    shipped = Path(__file__).parent.parent / "rules"
+    shipped = Path(__file__).parents[2] / "rules"
     assert not Path(DEFAULT_RULES_DIR).exists()  # the admin has written no override here
     config = tmp_path / "agent.yaml"
     config.write_text(f"remediation: {{rules_dirs: [{shipped}, {DEFAULT_RULES_DIR}]}}\n")
@@ -616,7 +618,7 @@ def test_events_limit_must_be_a_count_sqlite_can_take(tmp_path: Path, limit: str
 
 
 def test_the_checkout_wrapper_runs_the_venv_cli_or_says_how_to_set_it_up(tmp_path: Path) -> None:
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     copy = tmp_path / "checkout"
     (copy / "scripts").mkdir(parents=True)
     wrapper = copy / "scripts" / "gpu-agent"

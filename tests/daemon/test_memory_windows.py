@@ -13,7 +13,7 @@ from test_node_memory import BOOT, UUIDS, memory_of, sample, xid_watcher
 from agent.config import ServiceConfig
 from agent.daemon.node_memory import NodeMemory
 from agent.events import EventKind
-from agent.services.health import HealthProber
+from agent.services.prober import HealthProber
 from agent.state import GpuSample
 from agent.store.database import DB_NAME, Store
 from agent.watch.throttle import ThrottleWatcher

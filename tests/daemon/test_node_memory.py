@@ -15,7 +15,7 @@ from agent.daemon.node_memory import PRUNE_EVERY_SECONDS, NodeMemory
 from agent.events import EventKind, HealthState
 from agent.host.paths import HostPaths
 from agent.node_memory.inventory import MISSING_READ_ERROR, UNKNOWN_BOOT, read_boot_id
-from agent.services.health import HealthProber
+from agent.services.prober import HealthProber
 from agent.state import GpuSample, NodeSnapshot, XidCount
 from agent.store.database import DB_NAME, RETENTION_SECONDS, InventoryGpu, Store
 from agent.store.schema import MIGRATIONS

@@ -20,7 +20,7 @@ from agent.host import http_read
 from agent.rules.actions.base import ActionError
 from agent.rules.actions.http_client import post_json
 from agent.services.generate_probe import generate_probe
-from agent.services.health import HealthProber, http_probe
+from agent.services.prober import HealthProber, http_probe
 from agent.services.scrape import ScrapeError, fetch_text
 
 DEADLINE_SECONDS = 1.0

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from agent.config import ServiceConfig
 from agent.events import Event, EventKind, Severity, SuggestedAction
 from agent.host import http_read
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.services.generate_probe import generate_probe
 from agent.services.managers import ServiceError, ServiceManager
 from agent.state import ProbeStreak, ServiceStatus

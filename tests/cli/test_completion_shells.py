@@ -20,7 +20,7 @@ from agent.cli.completion import DURATIONS, bash_script, commands, zsh_script
 from agent.cli.parser import build_parser
 from agent.store.database import Store
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 BASH_COMPLETION = Path("/usr/share/bash-completion/bash_completion")
 SHELL_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "TERM": "dumb"}

@@ -23,7 +23,7 @@ from agent.collect import carry_slow_fields, sample_identified
 from agent.daemon.bounded import BoundedRunner, StaleGpu
 from agent.daemon.session import FaultSink
 from agent.daemon.timing import LoopTiming, due, timed
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.state import CollectorStatus, GpuSample
 
 log = get_logger()

@@ -16,8 +16,8 @@ from typing import TypeVar
 
 import pytest
 
-from agent.host import boot
-from agent.host.boot import (
+from agent.host import boot_readiness
+from agent.host.boot_readiness import (
     SECURE_BOOT_VAR,
     SIGNATURE_MAGIC,
     UnreadableArchive,
@@ -273,8 +273,8 @@ def test_a_host_tools_answer_is_its_stdout_whole_in_time(tmp_path: Path, monkeyp
     stand_in_tool(tmp_path, monkeypatch, "failing", "echo partial; exit 2\n")
     stand_in_tool(tmp_path, monkeypatch, "flooding", "head -c 5000 /dev/zero | tr '\\0' x\n")
     stand_in_tool(tmp_path, monkeypatch, "hanging", "echo early; sleep 60\n")
-    monkeypatch.setattr(boot, "_TOOL_OUTPUT_LIMIT_BYTES", 4096)
-    monkeypatch.setattr(boot, "_TOOL_TIMEOUT_SECONDS", 0.5)
+    monkeypatch.setattr(boot_readiness, "_TOOL_OUTPUT_LIMIT_BYTES", 4096)
+    monkeypatch.setattr(boot_readiness, "_TOOL_TIMEOUT_SECONDS", 0.5)
     run = host_tool_runner(HostPaths.at("/"))
     assert run is not None
     assert run(["lister", "/boot/initrd.img"]) == "scrubbed\n/boot/initrd.img"
@@ -288,7 +288,7 @@ def test_a_stalled_zstd_leaves_the_initramfs_unverified_at_its_deadline(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     stand_in_tool(tmp_path / "tools", monkeypatch, "zstd", "sleep 60\n")
-    monkeypatch.setattr(boot, "_TOOL_TIMEOUT_SECONDS", 0.5)
+    monkeypatch.setattr(boot_readiness, "_TOOL_TIMEOUT_SECONDS", 0.5)
     write(tmp_path, f"/boot/initrd.img-{NEW}", b"\x28\xb5\x2f\xfd" + b"frames")
     check = check_initramfs(HostPaths.at(tmp_path), NEW, None)
     assert check.verdict == "unverified"
@@ -397,8 +397,8 @@ def test_a_cpio_member_claiming_more_than_is_there_ends_the_read(tmp_path: Path)
 
 
 def test_decompressed_bytes_are_capped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(boot, "_INITRAMFS_LIMIT_BYTES", 1 << 20)
-    monkeypatch.setattr(boot, "_MODULE_LIMIT_BYTES", 1 << 20)
+    monkeypatch.setattr(boot_readiness, "_INITRAMFS_LIMIT_BYTES", 1 << 20)
+    monkeypatch.setattr(boot_readiness, "_MODULE_LIMIT_BYTES", 1 << 20)
     ubuntu_tree(tmp_path, module_for=None)
     # Zeros compress to almost nothing: a small file that decompresses far past the cap.
     member = cpio_header(2, size=8 << 20) + b"a\x00" + b"\x00" * (8 << 20)

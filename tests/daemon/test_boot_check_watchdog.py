@@ -22,6 +22,8 @@ from agent.daemon import Daemon
 from agent.daemon.sd_notify import SdNotifier
 from agent.policy import next_boot
 
+pytestmark = pytest.mark.real_daemon
+
 KERNEL = "6.8.0-50-generic"
 POLICY = """\
   node: {next_boot: ready}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.state import ProbeStreak, XidCount
 from agent.store.db import Database
 from agent.watch.throttle import ClockEventTotal

@@ -19,7 +19,7 @@ from agent.metrics.collector import SnapshotCollector
 from agent.metrics.dcgm import compat_rules
 from agent.names.metric_families import FamilySwitches
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "packaging/prometheus/gpu-agent-dcgm-compat.yaml"
 UNIT_TESTS = ROOT / "tests/prometheus/dcgm_compat.yaml"
 PROMTOOL = shutil.which("promtool")

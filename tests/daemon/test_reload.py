@@ -22,6 +22,8 @@ from helpers import wait_until
 from agent import api, api_server
 from agent.daemon.publisher import systemd_status_line
 
+pytestmark = pytest.mark.real_daemon
+
 WAIT_SECONDS = 10.0
 
 

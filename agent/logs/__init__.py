@@ -1,8 +1,11 @@
-"""The agent's logger, which every module that logs takes at import (`log = get_logger()`).
+"""Logging: the agent's logger, which every module that logs takes at import (`log = get_logger()`),
+and (agent/logs/destinations.py) where its lines go: the journal, JSON lines or the console.
 
 structlog, and asyncio with it, loads on the first line logged: a large part of a direct
-`gpu-agent status`, which logs nothing. agent/logs.py configures the output; a configuration asked
-for before structlog has loaded (`configure_when_used`) is applied just before the first line."""
+`gpu-agent status`, which logs nothing. So this module imports only the standard library, and
+agent/logs/destinations.py, which imports structlog, is imported only to configure the output: a
+configuration asked for before structlog has loaded (`configure_when_used`) is applied just before
+the first line."""
 
 from __future__ import annotations
 
@@ -64,11 +67,11 @@ def get_logger(name: str = "gpu-agent") -> Any:
 
 
 def log_to_stderr_when_used() -> None:
-    """One-shot commands: agent/logs.py's `configure_cli_logging` (warnings and worse, to stderr,
-    never into the answer on stdout), applied when a line is first logged."""
+    """One-shot commands: agent/logs/destinations.py's `configure_cli_logging` (warnings and worse, to
+    stderr, never into the answer on stdout), applied when a line is first logged."""
 
     def configure() -> None:
-        from agent.logs import configure_cli_logging
+        from agent.logs.destinations import configure_cli_logging
 
         configure_cli_logging()
 

@@ -1,4 +1,4 @@
-"""The one process runner (agent.host.commands): every bound it promises, against real children.
+"""The one process runner (agent.host.processes): every bound it promises, against real children.
 
 A child that floods its output costs the agent only the tail; one that never exits is killed at
 its deadline with its whole process group; one that leaves a grandchild holding the pipe open does
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from helpers import wait_until
 
-from agent.host.commands import (
+from agent.host.processes import (
     MINIMAL_ENV,
     OUTPUT_LIMIT_BYTES,
     ProcessNotStarted,
@@ -212,7 +212,7 @@ def test_run_process_keeps_a_bounded_tail_of_a_flood_in_memory_and_nothing_on_di
     flood = "head -c 300000000 /dev/zero | tr '\\0' x; echo; ls -l /proc/$PPID/fd/; echo END"
     probe = (
         "import sys\n"
-        "from agent.host.commands import run_process\n"
+        "from agent.host.processes import run_process\n"
         f"result = run_process(['/bin/sh', '-c', {flood!r}], 120)\n"
         # VmHWM, not getrusage's ru_maxrss: Linux carries the maxrss of the forked pytest process
         # (hundreds of MB late in a run) across execve into the child's figure.

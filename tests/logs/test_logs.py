@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from agent import logs
+from agent.logs import destinations as log_destinations
 
 
 @pytest.fixture(autouse=True)
@@ -47,10 +47,10 @@ def parse_native(datagram: bytes) -> dict[str, str]:
 
 
 def test_journal_field_names() -> None:
-    assert logs.journal_field("gpu_uuid") == "GPU_UUID"
-    assert logs.journal_field("xid") == "XID"
-    assert logs.journal_field("rule-name") == "RULE_NAME"
-    assert logs.journal_field("_private") == "PRIVATE"
+    assert log_destinations.journal_field("gpu_uuid") == "GPU_UUID"
+    assert log_destinations.journal_field("xid") == "XID"
+    assert log_destinations.journal_field("rule-name") == "RULE_NAME"
+    assert log_destinations.journal_field("_private") == "PRIVATE"
 
 
 def test_journal_entries_have_fields(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -58,9 +58,9 @@ def test_journal_entries_have_fields(tmp_path: Path, monkeypatch: pytest.MonkeyP
     path = tmp_path / "journal.sock"
     journald.bind(str(path))
     journald.settimeout(2)
-    monkeypatch.setattr(logs, "JOURNAL_SOCKET", str(path))
+    monkeypatch.setattr(log_destinations, "JOURNAL_SOCKET", str(path))
     monkeypatch.setitem(sys.modules, "systemd", None)  # force the native-socket path
-    assert logs.configure_logging("info", "journal") == "journal"
+    assert log_destinations.configure_logging("info", "journal") == "journal"
     log = structlog.get_logger("test")
     log.error(
         "action finished", gpu_uuid="GPU-1234", xid=79, rule="reboot-on-79", action="recommend_reboot", detail="a\nb"
@@ -81,7 +81,7 @@ def test_journal_entries_have_fields(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 
 def test_json_lines_when_not_under_systemd(capsys: pytest.CaptureFixture[str]) -> None:
-    assert logs.configure_logging("info", "json") == "json"
+    assert log_destinations.configure_logging("info", "json") == "json"
     structlog.get_logger("test").info("policy drift corrected", item="power_limit", gpu=0)
     structlog.get_logger("test").debug("not shown at info")
     lines = capsys.readouterr().out.strip().splitlines()
@@ -92,18 +92,18 @@ def test_json_lines_when_not_under_systemd(capsys: pytest.CaptureFixture[str]) -
 
 def test_auto_picks_journal_only_under_systemd(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("JOURNAL_STREAM", raising=False)
-    assert not logs.under_journal()
+    assert not log_destinations.under_journal()
     sock = tmp_path / "journal.sock"
     sock.touch()
-    monkeypatch.setattr(logs, "JOURNAL_SOCKET", str(sock))
+    monkeypatch.setattr(log_destinations, "JOURNAL_SOCKET", str(sock))
     monkeypatch.setenv("JOURNAL_STREAM", "8:1234")
-    assert logs.under_journal()
+    assert log_destinations.under_journal()
 
 
-#: Modules allowed to import stdlib logging, and why. logs.py bridges third-party libraries that log
-#: through `logging` (pyudev, systemd's journal module) into the same structlog stream.
+#: Modules allowed to import stdlib logging, and why. agent/logs/destinations.py bridges third-party
+#: libraries that log through `logging` (pyudev, systemd's journal module) into the same structlog stream.
 STDLIB_LOGGING_ALLOWED = {
-    "agent/logs.py": "routes third-party libraries' stdlib records into structlog",
+    "agent/logs/destinations.py": "routes third-party libraries' stdlib records into structlog",
 }
 
 
@@ -119,7 +119,7 @@ def _imports_stdlib_logging(path: Path) -> bool:
 
 def test_agent_modules_log_through_structlog_not_stdlib_logging() -> None:
     """Messages logged through stdlib `logging` lose their fields in the journal (GPU_UUID, XID, ...)."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     importing = {
         path.relative_to(root).as_posix() for path in (root / "agent").rglob("*.py") if _imports_stdlib_logging(path)
     }
@@ -129,11 +129,11 @@ def test_agent_modules_log_through_structlog_not_stdlib_logging() -> None:
     )
 
 
-def test_every_module_logs_as_the_daemon_through_agent_logger() -> None:
+def test_every_module_logs_as_the_daemon_through_get_logger() -> None:
     """Every module logs as "gpu-agent" (the journal's SYSLOG_IDENTIFIER and the JSON lines agree),
-    through agent/logger.py's `get_logger()`, so structlog loads only when a line is logged."""
-    root = Path(__file__).resolve().parent.parent
-    configuring = {"agent/logs.py", "agent/logger.py"}
+    through agent/logs's `get_logger()`, so structlog loads only when a line is logged."""
+    root = Path(__file__).resolve().parents[2]
+    configuring = {"agent/logs/__init__.py", "agent/logs/destinations.py"}
     for path in (root / "agent").rglob("*.py"):
         relative = path.relative_to(root).as_posix()
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
@@ -142,12 +142,12 @@ def test_every_module_logs_as_the_daemon_through_agent_logger() -> None:
                 assert not any(n.split(".")[0] == "structlog" for n in names), f"{relative}:{node.lineno}"
             if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "get_logger":
                 names = [arg.value for arg in node.args if isinstance(arg, ast.Constant)]
-                assert names in ([], ["gpu-agent"]) or relative == "agent/logger.py", f"{relative}:{node.lineno}"
+                assert names in ([], ["gpu-agent"]) or relative == "agent/logs/__init__.py", f"{relative}:{node.lineno}"
 
 
 LAZY_PROBE = """
 import sys
-from agent.logger import get_logger, log_to_stderr_when_used
+from agent.logs import get_logger, log_to_stderr_when_used
 log = get_logger()
 log_to_stderr_when_used()
 assert "structlog" not in sys.modules, "loaded before a line was logged"
@@ -159,7 +159,7 @@ assert "structlog" in sys.modules
 
 def test_structlog_loads_on_the_first_line_and_the_cli_configuration_applies_then() -> None:
     done = subprocess.run(
-        [sys.executable, "-c", LAZY_PROBE], capture_output=True, text=True, timeout=60, cwd=Path(__file__).parent.parent
+        [sys.executable, "-c", LAZY_PROBE], capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[2]
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == ""
@@ -175,9 +175,9 @@ def test_a_swapped_and_closed_stream_is_never_written_to(monkeypatch: pytest.Mon
     first, second = io.StringIO(), io.StringIO()
     monkeypatch.setattr(sys, name, first)
     if output == "cli":
-        logs.configure_cli_logging()
+        log_destinations.configure_cli_logging()
     else:
-        logs.configure_logging("info", output)
+        log_destinations.configure_logging("info", output)
     first.close()
     monkeypatch.setattr(sys, name, second)
     structlog.get_logger("gpu-agent").warning("still heard")

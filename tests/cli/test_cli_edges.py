@@ -30,6 +30,8 @@ from agent.rules.model import Target
 from agent.store.database import Store
 from agent.watch.xid import XidMark
 
+pytestmark = pytest.mark.real_daemon
+
 # -- a stdout that cannot be written --------------------------------------------------------------
 
 OUTPUT_COMMANDS = {

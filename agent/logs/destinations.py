@@ -101,7 +101,7 @@ def under_journal() -> bool:
 class _StdlibToStructlog(logging.Handler):
     """Libraries log through stdlib `logging` (the standard library's own modules, third-party
     ones); their records join the same journal/JSON stream, with the library's logger name as
-    `logger`. The agent's own modules log through structlog directly (tests/test_logs.py holds them
+    `logger`. The agent's own modules log through structlog directly (tests/logs/test_logs.py holds them
     to it), so their key=value fields become journal fields."""
 
     def emit(self, record: logging.LogRecord) -> None:

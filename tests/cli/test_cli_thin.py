@@ -21,7 +21,9 @@ from agent.cli.parser import INJECT_HELP, build_parser
 from agent.defaults import DEFAULT_RUNTIME_DIR, DEFAULT_SOCKET_PATH
 from agent.tune.defaults import TUNE_HELP
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.real_daemon
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 #: `gpu-agent ARGV` as /usr/bin/gpu-agent runs it (`-I -X faulthandler`, main() called directly) from a
 #: venv holding only the agent's dependencies: no .pth file runs at start (the test venv's editable

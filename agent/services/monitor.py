@@ -29,7 +29,7 @@ from agent.backend.errors import GpuError
 from agent.config import AgentConfig, ServiceConfig
 from agent.events import Event, EventKind
 from agent.host.paths import HostPaths
-from agent.logger import get_logger
+from agent.logs import get_logger
 from agent.policy.profiles import resolve_profile
 from agent.services.attribution import Listeners, attribute_gpu_processes, command_service_pids
 from agent.services.counters import CounterBook, ServiceEnergy

@@ -18,7 +18,7 @@ from agent.collect import sample_all
 from agent.config import AgentConfig, ServiceConfig
 from agent.demo.standin_process import StandinServer, free_port
 from agent.events import Event, EventKind, Severity
-from agent.services.watch import InferenceMonitor, LatencyRegressionWatch, ServiceScraper, expected_clocks_mhz
+from agent.services.monitor import InferenceMonitor, LatencyRegressionWatch, ServiceScraper, expected_clocks_mhz
 from agent.state import GpuSample, LatencyFigures, ServiceFigures
 
 
