@@ -22,7 +22,8 @@ from hosttree import make_host_tree
 from snapshots import TIMESTAMP_SECONDS, node_snapshot
 
 from agent.backend.sim import SimulatedBackend
-from agent.config import AgentConfig, ServiceConfig
+from agent.config import AgentConfig
+from agent.config.service_entry import ServiceConfig
 from agent.demo.standin_process import free_port
 from agent.metrics.server import serve_metrics
 from agent.policy.base import HostContext

@@ -19,7 +19,7 @@ from functools import partial
 from typing import Any, Final, TypeVar
 
 from agent.backend.errors import GpuError, GpuErrorKind
-from agent.config import GpuProfile
+from agent.config.desired import GpuProfile
 from agent.names.policy_items import GpuItemName
 from agent.policy.base import GpuContext, describe_error
 from agent.policy.item import Change, GpuItem, Planned, planned

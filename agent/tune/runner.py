@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from agent.api import ApiError
-from agent.config import AgentConfig, Mode, ServiceConfig
+from agent.config import AgentConfig, Mode
+from agent.config.service_entry import ServiceConfig
 from agent.logger import get_logger
 from agent.state import TuneResult, TuneStepFigures
 from agent.store.database import StoreError

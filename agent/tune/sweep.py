@@ -17,7 +17,8 @@ import threading
 from collections.abc import Callable
 
 from agent.backend.base import ClockDomain, GpuBackend
-from agent.config import AgentConfig, ServiceConfig
+from agent.config import AgentConfig
+from agent.config.service_entry import ServiceConfig
 from agent.logger import get_logger
 from agent.policy.holds import PolicyHolds
 from agent.policy.transaction import Ending, HardwareTransaction, JobStop, retried

@@ -23,7 +23,8 @@ from snapshots import snapshot_from_backend
 from agent import verdict
 from agent.backend.base import ClockDomain, GpuBackend, WriteGuard
 from agent.backend.sim import SimulatedBackend
-from agent.config import AgentConfig, ServiceConfig
+from agent.config import AgentConfig
+from agent.config.service_entry import ServiceConfig
 from agent.policy import holds as holds_module
 from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine

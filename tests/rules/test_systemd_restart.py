@@ -12,7 +12,8 @@ from hosttree import make_host_tree
 from systemd_sandbox import SystemdSandbox, missing_requirements
 
 from agent.backend.sim import SimulatedBackend
-from agent.config import AgentConfig, Mode, ServiceConfig
+from agent.config import AgentConfig, Mode
+from agent.config.service_entry import ServiceConfig
 from agent.demo import standin
 from agent.demo.standin_process import free_port
 from agent.events import Event, EventKind, Severity

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import ServiceConfig
+from agent.config.service_entry import ServiceConfig
 from agent.demo.standin import MODEL_NAME
 from agent.demo.standin_process import StandinServer, free_port
 from agent.services.generate_probe import generate_probe
