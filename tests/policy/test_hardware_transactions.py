@@ -95,6 +95,22 @@ class Through:
             setattr(self._target, name, value)
 
 
+class SweepParts:
+    """What a sweep reads of the daemon (agent.tune.sweep.SweepNode): here the test's backend, store and ledger."""
+
+    def __init__(self, backend: GpuBackend, store: Store, holds: PolicyHolds) -> None:
+        self.backend = backend
+        self.store = store
+        self.holds = holds
+        self.clock = time.time
+
+    def current_backend(self) -> GpuBackend:
+        return self.backend
+
+    def current_store(self) -> Store:
+        return self.store
+
+
 # -- a server page whose counters move: about 20 requests/s -------------------------------------
 
 
@@ -164,7 +180,7 @@ class Node:
         document.id = self.store.begin_tune(document.started_seconds, document.to_json())
         backend: GpuBackend = Through(self.plain, seams, "backend")  # type: ignore[assignment]
         store: Store = Through(self.store, seams, "store")  # type: ignore[assignment]
-        return TuneJob(document, self.service, lambda: backend, lambda: store, holds, time.time)
+        return TuneJob(document, self.service, SweepParts(backend, store, holds))
 
     def row(self, job: TuneJob) -> dict[str, Any]:
         row = self.store.tune(job.document.id)
