@@ -338,17 +338,10 @@ def run_trusted(
 
 
 def _kind(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISREG, "a regular file"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISLNK, "a symlink"),
-    ):
-        if test(mode):
-            return name
-    return f"mode {mode:o}"
+    # Only a refusal's text needs it: imported then, off the fast start (agent/cli/fast_start.py).
+    from agent.host.file_reads import file_kind
+
+    return file_kind(mode)
 
 
 def _followed(path: str, link: os.stat_result) -> os.stat_result:

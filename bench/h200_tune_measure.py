@@ -31,9 +31,9 @@ from typing import Any
 import pynvml
 
 from agent.backend.nvml import NvmlBackend
-from agent.config import ServiceConfig
-from agent.demo.standin import SGLANG_E2E_BOUNDS, SGLANG_TTFT_BOUNDS, _Histogram
+from agent.config.service_entry import ServiceConfig
 from agent.demo.standin_process import free_port
+from agent.demo.standin_traffic import SGLANG_E2E_BOUNDS, SGLANG_TTFT_BOUNDS, _Histogram
 from agent.tune.measure import measure_step
 
 TOKENS_PER_REQUEST = 40

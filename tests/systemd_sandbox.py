@@ -2,7 +2,8 @@
 on a build host whose PID 1 is not systemd.
 
     with SystemdSandbox(tmp_path) as sandbox:
-        sandbox.copy_in("agent/demo/standin.py", "/opt/standin/inference_standin.py")
+        for name in STANDIN_FILES:                          # agent/demo/standin_process.py
+            sandbox.copy_in(name, f"/opt/standin/{name}")
         sandbox.install_unit("sglang.service", UNIT_TEXT)   # written, then daemon-reload
         sandbox.systemctl("start", "sglang.service")
         SystemdManager(sandbox.systemctl_argv)             # the agent's manager, aimed at the sandbox

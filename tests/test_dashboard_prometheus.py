@@ -37,7 +37,7 @@ from agent.backend.errors import GpuErrorKind
 from agent.backend.sim import SimulatedBackend
 from agent.events import FaultCause, Health, HealthState
 from agent.metrics.collector import SnapshotCollector
-from agent.metrics.server import serve_metrics
+from agent.metrics.server import MetricsServer
 from agent.names.metric_families import FamilySwitches
 from agent.policy import power_limit
 from agent.policy.base import GpuContext
@@ -578,7 +578,7 @@ def scraped_by_prometheus(workdir: Path, loop: StandInLoop) -> Iterator[Promethe
     with contextlib.ExitStack() as stack:
         loop.start()
         stack.callback(loop.stop)
-        server = serve_metrics("127.0.0.1:0", lambda: loop.snapshot)
+        server = MetricsServer("127.0.0.1:0", lambda: loop.snapshot)
         stack.callback(server.close)
         prometheus = Prometheus(workdir, [server.port], target_labels={"cluster": "lab"})
         stack.callback(prometheus.stop)

@@ -26,7 +26,7 @@ AGENT = REPO / "agent"
 #: agent/ keeps a small top level: the rest lives in packages named for what they are.
 MAX_TOP_LEVEL_MODULES = 20
 #: About 700 lines: beyond that a module holds more than one job and is split by job.
-MAX_MODULE_LINES = 750
+MAX_MODULE_LINES = 700
 #: Every process the agent starts goes through one runner: bounded output, a scrubbed environment,
 #: a total deadline that kills the process group.
 PROCESS_RUNNER = "agent.host.processes"
@@ -318,7 +318,6 @@ TOP_LEVEL_TESTS = {
     "test_bench_service_scrape.py": "a benchmark (bench/)",
     "test_bench_smoke.py": "the benchmarks (bench/)",
     "test_collect.py": "agent/collect.py",
-    "test_config.py": "agent/config.py",
     "test_dashboard_prometheus.py": "the shipped dashboard and rules (packaging/) on real Prometheus parts",
     "test_escaping.py": "every surface a human reads",
     "test_event_json.py": "agent/events.py",

@@ -22,9 +22,10 @@ from hosttree import make_host_tree
 from snapshots import TIMESTAMP_SECONDS, node_snapshot
 
 from agent.backend.sim import SimulatedBackend
-from agent.config import AgentConfig, ServiceConfig
+from agent.config import AgentConfig
+from agent.config.service_entry import ServiceConfig
 from agent.demo.standin_process import free_port
-from agent.metrics.server import serve_metrics
+from agent.metrics.server import MetricsServer
 from agent.policy.base import HostContext
 from agent.rules.actions.service_actions import drain_service
 from agent.rules.model import Decision, Target
@@ -163,7 +164,7 @@ def test_a_wall_clock_step_during_a_probe_leaves_its_timeout_and_the_restart_win
 def test_a_wall_clock_step_neither_makes_healthz_stale_nor_hides_a_stalled_loop(step_seconds: float) -> None:
     clock = FakeClock(wall_seconds=TIMESTAMP_SECONDS)
     published = replace(node_snapshot(), published_monotonic_seconds=clock.monotonic())
-    server = serve_metrics(
+    server = MetricsServer(
         "127.0.0.1:0", lambda: published, stale_after_seconds=30, clock=clock, monotonic=clock.monotonic
     )
     try:

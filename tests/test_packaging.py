@@ -1073,7 +1073,7 @@ def man_text(page: str) -> str:
 
 
 def test_config_man_page_describes_every_key() -> None:
-    """gpu-agent-config(5) names every key of agent.yaml, as the models in agent/config.py have
+    """gpu-agent-config(5) names every key of agent.yaml, as the models in agent/config/ have
     them: a new key without its entry fails here."""
     from agent.config import AgentConfig
     from agent.names.policy_items import ITEM_NAMES

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from slow_endpoint import read_request
 
-from agent.config import ServiceConfig
+from agent.config.service_entry import ServiceConfig
 from agent.daemon.alert_book import Found, PushBook
 from agent.daemon.alert_delivery import AlertDelivery
 from agent.host import http_read

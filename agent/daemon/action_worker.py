@@ -107,12 +107,9 @@ class ActionWorker:
             if row_id is None:
                 continue
             log.error("action still running at stop", job=job.name)
-            store = self.live.store
-            if store is not None:
-                try:
-                    store.journal_step(row_id, note)
-                except StoreError as exc:
-                    log.error("could not journal the interrupted action", error=str(exc))
+            self.live.write_store(
+                "could not journal the interrupted action", partial(Store.journal_step, row_id=row_id, step=note)
+            )
         self.live.holds.end_all("the agent is stopping")
 
     def _run_job(self, job: LaneJob, decision: Decision, row_id: int) -> None:
@@ -143,12 +140,11 @@ class ActionWorker:
                 outcome.started_seconds,
                 outcome.finished_seconds,
             )
-        store = self.live.store
-        if store is not None:
-            try:
-                store.finish_remediation(row_id, outcome)
-            except StoreError as exc:
-                log.error("could not record a remediation", error=str(exc), rule=decision.rule)
+        self.live.write_store(
+            "could not record a remediation",
+            lambda store: store.finish_remediation(row_id, outcome),
+            rule=decision.rule,
+        )
         log.info(
             "action finished",
             rule=decision.rule,
@@ -172,22 +168,15 @@ class ActionWorker:
             xid.restarted(decision_footprint(decision, self.live.config))
 
     def _journal(self, row_id: int, step: str) -> None:
-        store = self.live.store
-        if store is None:
-            return
-        try:
-            store.journal_step(row_id, step)
-        except StoreError as exc:  # the action goes on: stopping half-way would be worse than an unjournaled step
-            log.error("could not journal an action step", error=str(exc), step=step)
+        self.live.write_store(
+            "could not journal an action step", lambda store: store.journal_step(row_id, step), step=step
+        )
 
     def _close(self, row_id: int, detail: str, started: bool = True) -> None:
-        store = self.live.store
-        if store is None:
-            return
-        try:
-            store.close_interrupted(row_id, detail, self.live.clock(), started)
-        except StoreError as exc:
-            log.error("could not close an interrupted action", error=str(exc))
+        self.live.write_store(
+            "could not close an interrupted action",
+            lambda store: store.close_interrupted(row_id, detail, self.live.clock(), started),
+        )
 
     def _recover(self, entries: list[JournalEntry]) -> None:
         """Start again every service an interrupted action left down; close its row as interrupted."""
@@ -217,13 +206,7 @@ class ActionWorker:
                 rolled_back.append(f"started {name} again")
             where = entry.steps[-1] if entry.steps else "before its first step"
             detail = f"interrupted (last step: {where}); rolled back: {', '.join(rolled_back) or 'nothing to undo'}"
-            log.warning(
-                "interrupted action recovered",
-                rule=entry.rule,
-                action=entry.action,
-                target=entry.target_key,
-                detail=detail,
-            )
+            log.warning("interrupted action recovered", **entry_fields(entry), detail=detail)
             self._close(entry.row_id, detail)
 
     def _report_earlier_boot(self, entry: JournalEntry) -> None:
@@ -233,12 +216,7 @@ class ActionWorker:
         left = f"; it had stopped {', '.join(stopped)}, left as this boot has it" if stopped else ""
         detail = f"interrupted on an earlier boot (last step: {where}); not rolled back{left}"
         log.warning(
-            "action interrupted on an earlier boot",
-            rule=entry.rule,
-            action=entry.action,
-            target=entry.target_key,
-            boot_id=entry.boot_id,
-            detail=detail,
+            "action interrupted on an earlier boot", **entry_fields(entry), boot_id=entry.boot_id, detail=detail
         )
         event = Event(
             kind=EventKind.REMEDIATION_INTERRUPTED,
@@ -250,22 +228,19 @@ class ActionWorker:
             source="remediation",
             key=f"remediation_interrupted:{entry.row_id}",
             data={
-                "rule": entry.rule,
-                "action": entry.action,
-                "target": entry.target_key,
+                **entry_fields(entry),
                 "boot_id": entry.boot_id or None,
                 "last_step": entry.steps[-1] if entry.steps else None,
                 "services_stopped": stopped,
             },
         )
-        store = self.live.store
-        if store is not None:
-            try:
-                # A report: nothing for the rules to act on again.
-                if store.record_event(event):
-                    store.mark_handled(event.key)
-            except StoreError as exc:
-                log.error("could not record an interrupted action", error=str(exc))
+
+        def record_handled(store: Store) -> None:
+            # A report: nothing for the rules to act on again.
+            if store.record_event(event):
+                store.mark_handled(event.key)
+
+        self.live.write_store("could not record an interrupted action", record_handled)
         self._close(entry.row_id, detail)
 
 
@@ -294,6 +269,11 @@ class ClockHistory:
 
     def handled(self, event_key: str) -> bool:
         return self._store.handled(event_key)
+
+
+def entry_fields(entry: JournalEntry) -> dict[str, Any]:
+    """What names an interrupted action in its log lines and its event: its rule, kind and target."""
+    return {"rule": entry.rule, "action": entry.action, "target": entry.target_key}
 
 
 def target_fields(decision: Decision) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from agent.daemon.session import BackendSession
 from agent.daemon.socket_record import SocketRecord
 from agent.daemon.timing import LoopTiming
 from agent.host.paths import HostPaths
+from agent.logs import get_logger
 from agent.node_memory.inventory import read_boot_id
 from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
@@ -49,9 +50,11 @@ from agent.services.prober import HealthProber, ProberThread
 from agent.snapshot import NodeWatchers
 from agent.state import NodeSnapshot
 from agent.store.attempt_clock import AttemptClock
-from agent.store.database import Store
+from agent.store.database import Store, StoreError
 from agent.watch.kernel_log import KernelXid
 from agent.watch.kmsg import KmsgSource
+
+log = get_logger()
 
 # How long the policy step waits for the next-boot check (it runs on a worker of its own): a slow
 # check is taken by a later pass instead of holding up the fan curve.
@@ -156,6 +159,18 @@ class Live:
         self.store = store
         for read in self._store_readers:
             read(store)
+
+    def write_store(self, failure: str, write: Callable[[Store], object], **fields: object) -> None:
+        """`write` to the store, if one is open. A StoreError is logged as `failure` (with `fields`),
+        never raised: the caller goes on, as an action half-way must (stopping there would be worse
+        than a step the journal missed) and the loop does."""
+        store = self.store
+        if store is None:
+            return
+        try:
+            write(store)
+        except StoreError as exc:
+            log.error(failure, error=str(exc), **fields)
 
     # -- the services' prober and inference monitor -----------------------------------------------
 

@@ -5,8 +5,8 @@ start."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 from agent.backend.base import GpuIdentity
 from agent.logs import get_logger
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from agent.daemon.live import Live
 
 log = get_logger()
+T = TypeVar("T")
 
 PRUNE_EVERY_SECONDS = 3600.0
 
@@ -135,23 +136,24 @@ class NodeMemory:
         clock_events = self.live.watchers.throttle.totals()
         streaks = self.live.prober.streaks()
         try:
-            if clock_events != self._saved_clock_events:
-                store.replace_clock_event_totals(self.boot_id, clock_events)
-                self._saved_clock_events = clock_events
-            if streaks != self._saved_streaks:
-                store.replace_probe_streaks(self.boot_id, streaks)
-                self._saved_streaks = streaks
-            if counts != self._saved_counts:
-                store.save_xid_counts(self.boot_id, counts)
-                self._saved_counts = counts
-            if marks != self._saved_marks:
-                store.replace_xid_marks(self.boot_id, marks)
-                self._saved_marks = marks
+            self._saved_clock_events = self._written(
+                self._saved_clock_events, clock_events, store.replace_clock_event_totals
+            )
+            self._saved_streaks = self._written(self._saved_streaks, streaks, store.replace_probe_streaks)
+            self._saved_counts = self._written(self._saved_counts, counts, store.save_xid_counts)
+            self._saved_marks = self._written(self._saved_marks, marks, store.replace_xid_marks)
             if now - self._last_prune_seconds >= PRUNE_EVERY_SECONDS:
                 self._last_prune_seconds = now
                 store.prune(now - RETENTION_SECONDS)
         except StoreError as exc:
             log.error("could not save the node memory", error=str(exc))
+
+    def _written(self, saved: list[T], current: list[T], write: Callable[[str, list[T]], None]) -> list[T]:
+        """`current`, written to the store under this boot first when it is not what was `saved`
+        there (a StoreError leaves `saved` as it was: the next save tries again)."""
+        if current != saved:
+            write(self.boot_id, current)
+        return current
 
     def _read_inventory(self, store: Store) -> dict[str, InventoryGpu]:
         return {gpu.uuid: gpu for gpu in store.inventory(self.boot_id)}

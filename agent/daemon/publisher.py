@@ -87,11 +87,11 @@ class Publisher:
     def serve(self, config: AgentConfig, stale_after_seconds: float) -> list[Callable[[], None]]:
         """The metrics endpoint and the status API; what closes them."""
         from agent.api_server import ApiServer
-        from agent.metrics.server import serve_metrics
+        from agent.metrics.server import MetricsServer
         from agent.names.metric_families import FamilySwitches
 
         self.hostname = HostPaths.at(config.host_root).hostname()
-        self.metrics = serve_metrics(
+        self.metrics = MetricsServer(
             config.metrics.listen,
             self.get,
             stale_after_seconds=stale_after_seconds,
@@ -107,7 +107,7 @@ class Publisher:
         """The listeners `new` moves, bound anew before the old ones close; what moved, for the log.
         Raises ListenerError, with the running listeners untouched, when one cannot be bound."""
         from agent.api_server import ApiServer
-        from agent.metrics.server import serve_metrics
+        from agent.metrics.server import MetricsServer
         from agent.names.metric_families import FamilySwitches
 
         if self.metrics is None or self.api is None:
@@ -119,7 +119,7 @@ class Publisher:
         try:
             if new.metrics.listen != old.metrics.listen:
                 binding = f"metrics.listen {new.metrics.listen}"
-                metrics = serve_metrics(
+                metrics = MetricsServer(
                     new.metrics.listen, self.get, stale_after_seconds=stale_after_seconds, switches=switches
                 )
             if (new.api.socket, new.api.group) != (old.api.socket, old.api.group):

@@ -243,13 +243,11 @@ class Remediator:
         self._unstored = keyed_events[-MAX_UNSTORED_EVENTS:]
 
     def _record(self, outcome: ActionOutcome, reading: ClockReading) -> None:
-        store = self.live.store
-        if store is None:
-            return
-        try:
-            store.record_outcome(outcome, reading)
-        except StoreError as exc:
-            log.error("could not record a remediation", error=str(exc), rule=outcome.decision.rule)
+        self.live.write_store(
+            "could not record a remediation",
+            lambda store: store.record_outcome(outcome, reading),
+            rule=outcome.decision.rule,
+        )
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,15 @@ from types import TracebackType
 
 from agent.demo.standin import MODES
 
+#: What the stand-in runs from under a bare python3, outside an installed agent (a unit in the
+#: systemd sandbox): these files under one directory DIR, started as `python3 DIR/agent/demo/standin.py`.
+STANDIN_FILES = (
+    "agent/__init__.py",
+    "agent/demo/__init__.py",
+    "agent/demo/standin.py",
+    "agent/demo/standin_traffic.py",
+)
+
 
 def free_port() -> int:
     """A loopback TCP port nobody listens on right now."""

@@ -31,7 +31,7 @@ class NotRegularFile(OSError):
     """The path names a FIFO, a device or a socket: nothing was read from it."""
 
     def __init__(self, path: str, mode: int) -> None:
-        super().__init__(errno.EINVAL, f"not a regular file ({_kind(mode)}), refused", path)
+        super().__init__(errno.EINVAL, f"not a regular file ({file_kind(mode)}), refused", path)
 
 
 class FileTooLarge(OSError):
@@ -41,12 +41,15 @@ class FileTooLarge(OSError):
         super().__init__(errno.EFBIG, f"larger than {limit_bytes} bytes, refused", path)
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a file of `mode` is, for a refusal's text: "a FIFO", "a symlink", ..., else its mode."""
     for test, name in (
+        (stat.S_ISREG, "a regular file"),
         (stat.S_ISFIFO, "a FIFO"),
         (stat.S_ISCHR, "a character device"),
         (stat.S_ISBLK, "a block device"),
         (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISLNK, "a symlink"),
     ):
         if test(mode):
             return name

@@ -137,13 +137,9 @@ class _TrackedHTTPConnection(http.client.HTTPConnection):
         self.exchange.track(self.sock)
 
 
-class _TrackedHTTPSConnection(http.client.HTTPSConnection):
-    exchange: _Exchange
-    response_class = _FinalResponse
-
-    def connect(self) -> None:
-        super().connect()
-        self.exchange.track(self.sock)
+class _TrackedHTTPSConnection(_TrackedHTTPConnection, http.client.HTTPSConnection):
+    """The same over TLS: its `connect` runs HTTPSConnection's (connect, then the handshake) before
+    the tracking, so the socket tracked is the TLS one, as the exchange will read it."""
 
 
 _Tracked = TypeVar("_Tracked", _TrackedHTTPConnection, _TrackedHTTPSConnection)

@@ -2,7 +2,7 @@
 
 A scrape never touches the GPU backend: `SnapshotCollector.collect()` renders whatever
 `get_snapshot()` returns (a reference the loop swaps once per iteration), so a hung NVML call can
-stale a GPU but never a scrape. `serve_metrics()` serves `/metrics` and `/healthz` from its own
+stale a GPU but never a scrape. `MetricsServer` serves `/metrics` and `/healthz` from its own
 registry on a daemon thread.
 
 The daemon's verdicts are exported as such (agent/verdict.py), and the alert rules and the dashboard

@@ -3,7 +3,8 @@ per-GPU family shares (the readings' own families come from the reading table, a
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
+from enum import Enum
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
@@ -58,16 +59,16 @@ class Families:
         documentation: str,
         labels: dict[str, str],
         label: str,
-        values: Iterable[str],
-        current: str | None,
+        current: Enum,
         *,
         family: str,
         notable: Notable = never,
     ) -> None:
-        """One gauge series per value of `label`, 1 for `current` and 0 for the others."""
-        for value in values:
+        """One gauge series per member of `current`'s enum, its value as `label`: 1 for `current`, 0 for the others."""
+        for member in type(current):
+            value = str(member.value)
             self.gauge(
-                name, documentation, {**labels, label: value}, float(value == current), family=family, notable=notable
+                name, documentation, {**labels, label: value}, float(member is current), family=family, notable=notable
             )
 
     def quantile(

@@ -7,7 +7,7 @@ series of it lingers with an empty uuid.
 
 from __future__ import annotations
 
-from agent.events import FaultCause, HealthState
+from agent.events import FaultCause
 from agent.metrics.families import Families, gpu_uuids
 from agent.readings.row import Dcgm, Section, gauge, nonzero
 from agent.readings.table import ROWS
@@ -77,8 +77,7 @@ def gpus(out: Families, snap: NodeSnapshot) -> None:
                 "GPU health as the agent judges it, one series per state, 1 for the current one.",
                 ids,
                 "state",
-                (state.value for state in HealthState),
-                health.state.value,
+                health.state,
                 family="gpu",
             )
             out.gauge(

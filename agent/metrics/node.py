@@ -144,8 +144,7 @@ def policy(out: Families, snap: NodeSnapshot) -> None:
             "Policy item plan status, one series per status, 1 for the current one.",
             labels,
             "status",
-            (status.value for status in PlanStatus),
-            plan.status.value,
+            plan.status,
             family="policy_detail",
             notable=_unsettled,
         )

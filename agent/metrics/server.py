@@ -142,7 +142,14 @@ class _MetricsHTTPServer(ThreadingHTTPServer):
 
 
 class MetricsServer:
-    """`/metrics` and `/healthz` on a daemon thread; `close()` stops it and frees the port."""
+    """`/metrics` and `/healthz` of `get_snapshot()` on "HOST:PORT" (port 0: any free port, see `.port`),
+    served from the start on a daemon thread; `close()` stops it and frees the port.
+
+    `get_snapshot` must only return a reference (the loop publishes a new frozen snapshot by
+    swapping it), so a scrape never waits on the loop or the GPU backend.
+    `stale_after_seconds`: `/healthz` answers 503 once the last snapshot is older than this.
+    `switches`: the families shown whole (`metrics.families`).
+    """
 
     def __init__(
         self,
@@ -215,29 +222,3 @@ class MetricsServer:
 
     def close(self) -> None:
         self._serving.stop()
-
-
-def serve_metrics(
-    listen: str,
-    get_snapshot: SnapshotGetter,
-    *,
-    stale_after_seconds: float | None = None,
-    clock: Callable[[], float] = time.time,
-    monotonic: Callable[[], float] = time.monotonic,
-    switches: FamilySwitches = DEFAULT_SWITCHES,
-) -> MetricsServer:
-    """Serve metrics of `get_snapshot()` on "HOST:PORT" (port 0: any free port, see `.port`).
-
-    `get_snapshot` must only return a reference (the loop publishes a new frozen snapshot by
-    swapping it), so a scrape never waits on the loop or the GPU backend.
-    `stale_after_seconds`: `/healthz` answers 503 once the last snapshot is older than this.
-    `switches`: the families shown whole (`metrics.families`).
-    """
-    return MetricsServer(
-        listen,
-        get_snapshot,
-        stale_after_seconds=stale_after_seconds,
-        clock=clock,
-        monotonic=monotonic,
-        switches=switches,
-    )

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Final
 
 from agent.backend.errors import GpuError
-from agent.config import AgentConfig, DriverPolicy, NodePolicy
+from agent.config import AgentConfig
+from agent.config.desired import DriverPolicy, NodePolicy
 from agent.host import file_reads
 from agent.host.boot_readiness import host_tool_runner, running_driver_version
 from agent.host.driver import (

@@ -24,14 +24,14 @@ from agent.config import (
     AgentConfig,
     ConfigError,
     ConfigProblem,
-    GpuProfile,
     PolicyConfig,
-    StrictModel,
     load_config,
     parse_yaml,
     read_trusted_text,
     validate_model,
 )
+from agent.config.desired import GpuProfile
+from agent.config.fields import StrictModel
 from agent.trust import directory_problem
 
 DROPIN_DIRECTORY = "agent.d"

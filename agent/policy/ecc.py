@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from agent.backend.base import EnabledPending
-from agent.config import EnabledState
+from agent.config.desired import EnabledState
 from agent.policy.base import GpuContext
 from agent.policy.gpu_item import ProfileGpuItem, enabled_text
 from agent.policy.item import Planned, planned

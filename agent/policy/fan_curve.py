@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from agent.backend.errors import GpuError, GpuErrorKind
-from agent.config import FanCurve
+from agent.config.desired import FanCurve
 from agent.names.policy_items import FAN_CURVE
 from agent.policy.base import GpuContext
 from agent.policy.gpu_item import ProfileGpuItem, not_applicable_plan, run_restore

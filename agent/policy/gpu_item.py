@@ -19,7 +19,7 @@ from functools import partial
 from typing import Any, Final, TypeVar
 
 from agent.backend.errors import GpuError, GpuErrorKind
-from agent.config import GpuProfile
+from agent.config.desired import GpuProfile
 from agent.names.policy_items import GpuItemName
 from agent.policy.base import GpuContext, describe_error
 from agent.policy.item import Change, GpuItem, Planned, planned
@@ -43,26 +43,25 @@ def format_watts(watts: float) -> str:
 
 def not_applicable_plan(item: str, ctx: GpuContext, desired: str, reason: str) -> ItemPlan:
     """`reason` completes "NVIDIA H200 (GPU 0) ...", e.g. "has no fans: no fan curve to enforce"."""
-    return ItemPlan(
-        item=item,
-        gpu=ctx.gpu,
-        status=PlanStatus.NOT_APPLICABLE,
-        desired=desired,
-        actual="not supported",
-        detail=f"{ctx.identity.name} (GPU {ctx.gpu}) {reason}",
-    )
+    detail = f"{ctx.identity.name} (GPU {ctx.gpu}) {reason}"
+    return _unread_plan(item, ctx, PlanStatus.NOT_APPLICABLE, desired, "not supported", detail)
 
 
 def error_plan(item: str, ctx: GpuContext, desired: str, exc: GpuError) -> ItemPlan:
-    return ItemPlan(
-        item=item,
-        gpu=ctx.gpu,
-        status=PlanStatus.ERROR,
-        desired=desired,
-        actual="unknown",
-        detail=describe_error(exc),
-        error_kind=exc.kind.value,
-    )
+    return _unread_plan(item, ctx, PlanStatus.ERROR, desired, "unknown", describe_error(exc), exc.kind.value)
+
+
+def _unread_plan(
+    item: str,
+    ctx: GpuContext,
+    status: PlanStatus,
+    desired: str,
+    actual: str,
+    detail: str,
+    error_kind: str | None = None,
+) -> ItemPlan:
+    """The plan of a setting the GPU did not give (`actual` says how): nothing to change."""
+    return ItemPlan(item, ctx.gpu, status, desired, actual, detail, error_kind=error_kind)
 
 
 def guarded_read(item: str, ctx: GpuContext, desired: str, missing: str, read: Callable[[], Planned[C]]) -> Planned[C]:

@@ -18,7 +18,8 @@ from dataclasses import dataclass, replace
 from typing import Final, Generic, Literal, Protocol, TypeVar, runtime_checkable
 
 from agent.backend.errors import GpuError, WriteRefused
-from agent.config import AgentConfig, GpuProfile, NodePolicy
+from agent.config import AgentConfig
+from agent.config.desired import GpuProfile, NodePolicy
 from agent.names.policy_items import GpuItemName, ItemName, NodeItemName
 from agent.policy.base import GpuContext, HostContext, describe_error
 from agent.policy.plan import ApplyOutcome, ItemPlan, ItemResult, PlanStatus

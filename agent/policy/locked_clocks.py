@@ -10,7 +10,7 @@ from typing import Final
 
 from agent.backend.base import ClockDomain
 from agent.backend.errors import GpuError, GpuErrorKind
-from agent.config import LockedClocks
+from agent.config.desired import LockedClocks
 from agent.policy.base import GpuContext
 from agent.policy.gpu_item import ProfileGpuItem, not_applicable_plan, run_restore
 from agent.policy.item import Planned, RestorableGpuItem, compared, planned

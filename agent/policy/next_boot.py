@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from typing import Final, Literal
 
 from agent.backend.errors import GpuError
-from agent.config import AgentConfig, NodePolicy
+from agent.config import AgentConfig
+from agent.config.desired import NodePolicy
 from agent.host.boot_readiness import NOT_MANAGED, BootReadiness, boot_signature, check_next_boot, host_tool_runner
 from agent.host.paths import HostPaths
 from agent.policy.base import HostContext

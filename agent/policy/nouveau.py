@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from agent.config import AgentConfig, NodePolicy
+from agent.config import AgentConfig
+from agent.config.desired import NodePolicy
 from agent.host.paths import HostPaths
 from agent.policy import next_boot
 from agent.policy.base import HostContext

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from agent.config import EnabledState
+from agent.config.desired import EnabledState
 from agent.policy.base import GpuContext
 from agent.policy.gpu_item import ProfileGpuItem, enabled_text
 from agent.policy.item import Planned, compared

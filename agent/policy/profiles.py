@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from agent.backend.base import GpuIdentity
-from agent.config import GpuMatch, GpuProfile, PolicyConfig
+from agent.config import PolicyConfig
+from agent.config.desired import GpuMatch, GpuProfile
 
 #: The keys of a profile that set something (all but `match`).
 SETTINGS: tuple[str, ...] = tuple(name for name in GpuProfile.model_fields if name != "match")

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from agent.config import AgentConfig, NodePolicy, TransparentHugepages
+from agent.config import AgentConfig
+from agent.config.desired import NodePolicy, TransparentHugepages
 from agent.policy.base import HostContext
 from agent.policy.item import ChangeFailed, HostItem, Planned, compared, planned
 from agent.policy.plan import ItemPlan, PlanStatus

@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from agent.config import AgentConfig, NodePolicy
+from agent.config import AgentConfig
+from agent.config.desired import NodePolicy
 from agent.host import safe_fs
 from agent.policy.base import HostContext
 from agent.policy.item import ChangeFailed, HostItem, Planned, compared, planned

@@ -11,7 +11,7 @@ first. How to add one: docs/architecture.md, "Adding a reading".
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from agent.backend.base import (
@@ -19,7 +19,6 @@ from agent.backend.base import (
     ClockDomain,
     EccCounter,
     EccErrorType,
-    GpuBackend,
     GpuProcess,
     NvLinkErrors,
     TemperatureThreshold,
@@ -55,49 +54,27 @@ from agent.readings.row import (
     slow,
     zero,
 )
+from agent.readings.shared import (
+    CLOCK,
+    ECC_MODE,
+    FABRIC,
+    FAST_FIELDS,
+    GPM,
+    MEMORY,
+    MIG,
+    PCIE_ERRORS,
+    PCIE_LINK,
+    REMAPPED,
+    REMAPPED_ROWS,
+    SLOW_FIELDS,
+    TEMPERATURE_THRESHOLD,
+    UTILIZATION,
+    applications_clock,
+    ecc_counter,
+    max_clock,
+)
 
 TELEMETRY = Section.TELEMETRY
-
-
-def _ecc(error: EccErrorType, kept: EccCounter) -> Callable[[GpuBackend, int], int]:
-    return lambda backend, gpu: backend.ecc_errors(gpu, error, kept)
-
-
-# Calls whose answer fills several rows.
-UTILIZATION = fast(lambda b, gpu: b.utilization(gpu), "utilization")
-MEMORY = fast(lambda b, gpu: b.memory_info(gpu), "memory")
-ECC_MODE = fast(lambda b, gpu: b.ecc_mode(gpu), "ecc")
-GPM = fast(
-    lambda b, gpu: b.gpm_activity(gpu), "gpm_activity", remember_unsupported=True, supported_field="activity_supported"
-)
-FAST_FIELDS = fast(lambda b, gpu: b.fast_fields(gpu), "fast_fields", remember_unsupported=True)
-REMAPPED_ROWS = slow(lambda b, gpu: b.remapped_rows(gpu), "remapped_rows")
-PCIE_LINK = slow(lambda b, gpu: b.pcie_link(gpu), "pcie")
-SLOW_FIELDS = slow(lambda b, gpu: b.slow_fields(gpu), "slow_fields", remember_unsupported=True)
-MIG = slow(lambda b, gpu: b.mig_mode(gpu), "mig", remember_unsupported=True)
-FABRIC = slow(lambda b, gpu: b.fabric_info(gpu), "fabric", remember_unsupported=True)
-
-# Families of more than one row: their series differ by a label.
-TEMPERATURE_THRESHOLD = gauge(
-    "gpu_agent_gpu_temperature_threshold_celsius",
-    "Temperature at which the GPU slows down (slowdown) or shuts down (shutdown).",
-)
-CLOCK = gauge("gpu_agent_gpu_clock_hertz", "Current clock frequency per clock domain.")
-# NVML's aggregate counters persist across reboots (a true counter); volatile ones restart at
-# every driver load and are exported as a gauge of "errors since the driver loaded".
-ECC_ERRORS = counter("gpu_agent_gpu_ecc_errors_total", "ECC errors over the GPU's lifetime (NVML aggregate counter).")
-ECC_VOLATILE_ERRORS = gauge(
-    "gpu_agent_gpu_ecc_volatile_errors", "ECC errors since the driver was loaded (NVML volatile counter)."
-)
-REMAPPED = gauge("gpu_agent_gpu_remapped_rows", "Memory rows remapped, by the kind of error that caused the remap.")
-PCIE_ERRORS = counter(
-    "gpu_agent_gpu_pcie_errors_total", "PCIe errors the GPU counted since the driver loaded, per type."
-)
-MAX_CLOCK = gauge("gpu_agent_gpu_max_clock_hertz", "Highest clock frequency the GPU supports per clock domain.")
-APPLICATIONS_CLOCK = gauge(
-    "gpu_agent_gpu_applications_clock_hertz",
-    "Applications clock per clock domain (the target clock when nothing holds it back).",
-)
 
 
 @dataclass(frozen=True)
@@ -236,37 +213,17 @@ class GpuSample:
         metric=gauge("gpu_agent_gpu_ecc_pending_enabled", "1 when ECC will be on after the next reboot or GPU reset."),
         unit=FLAG,
     )
-    ecc_corrected_aggregate: int | None = reading(
-        slow(_ecc(EccErrorType.CORRECTED, EccCounter.AGGREGATE)),
-        family="ecc",
-        metric=ECC_ERRORS,
-        labels={"type": "corrected"},
-        dcgm=Dcgm("DCGM_FI_DEV_ECC_SBE_AGG_TOTAL", "count", " (NVML's corrected aggregate counter)"),
-        notable=nonzero,
+    ecc_corrected_aggregate: int | None = ecc_counter(
+        EccErrorType.CORRECTED, EccCounter.AGGREGATE, "DCGM_FI_DEV_ECC_SBE_AGG_TOTAL"
     )
-    ecc_uncorrected_aggregate: int | None = reading(
-        slow(_ecc(EccErrorType.UNCORRECTED, EccCounter.AGGREGATE)),
-        family="ecc",
-        metric=ECC_ERRORS,
-        labels={"type": "uncorrected"},
-        dcgm=Dcgm("DCGM_FI_DEV_ECC_DBE_AGG_TOTAL", "count", " (NVML's uncorrected aggregate counter)"),
-        notable=nonzero,
+    ecc_uncorrected_aggregate: int | None = ecc_counter(
+        EccErrorType.UNCORRECTED, EccCounter.AGGREGATE, "DCGM_FI_DEV_ECC_DBE_AGG_TOTAL"
     )
-    ecc_corrected_volatile: int | None = reading(
-        slow(_ecc(EccErrorType.CORRECTED, EccCounter.VOLATILE)),
-        family="ecc",
-        metric=ECC_VOLATILE_ERRORS,
-        labels={"type": "corrected"},
-        dcgm=Dcgm("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "count", " (NVML's corrected volatile counter)"),
-        notable=nonzero,
+    ecc_corrected_volatile: int | None = ecc_counter(
+        EccErrorType.CORRECTED, EccCounter.VOLATILE, "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL"
     )
-    ecc_uncorrected_volatile: int | None = reading(
-        slow(_ecc(EccErrorType.UNCORRECTED, EccCounter.VOLATILE)),
-        family="ecc",
-        metric=ECC_VOLATILE_ERRORS,
-        labels={"type": "uncorrected"},
-        dcgm=Dcgm("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "count", " (NVML's uncorrected volatile counter)"),
-        notable=nonzero,
+    ecc_uncorrected_volatile: int | None = ecc_counter(
+        EccErrorType.UNCORRECTED, EccCounter.VOLATILE, "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL"
     )
     remapped_rows_correctable: int | None = reading(
         REMAPPED_ROWS,
@@ -594,46 +551,11 @@ class GpuSample:
         unit=FLAG,
         section=TELEMETRY,
     )
-    max_graphics_clock_mhz: int | None = reading(
-        slow(lambda b, gpu: b.max_clock_mhz(gpu, ClockDomain.GRAPHICS), remember_unsupported=True),
-        family="clock_details",
-        metric=MAX_CLOCK,
-        labels={"clock": "graphics"},
-        unit=MHZ,
-        section=TELEMETRY,
-    )
-    max_sm_clock_mhz: int | None = reading(
-        slow(lambda b, gpu: b.max_clock_mhz(gpu, ClockDomain.SM), remember_unsupported=True),
-        family="clock_details",
-        metric=MAX_CLOCK,
-        labels={"clock": "sm"},
-        unit=MHZ,
-        section=TELEMETRY,
-    )
-    max_memory_clock_mhz: int | None = reading(
-        slow(lambda b, gpu: b.max_clock_mhz(gpu, ClockDomain.MEMORY), remember_unsupported=True),
-        family="clock_details",
-        metric=MAX_CLOCK,
-        labels={"clock": "memory"},
-        unit=MHZ,
-        section=TELEMETRY,
-    )
-    applications_graphics_clock_mhz: int | None = reading(
-        slow(lambda b, gpu: b.applications_clock_mhz(gpu, ClockDomain.GRAPHICS), remember_unsupported=True),
-        family="clock_details",
-        metric=APPLICATIONS_CLOCK,
-        labels={"clock": "graphics"},
-        unit=MHZ,
-        section=TELEMETRY,
-    )
-    applications_memory_clock_mhz: int | None = reading(
-        slow(lambda b, gpu: b.applications_clock_mhz(gpu, ClockDomain.MEMORY), remember_unsupported=True),
-        family="clock_details",
-        metric=APPLICATIONS_CLOCK,
-        labels={"clock": "memory"},
-        unit=MHZ,
-        section=TELEMETRY,
-    )
+    max_graphics_clock_mhz: int | None = max_clock(ClockDomain.GRAPHICS)
+    max_sm_clock_mhz: int | None = max_clock(ClockDomain.SM)
+    max_memory_clock_mhz: int | None = max_clock(ClockDomain.MEMORY)
+    applications_graphics_clock_mhz: int | None = applications_clock(ClockDomain.GRAPHICS)
+    applications_memory_clock_mhz: int | None = applications_clock(ClockDomain.MEMORY)
     # exported as gpu_agent_gpu_violation_seconds_total where the driver has no per-reason durations
     power_violation_ns: int | None = reading(
         slow(lambda b, gpu: b.violation_time_ns(gpu, ViolationPolicy.POWER)), family="clock_events"

@@ -74,12 +74,12 @@ from agent.config import (
     ConfigProblem,
     ItemName,
     PathKey,
-    StrictModel,
     format_path,
     parse_yaml,
     read_trusted_text,
     validate_model,
 )
+from agent.config.fields import StrictModel
 from agent.events import EventKind, Severity, SuggestedAction
 from agent.rules.actions.kind import ActionType, Targets
 from agent.rules.actions.registry import KINDS

@@ -63,7 +63,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from agent.config import ServiceConfig
+from agent.config.service_entry import ServiceConfig
 from agent.events import Event, EventKind, Severity, SuggestedAction
 from agent.rules.actions.kind import Once, Targets
 from agent.rules.actions.registry import KINDS

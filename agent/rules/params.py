@@ -13,7 +13,7 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from agent.config import StrictModel
+from agent.config.fields import StrictModel
 
 LABEL_NAME_PATTERN = r"^[a-zA-Z_][a-zA-Z0-9_]*$"
 DEFAULT_HTTP_DEADLINE_SECONDS = 10.0

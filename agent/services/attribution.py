@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 import psutil
 
 from agent.backend.base import GpuProcess
-from agent.config import ServiceConfig
+from agent.config.service_entry import ServiceConfig
 from agent.host.paths import HostPaths
 from agent.printable import printable
 from agent.state import GpuAttribution, GpuProcessInfo

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from agent.config import ServiceConfig
+from agent.config.service_entry import ServiceConfig
 from agent.services.scrape import DEFAULT_MAX_BYTES, ScrapeError, scrape
 
 DrainOutcome = Literal["idle", "timed_out", "unreadable", "cancelled"]

@@ -18,7 +18,7 @@ import bisect
 from collections import deque
 from collections.abc import Collection, Iterable, Sequence
 
-from agent.config import ServiceConfig
+from agent.config.service_entry import ServiceConfig
 from agent.state import GpuAttribution, GpuSample
 
 

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.config import ServiceSlo
+from agent.config.service_entry import ServiceSlo
 from agent.events import Event, EventKind, Severity, SuggestedAction
 from agent.names.policy_items import FAN_CURVE
 from agent.state import GpuSample, QueueTimeTrend, ServiceFigures, SloBreachNow

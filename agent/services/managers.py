@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from agent.config import AgentConfig, ServiceConfig
+from agent.config import AgentConfig
+from agent.config.service_entry import ServiceConfig
 from agent.host.processes import ProcessResult, run_process
 from agent.policy.base import HostContext
 from agent.policy.triton_cache import triton_environments

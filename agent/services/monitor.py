@@ -26,7 +26,8 @@ import psutil
 
 from agent.backend.base import GpuBackend, GpuIdentity, GpuProcess
 from agent.backend.errors import GpuError
-from agent.config import AgentConfig, ServiceConfig
+from agent.config import AgentConfig
+from agent.config.service_entry import ServiceConfig
 from agent.events import Event, EventKind
 from agent.host.paths import HostPaths
 from agent.logs import get_logger

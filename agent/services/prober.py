@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from agent.config import ServiceConfig
+from agent.config.service_entry import ServiceConfig
 from agent.events import Event, EventKind, Severity, SuggestedAction
 from agent.host import http_read
 from agent.logs import get_logger

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from agent.backend.base import ClockDomain, GpuBackend
 from agent.backend.errors import GpuError
-from agent.config import ServiceConfig
+from agent.config.service_entry import ServiceConfig
 from agent.policy.transaction import JobStop
 from agent.services.scrape import ScrapeError, scrape
 from agent.services.window import LatencyWindow

@@ -7,7 +7,7 @@ Every dataclass turns into the JSON the API, `--json` and the store carry (`to_j
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from agent.tune.defaults import (
     DEFAULT_MAX_TRAFFIC_CHANGE,
@@ -17,6 +17,7 @@ from agent.tune.defaults import (
 )
 
 TuneKind = Literal["power", "clocks"]
+_Document = TypeVar("_Document", bound="_AsItIs")
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,20 @@ class StepReading:
 
 
 @dataclass(frozen=True)
-class Recommendation:
+class _AsItIs:
+    """A document whose JSON is its fields as they are: none of them a tuple that JSON makes a list,
+    so nothing needs turning back."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls: type[_Document], document: dict[str, Any]) -> _Document:
+        return cls(**document)
+
+
+@dataclass(frozen=True)
+class Recommendation(_AsItIs):
     setting: float
     gpu_model: str
     snippet: str  # the agent.yaml lines that make it the policy, written against the profile in force
@@ -109,16 +123,9 @@ class Recommendation:
     tradeoff: str = ""  # what the step with the most tokens per joule would cost, when not chosen
     targets: str = ""  # what `gpu-agent tune apply` puts it on: "GPU 0 (GPU-...)", "every NVIDIA H200"
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @staticmethod
-    def from_json(document: dict[str, Any]) -> Recommendation:
-        return Recommendation(**document)
-
 
 @dataclass(frozen=True)
-class SweptGpu:
+class SweptGpu(_AsItIs):
     """A swept GPU as the sweep found it: what `tune apply` checks is still so, and what the snippet
     is written against (the profile in force, apart from an earlier `tune apply`'s drop-in)."""
 
@@ -130,13 +137,6 @@ class SweptGpu:
     profile_alone: bool  # that profile applies to no GPU outside the sweep: the snippet edits it in place
     profile_match: str  # that profile's match as agent.yaml spells it
     settings: dict[str, Any] = field(default_factory=dict)  # the settings in force for it, as agent.yaml spells them
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @staticmethod
-    def from_json(document: dict[str, Any]) -> SweptGpu:
-        return SweptGpu(**document)
 
 
 @dataclass(frozen=True)

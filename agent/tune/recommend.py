@@ -23,7 +23,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from agent.config import ServiceSlo
+from agent.config.service_entry import ServiceSlo
 from agent.services.latency_cause import check_slo
 from agent.state import ServiceFigures
 from agent.tune.defaults import KNOB_UNITS

@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from agent.api import ApiError
-from agent.config import AgentConfig, Mode, ServiceConfig
+from agent.config import AgentConfig, Mode
+from agent.config.service_entry import ServiceConfig
 from agent.logs import get_logger
 from agent.state import TuneResult, TuneStepFigures
 from agent.store.database import StoreError
@@ -25,15 +26,12 @@ from agent.tune.defaults import POLICY_ITEMS
 from agent.tune.model import TuneDocument, TuneRequest
 from agent.tune.passive import PowerHistory, passive_report
 from agent.tune.preflight import identities, setting_range, sick_subject, swept_gpus
-from agent.tune.sweep import TuneJob, close_interrupted, hold_owner
+from agent.tune.sweep import SweepNode, TuneJob, close_interrupted, hold_owner
 
 if TYPE_CHECKING:
-    from agent.backend.base import GpuBackend
-    from agent.policy.holds import PolicyHolds
     from agent.services.monitor import InferenceMonitor
     from agent.services.prober import HealthProber
     from agent.state import NodeSnapshot
-    from agent.store.database import Store
 
 log = get_logger()
 
@@ -59,27 +57,21 @@ class TaskQueue(Protocol):
     def busy(self) -> str | None: ...
 
 
-class TuneNode(Protocol):
+class TuneNode(SweepNode, Protocol):
     """What the advisor reads of the running daemon (its live parts, agent/daemon/live.py), each when
-    it needs it: the config a reload swapped in, the backend and the store of the moment, the lanes
-    a sweep runs on, the ledger that holds its settings, the services' probes and figures, the GPUs
-    the collector knows and the last published snapshot (the GPUs that answer, their identities
-    and health: the preflight's)."""
+    it needs it: what a sweep reads (the backend and the store of the moment, the ledger that holds
+    its settings, the clock), and the config a reload swapped in, the lanes a sweep runs on, the
+    services' probes and figures, the GPUs the collector knows and the last published snapshot (the
+    GPUs that answer, their identities and health: the preflight's)."""
 
     @property
     def config(self) -> AgentConfig: ...
-    @property
-    def clock(self) -> Callable[[], float]: ...
-    @property
-    def holds(self) -> PolicyHolds: ...
     @property
     def lanes(self) -> TaskQueue: ...
     @property
     def prober(self) -> HealthProber: ...
     @property
     def inference(self) -> InferenceMonitor: ...
-    def current_backend(self) -> GpuBackend | None: ...
-    def current_store(self) -> Store | None: ...
     def gpu_count(self) -> int: ...
     def snapshot(self) -> NodeSnapshot | None: ...
 
@@ -163,7 +155,7 @@ class TuneRunner:
             except StoreError as exc:
                 raise ApiError(f"refused: cannot journal the sweep: {exc}") from exc
             node = self.node
-            job = TuneJob(document, service, node.current_backend, node.current_store, node.holds, node.clock)
+            job = TuneJob(document, service, node)
             self.job = job
             node.lanes.submit_task(job)
         log.info("tune started", tune=document.id, kind=request.kind, service=service.name, gpus=list(gpus))

@@ -15,9 +15,11 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Callable
+from typing import Protocol
 
 from agent.backend.base import ClockDomain, GpuBackend
-from agent.config import AgentConfig, ServiceConfig
+from agent.config import AgentConfig
+from agent.config.service_entry import ServiceConfig
 from agent.logs import get_logger
 from agent.policy.holds import PolicyHolds
 from agent.policy.transaction import Ending, HardwareTransaction, JobStop, retried
@@ -50,25 +52,26 @@ def originals_of(transaction: HardwareTransaction, kind: str) -> tuple[Original,
     return tuple(originals)
 
 
+class SweepNode(Protocol):
+    """What a sweep reads of the running daemon (its live parts), each when it needs it: the backend
+    and the store of the moment, the ledger that holds the swept settings, the wall clock."""
+
+    @property
+    def clock(self) -> Callable[[], float]: ...
+    @property
+    def holds(self) -> PolicyHolds: ...
+    def current_backend(self) -> GpuBackend | None: ...
+    def current_store(self) -> Store | None: ...
+
+
 class TuneJob:
     """One sweep (see the module docstring); `document` is shared with the runner, which reads it
     under `lock` for `tune status`."""
 
-    def __init__(
-        self,
-        document: TuneDocument,
-        service: ServiceConfig,
-        backend: Callable[[], GpuBackend | None],
-        store: Callable[[], Store | None],
-        holds: PolicyHolds,
-        clock: Callable[[], float],
-    ) -> None:
+    def __init__(self, document: TuneDocument, service: ServiceConfig, node: SweepNode) -> None:
         self.document = document
         self.service = service
-        self.backend = backend
-        self.store = store
-        self.holds = holds
-        self.clock = clock
+        self.node = node
         self.lock = threading.Lock()
         kind = document.request.kind
         self.name = f"tune {kind} sweep {document.id} of service {service.name}"
@@ -101,7 +104,7 @@ class TuneJob:
     # -- the run ----------------------------------------------------------------------------------
 
     def run(self) -> None:
-        self.holds.run(self, self.backend())
+        self.node.holds.run(self, self.node.current_backend())
 
     def body(self, transaction: HardwareTransaction) -> None:
         """Inside the transaction: the originals are read, held and journaled already."""
@@ -221,18 +224,18 @@ class TuneJob:
             }
 
     def _save(self, finished: bool = False) -> None:
-        store = self.store()
+        store = self.node.current_store()
         if store is None:
             raise StoreError("no store: a sweep never runs unjournaled")
         with self.lock:
             document = self.document.to_json()
-        store.save_tune(self.document.id, document, self.clock() if finished else None)
+        store.save_tune(self.document.id, document, self.node.clock() if finished else None)
 
     def _close(self, state: str, detail: str) -> None:
         with self.lock:
             self.document.state = state  # type: ignore[assignment]  # one of TuneDocument's states
             self.document.detail = detail
-            self.document.finished_seconds = self.clock()
+            self.document.finished_seconds = self.node.clock()
             self.document.progress = {}
         log.info("tune finished", tune=self.document.id, state=state, detail=detail)
         failure = retried(lambda: self._save(finished=True))

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from agent.events import Event, EventKind, Severity, SuggestedAction
+from agent.events import Event, EventKind, Health, Severity, SuggestedAction
 from agent.state import GpuSample
 
 S = TypeVar("S")
+F = TypeVar("F")
 
 
 class BoardStates(Generic[S]):
@@ -46,15 +48,44 @@ class BoardStates(Generic[S]):
         return ((gpu, uuid, state) for gpu, (uuid, state) in self._boards.items())
 
 
-class SustainedWatcher(ABC, Generic[S]):
+@dataclass
+class Sustained(Generic[F]):
+    """A board's fault that must last to be reported: the passes in a row it was seen, and what was
+    reported of it (None: no fault open)."""
+
+    consecutive: int = 0
+    reported: F | None = None
+
+    def seen(self, fault: F, sustain_loops: int) -> bool:
+        """One more pass with the fault: True when it opens now (it lasted `sustain_loops` passes and
+        none was open), `fault` then being what was reported."""
+        self.consecutive += 1
+        if self.reported is not None or self.consecutive < sustain_loops:
+            return False
+        self.reported = fault
+        return True
+
+    def gone(self) -> bool:
+        """A pass without the fault: True when an open one closes now."""
+        self.consecutive = 0
+        if self.reported is None:
+            return False
+        self.reported = None
+        return True
+
+
+SS = TypeVar("SS", bound=Sustained[Any])
+
+
+class SustainedWatcher(ABC, Generic[SS]):
     """A poll watcher that reports a fault once it lasted `sustain_loops` passes in a row (a single
-    reading is noise), keeping a state per board."""
+    reading is noise), keeping a state per board; a board's health is that of its open fault."""
 
     def __init__(self, sustain_loops: int = 3) -> None:
         if sustain_loops < 1:
             raise ValueError("sustain_loops must be at least 1")
         self.sustain_loops = sustain_loops
-        self._gpus: BoardStates[S] = BoardStates(self._new_state)
+        self._gpus: BoardStates[SS] = BoardStates(self._new_state)
 
     def observe(self, samples: Sequence[GpuSample], now_seconds: float) -> list[Event]:
         events: list[Event] = []
@@ -64,13 +95,23 @@ class SustainedWatcher(ABC, Generic[S]):
                 events.append(event)
         return events
 
+    def health(self, gpu: int) -> Health:
+        state = self._gpus.get(gpu)
+        if state is None or state.reported is None:
+            return Health.healthy()
+        return self._open_fault(state)
+
     @abstractmethod
-    def _new_state(self) -> S:
+    def _new_state(self) -> SS:
         """A board's state before its first reading."""
 
     @abstractmethod
-    def _board_event(self, sample: GpuSample, state: S, now_seconds: float) -> Event | None:
+    def _board_event(self, sample: GpuSample, state: SS, now_seconds: float) -> Event | None:
         """Judge one answering GPU's sample against its board's state: the event it makes, if any."""
+
+    @abstractmethod
+    def _open_fault(self, state: SS) -> Health:
+        """The health of a board whose fault is open (`state.reported` is set)."""
 
 
 def sample_event(

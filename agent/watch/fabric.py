@@ -11,21 +11,13 @@ fabric manager service; FABRIC_REGISTERED when it completes. GPUs without a fabr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from agent.backend.base import FabricState
 from agent.events import Event, EventKind, FaultCause, Health, HealthState, Severity, SuggestedAction
 from agent.state import GpuSample
-from agent.watch.boards import SustainedWatcher, sample_event
+from agent.watch.boards import Sustained, SustainedWatcher, sample_event
 
 #: The systemd unit that registers GPUs with the NVSwitch fabric.
 FABRIC_MANAGER_SERVICE = "nvidia-fabricmanager"
-
-
-@dataclass
-class _GpuState:
-    consecutive: int = 0
-    reported: str | None = None  # what was wrong, once reported
 
 
 def _problem(state: int, status: int | None) -> str | None:
@@ -36,13 +28,13 @@ def _problem(state: int, status: int | None) -> str | None:
     return f"fabric registration {name}"
 
 
-class FabricWatcher(SustainedWatcher[_GpuState]):
+class FabricWatcher(SustainedWatcher[Sustained[str]]):  # reported: what keeps the GPU off the fabric
     name = "fabric"
 
-    def _new_state(self) -> _GpuState:
-        return _GpuState()
+    def _new_state(self) -> Sustained[str]:
+        return Sustained()
 
-    def _board_event(self, sample: GpuSample, state: _GpuState, now_seconds: float) -> Event | None:
+    def _board_event(self, sample: GpuSample, state: Sustained[str], now_seconds: float) -> Event | None:
         if sample.fabric_state is None:
             return None
         problem = _problem(sample.fabric_state, sample.fabric_status)
@@ -52,16 +44,12 @@ class FabricWatcher(SustainedWatcher[_GpuState]):
             "service": FABRIC_MANAGER_SERVICE,
         }
         if problem is None:
-            state.consecutive = 0
-            if state.reported is None:
+            if not state.gone():
                 return None
-            state.reported = None
             text = "registered with the NVSwitch fabric"
             return sample_event(sample, EventKind.FABRIC_REGISTERED, Severity.INFO, text, now_seconds, data=data)
-        state.consecutive += 1
-        if state.reported is not None or state.consecutive < self.sustain_loops:
+        if not state.seen(problem, self.sustain_loops):
             return None
-        state.reported = problem
         return sample_event(
             sample,
             EventKind.FABRIC_UNREGISTERED,
@@ -72,14 +60,9 @@ class FabricWatcher(SustainedWatcher[_GpuState]):
             suggested_action=SuggestedAction.RESTART_SERVICE,
         )
 
-    def health(self, gpu: int) -> Health:
-        state = self._gpus.get(gpu)
-        if state is None or state.reported is None:
-            return Health.healthy()
-        return Health(
-            HealthState.UNHEALTHY,
+    def _open_fault(self, state: Sustained[str]) -> Health:
+        text = (
             f"{state.reported}: CUDA cannot run; restart {FABRIC_MANAGER_SERVICE} "
-            f"(systemctl restart {FABRIC_MANAGER_SERVICE}) and check its log",
-            SuggestedAction.RESTART_SERVICE,
-            (FaultCause.FABRIC,),
+            f"(systemctl restart {FABRIC_MANAGER_SERVICE}) and check its log"
         )
+        return Health(HealthState.UNHEALTHY, text, SuggestedAction.RESTART_SERVICE, (FaultCause.FABRIC,))

@@ -20,7 +20,7 @@ from typing import Any
 
 from agent.events import Event, EventKind, FaultCause, Health, HealthState, Severity, SuggestedAction
 from agent.state import GpuSample
-from agent.watch.boards import SustainedWatcher, sample_event
+from agent.watch.boards import Sustained, SustainedWatcher, sample_event
 
 
 class _Verdict(Enum):
@@ -41,9 +41,7 @@ class _Link:
 
 
 @dataclass
-class _GpuState:
-    consecutive: int = 0
-    reported: _Link | None = None
+class _GpuState(Sustained[_Link]):
     replay_count: int | None = None
     replays_since_start: int = 0
 
@@ -80,27 +78,18 @@ class PcieWatcher(SustainedWatcher[_GpuState]):
             return None
         verdict = _verdict(link, sample)
         if verdict is _Verdict.DEGRADED:
-            state.consecutive += 1
-            if state.reported is None and state.consecutive >= self.sustain_loops:
-                state.reported = link
+            if state.seen(link, self.sustain_loops):
                 return self._event(EventKind.PCIE_DEGRADED, state, sample, link, now_seconds)
             return None
-        state.consecutive = 0
-        if verdict is _Verdict.AT_MAXIMUM and state.reported is not None:
-            state.reported = None
-            return self._event(EventKind.PCIE_RESTORED, state, sample, link, now_seconds)
+        if verdict is _Verdict.AT_MAXIMUM:
+            return self._event(EventKind.PCIE_RESTORED, state, sample, link, now_seconds) if state.gone() else None
+        state.consecutive = 0  # an idle downshift proves nothing: a reported degradation stays open
         return None
 
-    def health(self, gpu: int) -> Health:
-        state = self._gpus.get(gpu)
-        if state is None or state.reported is None:
-            return Health.healthy()
-        return Health(
-            HealthState.DEGRADED,
-            f"PCIe link degraded: {state.reported.text()}",
-            SuggestedAction.CHECK_MECHANICALS,
-            (FaultCause.PCIE_DEGRADED,),
-        )
+    def _open_fault(self, state: _GpuState) -> Health:
+        assert state.reported is not None  # only asked with a fault open
+        text = f"PCIe link degraded: {state.reported.text()}"
+        return Health(HealthState.DEGRADED, text, SuggestedAction.CHECK_MECHANICALS, (FaultCause.PCIE_DEGRADED,))
 
     @staticmethod
     def _count_replays(state: _GpuState, count: int | None) -> None:

@@ -19,7 +19,7 @@ from agent.config import load_config
 from agent.daemon import Daemon
 from agent.daemon.sd_notify import SdNotifier
 from agent.host.paths import HostPaths
-from agent.metrics.server import serve_metrics
+from agent.metrics.server import MetricsServer
 from agent.watch.kmsg import KmsgSource
 
 
@@ -65,7 +65,7 @@ def test_idle_servers_sleep_until_a_client_comes_or_they_are_closed(
     threads_before = set(threading.enumerate())
     socket_server = api_server.ApiServer(tmp_path / "agent.sock", {"ping": lambda _p: "pong"})
     socket_server.start()
-    metrics = serve_metrics("127.0.0.1:0", lambda: None)
+    metrics = MetricsServer("127.0.0.1:0", lambda: None)
     try:
         assert api.call(tmp_path / "agent.sock", "ping") == "pong"
         with urllib.request.urlopen(f"{metrics.url}/", timeout=5) as response:

@@ -12,7 +12,8 @@ import pytest
 from action_kinds import ActionKind, action_spec
 from helpers import FakeClock, WaitingTask, live_parts, make_event, wait_until
 
-from agent.config import AgentConfig, ServiceConfig
+from agent.config import AgentConfig
+from agent.config.service_entry import ServiceConfig
 from agent.daemon import action_worker
 from agent.daemon.action_worker import ActionWorker
 from agent.daemon.lanes import LaneJob, Lanes

@@ -10,7 +10,7 @@ from pathlib import Path
 from helpers import FakeClock
 from test_node_memory import BOOT, UUIDS, memory_of, sample, xid_watcher
 
-from agent.config import ServiceConfig
+from agent.config.service_entry import ServiceConfig
 from agent.daemon.node_memory import NodeMemory
 from agent.events import EventKind
 from agent.services.prober import HealthProber

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from agent.backend.sim import SimulatedBackend
 from agent.collect import sample_gpu
-from agent.config import ServiceSlo
+from agent.config.service_entry import ServiceSlo
 from agent.demo.standin_process import StandinServer
 from agent.services.latency_cause import attribute_cause, check_slo, regression_event
 from agent.services.scrape import scrape

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from slow_endpoint import SlowEndpoint
 
-from agent.config import ServiceConfig
+from agent.config.service_entry import ServiceConfig
 from agent.host import http_read
 from agent.rules.actions.base import ActionError
 from agent.rules.actions.http_client import post_json

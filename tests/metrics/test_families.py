@@ -18,7 +18,7 @@ from snapshots import inference_fields, node_snapshot, telemetry_gpus
 from agent.config import ConfigError, config_from_text
 from agent.metrics.collector import SnapshotCollector
 from agent.metrics.families import Families
-from agent.metrics.server import MetricsServer, accepts_gzip, serve_metrics
+from agent.metrics.server import MetricsServer, accepts_gzip
 from agent.names.metric_families import DEFAULT_SWITCHES, FAMILIES, FAMILY_NAMES, FamilySwitches
 from agent.state import NodeSnapshot, TuneResult, TuneStepFigures
 
@@ -139,7 +139,7 @@ def test_the_metrics_reference_lists_every_family() -> None:
 @pytest.fixture
 def server() -> Iterator[MetricsServer]:
     snapshot = full_snapshot()
-    srv = serve_metrics("127.0.0.1:0", lambda: snapshot)
+    srv = MetricsServer("127.0.0.1:0", lambda: snapshot)
     try:
         yield srv
     finally:

@@ -33,7 +33,7 @@ from agent.backend.base import CLOCK_EVENT_REASONS
 from agent.backend.sim import SimulatedBackend
 from agent.collect import sample_all
 from agent.metrics.collector import SnapshotCollector
-from agent.metrics.server import MetricsServer, parse_listen, serve_metrics
+from agent.metrics.server import MetricsServer, parse_listen
 from agent.names.metric_families import DEFAULT_SWITCHES, FamilySwitches
 from agent.state import GpuSample, NodeSnapshot
 from agent.verdict import attention, attention_items
@@ -318,7 +318,7 @@ def get(url: str, accept: str | None = None) -> tuple[int, str, str]:
 @pytest.fixture
 def server() -> Iterator[MetricsServer]:
     snapshot = node_snapshot()
-    srv = serve_metrics("127.0.0.1:0", lambda: snapshot)
+    srv = MetricsServer("127.0.0.1:0", lambda: snapshot)
     try:
         yield srv
     finally:
@@ -361,7 +361,7 @@ def test_http_healthz_and_unknown_paths(server: MetricsServer) -> None:
 def test_http_healthz_before_first_snapshot_and_when_stale() -> None:
     current: list[NodeSnapshot | None] = [None]
     clock = FakeClock(wall_seconds=TIMESTAMP_SECONDS + 5)
-    srv = serve_metrics("127.0.0.1:0", lambda: current[0], stale_after_seconds=30, clock=clock)
+    srv = MetricsServer("127.0.0.1:0", lambda: current[0], stale_after_seconds=30, clock=clock)
     try:
         status, _, body = get(srv.url + "/healthz")
         assert (status, json.loads(body)["status"]) == (503, "starting")
@@ -391,7 +391,7 @@ def test_a_failing_render_costs_one_scrape_not_the_server() -> None:
             raise RuntimeError("snapshot getter broke")
         return node_snapshot()
 
-    srv = serve_metrics("127.0.0.1:0", flaky)
+    srv = MetricsServer("127.0.0.1:0", flaky)
     try:
         status, _, body = get(srv.url + "/metrics")
         assert status == 500
@@ -404,7 +404,7 @@ def test_a_failing_render_costs_one_scrape_not_the_server() -> None:
 
 
 def test_close_releases_the_port() -> None:
-    srv = serve_metrics("127.0.0.1:0", lambda: None)
+    srv = MetricsServer("127.0.0.1:0", lambda: None)
     port = srv.port
     srv.close()
     with pytest.raises(OSError):
@@ -447,7 +447,7 @@ def test_scrape_does_not_wait_for_a_hung_gpu_call(tmp_path: Path) -> None:
             sample_all(backend)
 
     loop = threading.Thread(target=stuck_loop)
-    srv = serve_metrics("127.0.0.1:0", lambda: published)
+    srv = MetricsServer("127.0.0.1:0", lambda: published)
     try:
         loop.start()
         time.sleep(0.1)
@@ -474,7 +474,7 @@ def test_a_stalled_client_does_not_block_other_scrapes(server: MetricsServer) ->
 def test_concurrent_scrapes_while_snapshots_swap() -> None:
     snapshots = [node_snapshot(collect_duration_seconds=float(i)) for i in range(10)]
     current = [snapshots[0]]
-    srv = serve_metrics("127.0.0.1:0", lambda: current[0])
+    srv = MetricsServer("127.0.0.1:0", lambda: current[0])
     errors: list[BaseException] = []
 
     def scrape() -> None:
@@ -509,7 +509,7 @@ def test_a_snapshot_is_rendered_once_however_often_it_is_scraped() -> None:
         collected.append(current[0])
         return current[0]
 
-    srv = serve_metrics("127.0.0.1:0", getter)  # type: ignore[arg-type]
+    srv = MetricsServer("127.0.0.1:0", getter)  # type: ignore[arg-type]
     try:
         bodies = []
         for _ in range(3):

@@ -15,7 +15,7 @@ from snapshots import h200_snapshot
 from test_dashboard_prometheus import PROMETHEUS, Prometheus
 
 from agent.metrics.collector import SnapshotCollector
-from agent.metrics.server import serve_metrics
+from agent.metrics.server import MetricsServer
 from agent.state import NodeSnapshot, TuneResult, TuneStepFigures
 
 FLEET_BEST_LIMIT = 'topk by (gpu_model) (1, count by (gpu_model, setting) (gpu_agent_tune_recommended{kind="power"}))'
@@ -70,7 +70,7 @@ def test_one_query_gives_the_best_limit_per_model_across_the_fleet(tmp_path: Pat
         ),
     )
     with contextlib.ExitStack() as stack:
-        servers = [serve_metrics("127.0.0.1:0", lambda node=node: node) for node in nodes]  # type: ignore[misc]
+        servers = [MetricsServer("127.0.0.1:0", lambda node=node: node) for node in nodes]  # type: ignore[misc]
         for server in servers:
             stack.callback(server.close)
         prometheus = Prometheus(tmp_path, [server.port for server in servers], rule_files=())

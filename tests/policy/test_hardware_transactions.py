@@ -23,7 +23,8 @@ from snapshots import snapshot_from_backend
 from agent import verdict
 from agent.backend.base import ClockDomain, GpuBackend, WriteGuard
 from agent.backend.sim import SimulatedBackend
-from agent.config import AgentConfig, ServiceConfig
+from agent.config import AgentConfig
+from agent.config.service_entry import ServiceConfig
 from agent.policy import holds as holds_module
 from agent.policy.base import HostContext
 from agent.policy.engine import PolicyEngine
@@ -92,6 +93,22 @@ class Through:
             object.__setattr__(self, name, value)
         else:
             setattr(self._target, name, value)
+
+
+class SweepParts:
+    """What a sweep reads of the daemon (agent.tune.sweep.SweepNode): here the test's backend, store and ledger."""
+
+    def __init__(self, backend: GpuBackend, store: Store, holds: PolicyHolds) -> None:
+        self.backend = backend
+        self.store = store
+        self.holds = holds
+        self.clock = time.time
+
+    def current_backend(self) -> GpuBackend:
+        return self.backend
+
+    def current_store(self) -> Store:
+        return self.store
 
 
 # -- a server page whose counters move: about 20 requests/s -------------------------------------
@@ -163,7 +180,7 @@ class Node:
         document.id = self.store.begin_tune(document.started_seconds, document.to_json())
         backend: GpuBackend = Through(self.plain, seams, "backend")  # type: ignore[assignment]
         store: Store = Through(self.store, seams, "store")  # type: ignore[assignment]
-        return TuneJob(document, self.service, lambda: backend, lambda: store, holds, time.time)
+        return TuneJob(document, self.service, SweepParts(backend, store, holds))
 
     def row(self, job: TuneJob) -> dict[str, Any]:
         row = self.store.tune(job.document.id)

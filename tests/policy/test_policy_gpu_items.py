@@ -14,7 +14,8 @@ import pytest
 from agent.backend.base import SETTER_ITEMS, ClockDomain, GpuBackend
 from agent.backend.errors import GpuErrorKind, WriteRefused
 from agent.backend.sim import SimulatedBackend
-from agent.config import GPU_ITEMS, AgentConfig, FanCurve, GpuMatch, GpuProfile, LockedClocks, Mode, PolicyConfig
+from agent.config import GPU_ITEMS, AgentConfig, Mode, PolicyConfig
+from agent.config.desired import FanCurve, GpuMatch, GpuProfile, LockedClocks
 from agent.host.paths import HostPaths
 from agent.names.policy_items import GPU_ITEM_NAMES, GPU_RESET_ITEM, NODE_ITEM_NAMES
 from agent.policy import ecc, fan_curve, locked_clocks, persistence, power_limit

@@ -21,7 +21,9 @@ from hosttree import (
     unprivileged_identity,
 )
 
-from agent.config import AgentConfig, NodePolicy, ServiceConfig, TransparentHugepages, TritonCache
+from agent.config import AgentConfig
+from agent.config.desired import NodePolicy, TransparentHugepages, TritonCache
+from agent.config.service_entry import ServiceConfig
 from agent.host.paths import HostPaths
 from agent.policy import nouveau, thp, triton_cache
 from agent.policy.base import HostContext

@@ -18,7 +18,9 @@ from helpers import wait_until
 from host.test_boot_readiness import NEW, ubuntu_tree
 
 from agent.backend.sim import SimulatedBackend
-from agent.config import GPU_ITEMS, AgentConfig, DriverPolicy, NodePolicy, ServiceConfig
+from agent.config import GPU_ITEMS, AgentConfig
+from agent.config.desired import DriverPolicy, NodePolicy
+from agent.config.service_entry import ServiceConfig
 from agent.host.paths import HostPaths
 from agent.policy import driver, next_boot, vbios
 from agent.policy.base import GpuContext, HostContext

@@ -30,7 +30,9 @@ from slow_endpoint import SlowEndpoint
 from agent.backend.base import RecoveryAction
 from agent.backend.errors import GpuErrorKind
 from agent.backend.sim import SimulatedBackend
-from agent.config import AgentConfig, Mode, RemediationConfig, ServiceConfig
+from agent.config import AgentConfig, Mode
+from agent.config.remediation import RemediationConfig
+from agent.config.service_entry import ServiceConfig
 from agent.daemon.alert_book import Found
 from agent.demo import standin
 from agent.demo.standin import running

@@ -12,9 +12,9 @@ from hosttree import make_host_tree
 from systemd_sandbox import SystemdSandbox, missing_requirements
 
 from agent.backend.sim import SimulatedBackend
-from agent.config import AgentConfig, Mode, ServiceConfig
-from agent.demo import standin
-from agent.demo.standin_process import free_port
+from agent.config import AgentConfig, Mode
+from agent.config.service_entry import ServiceConfig
+from agent.demo.standin_process import STANDIN_FILES, free_port
 from agent.events import Event, EventKind, Severity
 from agent.policy.base import HostContext
 from agent.rules.actions.context import ActionContext
@@ -27,13 +27,13 @@ pytestmark = [
     pytest.mark.e2e,
     pytest.mark.skipif(missing_requirements() is not None, reason=str(missing_requirements())),
 ]
-STANDIN = Path(standin.__file__)
+REPO = Path(__file__).resolve().parents[2]
 PORT = free_port()
 UNIT = f"""[Unit]
 Description=sglang stand-in
 
 [Service]
-ExecStart=/usr/bin/python3 /opt/standin/inference_standin.py --port {PORT} --control-file /run/standin.control
+ExecStart=/usr/bin/python3 /opt/standin/agent/demo/standin.py --port {PORT} --control-file /run/standin.control
 Restart=no
 """
 SLEEPER_UNIT = """[Unit]
@@ -54,7 +54,8 @@ ExecStart=/bin/false
 @pytest.fixture(scope="module")
 def sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SystemdSandbox]:
     with SystemdSandbox(tmp_path_factory.mktemp("sandbox")) as booted:
-        booted.copy_in(STANDIN, "/opt/standin/inference_standin.py", mode=0o755)
+        for name in STANDIN_FILES:
+            booted.copy_in(REPO / name, f"/opt/standin/{name}")
         booted.install_unit("sglang.service", UNIT)
         booted.install_unit("sleeper.service", SLEEPER_UNIT)
         booted.install_unit("broken.service", BROKEN_UNIT)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import ServiceConfig
-from agent.demo.standin import MODEL_NAME
+from agent.config.service_entry import ServiceConfig
 from agent.demo.standin_process import StandinServer, free_port
+from agent.demo.standin_traffic import MODEL_NAME
 from agent.services.generate_probe import generate_probe
 from agent.services.prober import HealthProber
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from agent.backend.base import GpuProcess
-from agent.config import ServiceConfig
+from agent.config.service_entry import ServiceConfig
 from agent.demo.standin_process import StandinServer, free_port
 from agent.host.paths import HostPaths
 from agent.services.attribution import (

@@ -15,7 +15,8 @@ from slow_endpoint import SlowEndpoint
 
 from agent.backend import open_backend
 from agent.collect import sample_all
-from agent.config import AgentConfig, ServiceConfig
+from agent.config import AgentConfig
+from agent.config.service_entry import ServiceConfig
 from agent.demo.standin_process import StandinServer, free_port
 from agent.events import Event, EventKind, Severity
 from agent.services.monitor import InferenceMonitor, LatencyRegressionWatch, ServiceScraper, expected_clocks_mhz

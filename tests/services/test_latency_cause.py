@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from agent.config import ServiceSlo
+from agent.config.service_entry import ServiceSlo
 from agent.events import Event, EventKind, Severity, SuggestedAction
 from agent.services.latency_cause import CauseFinding, SloWatch, attribute_cause, check_slo, regression_event
 from agent.state import GpuSample, LatencyFigures, QueueTimeTrend, ServiceFigures

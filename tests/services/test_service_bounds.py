@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from slow_endpoint import SlowEndpoint
 
-from agent.config import ServiceConfig
+from agent.config.service_entry import ServiceConfig
 from agent.services.drain import wait_until_idle
 from agent.services.scrape import MAX_SERIES_PER_FAMILY, Histogram, ScrapeError, ServerReading, parse_reading
 from agent.services.window import MAX_WINDOW_BYTES, MAX_WINDOW_SERIES, LatencyWindow

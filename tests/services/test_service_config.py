@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from agent.config import AgentConfig, ConfigError, ServiceConfig, config_from_text
+from agent.config import AgentConfig, ConfigError, config_from_text
+from agent.config.service_entry import ServiceConfig
 from agent.host.paths import HostPaths
 from agent.host.processes import MINIMAL_ENV
 from agent.policy.base import HostContext

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.config import ServiceConfig
+from agent.config.service_entry import ServiceConfig
 from agent.services.efficiency import EnergyHistory, service_gpus, tokens_per_joule, window_tokens_per_joule
 from agent.state import GpuAttribution, GpuSample
 

@@ -11,7 +11,8 @@ import pytest
 from helpers import wait_until
 from pydantic import ValidationError
 
-from agent.config import AgentConfig, ServiceConfig
+from agent.config import AgentConfig
+from agent.config.service_entry import ServiceConfig
 from agent.demo import standin
 from agent.demo.standin import running
 from agent.demo.standin_process import StandinServer, free_port

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Generic, TypeVar
 
-from agent.config import AgentConfig, ServiceConfig
+from agent.config import AgentConfig
+from agent.config.service_entry import ServiceConfig
 from agent.rules.actions.base import Result
 from agent.rules.actions.context import ActionContext
 from agent.rules.model import Decision

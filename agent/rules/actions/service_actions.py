@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping, Sequence
 
-from agent.config import AgentConfig, ServiceConfig
+from agent.config import AgentConfig
+from agent.config.service_entry import ServiceConfig
 from agent.logs import get_logger
 from agent.rules.actions.base import ActionError, event_payload, gpu_of
 from agent.rules.actions.context import ActionContext

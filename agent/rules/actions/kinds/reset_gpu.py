@@ -17,7 +17,8 @@ from typing import ClassVar, Final
 
 from agent.backend.base import GpuProcess
 from agent.backend.errors import GpuError, GpuErrorKind, WriteRefused
-from agent.config import AgentConfig, ServiceConfig
+from agent.config import AgentConfig
+from agent.config.service_entry import ServiceConfig
 from agent.events import EventKind, SuggestedAction
 from agent.logs import get_logger
 from agent.policy.plan import ApplyOutcome
