@@ -94,11 +94,10 @@ def _check_steps(rules: Sequence[Rule]) -> None:
     problems: list[ConfigProblem] = []
     for rule in rules:
         file, _, line = rule.source.rpartition(":")
-        for ladder in ("actions", "on_exhausted"):
-            for position, step in enumerate(getattr(rule, ladder)):
-                for field, problem in step.action.problems(step.spec().options):
-                    where = f"rule {rule.name}: {ladder}[{position}].{step.kind}.{field}"
-                    problems.append(ConfigProblem(file, int(line) if line.isdigit() else None, where, problem))
+        for ladder, position, step in rule.placed_steps():
+            for field, problem in step.action.problems(step.spec().options):
+                where = f"rule {rule.name}: {ladder}[{position}].{step.kind}.{field}"
+                problems.append(ConfigProblem(file, int(line) if line.isdigit() else None, where, problem))
     if problems:
         raise ConfigError(problems)
 

@@ -63,7 +63,7 @@ from __future__ import annotations
 import errno
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -353,6 +353,12 @@ class Rule(StrictModel):
         """Where the rule was defined, `FILE:LINE` (empty for rules built in code)."""
         return self._source
 
+    def placed_steps(self) -> Iterator[tuple[Literal["actions", "on_exhausted"], int, ActionStep]]:
+        """`steps`, each with where it stands (ladder, position): what the checks of a step report."""
+        for ladder in ("actions", "on_exhausted"):
+            for position, step in enumerate(self.actions if ladder == "actions" else self.on_exhausted):
+                yield ladder, position, step
+
     @property
     def steps(self) -> tuple[ActionStep, ...]:
         """Every step: the ladder, then `on_exhausted`."""
@@ -399,13 +405,12 @@ def _load_file(file: Path, allow_reboot: bool) -> list[Rule]:
         rule._source = f"{where}:{lines.get(('rules', index, 'name'), lines.get(('rules', index), 0))}"
         if allow_reboot:
             continue
-        for ladder in ("actions", "on_exhausted"):
-            for position, step in enumerate(getattr(rule, ladder)):
-                if step.action.needs_allow_reboot:
-                    path: PathKey = ("rules", index, ladder, position, step.kind)
-                    message = f"not allowed: set remediation.allow_reboot: true in agent.yaml to let rules {step.kind}"
-                    line = lines.get(path, lines.get(path[:-1]))  # `- reboot` has no key of its own
-                    problems.append(ConfigProblem(where, line, format_path(path), message))
+        for ladder, position, step in rule.placed_steps():
+            if step.action.needs_allow_reboot:
+                path: PathKey = ("rules", index, ladder, position, step.kind)
+                message = f"not allowed: set remediation.allow_reboot: true in agent.yaml to let rules {step.kind}"
+                line = lines.get(path, lines.get(path[:-1]))  # `- reboot` has no key of its own
+                problems.append(ConfigProblem(where, line, format_path(path), message))
     if problems:
         raise ConfigError(problems)
     return parsed.rules
@@ -468,10 +473,9 @@ def ignored_parameters(rules: Iterable[Rule]) -> list[str]:
     """What the rules' steps carry that does nothing any more (a kind's `ignored`, kept from an earlier
     release so that an upgrade loads the admin's files): `FILE:LINE rule NAME: LADDER[i].KIND.FIELD:
     why`, one line each, for check-config's warnings and the daemon's log."""
-    found: list[str] = []
-    for rule in rules:
-        for ladder in ("actions", "on_exhausted"):
-            for position, step in enumerate(getattr(rule, ladder)):
-                for field, why in step.action.ignored_fields(step.spec().options):
-                    found.append(f"{rule.source} rule {rule.name}: {ladder}[{position}].{step.kind}.{field}: {why}")
-    return found
+    return [
+        f"{rule.source} rule {rule.name}: {ladder}[{position}].{step.kind}.{field}: {why}"
+        for rule in rules
+        for ladder, position, step in rule.placed_steps()
+        for field, why in step.action.ignored_fields(step.spec().options)
+    ]

@@ -107,10 +107,6 @@ class ActionType(Generic[P]):
     #: What `gpu-agent check-config` checks of a step now rather than when a fault needs it:
     #: (field, problem) for each problem found.
     check: Callable[[P], list[tuple[str, str]]] | None = None
-    #: The parameters a step may still carry from an earlier release that no longer do anything: the
-    #: rules load (an upgrade must not refuse the admin's files), and the loader warns of each:
-    #: (field, why) for each one set.
-    ignored: Callable[[P], list[tuple[str, str]]] | None = None
 
     def __post_init__(self) -> None:
         name = getattr(self.params, "kind", None)
@@ -134,8 +130,13 @@ class ActionType(Generic[P]):
         return [] if self.check is None else self.check(self._own(params))
 
     def ignored_fields(self, params: ActionParams) -> list[tuple[str, str]]:
-        """The fields of a step's parameters that are set and do nothing (`ignored`): (field, why) each."""
-        return [] if self.ignored is None else self.ignored(self._own(params))
+        """The fields a step sets that do nothing any more: its parameters marked `deprecated` (kept from
+        an earlier release so that an upgrade loads the admin's rules; the loader warns of each), as
+        (field, why). The README's table leaves them out by the same mark."""
+        own = self._own(params)
+        fields = type(own).model_fields
+        set_fields = [name for name, field in fields.items() if field.deprecated and name in own.model_fields_set]
+        return [(name, fields[name].deprecation_message or "ignored") for name in set_fields]
 
     def _own(self, params: ActionParams) -> P:
         if not isinstance(params, self.params):

@@ -22,9 +22,8 @@ from agent.rules.actions.raise_alert import alertmanager_urls, alerts_of, raise_
 from agent.rules.model import Decision
 from agent.rules.params import ActionParams, http_url, label_names
 
-#: Parameters of the steps written for 0.1, when a step made its own alert: an alert's name, severity
-#: and labels are the catalogue's now (docs/alerts.md), so they are ignored, with a warning.
-_IGNORED_SINCE_CATALOGUE = ("severity", "alertname", "labels")
+#: Why the parameters of the steps written for 0.1, when a step made its own alert, do nothing now:
+#: they load (marked `deprecated`) and the loader warns of each (ActionType.ignored_fields).
 _IGNORED_WHY = "ignored: an alert's name, severity and labels are the catalogue's (docs/alerts.md); remove it"
 
 
@@ -37,17 +36,13 @@ class AlertmanagerParams(ActionParams):
     summary: str | None = None  # None: the catalogue's text
     description: str | None = None
     annotations: dict[str, str] = Field(default_factory=dict)
-    # Ignored (_IGNORED_SINCE_CATALOGUE): accepted so that the rules an admin kept from 0.1 still load.
+    # Ignored: accepted so that the rules an admin kept from 0.1 still load.
     severity: str | None = Field(default=None, deprecated=_IGNORED_WHY)
     alertname: str | None = Field(default=None, deprecated=_IGNORED_WHY)
     labels: dict[str, str] = Field(default_factory=dict, deprecated=_IGNORED_WHY)
 
     _check_url = field_validator("url")(http_url)
     _annotation_names = field_validator("annotations")(label_names)
-
-
-def _ignored(params: AlertmanagerParams) -> list[tuple[str, str]]:
-    return [(name, _IGNORED_WHY) for name in _IGNORED_SINCE_CATALOGUE if name in params.model_fields_set]
 
 
 def alertmanager(decision: Decision, params: AlertmanagerParams, ctx: ActionContext) -> Result:
@@ -77,5 +72,4 @@ ACTION: Final = ActionType(
     ),
     changes_node=False,
     lane=Lane.NOTIFY,
-    ignored=_ignored,
 )
