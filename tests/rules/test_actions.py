@@ -924,7 +924,8 @@ def test_recommend_reboot_writes_the_flag_and_raises_its_alert(tmp_path: Path) -
     flag_path = Path(node.config.state_dir) / "reboot-recommended"
     assert outcome.outcome is Outcome.SUCCESS, outcome.detail
     assert outcome.detail == (
-        f"reboot recommended: wrote {flag_path}; alert GpuRebootRecommended raised: pushed while the verdict holds it"
+        f"reboot recommended: wrote {flag_path}; alert GpuXidCritical or GpuXidError (gpu=0, uuid={UUID0}, xid=79) "
+        "raised: pushed while the verdict holds it; alert GpuRebootRecommended raised: pushed while the verdict holds it"
     )
     flag = json.loads(flag_path.read_text())
     assert flag["reason"] == "xid on GPU 0"
@@ -933,6 +934,21 @@ def test_recommend_reboot_writes_the_flag_and_raises_its_alert(tmp_path: Path) -
     assert flag["time"].endswith("Z")
     # the verdict reads the flag on the next loop: the alert fires then, not after its `for`
     assert node.ctx.alerts.update([found("GpuRebootRecommended", cause="xid")], ("http://127.0.0.1:9",))
+
+
+def test_a_lost_gpus_reboot_recommendation_never_reaches_alertmanager_before_gpulost(tmp_path: Path) -> None:
+    """GpuLost inhibits GpuRebootRecommended, but Alertmanager can only hold back what arrives after
+    the inhibiting alert: the recommendation raises GpuLost at once too (its `for` is a minute, the
+    recommendation's none), so both fire in the same push and the fault pages without a ticket first."""
+    node = make_node(tmp_path, remediation=RemediationConfig(alertmanager_url="http://127.0.0.1:9"))
+    outcome = execute(decision(ActionKind.RECOMMEND_REBOOT, ev=event(EventKind.GPU_LOST, data={})), node.ctx)
+    assert f"alert GpuLost (gpu=0, uuid={UUID0}) raised" in outcome.detail, outcome.detail
+    urls = ("http://127.0.0.1:9",)
+    assert node.ctx.alerts.update(
+        [found("GpuLost", 60.0, gpu="0", uuid=UUID0), found("GpuRebootRecommended", 0.0, cause="gpu_lost")], urls
+    )
+    fired = {row.labels["alertname"] for row in node.ctx.alerts.active() if row.starts_at is not None}
+    assert fired == {"GpuLost", "GpuRebootRecommended"}
 
 
 def test_recommend_reboot_without_alertmanager_only_writes_the_flag(tmp_path: Path) -> None:

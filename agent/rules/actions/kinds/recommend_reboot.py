@@ -2,7 +2,11 @@
 
 The flag says why, for which rule, event and GPU, on which boot, and whether the kernel that boots
 next would bring the GPUs back (as reboot checks it). When an Alertmanager is configured it raises
-GpuRebootRecommended at once, held until the reboot or `gpu-agent ack reboot`. Nothing on the node changes: it runs in
+GpuRebootRecommended at once, held until the reboot or `gpu-agent ack reboot`, and the alert of the fault it
+recommends the reboot for (GpuLost for a lost GPU) at once too, before it: the shipped inhibitions hold
+the recommendation back while that fault's alert fires, and Alertmanager can only do so if the fault's alert
+arrives no later than the recommendation (GpuLost's own `for` is a minute, the recommendation has none, and
+Alertmanager's group_wait would ticket the recommendation alone). Nothing on the node changes: it runs in
 observe mode too, one per node in an evaluation.
 """
 
@@ -21,7 +25,7 @@ from agent.rules.actions.base import Result, gpu_of, success, uuid_of, xid_of
 from agent.rules.actions.context import ActionContext
 from agent.rules.actions.kind import ActionType, Lane, Once
 from agent.rules.actions.kinds.reboot import next_boot_problem_of
-from agent.rules.actions.raise_alert import alertmanager_urls, raise_alerts
+from agent.rules.actions.raise_alert import alertmanager_urls, alerts_of, raise_alerts
 from agent.rules.model import Decision
 from agent.rules.params import ActionParams, http_url
 
@@ -65,7 +69,12 @@ def recommend_reboot(decision: Decision, params: RecommendRebootParams, ctx: Act
         detail += f"; but the next boot is not ready: {not_ready}"
     if not alertmanager_urls(params.url, ctx):
         return success(detail)
-    return success(f"{detail}; {raise_alerts(decision, [REBOOT_ALERTNAME], {}, params.url, {}, ctx)}")
+    raised = []
+    fault_alerts, match = alerts_of(decision)
+    if fault_alerts:  # first: it inhibits the recommendation only if Alertmanager has it when that arrives
+        raised.append(raise_alerts(decision, fault_alerts, match, params.url, {}, ctx))
+    raised.append(raise_alerts(decision, [REBOOT_ALERTNAME], {}, params.url, {}, ctx))
+    return success("; ".join((detail, *raised)))
 
 
 ACTION: Final = ActionType(
@@ -74,7 +83,8 @@ ACTION: Final = ActionType(
     does=(
         f"Writes `state_dir/{REBOOT_FLAG_NAME}` (why, and whether the kernel that boots next would bring the GPUs "
         f"back) and raises `{REBOOT_ALERTNAME}` at once when an Alertmanager is set (`remediation.alertmanager_url`, "
-        "and `url`), held until the reboot or `gpu-agent ack reboot`."
+        "and `url`), held until the reboot or `gpu-agent ack reboot`; the fault's own alert (`GpuLost` for a lost "
+        "GPU) is raised at once with it, so the shipped inhibitions hold the recommendation back while it fires."
     ),
     changes_node=False,  # a flag file and an alert: nothing on the node changes
     lane=Lane.NOTIFY,
