@@ -102,3 +102,16 @@ def test_what_a_reload_left_is_a_config_line() -> None:
     assert attention(snapshot) == ["config change needs a restart: state_dir"]
     assert causes(snapshot) == [AttentionCause.CONFIG]
     assert systemd_status_line(snapshot).endswith("; ATTENTION: config change needs a restart: state_dir")
+
+
+def test_status_line_tells_a_setting_held_by_a_sweep_from_one_in_sync() -> None:
+    """A tune sweep holds a GPU's power limit off its declared value on purpose: systemd's STATUS=
+    says so (as `status` and /metrics do), neither "in sync" nor drift."""
+    held = ItemPlan("power_limit", 0, PlanStatus.HELD, "700", "550", "held by gpu-agent tune power (sweep 3)")
+    line = systemd_status_line(replace(healthy(), policy=(held,)))
+    assert "policy: 1 held by a running job" in line, line
+    assert "in sync" not in line and "drifted" not in line
+    drift = replace(held, gpu=1, status=PlanStatus.DRIFT, detail="")
+    assert "policy: 1 item(s) drifted, 1 held by a running job" in systemd_status_line(
+        replace(healthy(), policy=(held, drift))
+    )

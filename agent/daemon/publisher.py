@@ -19,6 +19,7 @@ from agent.config import AgentConfig
 from agent.daemon.sd_notify import SdNotifier
 from agent.events import HealthState
 from agent.host.paths import HostPaths
+from agent.policy.plan import PlanStatus
 from agent.state import NodeSnapshot
 from agent.verdict import AttentionCause, attention_items, drifted, expected_gpu_count, node_problem
 
@@ -203,7 +204,11 @@ def systemd_status_line(snapshot: NodeSnapshot) -> str:
         parts.append("all healthy")
     if snapshot.stale_gpus:
         parts.append(f"{len(snapshot.stale_gpus)} stale")
-    parts.append(f"policy: {drift} item(s) drifted" if drift else "policy in sync")
+    # A sweep's GPUs are off their declared values on purpose: not drift, and not "in sync" either.
+    held = sum(1 for plan in snapshot.policy if plan.status is PlanStatus.HELD)
+    policy = [f"{drift} item(s) drifted"] if drift else []
+    policy += [f"{held} held by a running job"] if held else []
+    parts.append(f"policy: {', '.join(policy)}" if policy else "policy in sync")
     if snapshot.reboot_recommended is not None:
         parts.append(f"REBOOT RECOMMENDED: {snapshot.reboot_recommended}")
     parts.extend(f"ATTENTION: {item.text}" for item in needs if item.cause in _STATUS_LINE_CAUSES)
