@@ -402,6 +402,28 @@ def uncorrectable_ecc(story: Story, node: Node) -> None:
     settle(story, node)
 
 
+def board_xid(story: Story, node: Node) -> None:
+    """Xid 79 in the kernel log (the board fell off the bus): one page, GpuXidCritical, while the
+    reboot the agent recommends for it waits (inhibited: the recommendation raised the Xid's alert
+    with it, so Alertmanager had the page first); the Xid acknowledged, the recommendation is a
+    ticket until `gpu-agent ack reboot` withdraws it."""
+    began = time.monotonic()
+    node.cli("inject", "xid", "79", "--gpu", "0", "--source", "kmsg")
+    story.note("Xid 79", fired_after=story.wait_alerts(node, {"GpuXidCritical/0", "GpuRebootRecommended"}))
+    alerts = story.alerts(node.instance)
+    assert alerts["GpuXidCritical/0"]["labels"]["severity"] == "critical"
+    assert alerts["GpuRebootRecommended"]["status"]["state"] == "suppressed"  # inhibited by the Xid's page
+    time.sleep(4.0)  # past group_wait and a group_interval: nothing else goes out
+    assert pages_and_tickets(story, node, began) == (1, 0), story.hooks.received
+    node.cli("ack", "xid:79@0")
+    story.note("Xid 79", resolved_after=story.wait_clear(node, {"GpuXidCritical/0", "GpuUnhealthy/0"}))
+    wait_until(lambda: pages_and_tickets(story, node, began) == (1, 1), 10.0, "the reboot recommendation's ticket")
+    assert "reboot recommendation withdrawn" in node.cli("ack", "reboot")
+    story.wait_clear(node, {"GpuRebootRecommended"})
+    assert pages_and_tickets(story, node, began) == (1, 1)
+    settle(story, node)
+
+
 def slo_breach(story: Story, node: Node) -> None:
     """The service's p95 over its objective, the cause a thermal slowdown of its GPU: warnings
     only, no page; resolved once the slow requests have left the window (10 s here)."""
@@ -535,7 +557,7 @@ def test_the_fault_matrix(story: Story) -> None:
 
     with ThreadPoolExecutor(2) as pool:
         done = [
-            pool.submit(run, a, [thermal_slowdown, xid_48_reset, uncorrectable_ecc, slo_breach]),
+            pool.submit(run, a, [thermal_slowdown, xid_48_reset, uncorrectable_ecc, board_xid, slo_breach]),
             pool.submit(run, b, [app_xid, lost_gpu, service_down, agent_killed]),
         ]
         for future in done:
